@@ -1,0 +1,410 @@
+"""One typed, validated config: model, layout, training, data, logging.
+
+A config comes from defaults, then a TOML or YAML file, then command-line overrides
+(`--section.field value`). `validate()` checks every field before any expensive work starts and
+raises `ConfigError` naming the field, the value, the rule and what would be valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the field, the value and the rule."""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def nearest_divisors(n: int, value: int, k: int = 3) -> list[int]:
+    """The `k` divisors of `n` closest to `value`, for error messages."""
+    return sorted(sorted(_divisors(n), key=lambda d: (abs(d - value), d))[:k])
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama-family decoder (dense, or mixture-of-experts when `n_experts > 0`)."""
+
+    name: str = "tiny"
+    n_layers: int = 4
+    hidden: int = 128
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn: int = 384
+    vocab_size: int = 2048
+    max_seq_len: int = 512
+    rope_theta: float = 10000.0
+    # Llama-3 frequency scaling: {"factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}; empty means none.
+    rope_scaling: dict[str, float] = field(default_factory=dict)
+    norm_eps: float = 1e-5
+    tied_embeddings: bool = True
+    init_std: float = 0.02
+    # Mixture of experts (every block's MLP becomes an MoE layer when n_experts > 0).
+    n_experts: int = 0
+    top_k: int = 2
+    n_shared_experts: int = 0
+    moe_ffn: int = 0  # hidden size of one expert; 0 means `ffn`
+    aux_loss_coef: float = 0.01
+    capacity_factor: float = 0.0  # 0 = dropless; > 0 = capacity-based routing that drops overflow
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.n_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe_ffn or self.ffn
+
+    def validate(self, prefix: str = "model") -> None:
+        for name in ("n_layers", "hidden", "n_heads", "n_kv_heads", "ffn", "vocab_size", "max_seq_len"):
+            _require(getattr(self, name) >= 1, f"{prefix}.{name}", getattr(self, name), "must be >= 1")
+        if self.hidden % self.n_heads:
+            raise ConfigError(
+                f"{prefix}.n_heads = {self.n_heads} does not divide {prefix}.hidden = {self.hidden}; "
+                f"valid n_heads for this hidden size: {nearest_divisors(self.hidden, self.n_heads, 5)}"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(
+                f"{prefix}.hidden / {prefix}.n_heads = {self.head_dim} is odd; rotary embeddings need an "
+                "even head dimension"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"{prefix}.n_kv_heads = {self.n_kv_heads} does not divide {prefix}.n_heads = {self.n_heads}; "
+                f"valid n_kv_heads: {_divisors(self.n_heads)}"
+            )
+        _require(self.rope_theta > 0, f"{prefix}.rope_theta", self.rope_theta, "must be > 0")
+        _require(self.norm_eps > 0, f"{prefix}.norm_eps", self.norm_eps, "must be > 0")
+        _require(self.init_std > 0, f"{prefix}.init_std", self.init_std, "must be > 0")
+        if self.rope_scaling:
+            need = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+            missing = need - set(self.rope_scaling)
+            if missing:
+                raise ConfigError(f"{prefix}.rope_scaling lacks keys {sorted(missing)}; it needs {sorted(need)}")
+        _require(self.n_experts >= 0, f"{prefix}.n_experts", self.n_experts, "must be >= 0")
+        if self.n_experts:
+            _require(
+                1 <= self.top_k <= self.n_experts, f"{prefix}.top_k", self.top_k,
+                f"must be between 1 and n_experts = {self.n_experts}",
+            )
+            _require(self.n_shared_experts >= 0, f"{prefix}.n_shared_experts", self.n_shared_experts, "must be >= 0")
+            _require(self.moe_ffn >= 0, f"{prefix}.moe_ffn", self.moe_ffn, "must be >= 0 (0 means ffn)")
+            _require(self.aux_loss_coef >= 0, f"{prefix}.aux_loss_coef", self.aux_loss_coef, "must be >= 0")
+            _require(
+                self.capacity_factor == 0 or self.capacity_factor >= 1.0, f"{prefix}.capacity_factor",
+                self.capacity_factor, "must be 0 (dropless) or >= 1.0",
+            )
+
+
+@dataclass
+class LayoutConfig:
+    """How the model is spread over devices. Parallel degrees other than 1 arrive with the engine issues."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    micro_batch_size: int = 0  # sequences per micro-batch per rank; 0 = the whole per-rank batch at once
+    recompute: Literal["none", "selective", "full"] = "none"
+    sp: bool = False
+    schedule: Literal["afab", "1f1b", "interleaved", "zero-bubble", "dualpipev"] = "1f1b"
+    vpp: int = 1
+    fp32_grad_accum: bool = False
+
+    @property
+    def world_size(self) -> int:
+        # ep folds over dp x cp, so it does not multiply the world size
+        return self.dp * self.tp * self.pp * self.cp
+
+
+@dataclass
+class TrainConfig:
+    seq_len: int = 128
+    global_batch_size: int = 32  # sequences per optimizer step, whatever the layout
+    max_steps: int = 300
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    lr_schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    wsd_decay_fraction: float = 0.2
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    seed: int = 1234
+    device: str = "auto"  # auto | cpu | cuda | xpu | ...
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on accelerators, fp32 on CPU
+    compile: bool = False
+    eval_every: int = 100
+    eval_batches: int = 8
+    checkpoint_every: int = 0  # 0 = only at the end
+    keep_checkpoints: int = 2
+    threads: int = 0  # CPU intra-op threads; 0 = PyTorch's choice
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # a directory written by `fivefold data prepare`; empty = the built-in corpus
+    val_fraction: float = 0.05  # used when the built-in corpus is prepared
+
+
+@dataclass
+class LogConfig:
+    log_every: int = 10
+    progress: Literal["auto", "bar", "plain", "none"] = "auto"
+    tensorboard: bool = False
+    peak_tflops: float = 0.0  # dense bf16 peak per device for MFU; 0 = look the device up
+    profile: bool = False
+    profile_steps: int = 3
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    run_dir: str = "runs/default"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> None:
+        self.model.validate()
+        t, la = self.train, self.layout
+        for name in ("seq_len", "global_batch_size", "max_steps", "eval_batches", "keep_checkpoints"):
+            _require(getattr(t, name) >= 1, f"train.{name}", getattr(t, name), "must be >= 1")
+        _require(t.lr > 0, "train.lr", t.lr, "must be > 0")
+        _require(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
+        _require(0 <= t.warmup_steps <= t.max_steps, "train.warmup_steps", t.warmup_steps,
+                 f"must be in [0, train.max_steps = {t.max_steps}]")
+        _require(0 < t.wsd_decay_fraction <= 1, "train.wsd_decay_fraction", t.wsd_decay_fraction, "must be in (0, 1]")
+        _require(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0")
+        _require(0 <= t.beta1 < 1, "train.beta1", t.beta1, "must be in [0, 1)")
+        _require(0 <= t.beta2 < 1, "train.beta2", t.beta2, "must be in [0, 1)")
+        _require(t.eps > 0, "train.eps", t.eps, "must be > 0")
+        _require(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be >= 0 (0 disables clipping)")
+        _require(t.eval_every >= 0, "train.eval_every", t.eval_every, "must be >= 0 (0 = only at the end)")
+        _require(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every,
+                 "must be >= 0 (0 = only at the end)")
+        _require(t.threads >= 0, "train.threads", t.threads, "must be >= 0")
+        if t.seq_len > self.model.max_seq_len:
+            raise ConfigError(
+                f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {self.model.max_seq_len}; "
+                f"use train.seq_len <= {self.model.max_seq_len} or raise model.max_seq_len"
+            )
+        _require(0 < self.data.val_fraction < 1, "data.val_fraction", self.data.val_fraction, "must be in (0, 1)")
+        _require(self.log.log_every >= 1, "log.log_every", self.log.log_every, "must be >= 1")
+        _require(self.log.peak_tflops >= 0, "log.peak_tflops", self.log.peak_tflops, "must be >= 0 (0 = look up)")
+        _require(self.log.profile_steps >= 1, "log.profile_steps", self.log.profile_steps, "must be >= 1")
+        for name in ("dp", "tp", "pp", "cp", "ep", "vpp"):
+            _require(getattr(la, name) >= 1, f"layout.{name}", getattr(la, name), "must be >= 1")
+        _require(la.zero in (0, 1, 2, 3), "layout.zero", la.zero, "must be 0, 1, 2 or 3")
+        _require(la.micro_batch_size >= 0, "layout.micro_batch_size", la.micro_batch_size,
+                 "must be >= 1, or 0 for the whole per-rank batch")
+        if t.global_batch_size % la.dp:
+            raise ConfigError(
+                f"train.global_batch_size = {t.global_batch_size} is not divisible by layout.dp = {la.dp}; "
+                f"nearest valid global batch sizes: {_nearest_multiples(t.global_batch_size, la.dp)}"
+            )
+        per_rank = t.global_batch_size // la.dp
+        mbs = la.micro_batch_size or per_rank
+        if per_rank % mbs:
+            raise ConfigError(
+                f"layout.micro_batch_size = {mbs} does not divide the per-rank batch "
+                f"train.global_batch_size / layout.dp = {per_rank}; valid micro-batch sizes: "
+                f"{nearest_divisors(per_rank, mbs, 5)}"
+            )
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.layout.micro_batch_size or self.train.global_batch_size // self.layout.dp
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.train.global_batch_size // (self.layout.dp * self.micro_batch_size)
+
+
+def _nearest_multiples(value: int, base: int) -> list[int]:
+    lo = max(base, value // base * base)
+    return sorted({lo, lo + base})
+
+
+def _require(ok: bool, name: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name} = {value!r} {rule}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading, overrides and serialisation
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(value: Any, typ: Any, name: str) -> Any:
+    """Convert `value` (from a file or the command line) to the annotated type of field `name`."""
+    origin = typing.get_origin(typ)
+    if origin is Literal:
+        choices = typing.get_args(typ)
+        if value not in choices:
+            raise ConfigError(f"{name} = {value!r} is not one of {list(choices)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        return value
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{name} = {value!r} is not a boolean (true/false)")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name} = {value!r} is not an integer")
+        try:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name} = {value!r} is not an integer") from None
+    if typ is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name} = {value!r} is not a number") from None
+    if typ is str:
+        return str(value)
+    if origin is dict:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.strip() else {}
+            except json.JSONDecodeError:
+                raise ConfigError(f"{name} = {value!r} is not a JSON object") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name} = {value!r} is not a table/mapping")
+        return {str(k): float(v) for k, v in value.items()}
+    return value
+
+
+def _apply(obj: Any, values: dict[str, Any], prefix: str) -> None:
+    types_ = _field_types(type(obj))
+    for key, value in values.items():
+        name = f"{prefix}.{key}" if prefix else key
+        if key not in types_:
+            known = ", ".join(sorted(types_))
+            raise ConfigError(f"unknown config field {name!r}; known fields here: {known}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{name} must be a table of fields, got {value!r}")
+            _apply(current, value, name)
+        else:
+            setattr(obj, key, _coerce(value, types_[key], name))
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    """Read a TOML or YAML config file into a plain dict."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist or is not a file")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            return tomllib.loads(text)
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+            if not isinstance(data, dict):
+                raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
+            return data
+        if path.suffix == ".json":
+            return json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid: {e}") from None
+    except Exception as e:  # yaml.YAMLError without importing yaml at module level
+        if type(e).__module__.startswith("yaml"):
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+        raise
+    raise ConfigError(f"config file {str(path)!r} must end in .toml, .yaml, .yml or .json")
+
+
+def build_config(
+    file: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    preset: str | None = None,
+) -> Config:
+    """Defaults, then a model preset, then the file, then dotted overrides (`{"layout.dp": "2"}`)."""
+    from fivefold.models.presets import get_preset
+
+    cfg = Config()
+    data = load_file(file) if file else {}
+    overrides = dict(overrides or {})
+    model_section = data.get("model") if isinstance(data.get("model"), dict) else {}
+    preset = overrides.pop("model.preset", None) or model_section.pop("preset", None) or preset
+    if preset:
+        cfg.model = get_preset(str(preset))
+    _apply(cfg, data, "")
+    for dotted, value in overrides.items():
+        *parents, leaf = dotted.split(".")
+        _apply(cfg, _nest(parents, {leaf: value}), "")
+    return cfg
+
+
+def _nest(parents: list[str], leaf: dict[str, Any]) -> dict[str, Any]:
+    for p in reversed(parents):
+        leaf = {p: leaf}
+    return leaf
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    cfg = Config()
+    _apply(cfg, data, "")
+    return cfg
+
+
+def dump_toml(cfg: Config) -> str:
+    """Serialise a config as TOML (enough of TOML for our flat sections)."""
+    lines: list[str] = []
+    top = cfg.to_dict()
+    for key, value in top.items():
+        if not isinstance(value, dict):
+            lines.append(f"{key} = {_toml_value(value)}")
+    for section, values in top.items():
+        if not isinstance(values, dict):
+            continue
+        lines.append(f"\n[{section}]")
+        for key, value in values.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    return json.dumps(str(v))

@@ -1,0 +1,59 @@
+"""Accelerator specifications: peak throughput, memory and links. The trainer reads the peak for MFU;
+the planner reads everything. Figures are the vendors' dense (no sparsity) numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    bf16_tflops: float  # dense bf16 tensor-core peak per device
+    fp32_tflops: float  # fp32 (non tensor-core) peak per device
+    memory_gib: float  # device memory that the framework can see
+    hbm_gbps: float  # device memory bandwidth, GB/s
+    intra_node_gbps: float  # per-device unidirectional bandwidth to peers in the node, GB/s
+    inter_node_gbps: float  # per-device unidirectional network bandwidth across nodes, GB/s
+    gpus_per_node: int = 8
+    match: tuple[str, ...] = ()  # substrings of the device name that identify it
+
+
+HARDWARE: dict[str, Hardware] = {
+    "h100": Hardware("h100", 989.4, 66.9, 79.6, 3350, 450, 50, 8, ("H100 80GB HBM3", "H100 SXM")),
+    "h100-pcie": Hardware("h100-pcie", 756.0, 51.2, 79.6, 2000, 64, 50, 8, ("H100 PCIe",)),
+    "h200": Hardware("h200", 989.4, 66.9, 139.8, 4800, 450, 50, 8, ("H200",)),
+    "b200": Hardware("b200", 2250.0, 80.0, 178.4, 8000, 900, 100, 8, ("B200",)),
+    "a100-40gb": Hardware("a100-40gb", 312.0, 19.5, 39.4, 1555, 300, 25, 8, ("A100-SXM4-40GB", "A100 40GB")),
+    "a100-80gb": Hardware("a100-80gb", 312.0, 19.5, 79.2, 2039, 300, 25, 8, ("A100-SXM4-80GB", "A100 80GB")),
+    "mi300x": Hardware("mi300x", 1307.4, 163.4, 192.0, 5300, 448, 50, 8, ("MI300X",)),
+    "max1550": Hardware("max1550", 838.9, 52.4, 128.0, 3277, 150, 25, 8, ("Max 1550",)),
+    # A nominal CPU socket; calibrate for real figures (`fivefold calibrate`).
+    "cpu": Hardware("cpu", 0.2, 0.2, 16.0, 20, 10, 1.25, 1, ()),
+}
+
+
+def get_hardware(name: str) -> Hardware:
+    key = name.lower()
+    if key not in HARDWARE:
+        raise ValueError(f"--gpu {name!r} is not known; choose one of: {', '.join(HARDWARE)}")
+    return HARDWARE[key]
+
+
+def with_overrides(hw: Hardware, **fields: float) -> Hardware:
+    return dataclasses.replace(hw, **fields)
+
+
+def device_peak_tflops(device: torch.device) -> float | None:
+    """Dense bf16 peak of `device` looked up by its name; None when the device is not in the table."""
+    if device.type == "cpu":
+        return None
+    module = torch.get_device_module(device.type)
+    name = module.get_device_name(device) if hasattr(module, "get_device_name") else ""
+    for hw in HARDWARE.values():
+        if any(m.lower() in name.lower() for m in hw.match):
+            return hw.bf16_tflops
+    return None

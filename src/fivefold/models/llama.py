@@ -1,0 +1,272 @@
+"""A Llama-family decoder in plain PyTorch: RMSNorm, rotary embeddings, grouped-query attention,
+SwiGLU or mixture-of-experts MLP. It holds no parallel code: the parallel engine wraps or replaces
+its modules from outside (see `fivefold.parallel`).
+
+Blocks live in a `ModuleDict` keyed by their layer index and the embedding, final norm and output
+layer may be `None`, so that a pipeline stage is this same class with some parts removed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fivefold.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in fp32 whatever the activation dtype, as Llama does
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding, with Llama-3 scaling when configured."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = cfg.rope_scaling
+    if s:
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old_len = s["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq.float()
+
+
+def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape [len(positions), head_dim] (halves repeated, rotate-half layout)."""
+    inv_freq = rope_frequencies(cfg).to(positions.device)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` of shape [batch, heads, seq, head_dim] by position."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention through `scaled_dot_product_attention`.
+
+    `n_heads` and `n_kv_heads` are the heads this module computes: the tensor-parallel engine
+    divides them by tp when it shards the projections.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden, cfg.n_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.core(q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention kernel on [batch, heads, seq, head_dim]; recompute and context parallel wrap this."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, ffn, bias=False)
+        self.up_proj = nn.Linear(hidden, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts held as one batched weight, plus optional shared experts.
+
+    Tokens are sorted by expert and packed into an [experts, capacity, hidden] tensor so that all
+    experts run as one batched matmul (no Python loop over experts). Dropless routing sizes the
+    capacity to the busiest expert; capacity-based routing fixes it to
+    `capacity_factor * tokens * top_k / experts` and drops the overflow (counted in `drop_fraction`).
+    The Switch-Transformer load-balancing loss is kept in `aux_loss` after each forward.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, f, e = cfg.hidden, cfg.expert_ffn, cfg.n_experts
+        self.n_experts, self.top_k, self.capacity_factor = e, cfg.top_k, cfg.capacity_factor
+        self.init_std = cfg.init_std
+        self.router = nn.Linear(h, e, bias=False)
+        self.w_gate = nn.Parameter(torch.empty(e, h, f))
+        self.w_up = nn.Parameter(torch.empty(e, h, f))
+        self.w_down = nn.Parameter(torch.empty(e, f, h))
+        self.shared = MLP(h, f * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        self.aux_loss: torch.Tensor | None = None
+        self.drop_fraction: torch.Tensor | None = None
+
+    def reset_parameters(self) -> None:
+        for w in (self.w_gate, self.w_up, self.w_down):
+            nn.init.normal_(w, std=self.init_std)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k expert indices and their renormalised weights for tokens `x` [tokens, hidden]."""
+        probs = F.softmax(self.router(x).float(), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        # load balancing: E * sum_e (fraction of routed slots to e) * (mean router probability of e)
+        slots = F.one_hot(experts, self.n_experts).sum(1).float()  # [tokens, experts]
+        self.aux_loss = self.n_experts * (slots.mean(0) / self.top_k * probs.mean(0)).sum()
+        return experts, weights.to(x.dtype)
+
+    def experts_forward(self, packed: torch.Tensor) -> torch.Tensor:
+        """All experts on their packed tokens: [experts, capacity, hidden] -> same shape."""
+        hidden = F.silu(torch.bmm(packed, self.w_gate)) * torch.bmm(packed, self.w_up)
+        return torch.bmm(hidden, self.w_down)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        experts, weights = self.route(x)
+        out = self.dispatch_combine(x, experts, weights)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out.view(shape)
+
+    def dispatch_combine(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        tokens = x.shape[0]
+        flat_expert = experts.reshape(-1)  # [tokens * k]
+        order = flat_expert.argsort(stable=True)
+        sorted_expert = flat_expert[order]
+        counts = torch.bincount(flat_expert, minlength=self.n_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(order.numel(), device=x.device) - starts[sorted_expert]
+        if self.capacity_factor > 0:
+            capacity = max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.n_experts))
+        else:
+            capacity = int(counts.max())  # dropless: one host sync for the packed shape
+        keep = slot < capacity
+        self.drop_fraction = 1.0 - keep.float().mean()
+        src_token = order // self.top_k
+        order, sorted_expert, slot, src_token = order[keep], sorted_expert[keep], slot[keep], src_token[keep]
+        packed = x.new_zeros(self.n_experts, capacity, x.shape[1])
+        packed[sorted_expert, slot] = x[src_token]
+        result = self.experts_forward(packed)
+        contrib = result[sorted_expert, slot] * weights.reshape(-1)[order].unsqueeze(-1)
+        return x.new_zeros(x.shape).index_add_(0, src_token, contrib)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.mlp: nn.Module = MoE(cfg) if cfg.is_moe else MLP(cfg.hidden, cfg.ffn)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    """Decoder-only transformer. `forward(tokens)` returns logits; `forward_hidden` stops before the head."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.lm_head: nn.Linear | None = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        if cfg.tied_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Initialise every parameter (after `to_empty` from the meta device, or to re-seed)."""
+        gen_state = torch.random.get_rng_state()
+        if seed is not None:
+            torch.manual_seed(seed)
+        std = self.cfg.init_std
+        # residual-branch outputs are scaled down with depth, as in GPT-2
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                is_out = name.endswith(("o_proj", "down_proj"))
+                nn.init.normal_(module.weight, std=out_std if is_out else std)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, RMSNorm | MoE):
+                module.reset_parameters()
+        if seed is not None:
+            torch.random.set_rng_state(gen_state)
+
+    def rope(self, seq_len: int, device: torch.device, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(offset, offset + seq_len, device=device)
+        return rope_cos_sin(self.cfg, positions)
+
+    def forward_hidden(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids [batch, seq] (or hidden states on a later pipeline stage) -> final hidden states."""
+        if self.embed is not None:
+            x = self.embed(x)
+        if positions is None:
+            positions = torch.arange(x.shape[1], device=x.device)
+        cos, sin = rope_cos_sin(self.cfg, positions)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        for block in self.layers.values():
+            x = block(x, cos, sin)
+        if self.norm is not None:
+            x = self.norm(x)
+        return x
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.forward_hidden(tokens, positions)
+        return self.lm_head(x) if self.lm_head is not None else x
+
+    def moe_aux_loss(self) -> torch.Tensor | None:
+        """Sum of the MoE layers' load-balancing losses from the last forward (None for dense models)."""
+        losses = [b.mlp.aux_loss for b in self.layers.values() if isinstance(b.mlp, MoE) and b.mlp.aux_loss is not None]
+        return torch.stack(losses).sum() if losses else None
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int | None = None) -> Llama:
+    """Build on the meta device (no memory), then materialise on `device` and initialise.
+
+    With `device="meta"` the model stays a description: shapes and parameter counts only.
+    """
+    with torch.device("meta"):
+        model = Llama(cfg)
+    if str(device) == "meta":
+        return model
+    model.to_empty(device=device)
+    if cfg.tied_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model.init_weights(seed)
+    return model

@@ -1,0 +1,55 @@
+"""`fivefold <verb>`: each verb lives in its own module exposing `add_arguments(parser)` and `run(args)`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from fivefold.config import ConfigError
+
+# verb -> (module, one-line help); modules are imported only when their verb runs or --help is asked
+VERBS: dict[str, tuple[str, str]] = {
+    "train": ("fivefold.train.cli", "train a model (defaults: the built-in corpus on the tiny model)"),
+    "data": ("fivefold.data.cli", "prepare token shards from text, JSONL or Parquet files"),
+    "models": ("fivefold.models.cli", "list the model presets with their parameter counts"),
+    "export": ("fivefold.models.hf_cli", "export a checkpoint as a Hugging Face Llama directory"),
+}
+
+
+class CliError(Exception):
+    """A user error outside the config (files, run directories); printed without a traceback."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="fivefold", description="Plan and train Llama-style models.")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    verb = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module_name, help_text) in VERBS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == verb:
+            importlib.import_module(module_name).add_arguments(p)
+    if verb is None and not argv:
+        parser.print_help()
+        return 0
+    if verb is not None and verb not in VERBS:
+        parser.error(f"unknown verb {verb!r}; choose one of: {', '.join(VERBS)}")
+    args, extra = parser.parse_known_args(argv)
+    if args.verb is None:
+        parser.print_help()
+        return 0
+    module = importlib.import_module(VERBS[args.verb][0])
+    if extra and not getattr(module, "ACCEPTS_OVERRIDES", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if getattr(module, "ACCEPTS_OVERRIDES", False):
+        args.overrides = extra
+    try:
+        return int(module.run(args) or 0)
+    except (ConfigError, CliError) as e:
+        print(f"fivefold {args.verb}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -365,11 +365,21 @@ def build_config(
     preset = overrides.pop("model.preset", None) or model_section.pop("preset", None) or preset
     if preset:
         cfg.model = get_preset(str(preset))
+    apply_dict(cfg, data)
+    apply_overrides(cfg, overrides)
+    return cfg
+
+
+def apply_dict(cfg: Config, data: dict[str, Any]) -> None:
+    """Set the fields named in a nested dict (as read from a config file)."""
     _apply(cfg, data, "")
+
+
+def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> None:
+    """Set dotted fields, e.g. `{"layout.dp": "2", "train.lr": "1e-3"}`."""
     for dotted, value in overrides.items():
         *parents, leaf = dotted.split(".")
         _apply(cfg, _nest(parents, {leaf: value}), "")
-    return cfg
 
 
 def _nest(parents: list[str], leaf: dict[str, Any]) -> dict[str, Any]:

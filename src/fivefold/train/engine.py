@@ -60,13 +60,17 @@ class Engine:
     def autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
+    def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed token loss of a batch (also the training loss before normalisation)."""
+        with self.autocast():
+            logits = self.model(inputs)
+        return token_loss_sum(logits, targets)
+
     def micro_batch_loss(self, inputs: torch.Tensor, targets: torch.Tensor, global_tokens: int) -> tuple[
         torch.Tensor, torch.Tensor
     ]:
         """(loss to backpropagate, summed token loss) of one micro-batch."""
-        with self.autocast():
-            logits = self.model(inputs)
-        loss_sum = token_loss_sum(logits, targets)
+        loss_sum = self.eval_loss_sum(inputs, targets)
         loss = loss_sum
         aux = self.model.moe_aux_loss()
         if aux is not None:

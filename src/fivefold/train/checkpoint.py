@@ -1,0 +1,221 @@
+"""Checkpoints: written to a temporary directory and renamed, loaded without unpickling.
+
+Layout of `RUN_DIR/checkpoints/step_XXXXXXXX/`:
+    model.safetensors      the plain model's weights (tied embedding stored once)
+    optimizer.safetensors  optimizer state tensors (`optimizer-rankN.safetensors` when sharded per rank)
+    rng.safetensors        CPU and accelerator RNG states
+    trainer_state.json     step, tokens seen, optimizer hyper-parameters, format version
+    config.toml            the run's resolved config
+    COMPLETE               written last, before the rename: a directory without it is not a checkpoint
+
+A killed writer leaves at most a `*.tmp` directory, which is ignored and cleaned up by the next writer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+FORMAT_VERSION = 1
+CHECKPOINT_PREFIX = "step_"
+
+
+class CheckpointError(Exception):
+    """A checkpoint that is missing, incomplete, corrupted or does not match the run."""
+
+
+@dataclass
+class TrainerState:
+    step: int  # optimizer steps completed
+    tokens_seen: int
+    format_version: int = FORMAT_VERSION
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{step:08d}"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
+             and not p.name.endswith(".tmp") and (p / "COMPLETE").is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+# --- optimizer state <-> flat tensors + JSON ---------------------------------------------------------
+
+
+def flatten_optimizer_state(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split a torch optimizer state_dict into tensors (for safetensors) and JSON-able metadata."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for idx, per_param in state["state"].items():
+        for name, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{idx}.{name}"] = value.detach().contiguous().cpu()
+            else:
+                scalars.setdefault(str(idx), {})[name] = value
+    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+
+
+def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        _, idx, name = key.split(".", 2)
+        state.setdefault(int(idx), {})[name] = value
+    for idx, values in meta.get("scalars", {}).items():
+        state.setdefault(int(idx), {}).update(values)
+    # JSON turns tuples (Adam's betas) into lists
+    groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in meta["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.random.get_rng_state()}
+    if device.type != "cpu":
+        state[device.type] = torch.get_device_module(device.type).get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.random.set_rng_state(state["cpu"])
+    if device.type != "cpu" and device.type in state:
+        torch.get_device_module(device.type).set_rng_state(state[device.type])
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(
+    run_dir: Path,
+    state: TrainerState,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+    config_toml: str,
+    device: torch.device,
+    rank_suffix: str = "",
+) -> Path:
+    """Write a complete checkpoint for `state.step` atomically and return its directory.
+
+    Refuses to replace an existing complete checkpoint of the same step."""
+    final = checkpoint_dir(run_dir, state.step)
+    if final.exists():
+        raise CheckpointError(f"checkpoint {final} already exists; refusing to overwrite it")
+    tmp = final.with_name(final.name + ".tmp")
+    if tmp.exists():  # left by a writer that was killed
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
+    opt_tensors, opt_meta = flatten_optimizer_state(optimizer_state)
+    save_file(opt_tensors, str(tmp / f"optimizer{rank_suffix}.safetensors"))
+    save_file(_rng_state(device), str(tmp / f"rng{rank_suffix}.safetensors"))
+    _write_json(tmp / "trainer_state.json", {
+        "format_version": state.format_version, "step": state.step, "tokens_seen": state.tokens_seen,
+        "optimizer": opt_meta,
+    })
+    (tmp / "config.toml").write_text(config_toml)
+    for f in tmp.iterdir():
+        with open(f, "rb+") as fh:
+            os.fsync(fh.fileno())
+    (tmp / "COMPLETE").write_text(f"{state.step}\n")
+    _fsync_dir(tmp)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    return final
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> None:
+    """Delete all but the `keep` newest complete checkpoints (only directories this module wrote)."""
+    for old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old)
+
+
+@dataclass
+class LoadedCheckpoint:
+    path: Path
+    state: TrainerState
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict[str, Any]
+    rng_state: dict[str, torch.Tensor]
+    config_toml: str
+
+
+def load_checkpoint(path: Path, rank_suffix: str = "") -> LoadedCheckpoint:
+    """Read a checkpoint directory; every failure is a CheckpointError naming the file."""
+    if not (path / "COMPLETE").is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint (no COMPLETE marker)")
+
+    def tensors(name: str) -> dict[str, torch.Tensor]:
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint file {f} is missing")
+        try:
+            return load_file(str(f))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"checkpoint file {f} is corrupted or unreadable: {e}") from None
+
+    try:
+        meta = json.loads((path / "trainer_state.json").read_text())
+        state = TrainerState(step=int(meta["step"]), tokens_seen=int(meta["tokens_seen"]),
+                             format_version=int(meta["format_version"]))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint file {path / 'trainer_state.json'} is corrupted or missing: {e}") from None
+    if state.format_version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has checkpoint format {state.format_version}; this fivefold reads format {FORMAT_VERSION}"
+        )
+    optimizer = unflatten_optimizer_state(tensors(f"optimizer{rank_suffix}.safetensors"), meta["optimizer"])
+    return LoadedCheckpoint(
+        path=path, state=state, model_state=tensors("model.safetensors"), optimizer_state=optimizer,
+        rng_state=tensors(f"rng{rank_suffix}.safetensors"), config_toml=(path / "config.toml").read_text(),
+    )
+
+
+def check_model_state(loaded: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], path: Path) -> None:
+    """Refuse a checkpoint whose tensor names or shapes differ from the model's, listing the differences."""
+    problems = [f"missing {k}" for k in expected if k not in loaded]
+    problems += [f"unexpected {k}" for k in loaded if k not in expected]
+    problems += [
+        f"{k}: checkpoint {tuple(loaded[k].shape)} vs model {tuple(v.shape)}"
+        for k, v in expected.items() if k in loaded and loaded[k].shape != v.shape
+    ]
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise CheckpointError(
+            f"checkpoint {path} does not match the configured model: {'; '.join(problems[:5])}{more}"
+        )
+
+
+def restore_rng(loaded: LoadedCheckpoint, device: torch.device) -> None:
+    _set_rng_state(loaded.rng_state, device)

@@ -1,0 +1,123 @@
+"""`fivefold train`: short flags for the everyday fields, `--section.field value` for any other."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from fivefold.cli import CliError
+from fivefold.config import ConfigError, build_config
+
+ACCEPTS_OVERRIDES = True
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML or YAML config file")
+    p.add_argument("--preset", help="model preset (see `fivefold models`); same as --model.preset")
+    p.add_argument("--data", help="prepared dataset directory; same as --data.path (default: built-in corpus)")
+    p.add_argument("--max-steps", type=int, help="optimizer steps; same as --train.max_steps")
+    p.add_argument("--run-dir", help="directory for config, metrics and checkpoints (default: runs/NAME-TIME)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its newest checkpoint")
+    p.add_argument("--hf", help="start from the weights (and shape) of a Hugging Face Llama directory")
+    p.add_argument("--nproc", type=int, default=1, help="start this many local processes (one per device)")
+    p.add_argument("--profile", action="store_true", help="record a profiler trace into RUN_DIR/profile")
+    p.epilog = ("Any config field can be set as --section.field VALUE, e.g. --layout.dp 2 --train.lr 1e-3; "
+                "sections: model, layout, train, data, log.")
+
+
+def parse_overrides(extra: list[str]) -> dict[str, str]:
+    """`["--layout.dp", "2", "--train.lr=1e-3"]` -> `{"layout.dp": "2", "train.lr": "1e-3"}`."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(extra):
+        arg = extra[i]
+        if not arg.startswith("--") or "." not in arg.split("=")[0]:
+            raise ConfigError(
+                f"unrecognized argument {arg!r}; config fields are given as --section.field VALUE "
+                "(e.g. --layout.dp 2); see `fivefold train --help`"
+            )
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(extra):
+                raise ConfigError(f"{arg} needs a value")
+            value = extra[i + 1]
+            i += 1
+        out[key] = value
+        i += 1
+    return out
+
+
+def resolve_config(args: argparse.Namespace):
+    from fivefold.train.loop import load_run_config
+
+    overrides = parse_overrides(args.overrides)
+    if args.preset:
+        overrides["model.preset"] = args.preset
+    if args.data:
+        overrides["data.path"] = args.data
+    if args.max_steps is not None:
+        overrides["train.max_steps"] = str(args.max_steps)
+    if args.profile:
+        overrides["log.profile"] = "true"
+    if args.resume:
+        if not args.run_dir:
+            raise CliError("--resume needs --run-dir: the run to continue")
+        if "model.preset" in overrides:
+            raise CliError("--resume continues the run's own model; drop --preset/--model.preset")
+        cfg = load_run_config(Path(args.run_dir), overrides, args.config)
+    else:
+        cfg = build_config(args.config, overrides)
+        if args.hf:
+            from fivefold.models.hf import model_config_from_hf
+
+            cfg.model = model_config_from_hf(Path(args.hf) / "config.json")
+    if args.run_dir:
+        cfg.run_dir = args.run_dir
+    elif not args.resume and "run_dir" not in overrides:
+        cfg.run_dir = f"runs/{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    from fivefold.train.loop import RunDirError, train
+
+    cfg = resolve_config(args)
+    cfg.validate()  # every config error before any process starts
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if args.nproc > 1 and not distributed:
+        from fivefold.parallel import launch
+
+        argv = strip_nproc(sys.argv[1:])
+        if not args.run_dir:  # every process must agree on the directory
+            argv += ["--run-dir", cfg.run_dir]
+        return launch(args.nproc, argv)
+    if distributed:
+        from fivefold.parallel import init_distributed
+        from fivefold.train.engine import resolve_device
+
+        init_distributed(resolve_device(cfg.train.device).type)
+    try:
+        from fivefold.train.checkpoint import CheckpointError
+
+        train(cfg, resume=args.resume, hf_init=Path(args.hf) if args.hf else None)
+    except (RunDirError, CheckpointError) as e:
+        raise CliError(str(e)) from None
+    return 0
+
+
+def strip_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        if a.startswith("--nproc="):
+            continue
+        out.append(a)
+    return out

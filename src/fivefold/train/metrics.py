@@ -1,0 +1,161 @@
+"""Metrics of a run: throughput, model TFLOP/s and MFU, peak memory, written as JSON lines.
+
+Each logged step appends one object to `metrics.jsonl` with the keys `step, loss, lr, grad_norm,
+tokens_per_s, tokens_per_s_per_device, tflops_per_device, mfu, peak_memory_bytes`; validations append
+`{"step", "val_loss"}`. FLOPs per token come from `fivefold.flops.training_flops_per_token` (the planner's
+function too), so MFU counts model FLOPs only: recomputation does not raise it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from fivefold.hardware import device_peak_tflops
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory allocated on the accelerator since the last reset, or the process's peak resident set
+    size on CPU (which also counts the Python interpreter and libraries)."""
+    if device.type != "cpu":
+        module = torch.get_device_module(device.type)
+        if hasattr(module, "max_memory_allocated"):
+            return int(module.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize()
+
+
+def resolve_peak_tflops(configured: float, device: torch.device) -> float | None:
+    """The dense bf16 peak used for MFU: configured, else looked up from the device's name, else None."""
+    return configured if configured > 0 else device_peak_tflops(device)
+
+
+class Throughput:
+    """Tokens per second over the steps since the last report (host time between synchronised points)."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.tokens = 0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def report(self) -> float:
+        now = time.perf_counter()
+        rate = self.tokens / max(now - self.start, 1e-9)
+        self.start, self.tokens = now, 0
+        return rate
+
+
+def step_record(
+    step: int, loss: float, lr: float, grad_norm: float, tokens_per_s: float, n_devices: int,
+    flops_per_token: float, peak_tflops: float | None, peak_memory: int,
+) -> dict[str, Any]:
+    per_device = tokens_per_s / n_devices
+    tflops = per_device * flops_per_token / 1e12
+    return {
+        "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+        "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": per_device,
+        "tflops_per_device": tflops, "mfu": tflops / peak_tflops if peak_tflops else None,
+        "peak_memory_bytes": peak_memory,
+    }
+
+
+class MetricsWriter:
+    """Appends JSON lines to `metrics.jsonl`, prints progress, and mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: Path, max_steps: int, progress: str, tensorboard: bool,
+                 stream: TextIO | None = None) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.max_steps = max_steps
+        self.stream = stream or sys.stdout
+        is_tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.mode = ("bar" if is_tty else "plain") if progress == "auto" else progress
+        self.file = open(self.path, "a")
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise RuntimeError("log.tensorboard = true needs the tensorboard package: "
+                                   "pip install 'fivefold[tensorboard]'") from None
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self._bar_open = False
+
+    def write(self, record: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self.file.write(json.dumps(clean) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, int | float):
+                    self.tb.add_scalar(k, v, record["step"])
+        self._show(record)
+
+    def _show(self, r: dict[str, Any]) -> None:
+        if self.mode == "none":
+            return
+        if "val_loss" in r:
+            line = f"step {r['step']:>6}/{self.max_steps}  val_loss {r['val_loss']:.4f}"
+        else:
+            mfu = f"  mfu {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else ""
+            line = (f"step {r['step']:>6}/{self.max_steps}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  "
+                    f"gnorm {r['grad_norm']:.3f}  {r['tokens_per_s']:,.0f} tok/s{mfu}  "
+                    f"mem {r['peak_memory_bytes'] / 2**20:,.0f} MiB")
+        if self.mode == "bar" and "val_loss" not in r:
+            done = int(30 * r["step"] / self.max_steps)
+            self.stream.write(f"\r[{'#' * done}{'.' * (30 - done)}] {line}")
+            self._bar_open = True
+        else:
+            if self._bar_open:
+                self.stream.write("\n")
+                self._bar_open = False
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def print(self, text: str) -> None:
+        if self.mode == "none":
+            return
+        if self._bar_open:
+            self.stream.write("\n")
+            self._bar_open = False
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self._bar_open:
+            self.stream.write("\n")
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def truncate_metrics(run_dir: Path, after_step: int) -> None:
+    """Drop records of steps after `after_step` (written by a run that was killed after its last checkpoint),
+    so that a resumed run's log has each step once. Rewritten through a temporary file and a rename."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= after_step:
+                kept.append(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by the kill
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(k + "\n" for k in kept))
+    os.replace(tmp, path)

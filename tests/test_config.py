@@ -1,0 +1,88 @@
+"""Config loading, overrides, serialisation and validation errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from fivefold.config import Config, ConfigError, build_config, dump_toml
+from fivefold.train.cli import parse_overrides
+from fivefold.train.optim import lr_at
+
+
+def test_file_then_overrides(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('run_dir = "x"\n[train]\nlr = 0.01\nmax_steps = 50\n[layout]\ndp = 2\n')
+    cfg = build_config(f, {"train.lr": "2e-3", "model.preset": "smollm-135m", "log.tensorboard": "true"})
+    assert cfg.train.lr == 2e-3 and cfg.train.max_steps == 50 and cfg.layout.dp == 2 and cfg.run_dir == "x"
+    assert cfg.model.name == "smollm-135m" and cfg.model.n_layers == 30 and cfg.log.tensorboard is True
+
+
+def test_yaml_and_preset_in_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("model:\n  preset: llama-3.2-1b\n  n_layers: 2\ntrain:\n  seq_len: 64\n")
+    cfg = build_config(f)
+    assert cfg.model.hidden == 2048 and cfg.model.n_layers == 2 and cfg.train.seq_len == 64
+    assert cfg.model.rope_scaling["factor"] == 32.0
+
+
+def test_toml_round_trip(tmp_path):
+    cfg = build_config(None, {"model.preset": "llama-3.1-8b", "layout.recompute": "full", "train.lr": "1e-4"})
+    f = tmp_path / "out.toml"
+    f.write_text(dump_toml(cfg))
+    again = build_config(f)
+    assert again.to_dict() == cfg.to_dict()
+
+
+def test_parse_overrides_forms():
+    assert parse_overrides(["--layout.dp", "2", "--train.lr=1e-3"]) == {"layout.dp": "2", "train.lr": "1e-3"}
+    with pytest.raises(ConfigError, match="--section.field"):
+        parse_overrides(["--bogus", "1"])
+    with pytest.raises(ConfigError, match="needs a value"):
+        parse_overrides(["--layout.dp"])
+
+
+@pytest.mark.parametrize(
+    "overrides, pattern",
+    [
+        ({"train.lr": "-1"}, r"train\.lr = -1\.0 must be > 0"),
+        ({"train.lr": "fast"}, r"train\.lr = 'fast' is not a number"),
+        ({"layout.dp": "1.5"}, r"layout\.dp = '1\.5' is not an integer"),
+        ({"layout.recompute": "some"}, r"layout\.recompute = 'some' is not one of"),
+        ({"train.bogus": "1"}, r"unknown config field 'train\.bogus'"),
+        ({"model.n_heads": "3"}, r"model\.n_heads = 3 does not divide model\.hidden = 128.*\[1, 2, 4, 8"),
+        ({"model.n_kv_heads": "3"}, r"model\.n_kv_heads = 3 does not divide model\.n_heads = 4.*\[1, 2, 4\]"),
+        ({"train.seq_len": "4096"}, r"train\.seq_len = 4096 exceeds model\.max_seq_len = 512"),
+        ({"train.global_batch_size": "30", "layout.dp": "4"}, r"not divisible by layout\.dp = 4.*\[28, 32\]"),
+        ({"layout.micro_batch_size": "5"}, r"layout\.micro_batch_size = 5 does not divide.*32"),
+        ({"model.preset": "gpt-5"}, r"model\.preset = 'gpt-5' is not a preset; choose one of: tiny"),
+        ({"train.warmup_steps": "1000"}, r"train\.warmup_steps = 1000 must be in \[0, train\.max_steps"),
+        ({"model.n_experts": "4", "model.top_k": "5"}, r"model\.top_k = 5 must be between 1 and n_experts = 4"),
+    ],
+)
+def test_bad_values_name_field_and_rule(overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        build_config(None, overrides).validate()
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        build_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nlr = 1")
+    with pytest.raises(ConfigError, match="bad.toml' is not valid"):
+        build_config(bad)
+    ini = tmp_path / "c.ini"
+    ini.write_text("x")
+    with pytest.raises(ConfigError, match="must end in .toml"):
+        build_config(ini)
+
+
+def test_lr_schedules_closed_form():
+    t = Config().train
+    t.lr, t.min_lr_ratio, t.warmup_steps, t.max_steps = 1.0, 0.1, 10, 110
+    assert lr_at(0, t) == pytest.approx(0.1) and lr_at(9, t) == pytest.approx(1.0)
+    assert lr_at(60, t) == pytest.approx(0.1 + 0.9 * 0.5)  # half-way through the cosine
+    assert lr_at(110, t) == pytest.approx(0.1)
+    t.lr_schedule, t.wsd_decay_fraction = "wsd", 0.2
+    assert lr_at(50, t) == 1.0 and lr_at(90, t) == 1.0  # stable until 80 % of the post-warmup steps
+    assert lr_at(100, t) == pytest.approx(1.0 - 0.9 * 0.5) and lr_at(110, t) == pytest.approx(0.1)

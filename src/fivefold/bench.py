@@ -1,0 +1,163 @@
+"""`fivefold bench`: time the training step on synthetic tokens.
+
+Warm-up steps, then N timed steps with the device synchronised at the edges. Reports tokens/s (total and
+per device), model TFLOP/s per device and MFU (the trainer's FLOPs function), peak memory allocated and
+reserved, and the split of the step between forward, backward and optimizer, measured with device events
+(host timers on CPU). Event timing adds a few synchronisations per step, so the split is taken on
+separate profiled steps and the throughput on steps without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from fivefold.config import ConfigError, build_config
+from fivefold.flops import training_flops_per_token
+from fivefold.train.cli import parse_overrides
+from fivefold.train.engine import create_engine, resolve_device
+from fivefold.train.metrics import resolve_peak_tflops, synchronize
+
+ACCEPTS_OVERRIDES = True
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="model preset (see `fivefold models`)")
+    p.add_argument("--config", help="TOML or YAML config file (model, layout and train sections)")
+    p.add_argument("--seq-len", type=int, help="sequence length (default: the config's train.seq_len)")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps")
+    p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto")
+    p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def _timer(device: torch.device):
+    """A pair (mark, elapsed) measuring device time between marks; host time on CPU."""
+    if device.type == "cpu":
+        def mark():
+            return time.perf_counter()
+
+        def elapsed(a, b) -> float:
+            return b - a
+    else:
+        def mark():
+            event = torch.Event(device=device, enable_timing=True)
+            event.record()
+            return event
+
+        def elapsed(a, b) -> float:
+            b.synchronize()
+            return a.elapsed_time(b) / 1e3
+    return mark, elapsed
+
+
+def run_bench(args: argparse.Namespace) -> dict:
+    overrides = parse_overrides(getattr(args, "overrides", []) or [])
+    overrides.setdefault("model.preset", args.model)
+    cfg = build_config(args.config, overrides)
+    seq = args.seq_len or cfg.train.seq_len
+    if seq > cfg.model.max_seq_len:
+        cfg.model.max_seq_len = seq
+    cfg.train.seq_len = seq
+    cfg.train.dtype = args.dtype
+    cfg.train.compile = args.compile or cfg.train.compile
+    cfg.layout.micro_batch_size = args.micro_batch
+    cfg.train.global_batch_size = args.micro_batch * args.grad_accum * cfg.layout.dp
+    cfg.train.max_steps = max(cfg.train.max_steps, args.steps + args.warmup)
+    cfg.train.warmup_steps = 0
+    if args.steps < 1 or args.warmup < 0:
+        raise ConfigError(f"--steps = {args.steps} must be >= 1 and --warmup = {args.warmup} >= 0")
+    cfg.validate()
+    device = resolve_device(cfg.train.device)
+    engine = create_engine(cfg, device)
+    gen = torch.Generator().manual_seed(cfg.train.seed)
+    rows = args.micro_batch * args.grad_accum
+    tokens = torch.randint(0, cfg.model.vocab_size, (rows, seq + 1), generator=gen)
+    inputs, targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+    micro = list(zip(inputs.split(args.micro_batch), targets.split(args.micro_batch), strict=True))
+    global_tokens = cfg.train.global_batch_size * seq
+    mark, elapsed = _timer(device)
+
+    def step(split: dict[str, float] | None) -> None:
+        if split is None:
+            engine.forward_backward(micro, global_tokens)
+            engine.optimizer_step()
+            return
+        for i, (x, y) in enumerate(micro):
+            with engine.micro_batch_context(i, len(micro)):
+                t0 = mark()
+                loss, _ = engine.micro_batch_loss(x, y, global_tokens)
+                t1 = mark()
+                loss.backward()
+                t2 = mark()
+            split["forward"] += elapsed(t0, t1)
+            split["backward"] += elapsed(t1, t2)
+        t3 = mark()
+        engine.optimizer_step()
+        split["optimizer"] += elapsed(t3, mark())
+
+    for _ in range(args.warmup):
+        step(None)
+    synchronize(device)
+    module = torch.get_device_module(device.type) if device.type != "cpu" else None
+    if module is not None and hasattr(module, "reset_peak_memory_stats"):
+        module.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step(None)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    split = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+    split_steps = min(3, args.steps)
+    for _ in range(split_steps):
+        step(split)
+    synchronize(device)
+
+    tokens_per_s = global_tokens * args.steps / seconds
+    per_device = tokens_per_s / engine.n_devices
+    flops = training_flops_per_token(cfg.model, seq)
+    peak = resolve_peak_tflops(cfg.log.peak_tflops, device)
+    tflops = per_device * flops / 1e12
+    allocated = reserved = None
+    if module is not None and hasattr(module, "max_memory_allocated"):
+        allocated, reserved = int(module.max_memory_allocated()), int(module.max_memory_reserved())
+    return {
+        "model": cfg.model.name, "device": str(device),
+        "device_name": module.get_device_name() if module is not None else "cpu",
+        "torch": torch.__version__, "seq_len": seq, "micro_batch": args.micro_batch,
+        "grad_accum": args.grad_accum, "dtype": "bf16" if engine.bf16 else "fp32", "compile": cfg.train.compile,
+        "steps": args.steps, "step_time_s": seconds / args.steps, "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_device": per_device, "tflops_per_device": tflops,
+        "mfu": tflops / peak if peak else None, "peak_tflops": peak,
+        "peak_memory_allocated_bytes": allocated, "peak_memory_reserved_bytes": reserved,
+        "time_split_s": {k: v / split_steps for k, v in split.items()},
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    result = run_bench(args)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    gib = 2**30
+    mfu = f"{100 * result['mfu']:.1f} %" if result["mfu"] is not None else "n/a (no known peak: --log.peak_tflops)"
+    mem = ("n/a on CPU" if result["peak_memory_allocated_bytes"] is None else
+           f"{result['peak_memory_allocated_bytes'] / gib:.2f} GiB allocated, "
+           f"{result['peak_memory_reserved_bytes'] / gib:.2f} GiB reserved")
+    split = result["time_split_s"]
+    total = sum(split.values()) or 1.0
+    print(f"{result['model']} on {result['device_name']} ({result['dtype']}, seq {result['seq_len']}, "
+          f"micro-batch {result['micro_batch']} x {result['grad_accum']}, compile {result['compile']})")
+    print(f"  step time        {1e3 * result['step_time_s']:.1f} ms")
+    print(f"  tokens/s         {result['tokens_per_s']:,.0f} ({result['tokens_per_s_per_device']:,.0f} per device)")
+    print(f"  TFLOP/s/device   {result['tflops_per_device']:.2f}   MFU {mfu}")
+    print(f"  peak memory      {mem}")
+    print("  step split       " + ", ".join(f"{k} {1e3 * v:.1f} ms ({100 * v / total:.0f} %)"
+                                           for k, v in split.items()))
+    return 0

@@ -23,7 +23,10 @@ from torch import nn
 
 from fivefold.config import Config
 from fivefold.models.llama import Llama
+from fivefold.train.loss import linear_cross_entropy_sum
 from fivefold.train.optim import build_adamw, lr_at
+
+LOSS_CHUNK_TOKENS = 8192  # tokens per chunk of the fused output layer + loss
 
 
 def resolve_device(name: str) -> torch.device:
@@ -61,10 +64,12 @@ class Engine:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Summed token loss of a batch (also the training loss before normalisation)."""
+        """Summed token loss of a batch (also the training loss before normalisation). The output layer and
+        the loss run fused and chunked, so the whole batch's fp32 logits are never materialised."""
         with self.autocast():
-            logits = self.model(inputs)
-        return token_loss_sum(logits, targets)
+            hidden = self.model.forward_hidden(inputs)
+            return linear_cross_entropy_sum(hidden, self.model.lm_head.weight, targets, LOSS_CHUNK_TOKENS,
+                                            torch.bfloat16 if self.bf16 else torch.float32)
 
     def micro_batch_loss(self, inputs: torch.Tensor, targets: torch.Tensor, global_tokens: int) -> tuple[
         torch.Tensor, torch.Tensor

@@ -26,11 +26,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits = (h @ w.t()).float()
             valid = t != -100
             safe_t = torch.where(valid, t, 0)
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, safe_t[:, None]).squeeze(1)
-            total += ((lse - picked) * valid).sum()
+            log_probs = torch.log_softmax(logits, dim=-1)
+            picked = log_probs.gather(1, safe_t[:, None]).squeeze(1)
+            total -= (picked * valid).sum()
             if needs_grad:
-                g = torch.softmax(logits, dim=-1)
+                g = log_probs.exp_()  # softmax, in place of the log-probabilities
                 g.scatter_add_(1, safe_t[:, None], -torch.ones_like(picked)[:, None])
                 g *= valid[:, None]
                 g = g.to(compute_dtype)

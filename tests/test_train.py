@@ -1,0 +1,127 @@
+"""The training loop end to end on CPU: resume exactness, metrics, run-directory and data errors."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fivefold.cli import main
+from fivefold.config import ConfigError, build_config
+from fivefold.data import prepare_dataset
+from fivefold.train.checkpoint import CheckpointError, latest_checkpoint
+from fivefold.train.loop import RunDirError, train
+
+CORPUS = Path(__file__).resolve().parents[1] / "src" / "fivefold" / "data" / "corpus"
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    """A small prepared dataset: a slice of the built-in corpus with a 512-token BPE vocabulary."""
+    import gzip
+
+    root = tmp_path_factory.mktemp("data")
+    text = gzip.open(next(CORPUS.glob("*.txt.gz")), "rt").read()[:200_000]
+    (root / "plays.txt").write_text(text)
+    out = root / "prepared"
+    prepare_dataset([root / "plays.txt"], out, vocab_size=512, val_fraction=0.1)
+    return out
+
+
+def small_config(run_dir: Path, data: Path, **extra: str):
+    overrides = {
+        "model.n_layers": "2", "model.hidden": "64", "model.n_heads": "4", "model.n_kv_heads": "2",
+        "model.ffn": "128", "model.vocab_size": "512", "train.seq_len": "32", "train.global_batch_size": "8",
+        "layout.micro_batch_size": "4", "train.max_steps": "6", "train.warmup_steps": "2",
+        "train.checkpoint_every": "3", "train.eval_every": "0", "train.eval_batches": "2", "log.log_every": "1",
+        "log.progress": "none", "data.path": str(data), "run_dir": str(run_dir), **extra,
+    }
+    return build_config(None, overrides)
+
+
+@pytest.mark.parametrize("preset_overrides", [{}, {"model.n_experts": "4", "model.top_k": "2"}],
+                         ids=["dense", "moe"])
+def test_resume_reproduces_uninterrupted_run_exactly(tmp_path, dataset, preset_overrides):
+    full = train(small_config(tmp_path / "full", dataset, **preset_overrides))
+    first = train(small_config(tmp_path / "cut", dataset, **preset_overrides), stop_after=3)
+    assert first.steps == 3 and latest_checkpoint(tmp_path / "cut").name == "step_00000003"
+    rest = train(small_config(tmp_path / "cut", dataset, **preset_overrides), resume=True)
+    assert full.losses == first.losses + rest.losses  # bit for bit
+    assert full.val_losses[6] == rest.val_losses[6]
+    a = load_file(str(latest_checkpoint(tmp_path / "full") / "model.safetensors"))
+    b = load_file(str(latest_checkpoint(tmp_path / "cut") / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the resumed run's log has each step once
+    steps = [r["step"] for r in map(json.loads, (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines())
+             if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_metrics_records(tmp_path, dataset):
+    cfg = small_config(tmp_path / "run", dataset, **{"log.peak_tflops": "0.25", "train.max_steps": "2"})
+    train(cfg)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    vals = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2] and [r["step"] for r in vals] == [0, 2]
+    keys = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_device", "tflops_per_device",
+            "mfu", "peak_memory_bytes"}
+    for r in steps:
+        assert set(r) == keys
+        assert r["tokens_per_s"] == r["tokens_per_s_per_device"] > 0
+        assert math.isclose(r["mfu"], r["tflops_per_device"] / 0.25)
+        assert r["peak_memory_bytes"] > 0 and r["grad_norm"] > 0
+    # step 0 validation is the untrained model's loss: close to ln(vocab) for a fresh model
+    assert abs(vals[0]["val_loss"] - math.log(512)) < 0.5
+    assert (tmp_path / "run" / "config.toml").is_file()
+    assert build_config(tmp_path / "run" / "config.toml").to_dict() == cfg.to_dict()
+
+
+def test_existing_run_is_never_overwritten(tmp_path, dataset):
+    run = tmp_path / "run"
+    train(small_config(run, dataset, **{"train.max_steps": "1"}))
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    with pytest.raises(RunDirError, match="already holds another run"):
+        train(small_config(run, dataset, **{"train.max_steps": "1"}))
+    with pytest.raises(RunDirError, match="not before train.max_steps = 1"):
+        train(small_config(run, dataset, **{"train.max_steps": "1"}), resume=True)
+    with pytest.raises(RunDirError, match="holds no complete checkpoint"):
+        train(small_config(tmp_path / "empty", dataset), resume=True)
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_resume_with_another_model_is_refused(tmp_path, dataset):
+    run = tmp_path / "run"
+    train(small_config(run, dataset, **{"train.max_steps": "1"}))
+    with pytest.raises(CheckpointError, match=r"does not match the configured model: .*checkpoint \(512, 64\) vs"):
+        train(small_config(run, dataset, **{"train.max_steps": "2", "model.hidden": "128"}), resume=True)
+    # a corrupted checkpoint is named
+    ckpt_dir = latest_checkpoint(run)
+    (ckpt_dir / "model.safetensors").write_bytes(b"\x01\x02")
+    with pytest.raises(CheckpointError, match="model.safetensors is corrupted"):
+        train(small_config(run, dataset, **{"train.max_steps": "2"}), resume=True)
+
+
+def test_bad_data_inputs(tmp_path, dataset):
+    with pytest.raises(ConfigError, match="data.path = .*nope.* is not a directory"):
+        train(small_config(tmp_path / "r1", tmp_path / "nope"))
+    with pytest.raises(ConfigError, match="vocabulary of 512 tokens but model.vocab_size = 256"):
+        train(small_config(tmp_path / "r2", dataset, **{"model.vocab_size": "256"}))
+    assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
+
+
+def test_cli_errors_are_one_line(tmp_path, dataset, capsys):
+    assert main(["train", "--data", str(dataset), "--run-dir", str(tmp_path / "r"), "--model.n_heads", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.n_heads = 3 does not divide model.hidden = 128" in err
+
+
+def test_profile_writes_trace(tmp_path, dataset):
+    cfg = small_config(tmp_path / "run", dataset, **{"train.max_steps": "4", "log.profile": "true",
+                                                      "log.profile_steps": "1"})
+    train(cfg)
+    assert list((tmp_path / "run" / "profile").glob("trace-*.json"))

@@ -50,6 +50,17 @@ def time_steps(step, steps: int, warmup: int, device: torch.device) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def time_fivefold(cfg: Config, device: torch.device, inputs: torch.Tensor, targets: torch.Tensor, steps: int,
+                  warmup: int) -> float:
+    engine = create_engine(cfg, device)
+
+    def step() -> None:
+        engine.forward_backward([(inputs, targets)], inputs.numel())
+        engine.optimizer_step()
+
+    return time_steps(step, steps, warmup, device)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny")
@@ -73,14 +84,7 @@ def main() -> None:
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     n_tokens = inputs.numel()
 
-    engine = create_engine(cfg, device)
-
-    def fivefold_step() -> None:
-        engine.forward_backward([(inputs, targets)], n_tokens)
-        engine.optimizer_step()
-
-    t_fivefold = time_steps(fivefold_step, args.steps, args.warmup, device)
-    del engine
+    t_fivefold = time_fivefold(cfg, device, inputs, targets, args.steps, args.warmup)
     gc.collect()
     if device.type != "cpu" and hasattr(torch.accelerator, "empty_cache"):
         torch.accelerator.empty_cache()

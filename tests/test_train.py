@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from fivefold.data import prepare_dataset
 from safetensors.torch import load_file
 
 from fivefold.cli import main
 from fivefold.config import ConfigError, build_config
-from fivefold.data import prepare_dataset
 from fivefold.train.checkpoint import CheckpointError, latest_checkpoint
 from fivefold.train.loop import RunDirError, train
 

@@ -441,11 +441,14 @@ class _Reporter:
         self.progress = progress
         self.last = 0.0
 
-    def __call__(self, message: str, force: bool = False) -> None:
-        now = time.monotonic()
-        if self.progress is not None and (force or now - self.last >= PROGRESS_INTERVAL_S):
+    def due(self) -> bool:
+        """Whether a progress line is due (cheap; call before formatting one)."""
+        return self.progress is not None and time.monotonic() - self.last >= PROGRESS_INTERVAL_S
+
+    def __call__(self, message: str) -> None:
+        if self.progress is not None:
             self.progress(message)
-            self.last = now
+            self.last = time.monotonic()
 
 
 DocumentStream = Callable[[], Iterator[tuple[int, str]]]  # yields (input file number, document text)
@@ -482,13 +485,17 @@ def _encode_into(
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
     encodings = encode([text for _, text, _ in items], add_special_tokens=False)
     n_tokens = 0
+    run_split, run_ids = items[0][0], []
     for (split, _, ends_document), encoding in zip(items, encodings, strict=True):
-        ids = np.asarray(encoding.ids, dtype=np.int64)
+        if split != run_split:  # write each run of same-split items at once
+            writers[run_split].write(np.asarray(run_ids, dtype=np.int64))
+            run_split, run_ids = split, []
+        run_ids += encoding.ids
         if ends_document:
-            ids = np.append(ids, eos_id)
+            run_ids.append(eos_id)
             writers[split].num_documents += 1
-        writers[split].write(ids)
-        n_tokens += ids.size
+        n_tokens += len(encoding.ids) + ends_document
+    writers[run_split].write(np.asarray(run_ids, dtype=np.int64))
     return n_tokens
 
 
@@ -528,18 +535,16 @@ def prepare_documents(
     for file_number, text in stream():
         if text:
             document_chars.append(len(text))
-        report(f"reading: file {file_number + 1}/{num_files}, {len(document_chars):,} documents")
+        if report.due():
+            report(f"reading: file {file_number + 1}/{num_files}, {len(document_chars):,} documents")
     if not document_chars:
         raise DataError(f"empty corpus: the {num_files} input file(s) hold no text")
-    report(
-        f"read {num_files} file(s): {len(document_chars):,} documents, {sum(document_chars):,} characters",
-        True,
-    )
+    report(f"read {num_files} file(s): {len(document_chars):,} documents, {sum(document_chars):,} characters")
     plan = plan_split(document_chars, val_fraction)
 
     # pass 2: the tokenizer
     if tokenizer is None:
-        report(f"training a byte-level BPE tokenizer (vocab size {vocab_size})", True)
+        report(f"training a byte-level BPE tokenizer (vocab size {vocab_size})")
         tokenizer = train_bpe_tokenizer((text for _, text in stream() if text), vocab_size)
     eos_id, eos_text = find_eos(tokenizer, str(tokenizer_path or "trained"), eos_token)
     vocab = tokenizer_vocab_size(tokenizer)
@@ -584,15 +589,15 @@ def prepare_documents(
                     if batch_chars >= ENCODE_BATCH_CHARS:
                         n_tokens += _encode_into(tokenizer, items, writers, eos_id)
                         items, batch_chars = [], 0
-                        report(f"tokenizing: file {file_number + 1}/{num_files}, {n_tokens:,} tokens")
+                        if report.due():
+                            report(f"tokenizing: file {file_number + 1}/{num_files}, {n_tokens:,} tokens")
             document += 1
         if items:
             n_tokens += _encode_into(tokenizer, items, writers, eos_id)
         splits = {split: writer.close() for split, writer in writers.items()}
         report(
             f"tokenized {num_files} file(s): {splits['train']['num_tokens']:,} train tokens, "
-            f"{splits['val']['num_tokens']:,} val tokens",
-            True,
+            f"{splits['val']['num_tokens']:,} val tokens"
         )
         index = {
             "format": FORMAT_NAME,

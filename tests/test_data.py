@@ -430,6 +430,9 @@ def test_token_dataset_windows_follow_the_closed_form(counting_dir):
         assert all(np.array_equal(w, np.arange(w[0], w[0] + seq_len + 1)) for w in got)
     with pytest.raises(IndexError):
         dataset.window(dataset.num_windows(16), 16)
+    dataset.check_model_vocab(65536)
+    with pytest.raises(DataError, match=r"model.vocab_size 2048 is smaller .* set model.vocab_size >= 65536"):
+        dataset.check_model_vocab(2048)
 
 
 def test_truncated_or_missing_shard_is_detected(tmp_path):
@@ -588,7 +591,8 @@ def test_cli_prepare_and_info(tmp_path, capsys):
     ]
     assert main(args) == 0
     assert decode_documents(out, "train") == [DOCS[0]]
-    assert "train" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "train" in captured.out and "tokenized 1 file(s)" in captured.err  # summary and progress
     assert main(args) == 2
     assert "directory is not empty; pass --overwrite" in capsys.readouterr().err
     assert main(args + ["--overwrite", "--quiet"]) == 0

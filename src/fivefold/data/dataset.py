@@ -113,6 +113,15 @@ class TokenDataset:
             f"{len(self.shards)} shard(s), vocab {self.vocab_size})"
         )
 
+    def check_model_vocab(self, model_vocab_size: int) -> None:
+        """Raise a DataError unless a model with `model_vocab_size` embeddings can take every token id."""
+        if model_vocab_size < self.vocab_size:
+            raise DataError(
+                f"model.vocab_size {model_vocab_size} is smaller than the vocabulary of {self.path} "
+                f"({self.vocab_size} ids, {self.tokenizer_path.name}); "
+                f"set model.vocab_size >= {self.vocab_size}"
+            )
+
     def verify(self) -> None:
         """Check every shard's sha256 against the index (reads all the shards)."""
         for shard in self.shard_entries:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -543,12 +544,19 @@ def test_val_batches_are_fixed_and_from_the_val_split(counting_dir):
 # built-in corpus and CLI
 
 
-def test_builtin_dataset_prepared_and_loadable(tmp_path):
+@pytest.fixture(scope="module")
+def builtin_dir(tmp_path_factory) -> Path:
+    cache = tmp_path_factory.mktemp("cache")
+    path = ensure_builtin_dataset(cache)
+    assert path == cache / "shakespeare-v1-bpe2048"
+    return path
+
+
+def test_builtin_dataset_prepared_and_loadable(builtin_dir, tmp_path):
     plays = builtin_documents()
     assert len(plays) == 10 and plays[0].startswith("Hamlet\n") and plays[-1].startswith("The Tempest\n")
     assert not any(mark in "".join(plays) for mark in ("**", "_", "\\["))
-    path = ensure_builtin_dataset(tmp_path)
-    assert path == tmp_path / "shakespeare-v1-bpe2048"
+    path = builtin_dir
     train, val = TokenDataset(path, "train"), TokenDataset(path, "val")
     assert train.vocab_size == 2048 and train.eos_id == 0
     assert 0.03 < val.num_tokens / (train.num_tokens + val.num_tokens) < 0.07
@@ -561,11 +569,41 @@ def test_builtin_dataset_prepared_and_loadable(tmp_path):
     assert sampler.global_batch(0)[0].max() < 2048
 
     stamp = (path / "index.json").stat().st_mtime_ns
-    assert ensure_builtin_dataset(tmp_path) == path and (path / "index.json").stat().st_mtime_ns == stamp
-    shard = path / "train_000000.bin"
-    shard.write_bytes(shard.read_bytes()[:-2])  # damaged: prepared again
-    ensure_builtin_dataset(tmp_path)
-    TokenDataset(path).verify()
+    assert ensure_builtin_dataset(path.parent) == path and (path / "index.json").stat().st_mtime_ns == stamp
+
+    damaged = shutil.copytree(path, tmp_path / path.name)
+    shard = damaged / "train_000000.bin"
+    shard.write_bytes(shard.read_bytes()[:-2])
+    assert ensure_builtin_dataset(tmp_path) == damaged  # prepared again
+    TokenDataset(damaged).verify()
+    assert tree_digest(damaged).keys() == tree_digest(path).keys()
+
+
+def test_builtin_dataset_published_by_another_process(builtin_dir, tmp_path, monkeypatch):
+    # publish refuses to replace an output that appeared meanwhile, and leaves that output alone
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    (staging / "index.json").write_text("{}")
+    theirs = shutil.copytree(builtin_dir, tmp_path / "theirs")
+    with pytest.raises(prepare_module.OutputExistsError, match="appeared while preparing"):
+        prepare_module.publish(staging, theirs, overwrite=False)
+    assert tree_digest(theirs) == tree_digest(builtin_dir)
+
+    # ensure_builtin_dataset then returns the directory the other process published
+    def other_process_wins(stream, sources, num_files, out, **kwargs):
+        shutil.copytree(builtin_dir, out)
+        raise prepare_module.OutputExistsError(f"--out {out}: appeared while preparing")
+
+    monkeypatch.setattr("fivefold.data.builtin.prepare_documents", other_process_wins)
+    assert ensure_builtin_dataset(tmp_path / "cache") == tmp_path / "cache" / builtin_dir.name
+
+    def other_process_published_garbage(stream, sources, num_files, out, **kwargs):
+        out.mkdir(parents=True)
+        raise prepare_module.OutputExistsError(f"--out {out}: appeared while preparing")
+
+    monkeypatch.setattr("fivefold.data.builtin.prepare_documents", other_process_published_garbage)
+    with pytest.raises(prepare_module.OutputExistsError):
+        ensure_builtin_dataset(tmp_path / "other-cache")
 
 
 def test_default_cache_dir(monkeypatch, tmp_path):

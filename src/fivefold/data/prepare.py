@@ -439,7 +439,7 @@ class _Reporter:
 
     def __init__(self, progress: Progress | None):
         self.progress = progress
-        self.last = 0.0
+        self.last = time.monotonic()
 
     def due(self) -> bool:
         """Whether a progress line is due (cheap; call before formatting one)."""

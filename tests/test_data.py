@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from fivefold.cli import main
 from fivefold.data import (
@@ -69,10 +69,15 @@ def tree_digest(path: Path) -> dict[str, str]:
 
 
 def word_level_tokenizer(path: Path, n_words: int, eos: str = "</s>") -> Tokenizer:
-    """A whitespace word-level tokenizer over w0..w{n-1}, with [UNK] = 0 and `eos` = 1."""
-    vocab = {"[UNK]": 0, eos: 1} | {f"w{i}": i + 2 for i in range(n_words)}
+    """A whitespace word-level tokenizer over w0..w{n-1}, with [UNK] = 0, `eos` = 1, [BOS] = n + 2."""
+    bos_id = n_words + 2
+    vocab = {"[UNK]": 0, eos: 1} | {f"w{i}": i + 2 for i in range(n_words)} | {"[BOS]": bos_id}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # like Llama 3's tokenizer, it adds a BOS token unless asked not to
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[BOS] $A", special_tokens=[("[BOS]", bos_id)]
+    )
     tokenizer.save(str(path))
     return tokenizer
 
@@ -203,10 +208,11 @@ def test_given_tokenizer_is_used_as_is(tmp_path):
     )
 
     assert (out / "tokenizer.json").read_bytes() == tokenizer_path.read_bytes()
-    expected = [tokenizer.encode(t, add_special_tokens=False).ids + [1] for t in texts]
-    assert all_tokens(out, "train").tolist() == [i for ids in expected for i in ids]
+    assert tokenizer.encode(texts[0]).ids == [52, 3, 4, 5]  # by default this tokenizer adds [BOS] = 52
+    # "wK" is id K + 2, unknown words are 0, each document ends with </s> = 1, and no [BOS] is added
+    assert all_tokens(out, "train").tolist() == [3, 4, 5, 1, 51, 2, 0, 9, 1]
     index = json.loads((out / "index.json").read_text())
-    assert (index["eos_token"], index["eos_id"], index["vocab_size"]) == ("</s>", 1, 52)
+    assert (index["eos_token"], index["eos_id"], index["vocab_size"]) == ("</s>", 1, 53)
 
 
 def test_token_dtype_choice(tmp_path):
@@ -218,7 +224,7 @@ def test_token_dtype_choice(tmp_path):
     (tmp_path / "a.txt").write_text("w5 w65534 w69999 w65533")
     out = prepare_dataset([tmp_path / "a.txt"], tmp_path / "out", tokenizer=tokenizer_path, val_fraction=0.0)
     index = json.loads((out / "index.json").read_text())
-    assert index["dtype"] == "uint32" and index["vocab_size"] == 70_002
+    assert index["dtype"] == "uint32" and index["vocab_size"] == 70_003
     assert all_tokens(out, "train").tolist() == [7, 65536, 70001, 65535, 1]
     assert (out / "train_000000.bin").stat().st_size == 5 * 4
 
@@ -341,6 +347,13 @@ def test_bad_input_errors(tmp_path, files, given, kwargs, pattern):
     with pytest.raises(DataError, match=pattern):
         prepare_dataset([source / given], tmp_path / "out", **{"vocab_size": SMALL_VOCAB} | kwargs)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]  # no output, no staging left behind
+
+
+def test_unreadable_input_file(tmp_path, monkeypatch):
+    (tmp_path / "secret.txt").write_text("x")
+    monkeypatch.setattr(prepare_module.os, "access", lambda path, mode: False)  # tests run as root
+    with pytest.raises(DataError, match=r"secret\.txt: not readable"):
+        prepare_dataset([tmp_path / "secret.txt"], tmp_path / "out")
 
 
 def test_parquet_without_the_column(tmp_path):

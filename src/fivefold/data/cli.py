@@ -35,26 +35,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prepare.add_argument(
         "--vocab-size",
         type=int,
+        metavar="N",
         default=DEFAULT_VOCAB_SIZE,
         help=f"vocabulary size of the trained tokenizer (default {DEFAULT_VOCAB_SIZE})",
     )
     prepare.add_argument(
-        "--field", default="text", help="JSONL field / Parquet column with the text (default text)"
+        "--field",
+        default="text",
+        metavar="NAME",
+        help="JSONL field / Parquet column with the text (default text)",
     )
     prepare.add_argument(
         "--val-fraction",
         type=float,
+        metavar="F",
         default=DEFAULT_VAL_FRACTION,
         help=f"share of the corpus held out for validation (default {DEFAULT_VAL_FRACTION})",
     )
     prepare.add_argument(
         "--shard-tokens",
         type=int,
+        metavar="N",
         default=DEFAULT_SHARD_TOKENS,
         help=f"most tokens per shard file (default {DEFAULT_SHARD_TOKENS:,})",
     )
     prepare.add_argument(
-        "--eos-token", help="end-of-text token of a given tokenizer (default: found by name)"
+        "--eos-token", metavar="TEXT", help="end-of-text token of a given tokenizer (default: found by name)"
     )
     prepare.add_argument("--overwrite", action="store_true", help="replace a previous prepare output in DIR")
     prepare.add_argument("--quiet", action="store_true", help="no progress lines")

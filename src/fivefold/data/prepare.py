@@ -278,7 +278,7 @@ class SplitPlan:
     """Which text goes to the validation split.
 
     method "documents": the documents whose mask entry is True; "tail": everything from character
-    `tail_offset` of document `tail_document` on (moved forward to the next line start); "none": nothing.
+    `tail_offset` of document `tail_document` on (moved back to the start of its line); "none": nothing.
     """
 
     method: str

@@ -245,6 +245,9 @@ def test_large_documents_are_encoded_in_pieces_exactly(tmp_path):
     tokenizer = prepare_module.train_bpe_tokenizer(iter([text]), 512)
     pieces = prepare_module._text_pieces(text, 1000)
     assert len(pieces) > 30 and "".join(pieces) == text
+    assert all(len(p) >= 1000 and p.endswith("\n") for p in pieces[:-1])
+    assert all(not p[0].isspace() for p in pieces[1:])
+    assert prepare_module._text_pieces("short", 1000) == ["short"]
     whole = tokenizer.encode(text, add_special_tokens=False).ids
     assert [i for p in pieces for i in tokenizer.encode(p, add_special_tokens=False).ids] == whole
     (tmp_path / "big.txt").write_text(text)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import tempfile
@@ -51,6 +52,7 @@ MIN_VAL_DOCUMENTS = 10
 SPLIT_SEED = 0  # the document split is a fixed function of the corpus, not of any run seed
 ENCODE_BATCH_CHARS = 1 << 20  # characters per tokenizer call: large enough to amortise, small in memory
 PROGRESS_INTERVAL_S = 2.0
+LINE_START = re.compile(r"\n(?=\S)")  # a newline followed by a non-space character
 
 Progress = Callable[[str], None]
 
@@ -455,26 +457,21 @@ DocumentStream = Callable[[], Iterator[tuple[int, str]]]  # yields (input file n
 
 
 def _text_pieces(text: str, max_chars: int) -> list[str]:
-    """`text` cut into pieces of about `max_chars`, only before a line that starts with a non-space
-    character (a pre-tokenization boundary, so encoding the pieces gives the tokens of the whole)."""
-    if len(text) <= max_chars:
-        return [text]
+    """`text` cut into pieces of at least `max_chars` characters (the last may be shorter), each cut
+    just before a line that starts with a non-space character.
+
+    Such a cut is a pre-tokenization boundary for byte-level (GPT-2, Llama 3 style) tokenizers, so the
+    pieces encode to exactly the tokens of the whole; a tokenizer that prepends a space to every input
+    (SentencePiece-style Metaspace) adds one at each cut. Only documents longer than `max_chars` are cut.
+    """
     pieces, start = [], 0
     while len(text) - start > max_chars:
-        cut = start + max_chars
-        while True:
-            newline = text.find("\n", cut)
-            if newline == -1 or newline + 1 >= len(text):
-                cut = len(text)
-                break
-            if not text[newline + 1].isspace():
-                cut = newline + 1
-                break
-            cut = newline + 1
-        pieces.append(text[start:cut])
-        start = cut
-    if start < len(text):
-        pieces.append(text[start:])
+        line_start = LINE_START.search(text, start + max_chars)
+        if line_start is None:
+            break
+        pieces.append(text[start : line_start.end()])
+        start = line_start.end()
+    pieces.append(text[start:])
     return pieces
 
 

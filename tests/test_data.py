@@ -654,3 +654,20 @@ def test_cli_prepare_and_info(tmp_path, capsys):
     assert "sha256 verified" in capsys.readouterr().out
     assert main(["data", "prepare", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "x")]) == 2
     assert "nope.txt: no such file" in capsys.readouterr().err
+
+
+def _prepare_builtin_in_process(cache: str) -> str:
+    path = ensure_builtin_dataset(Path(cache))
+    TokenDataset(path).verify()
+    return str(path)
+
+
+@pytest.mark.slow
+def test_builtin_dataset_prepared_by_several_processes_at_once(tmp_path):
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(3) as pool:
+        paths = pool.map(_prepare_builtin_in_process, [str(tmp_path)] * 3)
+    assert len(set(paths)) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shakespeare-v1-bpe2048"]  # no staging left
+    TokenDataset(paths[0], "val").verify()

@@ -1,0 +1,130 @@
+"""`fivefold data prepare INPUT... --out DIR` and `fivefold data info DIR`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fivefold.data.format import SPLITS
+from fivefold.data.prepare import (
+    DEFAULT_SHARD_TOKENS,
+    DEFAULT_VAL_FRACTION,
+    DEFAULT_VOCAB_SIZE,
+    SUPPORTED_EXTENSIONS,
+    prepare_dataset,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="data_verb", metavar="SUBVERB", required=True)
+    prepare = sub.add_parser(
+        "prepare",
+        help="tokenize text files into token shards",
+        description=(
+            f"Tokenize {', '.join(SUPPORTED_EXTENSIONS)} files (or directories of them) into train/val token "
+            "shards. Each .txt file is one document; each JSONL line or Parquet row is one document."
+        ),
+    )
+    prepare.add_argument("inputs", nargs="+", metavar="INPUT", help="files or directories to tokenize")
+    prepare.add_argument("--out", required=True, metavar="DIR", help="output directory (created)")
+    prepare.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="a Hugging Face tokenizer.json to use as-is (default: train a byte-level BPE tokenizer)",
+    )
+    prepare.add_argument(
+        "--vocab-size",
+        type=int,
+        metavar="N",
+        default=DEFAULT_VOCAB_SIZE,
+        help=f"vocabulary size of the trained tokenizer (default {DEFAULT_VOCAB_SIZE})",
+    )
+    prepare.add_argument(
+        "--field",
+        default="text",
+        metavar="NAME",
+        help="JSONL field / Parquet column with the text (default text)",
+    )
+    prepare.add_argument(
+        "--val-fraction",
+        type=float,
+        metavar="F",
+        default=DEFAULT_VAL_FRACTION,
+        help=f"share of the corpus held out for validation (default {DEFAULT_VAL_FRACTION})",
+    )
+    prepare.add_argument(
+        "--shard-tokens",
+        type=int,
+        metavar="N",
+        default=DEFAULT_SHARD_TOKENS,
+        help=f"most tokens per shard file (default {DEFAULT_SHARD_TOKENS:,})",
+    )
+    prepare.add_argument(
+        "--eos-token", metavar="TEXT", help="end-of-text token of a given tokenizer (default: found by name)"
+    )
+    prepare.add_argument("--overwrite", action="store_true", help="replace a previous prepare output in DIR")
+    prepare.add_argument("--quiet", action="store_true", help="no progress lines")
+    info = sub.add_parser(
+        "info", help="summarise a prepared directory", description="Summarise a prepared directory."
+    )
+    info.add_argument("directory", metavar="DIR")
+    info.add_argument("--verify", action="store_true", help="also check every shard's sha256")
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _run_prepare(args: argparse.Namespace) -> int:
+    out = prepare_dataset(
+        args.inputs,
+        args.out,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+        field=args.field,
+        val_fraction=args.val_fraction,
+        shard_tokens=args.shard_tokens,
+        overwrite=args.overwrite,
+        eos_token=args.eos_token,
+        progress=None if args.quiet else _progress,
+    )
+    print(summary(str(out)))
+    return 0
+
+
+def summary(directory: str, verify: bool = False) -> str:
+    """A few lines describing a prepared directory (opening each split checks its shard sizes)."""
+    from fivefold.data.dataset import TokenDataset, read_index
+
+    index = read_index(directory)
+    tokenizer = index["tokenizer"]
+    how = (
+        f"trained byte-level BPE, {tokenizer['trained_vocab_size']} requested"
+        if tokenizer.get("trained_vocab_size")
+        else f"from {tokenizer.get('source')}"
+    )
+    lines = [
+        f"{directory}",
+        f"  tokenizer   {tokenizer['file']} ({how}); vocab_size {index['vocab_size']}, "
+        f"eos {index['eos_token']!r} = {index['eos_id']}, dtype {index['dtype']}",
+        f"  split       {index['split']['method']}, val_fraction {index['split']['val_fraction']}",
+    ]
+    for split in SPLITS:
+        entry = index["splits"][split]
+        if entry["num_tokens"]:
+            dataset = TokenDataset(directory, split)
+            if verify:
+                dataset.verify()
+        lines.append(
+            f"  {split:<11} {entry['num_tokens']:,} tokens, {entry['num_documents']:,} whole documents, "
+            f"{len(entry['shards'])} shard(s)"
+        )
+    lines.append(f"  sources     {len(index['sources'])} file(s)" + (", sha256 verified" if verify else ""))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.data_verb == "prepare":
+        return _run_prepare(args)
+    print(summary(args.directory, verify=args.verify))
+    return 0

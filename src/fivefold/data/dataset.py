@@ -1,0 +1,178 @@
+"""Read a prepared token directory: `TokenDataset` memory-maps the shards of one split and cuts them into
+training windows.
+
+Window `i` of length `seq_len` reads `seq_len + 1` consecutive tokens: the model sees the first
+`seq_len` as inputs and is trained to predict the last `seq_len` (the next token at each position).
+Windows start every `seq_len` tokens (they do not overlap, apart from the one extra target token) and
+never cross a shard boundary, so a shard of `n` tokens holds `(n - 1) // seq_len` windows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fivefold.data.format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    INDEX_FILE,
+    SPLITS,
+    TOKENIZER_FILE,
+    DataError,
+    dtype_from_name,
+)
+
+HASH_CHUNK_BYTES = 1 << 24
+
+
+def read_index(path: str | Path) -> dict[str, Any]:
+    """The parsed index.json of a prepared directory, checked for format and version."""
+    path = Path(path).expanduser()
+    index_path = path / INDEX_FILE
+    if not index_path.is_file():
+        raise DataError(
+            f"{path}: no {INDEX_FILE}; is it a directory written by "
+            f"`fivefold data prepare INPUT --out {path}`?"
+        )
+    try:
+        index = json.loads(index_path.read_text("utf-8"))
+    except (OSError, ValueError) as e:
+        raise DataError(f"{index_path}: unreadable ({e}); prepare the directory again") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT_NAME:
+        raise DataError(f"{index_path}: not a fivefold token index (format should be {FORMAT_NAME!r})")
+    version = index.get("version")
+    if version != FORMAT_VERSION:
+        raise DataError(
+            f"{index_path}: format version {version!r}, this fivefold reads version {FORMAT_VERSION}; "
+            "prepare the directory again"
+        )
+    return index
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class TokenDataset:
+    """One split ("train" or "val") of a prepared directory, memory-mapped.
+
+    Opening checks the index (format, version) and that every shard exists with the size the index
+    gives; `verify()` also checks the shards' sha256.
+    """
+
+    def __init__(self, path: str | Path, split: str = "train"):
+        self.path = Path(path).expanduser()
+        if split not in SPLITS:
+            raise DataError(f"split {split!r}: unknown; valid: {', '.join(SPLITS)}")
+        self.split = split
+        self.index = read_index(self.path)
+        self.dtype = dtype_from_name(self.index["dtype"])
+        self.vocab_size: int = int(self.index["vocab_size"])
+        self.eos_id: int = int(self.index["eos_id"])
+        entry = self.index["splits"].get(split, {})
+        self.shard_entries: list[dict[str, Any]] = [s for s in entry.get("shards", []) if s["num_tokens"] > 0]
+        if not self.shard_entries:
+            hint = " (prepared with --val-fraction 0?)" if split == "val" else ""
+            raise DataError(f"{self.path}: the {split} split holds no tokens{hint}")
+        self.shards: list[np.memmap] = []
+        for shard in self.shard_entries:
+            file = self.path / shard["file"]
+            n = int(shard["num_tokens"])
+            expected = n * self.dtype.itemsize
+            if not file.is_file():
+                raise DataError(
+                    f"{file}: missing shard ({INDEX_FILE} lists it with {n:,} tokens); prepare again"
+                )
+            size = file.stat().st_size
+            if size != expected:
+                raise DataError(
+                    f"{file}: {size:,} bytes, but {INDEX_FILE} lists {n:,} tokens x "
+                    f"{self.dtype.itemsize} bytes "
+                    f"= {expected:,} bytes (truncated or modified); prepare again"
+                )
+            self.shards.append(np.memmap(file, dtype=self.dtype, mode="r", shape=(n,)))
+        self.shard_tokens = np.array([s.size for s in self.shards], dtype=np.int64)
+        self.num_tokens: int = int(self.shard_tokens.sum())
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.path / self.index.get("tokenizer", {}).get("file", TOKENIZER_FILE)
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenDataset({str(self.path)!r}, split={self.split!r}: {self.num_tokens:,} tokens in "
+            f"{len(self.shards)} shard(s), vocab {self.vocab_size})"
+        )
+
+    def check_model_vocab(self, model_vocab_size: int) -> None:
+        """Raise a DataError unless a model with `model_vocab_size` embeddings can take every token id."""
+        if model_vocab_size < self.vocab_size:
+            raise DataError(
+                f"model.vocab_size {model_vocab_size} is smaller than the vocabulary of {self.path} "
+                f"({self.vocab_size} ids, {self.tokenizer_path.name}); "
+                f"set model.vocab_size >= {self.vocab_size}"
+            )
+
+    def verify(self) -> None:
+        """Check every shard's sha256 against the index (reads all the shards)."""
+        for shard in self.shard_entries:
+            file = self.path / shard["file"]
+            if _sha256(file) != shard["sha256"]:
+                raise DataError(
+                    f"{file}: sha256 differs from {INDEX_FILE} (modified or corrupt); prepare again"
+                )
+
+    @lru_cache(maxsize=8)  # noqa: B019 (a handful of seq_lens per dataset; the dataset lives for the run)
+    def _window_ends(self, seq_len: int) -> np.ndarray:
+        """Cumulative window counts over the shards."""
+        return np.cumsum(np.maximum(self.shard_tokens - 1, 0) // seq_len)
+
+    def num_windows(self, seq_len: int) -> int:
+        """How many windows of `seq_len` (+1 target) tokens the split holds."""
+        _check_seq_len(seq_len)
+        return int(self._window_ends(seq_len)[-1])
+
+    def require_windows(self, seq_len: int) -> int:
+        """num_windows(seq_len), or a DataError saying what seq_len would fit when it is zero."""
+        n = self.num_windows(seq_len)
+        if n == 0:
+            longest = int(self.shard_tokens.max()) - 1
+            fit = f"seq_len <= {longest} would fit" if longest >= 1 else "no seq_len fits; add text"
+            raise DataError(
+                f"{self.path} ({self.split} split): {self.num_tokens:,} tokens (longest shard "
+                f"{longest + 1:,}) hold no window of seq_len {seq_len} + 1 tokens; {fit}"
+            )
+        return n
+
+    def window(self, i: int, seq_len: int) -> np.ndarray:
+        """Window `i`: `seq_len + 1` tokens as int64 (inputs are [:-1], targets [1:])."""
+        ends = self._window_ends(seq_len)
+        if not 0 <= i < int(ends[-1]):
+            raise IndexError(
+                f"window {i} out of range: {self.split} split has {int(ends[-1])} windows of {seq_len}"
+            )
+        shard = int(np.searchsorted(ends, i, side="right"))
+        local = i - (int(ends[shard - 1]) if shard > 0 else 0)
+        start = local * seq_len
+        return np.asarray(self.shards[shard][start : start + seq_len + 1], dtype=np.int64)
+
+    def windows(self, indices: np.ndarray, seq_len: int) -> np.ndarray:
+        """Windows for each of `indices`, stacked as int64 [len(indices), seq_len + 1]."""
+        out = np.empty((len(indices), seq_len + 1), dtype=np.int64)
+        for row, i in enumerate(indices):
+            out[row] = self.window(int(i), seq_len)
+        return out
+
+
+def _check_seq_len(seq_len: int) -> None:
+    if not isinstance(seq_len, int | np.integer) or seq_len < 1:
+        raise DataError(f"seq_len {seq_len!r}: must be a positive integer")

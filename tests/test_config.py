@@ -55,7 +55,8 @@ def test_parse_overrides_forms():
         ({"train.global_batch_size": "30", "layout.dp": "4"}, r"not divisible by layout\.dp = 4.*\[28, 32\]"),
         ({"layout.micro_batch_size": "5"}, r"layout\.micro_batch_size = 5 does not divide.*32"),
         ({"model.preset": "gpt-5"}, r"model\.preset = 'gpt-5' is not a preset; choose one of: tiny"),
-        ({"train.warmup_steps": "1000"}, r"train\.warmup_steps = 1000 must be in \[0, train\.max_steps"),
+        ({"train.warmup_steps": "-1"}, r"train\.warmup_steps = -1 must be >= 0"),
+        ({"data.val_fraction": "0.7"}, r"data\.val_fraction = 0\.7 must be in \(0, 0\.5\]"),
         ({"model.n_experts": "4", "model.top_k": "5"}, r"model\.top_k = 5 must be between 1 and n_experts = 4"),
     ],
 )

@@ -194,8 +194,7 @@ class Config:
             _require(getattr(t, name) >= 1, f"train.{name}", getattr(t, name), "must be >= 1")
         _require(t.lr > 0, "train.lr", t.lr, "must be > 0")
         _require(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
-        _require(0 <= t.warmup_steps <= t.max_steps, "train.warmup_steps", t.warmup_steps,
-                 f"must be in [0, train.max_steps = {t.max_steps}]")
+        _require(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "must be >= 0")
         _require(0 < t.wsd_decay_fraction <= 1, "train.wsd_decay_fraction", t.wsd_decay_fraction, "must be in (0, 1]")
         _require(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be >= 0")
         _require(0 <= t.beta1 < 1, "train.beta1", t.beta1, "must be in [0, 1)")
@@ -211,7 +210,8 @@ class Config:
                 f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {self.model.max_seq_len}; "
                 f"use train.seq_len <= {self.model.max_seq_len} or raise model.max_seq_len"
             )
-        _require(0 < self.data.val_fraction < 1, "data.val_fraction", self.data.val_fraction, "must be in (0, 1)")
+        _require(0 < self.data.val_fraction <= 0.5, "data.val_fraction", self.data.val_fraction,
+                 "must be in (0, 0.5]")
         _require(self.log.log_every >= 1, "log.log_every", self.log.log_every, "must be >= 1")
         _require(self.log.peak_tflops >= 0, "log.peak_tflops", self.log.peak_tflops, "must be >= 0 (0 = look up)")
         _require(self.log.profile_steps >= 1, "log.profile_steps", self.log.profile_steps, "must be >= 1")

@@ -62,11 +62,10 @@ def resolve_data(cfg: Config, is_first_rank: bool, barrier) -> Path:
                 "`fivefold data prepare FILES --out DIR`, or leave data.path empty for the built-in corpus"
             )
         return path
-    path = None
-    if is_first_rank:
-        path = ensure_builtin_dataset(default_cache_dir(), val_fraction=cfg.data.val_fraction)
+    if is_first_rank:  # rank 0 prepares the corpus on first use, the others then find it ready
+        ensure_builtin_dataset(default_cache_dir(), val_fraction=cfg.data.val_fraction)
     barrier()
-    return path or ensure_builtin_dataset(default_cache_dir(), val_fraction=cfg.data.val_fraction)
+    return ensure_builtin_dataset(default_cache_dir(), val_fraction=cfg.data.val_fraction)
 
 
 def check_run_dir(run_dir: Path, resume: bool) -> Path | None:
@@ -142,12 +141,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
     barrier = torch.distributed.barrier if torch.distributed.is_initialized() else (lambda: None)
     data_dir = resolve_data(cfg, is_first, barrier)
     train_set, val_set = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
-    if train_set.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(
-            f"the data in {data_dir} uses a vocabulary of {train_set.vocab_size} tokens but model.vocab_size = "
-            f"{cfg.model.vocab_size}; set model.vocab_size >= {train_set.vocab_size} or prepare the data with a "
-            "smaller tokenizer"
-        )
+    train_set.check_model_vocab(cfg.model.vocab_size)
     sampler = BatchSampler(train_set, t.seq_len, t.global_batch_size, t.seed)
     val_rows = max(cfg.layout.dp, min(t.global_batch_size, 16) // cfg.layout.dp * cfg.layout.dp)
     val_data = list(val_batches(val_set, t.seq_len, val_rows, t.eval_batches))

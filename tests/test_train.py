@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from fivefold.data import prepare_dataset
 from safetensors.torch import load_file
 
 from fivefold.cli import main
 from fivefold.config import ConfigError, build_config
+from fivefold.data import prepare_dataset
 from fivefold.train.checkpoint import CheckpointError, latest_checkpoint
 from fivefold.train.loop import RunDirError, train
 
@@ -109,7 +109,7 @@ def test_resume_with_another_model_is_refused(tmp_path, dataset):
 def test_bad_data_inputs(tmp_path, dataset):
     with pytest.raises(ConfigError, match="data.path = .*nope.* is not a directory"):
         train(small_config(tmp_path / "r1", tmp_path / "nope"))
-    with pytest.raises(ConfigError, match=r"model.vocab_size 256 is smaller than the vocabulary of .*set model.vocab_size >= 512"):
+    with pytest.raises(ConfigError, match=r"model.vocab_size 256 is smaller than .*set model.vocab_size >= 512"):
         train(small_config(tmp_path / "r2", dataset, **{"model.vocab_size": "256"}))
     assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
 

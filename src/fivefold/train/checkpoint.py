@@ -2,9 +2,10 @@
 
 Layout of `RUN_DIR/checkpoints/step_XXXXXXXX/`:
     model.safetensors      the plain model's weights (tied embedding stored once)
-    optimizer.safetensors  optimizer state tensors (`optimizer-rankN.safetensors` when sharded per rank)
-    rng.safetensors        CPU and accelerator RNG states
-    trainer_state.json     step, tokens seen, optimizer hyper-parameters, format version
+    optimizer.safetensors  optimizer state tensors, and optimizer.json its hyper-parameters
+                           (`optimizer-rankN.*` per rank when the engine shards the optimizer state)
+    rng.safetensors        CPU and accelerator RNG states (`rng-rankN.safetensors` likewise)
+    trainer_state.json     step, tokens seen, number of optimizer shards, format version
     config.toml            the run's resolved config
     COMPLETE               written last, before the rename: a directory without it is not a checkpoint
 
@@ -71,7 +72,8 @@ def flatten_optimizer_state(state: dict[str, Any]) -> tuple[dict[str, torch.Tens
                 tensors[f"state.{idx}.{name}"] = value.detach().contiguous().cpu()
             else:
                 scalars.setdefault(str(idx), {})[name] = value
-    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+    extra = {k: v for k, v in state.items() if k not in ("state", "param_groups")}  # e.g. the layout of a shard
+    return tensors, {"param_groups": state["param_groups"], "scalars": scalars, "extra": extra}
 
 
 def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
@@ -83,7 +85,7 @@ def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, 
         state.setdefault(int(idx), {}).update(values)
     # JSON turns tuples (Adam's betas) into lists
     groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in meta["param_groups"]]
-    return {"state": state, "param_groups": groups}
+    return {**meta.get("extra", {}), "state": state, "param_groups": groups}
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -117,32 +119,35 @@ def _write_json(path: Path, data: Any) -> None:
         os.fsync(f.fileno())
 
 
-def save_checkpoint(
-    run_dir: Path,
-    state: TrainerState,
-    model_state: dict[str, torch.Tensor],
-    optimizer_state: dict[str, Any],
-    config_toml: str,
-    device: torch.device,
-    rank_suffix: str = "",
-) -> Path:
-    """Write a complete checkpoint for `state.step` atomically and return its directory.
+def begin_checkpoint(run_dir: Path, step: int) -> Path:
+    """Create the temporary directory of step `step`'s checkpoint (one writer, before the others write).
 
     Refuses to replace an existing complete checkpoint of the same step."""
-    final = checkpoint_dir(run_dir, state.step)
+    final = checkpoint_dir(run_dir, step)
     if final.exists():
         raise CheckpointError(f"checkpoint {final} already exists; refusing to overwrite it")
     tmp = final.with_name(final.name + ".tmp")
     if tmp.exists():  # left by a writer that was killed
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
+    return tmp
+
+
+def write_rank_files(tmp: Path, optimizer_state: dict[str, Any], device: torch.device, rank_suffix: str = "") -> None:
+    """The optimizer state and RNG state of one rank (`rank_suffix` "" when one rank holds it all)."""
     opt_tensors, opt_meta = flatten_optimizer_state(optimizer_state)
     save_file(opt_tensors, str(tmp / f"optimizer{rank_suffix}.safetensors"))
+    _write_json(tmp / f"optimizer{rank_suffix}.json", opt_meta)
     save_file(_rng_state(device), str(tmp / f"rng{rank_suffix}.safetensors"))
+
+
+def finish_checkpoint(tmp: Path, state: TrainerState, model_state: dict[str, torch.Tensor], config_toml: str,
+                      optimizer_shards: int = 0) -> Path:
+    """Write the model and trainer state, mark the directory complete and rename it into place."""
+    save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
     _write_json(tmp / "trainer_state.json", {
         "format_version": state.format_version, "step": state.step, "tokens_seen": state.tokens_seen,
-        "optimizer": opt_meta,
+        "optimizer_shards": optimizer_shards,
     })
     (tmp / "config.toml").write_text(config_toml)
     for f in tmp.iterdir():
@@ -150,9 +155,24 @@ def save_checkpoint(
             os.fsync(fh.fileno())
     (tmp / "COMPLETE").write_text(f"{state.step}\n")
     _fsync_dir(tmp)
+    final = tmp.with_name(tmp.name.removesuffix(".tmp"))
     os.replace(tmp, final)
     _fsync_dir(final.parent)
     return final
+
+
+def save_checkpoint(
+    run_dir: Path,
+    state: TrainerState,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
+    config_toml: str,
+    device: torch.device,
+) -> Path:
+    """Write a complete single-writer checkpoint for `state.step` atomically and return its directory."""
+    tmp = begin_checkpoint(run_dir, state.step)
+    write_rank_files(tmp, optimizer_state, device)
+    return finish_checkpoint(tmp, state, model_state, config_toml)
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> None:
@@ -185,17 +205,34 @@ def load_checkpoint(path: Path, rank_suffix: str = "") -> LoadedCheckpoint:
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"checkpoint file {f} is corrupted or unreadable: {e}") from None
 
+    def json_file(name: str) -> dict[str, Any]:
+        f = path / name
+        try:
+            return json.loads(f.read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint file {f} is missing") from None
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"checkpoint file {f} is corrupted: {e}") from None
+
+    meta = json_file("trainer_state.json")
     try:
-        meta = json.loads((path / "trainer_state.json").read_text())
         state = TrainerState(step=int(meta["step"]), tokens_seen=int(meta["tokens_seen"]),
                              format_version=int(meta["format_version"]))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint file {path / 'trainer_state.json'} is corrupted or missing: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint file {path / 'trainer_state.json'} is corrupted: {e}") from None
     if state.format_version != FORMAT_VERSION:
         raise CheckpointError(
             f"{path} has checkpoint format {state.format_version}; this fivefold reads format {FORMAT_VERSION}"
         )
-    optimizer = unflatten_optimizer_state(tensors(f"optimizer{rank_suffix}.safetensors"), meta["optimizer"])
+    shards = int(meta.get("optimizer_shards", 0))
+    if bool(shards) != bool(rank_suffix):
+        raise CheckpointError(
+            f"{path} holds the optimizer state {f'in {shards} per-rank shards' if shards else 'of a single rank'}, "
+            f"but this run {'shards' if rank_suffix else 'does not shard'} it; resume with the layout it was "
+            "written under (see its config.toml)"
+        )
+    optimizer = unflatten_optimizer_state(tensors(f"optimizer{rank_suffix}.safetensors"),
+                                          json_file(f"optimizer{rank_suffix}.json"))
     return LoadedCheckpoint(
         path=path, state=state, model_state=tensors("model.safetensors"), optimizer_state=optimizer,
         rng_state=tensors(f"rng{rank_suffix}.safetensors"), config_toml=(path / "config.toml").read_text(),

@@ -146,16 +146,18 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
     val_rows = max(cfg.layout.dp, min(t.global_batch_size, 16) // cfg.layout.dp * cfg.layout.dp)
     val_data = list(val_batches(val_set, t.seq_len, val_rows, t.eval_batches))
 
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    engine = create_engine(cfg, device)
+    rank_suffix = f"-rank{rank}" if getattr(engine, "optimizer_state_is_sharded", False) else ""
     loaded = None
     if resume_from is not None:
-        loaded = ckpt.load_checkpoint(resume_from)
+        loaded = ckpt.load_checkpoint(resume_from, rank_suffix)
         if loaded.state.step >= t.max_steps:
             raise RunDirError(
                 f"--resume: the newest checkpoint {resume_from} is at step {loaded.state.step}, which is not "
                 f"before train.max_steps = {t.max_steps}; raise --max-steps to train further"
             )
 
-    engine = create_engine(cfg, device)
     if loaded is not None:
         ckpt.check_model_state(loaded.model_state, engine.model_state(), loaded.path)
         engine.load_model_state(loaded.model_state)
@@ -196,11 +198,19 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
         log({"step": step, "val_loss": val})
 
     def save(step: int) -> None:
+        # every rank: gather the full model state (collective) and write its optimizer shard if sharded
         state = ckpt.TrainerState(step=step, tokens_seen=tokens_seen)
-        model_state = engine.model_state()
+        model_state, optimizer_state = engine.model_state(), engine.optimizer_state()
         if engine.is_logging_rank:
-            result.checkpoint = ckpt.save_checkpoint(run_dir, state, model_state, engine.optimizer_state(),
-                                                     config_toml, device)
+            ckpt.begin_checkpoint(run_dir, step)
+        engine.barrier()
+        tmp = ckpt.checkpoint_dir(run_dir, step).with_name(ckpt.checkpoint_dir(run_dir, step).name + ".tmp")
+        if rank_suffix or engine.is_logging_rank:
+            ckpt.write_rank_files(tmp, optimizer_state, device, rank_suffix)
+        engine.barrier()
+        if engine.is_logging_rank:
+            result.checkpoint = ckpt.finish_checkpoint(tmp, state, model_state, config_toml,
+                                                       engine.n_devices if rank_suffix else 0)
             ckpt.prune_checkpoints(run_dir, t.keep_checkpoints)
         engine.barrier()
 

@@ -63,7 +63,8 @@ def _architecture(hf: dict[str, Any]) -> str:
         arch = _MODEL_TYPES.get(str(hf.get("model_type", "")), str(hf.get("model_type")))
     if arch not in (LLAMA_ARCH, MIXTRAL_ARCH):
         raise ConfigError(
-            f"Hugging Face architecture {arch!r} is not supported; fivefold reads {LLAMA_ARCH} and {MIXTRAL_ARCH}"
+            f"Hugging Face architecture {arch!r} is not supported; fivefold reads {LLAMA_ARCH} and "
+            f"{MIXTRAL_ARCH}"
         )
     return arch
 
@@ -79,7 +80,8 @@ def _rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, float]]:
         return float(theta), {}
     if rope_type != "llama3":
         raise ConfigError(
-            f"Hugging Face rope_type = {rope_type!r} is not supported; fivefold implements 'default' and 'llama3'"
+            f"Hugging Face rope_type = {rope_type!r} is not supported; fivefold implements 'default' and "
+            "'llama3'"
         )
     missing = [k for k in _ROPE_SCALING_KEYS if k not in scaling]
     if missing:
@@ -100,7 +102,9 @@ def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None =
             raise ConfigError(f"Hugging Face config lacks {key!r}, which {arch} requires")
     hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     if hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"Hugging Face hidden_act = {hf['hidden_act']!r} is not supported; fivefold uses 'silu'")
+        raise ConfigError(
+            f"Hugging Face hidden_act = {hf['hidden_act']!r} is not supported; fivefold uses 'silu'"
+        )
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise ConfigError(f"Hugging Face {key} = true is not supported; fivefold's linears have no bias")
@@ -208,7 +212,9 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_tensors(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], where: str) -> None:
+def check_tensors(
+    found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], where: str
+) -> None:
     """Raise CheckpointError listing the first few missing, unexpected and wrongly shaped tensors."""
     missing = [k for k in expected if k not in found]
     unexpected = [k for k in found if k not in expected]
@@ -291,7 +297,8 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
     sd = {k: v for k, v in hf_sd.items() if not k.endswith(_IGNORED_HF_SUFFIXES)}
     if cfg.tied_embeddings:
         sd.pop("lm_head.weight", None)
-    check_tensors({k: tuple(v.shape) for k, v in sd.items()}, expected_hf_shapes(cfg), "the Hugging Face weights")
+    found = {k: tuple(v.shape) for k, v in sd.items()}
+    check_tensors(found, expected_hf_shapes(cfg), "the Hugging Face weights")
     out: dict[str, torch.Tensor] = {"embed.weight": sd["model.embed_tokens.weight"]}
     for i in range(cfg.n_layers):
         for ff, hf in _layer_names(i):
@@ -341,7 +348,9 @@ def export_hf(
     out = check_output_dir(out_dir, overwrite)
     from safetensors.torch import save_file
 
-    sd = model_or_state_dict.state_dict() if isinstance(model_or_state_dict, nn.Module) else model_or_state_dict
+    sd = model_or_state_dict
+    if isinstance(sd, nn.Module):
+        sd = sd.state_dict()
     hf_sd = {k: v.to("cpu") for k, v in to_hf_state_dict(sd, cfg).items()}
     hf_config = hf_config_from_model_config(cfg, dtype=hf_sd["model.embed_tokens.weight"].dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -379,7 +388,9 @@ def _safetensors_files(hf_dir: Path) -> list[Path]:
             shard = hf_dir / name
             # a shard name must stay inside the directory
             if Path(name).name != name or not shard.is_file():
-                raise CheckpointError(f"shard {name!r} listed in {str(index)!r} is not a file in {str(hf_dir)!r}")
+                raise CheckpointError(
+                    f"shard {name!r} listed in {str(index)!r} is not a file in {str(hf_dir)!r}"
+                )
             files.append(shard)
         return files
     pickles = sorted(p.name for p in hf_dir.glob("*.bin"))

@@ -233,6 +233,16 @@ def test_mismatched_state_dict_lists_the_differences() -> None:
         from_hf_state_dict(hf_sd, cfg)
 
 
+def test_shard_index_cannot_point_outside_the_directory(tmp_path: Path) -> None:
+    cfg = small_config()
+    hf_dir = export_hf(build_model(cfg, seed=0), cfg, tmp_path / "hf")
+    (hf_dir / "model.safetensors").rename(tmp_path / "elsewhere.safetensors")
+    index = {"weight_map": {"model.norm.weight": "../elsewhere.safetensors"}}
+    (hf_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="not a file in"):
+        load_hf(hf_dir)
+
+
 def test_pickled_weights_are_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(hf_config_from_model_config(small_config())))
     (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
@@ -278,6 +288,16 @@ def test_export_cli_single_tied_checkpoint(tmp_path: Path) -> None:
     assert cli_main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "hf")]) == 0
     toks = tokens()
     diff = (hf_logits(load_transformers(tmp_path / "hf", "LlamaForCausalLM"), toks) - ff_logits(model, toks))
+    assert diff.abs().max().item() < ATOL
+
+
+def test_export_cli_moe_checkpoint(tmp_path: Path) -> None:
+    cfg = moe_config()
+    model = random_model(cfg)
+    write_checkpoint(tmp_path / "ckpt", cfg, model)
+    assert cli_main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "hf")]) == 0
+    toks = tokens()
+    diff = hf_logits(load_transformers(tmp_path / "hf", "MixtralForCausalLM"), toks) - ff_logits(model, toks)
     assert diff.abs().max().item() < ATOL
 
 

@@ -344,7 +344,7 @@ def export_hf(
     """Write `config.json` and `model.safetensors` that `transformers` loads as LlamaForCausalLM
     (MixtralForCausalLM for MoE). Files are written to a temporary directory beside `out_dir`, then
     moved into place. A non-empty `out_dir` is refused unless `overwrite`, which replaces those two
-    files and keeps any others (a tokenizer, say)."""
+    files, removes a stale `model.safetensors.index.json` and keeps any others (a tokenizer, say)."""
     out = check_output_dir(out_dir, overwrite)
     from safetensors.torch import save_file
 

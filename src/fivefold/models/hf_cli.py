@@ -23,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a checkpoint directory, or a run directory (its newest complete checkpoint)")
     parser.add_argument("--hf", required=True, metavar="OUT_DIR", help="the Hugging Face directory to write")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace config.json and model.safetensors in a non-empty OUT_DIR")
+                        help="replace config.json and model.safetensors in a non-empty OUT_DIR; "
+                        "other files stay")
 
 
 def resolve_checkpoint(path: Path) -> tuple[Path, str | None]:

@@ -96,6 +96,9 @@ def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None =
     model cannot represent (another architecture, biases, a head_dim other than hidden / heads, ...).
     """
     hf = _read_config_json(config)
+    if name is None and not isinstance(config, dict):
+        path = Path(config)
+        name = (path if path.is_dir() else path.parent).resolve().name
     arch = _architecture(hf)
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if key not in hf:
@@ -143,7 +146,10 @@ def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None =
         cfg.moe_ffn = 0
         cfg.capacity_factor = 0.0  # Mixtral routing is dropless
         cfg.aux_loss_coef = float(hf.get("router_aux_loss_coef", cfg.aux_loss_coef))
-    cfg.validate()
+    try:
+        cfg.validate()
+    except ConfigError as e:
+        raise ConfigError(f"the Hugging Face config gives a model fivefold cannot build: {e}") from None
     return cfg
 
 

@@ -89,4 +89,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     arch = "MixtralForCausalLM" if cfg.is_moe else "LlamaForCausalLM"
     print(f"wrote {arch} ({count_params(cfg):,} parameters, model {cfg.name!r}) to {out_dir}")
+    if cfg.is_moe and cfg.capacity_factor > 0:
+        print(f"note: model.capacity_factor = {cfg.capacity_factor} drops overflow tokens in fivefold; "
+              f"{arch} routes without dropping, so outputs differ where fivefold would drop")
     return 0

@@ -1,0 +1,445 @@
+"""Hugging Face interoperability: fivefold's Llama (dense or MoE) <-> `LlamaForCausalLM` /
+`MixtralForCausalLM` directories (`config.json` + safetensors).
+
+Both sides use the rotate-half rotary layout and `[out, in]` linear weights, so dense weights map by
+name alone. MoE experts are stored batched here (`w_gate [E, hidden, ffn]`) and per expert in
+Mixtral files (`experts.{e}.w1.weight [ffn, hidden]`), so they are split and transposed.
+Weights are read from safetensors only; pickled checkpoints are never loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fivefold.config import ConfigError, ModelConfig
+
+LLAMA_ARCH = "LlamaForCausalLM"
+MIXTRAL_ARCH = "MixtralForCausalLM"
+_MODEL_TYPES = {"llama": LLAMA_ARCH, "mixtral": MIXTRAL_ARCH}
+_ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# tensors that older HF checkpoints carry but that are recomputed, not learned
+_IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+_MAX_LISTED = 5
+
+
+class CheckpointError(ValueError):
+    """Weights that cannot be read or do not match the model shape; the message lists what differs."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs
+
+
+def _read_config_json(config: dict[str, Any] | str | Path) -> dict[str, Any]:
+    if isinstance(config, dict):
+        return config
+    path = Path(config)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"Hugging Face config {str(path)!r} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"Hugging Face config {str(path)!r} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"Hugging Face config {str(path)!r} must hold a JSON object")
+    return data
+
+
+def _architecture(hf: dict[str, Any]) -> str:
+    archs = hf.get("architectures") or []
+    if archs:
+        arch = archs[0]
+    else:
+        arch = _MODEL_TYPES.get(str(hf.get("model_type", "")), str(hf.get("model_type")))
+    if arch not in (LLAMA_ARCH, MIXTRAL_ARCH):
+        raise ConfigError(
+            f"Hugging Face architecture {arch!r} is not supported; fivefold reads {LLAMA_ARCH} and "
+            f"{MIXTRAL_ARCH}"
+        )
+    return arch
+
+
+def _rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, float]]:
+    """rope_theta and the Llama-3 scaling dict from either the transformers 4 keys (`rope_theta`,
+    `rope_scaling`) or the transformers 5 `rope_parameters` dict."""
+    params = hf.get("rope_parameters") or {}
+    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or params
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if rope_type == "default":
+        return float(theta), {}
+    if rope_type != "llama3":
+        raise ConfigError(
+            f"Hugging Face rope_type = {rope_type!r} is not supported; fivefold implements 'default' and "
+            "'llama3'"
+        )
+    missing = [k for k in _ROPE_SCALING_KEYS if k not in scaling]
+    if missing:
+        raise ConfigError(f"Hugging Face rope_scaling of type 'llama3' lacks keys {missing}")
+    return float(theta), {k: float(scaling[k]) for k in _ROPE_SCALING_KEYS}
+
+
+def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None = None) -> ModelConfig:
+    """The fivefold ModelConfig of a Hugging Face `config.json` (a dict, the file, or its directory).
+
+    Reads `LlamaForCausalLM` and `MixtralForCausalLM`; raises ConfigError for anything fivefold's
+    model cannot represent (another architecture, biases, a head_dim other than hidden / heads, ...).
+    """
+    hf = _read_config_json(config)
+    if name is None and not isinstance(config, dict):
+        path = Path(config)
+        name = (path if path.is_dir() else path.parent).resolve().name
+    arch = _architecture(hf)
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if key not in hf:
+            raise ConfigError(f"Hugging Face config lacks {key!r}, which {arch} requires")
+    hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(
+            f"Hugging Face hidden_act = {hf['hidden_act']!r} is not supported; fivefold uses 'silu'"
+        )
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise ConfigError(f"Hugging Face {key} = true is not supported; fivefold's linears have no bias")
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and heads and int(head_dim) != hidden // heads:
+        raise ConfigError(
+            f"Hugging Face head_dim = {head_dim} differs from hidden_size / num_attention_heads = "
+            f"{hidden} / {heads} = {hidden // heads}; fivefold assumes head_dim = hidden / heads"
+        )
+    if hf.get("sliding_window"):
+        raise ConfigError(
+            f"Hugging Face sliding_window = {hf['sliding_window']} is not supported; fivefold attends to the "
+            "whole causal context (use null)"
+        )
+    theta, scaling = _rope_settings(hf)
+    is_mixtral = arch == MIXTRAL_ARCH
+    cfg = ModelConfig(
+        name=name or str(hf.get("_name_or_path") or ("hf-mixtral" if is_mixtral else "hf-llama")),
+        n_layers=int(hf["num_hidden_layers"]),
+        hidden=hidden,
+        n_heads=heads,
+        n_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        ffn=int(hf["intermediate_size"]),
+        vocab_size=int(hf["vocab_size"]),
+        max_seq_len=int(hf.get("max_position_embeddings", 131072 if is_mixtral else 2048)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-5 if is_mixtral else 1e-6)),
+        tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        init_std=float(hf.get("initializer_range", 0.02)),
+    )
+    if is_mixtral:
+        cfg.n_experts = int(hf.get("num_local_experts", 8))
+        cfg.top_k = int(hf.get("num_experts_per_tok", 2))
+        cfg.n_shared_experts = 0
+        cfg.moe_ffn = 0
+        cfg.capacity_factor = 0.0  # Mixtral routing is dropless
+        cfg.aux_loss_coef = float(hf.get("router_aux_loss_coef", cfg.aux_loss_coef))
+    try:
+        cfg.validate()
+    except ConfigError as e:
+        raise ConfigError(f"the Hugging Face config gives a model fivefold cannot build: {e}") from None
+    return cfg
+
+
+def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The Hugging Face `config.json` dict of a fivefold ModelConfig: LlamaForCausalLM for dense
+    models, MixtralForCausalLM for MoE models (which must have no shared experts).
+
+    Rotary settings are written under both the transformers 4 keys (`rope_theta`, `rope_scaling`) and
+    the transformers 5 key (`rope_parameters`), so either version reads them.
+    """
+    cfg.validate()
+    if cfg.is_moe and cfg.n_shared_experts:
+        raise ConfigError(
+            f"model.n_shared_experts = {cfg.n_shared_experts} cannot be exported: {MIXTRAL_ARCH} has no "
+            "shared experts (only models with n_shared_experts = 0 export)"
+        )
+    scaling: dict[str, Any] | None = None
+    if cfg.rope_scaling:
+        scaling = {"rope_type": "llama3", **{k: float(cfg.rope_scaling[k]) for k in _ROPE_SCALING_KEYS}}
+        scaling["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+    rope_parameters = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if scaling:
+        rope_parameters = {**scaling, "rope_theta": cfg.rope_theta}
+    hf: dict[str, Any] = {
+        "architectures": [MIXTRAL_ARCH if cfg.is_moe else LLAMA_ARCH],
+        "model_type": "mixtral" if cfg.is_moe else "llama",
+        "hidden_size": cfg.hidden,
+        "intermediate_size": cfg.expert_ffn if cfg.is_moe else cfg.ffn,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": scaling,
+        "rope_parameters": rope_parameters,
+        "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tied_embeddings,
+        "hidden_act": "silu",
+        "initializer_range": cfg.init_std,
+        "attention_dropout": 0.0,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if cfg.is_moe:
+        hf.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
+                  router_aux_loss_coef=cfg.aux_loss_coef, sliding_window=None)
+    else:
+        hf.update(attention_bias=False, mlp_bias=False)
+    return hf
+
+
+# ---------------------------------------------------------------------------------------------
+# State dicts
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """fivefold parameter names and shapes of a whole model (no `lm_head.weight` when tied, as the
+    trainer's checkpoints store it). Built on the meta device: allocates nothing."""
+    from fivefold.models.llama import build_model
+
+    model = build_model(cfg, device="meta")
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if cfg.tied_embeddings:
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
+def check_tensors(
+    found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], where: str
+) -> None:
+    """Raise CheckpointError listing the first few missing, unexpected and wrongly shaped tensors."""
+    missing = [k for k in expected if k not in found]
+    unexpected = [k for k in found if k not in expected]
+    wrong = [f"{k}: {list(found[k])} (expected {list(expected[k])})"
+             for k in expected if k in found and tuple(found[k]) != tuple(expected[k])]
+    if not (missing or unexpected or wrong):
+        return
+    parts = []
+    for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
+        if items:
+            more = f" and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else ""
+            parts.append(f"{len(items)} {label}: {', '.join(items[:_MAX_LISTED])}{more}")
+    raise CheckpointError(f"{where} does not match the model config: " + "; ".join(parts))
+
+
+def _layer_names(i: int) -> list[tuple[str, str]]:
+    """(fivefold, HF) names of layer i's tensors shared by dense and MoE blocks."""
+    ff, hf = f"layers.{i}.", f"model.layers.{i}."
+    pairs = [(f"{ff}attn.{p}_proj.weight", f"{hf}self_attn.{p}_proj.weight") for p in "qkvo"]
+    pairs += [(f"{ff}attn_norm.weight", f"{hf}input_layernorm.weight"),
+              (f"{ff}mlp_norm.weight", f"{hf}post_attention_layernorm.weight")]
+    return pairs
+
+
+def _dense_mlp_names(i: int) -> list[tuple[str, str]]:
+    return [(f"layers.{i}.mlp.{p}.weight", f"model.layers.{i}.mlp.{p}.weight")
+            for p in ("gate_proj", "up_proj", "down_proj")]
+
+
+# fivefold batched expert weight -> Mixtral per-expert name (w1 = gate, w3 = up, w2 = down)
+_EXPERT_WEIGHTS = (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2"))
+
+
+def to_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """fivefold names -> Hugging Face names (contiguous tensors; `lm_head` omitted when tied, as HF does).
+
+    Raises CheckpointError when the tensors do not match `cfg`, ConfigError when the model cannot be
+    expressed in Hugging Face's format (shared experts).
+    """
+    if cfg.is_moe and cfg.n_shared_experts:
+        hf_config_from_model_config(cfg)  # raises the shared-experts error
+    sd = dict(state_dict)
+    if cfg.tied_embeddings:
+        sd.pop("lm_head.weight", None)
+    check_tensors({k: tuple(v.shape) for k, v in sd.items()}, expected_shapes(cfg), "the fivefold state dict")
+    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": sd["embed.weight"]}
+    for i in range(cfg.n_layers):
+        for ff, hf in _layer_names(i):
+            out[hf] = sd[ff]
+        if not cfg.is_moe:
+            for ff, hf in _dense_mlp_names(i):
+                out[hf] = sd[ff]
+            continue
+        moe = f"model.layers.{i}.block_sparse_moe."
+        out[moe + "gate.weight"] = sd[f"layers.{i}.mlp.router.weight"]
+        for ff_name, hf_name in _EXPERT_WEIGHTS:
+            batched = sd[f"layers.{i}.mlp.{ff_name}"]
+            for e in range(cfg.n_experts):
+                out[f"{moe}experts.{e}.{hf_name}.weight"] = batched[e].t()
+    out["model.norm.weight"] = sd["norm.weight"]
+    if not cfg.tied_embeddings:
+        out["lm_head.weight"] = sd["lm_head.weight"]
+    return {k: v.detach().contiguous() for k, v in out.items()}
+
+
+def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor names and shapes of `cfg` (meta device, nothing allocated)."""
+    from fivefold.models.llama import build_model
+
+    meta = build_model(cfg, device="meta").state_dict()
+    return {k: tuple(v.shape) for k, v in to_hf_state_dict(meta, cfg).items()}
+
+
+def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face names -> fivefold names (no `lm_head.weight` when tied, as the trainer stores it).
+
+    Accepts and drops a tied checkpoint's redundant `lm_head.weight` and old `rotary_emb.inv_freq`
+    buffers; raises CheckpointError listing mismatched names and shapes otherwise.
+    """
+    sd = {k: v for k, v in hf_sd.items() if not k.endswith(_IGNORED_HF_SUFFIXES)}
+    if cfg.tied_embeddings:
+        sd.pop("lm_head.weight", None)
+    found = {k: tuple(v.shape) for k, v in sd.items()}
+    check_tensors(found, expected_hf_shapes(cfg), "the Hugging Face weights")
+    out: dict[str, torch.Tensor] = {"embed.weight": sd["model.embed_tokens.weight"]}
+    for i in range(cfg.n_layers):
+        for ff, hf in _layer_names(i):
+            out[ff] = sd[hf]
+        if not cfg.is_moe:
+            for ff, hf in _dense_mlp_names(i):
+                out[ff] = sd[hf]
+            continue
+        moe = f"model.layers.{i}.block_sparse_moe."
+        out[f"layers.{i}.mlp.router.weight"] = sd[moe + "gate.weight"]
+        for ff_name, hf_name in _EXPERT_WEIGHTS:
+            experts = [sd[f"{moe}experts.{e}.{hf_name}.weight"].t() for e in range(cfg.n_experts)]
+            out[f"layers.{i}.mlp.{ff_name}"] = torch.stack(experts)
+    out["norm.weight"] = sd["model.norm.weight"]
+    if not cfg.tied_embeddings:
+        out["lm_head.weight"] = sd["lm_head.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Directories
+
+
+def check_output_dir(out_dir: str | Path, overwrite: bool) -> Path:
+    """Refuse a file, or a non-empty directory unless `overwrite`; called before any expensive work."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"output {str(out)!r} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise CheckpointError(
+            f"output directory {str(out)!r} is not empty; choose an empty or new directory, or pass "
+            "overwrite (--overwrite) to replace its config.json and model.safetensors"
+        )
+    return out
+
+
+def export_hf(
+    model_or_state_dict: nn.Module | dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    out_dir: str | Path,
+    overwrite: bool = False,
+) -> Path:
+    """Write `config.json` and `model.safetensors` that `transformers` loads as LlamaForCausalLM
+    (MixtralForCausalLM for MoE). Files are written to a temporary directory beside `out_dir`, then
+    moved into place. A non-empty `out_dir` is refused unless `overwrite`, which replaces those two
+    files, removes a stale `model.safetensors.index.json` and keeps any others (a tokenizer, say)."""
+    out = check_output_dir(out_dir, overwrite)
+    from safetensors.torch import save_file
+
+    sd = model_or_state_dict
+    if isinstance(sd, nn.Module):
+        sd = sd.state_dict()
+    hf_sd = {k: v.to("cpu") for k, v in to_hf_state_dict(sd, cfg).items()}
+    hf_config = hf_config_from_model_config(cfg, dtype=hf_sd["model.embed_tokens.weight"].dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        save_file(hf_sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if not out.exists():
+            os.rename(tmp, out)
+            return out
+        for name in ("model.safetensors", "config.json"):
+            os.replace(tmp / name, out / name)
+        # a stale shard index would point loaders at the old weights
+        stale_index = out / "model.safetensors.index.json"
+        if stale_index.exists():
+            stale_index.unlink()
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out
+
+
+def _safetensors_files(hf_dir: Path) -> list[Path]:
+    single = hf_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"shard index {str(index)!r} is not valid: {e!r}") from None
+        files = []
+        for name in sorted(set(weight_map.values())):
+            shard = hf_dir / name
+            # a shard name must stay inside the directory
+            if Path(name).name != name or not shard.is_file():
+                raise CheckpointError(
+                    f"shard {name!r} listed in {str(index)!r} is not a file in {str(hf_dir)!r}"
+                )
+            files.append(shard)
+        return files
+    pickles = sorted(p.name for p in hf_dir.glob("*.bin"))
+    hint = f" (found {pickles}: pickled weights are not read; re-save them as safetensors)" if pickles else ""
+    raise CheckpointError(f"{str(hf_dir)!r} has no model.safetensors or model.safetensors.index.json{hint}")
+
+
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of one safetensors file, or CheckpointError naming the file."""
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises its own error type (and OSError) for damaged files
+        raise CheckpointError(f"cannot read safetensors file {str(path)!r}: {e}") from None
+
+
+def load_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a Hugging Face Llama/Mixtral directory (single or sharded safetensors) as a fivefold
+    ModelConfig and state dict with fivefold names."""
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise CheckpointError(f"Hugging Face directory {str(hf_dir)!r} does not exist")
+    cfg = model_config_from_hf(hf_dir)
+    hf_sd: dict[str, torch.Tensor] = {}
+    for f in _safetensors_files(hf_dir):
+        hf_sd.update(read_safetensors(f))
+    return cfg, from_hf_state_dict(hf_sd, cfg)
+
+
+def load_state_dict_into(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load a fivefold state dict that omits the tied `lm_head.weight` into a whole model."""
+    sd = dict(state_dict)
+    if getattr(model, "cfg", None) is not None and model.cfg.tied_embeddings and "lm_head.weight" not in sd:
+        sd["lm_head.weight"] = sd["embed.weight"]
+    model.load_state_dict(sd, strict=True)
+
+
+def model_from_hf(hf_dir: str | Path, device: torch.device | str = "cpu") -> nn.Module:
+    """A fivefold Llama built from a Hugging Face directory."""
+    from fivefold.models.llama import build_model
+
+    cfg, sd = load_hf(hf_dir)
+    model = build_model(cfg, device=device)
+    load_state_dict_into(model, sd)
+    return model

@@ -1,0 +1,95 @@
+"""`fivefold export --checkpoint PATH --hf OUT_DIR`: a trained checkpoint as a Hugging Face directory.
+
+PATH is one checkpoint directory (`model.safetensors` + `config.toml`) or a run directory whose
+`checkpoints/step_XXXXXXXX/` holds several; then the newest complete one (with its `COMPLETE`
+marker) is exported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from fivefold.cli import CliError
+from fivefold.config import build_config
+from fivefold.flops import count_params
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", required=True, metavar="PATH",
+                        help="a checkpoint directory, or a run directory (its newest complete checkpoint)")
+    parser.add_argument("--hf", required=True, metavar="OUT_DIR", help="the Hugging Face directory to write")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace config.json and model.safetensors in a non-empty OUT_DIR; "
+                        "other files stay")
+
+
+def resolve_checkpoint(path: Path) -> tuple[Path, str | None]:
+    """The checkpoint directory to export and, when it was picked from a run, a note saying which."""
+    if not path.exists():
+        raise CliError(f"--checkpoint {str(path)!r} does not exist")
+    if (path / "model.safetensors").is_file():
+        return path, None
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    steps = sorted((int(m.group(1)), p) for p in root.iterdir()
+                   if p.is_dir() and (m := _STEP_DIR.match(p.name)))
+    complete = [(s, p) for s, p in steps if (p / "COMPLETE").is_file()]
+    if not complete:
+        found = ", ".join(p.name for _, p in steps[-5:]) or "none"
+        raise CliError(
+            f"--checkpoint {str(path)!r} holds no model.safetensors and no complete checkpoint "
+            f"(step_XXXXXXXX directory with a COMPLETE marker) under {str(root)!r}; "
+            f"step directories found: {found}"
+        )
+    newest_step, newest = complete[-1]
+    skipped = [p.name for s, p in steps if s > newest_step]
+    note = f"using {newest.name}, the newest of {len(complete)} complete checkpoint(s) in {root}"
+    if skipped:
+        note += f" (skipped incomplete: {', '.join(skipped)})"
+    return newest, note
+
+
+def run(args: argparse.Namespace) -> int:
+    from fivefold.models.hf import (
+        CheckpointError,
+        check_output_dir,
+        check_tensors,
+        expected_shapes,
+        export_hf,
+        read_safetensors,
+    )
+
+    out_dir = Path(args.hf)
+    try:
+        check_output_dir(out_dir, args.overwrite)
+    except CheckpointError as e:
+        raise CliError(str(e)) from None
+    ckpt, note = resolve_checkpoint(Path(args.checkpoint))
+    if note:
+        print(note)
+    config_file = ckpt / "config.toml"
+    if not config_file.is_file():
+        raise CliError(f"checkpoint {str(ckpt)!r} has no config.toml (the run's resolved config)")
+    cfg = build_config(config_file).model
+    cfg.validate()
+    weights = ckpt / "model.safetensors"
+    if not weights.is_file():
+        raise CliError(f"checkpoint {str(ckpt)!r} has no model.safetensors")
+    try:
+        state_dict = read_safetensors(weights)
+        found = {k: tuple(v.shape) for k, v in state_dict.items()}
+        if cfg.tied_embeddings:
+            found.pop("lm_head.weight", None)
+        check_tensors(found, expected_shapes(cfg), f"{weights}")
+        export_hf(state_dict, cfg, out_dir, overwrite=args.overwrite)
+    except CheckpointError as e:
+        raise CliError(str(e)) from None
+    arch = "MixtralForCausalLM" if cfg.is_moe else "LlamaForCausalLM"
+    print(f"wrote {arch} ({count_params(cfg):,} parameters, model {cfg.name!r}) to {out_dir}")
+    if cfg.is_moe and cfg.capacity_factor > 0:
+        print(f"note: model.capacity_factor = {cfg.capacity_factor} drops overflow tokens in fivefold; "
+              f"{arch} routes without dropping, so outputs differ where fivefold would drop")
+    return 0

@@ -241,8 +241,11 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
             if done % cfg.log.log_every == 0 or done == t.max_steps or done == stop_after:
                 loss = engine.reduce_for_logging(loss_sum).item() / global_tokens
                 synchronize(device)
+                memory = per_rank_peak_memory(device)
                 record = step_record(done, loss, lr, float(grad_norm), throughput.report(), engine.n_devices,
-                                     flops_per_token, peak, peak_memory_bytes(device))
+                                     flops_per_token, peak, max(memory))
+                if len(memory) > 1:
+                    record["peak_memory_bytes_per_rank"] = memory
                 log(record)
                 result.losses.append(loss)
             else:
@@ -267,6 +270,17 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
                          f"{result.val_losses.get(t.max_steps, float('nan')):.4f}; checkpoint {result.checkpoint}")
         writer.close()
     return result
+
+
+def per_rank_peak_memory(device: torch.device) -> list[int]:
+    """Peak memory of every rank (one collective when distributed), in rank order."""
+    mine = peak_memory_bytes(device)
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return [mine]
+    values = torch.zeros(torch.distributed.get_world_size(), dtype=torch.int64, device=device)
+    values[torch.distributed.get_rank()] = mine
+    torch.distributed.all_reduce(values)
+    return values.tolist()
 
 
 def _last_finite(values: list[float]) -> float:

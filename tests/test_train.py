@@ -125,3 +125,14 @@ def test_profile_writes_trace(tmp_path, dataset):
                                                       "log.profile_steps": "1"})
     train(cfg)
     assert list((tmp_path / "run" / "profile").glob("trace-*.json"))
+
+
+@pytest.mark.slow
+def test_builtin_default_run_gets_below_60_percent_of_initial_val_loss(tmp_path, monkeypatch, capsys):
+    """`fivefold train` with no arguments (the README's first command), as the foundation issue asks."""
+    monkeypatch.setenv("FIVEFOLD_CACHE", str(tmp_path / "cache"))
+    assert main(["train", "--run-dir", str(tmp_path / "run"), "--log.progress", "plain"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+    assert max(val) == 450 and val[450] < 0.6 * val[0]
+    assert "done: 450 steps" in capsys.readouterr().out

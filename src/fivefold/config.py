@@ -137,7 +137,7 @@ class LayoutConfig:
 class TrainConfig:
     seq_len: int = 128
     global_batch_size: int = 32  # sequences per optimizer step, whatever the layout
-    max_steps: int = 300
+    max_steps: int = 450
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30

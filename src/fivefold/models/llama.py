@@ -234,10 +234,11 @@ class Llama(nn.Module):
 
     def forward_hidden(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [batch, seq] (or hidden states on a later pipeline stage) -> final hidden states."""
+        if positions is None:
+            # from the input, before the embedding: under sequence parallelism its output holds a slice
+            positions = torch.arange(x.shape[1], device=x.device)
         if self.embed is not None:
             x = self.embed(x)
-        if positions is None:
-            positions = torch.arange(x.shape[1], device=x.device)
         cos, sin = rope_cos_sin(self.cfg, positions)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for block in self.layers.values():

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from distributed import run_ranks
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from distributed import run_ranks
 from fivefold.config import ConfigError
 from fivefold.models.llama import build_model
 from fivefold.models.presets import get_preset

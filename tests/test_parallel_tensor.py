@@ -12,6 +12,8 @@ identical gradients on both ranks.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -43,8 +45,12 @@ def batch(vocab: int, rows: int = 2, seq: int = 16) -> tuple[torch.Tensor, torch
     return tokens, targets
 
 
-def reference(preset: str) -> tuple[float, dict[str, torch.Tensor]]:
-    cfg = get_preset(preset)
+def model_config(preset: str, overrides: dict | None = None):
+    return dataclasses.replace(get_preset(preset), **(overrides or {}))
+
+
+def reference(preset: str, overrides: dict | None = None) -> tuple[float, dict[str, torch.Tensor]]:
+    cfg = model_config(preset, overrides)
     model = build_model(cfg, "cpu", seed=0)
     tokens, targets = batch(cfg.vocab_size)
     loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(), reduction="sum", ignore_index=-100)
@@ -58,13 +64,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def tp_loss_and_grad_errors(rank: int, world_size: int, preset: str, variants: list[tuple[bool, str]]) -> list[dict]:
+def tp_loss_and_grad_errors(rank: int, world_size: int, preset: str, variants: list[tuple[bool, str]],
+                            overrides: dict | None = None) -> list[dict]:
     """On each rank: for each (sequence_parallel, recompute), the tp loss and gathered gradients against
     the single-process reference."""
     group = dist.group.WORLD
-    cfg = get_preset(preset)
+    cfg = model_config(preset, overrides)
     tokens, targets = batch(cfg.vocab_size)
-    ref_loss, ref_grads = reference(preset)
+    ref_loss, ref_grads = reference(preset, overrides)
     results = []
     for sp, recompute in variants:
         model = build_model(cfg, "cpu", seed=0)
@@ -113,6 +120,15 @@ def test_tp2_moe_matches_single_process():
     check_tp_results(results)
 
 
+@pytest.mark.slow
+def test_tp4_matches_single_process():
+    """Four ranks, four kv heads, dense and MoE with capacity-based routing, every recompute mode."""
+    variants = [(False, "none"), (True, "none"), (True, "selective"), (False, "full")]
+    check_tp_results(run_ranks(4, tp_loss_and_grad_errors, "tiny", variants, dict(n_kv_heads=4)))
+    check_tp_results(run_ranks(4, tp_loss_and_grad_errors, "tiny-moe", variants,
+                               dict(n_kv_heads=4, capacity_factor=1.0)))
+
+
 def vocab_loss_and_state_round_trip(rank: int, world_size: int) -> dict:
     group = dist.group.WORLD
     cfg = get_preset("tiny")
@@ -136,13 +152,23 @@ def vocab_loss_and_state_round_trip(rank: int, world_size: int) -> dict:
               for c in (1, 7, 4096)]
     seq_hidden = hidden.chunk(world_size, 1)[rank]  # under SP the hidden states arrive sequence-sharded
     sp_loss = vocab_parallel_loss_sum(model, seq_hidden, targets, group, True).item()
-    return dict(shards_exact=shards_exact, round_trip=round_trip, expected=expected, losses=losses, sp_loss=sp_loss)
+    # a sequence that does not split over the tp ranks is refused by sequence parallelism
+    sp_model = build_model(cfg, "cpu", seed=0)
+    apply_tensor_parallel(sp_model, group, sequence_parallel=True)
+    try:
+        sp_model.forward_hidden(torch.zeros(1, 9, dtype=torch.long))
+        odd_seq_error = ""
+    except ValueError as e:
+        odd_seq_error = str(e)
+    return dict(shards_exact=shards_exact, round_trip=round_trip, expected=expected, losses=losses, sp_loss=sp_loss,
+                odd_seq_error=odd_seq_error)
 
 
 def test_vocab_parallel_loss_and_state_round_trip():
     results = run_ranks(2, vocab_loss_and_state_round_trip)
     for r in results:
         assert r["shards_exact"] and r["round_trip"]
+        assert "sequence length is 9; use a sequence length divisible by 2" in r["odd_seq_error"]
         for loss in [*r["losses"], r["sp_loss"]]:
             assert abs(loss - r["expected"]) <= TOL * abs(r["expected"])
     assert results[0]["losses"] == results[1]["losses"]

@@ -236,10 +236,20 @@ def apply_tensor_parallel(model: Llama, tp_group: ProcessGroup, sequence_paralle
         else:
             _shard_linear(model.lm_head, 0, tp_rank, tp_size)
     if sequence_parallel:
-        # norms see a sequence slice: their gradients are partial sums, completed over tp
-        for module in model.modules():
-            if isinstance(module, RMSNorm):
-                module.weight.register_hook(all_reduce_grad_hook(tp_group))
+        register_sequence_parallel_grad_hooks(model, tp_group)
+
+
+def register_sequence_parallel_grad_hooks(model: Llama, tp_group: ProcessGroup) -> list[str]:
+    """Under SP the norms see a sequence slice, so their weights' gradients are partial sums: hook each norm
+    weight to all-reduce its gradient over tp before it is accumulated (before any data-parallel hook that
+    runs after accumulation). Called by `apply_tensor_parallel`; call it again only if a wrapper replaces
+    these `nn.Parameter` objects. Returns the hooked parameter names."""
+    names = []
+    for module_name, module in model.named_modules():
+        if isinstance(module, RMSNorm):
+            module.weight.register_hook(all_reduce_grad_hook(tp_group))
+            names.append(f"{module_name}.weight")
+    return names
 
 
 def vocab_parallel_loss_sum(model: Llama, hidden: torch.Tensor, targets: torch.Tensor, tp_group: ProcessGroup,

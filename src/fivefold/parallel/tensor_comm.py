@@ -25,6 +25,9 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 SEQ_DIM = 1
+# the single-tensor collectives' new names (torch >= 2.13), the old ones before
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_scatter_from = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> (
@@ -39,7 +42,7 @@ def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     size = dist.get_world_size(group)
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] * size, *front.shape[1:]))
-    dist.all_gather_into_tensor(out, front, group=group)
+    _gather_into(out, front, group=group)
     return out.movedim(0, dim)
 
 
@@ -52,7 +55,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Ten
         )
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
-    dist.reduce_scatter_tensor(out, front, group=group)
+    _scatter_from(out, front, group=group)
     return out.movedim(0, dim)
 
 

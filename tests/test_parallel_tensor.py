@@ -135,6 +135,7 @@ def vocab_loss_and_state_round_trip(rank: int, world_size: int) -> dict:
     model = build_model(cfg, "cpu", seed=0)
     full_state = {k: v.clone() for k, v in model.state_dict().items()}
     apply_tensor_parallel(model, group, sequence_parallel=False)
+    tied = model.lm_head.weight is model.embed.weight
     # the local state is exactly this rank's shard of the full one, and gathers back to it exactly
     local_state = model.state_dict()
     sharded = shard_state(full_state, rank, world_size)
@@ -160,14 +161,14 @@ def vocab_loss_and_state_round_trip(rank: int, world_size: int) -> dict:
         odd_seq_error = ""
     except ValueError as e:
         odd_seq_error = str(e)
-    return dict(shards_exact=shards_exact, round_trip=round_trip, expected=expected, losses=losses, sp_loss=sp_loss,
-                odd_seq_error=odd_seq_error)
+    return dict(tied=tied, shards_exact=shards_exact, round_trip=round_trip, expected=expected, losses=losses,
+                sp_loss=sp_loss, odd_seq_error=odd_seq_error)
 
 
 def test_vocab_parallel_loss_and_state_round_trip():
     results = run_ranks(2, vocab_loss_and_state_round_trip)
     for r in results:
-        assert r["shards_exact"] and r["round_trip"]
+        assert r["tied"] and r["shards_exact"] and r["round_trip"]
         assert "sequence length is 9; use a sequence length divisible by 2" in r["odd_seq_error"]
         for loss in [*r["losses"], r["sp_loss"]]:
             assert abs(loss - r["expected"]) <= TOL * abs(r["expected"])

@@ -24,10 +24,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32 whatever the activation dtype, as Llama does
+        return self.weight * self.normalize(x)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """x / rms(x), before the weight; in fp32 whatever the activation dtype, as Llama does."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return xf.to(x.dtype)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

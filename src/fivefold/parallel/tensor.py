@@ -16,8 +16,8 @@ all-reduce) and the output through g (forward all-reduce); the embedding output 
 two small all-reduces per chunk of tokens (`vocab_parallel_loss_sum`). With sequence parallelism the
 norms and residual adds hold [batch, seq / tp, hidden]: f becomes an all-gather along the sequence
 (backward reduce-scatter) and g a reduce-scatter (backward all-gather), the same bytes as one all-reduce.
-The norm weights then see only their sequence slice, so a gradient hook all-reduces their gradient over
-tp: every replicated parameter ends with the same, full gradient on every tp rank.
+The norm weights then see only their sequence slice, so each norm's weight enters through f (backward
+all-reduce over tp): every replicated parameter ends with the same, full gradient on every tp rank.
 
 The MoE router sees the whole (gathered) sequence, so routing, capacity and the load-balancing loss are
 exactly those of one process and identical on every rank. The router's gradient is full on every rank;
@@ -39,7 +39,6 @@ from torch.distributed import ProcessGroup
 from fivefold.config import ConfigError, ModelConfig, nearest_divisors
 from fivefold.models.llama import MLP, Attention, Llama, MoE, RMSNorm
 from fivefold.parallel.tensor_comm import (
-    all_reduce_grad_hook,
     copy_to_tp,
     enter_tp_region,
     exit_tp_region,
@@ -179,6 +178,19 @@ class TensorParallelMoE(MoE):
         return exit_tp_region(out.view(shape), group, self.sequence_parallel)
 
 
+class SequenceParallelRMSNorm(RMSNorm):
+    """A norm on this rank's sequence slice. Its weight's gradient is then a partial sum over the slice, so
+    the weight enters through f (backward all-reduce over tp): the gradient is full and identical on every
+    rank, whatever object holds the parameter (a hook on the `nn.Parameter` would be lost to a wrapper that
+    swaps it, such as `fully_shard`)."""
+
+    tp_group: ProcessGroup
+    sequence_parallel: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return copy_to_tp(self.weight, self.tp_group) * self.normalize(x)
+
+
 def _shard_param(module: nn.Module, attr: str, dim: int, tp_rank: int, tp_size: int) -> None:
     full = getattr(module, attr)
     setattr(module, attr, nn.Parameter(shard_for_rank(full.detach(), dim, tp_rank, tp_size).clone()))
@@ -236,20 +248,9 @@ def apply_tensor_parallel(model: Llama, tp_group: ProcessGroup, sequence_paralle
         else:
             _shard_linear(model.lm_head, 0, tp_rank, tp_size)
     if sequence_parallel:
-        register_sequence_parallel_grad_hooks(model, tp_group)
-
-
-def register_sequence_parallel_grad_hooks(model: Llama, tp_group: ProcessGroup) -> list[str]:
-    """Under SP the norms see a sequence slice, so their weights' gradients are partial sums: hook each norm
-    weight to all-reduce its gradient over tp before it is accumulated (before any data-parallel hook that
-    runs after accumulation). Called by `apply_tensor_parallel`; call it again only if a wrapper replaces
-    these `nn.Parameter` objects. Returns the hooked parameter names."""
-    names = []
-    for module_name, module in model.named_modules():
-        if isinstance(module, RMSNorm):
-            module.weight.register_hook(all_reduce_grad_hook(tp_group))
-            names.append(f"{module_name}.weight")
-    return names
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                _to_tp_class(module, SequenceParallelRMSNorm, tp_group, sequence_parallel)
 
 
 def vocab_parallel_loss_sum(model: Llama, hidden: torch.Tensor, targets: torch.Tensor, tp_group: ProcessGroup,

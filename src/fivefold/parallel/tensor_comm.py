@@ -157,13 +157,6 @@ def grad_on_first_rank(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return x if _single(group) else _GradOnFirstRank.apply(x, group)
 
 
-def all_reduce_grad_hook(group: ProcessGroup):
-    """A `Tensor.register_hook` hook that sums a parameter's gradient over `group` (before accumulation)."""
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        return _all_reduce(grad, group)
-    return hook
-
-
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_start: int,

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 from safetensors.torch import load_file
+from tests.test_train import dataset, small_config  # noqa: F401  (dataset is a fixture)
 
 from fivefold.cli import main
 from fivefold.train.checkpoint import latest_checkpoint
 from fivefold.train.loop import train
-from tests.test_train import dataset, small_config  # noqa: F401  (dataset is a fixture)
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 

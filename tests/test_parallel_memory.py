@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.distributed import run_ranks
 
 from fivefold.config import ModelConfig, build_config
-from tests.distributed import run_ranks
 
 MODEL = {"model.n_layers": "2", "model.hidden": "96", "model.n_heads": "12", "model.n_kv_heads": "12",
          "model.ffn": "192", "model.vocab_size": "384"}

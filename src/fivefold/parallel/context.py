@@ -1,0 +1,281 @@
+"""Context parallel (CP): the sequence dim of every activation is sharded over the cp ranks; attention, the
+one layer that mixes positions, runs as ring attention.
+
+Sharding. Each sequence is cut into 2*cp equal chunks and rank r keeps chunks r and 2*cp-1-r (zig-zag, or
+head-tail). Under a causal mask a late chunk attends to more keys than an early one; pairing an early chunk
+with a late one gives every rank the same attention work. A contiguous split (rank r keeps chunks 2r and
+2r+1) is available for comparison: there the last rank does 2*cp-1 times the work of the first.
+Rotary embeddings need each token's global position: `rank_positions` gives them, in the rank's order.
+
+Communication. Ring attention: each rank's key/value block travels once around the cp ring with
+point-to-point sends (`batch_isend_irecv`), cp-1 hops in the forward. The transfer of the next block is
+posted before the current block is computed, so that it overlaps with compute. Partial outputs of the blocks
+are merged with their log-sum-exp (online softmax). The backward passes the key/value blocks around again,
+with the gradients of each block (dK, dV) travelling beside it, cp hops, the last one bringing them home.
+Everything outside attention is per token and needs no communication; the parameter gradients of the cp
+ranks are partial sums and are all-reduced over dp x cp, like data-parallel gradients.
+
+Per block pair (queries of one chunk, keys of another) the work is: none when the key chunk comes after the
+query chunk, a causal (triangular) block on the diagonal, a full block otherwise. `step_calls` groups the
+pairs of one ring step into as few kernel calls as the layout allows.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fivefold.config import ConfigError
+from fivefold.parallel.attention_ops import attention_backward, attention_forward
+
+LAYOUTS = ("zigzag", "contiguous")
+_KV_TAG, _GRAD_TAG = 1, 2  # two transfers may be in flight to the same neighbour at once
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sharding of the sequence dim
+# ---------------------------------------------------------------------------------------------------------
+
+def check_sequence_length(seq_len: int, cp: int, field: str = "train.seq_len") -> None:
+    """Refuse a sequence length that cannot be cut into 2*cp equal chunks."""
+    chunks = 2 * cp
+    if seq_len >= chunks and seq_len % chunks == 0:
+        return
+    lower = seq_len // chunks * chunks
+    nearest = [n for n in (lower, lower + chunks) if n > 0]
+    raise ConfigError(
+        f"{field} = {seq_len} cannot be split for context parallel with cp = {cp}: the sequence is cut into "
+        f"2*cp = {chunks} equal chunks (rank r keeps chunks r and {chunks - 1}-r), so the length must be a "
+        f"multiple of {chunks}; nearest valid lengths: {', '.join(map(str, nearest))}"
+    )
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"context-parallel layout = {layout!r} is not one of {LAYOUTS}")
+
+
+def rank_chunks(rank: int, cp: int, layout: str = "zigzag") -> tuple[int, int]:
+    """The two chunk indices (of 2*cp) that `rank` keeps, in the order it holds them."""
+    _check_layout(layout)
+    return (rank, 2 * cp - 1 - rank) if layout == "zigzag" else (2 * rank, 2 * rank + 1)
+
+
+def rank_positions(seq_len: int, rank: int, cp: int, layout: str = "zigzag",
+                   device: torch.device | str | None = None) -> torch.Tensor:
+    """Global positions of the tokens that `rank` holds, in its order: the rotary positions of its shard."""
+    check_sequence_length(seq_len, cp)
+    c = seq_len // (2 * cp)
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in rank_chunks(rank, cp, layout)])
+
+
+def shard_sequence(x: torch.Tensor, rank: int, cp: int, layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
+    """The part of `x` (full sequence along `dim`) that `rank` holds."""
+    check_sequence_length(x.shape[dim], cp)
+    c = x.shape[dim] // (2 * cp)
+    return torch.cat([x.narrow(dim, i * c, c) for i in rank_chunks(rank, cp, layout)], dim=dim)
+
+
+def unshard_sequence(shards: list[torch.Tensor], layout: str = "zigzag", dim: int = 1) -> torch.Tensor:
+    """Inverse of `shard_sequence`: the full sequence from every rank's shard, given in rank order."""
+    cp = len(shards)
+    c = shards[0].shape[dim] // 2
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for rank, shard in enumerate(shards):
+        for slot, index in enumerate(rank_chunks(rank, cp, layout)):
+            chunks[index] = shard.narrow(dim, slot * c, c)
+    return torch.cat(chunks, dim=dim)
+
+
+def shard_batch(inputs: torch.Tensor, targets: torch.Tensor, rank: int, cp: int,
+                layout: str = "zigzag") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A [batch, seq] micro-batch as `rank` trains it: (inputs, targets, rotary positions)."""
+    positions = rank_positions(inputs.shape[1], rank, cp, layout, inputs.device)
+    return shard_sequence(inputs, rank, cp, layout), shard_sequence(targets, rank, cp, layout), positions
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Which blocks each ring step computes
+# ---------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BlockCall:
+    """One attention kernel call of a ring step: local query slots against local key slots (slots 0 and 1
+    are the two chunks a rank holds, each of seq_len / (2*cp) tokens)."""
+
+    q_slots: tuple[int, ...]
+    kv_slots: tuple[int, ...]
+    causal: bool
+
+
+def step_calls(rank: int, source: int, cp: int, layout: str = "zigzag") -> list[BlockCall]:
+    """The kernel calls of `rank` while it holds the key/value shard of rank `source`.
+
+    A rank's own shard is one causal call over both slots: its chunks are in ascending position order, so the
+    causal mask of the concatenation is the true mask (the kernel skips the fully masked tiles). Another
+    rank's key chunks are each entirely before or entirely after a query chunk: full or skipped."""
+    if source == rank:
+        return [BlockCall((0, 1), (0, 1), True)]
+    q_chunks, kv_chunks = rank_chunks(rank, cp, layout), rank_chunks(source, cp, layout)
+    calls: list[BlockCall] = []
+    for slot, q_chunk in enumerate(q_chunks):
+        visible = tuple(j for j, kv_chunk in enumerate(kv_chunks) if kv_chunk < q_chunk)
+        if not visible:
+            continue
+        if calls and calls[-1].kv_slots == visible:  # neighbouring query slots seeing the same keys: one call
+            calls[-1] = BlockCall(calls[-1].q_slots + (slot,), visible, False)
+        else:
+            calls.append(BlockCall((slot,), visible, False))
+    return calls
+
+
+def attention_blocks(rank: int, cp: int, layout: str = "zigzag") -> list[tuple[int, int, str]]:
+    """The (query chunk, key chunk, kind) pairs that `rank` computes over a whole ring, kind being "full" or
+    "causal" (a diagonal block, half the work); fully masked pairs inside a causal call are left out."""
+    blocks = []
+    for step in range(cp):
+        source = (rank - step) % cp
+        q_chunks, kv_chunks = rank_chunks(rank, cp, layout), rank_chunks(source, cp, layout)
+        for call in step_calls(rank, source, cp, layout):
+            for qs, ks in itertools.product(call.q_slots, call.kv_slots):
+                qc, kc = q_chunks[qs], kv_chunks[ks]
+                if qc > kc:
+                    blocks.append((qc, kc, "full"))
+                elif qc == kc:
+                    blocks.append((qc, kc, "causal"))
+    return blocks
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The ring
+# ---------------------------------------------------------------------------------------------------------
+
+class _Transfer:
+    """A posted ring shift; `wait()` returns the tensor received from the previous rank."""
+
+    def __init__(self, received: torch.Tensor, works: list) -> None:
+        self.received, self.works = received, works
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        return self.received
+
+
+def _ring_shift(tensor: torch.Tensor, group: dist.ProcessGroup, tag: int) -> _Transfer:
+    """Post: send `tensor` to the next rank of the cp ring, receive the previous rank's into a new buffer."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    if cp == 1:
+        return _Transfer(tensor, [])
+    received = torch.empty_like(tensor)
+    ops = [dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (rank + 1) % cp), group, tag),
+           dist.P2POp(dist.irecv, received, dist.get_global_rank(group, (rank - 1) % cp), group, tag)]
+    return _Transfer(received, dist.batch_isend_irecv(ops))
+
+
+def _rows(slots: tuple[int, ...], chunk: int) -> slice:
+    return slice(slots[0] * chunk, (slots[-1] + 1) * chunk)
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor,
+           block_lse: torch.Tensor) -> None:
+    """Online softmax: fold one block's (out, lse) into the running fp32 (out, lse) of the rows."""
+    old_lse = lse[:, :, rows]
+    new_lse = torch.logaddexp(old_lse, block_lse)
+    out[:, :, rows] = (out[:, :, rows] * torch.exp(old_lse - new_lse).unsqueeze(-1)
+                       + block_out.float() * torch.exp(block_lse - new_lse).unsqueeze(-1))
+    lse[:, :, rows] = new_lse
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries against the keys/values of every rank of `group`.
+
+    q [batch, heads, local_seq, head_dim], k and v [batch, kv_heads, local_seq, head_dim], each rank holding
+    its two chunks as `shard_sequence` lays them out."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
+                layout: str) -> torch.Tensor:
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        chunk = q.shape[2] // 2
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])  # one message per hop
+        for step in range(cp):
+            source = (rank - step) % cp
+            incoming = _ring_shift(kv, group, _KV_TAG) if step < cp - 1 else None  # overlaps the compute below
+            for call in step_calls(rank, source, cp, layout):
+                rows, cols = _rows(call.q_slots, chunk), _rows(call.kv_slots, chunk)
+                block_out, block_lse = attention_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                                         call.causal)
+                _merge(out, lse, rows, block_out, block_lse)
+            if incoming is not None:
+                kv = incoming.wait()
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.layout = group, layout
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, layout = ctx.group, ctx.layout
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        chunk = q.shape[2] // 2
+        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        grad_kv_transfer: _Transfer | None = None
+        for step in range(cp):
+            source = (rank - step) % cp
+            incoming = _ring_shift(kv, group, _KV_TAG) if step < cp - 1 else None
+            grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # for the shard of `source`
+            for call in step_calls(rank, source, cp, layout):
+                rows, cols = _rows(call.q_slots, chunk), _rows(call.kv_slots, chunk)
+                dq, dk, dv = attention_backward(grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
+                                                kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows], call.causal)
+                grad_q[:, :, rows] += dq
+                grad_kv[0][:, :, cols] += dk
+                grad_kv[1][:, :, cols] += dv
+            if grad_kv_transfer is not None:  # what the previous ranks accumulated for the same shard
+                grad_kv += grad_kv_transfer.wait()
+            grad_kv_transfer = _ring_shift(grad_kv, group, _GRAD_TAG)  # the last hop brings it home
+            if incoming is not None:
+                kv = incoming.wait()
+        grad_kv = grad_kv_transfer.wait()
+        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
+                   layout: str = "zigzag") -> torch.Tensor:
+    """Causal (grouped-query) attention over a sequence sharded on the ranks of `group` by `shard_sequence`."""
+    _check_layout(layout)
+    return RingAttention.apply(q, k, v, group, layout)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Applying it to the model
+# ---------------------------------------------------------------------------------------------------------
+
+class RingAttentionCore:
+    """Replacement of `Attention.core(q, k, v)`: the same causal attention, over the cp group's ring."""
+
+    def __init__(self, group: dist.ProcessGroup, layout: str = "zigzag") -> None:
+        _check_layout(layout)
+        self.group, self.layout = group, layout
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return RingAttention.apply(q, k, v, self.group, self.layout)
+
+
+def apply_context_parallel(model: nn.Module, cp_group: dist.ProcessGroup, layout: str = "zigzag") -> nn.Module:
+    """Make every attention block of `model` run ring attention over `cp_group`, in place.
+
+    The model then expects each rank's shard of the sequence (`shard_batch`) with its rotary positions passed
+    to `forward` / `forward_hidden`; the rest of the model is per token and unchanged."""
+    for block in model.layers.values():
+        block.attn.core = RingAttentionCore(cp_group, layout)
+    return model

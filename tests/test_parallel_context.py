@@ -1,0 +1,175 @@
+"""Context parallel: the LSE attention wrapper, zig-zag sharding, ring attention and the whole model under cp,
+each against a single-process reference; the balance of attention work per rank against a closed form.
+
+Tolerances: fp32 throughout. Ring attention sums the same terms as single-process attention in another
+order (block by block, merged through exp(lse) rescaling), so results differ by rounding only: a few ulp of
+the values' scale, well under 1e-5 absolute for attention outputs and gradients of order 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distributed import run_ranks
+from fivefold.config import ConfigError
+from fivefold.models.llama import build_model
+from fivefold.models.presets import get_preset
+from fivefold.parallel.attention_ops import attention_backward, attention_forward
+from fivefold.parallel.context import (
+    apply_context_parallel,
+    attention_blocks,
+    check_sequence_length,
+    rank_positions,
+    ring_attention,
+    shard_batch,
+    shard_sequence,
+    unshard_sequence,
+)
+
+ATOL = 1e-5
+
+
+def reference_attention(q, k, v, causal):
+    """Explicit softmax attention in float64: (out, lse)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = q.double() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ v).float(), scores.logsumexp(-1).float()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_attention_ops_match_softmax_and_sdpa(causal, kv_heads):
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 24, 16, requires_grad=True)
+    k = torch.randn(2, kv_heads, 24 if causal else 40, 16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    out, lse = attention_forward(q.detach(), k.detach(), v.detach(), causal)
+    ref_out, ref_lse = reference_attention(q.detach(), k.detach(), v.detach(), causal)
+    torch.testing.assert_close(out, ref_out, atol=ATOL, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=ATOL, rtol=0)
+
+    grad_out = torch.randn_like(out)
+    sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != 4)
+    expected = torch.autograd.grad(sdpa, (q, k, v), grad_out)
+    got = attention_backward(grad_out, q.detach(), k.detach(), v.detach(), out, lse, causal)
+    for g, e in zip(got, expected, strict=True):
+        assert g.shape == e.shape
+        torch.testing.assert_close(g, e, atol=ATOL, rtol=0)
+
+
+def test_shard_and_unshard_are_inverse_and_positions_follow_the_tokens():
+    x = torch.arange(3 * 16).view(3, 16)
+    for layout in ("zigzag", "contiguous"):
+        shards = [shard_sequence(x, r, 4, layout) for r in range(4)]
+        assert torch.equal(unshard_sequence(shards, layout), x)
+        for r in range(4):
+            assert torch.equal(shards[r][0], rank_positions(16, r, 4, layout))
+    # zig-zag on 4 ranks of 16 tokens: chunks of 2, rank 1 keeps chunks 1 and 6
+    assert rank_positions(16, 1, 4).tolist() == [2, 3, 12, 13]
+
+
+def test_sequence_not_divisible_by_2cp_is_refused_with_nearest_lengths():
+    with pytest.raises(ConfigError, match=r"train.seq_len = 100 .* cp = 4.* multiple of 8.*96, 104"):
+        check_sequence_length(100, 4)
+    with pytest.raises(ConfigError, match=r"nearest valid lengths: 4$"):
+        check_sequence_length(2, 2)
+    check_sequence_length(96, 4)
+    with pytest.raises(ConfigError, match="2\\*cp = 4"):
+        shard_batch(torch.zeros(1, 10, dtype=torch.long), torch.zeros(1, 10, dtype=torch.long), 0, 2)
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_zigzag_balances_attention_work_and_contiguous_does_not(cp):
+    chunks = 2 * cp
+    # the closed form: causal attention over 2*cp chunks is the lower triangle of chunk pairs,
+    # the diagonal ones causal (half the work)
+    triangle = {(i, j, "causal" if i == j else "full") for i in range(chunks) for j in range(i + 1)}
+    for layout in ("zigzag", "contiguous"):
+        per_rank = [attention_blocks(r, cp, layout) for r in range(cp)]
+        flat = [b for blocks in per_rank for b in blocks]
+        assert len(flat) == len(set(flat)) and set(flat) == triangle  # every block once, none masked computed
+        work = [sum(1.0 if kind == "full" else 0.5 for _, _, kind in blocks) for blocks in per_rank]
+        if layout == "zigzag":
+            assert work == [2 * cp] * cp  # (2cp)^2 / 2 block-units shared equally
+        else:
+            assert work == [4 * r + 2 for r in range(cp)]  # rank r: its 2 diagonal chunks + 4 per earlier rank
+            assert max(work) / min(work) == 2 * cp - 1
+
+
+def _portable(t: torch.Tensor):
+    """A rank's result as a numpy array: pickled by value, so it outlives the rank's process (a tensor goes
+    through shared memory that vanishes when the rank exits first)."""
+    return t.numpy()
+
+
+def _ring_vs_sdpa(rank, world_size, kv_heads, layout):
+    torch.manual_seed(0)
+    b, heads, seq, dim = 2, 4, 8 * world_size, 16
+    q, k, v = torch.randn(b, heads, seq, dim), torch.randn(b, kv_heads, seq, dim), torch.randn(b, kv_heads, seq, dim)
+    grad_out = torch.randn(b, heads, seq, dim)
+    shard = [shard_sequence(t, rank, world_size, layout, dim=2).requires_grad_() for t in (q, k, v)]
+    out = ring_attention(*shard, dist.group.WORLD, layout)
+    out.backward(shard_sequence(grad_out, rank, world_size, layout, dim=2))
+    return [_portable(t.detach()) for t in (out, shard[0].grad, shard[1].grad, shard[2].grad)]
+
+
+def check_ring_attention(cp, kv_heads, layout="zigzag"):
+    results = run_ranks(cp, _ring_vs_sdpa, kv_heads, layout)
+    torch.manual_seed(0)
+    b, heads, seq, dim = 2, 4, 8 * cp, 16
+    q, k, v = (torch.randn(b, h, seq, dim).requires_grad_() for h in (heads, kv_heads, kv_heads))
+    grad_out = torch.randn(b, heads, seq, dim)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)
+    ref.backward(grad_out)
+    for i, expected in enumerate((ref, q.grad, k.grad, v.grad)):
+        got = unshard_sequence([torch.from_numpy(r[i]) for r in results], layout, dim=2)
+        torch.testing.assert_close(got, expected.detach(), atol=ATOL, rtol=0)
+
+
+def test_ring_attention_cp2_matches_sdpa():
+    check_ring_attention(2, kv_heads=2)  # grouped-query: 4 query heads over 2 key/value heads
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_heads,layout", [(4, "zigzag"), (2, "zigzag"), (2, "contiguous")])
+def test_ring_attention_cp4_matches_sdpa(kv_heads, layout):
+    check_ring_attention(4, kv_heads, layout)
+
+
+def _model_step(rank, world_size, tokens, targets):
+    cfg = get_preset("tiny")
+    model = build_model(cfg, seed=0)
+    if world_size > 1:
+        apply_context_parallel(model, dist.group.WORLD)
+        tokens, targets, positions = shard_batch(tokens, targets, rank, world_size)
+    else:
+        positions = None
+    logits = model(tokens, positions)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    loss.backward()
+    return loss.item(), _portable(torch.cat([p.grad.flatten() for p in model.parameters()]))
+
+
+def test_tiny_model_under_cp2_matches_single_process():
+    torch.manual_seed(1)
+    cfg = get_preset("tiny")
+    tokens = torch.randint(0, cfg.vocab_size, (2, 32))
+    targets = torch.randint(0, cfg.vocab_size, (2, 32))
+    ref_loss, ref_grads = _model_step(0, 1, tokens, targets)
+    ref_grads = torch.from_numpy(ref_grads)
+    results = run_ranks(2, _model_step, tokens, targets)
+    # each rank holds the loss and the gradients of its tokens: summed over cp they are the whole batch's,
+    # as the engine's all-reduce over dp x cp will sum them
+    assert abs(sum(r[0] for r in results) - ref_loss) <= 1e-5 * abs(ref_loss)
+    names = [n for n, _ in build_model(get_preset("tiny"), device="meta").named_parameters()]
+    shapes = [p.numel() for p in build_model(get_preset("tiny"), device="meta").parameters()]
+    grads = sum(torch.from_numpy(r[1]) for r in results)
+    for name, got, expected in zip(names, grads.split(shapes), ref_grads.split(shapes), strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")

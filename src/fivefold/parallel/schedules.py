@@ -1,0 +1,374 @@
+"""Pipeline schedules as data: the ordered actions each pipeline rank runs, and a simulator of them.
+
+A schedule is a list per rank of `Action(kind, micro_batch, stage)`:
+
+* `kind` is `"F"` (forward), `"B"` (backward) or `"W"` (weight-gradient pass). In schedules whose
+  `split_backward` is False, `"B"` is the whole backward; in the zero-bubble family it computes only the
+  gradient with respect to the stage's input, and `"W"` later computes the weight gradients.
+* `micro_batch` counts from 0 to m - 1.
+* `stage` is the global model chunk, 0 .. p * v - 1, in model order; `Schedule.stage_rank[stage]` is the
+  rank that holds it. 1F1B and AFAB have one stage per rank (stage = rank); interleaved 1F1B gives rank r the
+  stages r, r + p, r + 2p, ...; the V-shaped schedules (DualPipeV) give rank r the stages r and 2p - 1 - r.
+
+The pipeline engine runs these lists; the planner simulates the same lists with `simulate` to get the step's
+makespan, the bubble and the peak number of micro-batches whose activations a rank holds. Nothing here
+touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+Kind = Literal["F", "B", "W"]
+SCHEDULES = ("afab", "1f1b", "interleaved", "zero-bubble", "dualpipev")
+
+
+class Action(NamedTuple):
+    kind: Kind
+    micro_batch: int
+    stage: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str
+    p: int  # pipeline ranks
+    m: int  # micro-batches per step
+    v: int  # stages (model chunks) per rank
+    actions: tuple[tuple[Action, ...], ...]  # per rank, in execution order
+    stage_rank: tuple[int, ...]  # global stage -> rank
+    split_backward: bool  # True when backward is split into B (input gradient) and W (weight gradient)
+
+    @property
+    def n_stages(self) -> int:
+        return self.p * self.v
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot be built for these (p, m, v); the message says what would work."""
+
+
+def min_micro_batches(name: str, p: int, v: int = 1) -> int:
+    """The fewest micro-batches the schedule accepts (and, for interleaved, m must be a multiple of p)."""
+    if name == "dualpipev":
+        return 2 * p
+    if name == "interleaved":
+        return p
+    return 1
+
+
+def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
+    """The named schedule for p ranks and m micro-batches (v stages per rank for `interleaved`)."""
+    if name not in SCHEDULES:
+        raise ScheduleError(f"layout.schedule = {name!r} is not known; choose one of: {', '.join(SCHEDULES)}")
+    if p < 1 or m < 1:
+        raise ScheduleError(f"a pipeline needs p >= 1 and m >= 1 micro-batches, got p = {p}, m = {m}")
+    if name != "interleaved" and v != 1:
+        raise ScheduleError(f"layout.vpp = {v} applies to the interleaved schedule only; use vpp = 1 with {name}")
+    need = min_micro_batches(name, p, v)
+    if m < need:
+        raise ScheduleError(f"schedule {name} with pp = {p} needs at least {need} micro-batches, got {m}; "
+                            f"raise the gradient accumulation or lower pp")
+    if name == "afab":
+        return _afab(p, m)
+    if name == "1f1b":
+        return _one_f_one_b(p, m)
+    if name == "interleaved":
+        return _interleaved(p, m, v)
+    if name == "zero-bubble":
+        return _zero_bubble_h1(p, m)
+    return _dualpipev(p, m)
+
+
+def _afab(p: int, m: int) -> Schedule:
+    actions = tuple(
+        tuple([Action("F", i, r) for i in range(m)] + [Action("B", i, r) for i in range(m)]) for r in range(p)
+    )
+    return Schedule("afab", p, m, 1, actions, tuple(range(p)), False)
+
+
+def _one_f_one_b(p: int, m: int) -> Schedule:
+    per_rank = []
+    for r in range(p):
+        warmup = min(p - r - 1, m)
+        acts = [Action("F", i, r) for i in range(warmup)]
+        for i in range(m - warmup):  # steady state: one forward, one backward
+            acts += [Action("F", warmup + i, r), Action("B", i, r)]
+        acts += [Action("B", i, r) for i in range(m - warmup, m)]
+        per_rank.append(tuple(acts))
+    return Schedule("1f1b", p, m, 1, tuple(per_rank), tuple(range(p)), False)
+
+
+def _interleaved(p: int, m: int, v: int) -> Schedule:
+    """Megatron's interleaved 1F1B: micro-batches advance in groups of p through the rank's v chunks."""
+    if m % p:
+        raise ScheduleError(f"the interleaved schedule needs the micro-batch count to be a multiple of pp = {p}, "
+                            f"got {m}; nearest valid counts: {sorted({max(p, m // p * p), m // p * p + p})}")
+    total = m * v
+
+    def fwd(k: int, r: int) -> Action:
+        chunk = (k // p) % v
+        return Action("F", (k // (p * v)) * p + k % p, chunk * p + r)
+
+    def bwd(k: int, r: int) -> Action:
+        chunk = v - 1 - (k // p) % v
+        return Action("B", (k // (p * v)) * p + k % p, chunk * p + r)
+
+    per_rank = []
+    for r in range(p):
+        warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
+        acts = [fwd(k, r) for k in range(warmup)]
+        for k in range(total - warmup):
+            acts += [fwd(warmup + k, r), bwd(k, r)]
+        acts += [bwd(k, r) for k in range(total - warmup, total)]
+        per_rank.append(tuple(acts))
+    stage_rank = tuple(s % p for s in range(p * v))
+    return Schedule("interleaved", p, m, v, tuple(per_rank), stage_rank, False)
+
+
+def _zero_bubble_h1(p: int, m: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2023): the backward split into B and W, at 1F1B's memory. Rank r keeps at most
+    p - r micro-batches between F and B, as 1F1B does; a B runs as soon as its gradient arrives, and the W
+    passes fill the time a rank would otherwise wait. The order is found by running that rule with the
+    paper's equal F, B and W times, so the warm-up is 1F1B's (p - r - 1 forwards) and the W passes drift into
+    the cool-down bubbles."""
+    pending_w: list[list[int]] = [[] for _ in range(p)]
+    next_f, next_b = [0] * p, [0] * p
+    clock = [0.0] * p
+    end: dict[tuple[str, int, int], float] = {}
+    per_rank: list[list[Action]] = [[] for _ in range(p)]
+    done = 0
+    def options(r: int) -> list[tuple[float, int, Action]]:
+        """(ready time, priority, action) of what rank r may run next: B first, then F, then a W."""
+        out = []
+        i = next_b[r]
+        if i < next_f[r]:
+            dep = end.get(("F", i, r)) if r == p - 1 else end.get(("B", i, r + 1))
+            if dep is not None:
+                out.append((dep, 0, Action("B", i, r)))
+        i = next_f[r]
+        if i < m and next_f[r] - next_b[r] < p - r:
+            dep = 0.0 if r == 0 else end.get(("F", i, r - 1))
+            if dep is not None:
+                out.append((dep, 1, Action("F", i, r)))
+        if pending_w[r]:
+            out.append((clock[r], 2, Action("W", pending_w[r][0], r)))
+        return out
+
+    while done < 3 * m * p:
+        active = sorted((k for k in range(p) if len(per_rank[k]) < 3 * m), key=lambda k: (clock[k], k))
+        for r in active:
+            now = [o for o in options(r) if o[0] <= clock[r]]
+            if now:
+                break
+        else:  # nobody can act at its own clock: move the earliest ranks to the next finishing action
+            t0 = clock[active[0]]
+            t1 = min(t for t in end.values() if t > t0)
+            for k in active:
+                clock[k] = max(clock[k], t1)
+            continue
+        a = min(now, key=lambda o: o[1])[2]
+        end[(a.kind, a.micro_batch, r)] = clock[r] = clock[r] + 1.0
+        per_rank[r].append(a)
+        done += 1
+        if a.kind == "F":
+            next_f[r] += 1
+        elif a.kind == "B":
+            next_b[r] += 1
+            pending_w[r].append(a.micro_batch)
+        else:
+            pending_w[r].pop(0)
+    return Schedule("zero-bubble", p, m, 1, tuple(tuple(a) for a in per_rank), tuple(range(p)), True)
+
+
+def _dualpipev(p: int, m: int) -> Schedule:
+    """DualPipeV (DeepSeek, the V-shaped half of DualPipe): rank r holds stage r (chunk 0) and stage 2p-1-r
+    (chunk 1), so the first rank also computes the last stage. The eight phases of the reference
+    implementation: F0 warm-up, F0F1, B1W1F1, the main F0B1F1B0 phase, B1F1B0, B1B0 (second half split),
+    WB0, and the remaining W. A full backward is written as B immediately followed by its W."""
+    stage_rank = tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
+    actions = tuple(_dualpipev_rank(p, m, r) for r in range(p))
+    return Schedule("dualpipev", p, m, 2, actions, stage_rank, True)
+
+
+def _dualpipev_rank(p: int, m: int, r: int) -> tuple[Action, ...]:
+    stages = (r, 2 * p - 1 - r)
+    acts: list[Action] = []
+    nxt = {"F0": 0, "F1": 0, "B0": 0, "B1": 0}
+    w_queue: list[Action] = []
+
+    def f(c: int) -> None:
+        acts.append(Action("F", nxt[f"F{c}"], stages[c]))
+        nxt[f"F{c}"] += 1
+
+    def b(c: int, split: bool) -> None:
+        mb = nxt[f"B{c}"]
+        nxt[f"B{c}"] += 1
+        acts.append(Action("B", mb, stages[c]))
+        if split:
+            w_queue.append(Action("W", mb, stages[c]))
+        else:
+            acts.append(Action("W", mb, stages[c]))
+
+    def w() -> None:
+        acts.append(w_queue.pop(0))
+
+    for _ in range((p - r - 1) * 2):  # 1: nF0
+        f(0)
+    for _ in range(r + 1):  # 2: nF0F1
+        f(0)
+        f(1)
+    for _ in range(p - r - 1):  # 3: nB1W1F1
+        b(1, True)
+        w()
+        f(1)
+    for _ in range(m - 2 * p + r + 1):  # 4: nF0B1F1B0 (the reference overlaps F with B here)
+        f(0)
+        b(1, False)
+        f(1)
+        b(0, False)
+    for _ in range(p - r - 1):  # 5: nB1F1B0
+        b(1, False)
+        f(1)
+        b(0, False)
+    step6 = r + 1
+    split = False
+    for i in range(step6):  # 6: nB1B0, the second half with split backward
+        if i == step6 // 2 and r % 2 == 1:
+            split = True
+        b(1, split)
+        if i == step6 // 2 and r % 2 == 0:
+            split = True
+        b(0, split)
+    for _ in range(p - r - 1):  # 7: nWB0
+        w()
+        b(0, True)
+    while w_queue:  # 8: nW
+        w()
+    return tuple(acts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Simulation
+
+
+@dataclass(frozen=True)
+class SimResult:
+    makespan: float  # time from the first forward to the last action of any rank
+    busy: tuple[float, ...]  # compute time per rank
+    bubble: float  # (makespan - busiest rank's compute) / busiest rank's compute: the playbook's ratio r
+    idle_fraction: float  # share of the makespan the busiest rank waits
+    peak_in_flight: tuple[float, ...]  # per rank: most micro-batches with activations held, in stage units
+    start: dict[tuple[str, int, int], float]  # (kind, micro-batch, stage) -> start time
+    end: dict[tuple[str, int, int], float]
+
+
+def _per_stage(value: float | Sequence[float], n: int) -> list[float]:
+    if isinstance(value, int | float):
+        return [float(value)] * n
+    if len(value) != n:
+        raise ValueError(f"need one time per stage ({n}), got {len(value)}")
+    return [float(x) for x in value]
+
+
+def simulate(schedule: Schedule, t_f: float | Sequence[float], t_b: float | Sequence[float],
+             t_w: float | Sequence[float] = 0.0, p2p: float = 0.0) -> SimResult:
+    """Run the per-rank action lists against their dependencies and return the timing.
+
+    `t_f`, `t_b`, `t_w` are the times of one micro-batch's forward, input-gradient backward and weight-gradient
+    pass of each stage (a number for all stages, or one per global stage). When the schedule does not split
+    the backward, its B takes t_b + t_w. `p2p` is the time to send activations (or their gradients) to the
+    neighbouring stage when it lives on another rank. Dependencies: F(i, s) after F(i, s-1); B(i, s) after
+    B(i, s+1) (the last stage after its own F); W(i, s) after B(i, s); each rank runs its list in order.
+    """
+    n = schedule.n_stages
+    tf, tb, tw = _per_stage(t_f, n), _per_stage(t_b, n), _per_stage(t_w, n)
+    if not schedule.split_backward:
+        tb = [b + w for b, w in zip(tb, tw, strict=True)]
+    dur = {"F": tf, "B": tb, "W": tw}
+    sr = schedule.stage_rank
+    end: dict[tuple[str, int, int], float] = {}
+    start: dict[tuple[str, int, int], float] = {}
+    clock = [0.0] * schedule.p
+    pos = [0] * schedule.p
+    remaining = sum(len(a) for a in schedule.actions)
+
+    def ready(a: Action) -> float | None:
+        s = a.stage
+        if a.kind == "F":
+            if s == 0:
+                return 0.0
+            dep, cross = ("F", a.micro_batch, s - 1), sr[s - 1] != sr[s]
+        elif a.kind == "B":
+            if s == n - 1:
+                dep, cross = ("F", a.micro_batch, s), False
+            else:
+                dep, cross = ("B", a.micro_batch, s + 1), sr[s + 1] != sr[s]
+        else:
+            dep, cross = ("B", a.micro_batch, s), False
+        t = end.get(dep)
+        if t is None:
+            return None
+        return t + (p2p if cross else 0.0)
+
+    while remaining:
+        progressed = False
+        for r in range(schedule.p):
+            acts = schedule.actions[r]
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                t = ready(a)
+                if t is None:
+                    break
+                key = (a.kind, a.micro_batch, a.stage)
+                begin = max(clock[r], t)
+                start[key] = begin
+                end[key] = clock[r] = begin + dur[a.kind][a.stage]
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = [schedule.actions[r][pos[r]] for r in range(schedule.p) if pos[r] < len(schedule.actions[r])]
+            raise ScheduleError(f"schedule {schedule.name} deadlocks; waiting actions: {stuck}")
+    busy = tuple(sum(dur[a.kind][a.stage] for a in acts) for acts in schedule.actions)
+    makespan = max(end.values()) - min(start.values())
+    top = max(busy)
+    return SimResult(makespan, busy, (makespan - top) / top if top else 0.0,
+                     (makespan - top) / makespan if makespan else 0.0,
+                     _peak_in_flight(schedule), start, end)
+
+
+def _peak_in_flight(schedule: Schedule) -> tuple[float, ...]:
+    """Per rank, the most micro-batch activations held at once, counted in whole-stage units (a chunk of an
+    interleaved or V schedule holds 1/v of a stage's layers). Activations are held from F until B; a pending
+    W keeps only the inputs of the linear layers, which are not counted here."""
+    out = []
+    last = "B"
+    for acts in schedule.actions:
+        held = peak = 0
+        for a in acts:
+            if a.kind == "F":
+                held += 1
+                peak = max(peak, held)
+            elif a.kind == last:
+                held -= 1
+        out.append(peak / schedule.v)
+    return tuple(out)
+
+
+def closed_form_bubble(name: str, p: int, m: int, v: int = 1) -> float:
+    """The playbook's bubble ratio for equal stages, t_b = 2 t_f and no W split: (p-1)/m, or (p-1)/(v m)."""
+    return (p - 1) / (v * m) if name == "interleaved" else (p - 1) / m
+
+
+def render(schedule: Schedule, sim: SimResult | None = None) -> str:
+    """One text line per rank: the actions in order, e.g. `F0 F1 B0 ...` (stage suffix `.s` when v > 1)."""
+    lines = []
+    for r, acts in enumerate(schedule.actions):
+        cells = [f"{a.kind}{a.micro_batch}" + (f".{a.stage}" if schedule.v > 1 else "") for a in acts]
+        lines.append(f"rank {r}: " + " ".join(cells))
+    if sim is not None:
+        lines.append(f"makespan {sim.makespan:.3g}, bubble {sim.bubble:.3f}")
+    return "\n".join(lines)

@@ -1,0 +1,74 @@
+"""Collective times: latency + bandwidth per collective, per link level.
+
+The process grid puts tp innermost, then cp, then dp, then pp outermost (ranks of one tp group are neighbours,
+inside a node). A group of `size` ranks whose neighbours are `stride` ranks apart spans
+ceil(size * stride / gpus_per_node) nodes when it leaves the node; ring collectives then move their bytes at
+the bus bandwidth of that many nodes (measured, when the hardware profile has it, else the per-device network
+bandwidth). Latency grows with log2 of the group (tree/NVLS algorithms at scale).
+"""
+
+from __future__ import annotations
+
+import math
+
+from fivefold.planner.hardware import Cluster
+from fivefold.planner.layout import Layout
+
+
+def nodes_spanned(size: int, stride: int, gpus_per_node: int) -> int:
+    if size <= 1:
+        return 1
+    if stride >= gpus_per_node:
+        return size
+    return max(1, math.ceil(size * stride / gpus_per_node))
+
+
+def _time(kind: str, nbytes: float, size: int, stride: int, hw: Cluster) -> float:
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    nodes = nodes_spanned(size, stride, hw.gpus_per_node)
+    bw = hw.bus_bandwidth(nodes)
+    steps = 2 * math.ceil(math.log2(size))
+    frac = (size - 1) / size
+    if kind == "all_reduce":
+        return 2 * frac * nbytes / bw + 2 * steps * hw.latency(nodes)
+    if kind in ("all_gather", "reduce_scatter"):
+        # the playbook's measurements: all-gather / reduce-scatter bus bandwidth is about 0.57 of all-reduce's
+        # across nodes (NCCL runs all-reduce as a tree there); inside a node they match
+        scale = 1.0 if nodes <= 1 or not hw.busbw_gbps else 0.57
+        return frac * nbytes / (bw * scale) + steps * hw.latency(nodes)
+    if kind == "all_to_all":
+        return frac * nbytes / bw + steps * hw.latency(nodes)
+    if kind == "p2p":
+        return nbytes / bw + hw.latency(nodes)
+    raise ValueError(kind)
+
+
+def all_reduce(nbytes: float, size: int, stride: int, hw: Cluster) -> float:
+    """`nbytes` is the size of the buffer each rank contributes (and receives)."""
+    return _time("all_reduce", nbytes, size, stride, hw)
+
+
+def all_gather(nbytes: float, size: int, stride: int, hw: Cluster) -> float:
+    """`nbytes` is the size of the gathered (full) buffer."""
+    return _time("all_gather", nbytes, size, stride, hw)
+
+
+def reduce_scatter(nbytes: float, size: int, stride: int, hw: Cluster) -> float:
+    """`nbytes` is the size of the full buffer before scattering."""
+    return _time("reduce_scatter", nbytes, size, stride, hw)
+
+
+def all_to_all(nbytes: float, size: int, stride: int, hw: Cluster) -> float:
+    return _time("all_to_all", nbytes, size, stride, hw)
+
+
+def p2p(nbytes: float, lay: Layout, hw: Cluster) -> float:
+    """Send between neighbouring pipeline stages: pp is the outermost axis."""
+    inner = lay.tp * lay.cp * lay.dp
+    return _time("p2p", nbytes, 2, inner, hw)
+
+
+def strides(lay: Layout) -> dict[str, int]:
+    """Distance in ranks between neighbours of each axis' group (tp innermost, then cp, dp, pp)."""
+    return {"tp": 1, "cp": lay.tp, "dp": lay.tp * lay.cp, "dpcp": lay.tp, "pp": lay.tp * lay.cp * lay.dp}

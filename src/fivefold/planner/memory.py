@@ -1,0 +1,255 @@
+"""Bytes per rank of a layout, as the engine allocates them.
+
+Model states (parameters, gradients, optimizer states, the fp32 accumulation buffer) are exact closed forms of
+the model's parameter shapes, sharded by tensor parallel (projections, experts' MLPs, the vocabulary), expert
+parallel (whole experts) and ZeRO (a flat shard over the data-parallel x context-parallel ranks that reduce
+the gradients; expert weights over those ranks divided by ep).
+
+Activations are what autograd saves for backward, counted tensor by tensor as fivefold's Llama block saves
+them (checked against `torch.autograd.graph.saved_tensors_hooks` on the real model in tests/test_planner_memory.py):
+
+* RMSNorm saves its input, the reciprocal RMS and the normalised input (all fp32: the residual stream and
+  the norms stay fp32 under autocast);
+* a linear saves its input: once per tensor in fp32, but once per linear under bf16 autocast (autocast
+  casts the fp32 norm output separately for q, k and v, and for gate and up);
+* rotary embedding saves nothing per token beyond the cos/sin tables (once per micro-batch);
+* the attention kernel saves q, k, v, its output (also the output projection's input) and the log-sum-exp;
+* SwiGLU saves gate and up outputs, the SiLU output and the product;
+* the fused output layer + cross-entropy saves the gradient of the hidden states and of the output weight
+  (computed in forward).
+
+Then the peak adds the micro-batches in flight of the pipeline schedule (simulated), the bf16 weight copies
+that autocast keeps per micro-batch in flight, the loss temporaries of one chunk, ZeRO-3's gathered blocks
+and prefetch, communication buckets and a fixed per-device overhead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from fivefold.config import ModelConfig
+from fivefold.planner.layout import Framework, Layout
+
+GIB = 2**30
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters per rank
+
+
+def layer_params(cfg: ModelConfig, tp: int = 1, ep: int = 1) -> dict[str, int]:
+    """Parameters of one block held by one rank: `sharded` (split by tp), `replicated` (norms, router) and
+    `expert` (routed experts, split by ep and tp). `matmul` counts the weights autocast casts to bf16."""
+    h, d = cfg.hidden, cfg.head_dim
+    kv_local = max(cfg.n_kv_heads // tp, 1)
+    attn = (h * cfg.n_heads * d // tp) + 2 * h * kv_local * d + (cfg.n_heads * d * h // tp)
+    replicated = 2 * h
+    expert = 0
+    if cfg.is_moe:
+        f = cfg.expert_ffn
+        replicated += h * cfg.n_experts  # router
+        expert = (cfg.n_experts // ep) * 3 * h * (f // tp)
+        mlp = cfg.n_shared_experts * 3 * h * f // tp
+    else:
+        mlp = 3 * h * cfg.ffn // tp
+    return {"sharded": attn + mlp, "replicated": replicated, "expert": expert,
+            "matmul": attn + mlp + expert + (h * cfg.n_experts if cfg.is_moe else 0)}
+
+
+def split_layers(n_layers: int, stages: int) -> list[int]:
+    """Layers per pipeline stage: as even as possible, the extra layers on the middle stages (the first holds
+    the embedding, the last the output layer and the loss)."""
+    base, extra = divmod(n_layers, stages)
+    counts = [base] * stages
+    order = sorted(range(stages), key=lambda s: (s in (0, stages - 1), abs(s - (stages - 1) / 2)))
+    for s in order[:extra]:
+        counts[s] += 1
+    return counts
+
+
+@dataclass(frozen=True)
+class RankParams:
+    dense: int  # parameters reduced over dp x cp (everything but routed experts)
+    expert: int  # routed-expert parameters, reduced over dp x cp / ep
+    matmul: int  # weights autocast casts to bf16 in forward (per micro-batch in flight)
+    layers: int  # blocks on this rank (all virtual stages)
+    first: bool
+    last: bool
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+def rank_params(cfg: ModelConfig, lay: Layout, rank: str = "first") -> RankParams:
+    """Parameters that the `first` or `last` pipeline rank holds (the same rank when pp = 1)."""
+    chunks = split_layers(cfg.n_layers, lay.pp * lay.vpp)
+    r = 0 if rank == "first" else lay.pp - 1
+    if lay.schedule == "dualpipev" and lay.pp > 1:
+        chunks = split_layers(cfg.n_layers, 2 * lay.pp)
+        mine = [r, 2 * lay.pp - 1 - r]
+    else:
+        mine = [r + k * lay.pp for k in range(lay.vpp)]
+    n = sum(chunks[s] for s in mine)
+    n_stages = len(chunks)
+    lp = layer_params(cfg, lay.tp, lay.ep)
+    dense = n * (lp["sharded"] + lp["replicated"])
+    matmul = n * lp["matmul"]
+    holds_first = 0 in mine
+    holds_last = n_stages - 1 in mine
+    v_local = cfg.vocab_size // lay.tp
+    if holds_first:
+        dense += v_local * cfg.hidden
+    if holds_last:
+        dense += cfg.hidden  # final norm
+        if not (cfg.tied_embeddings and holds_first):
+            dense += v_local * cfg.hidden  # output layer (a copy of the embedding when tied across stages)
+    return RankParams(dense, n * lp["expert"], matmul, n, holds_first, holds_last)
+
+
+def _shard(n: int, parts: int) -> int:
+    return math.ceil(n / parts) if parts > 1 else n
+
+
+def model_state_bytes(cfg: ModelConfig, lay: Layout, fw: Framework, rank: str = "first") -> dict[str, int]:
+    """Parameters, gradients, optimizer states (with the master copy) and the fp32 accumulation buffer."""
+    rp = rank_params(cfg, lay, rank)
+    dpc = lay.dp * lay.cp
+    dpc_e = max(dpc // lay.ep, 1)
+
+    def sharded(bytes_per: int, on: bool) -> int:
+        return bytes_per * (_shard(rp.dense, dpc if on else 1) + _shard(rp.expert, dpc_e if on else 1))
+
+    optim_per = fw.optim_bytes + (fw.master_bytes if fw.zero_shards_master else 0)
+    out = {
+        "parameters": sharded(fw.param_bytes, lay.zero >= 3),
+        "gradients": sharded(fw.grad_bytes, lay.zero >= 2),
+        "optimizer": sharded(optim_per, lay.zero >= 1),
+    }
+    if not fw.zero_shards_master:
+        out["optimizer"] += fw.master_bytes * rp.total
+    out["grad_accum_buffer"] = sharded(fw.accum_bytes, lay.zero >= 2) if lay.fp32_grad_accum else 0
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations
+
+
+def moe_capacity(cfg: ModelConfig, tokens: int, imbalance: float = 1.0) -> int:
+    """Tokens per expert slot: fixed by the capacity factor, or (dropless) the busiest expert's load, modelled
+    as `imbalance` times the even share."""
+    even = tokens * cfg.top_k / cfg.n_experts
+    if cfg.capacity_factor > 0:
+        return max(1, math.ceil(cfg.capacity_factor * even))
+    return max(1, math.ceil(imbalance * even))
+
+
+def layer_activation_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Framework,
+                           moe_imbalance: float = 1.0) -> dict[str, float]:
+    """Bytes one block saves for backward for one micro-batch of `tokens` tokens on this rank (after cp)."""
+    h, d, tp = cfg.hidden, cfg.head_dim, lay.tp
+    ab = fw.act_bytes
+    t_seq = tokens / tp if (lay.sp and tp > 1) else tokens  # the sequence-sharded norm/residual regions
+    norm = t_seq * (2 * h * 4 + 4)  # input, normalised input (fp32) and 1/rms
+    if lay.recompute == "full":
+        return {"block_input": t_seq * h * 4, "total": t_seq * h * 4}
+    casts = 3 if ab == 2 else 1  # autocast casts the norm output once per linear that reads it
+    heads = cfg.n_heads // tp
+    kv = max(cfg.n_kv_heads // tp, 1)
+    attn = tokens * (2 * heads * d + 2 * kv * d) * ab
+    lse = 0.0 if lay.recompute == "selective" else tokens * heads * 4
+    attn_total = norm + casts * tokens * h * ab + attn + lse
+    mlp_in = (2 if ab == 2 else 1) * tokens * h * ab
+    if cfg.is_moe:
+        e, k = cfg.n_experts, cfg.top_k
+        cap = moe_capacity(cfg, tokens * tp if lay.sp and tp > 1 else tokens, moe_imbalance)
+        e_local = e // lay.ep
+        f = cfg.expert_ffn // tp
+        routing = tokens * (e * 4 + k * 8 + 4 + k * 4) + e * 4 + 4 * tokens * k * 8 + tokens * k * 4
+        experts = e_local * cap * lay.ep * (h + 4 * f) * ab + 2 * tokens * k * h * ab
+        shared = 4 * tokens * cfg.n_shared_experts * cfg.expert_ffn // tp * ab
+        mlp = routing + experts + shared
+    else:
+        mlp = 4 * tokens * (cfg.ffn // tp) * ab
+    mlp_total = norm + mlp_in + mlp
+    total = (attn_total + mlp_total) * fw.activation_scale
+    return {"attention": attn_total, "mlp": mlp_total, "total": total}
+
+
+def stage_activation_bytes(cfg: ModelConfig, tokens: int, seq_local: int, lay: Layout, fw: Framework,
+                           rp: RankParams, moe_imbalance: float = 1.0) -> float:
+    """Saved bytes of one micro-batch on a rank holding `rp` (all its layers, embedding and loss parts)."""
+    per_layer = layer_activation_bytes(cfg, tokens, lay, fw, moe_imbalance)["total"]
+    total = rp.layers * per_layer + 2 * seq_local * cfg.head_dim * 4  # rotary cos/sin tables
+    t_seq = tokens / lay.tp if (lay.sp and lay.tp > 1) else tokens
+    if rp.first:
+        total += tokens * 8  # token ids, saved by the embedding lookup
+    if rp.last:
+        total += t_seq * (2 * cfg.hidden * 4 + 4)  # final norm
+        if fw.fused_loss_chunk:  # fused output layer + loss: gradients of the hidden states and of the weight
+            total += tokens * cfg.hidden * 4 + cfg.vocab_size // lay.tp * cfg.hidden * 4
+        else:
+            total += tokens * cfg.hidden * fw.act_bytes
+    return total
+
+
+def forward_saved_bytes(cfg: ModelConfig, batch: int, seq: int, lay: Layout, fw: Framework,
+                        moe_imbalance: float = 1.0) -> float:
+    """Saved-for-backward bytes of one forward pass of `batch` sequences of `seq` tokens, whole model on one
+    pipeline rank (the quantity the tests measure with saved-tensor hooks)."""
+    single = Layout(**{**lay.to_dict(), "pp": 1, "vpp": 1})
+    rp = rank_params(cfg, single)
+    tokens = batch * seq // lay.cp
+    return stage_activation_bytes(cfg, tokens, seq // lay.cp, single, fw, rp, moe_imbalance)
+
+
+# ---------------------------------------------------------------------------------------------
+# Peak per rank
+
+
+@dataclass
+class MemoryReport:
+    rank: str
+    parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> float:
+        return sum(self.parts.values())
+
+
+def rank_memory(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, in_flight: float, rank: str = "first",
+                moe_imbalance: float = 1.0) -> MemoryReport:
+    """Peak bytes of the first or last pipeline rank, with `in_flight` micro-batches of stage activations."""
+    rp = rank_params(cfg, lay, rank)
+    rep = MemoryReport(rank, dict(model_state_bytes(cfg, lay, fw, rank)))
+    tokens = lay.mbs * seq // lay.cp
+    act = stage_activation_bytes(cfg, tokens, seq // lay.cp, lay, fw, rp, moe_imbalance)
+    rep.parts["activations"] = act * in_flight
+    copies = 0.0
+    if fw.autocast_weight_copies and lay.recompute != "full":
+        copies = 2 * rp.matmul * in_flight
+    rep.parts["bf16_weight_copies"] = copies
+    # transient: the loss chunk on the last stage, or one recomputed block during backward
+    transient = 0.0
+    v_local = cfg.vocab_size // lay.tp
+    if rp.last:
+        chunk = min(fw.fused_loss_chunk, tokens) if fw.fused_loss_chunk else tokens
+        transient = chunk * v_local * fw.logits_bytes
+        if fw.fused_loss_chunk and fw.compute_dtype == "bf16":
+            transient += v_local * cfg.hidden * 2  # the bf16 cast of the output weight
+    if lay.recompute == "full":
+        full = Layout(**{**lay.to_dict(), "recompute": "none"})
+        transient = max(transient, layer_activation_bytes(cfg, tokens, full, fw, moe_imbalance)["total"])
+    rep.parts["transient"] = transient
+    lp = layer_params(cfg, lay.tp, lay.ep)
+    comm = 0.0
+    if lay.dp * lay.cp > 1:
+        comm += 2 * fw.dp_bucket_mb * 1e6  # a bucket being reduced while the next one fills
+    if lay.zero >= 3:
+        block = lp["sharded"] + lp["replicated"] + lp["expert"]
+        comm += 2 * block * fw.param_bytes + block * fw.grad_bytes  # current + prefetched block, unsharded grads
+    rep.parts["comm_buffers"] = comm
+    rep.parts["fixed_overhead"] = fw.fixed_overhead_gib * GIB
+    return rep

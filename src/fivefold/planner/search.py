@@ -1,0 +1,240 @@
+"""Estimate one layout, and search every layout that reaches the global batch exactly.
+
+The search enumerates tp (inside a node), cp, pp, dp (the rest of the devices), ep (MoE), the micro-batch
+size (the gradient accumulation follows), ZeRO 0-3, recompute, sequence parallel, and the pipeline schedule
+with its virtual stages. Cheap pruning: divisibility first, then memory (recompute only lowers memory, so a
+family whose full-recompute variant does not fit is dropped whole); every survivor is timed with the closed-form
+pipeline bubble, and the best few are re-timed by simulating their schedule's action list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from fivefold.config import ConfigError, ModelConfig
+from fivefold.flops import training_flops_per_token
+from fivefold.parallel.schedules import build_schedule, min_micro_batches
+from fivefold.planner.hardware import Cluster
+from fivefold.planner.layout import Framework, Layout
+from fivefold.planner.memory import GIB, rank_memory
+from fivefold.planner.time import step_time
+
+SIMULATED_TOP = 64
+
+
+@lru_cache(maxsize=2048)
+def in_flight(schedule: str, p: int, m: int, v: int) -> tuple[float, float]:
+    """Micro-batches of stage activations held by the first and the last pipeline rank at their peak."""
+    if p == 1:
+        return 1.0, 1.0
+    if schedule == "afab":
+        return float(m), float(m)
+    if schedule in ("1f1b", "zero-bubble"):
+        return float(min(p, m)), 1.0
+    from fivefold.parallel.schedules import _peak_in_flight
+
+    peaks = _peak_in_flight(build_schedule(schedule, p, m, v if schedule == "interleaved" else 1))
+    return peaks[0], peaks[-1]
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    fits: bool
+    memory: dict[str, dict[str, float]]  # "first"/"last" pipeline rank -> part -> bytes
+    peak_bytes: float
+    step_time_s: float
+    time_parts: dict[str, float]
+    tokens_per_s_per_gpu: float
+    mfu: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {
+            "layout": self.layout.to_dict(),
+            "fits": self.fits,
+            "memory_bytes": {"peak": self.peak_bytes, **{k: dict(v, peak=sum(v.values()))
+                                                          for k, v in self.memory.items()}},
+            "step_time_s": self.step_time_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "mfu": self.mfu,
+            "time_s": {"step": self.step_time_s, **self.time_parts},
+        }
+
+
+def memory_of(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, moe_imbalance: float = 1.0
+              ) -> dict[str, dict[str, float]]:
+    first, last = in_flight(lay.schedule, lay.pp, lay.grad_acc, lay.vpp)
+    out = {"first": rank_memory(cfg, seq, lay, fw, first, "first", moe_imbalance).parts}
+    if lay.pp > 1:
+        out["last"] = rank_memory(cfg, seq, lay, fw, last, "last", moe_imbalance).parts
+    return out
+
+
+def estimate(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, exact: bool = True,
+             memory_limit: float | None = None, moe_imbalance: float = 1.0) -> Estimate:
+    mem = memory_of(cfg, seq, lay, fw, moe_imbalance)
+    peak = max(sum(v.values()) for v in mem.values())
+    limit = hw.memory_bytes if memory_limit is None else memory_limit
+    t = step_time(cfg, seq, lay, fw, hw, exact)
+    tokens = lay.dp * lay.mbs * lay.grad_acc * seq
+    n = lay.world_size
+    tps = tokens / t.step_time / n
+    mfu = tps * training_flops_per_token(cfg, seq) / hw.peak_flops(fw.compute_dtype)
+    return Estimate(lay, peak <= limit, mem, peak, t.step_time, t.parts, tps, mfu)
+
+
+# ---------------------------------------------------------------------------------------------
+# Search
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_valid(cfg: ModelConfig, tp: int) -> str | None:
+    """Why tensor parallel degree `tp` cannot shard this model, or None."""
+    if cfg.n_heads % tp:
+        return f"tp={tp} does not divide the {cfg.n_heads} attention heads"
+    if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
+        return f"tp={tp} neither divides nor is a multiple of the {cfg.n_kv_heads} kv heads"
+    if cfg.expert_ffn % tp or cfg.ffn % tp:
+        return f"tp={tp} does not divide the MLP width {cfg.ffn}"
+    if cfg.vocab_size % tp:
+        return f"tp={tp} does not divide the vocabulary {cfg.vocab_size}"
+    return None
+
+
+@dataclass
+class SearchSpace:
+    zero: tuple[int, ...] = (0, 1, 2, 3)
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    sp: tuple[bool, ...] = (False, True)
+    schedules: tuple[str, ...] = ("afab", "1f1b", "interleaved", "zero-bubble", "dualpipev")
+    vpp: tuple[int, ...] = (2, 4)
+    max_mbs: int = 64
+    max_tp: int = 0  # 0 = the GPUs per node
+    cp: bool = True
+    fp32_grad_accum: bool = False
+
+
+@dataclass
+class SearchResult:
+    candidates: list[Estimate]  # fitting layouts, best first
+    rejected: Counter  # reason -> layouts
+    examples: dict[str, str]  # reason -> one example layout
+    evaluated: int
+    closest_misfit: Estimate | None = None
+
+
+def search(cfg: ModelConfig, seq: int, global_batch_seqs: int, n_gpus: int, fw: Framework, hw: Cluster,
+           space: SearchSpace | None = None, top: int = 10, moe_imbalance: float = 1.0) -> SearchResult:
+    space = space or SearchSpace()
+    rejected: Counter = Counter()
+    examples: dict[str, str] = {}
+
+    def reject(reason: str, example: str, count: int = 1) -> None:
+        rejected[reason] += count
+        examples.setdefault(reason, example)
+
+    fitting: list[Estimate] = []
+    closest: Estimate | None = None
+    evaluated = 0
+    max_tp = space.max_tp or hw.gpus_per_node
+    for tp in _divisors(n_gpus):
+        if tp > max_tp:
+            reject(f"tp above the {max_tp} GPUs of a node", f"tp={tp}")
+            continue
+        why = tp_valid(cfg, tp)
+        if why:
+            reject("tp does not divide the model's heads, MLP or vocabulary", why)
+            continue
+        for cp in _divisors(n_gpus // tp) if space.cp else [1]:
+            if seq % (2 * cp) and cp > 1:
+                reject("cp does not split the sequence into 2 x cp chunks", f"cp={cp}, seq={seq}")
+                continue
+            for pp in _divisors(n_gpus // (tp * cp)):
+                if pp > cfg.n_layers:
+                    reject("pp above the number of layers", f"pp={pp}")
+                    continue
+                dp = n_gpus // (tp * cp * pp)
+                if global_batch_seqs % dp:
+                    reject("dp does not divide the global batch", f"dp={dp}, batch={global_batch_seqs} sequences")
+                    continue
+                eps = [e for e in _divisors(cfg.n_experts) if (dp * cp) % e == 0] if cfg.is_moe else [1]
+                for ep in eps:
+                    for mbs in _divisors(global_batch_seqs // dp):
+                        if mbs > space.max_mbs:
+                            break
+                        ga = global_batch_seqs // (dp * mbs)
+                        for sched, v in _schedules(pp, ga, cfg.n_layers, space):
+                            for zero in space.zero:
+                                if zero and dp * cp == 1:
+                                    continue
+                                if zero == 3 and pp > 1:
+                                    reject("ZeRO-3 with pipeline parallel (weights would be gathered per micro-batch)",
+                                           f"pp={pp} zero=3")
+                                    continue
+                                for sp in (space.sp if tp > 1 else (False,)):
+                                    base = Layout(dp, tp, pp, cp, ep, zero, mbs, ga, "full", sp, sched, v,
+                                                  space.fp32_grad_accum)
+                                    evaluated += 1
+                                    e_full = _fits(cfg, seq, base, fw, hw, moe_imbalance)
+                                    if not e_full[0]:
+                                        reject("does not fit in memory even with full recompute", base.short(),
+                                               len(space.recompute))
+                                        if closest is None or e_full[1] < closest.peak_bytes:
+                                            closest = estimate(cfg, seq, base, fw, hw, False, moe_imbalance=moe_imbalance)
+                                        continue
+                                    for rc in space.recompute:
+                                        lay = dataclasses.replace(base, recompute=rc)
+                                        ok, _ = _fits(cfg, seq, lay, fw, hw, moe_imbalance) if rc != "full" else e_full
+                                        if not ok:
+                                            reject("does not fit in memory without (more) recompute", lay.short())
+                                            continue
+                                        fitting.append(estimate(cfg, seq, lay, fw, hw, False,
+                                                                moe_imbalance=moe_imbalance))
+    fitting.sort(key=lambda e: -e.tokens_per_s_per_gpu)
+    best = [estimate(cfg, seq, e.layout, fw, hw, True, moe_imbalance=moe_imbalance) for e in fitting[:SIMULATED_TOP]]
+    best.sort(key=lambda e: -e.tokens_per_s_per_gpu)
+    return SearchResult(best[:max(top, 1)] if top else best, rejected, examples, evaluated, closest)
+
+
+def _schedules(pp: int, ga: int, n_layers: int, space: SearchSpace):
+    if pp == 1:
+        yield "1f1b", 1
+        return
+    for name in space.schedules:
+        if name == "interleaved":
+            for v in space.vpp:
+                if ga % pp == 0 and ga >= pp and n_layers >= pp * v:
+                    yield name, v
+        elif ga >= min_micro_batches(name, pp) and (name != "dualpipev" or n_layers >= 2 * pp):
+            yield name, 1
+
+
+def _fits(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, moe_imbalance: float
+          ) -> tuple[bool, float]:
+    peak = max(sum(v.values()) for v in memory_of(cfg, seq, lay, fw, moe_imbalance).values())
+    return peak <= hw.memory_bytes, peak
+
+
+def parse_tokens(text: str) -> int:
+    """`1M` -> 1,048,576: K/M/G in powers of two, as the playbook counts batch sizes."""
+    t = text.strip().upper()
+    mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(t[-1:], 1)
+    num = t[:-1] if t[-1:] in "KMG" else t
+    try:
+        value = float(num) * mult
+    except ValueError:
+        raise ConfigError(f"--global-batch {text!r} is not a token count such as 1M, 4096K or 1048576") from None
+    if value < 1 or not float(value).is_integer():
+        raise ConfigError(f"--global-batch {text!r} must be a whole number of tokens")
+    return int(value)
+
+
+def gib(x: float) -> float:
+    return x / GIB

@@ -218,6 +218,8 @@ def apply_tensor_parallel(model: Llama, tp_group: ProcessGroup, sequence_paralle
     validate_tensor_parallel(model.cfg, tp_size)
     if tp_size == 1:
         return
+    if any(isinstance(m, TensorParallelAttention | VocabParallelEmbedding) for m in model.modules()):
+        raise ValueError("tensor parallelism is already applied to this model")
     for block in model.layers.values():
         attn = block.attn
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):

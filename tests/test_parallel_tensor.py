@@ -241,13 +241,9 @@ def test_moe_expert_ffn_not_divisible_is_refused():
 
 # --- recompute (one process) ----------------------------------------------------------------------------
 
-def saved_bytes_and_grads(mode: str, rows: int, seq: int) -> tuple[int, dict[str, torch.Tensor]]:
-    """Bytes of the distinct activation storages autograd keeps for backward (saved tensors that are not
-    parameters), and the gradients."""
-    cfg = get_preset("tiny")
-    model = build_model(cfg, "cpu", seed=0)
-    apply_recompute(model, mode)
-    tokens, targets = batch(cfg.vocab_size, rows, seq)
+def saved_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """Bytes of the distinct activation storages autograd keeps for the backward of `forward_hidden` (saved
+    tensors that are not parameters), and the hidden states."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
 
@@ -258,8 +254,39 @@ def saved_bytes_and_grads(mode: str, rows: int, seq: int) -> tuple[int, dict[str
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         hidden = model.forward_hidden(tokens)
+    return sum(storages.values()), hidden
+
+
+def saved_bytes_and_grads(mode: str, rows: int, seq: int) -> tuple[int, dict[str, torch.Tensor]]:
+    cfg = get_preset("tiny")
+    model = build_model(cfg, "cpu", seed=0)
+    apply_recompute(model, mode)
+    tokens, targets = batch(cfg.vocab_size, rows, seq)
+    saved, hidden = saved_activation_bytes(model, tokens)
     F.cross_entropy(model.lm_head(hidden).flatten(0, 1), targets.flatten(), ignore_index=-100).backward()
-    return sum(storages.values()), {n: p.grad for n, p in model.named_parameters()}
+    return saved, {n: p.grad for n, p in model.named_parameters()}
+
+
+def tp_saved_activation_bytes(rank: int, world_size: int, rows: int, seq: int) -> dict[bool, int]:
+    cfg = get_preset("tiny")
+    tokens, _ = batch(cfg.vocab_size, rows, seq)
+    saved = {}
+    for sp in (False, True):
+        model = build_model(cfg, "cpu", seed=0)
+        apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=sp)
+        saved[sp] = saved_activation_bytes(model, tokens)[0]
+    return saved
+
+
+def test_sequence_parallel_shards_norm_and_residual_activations():
+    """SP keeps 1/tp of what the norm regions save: per block norm its input, normalised input and output
+    (the input of the column-parallel linears, which under SP keep only their slice) and the per-row rsqrt;
+    for the final norm its input and normalised input and the rsqrt. Everything else is the same as TP."""
+    cfg, rows, seq, tp = get_preset("tiny"), 2, 64, 2
+    hidden, row = rows * seq * cfg.hidden * 4, rows * seq * 4
+    norm_region_bytes = 2 * cfg.n_layers * (3 * hidden + row) + (2 * hidden + row)
+    for saved in run_ranks(tp, tp_saved_activation_bytes, rows, seq):
+        assert saved[False] - saved[True] == norm_region_bytes * (tp - 1) // tp
 
 
 def test_recompute_same_grads_and_fewer_saved_bytes():

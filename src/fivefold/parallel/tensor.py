@@ -42,6 +42,7 @@ from fivefold.parallel.tensor_comm import (
     copy_to_tp,
     enter_tp_region,
     exit_tp_region,
+    gather_linears,
     gather_sequence,
     grad_on_first_rank,
     vocab_parallel_cross_entropy_sum,
@@ -143,8 +144,14 @@ class TensorParallelAttention(Attention):
     sequence_parallel: bool
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = enter_tp_region(x, self.tp_group, self.sequence_parallel)
+        if not self.sequence_parallel:
+            x = copy_to_tp(x, self.tp_group)
         return exit_tp_region(super().forward(x, cos, sin), self.tp_group, self.sequence_parallel)
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.sequence_parallel:
+            return gather_linears(x, self.tp_group, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        return super().project_qkv(x)
 
 
 class TensorParallelMLP(MLP):
@@ -154,8 +161,14 @@ class TensorParallelMLP(MLP):
     sequence_parallel: bool
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = enter_tp_region(x, self.tp_group, self.sequence_parallel)
+        if not self.sequence_parallel:
+            x = copy_to_tp(x, self.tp_group)
         return exit_tp_region(super().forward(x), self.tp_group, self.sequence_parallel)
+
+    def project_gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.sequence_parallel:
+            return gather_linears(x, self.tp_group, self.gate_proj.weight, self.up_proj.weight)
+        return super().project_gate_up(x)
 
 
 class TensorParallelMoE(MoE):

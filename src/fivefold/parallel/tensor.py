@@ -16,6 +16,8 @@ all-reduce) and the output through g (forward all-reduce); the embedding output 
 two small all-reduces per chunk of tokens (`vocab_parallel_loss_sum`). With sequence parallelism the
 norms and residual adds hold [batch, seq / tp, hidden]: f becomes an all-gather along the sequence
 (backward reduce-scatter) and g a reduce-scatter (backward all-gather), the same bytes as one all-reduce.
+The all-gather is fused with the q/k/v (gate/up) projections, which keep only the sequence slice for
+backward and gather it again there.
 The norm weights then see only their sequence slice, so each norm's weight enters through f (backward
 all-reduce over tp): every replicated parameter ends with the same, full gradient on every tp rank.
 

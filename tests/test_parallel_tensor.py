@@ -18,6 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from distributed import run_ranks
@@ -64,8 +66,34 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+class TPLoss(torch.nn.Module):
+    """The model and its tp loss as one module (a `fully_shard` root runs its hooks around `forward`)."""
+
+    def __init__(self, model: torch.nn.Module, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.model, self.sequence_parallel = model, sequence_parallel
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.forward_hidden(tokens)
+        loss = vocab_parallel_loss_sum(self.model, hidden, targets, dist.group.WORLD, self.sequence_parallel,
+                                       chunk_tokens=12)  # 3 chunks
+        cfg = self.model.cfg
+        if cfg.is_moe:
+            loss = loss + cfg.aux_loss_coef * self.model.moe_aux_loss() * targets.numel()
+        return loss
+
+
+def wrap_in_fully_shard(loss_model: TPLoss, rank: int, world_size: int) -> None:
+    """`fully_shard` over a one-rank mesh: it swaps every parameter for a DTensor, as ZeRO-3 would."""
+    singles = [dist.new_group([r]) for r in range(world_size)]  # every rank creates every group
+    mesh = DeviceMesh.from_group(singles[rank], "cpu")
+    for block in loss_model.model.layers.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(loss_model, mesh=mesh)
+
+
 def tp_loss_and_grad_errors(rank: int, world_size: int, preset: str, variants: list[tuple[bool, str]],
-                            overrides: dict | None = None) -> list[dict]:
+                            overrides: dict | None = None, parameter_wrapper: bool = False) -> list[dict]:
     """On each rank: for each (sequence_parallel, recompute), the tp loss and gathered gradients against
     the single-process reference."""
     group = dist.group.WORLD
@@ -77,18 +105,19 @@ def tp_loss_and_grad_errors(rank: int, world_size: int, preset: str, variants: l
         model = build_model(cfg, "cpu", seed=0)
         apply_tensor_parallel(model, group, sequence_parallel=sp)
         apply_recompute(model, recompute)
-        hidden = model.forward_hidden(tokens)
-        loss = vocab_parallel_loss_sum(model, hidden, targets, group, sp, chunk_tokens=12)  # 3 chunks
-        if cfg.is_moe:
-            loss = loss + cfg.aux_loss_coef * model.moe_aux_loss() * targets.numel()
+        loss_model = TPLoss(model, sp)
+        if parameter_wrapper:
+            wrap_in_fully_shard(loss_model, rank, world_size)
+        loss = loss_model(tokens, targets)
         loss.backward()
-        grads = gather_state({n: p.grad for n, p in model.named_parameters()}, group)
+        local_grads = {n: p.grad.to_local() if parameter_wrapper else p.grad for n, p in model.named_parameters()}
+        grads = gather_state(local_grads, group)
         errors = {n: rel_err(g, ref_grads[n]) for n, g in grads.items()}
         replicated_equal = True
-        for n, p in model.named_parameters():
+        for n, g in local_grads.items():
             if tp_shard_dim(n) is None:
-                copies = [torch.empty_like(p.grad) for _ in range(world_size)]
-                dist.all_gather(copies, p.grad)
+                copies = [torch.empty_like(g) for _ in range(world_size)]
+                dist.all_gather(copies, g)
                 replicated_equal &= all(torch.equal(c, copies[0]) for c in copies)
         results.append(dict(sp=sp, recompute=recompute, loss=loss.item(), ref_loss=ref_loss, errors=errors,
                             names=sorted(grads) == sorted(ref_grads), replicated_equal=replicated_equal))
@@ -115,8 +144,16 @@ def test_tp2_dense_matches_single_process():
     check_tp_results(results)
 
 
-def test_tp2_moe_matches_single_process():
-    results = run_ranks(2, tp_loss_and_grad_errors, "tiny-moe", [(False, "none"), (True, "full")])
+def test_tp2_moe_untied_matches_single_process():
+    """The MoE model with an untied output layer (the dense test covers tied embeddings)."""
+    results = run_ranks(2, tp_loss_and_grad_errors, "tiny-moe", [(False, "none"), (True, "full")],
+                        dict(tied_embeddings=False))
+    check_tp_results(results)
+
+
+def test_tp2_sp_under_a_parameter_swapping_wrapper():
+    """`fully_shard` replaces every `nn.Parameter`; the SP norm gradients must still be completed over tp."""
+    results = run_ranks(2, tp_loss_and_grad_errors, "tiny-moe", [(True, "full")], None, True)
     check_tp_results(results)
 
 
@@ -206,13 +243,9 @@ def test_moe_expert_ffn_not_divisible_is_refused():
 
 # --- recompute (one process) ----------------------------------------------------------------------------
 
-def saved_bytes_and_grads(mode: str, rows: int, seq: int) -> tuple[int, dict[str, torch.Tensor]]:
-    """Bytes of the distinct activation storages autograd keeps for backward (saved tensors that are not
-    parameters), and the gradients."""
-    cfg = get_preset("tiny")
-    model = build_model(cfg, "cpu", seed=0)
-    apply_recompute(model, mode)
-    tokens, targets = batch(cfg.vocab_size, rows, seq)
+def saved_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """Bytes of the distinct activation storages autograd keeps for the backward of `forward_hidden` (saved
+    tensors that are not parameters), and the hidden states."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
 
@@ -223,8 +256,39 @@ def saved_bytes_and_grads(mode: str, rows: int, seq: int) -> tuple[int, dict[str
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         hidden = model.forward_hidden(tokens)
+    return sum(storages.values()), hidden
+
+
+def saved_bytes_and_grads(mode: str, rows: int, seq: int) -> tuple[int, dict[str, torch.Tensor]]:
+    cfg = get_preset("tiny")
+    model = build_model(cfg, "cpu", seed=0)
+    apply_recompute(model, mode)
+    tokens, targets = batch(cfg.vocab_size, rows, seq)
+    saved, hidden = saved_activation_bytes(model, tokens)
     F.cross_entropy(model.lm_head(hidden).flatten(0, 1), targets.flatten(), ignore_index=-100).backward()
-    return sum(storages.values()), {n: p.grad for n, p in model.named_parameters()}
+    return saved, {n: p.grad for n, p in model.named_parameters()}
+
+
+def tp_saved_activation_bytes(rank: int, world_size: int, rows: int, seq: int) -> dict[bool, int]:
+    cfg = get_preset("tiny")
+    tokens, _ = batch(cfg.vocab_size, rows, seq)
+    saved = {}
+    for sp in (False, True):
+        model = build_model(cfg, "cpu", seed=0)
+        apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=sp)
+        saved[sp] = saved_activation_bytes(model, tokens)[0]
+    return saved
+
+
+def test_sequence_parallel_shards_norm_and_residual_activations():
+    """SP keeps 1/tp of what the norm regions save: per block norm its input, normalised input and output
+    (the input of the column-parallel linears, which under SP keep only their slice) and the per-row rsqrt;
+    for the final norm its input and normalised input and the rsqrt. Everything else is the same as TP."""
+    cfg, rows, seq, tp = get_preset("tiny"), 2, 64, 2
+    hidden, row = rows * seq * cfg.hidden * 4, rows * seq * 4
+    norm_region_bytes = 2 * cfg.n_layers * (3 * hidden + row) + (2 * hidden + row)
+    for saved in run_ranks(tp, tp_saved_activation_bytes, rows, seq):
+        assert saved[False] - saved[True] == norm_region_bytes * (tp - 1) // tp
 
 
 def test_recompute_same_grads_and_fewer_saved_bytes():

@@ -85,13 +85,16 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k, v = self.project_qkv(x)
+        b, s, _ = q.shape
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.core(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The q, k, v projections [batch, seq, heads * head_dim]; tensor parallelism fuses their input."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The attention kernel on [batch, heads, seq, head_dim]; recompute and context parallel wrap this."""
@@ -108,7 +111,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(ffn, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.project_gate_up(x)
+        return self.down_proj(F.silu(gate) * up)
+
+    def project_gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gate and up projections; tensor parallelism fuses their input."""
+        return self.gate_proj(x), self.up_proj(x)
 
 
 class MoE(nn.Module):

@@ -16,6 +16,8 @@ all-reduce) and the output through g (forward all-reduce); the embedding output 
 two small all-reduces per chunk of tokens (`vocab_parallel_loss_sum`). With sequence parallelism the
 norms and residual adds hold [batch, seq / tp, hidden]: f becomes an all-gather along the sequence
 (backward reduce-scatter) and g a reduce-scatter (backward all-gather), the same bytes as one all-reduce.
+The all-gather is fused with the q/k/v (gate/up) projections, which keep only the sequence slice for
+backward and gather it again there.
 The norm weights then see only their sequence slice, so each norm's weight enters through f (backward
 all-reduce over tp): every replicated parameter ends with the same, full gradient on every tp rank.
 
@@ -42,6 +44,7 @@ from fivefold.parallel.tensor_comm import (
     copy_to_tp,
     enter_tp_region,
     exit_tp_region,
+    gather_linears,
     gather_sequence,
     grad_on_first_rank,
     vocab_parallel_cross_entropy_sum,
@@ -143,8 +146,14 @@ class TensorParallelAttention(Attention):
     sequence_parallel: bool
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = enter_tp_region(x, self.tp_group, self.sequence_parallel)
+        if not self.sequence_parallel:
+            x = copy_to_tp(x, self.tp_group)
         return exit_tp_region(super().forward(x, cos, sin), self.tp_group, self.sequence_parallel)
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.sequence_parallel:
+            return gather_linears(x, self.tp_group, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        return super().project_qkv(x)
 
 
 class TensorParallelMLP(MLP):
@@ -154,8 +163,14 @@ class TensorParallelMLP(MLP):
     sequence_parallel: bool
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = enter_tp_region(x, self.tp_group, self.sequence_parallel)
+        if not self.sequence_parallel:
+            x = copy_to_tp(x, self.tp_group)
         return exit_tp_region(super().forward(x), self.tp_group, self.sequence_parallel)
+
+    def project_gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.sequence_parallel:
+            return gather_linears(x, self.tp_group, self.gate_proj.weight, self.up_proj.weight)
+        return super().project_gate_up(x)
 
 
 class TensorParallelMoE(MoE):
@@ -218,6 +233,8 @@ def apply_tensor_parallel(model: Llama, tp_group: ProcessGroup, sequence_paralle
     validate_tensor_parallel(model.cfg, tp_size)
     if tp_size == 1:
         return
+    if any(isinstance(m, TensorParallelAttention | VocabParallelEmbedding) for m in model.modules()):
+        raise ValueError("tensor parallelism is already applied to this model")
     for block in model.layers.values():
         attn = block.attn
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):

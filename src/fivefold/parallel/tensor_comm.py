@@ -10,6 +10,8 @@ identity of f an all-gather along the sequence (their backwards swap roles):
 
     gather_sequence          forward all-gather (dim 1),   backward reduce-scatter (dim 1)
     scatter_sequence         forward reduce-scatter,       backward all-gather
+    gather_linears           gather_sequence fused with the column-parallel linears that share the input,
+                             keeping only the local slice (backward all-gathers it again)
 
 `vocab_parallel_cross_entropy_sum` is the loss over a vocabulary-sharded output layer: per chunk of tokens
 one all-reduce of the row maxima and one of (sum of exponentials, target logit), never the full logits.
@@ -114,6 +116,33 @@ class _GradOnFirstRank(torch.autograd.Function):
         return (grad if ctx.first else torch.zeros_like(grad)), None
 
 
+class _GatherLinears(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        device = x.device.type
+        # autocast does not reach into backward: fix the matmul dtype here and reuse it there
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        with torch.autocast(device, enabled=False):
+            x_full = _all_gather(x.to(dtype), SEQ_DIM, group)
+            outs = tuple(x_full @ w.to(dtype).t() for w in weights)
+        ctx.group, ctx.dtype = group, dtype
+        ctx.save_for_backward(x, *weights)  # the local slice only: the gathered input is rebuilt in backward
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        x, *weights = ctx.saved_tensors
+        x_full = _all_gather(x.to(ctx.dtype), SEQ_DIM, ctx.group)
+        x_rows = x_full.reshape(-1, x_full.shape[-1])
+        grad_x_full = torch.zeros_like(x_full)
+        grad_weights = []
+        for grad, w in zip(grads, weights, strict=True):
+            grad = grad.to(ctx.dtype)
+            grad_x_full += grad @ w.to(ctx.dtype)
+            grad_weights.append((grad.reshape(-1, grad.shape[-1]).t() @ x_rows).to(w.dtype))
+        return _reduce_scatter(grad_x_full, SEQ_DIM, ctx.group).to(x.dtype), None, *grad_weights
+
+
 def _single(group: ProcessGroup) -> bool:
     return dist.get_world_size(group) == 1
 
@@ -136,6 +165,16 @@ def gather_sequence(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 def scatter_sequence(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Sequence-parallel g: reduce-scatter the partial sums [b, s, h] -> this rank's slice [b, s/tp, h]."""
     return x if _single(group) else _ScatterSequence.apply(x, group)
+
+
+def gather_linears(x: torch.Tensor, group: ProcessGroup, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Sequence-parallel input of column-parallel linears sharing it (q/k/v, gate/up): one all-gather of the
+    sequence slices [b, s/tp, h], then `x_full @ w.T` for each weight. Only the slice is kept for backward,
+    which all-gathers it again for the weight gradients and reduce-scatters the input gradient (as
+    Megatron does), so SP holds 1/tp of these activations where TP alone holds them whole."""
+    if _single(group):
+        return tuple(x @ w.t() for w in weights)
+    return _GatherLinears.apply(x, group, *weights)
 
 
 def enter_tp_region(x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:

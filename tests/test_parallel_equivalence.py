@@ -98,7 +98,20 @@ def layouts_on_ranks(rank: int, world_size: int, layouts: list[dict[str, str]]) 
         losses, norms = train_steps(engine, cfg)
         state = engine.model_state()
         results.append((losses, norms, state if rank == 0 else None))
+        check_overlap(engine, cfg)
     return results
+
+
+def check_overlap(engine, cfg: Config) -> None:
+    """Every bucket's reduction started from a gradient hook, i.e. while backward was still running: once per
+    step (the last micro-batch) for data parallel and ZeRO-1, on every micro-batch for ZeRO-2."""
+    from fivefold.parallel.data import BucketedDataParallel
+
+    dp = engine.data_parallel
+    if isinstance(dp, BucketedDataParallel):
+        per_step = ACCUM if cfg.layout.zero == 2 else 1
+        assert len(dp.buckets) > 2
+        assert dp.launched_in_backward == len(dp.buckets) * STEPS * per_step
 
 
 def assert_equivalent(layouts: list[dict[str, str]], world_size: int) -> None:

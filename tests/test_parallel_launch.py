@@ -1,5 +1,5 @@
 """`fivefold train --nproc 2` end to end (PyTorch's launcher, gloo, the data pipeline, checkpoints), against the
-same run in one process; and the SLURM script that `fivefold train --slurm` writes."""
+same run in one process; exact resume of sharded runs; and the SLURM script that `fivefold train --slurm` writes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
+from tests.distributed import run_ranks
 from tests.test_train import dataset, small_config  # noqa: F401  (dataset is a fixture)
 
 from fivefold.cli import main
@@ -64,3 +66,29 @@ def test_slurm_script_runs_torchrun_on_every_node(tmp_path, capsys):
     assert main(["train", "--slurm", str(tmp_path / "bad.sh"), "--nodes", "2", "--nproc", "4",
                  "--layout.dp", "2"]) == 2
     assert not (tmp_path / "bad.sh").exists()
+
+
+def resume_on_ranks(rank: int, world_size: int, data_dir: Path, tmp: Path, layout: dict[str, str]) -> tuple:
+    """The uninterrupted run and the run cut after step 3 then resumed, under `layout`, on these ranks."""
+    extra = {"train.dtype": "fp32", "train.device": "cpu", "layout.micro_batch_size": "2", **layout}
+    full = train(small_config(tmp / "full", data_dir, **extra))
+    first = train(small_config(tmp / "cut", data_dir, **extra), stop_after=3)
+    rest = train(small_config(tmp / "cut", data_dir, **extra), resume=True)
+    return full.losses, first.losses + rest.losses, full.val_losses[6], rest.val_losses[6]
+
+
+def check_resume(tmp_path: Path, data_dir: Path, world_size: int, layout: dict[str, str]) -> None:
+    full, resumed, val_full, val_resumed = run_ranks(world_size, resume_on_ranks, data_dir, tmp_path, layout)[0]
+    assert full == resumed and val_full == val_resumed  # bit for bit
+    a = load_file(str(latest_checkpoint(tmp_path / "full") / "model.safetensors"))
+    b = load_file(str(latest_checkpoint(tmp_path / "cut") / "model.safetensors"))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def test_resume_under_zero3_is_exact(tmp_path, dataset):  # noqa: F811
+    check_resume(tmp_path, dataset, 2, {"layout.dp": "2", "layout.zero": "3"})
+
+
+@pytest.mark.slow
+def test_resume_under_tensor_parallel_and_zero2_is_exact(tmp_path, dataset):  # noqa: F811
+    check_resume(tmp_path, dataset, 4, {"layout.dp": "2", "layout.tp": "2", "layout.zero": "2", "layout.sp": "true"})

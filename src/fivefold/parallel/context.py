@@ -150,6 +150,19 @@ def attention_blocks(rank: int, cp: int, layout: str = "zigzag") -> list[tuple[i
     return blocks
 
 
+def render_blocks(cp: int, layout: str = "zigzag") -> str:
+    """The causal chunk grid with the rank that computes each block: a digit for a full block, a letter
+    (a = rank 0) for a diagonal causal block, '.' for a masked one that nobody computes."""
+    n = 2 * cp
+    grid = [["."] * n for _ in range(n)]
+    for rank in range(cp):
+        for q_chunk, kv_chunk, kind in attention_blocks(rank, cp, layout):
+            grid[q_chunk][kv_chunk] = str(rank) if kind == "full" else chr(ord("a") + rank)
+    lines = [f"{layout}, cp = {cp}", "key chunk  " + " ".join(f"{j:>2}" for j in range(n))]
+    lines += [f"query {i:>2}   " + " ".join(f"{c:>2}" for c in row) for i, row in enumerate(grid)]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The ring
 # ---------------------------------------------------------------------------------------------------------

@@ -66,10 +66,34 @@ def busiest_rank_bytes(model, optimizer, seq_len: int, rank: int, cp: int) -> tu
     return int(worst[0]), float(worst[1])
 
 
-def rank_main(rank: int, cp: int, port: int, args: argparse.Namespace, queue) -> None:
+def _rank_entry(rank: int, world_size: int, port: int, fn, args: tuple, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=cp)
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    result = fn(rank, world_size, *args)
+    if rank == 0:
+        queue.put(result)
+    dist.destroy_process_group()
+
+
+def run_on_ranks(world_size: int, fn, *args):
+    """Run module-level `fn(rank, world_size, *args)` on `world_size` spawned gloo ranks; return rank 0's result
+    (plain Python values: they are pickled by value)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_rank_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=3600)
+    for p in procs:
+        p.join()
+    return result
+
+
+def longest_sequence(rank: int, cp: int, args: argparse.Namespace):
     model = build_model(get_preset("tiny"), seed=0)
     if cp > 1:
         apply_context_parallel(model, dist.group.WORLD)
@@ -88,23 +112,11 @@ def rank_main(rank: int, cp: int, port: int, args: argparse.Namespace, queue) ->
     while high - low > args.granularity:  # bisection on multiples of the granularity
         mid = (low + high) // 2 // args.granularity * args.granularity
         low, high = (mid, high) if fits(mid) else (low, mid)
-    if rank == 0:
-        queue.put((cp, fixed, low, measured))
-    dist.destroy_process_group()
+    return cp, fixed, low, measured
 
 
 def run_cp(cp: int, args: argparse.Namespace):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=rank_main, args=(r, cp, port, args, queue)) for r in range(cp)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=3600)
-    for p in procs:
-        p.join()
+    result = run_on_ranks(cp, longest_sequence, args)
     if result[2] == 0:
         raise SystemExit(f"not even {args.start_seq * cp} tokens fit in {args.budget_mib:g} MiB with cp = {cp}")
     return result

@@ -6,20 +6,18 @@ each transfer awaited before the compute (`serial`), and the cp-1 key/value ring
 serial ~ compute + transfer, so the hidden share of the transfer time is (serial - overlap) / transfer.
 Shapes are the `tiny` model's attention (4 query heads, 2 key/value heads, head dim 32), fp32, one sequence.
 
-    python benchmarks/cp_overlap.py --cps 2 4 --seqs 1024 4096 16384
+    python benchmarks/cp_overlap.py --cps 2 4 --seqs 1024 4096 16384   # run from the repository root or benchmarks/
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from cp_memory import run_on_ranks
 
 from fivefold.models.presets import get_preset
 from fivefold.parallel.context import ring_attention_forward, ring_shift
@@ -39,10 +37,7 @@ def timed(fn, repeats: int) -> float:
     return float(median)
 
 
-def rank_main(rank: int, cp: int, port: int, args: argparse.Namespace, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=cp)
+def time_ring(rank: int, cp: int, args: argparse.Namespace) -> list[tuple]:
     group, cfg = dist.group.WORLD, get_preset("tiny")
     rows = []
     for seq in args.seqs:
@@ -59,9 +54,7 @@ def rank_main(rank: int, cp: int, port: int, args: argparse.Namespace, queue) ->
         serial = timed(lambda q=q, k=k, v=v: ring_attention_forward(q, k, v, group, overlap=False), args.repeats)
         transfer = timed(shifts, args.repeats)
         rows.append((seq, kv.numel() * kv.element_size(), overlap, serial, transfer))
-    if rank == 0:
-        queue.put(rows)
-    dist.destroy_process_group()
+    return rows
 
 
 def main() -> None:
@@ -73,19 +66,8 @@ def main() -> None:
     print(f"ring attention forward, tiny shapes, fp32, CPU gloo, torch {torch.__version__}, median of "
           f"{args.repeats}")
     print("  cp     seq   KV MiB/hop   overlap ms   serial ms   transfer ms   hidden share")
-    ctx = mp.get_context("spawn")
     for cp in args.cps:
-        queue = ctx.Queue()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs = [ctx.Process(target=rank_main, args=(r, cp, port, args, queue)) for r in range(cp)]
-        for p in procs:
-            p.start()
-        rows = queue.get(timeout=3600)
-        for p in procs:
-            p.join()
-        for seq, hop_bytes, overlap, serial, transfer in rows:
+        for seq, hop_bytes, overlap, serial, transfer in run_on_ranks(cp, time_ring, args):
             hidden = (serial - overlap) / transfer
             print(f"  {cp:>2}  {seq:>6}   {hop_bytes / 2**20:10.2f}   {overlap * 1e3:10.2f}   {serial * 1e3:9.2f}"
                   f"   {transfer * 1e3:11.2f}   {hidden:12.0%}")

@@ -6,7 +6,7 @@ each transfer awaited before the compute (`serial`), and the cp-1 key/value ring
 serial ~ compute + transfer, so the hidden share of the transfer time is (serial - overlap) / transfer.
 Shapes are the `tiny` model's attention (4 query heads, 2 key/value heads, head dim 32), fp32, one sequence.
 
-    python benchmarks/cp_overlap.py --cps 2 4 --seqs 1024 4096 16384   # run from the repository root or benchmarks/
+    python benchmarks/cp_overlap.py --cps 2 4 --seqs 1024 4096 16384
 """
 
 from __future__ import annotations

@@ -112,12 +112,19 @@ def _portable(t: torch.Tensor):
     return t.numpy()
 
 
-def _ring_vs_sdpa(rank, world_size, kv_heads, layouts):
-    torch.manual_seed(0)
-    b, heads, seq, dim = 2, 4, 8 * world_size, 16
-    q, k, v = torch.randn(b, heads, seq, dim), torch.randn(b, kv_heads, seq, dim), torch.randn(b, kv_heads, seq, dim)
-    grad_out = torch.randn(b, heads, seq, dim)
-    chunk = seq // (2 * world_size)
+def _attention_inputs(seed, cp, kv_heads):
+    """q, k, v and the output gradient of one full sequence: [batch, heads, 8 * cp, head_dim]."""
+    torch.manual_seed(seed)
+    b, heads, seq, dim = 2, 4, 8 * cp, 16
+    return [torch.randn(b, h, seq, dim) for h in (heads, kv_heads, kv_heads, heads)]
+
+
+def _ring_vs_sdpa(rank, world_size, kv_heads, layouts, cp_groups):
+    groups = [dist.new_group(ranks) for ranks in cp_groups]  # every rank creates every group
+    index = next(i for i, ranks in enumerate(cp_groups) if rank in ranks)
+    group, cp, cp_rank = groups[index], len(cp_groups[index]), cp_groups[index].index(rank)
+    q, k, v, grad_out = _attention_inputs(index, cp, kv_heads)  # each cp group its own sequence
+    chunk = q.shape[2] // (2 * cp)
     results = {}
     for layout in layouts:
         work = []  # the attention kernel calls that really run, in chunk-pair units (causal = half)
@@ -126,42 +133,46 @@ def _ring_vs_sdpa(rank, world_size, kv_heads, layouts):
             work.append(q.shape[2] * k.shape[2] / chunk**2 / (2 if causal else 1))
             return attention_forward(q, k, v, causal)
 
-        shard = [shard_sequence(t, rank, world_size, layout, dim=2).requires_grad_() for t in (q, k, v)]
+        shard = [shard_sequence(t, cp_rank, cp, layout, dim=2).requires_grad_() for t in (q, k, v)]
         with patch.object(context, "attention_forward", counting_forward):
-            out = ring_attention(*shard, dist.group.WORLD, layout)
-        out.backward(shard_sequence(grad_out, rank, world_size, layout, dim=2))
-        serial_out, _ = context.ring_attention_forward(*(t.detach() for t in shard), dist.group.WORLD, layout,
-                                                      overlap=False)
+            out = ring_attention(*shard, group, layout)
+        out.backward(shard_sequence(grad_out, cp_rank, cp, layout, dim=2))
+        serial_out, _ = context.ring_attention_forward(*(t.detach() for t in shard), group, layout, overlap=False)
         tensors = (out, shard[0].grad, shard[1].grad, shard[2].grad, serial_out)
         results[layout] = ([_portable(t.detach()) for t in tensors], sum(work))
     return results
 
 
-def check_ring_attention(cp, kv_heads, layouts=("zigzag", "contiguous")):
-    results = run_ranks(cp, _ring_vs_sdpa, kv_heads, layouts)
-    torch.manual_seed(0)
-    b, heads, seq, dim = 2, 4, 8 * cp, 16
-    q, k, v = (torch.randn(b, h, seq, dim).requires_grad_() for h in (heads, kv_heads, kv_heads))
-    grad_out = torch.randn(b, heads, seq, dim)
-    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)
-    ref.backward(grad_out)
-    for layout in layouts:
-        for i, expected in enumerate((ref, q.grad, k.grad, v.grad, ref)):  # the last: transfers not overlapped
-            got = unshard_sequence([torch.from_numpy(r[layout][0][i]) for r in results], layout, dim=2)
-            torch.testing.assert_close(got, expected.detach(), atol=ATOL, rtol=0)
-        # the balance, counted on the kernel calls that ran: the closed form of test_zigzag_balances_...
-        work = [r[layout][1] for r in results]
-        assert work == ([2 * cp] * cp if layout == "zigzag" else [4 * r + 2 for r in range(cp)])
+def check_ring_attention(cp_groups, kv_heads, layouts=("zigzag", "contiguous")):
+    results = run_ranks(sum(map(len, cp_groups)), _ring_vs_sdpa, kv_heads, layouts, cp_groups)
+    for index, ranks in enumerate(cp_groups):
+        cp = len(ranks)
+        q, k, v, grad_out = _attention_inputs(index, cp, kv_heads)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != q.shape[1])
+        ref.backward(grad_out)
+        for layout in layouts:
+            for i, expected in enumerate((ref, q.grad, k.grad, v.grad, ref)):  # the last: transfers serialised
+                got = unshard_sequence([torch.from_numpy(results[r][layout][0][i]) for r in ranks], layout, dim=2)
+                torch.testing.assert_close(got, expected.detach(), atol=ATOL, rtol=0)
+            # the balance, counted on the kernel calls that ran: the closed form of test_zigzag_balances_...
+            work = [results[r][layout][1] for r in ranks]
+            assert work == ([2 * cp] * cp if layout == "zigzag" else [4 * r + 2 for r in range(cp)])
 
 
 def test_ring_attention_cp2_matches_sdpa():
-    check_ring_attention(2, kv_heads=2)  # grouped-query: 4 query heads over 2 key/value heads
+    check_ring_attention([[0, 1]], kv_heads=2)  # grouped-query: 4 query heads over 2 key/value heads
+
+
+def test_ring_attention_on_strided_cp_subgroups():
+    # dp2 x cp2 with cp the outer axis: the ring's neighbours are global ranks two apart
+    check_ring_attention([[0, 2], [1, 3]], kv_heads=2, layouts=("zigzag",))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_ring_attention_cp4_matches_sdpa(kv_heads):
-    check_ring_attention(4, kv_heads)
+    check_ring_attention([[0, 1, 2, 3]], kv_heads)
 
 
 def _model_step(rank, world_size, tokens, targets):

@@ -20,7 +20,7 @@ from fivefold.config import ConfigError
 from fivefold.models.llama import build_model
 from fivefold.models.presets import get_preset
 from fivefold.parallel import context
-from fivefold.parallel.attention_ops import attention_backward, attention_forward
+from fivefold.parallel.attention_ops import attention_backward, attention_forward, expand_kv_heads, sum_kv_head_grads
 from fivefold.parallel.context import (
     apply_context_parallel,
     attention_blocks,
@@ -65,6 +65,22 @@ def test_attention_ops_match_softmax_and_sdpa(causal, kv_heads):
     for g, e in zip(got, expected, strict=True):
         assert g.shape == e.shape
         torch.testing.assert_close(g, e, atol=ATOL, rtol=0)
+
+
+def test_expanded_kv_heads_match_grouped_query_attention():
+    # the accelerator path repeats key/value heads for the kernel and sums their gradients back: on CPU,
+    # the same with the kernel's native grouped-query heads is the reference
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 6, 16, 8), torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)
+    grad_out = torch.randn(1, 6, 16, 8)
+    out, lse = attention_forward(q, k, v, True)
+    k6, v6 = expand_kv_heads(k, 6), expand_kv_heads(v, 6)
+    out6, lse6 = attention_forward(q, k6, v6, True)
+    torch.testing.assert_close(out6, out, atol=ATOL, rtol=0)
+    grads = attention_backward(grad_out, q, k, v, out, lse, True)
+    dq6, dk6, dv6 = attention_backward(grad_out, q, k6, v6, out6, lse6, True)
+    for got, expected in zip((dq6, sum_kv_head_grads(dk6, 2), sum_kv_head_grads(dv6, 2)), grads, strict=True):
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
 def test_shard_and_unshard_are_inverse_and_positions_follow_the_tokens():

@@ -213,8 +213,11 @@ def ring_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gr
     communication and compute; it exists to measure how much of the transfer time the overlap hides."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     chunk = q.shape[2] // 2
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    b, h, s, d = q.shape
+    # [batch, seq, heads, head_dim] in memory, like SDPA's output: the model's transpose-reshape to [batch, seq,
+    # hidden] is then a view, and the output projection saves the same storage as this function
+    out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device).transpose(1, 2)
+    lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
     kv = torch.stack([k, v])  # one message per hop
     for step in range(cp):
         source = (rank - step) % cp

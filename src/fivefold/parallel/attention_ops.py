@@ -64,7 +64,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     kv_heads = k.shape[1]
     k, v = expand_kv_heads(k, q.shape[1]), expand_kv_heads(v, q.shape[1])
     sq = q.shape[2]
-    no_seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout, so no random state
+    no_seed = torch.zeros((), dtype=torch.int64)  # no dropout: a host placeholder, as the forward returns
     padded = (sq + 31) // 32 * 32  # the LSE length the efficient kernel produced and expects back
     lse = torch.nn.functional.pad(lse, (0, padded - sq)) if padded != sq else lse
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(

@@ -83,6 +83,19 @@ def test_expanded_kv_heads_match_grouped_query_attention():
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_accelerator_kernel_path_signatures_on_meta(dtype):
+    # the meta device takes the non-CPU path through the aten kernels' shape functions: argument order and
+    # shapes only (the numbers are checked on CPU above; on a GPU, the same tests with device tensors)
+    q = torch.empty(2, 4, 40, 16, device="meta", dtype=dtype)
+    for kv_len, causal in ((40, True), (24, False)):
+        k = torch.empty(2, 2, kv_len, 16, device="meta", dtype=dtype)
+        out, lse = attention_forward(q, k, k, causal)
+        assert out.shape == q.shape and lse.shape == (2, 4, 40) and lse.dtype == torch.float32
+        grads = attention_backward(torch.empty_like(out), q, k, k, out, lse, causal)
+        assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
+
+
 def test_shard_and_unshard_are_inverse_and_positions_follow_the_tokens():
     x = torch.arange(3 * 16).view(3, 16)
     for layout in ("zigzag", "contiguous"):

@@ -212,10 +212,20 @@ def _model_step(rank, world_size, tokens, targets):
         tokens, targets, positions = shard_batch(tokens, targets, rank, world_size)
     else:
         positions = None
-    logits = model(tokens, positions)
-    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}  # storage -> bytes of every activation autograd keeps for backward
+
+    def pack(t):
+        saved.setdefault(t.untyped_storage().data_ptr(), 0 if t.untyped_storage().data_ptr() in weights
+                         else t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(tokens, positions)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
     loss.backward()
-    return loss.item(), _portable(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    return loss.item(), _portable(grads), sum(saved.values())
 
 
 def test_tiny_model_under_cp2_matches_single_process():
@@ -223,7 +233,7 @@ def test_tiny_model_under_cp2_matches_single_process():
     cfg = get_preset("tiny")
     tokens = torch.randint(0, cfg.vocab_size, (2, 32))
     targets = torch.randint(0, cfg.vocab_size, (2, 32))
-    ref_loss, ref_grads = _model_step(0, 1, tokens, targets)
+    ref_loss, ref_grads, ref_saved = _model_step(0, 1, tokens, targets)
     ref_grads = torch.from_numpy(ref_grads)
     results = run_ranks(2, _model_step, tokens, targets)
     # each rank holds the loss and the gradients of its tokens: summed over cp they are the whole batch's,
@@ -234,3 +244,6 @@ def test_tiny_model_under_cp2_matches_single_process():
     grads = sum(torch.from_numpy(r[1]) for r in results)
     for name, got, expected in zip(names, grads.split(shapes), ref_grads.split(shapes), strict=True):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+    # every saved activation is per token, ring attention's included: each cp rank keeps half of them
+    for r in results:
+        assert r[2] <= 0.5 * ref_saved * 1.01, (r[2], ref_saved, r[2] / ref_saved)

@@ -247,3 +247,25 @@ def test_tiny_model_under_cp2_matches_single_process():
     # every saved activation is per token, ring attention's included: each cp rank keeps half of them
     for r in results:
         assert r[2] <= 0.5 * ref_saved * 1.01, (r[2], ref_saved, r[2] / ref_saved)
+
+
+def _compiled_blocks_step(rank, world_size, tokens, compiled):
+    model = build_model(get_preset("tiny"), seed=0)
+    apply_context_parallel(model, dist.group.WORLD)
+    if compiled:
+        for block in model.layers.values():
+            block.compile()
+    inputs, _, positions = shard_batch(tokens, tokens, rank, world_size)
+    out = model(inputs, positions)
+    out.square().mean().backward()
+    return _portable(out.detach()), _portable(torch.cat([p.grad.flatten() for p in model.parameters()]))
+
+
+@pytest.mark.slow
+def test_compiled_blocks_with_ring_attention_match_eager():
+    tokens = torch.randint(0, get_preset("tiny").vocab_size, (1, 32), generator=torch.Generator().manual_seed(2))
+    eager = run_ranks(2, _compiled_blocks_step, tokens, False)
+    compiled = run_ranks(2, _compiled_blocks_step, tokens, True)
+    for e, c in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(torch.from_numpy(c[0]), torch.from_numpy(e[0]), atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.from_numpy(c[1]), torch.from_numpy(e[1]), atol=1e-5, rtol=1e-4)

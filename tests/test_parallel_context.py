@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from distributed import run_ranks
 from fivefold.config import ConfigError
@@ -249,12 +250,25 @@ def test_tiny_model_under_cp2_matches_single_process():
         assert r[2] <= 0.5 * ref_saved * 1.01, (r[2], ref_saved, r[2] / ref_saved)
 
 
-def _compiled_blocks_step(rank, world_size, tokens, compiled):
+class _Recomputed(torch.nn.Module):
+    """A block whose activations are recomputed in backward (the recompute the engine applies per block)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, cos, sin):
+        return checkpoint(self.block, x, cos, sin, use_reentrant=False)
+
+
+def _wrapped_blocks_step(rank, world_size, tokens, wrap):
     model = build_model(get_preset("tiny"), seed=0)
     apply_context_parallel(model, dist.group.WORLD)
-    if compiled:
-        for block in model.layers.values():
+    for name, block in model.layers.items():
+        if wrap == "compile":
             block.compile()
+        elif wrap == "recompute":
+            model.layers[name] = _Recomputed(block)
     inputs, _, positions = shard_batch(tokens, tokens, rank, world_size)
     out = model(inputs, positions)
     out.square().mean().backward()
@@ -262,10 +276,11 @@ def _compiled_blocks_step(rank, world_size, tokens, compiled):
 
 
 @pytest.mark.slow
-def test_compiled_blocks_with_ring_attention_match_eager():
+@pytest.mark.parametrize("wrap", ["compile", "recompute"])
+def test_compiled_or_recomputed_blocks_with_ring_attention_match_eager(wrap):
     tokens = torch.randint(0, get_preset("tiny").vocab_size, (1, 32), generator=torch.Generator().manual_seed(2))
-    eager = run_ranks(2, _compiled_blocks_step, tokens, False)
-    compiled = run_ranks(2, _compiled_blocks_step, tokens, True)
-    for e, c in zip(eager, compiled, strict=True):
-        torch.testing.assert_close(torch.from_numpy(c[0]), torch.from_numpy(e[0]), atol=1e-5, rtol=0)
-        torch.testing.assert_close(torch.from_numpy(c[1]), torch.from_numpy(e[1]), atol=1e-5, rtol=1e-4)
+    eager = run_ranks(2, _wrapped_blocks_step, tokens, None)
+    wrapped = run_ranks(2, _wrapped_blocks_step, tokens, wrap)
+    for e, w in zip(eager, wrapped, strict=True):
+        torch.testing.assert_close(torch.from_numpy(w[0]), torch.from_numpy(e[0]), atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.from_numpy(w[1]), torch.from_numpy(e[1]), atol=1e-5, rtol=1e-4)

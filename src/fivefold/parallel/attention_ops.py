@@ -25,12 +25,12 @@ def _check(q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
         raise ValueError(f"a causal block needs as many queries as keys, got {q.shape[2]} and {k.shape[2]}")
 
 
-def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+def expand_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     """Repeat each key/value head for its group of query heads (the layout SDPA's enable_gqa uses)."""
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
-def _reduce_kv_grad(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+def sum_kv_head_grads(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """Sum the gradient of repeated heads back onto their key/value head."""
     b, h, s, d = grad.shape
     return grad if h == kv_heads else grad.view(b, kv_heads, h // kv_heads, s, d).sum(2)
@@ -43,7 +43,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     if q.device.type == "cpu":  # the CPU kernel handles grouped-query heads itself
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse
-    k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
+    k, v = expand_kv_heads(k, q.shape[1]), expand_kv_heads(v, q.shape[1])
     out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)[:2]
     return out, lse[:, :, : q.shape[2]]  # the efficient kernel pads the LSE's length
 
@@ -62,12 +62,12 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
         return dq, dk, dv
     kv_heads = k.shape[1]
-    k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
+    k, v = expand_kv_heads(k, q.shape[1]), expand_kv_heads(v, q.shape[1])
     sq = q.shape[2]
-    no_seed = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout, so no random state
+    no_seed = torch.zeros((), dtype=torch.int64)  # no dropout: a host placeholder, as the forward returns
     padded = (sq + 31) // 32 * 32  # the LSE length the efficient kernel produced and expects back
     lse = torch.nn.functional.pad(lse, (0, padded - sq)) if padded != sq else lse
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
         grad_out, q, k, v, None, out, lse.contiguous(), no_seed, no_seed, 0.0, [True, True, True, False],
         causal, scale=scale)
-    return dq, _reduce_kv_grad(dk, kv_heads), _reduce_kv_grad(dv, kv_heads)
+    return dq, sum_kv_head_grads(dk, kv_heads), sum_kv_head_grads(dv, kv_heads)

@@ -150,11 +150,24 @@ def attention_blocks(rank: int, cp: int, layout: str = "zigzag") -> list[tuple[i
     return blocks
 
 
+def render_blocks(cp: int, layout: str = "zigzag") -> str:
+    """The causal chunk grid with the rank that computes each block: a digit for a full block, a letter
+    (a = rank 0) for a diagonal causal block, '.' for a masked one that nobody computes."""
+    n = 2 * cp
+    grid = [["."] * n for _ in range(n)]
+    for rank in range(cp):
+        for q_chunk, kv_chunk, kind in attention_blocks(rank, cp, layout):
+            grid[q_chunk][kv_chunk] = str(rank) if kind == "full" else chr(ord("a") + rank)
+    lines = [f"{layout}, cp = {cp}", "key chunk  " + " ".join(f"{j:>2}" for j in range(n))]
+    lines += [f"query {i:>2}   " + " ".join(f"{c:>2}" for c in row) for i, row in enumerate(grid)]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The ring
 # ---------------------------------------------------------------------------------------------------------
 
-class _Transfer:
+class Transfer:
     """A posted ring shift; `wait()` returns the tensor received from the previous rank."""
 
     def __init__(self, received: torch.Tensor, works: list) -> None:
@@ -163,18 +176,19 @@ class _Transfer:
     def wait(self) -> torch.Tensor:
         for work in self.works:
             work.wait()
+        self.works = []
         return self.received
 
 
-def _ring_shift(tensor: torch.Tensor, group: dist.ProcessGroup, tag: int) -> _Transfer:
+def ring_shift(tensor: torch.Tensor, group: dist.ProcessGroup, tag: int = 0) -> Transfer:
     """Post: send `tensor` to the next rank of the cp ring, receive the previous rank's into a new buffer."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     if cp == 1:
-        return _Transfer(tensor, [])
+        return Transfer(tensor, [])
     received = torch.empty_like(tensor)
     ops = [dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (rank + 1) % cp), group, tag),
            dist.P2POp(dist.irecv, received, dist.get_global_rank(group, (rank - 1) % cp), group, tag)]
-    return _Transfer(received, dist.batch_isend_irecv(ops))
+    return Transfer(received, dist.batch_isend_irecv(ops))
 
 
 def _rows(slots: tuple[int, ...], chunk: int) -> slice:
@@ -191,6 +205,35 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.T
     lse[:, :, rows] = new_lse
 
 
+def ring_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
+                           layout: str = "zigzag", overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward of ring attention, without autograd: (out, lse) of this rank's queries.
+
+    `overlap=False` waits for each key/value transfer before computing the block it held, which serialises
+    communication and compute; it exists to measure how much of the transfer time the overlap hides."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunk = q.shape[2] // 2
+    b, h, s, d = q.shape
+    # [batch, seq, heads, head_dim] in memory, like SDPA's output: the model's transpose-reshape to [batch, seq,
+    # hidden] is then a view, and the output projection saves the same storage as this function
+    out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device).transpose(1, 2)
+    lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+    kv = torch.stack([k, v])  # one message per hop
+    for step in range(cp):
+        source = (rank - step) % cp
+        incoming = ring_shift(kv, group, _KV_TAG) if step < cp - 1 else None  # in flight during the compute
+        if incoming is not None and not overlap:
+            incoming.wait()
+        for call in step_calls(rank, source, cp, layout):
+            rows, cols = _rows(call.q_slots, chunk), _rows(call.kv_slots, chunk)
+            block_out, block_lse = attention_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                                     call.causal)
+            _merge(out, lse, rows, block_out, block_lse)
+        if incoming is not None:
+            kv = incoming.wait()
+    return out.to(q.dtype), lse
+
+
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries against the keys/values of every rank of `group`.
 
@@ -200,22 +243,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
                 layout: str) -> torch.Tensor:
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        chunk = q.shape[2] // 2
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])  # one message per hop
-        for step in range(cp):
-            source = (rank - step) % cp
-            incoming = _ring_shift(kv, group, _KV_TAG) if step < cp - 1 else None  # overlaps the compute below
-            for call in step_calls(rank, source, cp, layout):
-                rows, cols = _rows(call.q_slots, chunk), _rows(call.kv_slots, chunk)
-                block_out, block_lse = attention_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                                                         call.causal)
-                _merge(out, lse, rows, block_out, block_lse)
-            if incoming is not None:
-                kv = incoming.wait()
-        out = out.to(q.dtype)
+        out, lse = ring_attention_forward(q, k, v, group, layout)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.layout = group, layout
         return out
@@ -228,10 +256,10 @@ class RingAttention(torch.autograd.Function):
         chunk = q.shape[2] // 2
         grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
-        grad_kv_transfer: _Transfer | None = None
+        grad_kv_transfer: Transfer | None = None
         for step in range(cp):
             source = (rank - step) % cp
-            incoming = _ring_shift(kv, group, _KV_TAG) if step < cp - 1 else None
+            incoming = ring_shift(kv, group, _KV_TAG) if step < cp - 1 else None
             grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # for the shard of `source`
             for call in step_calls(rank, source, cp, layout):
                 rows, cols = _rows(call.q_slots, chunk), _rows(call.kv_slots, chunk)
@@ -242,7 +270,7 @@ class RingAttention(torch.autograd.Function):
                 grad_kv[1][:, :, cols] += dv
             if grad_kv_transfer is not None:  # what the previous ranks accumulated for the same shard
                 grad_kv += grad_kv_transfer.wait()
-            grad_kv_transfer = _ring_shift(grad_kv, group, _GRAD_TAG)  # the last hop brings it home
+            grad_kv_transfer = ring_shift(grad_kv, group, _GRAD_TAG)  # the last hop brings it home
             if incoming is not None:
                 kv = incoming.wait()
         grad_kv = grad_kv_transfer.wait()

@@ -57,14 +57,39 @@ def layer_params(cfg: ModelConfig, tp: int = 1, ep: int = 1) -> dict[str, int]:
             "matmul": attn + mlp + expert + (h * cfg.n_experts if cfg.is_moe else 0)}
 
 
-def split_layers(n_layers: int, stages: int) -> list[int]:
-    """Layers per pipeline stage: as even as possible, the extra layers on the middle stages (the first holds
-    the embedding, the last the output layer and the loss)."""
-    base, extra = divmod(n_layers, stages)
-    counts = [base] * stages
+def head_cost_in_layers(cfg: ModelConfig, seq: int) -> float:
+    """The output layer's training FLOPs in units of one block's (to balance pipeline stages by compute)."""
+    from fivefold.flops import training_flops_per_token
+
+    head = 6 * cfg.vocab_size * cfg.hidden
+    return head / ((training_flops_per_token(cfg, seq) - head) / cfg.n_layers)
+
+
+def split_layers(n_layers: int, stages: int, last_extra: float = 0.0) -> list[int]:
+    """Layers per pipeline stage, balanced by compute: the last stage also runs the output layer and the loss,
+    worth `last_extra` blocks, so it gets fewer blocks; the remaining imbalance goes to the middle stages.
+    Every stage keeps at least one block (when there are as many blocks as stages)."""
+    if stages == 1:
+        return [n_layers]
+    if stages >= n_layers:
+        return [1] * n_layers + [0] * (stages - n_layers)
+    extra = [0.0] * stages
+    extra[-1] = last_extra
+    lo, hi = 0.0, n_layers + last_extra + 1.0
+    for _ in range(60):  # the lowest level at which the stages hold every layer
+        mid = (lo + hi) / 2
+        if sum(max(1, math.floor(mid - e)) for e in extra) >= n_layers:
+            hi = mid
+        else:
+            lo = mid
+    counts = [max(1, math.floor(hi - e)) for e in extra]
     order = sorted(range(stages), key=lambda s: (s in (0, stages - 1), abs(s - (stages - 1) / 2)))
-    for s in order[:extra]:
-        counts[s] += 1
+    i = 0
+    while sum(counts) > n_layers:  # trim the overshoot from the middle stages first
+        s = order[i % stages]
+        if counts[s] > 1:
+            counts[s] -= 1
+        i += 1
     return counts
 
 
@@ -82,12 +107,17 @@ class RankParams:
         return self.dense + self.expert
 
 
+def stage_layers(cfg: ModelConfig, lay: Layout, seq: int = 4096) -> list[int]:
+    """Blocks per global pipeline stage (pp x vpp stages, or 2 pp for the V-shaped schedule)."""
+    n = lay.pp * (2 if lay.schedule == "dualpipev" and lay.pp > 1 else lay.vpp)
+    return split_layers(cfg.n_layers, n, head_cost_in_layers(cfg, seq) if n > 1 else 0.0)
+
+
 def rank_params(cfg: ModelConfig, lay: Layout, rank: str = "first") -> RankParams:
     """Parameters that the `first` or `last` pipeline rank holds (the same rank when pp = 1)."""
-    chunks = split_layers(cfg.n_layers, lay.pp * lay.vpp)
+    chunks = stage_layers(cfg, lay)
     r = 0 if rank == "first" else lay.pp - 1
     if lay.schedule == "dualpipev" and lay.pp > 1:
-        chunks = split_layers(cfg.n_layers, 2 * lay.pp)
         mine = [r, 2 * lay.pp - 1 - r]
     else:
         mine = [r + k * lay.pp for k in range(lay.vpp)]
@@ -150,18 +180,20 @@ def layer_activation_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Frame
                            moe_imbalance: float = 1.0) -> dict[str, float]:
     """Bytes one block saves for backward for one micro-batch of `tokens` tokens on this rank (after cp)."""
     h, d, tp = cfg.hidden, cfg.head_dim, lay.tp
-    ab = fw.act_bytes
+    ab, rb = fw.act_bytes, fw.residual_bytes
     t_seq = tokens / tp if (lay.sp and tp > 1) else tokens  # the sequence-sharded norm/residual regions
-    norm = t_seq * (2 * h * 4 + 4)  # input, normalised input (fp32) and 1/rms
+    t_in = tokens if (fw.sp_saves_gathered_input or not lay.sp) else t_seq  # what the column linears save
+    norm = t_seq * (h * rb + 4 + (h * 4 if fw.norm_saves_normalized else 0))  # input, 1/rms, normalised input
     if lay.recompute == "full":
-        return {"block_input": t_seq * h * 4, "total": t_seq * h * 4}
-    casts = 3 if ab == 2 else 1  # autocast casts the norm output once per linear that reads it
+        return {"block_input": t_seq * h * rb, "total": t_seq * h * rb}
+    per_op = ab == 2 and fw.autocast_weight_copies  # autocast casts the norm output once per linear reading it
+    casts = 3 if per_op else 1
     heads = cfg.n_heads // tp
     kv = max(cfg.n_kv_heads // tp, 1)
     attn = tokens * (2 * heads * d + 2 * kv * d) * ab
     lse = 0.0 if lay.recompute == "selective" else tokens * heads * 4
-    attn_total = norm + casts * tokens * h * ab + attn + lse
-    mlp_in = (2 if ab == 2 else 1) * tokens * h * ab
+    attn_total = norm + casts * t_in * h * ab + attn + lse
+    mlp_in = (2 if per_op else 1) * t_in * h * ab
     if cfg.is_moe:
         e, k = cfg.n_experts, cfg.top_k
         cap = moe_capacity(cfg, tokens * tp if lay.sp and tp > 1 else tokens, moe_imbalance)
@@ -187,7 +219,7 @@ def stage_activation_bytes(cfg: ModelConfig, tokens: int, seq_local: int, lay: L
     if rp.first:
         total += tokens * 8  # token ids, saved by the embedding lookup
     if rp.last:
-        total += t_seq * (2 * cfg.hidden * 4 + 4)  # final norm
+        total += t_seq * (cfg.hidden * fw.residual_bytes + 4 + (cfg.hidden * 4 if fw.norm_saves_normalized else 0))
         if fw.fused_loss_chunk:  # fused output layer + loss: gradients of the hidden states and of the weight
             total += tokens * cfg.hidden * 4 + cfg.vocab_size // lay.tp * cfg.hidden * 4
         else:

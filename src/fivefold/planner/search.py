@@ -78,13 +78,14 @@ def estimate(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster
              memory_limit: float | None = None, moe_imbalance: float = 1.0) -> Estimate:
     mem = memory_of(cfg, seq, lay, fw, moe_imbalance)
     peak = max(sum(v.values()) for v in mem.values())
-    limit = hw.memory_bytes if memory_limit is None else memory_limit
+    limit = hw.memory_bytes * fw.usable_memory_fraction if memory_limit is None else memory_limit
     t = step_time(cfg, seq, lay, fw, hw, exact)
     tokens = lay.dp * lay.mbs * lay.grad_acc * seq
     n = lay.world_size
     tps = tokens / t.step_time / n
     mfu = tps * training_flops_per_token(cfg, seq) / hw.peak_flops(fw.compute_dtype)
-    return Estimate(lay, peak <= limit, mem, peak, t.step_time, t.parts, tps, mfu)
+    notes = [f"pp = {lay.pp} exceeds the {cfg.n_layers} layers"] if lay.pp > cfg.n_layers else []
+    return Estimate(lay, peak <= limit and not notes, mem, peak, t.step_time, t.parts, tps, mfu, notes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,7 +220,7 @@ def _schedules(pp: int, ga: int, n_layers: int, space: SearchSpace):
 def _fits(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, moe_imbalance: float
           ) -> tuple[bool, float]:
     peak = max(sum(v.values()) for v in memory_of(cfg, seq, lay, fw, moe_imbalance).values())
-    return peak <= hw.memory_bytes, peak
+    return peak <= hw.memory_bytes * fw.usable_memory_fraction, peak
 
 
 def parse_tokens(text: str) -> int:

@@ -18,7 +18,7 @@ from fivefold.parallel.schedules import build_schedule, simulate
 from fivefold.planner import comm
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.layout import Framework, Layout
-from fivefold.planner.memory import layer_activation_bytes, split_layers
+from fivefold.planner.memory import layer_activation_bytes, stage_layers
 
 KERNELS_PER_LAYER = 24  # launched kernels per block forward (norms, projections, rope, attention, MLP, adds)
 
@@ -95,8 +95,8 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     b_layer = t_layer + t_attn + t_tp + t_cp_b + t_ep + recompute
     head_gemm = _weighted_eff([(min(tokens, fw.fused_loss_chunk or tokens), cfg.vocab_size / tp, h)], ab, hw)
     t_head = head_fwd / (peak * head_gemm) + tokens * cfg.vocab_size / tp * fw.logits_bytes * 2 / hbm
-    n_stages = lay.pp * (2 if lay.schedule == "dualpipev" and lay.pp > 1 else lay.vpp)
-    counts = split_layers(cfg.n_layers, n_stages)
+    counts = stage_layers(cfg, lay, seq)
+    n_stages = len(counts)
     f = [n * f_layer for n in counts]
     b = [n * b_layer for n in counts]
     w = [n * w_layer for n in counts]
@@ -166,11 +166,12 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     grad_elems = (states["gradients"] / fw.grad_bytes) * (dpc if lay.zero >= 2 else 1)
     red_bytes = grad_elems * (fw.accum_bytes if lay.fp32_grad_accum else fw.grad_bytes)
     t_dp = 0.0
+    bucket = fw.dp_bucket_mb * 1e6
     if dpc > 1:
         if lay.zero >= 2:
-            t_dp = comm.reduce_scatter(red_bytes, dpc, st["dpcp"], hw) * (lay.grad_acc if lay.zero >= 3 else 1)
+            t_dp = comm.reduce_scatter(red_bytes, dpc, st["dpcp"], hw, bucket) * (lay.grad_acc if lay.zero >= 3 else 1)
         else:
-            t_dp = comm.all_reduce(red_bytes, dpc, st["dpcp"], hw)
+            t_dp = comm.all_reduce(red_bytes, dpc, st["dpcp"], hw, bucket)
         last_bucket = t_dp * min(1.0, fw.dp_bucket_mb * 1e6 / max(red_bytes, 1.0))
         window = sum(times.b[s] + times.w[s] for s in range(len(times.f)) if _rank_of(s, lay) == 0)
         t_dp_exposed = max(0.0, t_dp - window) + last_bucket

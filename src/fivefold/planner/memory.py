@@ -25,8 +25,10 @@ and prefetch, communication buckets and a fixed per-device overhead.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from fivefold.config import ModelConfig
 from fivefold.planner.layout import Framework, Layout
@@ -66,13 +68,18 @@ def head_cost_in_layers(cfg: ModelConfig, seq: int) -> float:
 
 
 def split_layers(n_layers: int, stages: int, last_extra: float = 0.0) -> list[int]:
+    return list(_split_layers(n_layers, stages, round(last_extra, 6)))
+
+
+@lru_cache(maxsize=4096)
+def _split_layers(n_layers: int, stages: int, last_extra: float) -> tuple[int, ...]:
     """Layers per pipeline stage, balanced by compute: the last stage also runs the output layer and the loss,
     worth `last_extra` blocks, so it gets fewer blocks; the remaining imbalance goes to the middle stages.
     Every stage keeps at least one block (when there are as many blocks as stages)."""
     if stages == 1:
-        return [n_layers]
+        return (n_layers,)
     if stages >= n_layers:
-        return [1] * n_layers + [0] * (stages - n_layers)
+        return (1,) * n_layers + (0,) * (stages - n_layers)
     extra = [0.0] * stages
     extra[-1] = last_extra
     lo, hi = 0.0, n_layers + last_extra + 1.0
@@ -90,7 +97,7 @@ def split_layers(n_layers: int, stages: int, last_extra: float = 0.0) -> list[in
         if counts[s] > 1:
             counts[s] -= 1
         i += 1
-    return counts
+    return tuple(counts)
 
 
 @dataclass(frozen=True)
@@ -231,7 +238,7 @@ def forward_saved_bytes(cfg: ModelConfig, batch: int, seq: int, lay: Layout, fw:
                         moe_imbalance: float = 1.0) -> float:
     """Saved-for-backward bytes of one forward pass of `batch` sequences of `seq` tokens, whole model on one
     pipeline rank (the quantity the tests measure with saved-tensor hooks)."""
-    single = Layout(**{**lay.to_dict(), "pp": 1, "vpp": 1})
+    single = dataclasses.replace(lay, pp=1, vpp=1)
     rp = rank_params(cfg, single)
     tokens = batch * seq // lay.cp
     return stage_activation_bytes(cfg, tokens, seq // lay.cp, single, fw, rp, moe_imbalance)
@@ -272,7 +279,7 @@ def rank_memory(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, in_fligh
         if fw.fused_loss_chunk and fw.compute_dtype == "bf16":
             transient += v_local * cfg.hidden * 2  # the bf16 cast of the output weight
     if lay.recompute == "full":
-        full = Layout(**{**lay.to_dict(), "recompute": "none"})
+        full = dataclasses.replace(lay, recompute="none")
         transient = max(transient, layer_activation_bytes(cfg, tokens, full, fw, moe_imbalance)["total"])
     rep.parts["transient"] = transient
     lp = layer_params(cfg, lay.tp, lay.ep)

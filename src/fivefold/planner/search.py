@@ -12,11 +12,10 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 from fivefold.config import ConfigError, ModelConfig
 from fivefold.flops import training_flops_per_token
-from fivefold.parallel.schedules import build_schedule, min_micro_batches
+from fivefold.parallel.schedules import min_micro_batches
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.layout import Framework, Layout
 from fivefold.planner.memory import GIB, rank_memory
@@ -25,19 +24,18 @@ from fivefold.planner.time import step_time
 SIMULATED_TOP = 64
 
 
-@lru_cache(maxsize=2048)
 def in_flight(schedule: str, p: int, m: int, v: int) -> tuple[float, float]:
-    """Micro-batches of stage activations held by the first and the last pipeline rank at their peak."""
+    """Micro-batches of stage activations held by the first and the last pipeline rank at their peak: the
+    closed forms of the schedules' action lists (tests/test_planner.py checks them against the lists)."""
     if p == 1:
         return 1.0, 1.0
     if schedule == "afab":
         return float(m), float(m)
-    if schedule in ("1f1b", "zero-bubble"):
-        return float(min(p, m)), 1.0
-    from fivefold.parallel.schedules import _peak_in_flight
-
-    peaks = _peak_in_flight(build_schedule(schedule, p, m, v if schedule == "interleaved" else 1))
-    return peaks[0], peaks[-1]
+    if schedule == "interleaved":
+        return min(2 * (p - 1) + (v - 1) * p + 1, m * v) / v, min((v - 1) * p + 1, m * v) / v
+    if schedule == "dualpipev":
+        return p + 0.5, p + 0.5
+    return float(min(p, m)), 1.0  # 1f1b and zero-bubble
 
 
 @dataclass

@@ -20,6 +20,8 @@ from fivefold.planner.hardware import Cluster
 from fivefold.planner.layout import Framework, Layout
 from fivefold.planner.memory import layer_activation_bytes, stage_layers
 
+# schedules with more F actions than this are timed with the closed form (simulating them takes seconds)
+EXACT_MAX_ACTIONS = 8192
 KERNELS_PER_LAYER = 24  # launched kernels per block forward (norms, projections, rope, attention, MLP, adds)
 
 
@@ -123,7 +125,7 @@ def pipeline_makespan(lay: Layout, times: StageTimes, p2p: float, exact: bool) -
     m = lay.grad_acc
     if lay.pp == 1:
         return m * (times.f[0] + times.b[0] + times.w[0])
-    if exact:
+    if exact and m * len(times.f) <= EXACT_MAX_ACTIONS:
         key = tuple(round(x, 9) for x in times.f), tuple(round(x, 9) for x in times.b), tuple(round(x, 9) for x in
                                                                                           times.w)
         return _simulated(lay.schedule, lay.pp, m, lay.vpp, *key, round(p2p, 9))
@@ -155,10 +157,10 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     send = tokens * cfg.hidden * fw.act_bytes / (lay.tp if lay.sp else 1)
     p2p = comm.p2p(send, lay, hw) if lay.pp > 1 else 0.0
     makespan = pipeline_makespan(lay, times, p2p, exact)
-    ideal = lay.grad_acc * max(
-        sum(times.f[s] + times.b[s] + times.w[s] for s in range(len(times.f)) if _rank_of(s, lay) == r)
-        for r in range(lay.pp)
-    )
+    per_rank = [0.0] * lay.pp
+    for s in range(len(times.f)):
+        per_rank[_rank_of(s, lay)] += times.f[s] + times.b[s] + times.w[s]
+    ideal = lay.grad_acc * max(per_rank)
     st = comm.strides(lay)
     states = model_state_bytes(cfg, lay, fw, "first")
     # gradient reduction over dp x cp: bucketed, launched during the last micro-batch's backward
@@ -173,7 +175,8 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
         else:
             t_dp = comm.all_reduce(red_bytes, dpc, st["dpcp"], hw, bucket)
         last_bucket = t_dp * min(1.0, fw.dp_bucket_mb * 1e6 / max(red_bytes, 1.0))
-        window = sum(times.b[s] + times.w[s] for s in range(len(times.f)) if _rank_of(s, lay) == 0)
+        window = sum(times.b[s] + times.w[s] for s in range(len(times.f)) if _rank_of(s, lay) == 0) if lay.pp > 1 \
+            else times.b[0] + times.w[0]
         t_dp_exposed = max(0.0, t_dp - window) + last_bucket
     else:
         t_dp_exposed = 0.0

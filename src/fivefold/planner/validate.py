@@ -131,9 +131,9 @@ def fit_time(rows: list[Row], fw: Framework, hw: Cluster) -> tuple[Framework, Cl
     absolute log error of tokens/s per GPU."""
     ok = [r for r in rows if r.ok]
     best = (math.inf, fw, hw)
-    for eff in (0.55, 0.6, 0.65, 0.7, 0.75, 0.8):
-        for kern in (2.0, 5.0, 10.0, 20.0):
-            for ov in (0.0, 0.25, 0.5, 0.75):
+    for eff in (0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8):
+        for kern in (5.0, 10.0, 20.0, 40.0, 80.0):
+            for ov in (0.0, 0.25, 0.5):
                 f2 = dataclasses.replace(fw, tp_overlap=ov)
                 h2 = dataclasses.replace(hw, matmul_efficiency=eff, kernel_overhead_us=kern)
                 errs = [abs(math.log(estimate(r.model, r.seq, r.layout, f2, h2, False).tokens_per_s_per_gpu

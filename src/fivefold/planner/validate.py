@@ -27,7 +27,7 @@ from pathlib import Path
 
 from fivefold.config import ConfigError, ModelConfig
 from fivefold.planner.hardware import Cluster, get_cluster
-from fivefold.planner.layout import FRAMEWORKS, NANOTRON, Framework, Layout
+from fivefold.planner.layout import FRAMEWORKS, Framework, Layout
 from fivefold.planner.search import estimate, gib, memory_of
 
 REPO = Path(__file__).resolve().parents[3]

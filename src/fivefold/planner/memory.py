@@ -200,10 +200,10 @@ def layer_activation_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Frame
     attn = tokens * (2 * heads * d + 2 * kv * d) * ab
     lse = 0.0 if lay.recompute == "selective" else tokens * heads * 4
     attn_total = norm + casts * t_in * h * ab + attn + lse
-    mlp_in = (2 if per_op else 1) * t_in * h * ab
+    mlp_in = (2 if per_op else 1) * (tokens if cfg.is_moe else t_in) * h * ab  # MoE gathers before routing
     if cfg.is_moe:
         e, k = cfg.n_experts, cfg.top_k
-        cap = moe_capacity(cfg, tokens * tp if lay.sp and tp > 1 else tokens, moe_imbalance)
+        cap = moe_capacity(cfg, tokens, moe_imbalance)  # the router sees the whole (gathered) sequence
         e_local = e // lay.ep
         f = cfg.expert_ffn // tp
         routing = tokens * (e * 4 + k * 8 + 4 + k * 4) + e * 4 + 4 * tokens * k * 8 + tokens * k * 4
@@ -274,7 +274,8 @@ def rank_memory(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, in_fligh
     transient = 0.0
     v_local = cfg.vocab_size // lay.tp
     if rp.last:
-        chunk = min(fw.fused_loss_chunk, tokens) if fw.fused_loss_chunk else tokens
+        loss_chunk = fw.tp_loss_chunk if lay.tp > 1 else fw.fused_loss_chunk
+        chunk = min(loss_chunk, tokens) if fw.fused_loss_chunk else tokens
         transient = chunk * v_local * fw.logits_bytes
         if fw.fused_loss_chunk and fw.compute_dtype == "bf16":
             transient += v_local * cfg.hidden * 2  # the bf16 cast of the output weight
@@ -285,10 +286,12 @@ def rank_memory(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, in_fligh
     lp = layer_params(cfg, lay.tp, lay.ep)
     comm = 0.0
     if lay.dp * lay.cp > 1:
-        comm += 2 * fw.dp_bucket_mb * 1e6  # a bucket being reduced while the next one fills
+        comm += 2 * fw.dp_bucket_mib * 2**20  # a bucket being reduced while the next one fills
     if lay.zero >= 3:
         block = lp["sharded"] + lp["replicated"] + lp["expert"]
         comm += 2 * block * fw.param_bytes + block * fw.grad_bytes  # current + prefetched block, unsharded grads
+        # the root unit (embedding, final norm, output layer) stays gathered for the whole micro-batch
+        comm += (rp.dense - rp.layers * (lp["sharded"] + lp["replicated"])) * fw.param_bytes
     rep.parts["comm_buffers"] = comm
     rep.parts["fixed_overhead"] = fw.fixed_overhead_gib * GIB
     return rep

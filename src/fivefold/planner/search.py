@@ -100,8 +100,8 @@ def tp_valid(cfg: ModelConfig, tp: int) -> str | None:
     """Why tensor parallel degree `tp` cannot shard this model, or None."""
     if cfg.n_heads % tp:
         return f"tp={tp} does not divide the {cfg.n_heads} attention heads"
-    if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
-        return f"tp={tp} neither divides nor is a multiple of the {cfg.n_kv_heads} kv heads"
+    if cfg.n_kv_heads % tp:
+        return f"tp={tp} does not divide the {cfg.n_kv_heads} kv heads"
     if cfg.expert_ffn % tp or cfg.ffn % tp:
         return f"tp={tp} does not divide the MLP width {cfg.ffn}"
     if cfg.vocab_size % tp:

@@ -168,13 +168,14 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     grad_elems = (states["gradients"] / fw.grad_bytes) * (dpc if lay.zero >= 2 else 1)
     red_bytes = grad_elems * (fw.accum_bytes if lay.fp32_grad_accum else fw.grad_bytes)
     t_dp = 0.0
-    bucket = fw.dp_bucket_mb * 1e6
+    bucket = fw.dp_bucket_mib * 2**20
     if dpc > 1:
         if lay.zero >= 2:
-            t_dp = comm.reduce_scatter(red_bytes, dpc, st["dpcp"], hw, bucket) * (lay.grad_acc if lay.zero >= 3 else 1)
+            # ZeRO-2/3 keep only a gradient shard, so every micro-batch reduce-scatters its gradients
+            t_dp = comm.reduce_scatter(red_bytes, dpc, st["dpcp"], hw, bucket) * lay.grad_acc
         else:
             t_dp = comm.all_reduce(red_bytes, dpc, st["dpcp"], hw, bucket)
-        last_bucket = t_dp * min(1.0, fw.dp_bucket_mb * 1e6 / max(red_bytes, 1.0))
+        last_bucket = t_dp * min(1.0, bucket / max(red_bytes, 1.0))
         window = sum(times.b[s] + times.w[s] for s in range(len(times.f)) if _rank_of(s, lay) == 0) if lay.pp > 1 \
             else times.b[0] + times.w[0]
         t_dp_exposed = max(0.0, t_dp - window) + last_bucket

@@ -191,3 +191,26 @@ def test_layout_fields_roundtrip():
     conf = lay.to_layout_config()
     assert (conf.dp, conf.tp, conf.sp, conf.zero, conf.micro_batch_size, conf.recompute) == (2, 2, True, 1, 2,
                                                                                             "selective")
+
+
+def test_time_parts_add_up_to_the_step():
+    cfg, hw = get_preset("llama3-8b"), get_cluster("h100")
+    for text in ("dp=8", "dp=2,tp=2,pp=2,sp=on,recompute=full", "dp=2,pp=4,schedule=interleaved,vpp=2",
+                 "dp=4,cp=2,zero=3", "dp=2,pp=4,schedule=dualpipev"):
+        e = estimate(cfg, 4096, parse_layout(text, 256), FIVEFOLD, hw)
+        assert sum(e.time_parts.values()) == pytest.approx(e.step_time_s, rel=1e-9), text
+        assert min(e.time_parts.values()) >= 0, text
+
+
+@pytest.mark.slow
+@needs_data
+def test_packaged_profile_is_the_fit_on_one_and_two_nodes():
+    from fivefold.planner.validate import FIT_NODES, fit_memory, fit_time, load_profile, read_rows
+
+    rows = [r for r in read_rows(PLAYBOOK) if r.nodes in FIT_NODES]
+    fw, hw = load_profile(None)
+    fitted_fw = fit_memory(rows, fw)
+    fitted_fw, fitted_hw = fit_time(rows, fitted_fw, hw)
+    for name in ("activation_scale", "logits_bytes", "fixed_overhead_gib", "usable_memory_fraction", "tp_overlap"):
+        assert getattr(fitted_fw, name) == pytest.approx(getattr(fw, name), abs=1e-3), name
+    assert (fitted_hw.matmul_efficiency, fitted_hw.kernel_overhead_us) == (hw.matmul_efficiency, hw.kernel_overhead_us)

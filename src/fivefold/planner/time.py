@@ -43,7 +43,8 @@ class StageTimes:
     f: list[float]  # forward per micro-batch, per global stage
     b: list[float]  # input-gradient backward (the whole backward minus W)
     w: list[float]  # weight-gradient pass
-    parts: dict[str, float] = field(default_factory=dict)  # per micro-batch on the busiest stage, by cause
+    comm_per_layer: dict[str, float] = field(default_factory=dict)  # exposed, per block and micro-batch
+    counts: list[int] = field(default_factory=list)  # blocks per stage
 
 
 def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster) -> StageTimes:
@@ -98,19 +99,15 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     head_gemm = _weighted_eff([(min(tokens, fw.fused_loss_chunk or tokens), cfg.vocab_size / tp, h)], ab, hw)
     t_head = head_fwd / (peak * head_gemm) + tokens * cfg.vocab_size / tp * fw.logits_bytes * 2 / hbm
     counts = stage_layers(cfg, lay, seq)
-    n_stages = len(counts)
     f = [n * f_layer for n in counts]
     b = [n * b_layer for n in counts]
     w = [n * w_layer for n in counts]
     f[-1] += t_head
     b[-1] += t_head
     w[-1] += t_head
-    busiest = max(range(n_stages), key=lambda s: f[s] + b[s] + w[s])
-    n = counts[busiest]
-    parts = {"compute": n * (3 * t_layer + recompute - (t_tp + t_cp_f + t_ep if lay.recompute == "full" else 0)),
-             "tp_comm": n * 2 * t_tp * (1.5 if lay.recompute == "full" else 1), "cp_comm": n * (t_cp_f + t_cp_b),
-             "ep_comm": n * 2 * t_ep}
-    return StageTimes(f, b, w, parts)
+    again = 1 if lay.recompute == "full" else 0  # full recompute repeats the forward's communication
+    per_layer = {"tp_comm": (2 + again) * t_tp, "cp_comm": (1 + again) * t_cp_f + t_cp_b, "ep_comm": (2 + again) * t_ep}
+    return StageTimes(f, b, w, per_layer, counts)
 
 
 @lru_cache(maxsize=4096)
@@ -194,10 +191,12 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     hbm = hw.hbm_gbps * 1e9
     t_opt = 2 * (states["parameters"] + states["gradients"] + states["optimizer"]) / hbm  # read + write once
     total = makespan + t_dp_exposed + t_gather + t_opt
-    scale = lay.grad_acc * (len(times.f) // lay.pp)
-    parts = {k: v * scale for k, v in times.parts.items()}
+    busiest = max(range(lay.pp), key=lambda r: per_rank[r])
+    blocks = sum(n for s, n in enumerate(times.counts) if _rank_of(s, lay) == busiest)
+    parts = {k: v * blocks * lay.grad_acc for k, v in times.comm_per_layer.items()}
+    parts = {"compute": ideal - sum(parts.values()), **parts}
     parts.update({"pipeline_bubble": max(0.0, makespan - ideal), "dp_comm_exposed": t_dp_exposed,
-                  "zero_gather": t_gather, "optimizer": t_opt, "pp_p2p": 0.0})
+                  "zero_gather": t_gather, "optimizer": t_opt})
     return TimeReport(total, parts)
 
 

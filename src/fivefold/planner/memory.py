@@ -224,7 +224,8 @@ def stage_activation_bytes(cfg: ModelConfig, tokens: int, seq_local: int, lay: L
     total = rp.layers * per_layer + 2 * seq_local * cfg.head_dim * 4  # rotary cos/sin tables
     t_seq = tokens / lay.tp if (lay.sp and lay.tp > 1) else tokens
     if rp.first:
-        total += tokens * 8  # token ids, saved by the embedding lookup
+        # token ids saved by the embedding lookup (vocabulary-parallel: the local ids and the out-of-range mask)
+        total += tokens * (8 + (1 if lay.tp > 1 else 0))
     if rp.last:
         total += t_seq * (cfg.hidden * fw.residual_bytes + 4 + (cfg.hidden * 4 if fw.norm_saves_normalized else 0))
         if fw.fused_loss_chunk:  # fused output layer + loss: gradients of the hidden states and of the weight

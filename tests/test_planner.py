@@ -214,3 +214,21 @@ def test_packaged_profile_is_the_fit_on_one_and_two_nodes():
     for name in ("activation_scale", "logits_bytes", "fixed_overhead_gib", "usable_memory_fraction", "tp_overlap"):
         assert getattr(fitted_fw, name) == pytest.approx(getattr(fw, name), abs=1e-3), name
     assert (fitted_hw.matmul_efficiency, fitted_hw.kernel_overhead_us) == (hw.matmul_efficiency, hw.kernel_overhead_us)
+
+
+def test_validate_reads_fivefold_rows(capsys, tmp_path):
+    # fivefold's own results in the same columns, with the knobs nanotron fixes given per row
+    head = ("model,n_layers,hidden,heads,kv_heads,ffn,vocab,tied_emb,seq_len,nodes,gpus,dp,tp,pp,mbs,grad_acc,zero,"
+            "status,tok_s_gpu,mem_gb,framework,cp,recompute,sp,schedule\n")
+    shape = "tiny,4,128,4,2,384,2048,True,128"
+    rows = [f"{shape},1,2,2,1,1,1,8,0,ok,1000,0.5,fivefold,1,none,false,1f1b",
+            f"{shape},1,2,1,2,1,1,8,0,ok,900,0.4,fivefold,1,full,true,1f1b",
+            f"{shape},1,2,1,1,2,1,8,0,ok,800,0.4,fivefold,1,none,false,afab",
+            f"{shape},4,8,8,1,1,1,2,1,crashed_or_oom,,,fivefold,1,none,false,1f1b"]
+    f = tmp_path / "runs.csv"
+    f.write_text(head + "\n".join(rows) + "\n")
+    rc, out, _ = run_cli(capsys, "validate", "--data", str(f), "--json")
+    result = json.loads(out)
+    assert rc == 0 and result["fitted"]["rows"] == 3 and result["held_out"]["rows"] == 1
+    assert "tiny/1n" in result["fitted"]["groups"]
+    assert result["fitted"]["finished"] == 3

@@ -24,10 +24,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32 whatever the activation dtype, as Llama does
+        return self.weight * self.normalize(x)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """x / rms(x), before the weight; in fp32 whatever the activation dtype, as Llama does."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return xf.to(x.dtype)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -234,10 +237,11 @@ class Llama(nn.Module):
 
     def forward_hidden(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [batch, seq] (or hidden states on a later pipeline stage) -> final hidden states."""
+        if positions is None:
+            # from the input, before the embedding: under sequence parallelism its output holds a slice
+            positions = torch.arange(x.shape[1], device=x.device)
         if self.embed is not None:
             x = self.embed(x)
-        if positions is None:
-            positions = torch.arange(x.shape[1], device=x.device)
         cos, sin = rope_cos_sin(self.cfg, positions)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for block in self.layers.values():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -24,6 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf", help="start from the weights (and shape) of a Hugging Face Llama directory")
     p.add_argument("--nproc", type=int, default=1, help="start this many local processes (one per device)")
     p.add_argument("--profile", action="store_true", help="record a profiler trace into RUN_DIR/profile")
+    p.add_argument("--slurm", metavar="FILE", help="write a SLURM batch script for this run (torchrun on --nodes "
+                   "nodes x --nproc processes each) to FILE instead of training")
+    p.add_argument("--nodes", type=int, default=1, help="nodes of the --slurm script")
     p.epilog = ("Any config field can be set as --section.field VALUE, e.g. --layout.dp 2 --train.lr 1e-3; "
                 "sections: model, layout, train, data, log.")
 
@@ -87,13 +89,27 @@ def run(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     cfg.validate()  # every config error before any process starts
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if args.slurm:
+        world = args.nodes * args.nproc
+    else:
+        world = args.nproc if args.nproc > 1 and not distributed else int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 or cfg.layout.world_size > 1:
+        from fivefold.parallel import validate_layout
+
+        validate_layout(cfg, world)  # every layout error before any process or process group exists
+    if args.slurm:
+        from fivefold.parallel import write_slurm_script
+
+        if args.nodes < 1 or args.nproc < 1:
+            raise CliError(f"--nodes = {args.nodes} and --nproc = {args.nproc} must both be >= 1")
+        path = write_slurm_script(args.slurm, forwarded_argv(args, cfg.run_dir), args.nodes, args.nproc)
+        print(f"wrote {path}: {args.nodes} node(s) x {args.nproc} processes; submit it with `sbatch {path}`")
+        return 0
     if args.nproc > 1 and not distributed:
         from fivefold.parallel import launch
 
-        argv = strip_nproc(sys.argv[1:])
-        if not args.run_dir:  # every process must agree on the directory
-            argv += ["--run-dir", cfg.run_dir]
-        return launch(args.nproc, argv)
+        # every process must agree on the run directory
+        return launch(args.nproc, forwarded_argv(args, cfg.run_dir))
     if distributed:
         from fivefold.parallel import init_distributed
         from fivefold.train.engine import resolve_device
@@ -108,16 +124,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def strip_nproc(argv: list[str]) -> list[str]:
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a == "--nproc":
-            skip = True
-            continue
-        if a.startswith("--nproc="):
-            continue
-        out.append(a)
-    return out
+def forwarded_argv(args: argparse.Namespace, run_dir: str) -> list[str]:
+    """The arguments that each started process gets: this command's, without --nproc/--slurm/--nodes, and
+    with the resolved run directory."""
+    out = []
+    for flag, value in (("--config", args.config), ("--preset", args.preset), ("--data", args.data),
+                        ("--max-steps", args.max_steps), ("--hf", args.hf)):
+        if value is not None:
+            out += [flag, str(value)]
+    out += ["--run-dir", run_dir]
+    out += ["--resume"] * args.resume + ["--profile"] * args.profile
+    return out + list(args.overrides)

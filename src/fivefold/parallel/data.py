@@ -1,0 +1,280 @@
+"""Data parallel and ZeRO-1/2/3 over the data-parallel ranks of the grid.
+
+What is sharded and what is communicated (Ψ = this tp rank's parameters, N_d = dp, fp32 master weights):
+
+* **ZeRO-0 (plain data parallel).** Every rank holds all parameters (4Ψ bytes), gradients (4Ψ) and Adam
+  states (8Ψ). Gradients live in flat buckets (about `bucket_bytes` each, parameters in reverse order of
+  definition, so roughly the order backward produces them). A bucket's all-reduce is launched
+  asynchronously from the gradient hooks as soon as backward has produced its last gradient, while backward
+  goes on with the earlier layers; it is skipped on every micro-batch but the last, where gradients only
+  accumulate in the bucket.
+* **ZeRO-1.** Same buckets, but the last micro-batch reduce-scatters each bucket (Ψ) instead of
+  all-reducing it; each rank steps AdamW on its 1/N_d slice only (8Ψ/N_d of states) and then all-gathers the
+  updated parameters (Ψ).
+* **ZeRO-2.** As ZeRO-1, but a rank keeps only its gradient slice (4Ψ/N_d): every micro-batch reduce-scatters
+  each bucket as soon as it is complete and adds the result into the slice, then frees the bucket (a full
+  gradient can only be accumulated where it is kept).
+* **ZeRO-3.** Parameters are sharded too (all /N_d), through PyTorch's `fully_shard` (FSDP2) with one unit per
+  transformer block plus a root unit (embedding, final norm, output layer): each block's weights are
+  all-gathered just before its forward (the next block's gather is prefetched), freed after it, gathered again
+  for its backward and their gradients reduce-scattered every micro-batch.
+
+Gradients are summed, not averaged: the loss is already divided by the global batch's token count (see
+`fivefold.train.engine`). With `fp32_grad_accum` the buckets hold fp32 gradients whatever the parameter
+dtype; the engine keeps fp32 master parameters, so buckets are fp32 either way today.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # 25 MiB, as DDP and nanotron
+
+
+@dataclass
+class Bucket:
+    """A flat group of parameters with one gradient buffer. Parameters are views into `flat_params`."""
+
+    params: list[nn.Parameter]
+    offsets: list[int]
+    numel: int  # padded to a multiple of dp
+    flat_params: torch.Tensor
+    grad_dtype: torch.dtype
+    decay: bool
+    tp_sharded: bool
+    shard: nn.Parameter | None = None  # ZeRO-1/2: this rank's slice of flat_params, stepped by AdamW
+    grad: torch.Tensor | None = None  # full flat gradient (ZeRO-0/1 always; ZeRO-2 during one micro-batch)
+    shard_grad: torch.Tensor | None = None  # ZeRO-2: this rank's accumulated gradient slice
+    ready: int = 0
+    launched: bool = False
+    work: list = field(default_factory=list)  # (async handle, output to fold into shard_grad or None)
+
+    def grad_view(self, index: int) -> torch.Tensor:
+        p = self.params[index]
+        return self.grad[self.offsets[index]:self.offsets[index] + p.numel()].view_as(p)
+
+
+def make_buckets(named_params: list[tuple[str, nn.Parameter]], tp_sharded: set[str], dp_size: int,
+                 bucket_bytes: int, fp32_grad_accum: bool) -> list[Bucket]:
+    """Flat buckets of parameters that share a weight-decay class, a tp-sharding class and a dtype (so that
+    one slice of a bucket is one optimizer group, and the gradient norm can tell sharded from replicated).
+    The parameters become views into their bucket's flat storage."""
+    classes: dict[tuple, list[list[tuple[str, nn.Parameter]]]] = {}
+    sizes: dict[tuple, int] = {}
+    for name, p in reversed(named_params):
+        key = (p.ndim >= 2, name in tp_sharded, p.dtype)
+        lists = classes.setdefault(key, [[]])
+        if lists[-1] and sizes[key] + p.numel() * p.element_size() > bucket_bytes:
+            lists.append([])
+            sizes[key] = 0
+        lists[-1].append((name, p))
+        sizes[key] = sizes.get(key, 0) + p.numel() * p.element_size()
+    buckets = []
+    for (decay, sharded, dtype), lists in classes.items():
+        for members in lists:
+            offsets, total = [], 0
+            for _, p in members:
+                offsets.append(total)
+                total += p.numel()
+            numel = -(-total // dp_size) * dp_size
+            flat = torch.zeros(numel, dtype=dtype, device=members[0][1].device)
+            params = [p for _, p in members]
+            for p, off in zip(params, offsets, strict=True):
+                flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+                p.data = flat[off:off + p.numel()].view_as(p)
+            buckets.append(Bucket(params, offsets, numel, flat, torch.float32 if fp32_grad_accum else dtype,
+                                  decay, sharded))
+    return buckets
+
+
+class BucketedDataParallel:
+    """ZeRO-0/1/2 over `group` for the parameters of `named_params` (see the module docstring)."""
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], tp_sharded: set[str], group: ProcessGroup,
+                 zero: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, fp32_grad_accum: bool = False) -> None:
+        self.group, self.zero = group, zero
+        self.dp_size, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
+        self.buckets = make_buckets(named_params, tp_sharded, self.dp_size, bucket_bytes, fp32_grad_accum)
+        self.sync = True  # reduce on this micro-batch (the last of the accumulation)
+        self.launched_in_backward = 0  # buckets whose reduction started from a gradient hook (overlap)
+        for bucket in self.buckets:
+            if zero == 0 or zero == 1:
+                bucket.grad = torch.zeros(bucket.numel, dtype=bucket.grad_dtype, device=bucket.flat_params.device)
+            if zero >= 1:
+                lo, hi = self.shard_range(bucket)
+                view = bucket.flat_params[lo:hi]
+                # the shape carries the weight-decay class to `param_groups` (decay on ndim >= 2)
+                bucket.shard = nn.Parameter(view.view(1, -1) if bucket.decay else view)
+            if zero == 2:
+                bucket.shard_grad = torch.zeros(bucket.numel // self.dp_size, dtype=bucket.grad_dtype,
+                                                device=bucket.flat_params.device)
+            for index, p in enumerate(bucket.params):
+                p.register_post_accumulate_grad_hook(self._hook(bucket, index))
+
+    def shard_range(self, bucket: Bucket) -> tuple[int, int]:
+        size = bucket.numel // self.dp_size
+        return self.dp_rank * size, (self.dp_rank + 1) * size
+
+    def optimizer_params(self) -> list[nn.Parameter]:
+        """What AdamW steps: the model's parameters (ZeRO-0) or this rank's slices (ZeRO-1/2)."""
+        if self.zero == 0:
+            return [p for b in self.buckets for p in b.params]
+        return [b.shard for b in self.buckets]
+
+    def _hook(self, bucket: Bucket, index: int):
+        def hook(p: torch.Tensor) -> None:
+            if bucket.grad is None:  # ZeRO-2: the full bucket exists only while one micro-batch fills it
+                bucket.grad = torch.zeros(bucket.numel, dtype=bucket.grad_dtype, device=p.device)
+            bucket.grad_view(index).add_(p.grad)
+            p.grad = None
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params) and (self.sync or self.zero == 2):
+                self._launch(bucket)
+                self.launched_in_backward += 1
+        return hook
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.launched = True
+        if self.zero == 0:
+            bucket.work.append((dist.all_reduce(bucket.grad, group=self.group, async_op=True), None))
+            return
+        lo, hi = self.shard_range(bucket)
+        out = torch.empty(hi - lo, dtype=bucket.grad_dtype, device=bucket.grad.device)
+        bucket.work.append((dist.reduce_scatter_single(out, bucket.grad, group=self.group, async_op=True), out))
+
+    def end_micro_batch(self) -> None:
+        """After one micro-batch's backward: reduce what the hooks did not (unused parameters), wait, and for
+        ZeRO-2 fold the reduced slice into the kept gradient slice and free the full bucket."""
+        if not (self.sync or self.zero == 2):
+            for bucket in self.buckets:
+                bucket.ready = 0
+            return
+        for bucket in self.buckets:
+            if not bucket.launched:
+                if bucket.grad is None:
+                    bucket.grad = torch.zeros(bucket.numel, dtype=bucket.grad_dtype, device=bucket.flat_params.device)
+                self._launch(bucket)
+        for bucket in self.buckets:
+            for work, out in bucket.work:
+                work.wait()
+                if out is None:
+                    continue
+                if self.zero == 2:
+                    bucket.shard_grad.add_(out)
+                else:
+                    lo, hi = self.shard_range(bucket)
+                    bucket.grad[lo:hi].copy_(out)
+            bucket.work.clear()
+            bucket.ready, bucket.launched = 0, False
+            if self.zero == 2:
+                bucket.grad = None
+
+    def attach_grads(self) -> None:
+        """Point what AdamW steps at the reduced gradients (views, cast if the buffer is fp32)."""
+        for bucket in self.buckets:
+            if self.zero == 0:
+                for index, p in enumerate(bucket.params):
+                    p.grad = bucket.grad_view(index).to(p.dtype)
+                continue
+            lo, hi = self.shard_range(bucket)
+            g = bucket.grad[lo:hi] if self.zero == 1 else bucket.shard_grad
+            bucket.shard.grad = g.to(bucket.shard.dtype).view_as(bucket.shard)
+
+    def after_step(self) -> None:
+        """ZeRO-1/2: all-gather the updated slices into every rank's full parameters; zero the gradients."""
+        for bucket in self.buckets:
+            if self.zero >= 1:
+                dist.all_gather_single(bucket.flat_params, bucket.shard.detach().reshape(-1).clone(),
+                                            group=self.group)
+                bucket.shard.grad = None
+            else:
+                for p in bucket.params:
+                    p.grad = None
+            for buf in (bucket.grad, bucket.shard_grad):
+                if buf is not None:
+                    buf.zero_()
+
+    def grad_square_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of squares of tp-sharded gradients, of tp-replicated ones) that this rank holds; under ZeRO the
+        slices are disjoint over dp and are summed over the group here."""
+        device = self.buckets[0].flat_params.device
+        sums = torch.zeros(2, dtype=torch.float32, device=device)
+        for bucket in self.buckets:
+            if self.zero == 0:
+                g = bucket.grad
+            else:
+                g = bucket.shard.grad
+            sums[0 if bucket.tp_sharded else 1] += g.float().pow(2).sum()
+        if self.zero >= 1:
+            dist.all_reduce(sums, group=self.group)
+        return sums[0], sums[1]
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of parameters and gradient buffers this rank keeps between steps (padding included)."""
+        params = sum(b.flat_params.numel() * b.flat_params.element_size() for b in self.buckets)
+        grads = 0
+        for b in self.buckets:
+            kept = b.grad if self.zero < 2 else b.shard_grad
+            grads += kept.numel() * kept.element_size()
+        return {"params": params, "grads": grads}
+
+
+class FullyShardedDataParallel:
+    """ZeRO-3 through `fully_shard`: one unit per transformer block and a root unit for the rest (see the
+    module docstring). `root` must be the module whose forward computes the loss, so that the root unit's
+    hooks run around the whole micro-batch."""
+
+    def __init__(self, root: nn.Module, model: nn.Module, tp_sharded: set[str], group: ProcessGroup,
+                 device_type: str) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        self.group, self.zero, self.sync = group, 3, True
+        self.tp_sharded = tp_sharded
+        mesh = DeviceMesh.from_group(group, device_type)
+        units = [fully_shard(block, mesh=mesh) for block in model.layers.values()] + [fully_shard(root, mesh=mesh)]
+        for unit in units:
+            unit.set_gradient_divide_factor(1.0)  # the loss is already normalised over the global batch
+            unit.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied sum)
+        for before, after in zip(units[:-2], units[1:-1], strict=True):
+            before.set_modules_to_forward_prefetch([after])
+            after.set_modules_to_backward_prefetch([before])
+        self.root, self.model = root, model
+
+    def optimizer_params(self) -> list[nn.Parameter]:
+        return list(self.root.parameters())
+
+    def end_micro_batch(self) -> None:
+        """fully_shard has reduce-scattered every block's gradients by the end of backward."""
+
+    def attach_grads(self) -> None:
+        """The reduced gradient shards are already the parameters' `.grad`."""
+
+    def after_step(self) -> None:
+        """Parameters stay sharded; the next forward gathers them."""
+
+    def grad_square_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        sums = None
+        for name, p in self.model.named_parameters():
+            if p.grad is None:
+                continue
+            g = p.grad.to_local()
+            if sums is None:
+                sums = torch.zeros(2, dtype=torch.float32, device=g.device)
+            sums[0 if name in self.tp_sharded else 1] += g.float().pow(2).sum()
+        dist.all_reduce(sums, group=self.group)
+        return sums[0], sums[1]
+
+    def state_bytes(self) -> dict[str, int]:
+        params = grads = 0
+        for p in self.root.parameters():
+            local = p.to_local()
+            params += local.numel() * local.element_size()
+            if p.grad is not None:
+                grads += p.grad.to_local().numel() * local.element_size()
+        return {"params": params, "grads": grads}

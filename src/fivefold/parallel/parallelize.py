@@ -1,0 +1,85 @@
+"""Apply the parallel techniques to a plain `Llama`, from outside and in one fixed order:
+
+1. tensor parallel (with sequence parallel when `layout.sp`): shards the projections, the MLP/experts and
+   the vocabulary over the tp ranks, in place, keeping every parameter name;
+2. activation recomputation (`layout.recompute`: none, selective = the attention core, full = each block);
+3. `torch.compile` of each block (`train.compile`);
+4. data parallel last, because it works on whatever parameters the steps before left (tp shards):
+   ZeRO-0/1/2 as flat gradient buckets with hooks, ZeRO-3 as `fully_shard` units per block.
+
+The model file holds no parallel code; this order is the one torchtitan documents (TP, then activation
+checkpointing, then compile, then data-parallel sharding), for the same reasons: data parallel must see
+the tp-local parameters, and recompute must wrap the tp-aware modules.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fivefold.config import Config
+from fivefold.models.llama import Llama
+from fivefold.parallel.data import DEFAULT_BUCKET_BYTES, BucketedDataParallel, FullyShardedDataParallel
+from fivefold.parallel.mesh import ProcessGrid
+from fivefold.train.loss import linear_cross_entropy_sum
+
+LOSS_CHUNK_TOKENS = 8192
+
+
+class LossModel(nn.Module):
+    """The model and its loss as one module: `forward(inputs, targets)` is the summed token loss of the rows.
+
+    Under tensor parallel the output layer and the cross-entropy are vocabulary-parallel (the full logits never
+    exist); otherwise the fused chunked output layer + loss of the single-device engine. ZeRO-3's root unit
+    wraps this module, so that its hooks run around the whole micro-batch."""
+
+    def __init__(self, model: Llama, grid: ProcessGrid, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.grid, self.sequence_parallel = grid, sequence_parallel
+        self.compute_dtype = torch.float32
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.forward_hidden(inputs)
+        dtype = torch.bfloat16 if torch.is_autocast_enabled(hidden.device.type) else torch.float32
+        if self.grid.size("tp") > 1:
+            from fivefold.parallel.tensor import vocab_parallel_loss_sum
+
+            return vocab_parallel_loss_sum(self.model, hidden, targets, self.grid.tp_group, self.sequence_parallel,
+                                           compute_dtype=dtype)
+        return linear_cross_entropy_sum(hidden, self.model.lm_head.weight, targets, LOSS_CHUNK_TOKENS, dtype)
+
+
+def tp_sharded_names(model: nn.Module, tp: int) -> set[str]:
+    """Names of the parameters split over tp (the others are replicated on every tp rank)."""
+    if tp == 1:
+        return set()
+    from fivefold.parallel.tensor import tp_shard_dim
+
+    return {name for name, _ in model.named_parameters() if tp_shard_dim(name) is not None}
+
+
+def parallelize(model: Llama, cfg: Config, grid: ProcessGrid, device: torch.device,
+                bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[LossModel, BucketedDataParallel |
+                                                                   FullyShardedDataParallel]:
+    """Apply the layout to `model` in place (see the module docstring); return the loss module to call and
+    the data-parallel state that reduces the gradients."""
+    la = cfg.layout
+    if grid.size("tp") > 1:  # 1. tensor (and sequence) parallel
+        from fivefold.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, grid.tp_group, la.sp)
+    if la.recompute != "none":  # 2. activation recomputation
+        from fivefold.parallel.recompute import apply_recompute
+
+        apply_recompute(model, la.recompute)
+    if cfg.train.compile:  # 3. compile each block
+        for block in model.layers.values():
+            block.compile()
+    loss_model = LossModel(model, grid, la.sp)
+    tp_sharded = tp_sharded_names(model, grid.size("tp"))
+    if la.zero == 3:  # 4. data parallel
+        return loss_model, FullyShardedDataParallel(loss_model, model, tp_sharded, grid.grad_group, device.type)
+    named = list(model.named_parameters())
+    return loss_model, BucketedDataParallel(named, tp_sharded, grid.grad_group, la.zero, bucket_bytes,
+                                            la.fp32_grad_accum)

@@ -1,0 +1,268 @@
+"""Tensor parallelism (Megatron style) with optional sequence parallelism, applied to the plain `Llama`.
+
+What is sharded over the tp ranks (each parameter stays a plain `nn.Parameter` holding its local shard,
+with its plain-model name, so that data parallel / ZeRO can shard it further):
+
+- attention: q/k/v column-parallel (query heads and grouped-query kv heads split, tp must divide both),
+  o_proj row-parallel;
+- MLP: gate/up column-parallel, down row-parallel; MoE: each expert's ffn dim of the batched weights split
+  the same way, the shared expert likewise; the router is replicated;
+- embedding vocabulary-parallel (rows), output layer vocabulary-sharded the same way (tied weights stay
+  one parameter);
+- norms replicated.
+
+What is communicated (see `tensor_comm`): per attention and per MLP, the input goes through f (backward
+all-reduce) and the output through g (forward all-reduce); the embedding output through g; the loss needs
+two small all-reduces per chunk of tokens (`vocab_parallel_loss_sum`). With sequence parallelism the
+norms and residual adds hold [batch, seq / tp, hidden]: f becomes an all-gather along the sequence
+(backward reduce-scatter) and g a reduce-scatter (backward all-gather), the same bytes as one all-reduce.
+The norm weights then see only their sequence slice, so each norm's weight enters through f (backward
+all-reduce over tp): every replicated parameter ends with the same, full gradient on every tp rank.
+
+The MoE router sees the whole (gathered) sequence, so routing, capacity and the load-balancing loss are
+exactly those of one process and identical on every rank. The router's gradient is full on every rank;
+it enters the region's reduction from tp rank 0 only (`grad_on_first_rank`), and the combine weights,
+which multiply partial expert outputs, go through f so that their gradient is summed.
+
+Modules are turned into their tensor-parallel subclasses in place (as `fully_shard` does), keeping every
+parameter name. Apply tensor parallelism before recompute and before data-parallel sharding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from fivefold.config import ConfigError, ModelConfig, nearest_divisors
+from fivefold.models.llama import MLP, Attention, Llama, MoE, RMSNorm
+from fivefold.parallel.tensor_comm import (
+    copy_to_tp,
+    enter_tp_region,
+    exit_tp_region,
+    gather_sequence,
+    grad_on_first_rank,
+    vocab_parallel_cross_entropy_sum,
+)
+
+LOSS_CHUNK_TOKENS = 4096
+
+# plain-model parameter name suffix -> the dim split over tp (anything else is replicated)
+_SHARD_DIMS = {
+    "embed.weight": 0, "lm_head.weight": 0,
+    "q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "o_proj.weight": 1,
+    "gate_proj.weight": 0, "up_proj.weight": 0, "down_proj.weight": 1,
+    "w_gate": 2, "w_up": 2, "w_down": 1,
+}
+
+
+def tp_shard_dim(param_name: str) -> int | None:
+    """The dim of plain-model parameter `param_name` split over the tp ranks; None when replicated."""
+    for suffix, dim in _SHARD_DIMS.items():
+        if param_name == suffix or param_name.endswith("." + suffix):
+            return dim
+    return None
+
+
+def shard_for_rank(full_tensor: torch.Tensor, dim: int | None, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """Rank `tp_rank`'s contiguous 1/tp_size block of `full_tensor` along `dim` (the whole tensor if None)."""
+    if dim is None:
+        return full_tensor
+    if full_tensor.shape[dim] % tp_size:
+        raise ValueError(f"dim {dim} of size {full_tensor.shape[dim]} does not split over tp = {tp_size}")
+    return full_tensor.chunk(tp_size, dim)[tp_rank]
+
+
+def shard_state(full_state: dict[str, torch.Tensor], tp_rank: int, tp_size: int) -> dict[str, torch.Tensor]:
+    """This tp rank's shards of a full plain-model state (e.g. a loaded checkpoint)."""
+    return {name: shard_for_rank(t, tp_shard_dim(name), tp_rank, tp_size).clone() for name, t in full_state.items()}
+
+
+def gather_state(local_state: dict[str, torch.Tensor], tp_group: ProcessGroup) -> dict[str, torch.Tensor]:
+    """The full plain-model state from every tp rank's shards (collective: every tp rank calls it)."""
+    size = dist.get_world_size(tp_group)
+    full = {}
+    for name, t in local_state.items():
+        dim = tp_shard_dim(name)
+        if dim is None or size == 1:
+            full[name] = t.detach().clone()
+            continue
+        parts = [torch.empty_like(t) for _ in range(size)]
+        dist.all_gather(parts, t.detach().contiguous(), group=tp_group)
+        full[name] = torch.cat(parts, dim)
+    return full
+
+
+def validate_tensor_parallel(cfg: ModelConfig, tp: int, field: str = "layout.tp") -> None:
+    """Refuse a tp degree that does not divide every dim it splits (callable before any group exists)."""
+    checks = [("model.n_heads", cfg.n_heads), ("model.n_kv_heads", cfg.n_kv_heads),
+              ("model.vocab_size", cfg.vocab_size)]
+    if cfg.is_moe:
+        checks.append(("model.moe_ffn" if cfg.moe_ffn else "model.ffn (the expert ffn)", cfg.expert_ffn))
+    else:
+        checks.append(("model.ffn", cfg.ffn))
+    for name, value in checks:
+        if value % tp:
+            raise ConfigError(
+                f"{field} = {tp} does not divide {name} = {value}: tensor parallelism splits it evenly over the "
+                f"tp ranks (kv heads are not replicated); valid tp for this model: "
+                f"{_valid_tp(cfg, tp)}"
+            )
+
+
+def _valid_tp(cfg: ModelConfig, tp: int) -> list[int]:
+    dims = [cfg.n_heads, cfg.n_kv_heads, cfg.vocab_size, cfg.expert_ffn if cfg.is_moe else cfg.ffn]
+    candidates = [d for d in nearest_divisors(cfg.n_kv_heads, tp, 8) if all(x % d == 0 for x in dims)]
+    return sorted(candidates, key=lambda d: (abs(d - tp), d))[:3] or [1]
+
+
+# --- the tensor-parallel modules ------------------------------------------------------------------------
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Rows [vocab_start, vocab_start + vocab / tp) of the embedding; tokens outside look up zeros, and the
+    partial sums are all-reduced (reduce-scattered along the sequence under SP)."""
+
+    tp_group: ProcessGroup
+    sequence_parallel: bool
+    vocab_start: int
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return exit_tp_region(out, self.tp_group, self.sequence_parallel)
+
+
+class TensorParallelAttention(Attention):
+    """Local query and kv heads: f (or the sequence all-gather) in, g (or the reduce-scatter) out."""
+
+    tp_group: ProcessGroup
+    sequence_parallel: bool
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = enter_tp_region(x, self.tp_group, self.sequence_parallel)
+        return exit_tp_region(super().forward(x, cos, sin), self.tp_group, self.sequence_parallel)
+
+
+class TensorParallelMLP(MLP):
+    """A 1/tp slice of the ffn dim: f (or the sequence all-gather) in, g (or the reduce-scatter) out."""
+
+    tp_group: ProcessGroup
+    sequence_parallel: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = enter_tp_region(x, self.tp_group, self.sequence_parallel)
+        return exit_tp_region(super().forward(x), self.tp_group, self.sequence_parallel)
+
+
+class TensorParallelMoE(MoE):
+    """Every expert (and the shared expert) holds a 1/tp slice of its ffn dim; routing is replicated over
+    the whole gathered sequence. One f/g pair (or gather/reduce-scatter) for routed and shared experts."""
+
+    tp_group: ProcessGroup
+    sequence_parallel: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.tp_group
+        x = enter_tp_region(x, group, self.sequence_parallel)
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        experts, weights = self.route(grad_on_first_rank(x, group))
+        # the weights scale partial expert outputs, so their gradient is partial too: f sums it
+        out = self.dispatch_combine(x, experts, copy_to_tp(weights, group))
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return exit_tp_region(out.view(shape), group, self.sequence_parallel)
+
+
+class SequenceParallelRMSNorm(RMSNorm):
+    """A norm on this rank's sequence slice. Its weight's gradient is then a partial sum over the slice, so
+    the weight enters through f (backward all-reduce over tp): the gradient is full and identical on every
+    rank, whatever object holds the parameter (a hook on the `nn.Parameter` would be lost to a wrapper that
+    swaps it, such as `fully_shard`)."""
+
+    tp_group: ProcessGroup
+    sequence_parallel: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return copy_to_tp(self.weight, self.tp_group) * self.normalize(x)
+
+
+def _shard_param(module: nn.Module, attr: str, dim: int, tp_rank: int, tp_size: int) -> None:
+    full = getattr(module, attr)
+    setattr(module, attr, nn.Parameter(shard_for_rank(full.detach(), dim, tp_rank, tp_size).clone()))
+
+
+def _shard_linear(linear: nn.Linear, dim: int, tp_rank: int, tp_size: int) -> None:
+    _shard_param(linear, "weight", dim, tp_rank, tp_size)
+    linear.out_features, linear.in_features = linear.weight.shape
+
+
+def _shard_mlp(mlp: MLP, tp_rank: int, tp_size: int) -> None:
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        _shard_linear(getattr(mlp, name), tp_shard_dim(f"{name}.weight"), tp_rank, tp_size)
+
+
+def _to_tp_class(module: nn.Module, cls: type, tp_group: ProcessGroup, sequence_parallel: bool) -> None:
+    module.__class__ = cls
+    module.tp_group, module.sequence_parallel = tp_group, sequence_parallel
+
+
+def apply_tensor_parallel(model: Llama, tp_group: ProcessGroup, sequence_parallel: bool) -> None:
+    """Shard `model` in place over `tp_group` (see the module docstring). The model must hold the same
+    full weights on every tp rank (built from the same seed) and have no optimizer yet."""
+    tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+    validate_tensor_parallel(model.cfg, tp_size)
+    if tp_size == 1:
+        return
+    for block in model.layers.values():
+        attn = block.attn
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            _shard_linear(getattr(attn, name), tp_shard_dim(f"{name}.weight"), tp_rank, tp_size)
+        attn.n_heads, attn.n_kv_heads = attn.n_heads // tp_size, attn.n_kv_heads // tp_size
+        _to_tp_class(attn, TensorParallelAttention, tp_group, sequence_parallel)
+        mlp = block.mlp
+        if isinstance(mlp, MoE):
+            for name in ("w_gate", "w_up", "w_down"):
+                _shard_param(mlp, name, tp_shard_dim(name), tp_rank, tp_size)
+            if mlp.shared is not None:
+                _shard_mlp(mlp.shared, tp_rank, tp_size)
+            _to_tp_class(mlp, TensorParallelMoE, tp_group, sequence_parallel)
+        else:
+            _shard_mlp(mlp, tp_rank, tp_size)
+            _to_tp_class(mlp, TensorParallelMLP, tp_group, sequence_parallel)
+    tied = model.cfg.tied_embeddings and model.embed is not None and model.lm_head is not None
+    if model.embed is not None:
+        embed = model.embed
+        _shard_param(embed, "weight", 0, tp_rank, tp_size)
+        embed.num_embeddings = embed.weight.shape[0]
+        _to_tp_class(embed, VocabParallelEmbedding, tp_group, sequence_parallel)
+        embed.vocab_start = tp_rank * embed.num_embeddings
+    if model.lm_head is not None:
+        if tied:
+            model.lm_head.weight = model.embed.weight
+            model.lm_head.out_features = model.embed.num_embeddings
+        else:
+            _shard_linear(model.lm_head, 0, tp_rank, tp_size)
+    if sequence_parallel:
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                _to_tp_class(module, SequenceParallelRMSNorm, tp_group, sequence_parallel)
+
+
+def vocab_parallel_loss_sum(model: Llama, hidden: torch.Tensor, targets: torch.Tensor, tp_group: ProcessGroup,
+                            sequence_parallel: bool, chunk_tokens: int = LOSS_CHUNK_TOKENS,
+                            compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Summed token cross-entropy of this rank's rows `targets` [batch, seq] (-100 ignored) from the final
+    hidden states (sequence-sharded under SP), with the local vocab shard of `model.lm_head`; the full
+    logits are never gathered and fp32 logits exist for `chunk_tokens` tokens at a time. Same value on
+    every tp rank."""
+    hidden = gather_sequence(hidden, tp_group) if sequence_parallel else copy_to_tp(hidden, tp_group)
+    weight = model.lm_head.weight
+    vocab_start = dist.get_rank(tp_group) * weight.shape[0]
+    return vocab_parallel_cross_entropy_sum(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
+                                            vocab_start, tp_group, chunk_tokens, compute_dtype or hidden.dtype)
+

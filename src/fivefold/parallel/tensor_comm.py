@@ -1,0 +1,213 @@
+"""Where tensor and sequence parallelism talk to other ranks: autograd operators over the tp group.
+
+Megatron's conjugate pair for a column-parallel linear followed by a row-parallel one:
+
+    copy_to_tp       (f)  forward identity,             backward all-reduce
+    reduce_from_tp   (g)  forward all-reduce,           backward identity
+
+With sequence parallelism the all-reduce of g becomes a reduce-scatter along the sequence, and the
+identity of f an all-gather along the sequence (their backwards swap roles):
+
+    gather_sequence          forward all-gather (dim 1),   backward reduce-scatter (dim 1)
+    scatter_sequence         forward reduce-scatter,       backward all-gather
+
+`vocab_parallel_cross_entropy_sum` is the loss over a vocabulary-sharded output layer: per chunk of tokens
+one all-reduce of the row maxima and one of (sum of exponentials, target logit), never the full logits.
+
+Activations are batch-first, [batch, seq, hidden]; the sequence is dim 1. Every operator is the identity
+(and talks to nobody) when the group has one rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+SEQ_DIM = 1
+# the single-tensor collectives' new names (torch >= 2.13), the old ones before
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_scatter_from = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_reduce(x: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> (
+    torch.Tensor
+):
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, op=op, group=group)
+    return out
+
+
+def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((front.shape[0] * size, *front.shape[1:]))
+    _gather_into(out, front, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    if x.shape[dim] % size:
+        raise ValueError(
+            f"sequence parallelism splits the sequence over tp = {size} ranks, but the sequence length is "
+            f"{x.shape[dim]}; use a sequence length divisible by {size}"
+        )
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
+    _scatter_from(out, front, group=group)
+    return out.movedim(0, dim)
+
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _all_gather(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter(grad, SEQ_DIM, ctx.group), None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather(grad, SEQ_DIM, ctx.group), None
+
+
+class _GradOnFirstRank(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.first = dist.get_rank(group) == 0
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return (grad if ctx.first else torch.zeros_like(grad)), None
+
+
+def _single(group: ProcessGroup) -> bool:
+    return dist.get_world_size(group) == 1
+
+
+def copy_to_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """f: the input of a column-parallel region; its gradients, partial per rank, are all-reduced."""
+    return x if _single(group) else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """g: the partial sums out of a row-parallel region are all-reduced."""
+    return x if _single(group) else _ReduceFromTP.apply(x, group)
+
+
+def gather_sequence(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Sequence-parallel f: all-gather the sequence slices [b, s/tp, h] -> [b, s, h]."""
+    return x if _single(group) else _GatherSequence.apply(x, group)
+
+
+def scatter_sequence(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Sequence-parallel g: reduce-scatter the partial sums [b, s, h] -> this rank's slice [b, s/tp, h]."""
+    return x if _single(group) else _ScatterSequence.apply(x, group)
+
+
+def enter_tp_region(x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
+    """The input of a column-parallel region: f, or the sequence all-gather under SP."""
+    return gather_sequence(x, group) if sequence_parallel else copy_to_tp(x, group)
+
+
+def exit_tp_region(x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
+    """The output of a row-parallel region: g, or the sequence reduce-scatter under SP."""
+    return scatter_sequence(x, group) if sequence_parallel else reduce_from_tp(x, group)
+
+
+def grad_on_first_rank(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Identity forward; backward passes the gradient on tp rank 0 and zeros elsewhere.
+
+    For a branch inside a tp region that every rank computes identically (the MoE router): its gradient is
+    full, not partial, on every rank, so the region's input reduction must count it once. Adding zeros is
+    exact, unlike dividing by tp."""
+    return x if _single(group) else _GradOnFirstRank.apply(x, group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_start: int,
+                chunk: int, compute_dtype: torch.dtype, group: ProcessGroup) -> torch.Tensor:
+        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        local_vocab = weight.shape[0]
+        w = weight.to(compute_dtype)
+        total = torch.zeros((), device=hidden.device, dtype=torch.float32)
+        grad_hidden = torch.empty_like(hidden) if needs_grad else None
+        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if needs_grad else None
+        for start in range(0, hidden.shape[0], chunk):
+            h = hidden[start:start + chunk].to(compute_dtype)
+            t = targets[start:start + chunk]
+            logits = (h @ w.t()).float()  # [chunk, local vocab]: the only logits alive
+            row_max = logits.max(dim=-1).values
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+            logits -= row_max[:, None]
+            valid = t != -100
+            local_t = t - vocab_start
+            here = valid & (local_t >= 0) & (local_t < local_vocab)
+            local_t = torch.where(here, local_t, 0)
+            target_logit = logits.gather(1, local_t[:, None]).squeeze(1) * here
+            exps = logits.exp_()
+            stats = torch.stack([exps.sum(-1), target_logit])  # one all-reduce for both
+            dist.all_reduce(stats, group=group)
+            sum_exp, target_logit = stats[0], stats[1]
+            total += ((sum_exp.log() - target_logit) * valid).sum()
+            if needs_grad:
+                g = exps.div_(sum_exp[:, None])  # local slice of the softmax
+                g.scatter_add_(1, local_t[:, None], -here[:, None].to(g.dtype))
+                g *= valid[:, None]
+                g = g.to(compute_dtype)
+                grad_hidden[start:start + chunk] = (g @ w).to(hidden.dtype)  # partial: this vocab slice only
+                grad_weight += (g.t() @ h).float()
+        if needs_grad:
+            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_out, grad_weight * grad_out, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy_sum(hidden: torch.Tensor, weight_shard: torch.Tensor, targets: torch.Tensor,
+                                     vocab_start: int, group: ProcessGroup, chunk_tokens: int,
+                                     compute_dtype: torch.dtype) -> torch.Tensor:
+    """Summed cross-entropy of full hidden rows [tokens, hidden] against `targets` (-100 ignored), with this
+    rank's rows `weight_shard` [vocab / tp, hidden] of the output layer starting at `vocab_start`.
+
+    The same value on every rank. The gradient to `hidden` is this vocab slice's part only: the caller
+    feeds `hidden` through `copy_to_tp` or `gather_sequence`, whose backward sums the parts."""
+    return _VocabParallelCrossEntropy.apply(hidden, weight_shard, targets, vocab_start, chunk_tokens,
+                                            compute_dtype, group)

@@ -1,0 +1,169 @@
+"""Each layout against one process: K = 3 optimizer steps with gradient accumulation 2 on a tiny Llama in fp32
+on CPU, once by the single-device engine and once by the parallel engine under the layout, on the same global
+batches. Every step's loss and gradient norm and the parameters after the last step are compared.
+
+Tolerances. Losses agree to 1e-5 relative, gradient norms to 1e-4 relative and parameters to 1e-4 relative
+(per tensor, ||difference|| / ||reference||, Frobenius norms). The two runs do the same arithmetic in fp32 but
+sum in a different order (gradients summed over ranks and buckets instead of over micro-batches in one buffer,
+matmuls split over tp ranks and the partial products summed by an all-reduce, the loss's log-sum-exp over
+vocabulary shards), so they differ by float32 rounding: about 1e-7 relative per operation, grown by a few
+steps of AdamW. AdamW divides by sqrt(v), so an element whose gradient nearly cancels (a large relative
+rounding error) gets an update error of up to lr times that error; the parameters are therefore compared by
+norm over the tensor rather than element by element (single elements differ by up to ~1e-5 absolute under
+tp2). Measured errors are about 1e-7 (losses) and 1e-6 (parameters), so 1e-5 / 1e-4 leave one to two orders
+of magnitude of room, while a real bug (a gradient not reduced, reduced twice, a wrong normalisation, a shard
+stepped twice) moves the gradient norm, the loss and the parameters by far more: the learning rate is high
+(1e-2, constant) so each step changes every parameter by about 1e-2, 10 % of its typical size.
+
+Fast (default run): dp2 under ZeRO-0/1/2/3 and the MoE model under dp2, in one 2-rank launch; tp2, tp2+SP, MoE
+under tp2, recompute full. Slow (`pytest -m slow`): the 4-rank layouts dp2 x tp2 and ZeRO-3 x tp2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.distributed import run_ranks
+
+from fivefold.config import Config, build_config
+from fivefold.train.engine import Engine
+
+STEPS, ACCUM = 3, 2
+SMALL_BUCKET = 64 * 1024  # bytes: several buckets per class, so overlap and bucket boundaries are exercised
+
+
+def tiny_config(overrides: dict[str, str]) -> Config:
+    base = {
+        "model.n_layers": "2", "model.hidden": "64", "model.n_heads": "4", "model.n_kv_heads": "2",
+        "model.ffn": "128", "model.vocab_size": "256", "train.seq_len": "16", "train.global_batch_size": "8",
+        "train.lr": "1e-2", "train.warmup_steps": "0", "train.lr_schedule": "constant", "train.grad_clip": "1.0",
+        "train.dtype": "fp32", "train.device": "cpu", "train.max_steps": str(STEPS),
+    }
+    cfg = build_config(None, {**base, **overrides})
+    dp = cfg.layout.dp
+    cfg.layout.micro_batch_size = cfg.train.global_batch_size // (dp * ACCUM)
+    cfg.validate()
+    return cfg
+
+
+def global_batches(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.train.seq_len + 1),
+                               generator=g)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def train_steps(engine: Engine, cfg: Config) -> tuple[list[float], list[float]]:
+    """STEPS optimizer steps on this engine's rows of the global batches; (losses, grad norms) per step."""
+    global_tokens = cfg.train.global_batch_size * cfg.train.seq_len
+    losses, norms = [], []
+    for step, (inputs, targets) in enumerate(global_batches(cfg)):
+        engine.set_lr(step)
+        rows = inputs.shape[0] // engine.dp_size
+        lo = engine.dp_rank * rows
+        mbs = cfg.micro_batch_size
+        micro = list(zip(inputs[lo:lo + rows].split(mbs), targets[lo:lo + rows].split(mbs), strict=True))
+        loss_sum = engine.forward_backward(micro, global_tokens)
+        norms.append(float(engine.optimizer_step()))
+        losses.append(engine.reduce_for_logging(loss_sum).item() / global_tokens)
+    return losses, norms
+
+
+def reference_run(overrides: dict[str, str]) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """The single-device engine with the layout's micro-batch size (same micro-batches, so the MoE load-balancing
+    loss, which depends on the tokens routed together, is the same)."""
+    from fivefold.models.llama import build_model
+
+    cfg = tiny_config(overrides)
+    single = {k: v for k, v in overrides.items() if not k.startswith("layout.")}
+    ref_cfg = tiny_config(single)
+    ref_cfg.layout.micro_batch_size = cfg.micro_batch_size
+    ref_cfg.layout.recompute = "none"
+    engine = Engine(build_model(ref_cfg.model, "cpu", ref_cfg.train.seed), ref_cfg, torch.device("cpu"))
+    losses, norms = train_steps(engine, ref_cfg)
+    return losses, norms, engine.model_state()
+
+
+def layouts_on_ranks(rank: int, world_size: int, layouts: list[dict[str, str]]) -> list:
+    """On every rank: train each layout in turn; rank 0 returns (losses, norms, full model state) of each."""
+    from fivefold.parallel import create_parallel_engine
+
+    results = []
+    for overrides in layouts:
+        cfg = tiny_config(overrides)
+        engine = create_parallel_engine(cfg, torch.device("cpu"), bucket_bytes=SMALL_BUCKET)
+        losses, norms = train_steps(engine, cfg)
+        state = engine.model_state()
+        results.append((losses, norms, state if rank == 0 else None))
+        check_overlap(engine, cfg)
+    return results
+
+
+def check_overlap(engine, cfg: Config) -> None:
+    """Every bucket's reduction started from a gradient hook, i.e. while backward was still running: once per
+    step (the last micro-batch) for data parallel and ZeRO-1, on every micro-batch for ZeRO-2."""
+    from fivefold.parallel.data import BucketedDataParallel
+
+    dp = engine.data_parallel
+    if isinstance(dp, BucketedDataParallel):
+        per_step = ACCUM if cfg.layout.zero == 2 else 1
+        assert len(dp.buckets) > 2
+        assert dp.launched_in_backward == len(dp.buckets) * STEPS * per_step
+
+
+def assert_equivalent(layouts: list[dict[str, str]], world_size: int) -> None:
+    results = run_ranks(world_size, layouts_on_ranks, layouts)[0]
+    for overrides, (losses, norms, state) in zip(layouts, results, strict=True):
+        ref_losses, ref_norms, ref_state = reference_run(overrides)
+        label = " ".join(f"{k}={v}" for k, v in overrides.items())
+        assert len(losses) == STEPS
+        for step, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
+            assert abs(a - b) <= 1e-5 * abs(b), f"{label}: loss of step {step + 1}: {a} vs single process {b}"
+        for step, (a, b) in enumerate(zip(norms, ref_norms, strict=True)):
+            assert abs(a - b) <= 1e-4 * abs(b), f"{label}: grad norm of step {step + 1}: {a} vs {b}"
+        assert state.keys() == ref_state.keys(), label
+        for name, ref in ref_state.items():
+            error = ((state[name] - ref).norm() / ref.norm()).item()
+            assert error <= 1e-4, f"{label}: {name} differs by {error:.2e} (relative) after {STEPS} steps"
+
+
+MOE = {"model.n_experts": "4", "model.top_k": "2"}
+
+
+def test_data_parallel_and_zero_stages_match_one_process():
+    assert_equivalent([
+        {"layout.dp": "2"},
+        {"layout.dp": "2", "layout.zero": "1"},
+        {"layout.dp": "2", "layout.zero": "2", "layout.fp32_grad_accum": "true"},
+        {"layout.dp": "2", "layout.zero": "3"},
+        {"layout.dp": "2", **MOE},
+    ], world_size=2)
+
+
+def test_tensor_and_sequence_parallel_and_recompute_match_one_process():
+    assert_equivalent([
+        {"layout.tp": "2"},
+        {"layout.tp": "2", "layout.sp": "true", "layout.recompute": "full"},
+        {"layout.tp": "2", **MOE},
+    ], world_size=2)
+
+
+def test_recompute_under_data_parallel_matches_one_process():
+    assert_equivalent([
+        {"layout.dp": "2", "layout.zero": "3", "layout.recompute": "full"},
+        {"layout.dp": "2", "layout.zero": "1", "layout.recompute": "selective", **MOE},
+    ], world_size=2)
+
+
+@pytest.mark.slow
+def test_data_times_tensor_parallel_matches_one_process():
+    assert_equivalent([
+        {"layout.dp": "2", "layout.tp": "2"},
+        {"layout.dp": "2", "layout.tp": "2", "layout.sp": "true", "layout.zero": "2", "layout.recompute": "full"},
+        {"layout.dp": "2", "layout.tp": "2", "layout.zero": "3"},
+        {"layout.dp": "2", "layout.tp": "2", "layout.zero": "3", "layout.sp": "true", "layout.recompute": "full"},
+        {"layout.dp": "2", "layout.tp": "2", "layout.zero": "1", **MOE},
+    ], world_size=4)

@@ -1,0 +1,94 @@
+"""`fivefold train --nproc 2` end to end (PyTorch's launcher, gloo, the data pipeline, checkpoints), against the
+same run in one process; exact resume of sharded runs; and the SLURM script that `fivefold train --slurm` writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+from tests.distributed import run_ranks
+from tests.test_train import dataset, small_config  # noqa: F401  (dataset is a fixture)
+
+from fivefold.cli import main
+from fivefold.train.checkpoint import latest_checkpoint
+from fivefold.train.loop import train
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def test_train_nproc_2_matches_one_process(tmp_path, dataset):  # noqa: F811
+    overrides = {"train.max_steps": "4", "train.checkpoint_every": "0", "train.dtype": "fp32",
+                 "train.device": "cpu", "train.threads": "1"}
+    single = train(small_config(tmp_path / "one", dataset, **overrides))
+    args = [f"--{k}={v}" for k, v in overrides.items()]
+    cmd = [sys.executable, "-m", "fivefold", "train", "--nproc", "2", "--data", str(dataset),
+           "--run-dir", str(tmp_path / "two"), "--layout.dp", "2", "--layout.zero", "1", "--layout.micro_batch_size",
+           "2", "--model.n_layers", "2", "--model.hidden", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+           "--model.ffn", "128", "--model.vocab_size", "512", "--train.seq_len", "32", "--train.global_batch_size",
+           "8", "--train.warmup_steps", "2", "--train.eval_every", "0", "--train.eval_batches", "2",
+           "--log.log_every", "1", "--log.progress", "none", *args]
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 4
+    for a, b in zip(losses, single.losses, strict=True):
+        assert abs(a - b) <= 1e-5 * b
+    vals = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+    assert abs(vals[4] - single.val_losses[4]) <= 1e-5 * single.val_losses[4]
+    assert all(len(r["peak_memory_bytes_per_rank"]) == 2 for r in records if "loss" in r)
+    # the checkpoint holds the full plain-named model, equal to the one-process run's, and one optimizer shard
+    # per rank
+    two, one = latest_checkpoint(tmp_path / "two"), latest_checkpoint(tmp_path / "one")
+    a, b = load_file(str(two / "model.safetensors")), load_file(str(one / "model.safetensors"))
+    assert a.keys() == b.keys()
+    assert all((a[k] - b[k]).abs().max() <= 1e-4 * b[k].abs().max() for k in a)
+    assert sorted(p.name for p in two.glob("optimizer-rank*.safetensors")) == [
+        "optimizer-rank0.safetensors", "optimizer-rank1.safetensors"]
+
+
+def test_slurm_script_runs_torchrun_on_every_node(tmp_path, capsys):
+    script = tmp_path / "job.sh"
+    code = main(["train", "--slurm", str(script), "--nodes", "2", "--nproc", "4", "--layout.dp", "4",
+                 "--layout.tp", "2", "--max-steps", "50", "--run-dir", "runs/big"])
+    assert code == 0 and "sbatch" in capsys.readouterr().out
+    text = script.read_text()
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=4" in text
+    assert "srun torchrun" in text and "--nproc-per-node 4" in text and "--rdzv-backend c10d" in text
+    assert "--module fivefold train --max-steps 50 --run-dir runs/big --layout.dp 4 --layout.tp 2" in text
+    # the layout is checked against nodes x processes before the script is written
+    assert main(["train", "--slurm", str(tmp_path / "bad.sh"), "--nodes", "2", "--nproc", "4",
+                 "--layout.dp", "2"]) == 2
+    assert not (tmp_path / "bad.sh").exists()
+
+
+def resume_on_ranks(rank: int, world_size: int, data_dir: Path, tmp: Path, layout: dict[str, str]) -> tuple:
+    """The uninterrupted run and the run cut after step 3 then resumed, under `layout`, on these ranks."""
+    extra = {"train.dtype": "fp32", "train.device": "cpu", "layout.micro_batch_size": "2", **layout}
+    full = train(small_config(tmp / "full", data_dir, **extra))
+    first = train(small_config(tmp / "cut", data_dir, **extra), stop_after=3)
+    rest = train(small_config(tmp / "cut", data_dir, **extra), resume=True)
+    return full.losses, first.losses + rest.losses, full.val_losses[6], rest.val_losses[6]
+
+
+def check_resume(tmp_path: Path, data_dir: Path, world_size: int, layout: dict[str, str]) -> None:
+    full, resumed, val_full, val_resumed = run_ranks(world_size, resume_on_ranks, data_dir, tmp_path, layout)[0]
+    assert full == resumed and val_full == val_resumed  # bit for bit
+    a = load_file(str(latest_checkpoint(tmp_path / "full") / "model.safetensors"))
+    b = load_file(str(latest_checkpoint(tmp_path / "cut") / "model.safetensors"))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def test_resume_under_zero3_is_exact(tmp_path, dataset):  # noqa: F811
+    check_resume(tmp_path, dataset, 2, {"layout.dp": "2", "layout.zero": "3"})
+
+
+@pytest.mark.slow
+def test_resume_under_tensor_parallel_and_zero2_is_exact(tmp_path, dataset):  # noqa: F811
+    check_resume(tmp_path, dataset, 4, {"layout.dp": "2", "layout.tp": "2", "layout.zero": "2", "layout.sp": "true"})

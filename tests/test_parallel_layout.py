@@ -1,0 +1,98 @@
+"""The process grid's rank mapping and the refusal of every bad layout, before any process group exists."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from fivefold.cli import main
+from fivefold.config import ConfigError, LayoutConfig, build_config
+from fivefold.parallel.mesh import axis_groups, coordinates, expert_groups, rank_of, validate_layout
+
+
+def test_ranks_are_laid_out_tp_innermost_then_cp_dp_pp():
+    layout = LayoutConfig(dp=2, tp=2, pp=3, cp=2)
+    # the order written out by hand: pp outermost, tp innermost
+    expected = list(itertools.product(range(3), range(2), range(2), range(2)))  # (pp, dp, cp, tp)
+    for rank, (pp, dp, cp, tp) in enumerate(expected):
+        assert coordinates(layout, rank) == {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+        assert rank_of(layout, pp, dp, cp, tp) == rank
+    assert axis_groups(layout, ("tp",))[:2] == [[0, 1], [2, 3]]
+    assert axis_groups(layout, ("cp",))[0] == [0, 2]
+    assert axis_groups(layout, ("dp",))[0] == [0, 4]
+    assert axis_groups(layout, ("pp",))[0] == [0, 8, 16]
+    assert axis_groups(layout, ("dp", "cp"))[0] == [0, 2, 4, 6]
+    # every axis partitions the world
+    for axes in (("tp",), ("cp",), ("dp",), ("pp",), ("dp", "cp")):
+        assert sorted(r for g in axis_groups(layout, axes) for r in g) == list(range(24))
+
+
+def test_expert_parallel_folds_over_dp_times_cp():
+    layout = LayoutConfig(dp=2, cp=2, tp=2, ep=2)
+    ep, edp = expert_groups(layout)
+    # the dp x cp group of tp rank 0 is [0, 2, 4, 6]: ep blocks of 2, replicas at the same block position
+    assert ep[:2] == [[0, 2], [4, 6]] and edp[:2] == [[0, 4], [2, 6]]
+    assert sorted(r for g in ep for r in g) == list(range(8))
+
+
+def config(**fields: str):
+    return build_config(None, {"train.global_batch_size": "8", **{k.replace("__", "."): v for k, v in fields.items()}})
+
+
+def refused(cfg, world: int) -> str:
+    with pytest.raises(ConfigError) as e:
+        cfg.validate()
+        validate_layout(cfg, world)
+    return str(e.value)
+
+
+def test_product_must_equal_the_world_size():
+    msg = refused(config(layout__dp="2", layout__tp="2"), 2)
+    assert "2 x 2 x 1 x 1 = 4 does not equal the world size 2" in msg and "layout.dp = 1" in msg
+
+
+@pytest.mark.parametrize("model, tp, field", [
+    ({"model.n_heads": "4", "model.n_kv_heads": "4"}, 3, "model.n_heads = 4"),
+    ({"model.n_heads": "8", "model.n_kv_heads": "2", "model.hidden": "128"}, 4, "model.n_kv_heads = 2"),
+    ({"model.n_heads": "4", "model.n_kv_heads": "4", "model.ffn": "386"}, 4, "model.ffn = 386"),
+    ({"model.vocab_size": "2049"}, 2, "model.vocab_size = 2049"),
+])
+def test_tp_must_divide_heads_kv_heads_ffn_and_vocab(model, tp, field):
+    cfg = build_config(None, {**model, "layout.tp": str(tp)})
+    msg = refused(cfg, tp)
+    assert f"layout.tp = {tp} does not divide {field}" in msg and "valid tp" in msg
+
+
+def test_global_batch_must_divide_by_dp_times_micro_batch():
+    msg = refused(config(layout__dp="2", layout__micro_batch_size="3"), 2)
+    assert "micro_batch_size = 3" in msg and "[1, 2, 4]" in msg
+    cfg = config(layout__dp="2", layout__micro_batch_size="3")
+    cfg.train.global_batch_size = 9  # not even divisible by dp
+    assert "global_batch_size = 9 is not divisible by layout.dp = 2" in refused(cfg, 2)
+
+
+def test_zero_needs_data_parallel():
+    msg = refused(config(layout__zero="2", layout__tp="2"), 2)
+    assert "layout.zero = 2 with layout.dp = 1" in msg and "layout.zero = 0, or layout.dp >= 2" in msg
+
+
+@pytest.mark.parametrize("fields, world, expected", [
+    ({"layout__pp": "2"}, 2, "layout.pp = 2: pp > 1 arrives with Parallel engine II"),
+    ({"layout__cp": "2"}, 2, "layout.cp = 2: cp > 1 arrives with Parallel engine II"),
+    ({"layout__ep": "2", "layout__dp": "2"}, 2, "layout.ep = 2: ep > 1 arrives with Parallel engine II"),
+    ({"layout__vpp": "2"}, 1, "layout.vpp = 2 needs pipeline parallel"),
+    ({"layout__sp": "true", "layout__dp": "2"}, 2, "layout.sp = true needs tensor parallel"),
+    ({"layout__sp": "true", "layout__tp": "2", "train__seq_len": "127"}, 2,
+     "train.seq_len = 127 is not divisible by layout.tp = 2"),
+])
+def test_unsupported_combinations_are_refused(fields, world, expected):
+    assert expected in refused(config(**fields), world)
+
+
+def test_cli_refuses_a_bad_layout_before_starting_processes(capsys, tmp_path):
+    code = main(["train", "--nproc", "3", "--layout.dp", "2", "--run-dir", str(tmp_path / "run")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "does not equal the world size 3" in err and "layout.dp = 3" in err
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,82 @@
+"""Bytes of parameters, gradients and optimizer states that each rank holds, against the closed form of the
+playbook's ZeRO table for fp32 master weights (4 bytes per parameter, 4 per gradient, 8 for Adam's two
+moments; the table's k = 12 of mixed precision counts the fp32 master copy in the optimizer, which here is the
+parameter itself):
+
+    stage 0: 4Ψ + 4Ψ + 8Ψ      stage 1: 4Ψ + 4Ψ + 8Ψ/N_d
+    stage 2: 4Ψ + (4 + 8)Ψ/N_d stage 3: (4 + 4 + 8)Ψ/N_d
+
+where Ψ is the parameter count of one tp rank: the projections, MLP and (tied) embedding divided by tp, the
+norms replicated. Ψ is counted here from the model's shape, independently of the code under test. Gradients
+are measured after a backward (ZeRO-3 keeps them only until the step), optimizer states after a first step.
+The model's dims are multiples of 12, so tp 1 to 4 divide it and no shard needs padding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.distributed import run_ranks
+
+from fivefold.config import ModelConfig, build_config
+
+MODEL = {"model.n_layers": "2", "model.hidden": "96", "model.n_heads": "12", "model.n_kv_heads": "12",
+         "model.ffn": "192", "model.vocab_size": "384"}
+
+
+def params_per_tp_rank(m: ModelConfig, tp: int) -> int:
+    h, d = m.hidden, m.head_dim
+    attention = h * m.n_heads * d * 2 + h * m.n_kv_heads * d * 2  # q, o and k, v
+    mlp = 3 * h * m.ffn
+    embeddings = m.vocab_size * h * (1 if m.tied_embeddings else 2)
+    replicated = m.n_layers * 2 * h + h  # two norms per block and the final norm
+    return (embeddings + m.n_layers * (attention + mlp)) // tp + replicated
+
+
+def closed_form(zero: int, psi: int, dp: int) -> dict[str, int]:
+    params, grads, optimizer = 4 * psi, 4 * psi, 8 * psi
+    return {
+        "params": params // dp if zero >= 3 else params,
+        "grads": grads // dp if zero >= 2 else grads,
+        "optimizer": optimizer // dp if zero >= 1 else optimizer,
+    }
+
+
+def held_bytes_on_ranks(rank: int, world_size: int, tp: int, stages: list[int]) -> list[dict[str, int]]:
+    from fivefold.parallel import create_parallel_engine
+
+    out = []
+    for zero in stages:
+        cfg = build_config(None, {**MODEL, "layout.dp": str(world_size // tp), "layout.tp": str(tp),
+                                  "layout.zero": str(zero), "train.seq_len": "8", "train.global_batch_size": "4",
+                                  "train.device": "cpu", "train.dtype": "fp32"})
+        engine = create_parallel_engine(cfg, torch.device("cpu"))
+        tokens = torch.randint(0, 384, (4 // cfg.layout.dp, 9), generator=torch.Generator().manual_seed(0))
+        batch = [(tokens[:, :-1], tokens[:, 1:])]
+        engine.forward_backward(batch, 32)
+        engine.optimizer_step()
+        engine.forward_backward(batch, 32)
+        out.append(engine.state_bytes())
+    return out
+
+
+def check(tp: int, dp: int, stages: list[int]) -> None:
+    m = build_config(None, MODEL).model
+    psi = params_per_tp_rank(m, tp)
+    for rank, held in enumerate(run_ranks(dp * tp, held_bytes_on_ranks, tp, stages)):
+        for zero, got in zip(stages, held, strict=True):
+            assert got == closed_form(zero, psi, dp), f"rank {rank}, zero {zero}, tp {tp}, dp {dp}"
+
+
+def test_zero_stages_hold_the_closed_form_bytes():
+    check(tp=1, dp=2, stages=[0, 1, 2, 3])
+
+
+def test_tensor_parallel_holds_the_closed_form_bytes():
+    check(tp=2, dp=1, stages=[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 3, 4])
+def test_zero_stages_under_tensor_parallel_hold_the_closed_form_bytes(tp):
+    check(tp=tp, dp=2, stages=[0, 1, 2, 3])

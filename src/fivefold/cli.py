@@ -14,6 +14,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "data": ("fivefold.data.cli", "prepare token shards from text, JSONL or Parquet files"),
     "models": ("fivefold.models.cli", "list the model presets with their parameter counts"),
     "export": ("fivefold.models.hf_cli", "export a checkpoint as a Hugging Face Llama directory"),
+    "plan": ("fivefold.planner.cli", "search the parallel layouts of a model on a cluster: memory, step time, MFU"),
     "bench": ("fivefold.bench", "time the training step on synthetic tokens (tokens/s, MFU, memory)"),
 }
 

@@ -4,7 +4,8 @@ The process grid puts tp innermost, then cp, then dp, then pp outermost (ranks o
 inside a node). A group of `size` ranks whose neighbours are `stride` ranks apart spans
 ceil(size * stride / gpus_per_node) nodes when it leaves the node; ring collectives then move their bytes at
 the bus bandwidth of that many nodes (measured, when the hardware profile has it, else the per-device network
-bandwidth). Latency grows with log2 of the group (tree/NVLS algorithms at scale).
+bandwidth). Ring algorithms pay one latency per step: 2 (n - 1) steps for an all-reduce, n - 1 for an
+all-gather or reduce-scatter; a buffer sent in buckets pays them once per bucket.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ def nodes_spanned(size: int, stride: int, gpus_per_node: int) -> int:
     return max(1, math.ceil(size * stride / gpus_per_node))
 
 
-def _time(kind: str, nbytes: float, size: int, stride: int, hw: Cluster) -> float:
+def _time(kind: str, nbytes: float, size: int, stride: int, hw: Cluster, bucket: float = 0.0) -> float:
     if size <= 1 or nbytes <= 0:
         return 0.0
     nodes = nodes_spanned(size, stride, hw.gpus_per_node)
     bw = hw.bus_bandwidth(nodes)
-    steps = 2 * math.ceil(math.log2(size))
+    buckets = max(1, math.ceil(nbytes / bucket)) if bucket else 1
+    steps = (size - 1) * buckets
     frac = (size - 1) / size
     if kind == "all_reduce":
         return 2 * frac * nbytes / bw + 2 * steps * hw.latency(nodes)
@@ -40,13 +42,13 @@ def _time(kind: str, nbytes: float, size: int, stride: int, hw: Cluster) -> floa
     if kind == "all_to_all":
         return frac * nbytes / bw + steps * hw.latency(nodes)
     if kind == "p2p":
-        return nbytes / bw + hw.latency(nodes)
+        return nbytes / bw + hw.latency(nodes)  # one hop
     raise ValueError(kind)
 
 
-def all_reduce(nbytes: float, size: int, stride: int, hw: Cluster) -> float:
-    """`nbytes` is the size of the buffer each rank contributes (and receives)."""
-    return _time("all_reduce", nbytes, size, stride, hw)
+def all_reduce(nbytes: float, size: int, stride: int, hw: Cluster, bucket: float = 0.0) -> float:
+    """`nbytes` is the size of the buffer each rank contributes (and receives), sent in `bucket`-byte pieces."""
+    return _time("all_reduce", nbytes, size, stride, hw, bucket)
 
 
 def all_gather(nbytes: float, size: int, stride: int, hw: Cluster) -> float:
@@ -54,9 +56,9 @@ def all_gather(nbytes: float, size: int, stride: int, hw: Cluster) -> float:
     return _time("all_gather", nbytes, size, stride, hw)
 
 
-def reduce_scatter(nbytes: float, size: int, stride: int, hw: Cluster) -> float:
+def reduce_scatter(nbytes: float, size: int, stride: int, hw: Cluster, bucket: float = 0.0) -> float:
     """`nbytes` is the size of the full buffer before scattering."""
-    return _time("reduce_scatter", nbytes, size, stride, hw)
+    return _time("reduce_scatter", nbytes, size, stride, hw, bucket)
 
 
 def all_to_all(nbytes: float, size: int, stride: int, hw: Cluster) -> float:

@@ -35,8 +35,8 @@ class Cluster:
     intra_node_gbps: float  # per device, unidirectional, to peers inside the node
     inter_node_gbps: float  # per device, unidirectional, across nodes
     gpus_per_node: int = 8
-    intra_latency_us: float = 8.0  # one collective step inside a node
-    inter_latency_us: float = 20.0  # one collective step across nodes
+    intra_latency_us: float = 2.0  # one ring step of a collective inside a node
+    inter_latency_us: float = 5.0  # one ring step across nodes
     matmul_efficiency: float = 0.78  # best achievable share of the peak on large matmuls
     kernel_overhead_us: float = 4.0  # per launched kernel (small shapes are latency bound)
     # measured all-reduce bus bandwidth by nodes spanned (GB/s); empty = derive from the link bandwidths

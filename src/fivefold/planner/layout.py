@@ -113,12 +113,17 @@ class Framework:
     autocast_weight_copies: bool = True  # bf16 weight casts saved for backward, per micro-batch in flight
     compute_dtype: str = "bf16"  # "fp32" models fivefold on CPU
     fused_loss_chunk: int = 8192  # tokens per chunk of the fused output layer + cross-entropy; 0 = whole logits
+    tp_loss_chunk: int = 4096  # the same for the vocabulary-parallel loss under tensor parallel
     logits_bytes: float = 10.0  # bytes per (token, vocabulary entry / tp) alive at the loss peak
     activation_scale: float = 1.0  # multiplies the counted saved activations (fitted for other frameworks)
     tp_overlap: float = 0.0  # share of tensor-parallel communication hidden behind compute
-    dp_bucket_mb: float = 25.0
+    dp_bucket_mib: float = 25.0  # gradient buckets (MiB)
     fixed_overhead_gib: float = 0.0  # allocator and library workspace beyond what is counted
+    usable_memory_fraction: float = 0.95  # a layout fits when its peak stays below this share of the device
     zero1_allgather_exposed: bool = True  # ZeRO-1/2 all-gather the parameters after the step, not overlapped
+    residual_bytes: int = 4  # the residual stream (fivefold keeps it fp32 under autocast)
+    norm_saves_normalized: bool = True  # RMSNorm saves its normalised input too (an unfused norm)
+    sp_saves_gathered_input: bool = False  # with sp, column-parallel linears save the gathered input (else the slice)
 
     @property
     def act_bytes(self) -> int:
@@ -133,5 +138,6 @@ FIVEFOLD_CPU = dataclasses.replace(FIVEFOLD, name="fivefold-cpu", compute_dtype=
 # asynchronous TP communication, whole (vocabulary-parallel) logits. Fitted fields: see docs/planner.md.
 NANOTRON = Framework(name="nanotron", param_bytes=2, grad_bytes=2, master_bytes=4, optim_bytes=8, accum_bytes=4,
                      autocast_weight_copies=False, fused_loss_chunk=0, logits_bytes=10.0, tp_overlap=0.5,
-                     fixed_overhead_gib=1.0)
+                     fixed_overhead_gib=1.0, residual_bytes=2, norm_saves_normalized=False,
+                     sp_saves_gathered_input=False)
 FRAMEWORKS = {"fivefold": FIVEFOLD, "fivefold-cpu": FIVEFOLD_CPU, "nanotron": NANOTRON}

@@ -25,8 +25,10 @@ and prefetch, communication buckets and a fixed per-device overhead.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from fivefold.config import ModelConfig
 from fivefold.planner.layout import Framework, Layout
@@ -57,15 +59,45 @@ def layer_params(cfg: ModelConfig, tp: int = 1, ep: int = 1) -> dict[str, int]:
             "matmul": attn + mlp + expert + (h * cfg.n_experts if cfg.is_moe else 0)}
 
 
-def split_layers(n_layers: int, stages: int) -> list[int]:
-    """Layers per pipeline stage: as even as possible, the extra layers on the middle stages (the first holds
-    the embedding, the last the output layer and the loss)."""
-    base, extra = divmod(n_layers, stages)
-    counts = [base] * stages
+def head_cost_in_layers(cfg: ModelConfig, seq: int) -> float:
+    """The output layer's training FLOPs in units of one block's (to balance pipeline stages by compute)."""
+    from fivefold.flops import training_flops_per_token
+
+    head = 6 * cfg.vocab_size * cfg.hidden
+    return head / ((training_flops_per_token(cfg, seq) - head) / cfg.n_layers)
+
+
+def split_layers(n_layers: int, stages: int, last_extra: float = 0.0) -> list[int]:
+    return list(_split_layers(n_layers, stages, round(last_extra, 6)))
+
+
+@lru_cache(maxsize=4096)
+def _split_layers(n_layers: int, stages: int, last_extra: float) -> tuple[int, ...]:
+    """Layers per pipeline stage, balanced by compute: the last stage also runs the output layer and the loss,
+    worth `last_extra` blocks, so it gets fewer blocks; the remaining imbalance goes to the middle stages.
+    Every stage keeps at least one block (when there are as many blocks as stages)."""
+    if stages == 1:
+        return (n_layers,)
+    if stages >= n_layers:
+        return (1,) * n_layers + (0,) * (stages - n_layers)
+    extra = [0.0] * stages
+    extra[-1] = last_extra
+    lo, hi = 0.0, n_layers + last_extra + 1.0
+    for _ in range(60):  # the lowest level at which the stages hold every layer
+        mid = (lo + hi) / 2
+        if sum(max(1, math.floor(mid - e)) for e in extra) >= n_layers:
+            hi = mid
+        else:
+            lo = mid
+    counts = [max(1, math.floor(hi - e)) for e in extra]
     order = sorted(range(stages), key=lambda s: (s in (0, stages - 1), abs(s - (stages - 1) / 2)))
-    for s in order[:extra]:
-        counts[s] += 1
-    return counts
+    i = 0
+    while sum(counts) > n_layers:  # trim the overshoot from the middle stages first
+        s = order[i % stages]
+        if counts[s] > 1:
+            counts[s] -= 1
+        i += 1
+    return tuple(counts)
 
 
 @dataclass(frozen=True)
@@ -82,12 +114,17 @@ class RankParams:
         return self.dense + self.expert
 
 
+def stage_layers(cfg: ModelConfig, lay: Layout, seq: int = 4096) -> list[int]:
+    """Blocks per global pipeline stage (pp x vpp stages, or 2 pp for the V-shaped schedule)."""
+    n = lay.pp * (2 if lay.schedule == "dualpipev" and lay.pp > 1 else lay.vpp)
+    return split_layers(cfg.n_layers, n, head_cost_in_layers(cfg, seq) if n > 1 else 0.0)
+
+
 def rank_params(cfg: ModelConfig, lay: Layout, rank: str = "first") -> RankParams:
     """Parameters that the `first` or `last` pipeline rank holds (the same rank when pp = 1)."""
-    chunks = split_layers(cfg.n_layers, lay.pp * lay.vpp)
+    chunks = stage_layers(cfg, lay)
     r = 0 if rank == "first" else lay.pp - 1
     if lay.schedule == "dualpipev" and lay.pp > 1:
-        chunks = split_layers(cfg.n_layers, 2 * lay.pp)
         mine = [r, 2 * lay.pp - 1 - r]
     else:
         mine = [r + k * lay.pp for k in range(lay.vpp)]
@@ -150,21 +187,23 @@ def layer_activation_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Frame
                            moe_imbalance: float = 1.0) -> dict[str, float]:
     """Bytes one block saves for backward for one micro-batch of `tokens` tokens on this rank (after cp)."""
     h, d, tp = cfg.hidden, cfg.head_dim, lay.tp
-    ab = fw.act_bytes
+    ab, rb = fw.act_bytes, fw.residual_bytes
     t_seq = tokens / tp if (lay.sp and tp > 1) else tokens  # the sequence-sharded norm/residual regions
-    norm = t_seq * (2 * h * 4 + 4)  # input, normalised input (fp32) and 1/rms
+    t_in = tokens if (fw.sp_saves_gathered_input or not lay.sp) else t_seq  # what the column linears save
+    norm = t_seq * (h * rb + 4 + (h * 4 if fw.norm_saves_normalized else 0))  # input, 1/rms, normalised input
     if lay.recompute == "full":
-        return {"block_input": t_seq * h * 4, "total": t_seq * h * 4}
-    casts = 3 if ab == 2 else 1  # autocast casts the norm output once per linear that reads it
+        return {"block_input": t_seq * h * rb, "total": t_seq * h * rb}
+    per_op = ab == 2 and fw.autocast_weight_copies  # autocast casts the norm output once per linear reading it
+    casts = 3 if per_op else 1
     heads = cfg.n_heads // tp
     kv = max(cfg.n_kv_heads // tp, 1)
     attn = tokens * (2 * heads * d + 2 * kv * d) * ab
     lse = 0.0 if lay.recompute == "selective" else tokens * heads * 4
-    attn_total = norm + casts * tokens * h * ab + attn + lse
-    mlp_in = (2 if ab == 2 else 1) * tokens * h * ab
+    attn_total = norm + casts * t_in * h * ab + attn + lse
+    mlp_in = (2 if per_op else 1) * (tokens if cfg.is_moe else t_in) * h * ab  # MoE gathers before routing
     if cfg.is_moe:
         e, k = cfg.n_experts, cfg.top_k
-        cap = moe_capacity(cfg, tokens * tp if lay.sp and tp > 1 else tokens, moe_imbalance)
+        cap = moe_capacity(cfg, tokens, moe_imbalance)  # the router sees the whole (gathered) sequence
         e_local = e // lay.ep
         f = cfg.expert_ffn // tp
         routing = tokens * (e * 4 + k * 8 + 4 + k * 4) + e * 4 + 4 * tokens * k * 8 + tokens * k * 4
@@ -185,9 +224,10 @@ def stage_activation_bytes(cfg: ModelConfig, tokens: int, seq_local: int, lay: L
     total = rp.layers * per_layer + 2 * seq_local * cfg.head_dim * 4  # rotary cos/sin tables
     t_seq = tokens / lay.tp if (lay.sp and lay.tp > 1) else tokens
     if rp.first:
-        total += tokens * 8  # token ids, saved by the embedding lookup
+        # token ids saved by the embedding lookup (vocabulary-parallel: the local ids and the out-of-range mask)
+        total += tokens * (8 + (1 if lay.tp > 1 else 0))
     if rp.last:
-        total += t_seq * (2 * cfg.hidden * 4 + 4)  # final norm
+        total += t_seq * (cfg.hidden * fw.residual_bytes + 4 + (cfg.hidden * 4 if fw.norm_saves_normalized else 0))
         if fw.fused_loss_chunk:  # fused output layer + loss: gradients of the hidden states and of the weight
             total += tokens * cfg.hidden * 4 + cfg.vocab_size // lay.tp * cfg.hidden * 4
         else:
@@ -199,7 +239,7 @@ def forward_saved_bytes(cfg: ModelConfig, batch: int, seq: int, lay: Layout, fw:
                         moe_imbalance: float = 1.0) -> float:
     """Saved-for-backward bytes of one forward pass of `batch` sequences of `seq` tokens, whole model on one
     pipeline rank (the quantity the tests measure with saved-tensor hooks)."""
-    single = Layout(**{**lay.to_dict(), "pp": 1, "vpp": 1})
+    single = dataclasses.replace(lay, pp=1, vpp=1)
     rp = rank_params(cfg, single)
     tokens = batch * seq // lay.cp
     return stage_activation_bytes(cfg, tokens, seq // lay.cp, single, fw, rp, moe_imbalance)
@@ -235,21 +275,24 @@ def rank_memory(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, in_fligh
     transient = 0.0
     v_local = cfg.vocab_size // lay.tp
     if rp.last:
-        chunk = min(fw.fused_loss_chunk, tokens) if fw.fused_loss_chunk else tokens
+        loss_chunk = fw.tp_loss_chunk if lay.tp > 1 else fw.fused_loss_chunk
+        chunk = min(loss_chunk, tokens) if fw.fused_loss_chunk else tokens
         transient = chunk * v_local * fw.logits_bytes
         if fw.fused_loss_chunk and fw.compute_dtype == "bf16":
             transient += v_local * cfg.hidden * 2  # the bf16 cast of the output weight
     if lay.recompute == "full":
-        full = Layout(**{**lay.to_dict(), "recompute": "none"})
+        full = dataclasses.replace(lay, recompute="none")
         transient = max(transient, layer_activation_bytes(cfg, tokens, full, fw, moe_imbalance)["total"])
     rep.parts["transient"] = transient
     lp = layer_params(cfg, lay.tp, lay.ep)
     comm = 0.0
     if lay.dp * lay.cp > 1:
-        comm += 2 * fw.dp_bucket_mb * 1e6  # a bucket being reduced while the next one fills
+        comm += 2 * fw.dp_bucket_mib * 2**20  # a bucket being reduced while the next one fills
     if lay.zero >= 3:
         block = lp["sharded"] + lp["replicated"] + lp["expert"]
         comm += 2 * block * fw.param_bytes + block * fw.grad_bytes  # current + prefetched block, unsharded grads
+        # the root unit (embedding, final norm, output layer) stays gathered for the whole micro-batch
+        comm += (rp.dense - rp.layers * (lp["sharded"] + lp["replicated"])) * fw.param_bytes
     rep.parts["comm_buffers"] = comm
     rep.parts["fixed_overhead"] = fw.fixed_overhead_gib * GIB
     return rep

@@ -10,13 +10,14 @@ pipeline bubble, and the best few are re-timed by simulating their schedule's ac
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 from fivefold.config import ConfigError, ModelConfig
 from fivefold.flops import training_flops_per_token
-from fivefold.parallel.schedules import build_schedule, min_micro_batches
+from fivefold.parallel.schedules import min_micro_batches
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.layout import Framework, Layout
 from fivefold.planner.memory import GIB, rank_memory
@@ -25,19 +26,18 @@ from fivefold.planner.time import step_time
 SIMULATED_TOP = 64
 
 
-@lru_cache(maxsize=2048)
 def in_flight(schedule: str, p: int, m: int, v: int) -> tuple[float, float]:
-    """Micro-batches of stage activations held by the first and the last pipeline rank at their peak."""
+    """Micro-batches of stage activations held by the first and the last pipeline rank at their peak: the
+    closed forms of the schedules' action lists (tests/test_planner.py checks them against the lists)."""
     if p == 1:
         return 1.0, 1.0
     if schedule == "afab":
         return float(m), float(m)
-    if schedule in ("1f1b", "zero-bubble"):
-        return float(min(p, m)), 1.0
-    from fivefold.parallel.schedules import _peak_in_flight
-
-    peaks = _peak_in_flight(build_schedule(schedule, p, m, v if schedule == "interleaved" else 1))
-    return peaks[0], peaks[-1]
+    if schedule == "interleaved":
+        return min(2 * (p - 1) + (v - 1) * p + 1, m * v) / v, min((v - 1) * p + 1, m * v) / v
+    if schedule == "dualpipev":
+        return p + 0.5, p + 0.5
+    return float(min(p, m)), 1.0  # 1f1b and zero-bubble
 
 
 @dataclass
@@ -78,13 +78,14 @@ def estimate(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster
              memory_limit: float | None = None, moe_imbalance: float = 1.0) -> Estimate:
     mem = memory_of(cfg, seq, lay, fw, moe_imbalance)
     peak = max(sum(v.values()) for v in mem.values())
-    limit = hw.memory_bytes if memory_limit is None else memory_limit
+    limit = hw.memory_bytes * fw.usable_memory_fraction if memory_limit is None else memory_limit
     t = step_time(cfg, seq, lay, fw, hw, exact)
     tokens = lay.dp * lay.mbs * lay.grad_acc * seq
     n = lay.world_size
     tps = tokens / t.step_time / n
     mfu = tps * training_flops_per_token(cfg, seq) / hw.peak_flops(fw.compute_dtype)
-    return Estimate(lay, peak <= limit, mem, peak, t.step_time, t.parts, tps, mfu)
+    notes = [f"pp = {lay.pp} exceeds the {cfg.n_layers} layers"] if lay.pp > cfg.n_layers else []
+    return Estimate(lay, peak <= limit and not notes, mem, peak, t.step_time, t.parts, tps, mfu, notes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,8 +100,8 @@ def tp_valid(cfg: ModelConfig, tp: int) -> str | None:
     """Why tensor parallel degree `tp` cannot shard this model, or None."""
     if cfg.n_heads % tp:
         return f"tp={tp} does not divide the {cfg.n_heads} attention heads"
-    if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
-        return f"tp={tp} neither divides nor is a multiple of the {cfg.n_kv_heads} kv heads"
+    if cfg.n_kv_heads % tp:
+        return f"tp={tp} does not divide the {cfg.n_kv_heads} kv heads"
     if cfg.expert_ffn % tp or cfg.ffn % tp:
         return f"tp={tp} does not divide the MLP width {cfg.ffn}"
     if cfg.vocab_size % tp:
@@ -143,64 +144,64 @@ def search(cfg: ModelConfig, seq: int, global_batch_seqs: int, n_gpus: int, fw: 
     fitting: list[Estimate] = []
     closest: Estimate | None = None
     evaluated = 0
+    for base in _bases(cfg, seq, global_batch_seqs, n_gpus, hw, space, reject):
+        evaluated += 1
+        ok, peak = _fits(cfg, seq, base, fw, hw, moe_imbalance)
+        if not ok:
+            reject("does not fit in memory even with full recompute", base.short(), len(space.recompute))
+            if closest is None or peak < closest.peak_bytes:
+                closest = estimate(cfg, seq, base, fw, hw, False, moe_imbalance=moe_imbalance)
+            continue
+        for rc in space.recompute:
+            lay = dataclasses.replace(base, recompute=rc)
+            if rc != "full" and not _fits(cfg, seq, lay, fw, hw, moe_imbalance)[0]:
+                reject("does not fit in memory without (more) recompute", lay.short())
+                continue
+            fitting.append(estimate(cfg, seq, lay, fw, hw, False, moe_imbalance=moe_imbalance))
+    fitting.sort(key=lambda e: -e.tokens_per_s_per_gpu)
+    best = [estimate(cfg, seq, e.layout, fw, hw, True, moe_imbalance=moe_imbalance) for e in fitting[:SIMULATED_TOP]]
+    best.sort(key=lambda e: -e.tokens_per_s_per_gpu)
+    return SearchResult(best[:max(top, 1)] if top else best, rejected, examples, evaluated, closest)
+
+
+def _bases(cfg: ModelConfig, seq: int, batch: int, n_gpus: int, hw: Cluster, space: SearchSpace,
+           reject: Callable[..., None]) -> Iterator[Layout]:
+    """Every layout that divides the model and reaches the batch exactly, with full recompute (the variants
+    with less recompute are tried by the caller); `reject(reason, example)` counts the rest."""
     max_tp = space.max_tp or hw.gpus_per_node
     for tp in _divisors(n_gpus):
-        if tp > max_tp:
-            reject(f"tp above the {max_tp} GPUs of a node", f"tp={tp}")
-            continue
-        why = tp_valid(cfg, tp)
+        why = f"tp above the {max_tp} GPUs of a node" if tp > max_tp else tp_valid(cfg, tp)
         if why:
-            reject("tp does not divide the model's heads, MLP or vocabulary", why)
+            reject("tp above a node, or not dividing the model's heads, MLP or vocabulary", why)
             continue
         for cp in _divisors(n_gpus // tp) if space.cp else [1]:
             if seq % (2 * cp) and cp > 1:
                 reject("cp does not split the sequence into 2 x cp chunks", f"cp={cp}, seq={seq}")
                 continue
             for pp in _divisors(n_gpus // (tp * cp)):
+                dp = n_gpus // (tp * cp * pp)
                 if pp > cfg.n_layers:
                     reject("pp above the number of layers", f"pp={pp}")
-                    continue
-                dp = n_gpus // (tp * cp * pp)
-                if global_batch_seqs % dp:
-                    reject("dp does not divide the global batch", f"dp={dp}, batch={global_batch_seqs} sequences")
-                    continue
-                eps = [e for e in _divisors(cfg.n_experts) if (dp * cp) % e == 0] if cfg.is_moe else [1]
-                for ep in eps:
-                    for mbs in _divisors(global_batch_seqs // dp):
-                        if mbs > space.max_mbs:
-                            break
-                        ga = global_batch_seqs // (dp * mbs)
-                        for sched, v in _schedules(pp, ga, cfg.n_layers, space):
-                            for zero in space.zero:
-                                if zero and dp * cp == 1:
-                                    continue
-                                if zero == 3 and pp > 1:
-                                    reject("ZeRO-3 with pipeline parallel (weights would be gathered per micro-batch)",
-                                           f"pp={pp} zero=3")
-                                    continue
-                                for sp in (space.sp if tp > 1 else (False,)):
-                                    base = Layout(dp, tp, pp, cp, ep, zero, mbs, ga, "full", sp, sched, v,
-                                                  space.fp32_grad_accum)
-                                    evaluated += 1
-                                    e_full = _fits(cfg, seq, base, fw, hw, moe_imbalance)
-                                    if not e_full[0]:
-                                        reject("does not fit in memory even with full recompute", base.short(),
-                                               len(space.recompute))
-                                        if closest is None or e_full[1] < closest.peak_bytes:
-                                            closest = estimate(cfg, seq, base, fw, hw, False, moe_imbalance=moe_imbalance)
-                                        continue
-                                    for rc in space.recompute:
-                                        lay = dataclasses.replace(base, recompute=rc)
-                                        ok, _ = _fits(cfg, seq, lay, fw, hw, moe_imbalance) if rc != "full" else e_full
-                                        if not ok:
-                                            reject("does not fit in memory without (more) recompute", lay.short())
-                                            continue
-                                        fitting.append(estimate(cfg, seq, lay, fw, hw, False,
-                                                                moe_imbalance=moe_imbalance))
-    fitting.sort(key=lambda e: -e.tokens_per_s_per_gpu)
-    best = [estimate(cfg, seq, e.layout, fw, hw, True, moe_imbalance=moe_imbalance) for e in fitting[:SIMULATED_TOP]]
-    best.sort(key=lambda e: -e.tokens_per_s_per_gpu)
-    return SearchResult(best[:max(top, 1)] if top else best, rejected, examples, evaluated, closest)
+                elif batch % dp:
+                    reject("dp does not divide the global batch", f"dp={dp}, batch={batch} sequences")
+                else:
+                    yield from _inner(cfg, dp, tp, pp, cp, batch, space, reject)
+
+
+def _inner(cfg: ModelConfig, dp: int, tp: int, pp: int, cp: int, batch: int, space: SearchSpace,
+           reject: Callable[..., None]) -> Iterator[Layout]:
+    eps = [e for e in _divisors(cfg.n_experts) if (dp * cp) % e == 0] if cfg.is_moe else [1]
+    mbs_list = [m for m in _divisors(batch // dp) if m <= space.max_mbs]
+    for ep, mbs in itertools.product(eps, mbs_list):
+        ga = batch // (dp * mbs)
+        for (sched, v), zero in itertools.product(_schedules(pp, ga, cfg.n_layers, space), space.zero):
+            if zero and dp * cp == 1:
+                continue
+            if zero == 3 and pp > 1:
+                reject("ZeRO-3 with pipeline parallel (weights would be gathered per micro-batch)", f"pp={pp} zero=3")
+                continue
+            for sp in space.sp if tp > 1 else (False,):
+                yield Layout(dp, tp, pp, cp, ep, zero, mbs, ga, "full", sp, sched, v, space.fp32_grad_accum)
 
 
 def _schedules(pp: int, ga: int, n_layers: int, space: SearchSpace):
@@ -219,7 +220,7 @@ def _schedules(pp: int, ga: int, n_layers: int, space: SearchSpace):
 def _fits(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, moe_imbalance: float
           ) -> tuple[bool, float]:
     peak = max(sum(v.values()) for v in memory_of(cfg, seq, lay, fw, moe_imbalance).values())
-    return peak <= hw.memory_bytes, peak
+    return peak <= hw.memory_bytes * fw.usable_memory_fraction, peak
 
 
 def parse_tokens(text: str) -> int:

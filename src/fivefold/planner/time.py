@@ -18,8 +18,10 @@ from fivefold.parallel.schedules import build_schedule, simulate
 from fivefold.planner import comm
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.layout import Framework, Layout
-from fivefold.planner.memory import layer_activation_bytes, split_layers
+from fivefold.planner.memory import layer_activation_bytes, stage_layers
 
+# schedules with more F actions than this are timed with the closed form (simulating them takes seconds)
+EXACT_MAX_ACTIONS = 8192
 KERNELS_PER_LAYER = 24  # launched kernels per block forward (norms, projections, rope, attention, MLP, adds)
 
 
@@ -41,7 +43,8 @@ class StageTimes:
     f: list[float]  # forward per micro-batch, per global stage
     b: list[float]  # input-gradient backward (the whole backward minus W)
     w: list[float]  # weight-gradient pass
-    parts: dict[str, float] = field(default_factory=dict)  # per micro-batch on the busiest stage, by cause
+    comm_per_layer: dict[str, float] = field(default_factory=dict)  # exposed, per block and micro-batch
+    counts: list[int] = field(default_factory=list)  # blocks per stage
 
 
 def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster) -> StageTimes:
@@ -95,20 +98,16 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     b_layer = t_layer + t_attn + t_tp + t_cp_b + t_ep + recompute
     head_gemm = _weighted_eff([(min(tokens, fw.fused_loss_chunk or tokens), cfg.vocab_size / tp, h)], ab, hw)
     t_head = head_fwd / (peak * head_gemm) + tokens * cfg.vocab_size / tp * fw.logits_bytes * 2 / hbm
-    n_stages = lay.pp * (2 if lay.schedule == "dualpipev" and lay.pp > 1 else lay.vpp)
-    counts = split_layers(cfg.n_layers, n_stages)
+    counts = stage_layers(cfg, lay, seq)
     f = [n * f_layer for n in counts]
     b = [n * b_layer for n in counts]
     w = [n * w_layer for n in counts]
     f[-1] += t_head
     b[-1] += t_head
     w[-1] += t_head
-    busiest = max(range(n_stages), key=lambda s: f[s] + b[s] + w[s])
-    n = counts[busiest]
-    parts = {"compute": n * (3 * t_layer + recompute - (t_tp + t_cp_f + t_ep if lay.recompute == "full" else 0)),
-             "tp_comm": n * 2 * t_tp * (1.5 if lay.recompute == "full" else 1), "cp_comm": n * (t_cp_f + t_cp_b),
-             "ep_comm": n * 2 * t_ep}
-    return StageTimes(f, b, w, parts)
+    again = 1 if lay.recompute == "full" else 0  # full recompute repeats the forward's communication
+    per_layer = {"tp_comm": (2 + again) * t_tp, "cp_comm": (1 + again) * t_cp_f + t_cp_b, "ep_comm": (2 + again) * t_ep}
+    return StageTimes(f, b, w, per_layer, counts)
 
 
 @lru_cache(maxsize=4096)
@@ -123,7 +122,7 @@ def pipeline_makespan(lay: Layout, times: StageTimes, p2p: float, exact: bool) -
     m = lay.grad_acc
     if lay.pp == 1:
         return m * (times.f[0] + times.b[0] + times.w[0])
-    if exact:
+    if exact and m * len(times.f) <= EXACT_MAX_ACTIONS:
         key = tuple(round(x, 9) for x in times.f), tuple(round(x, 9) for x in times.b), tuple(round(x, 9) for x in
                                                                                           times.w)
         return _simulated(lay.schedule, lay.pp, m, lay.vpp, *key, round(p2p, 9))
@@ -155,10 +154,10 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     send = tokens * cfg.hidden * fw.act_bytes / (lay.tp if lay.sp else 1)
     p2p = comm.p2p(send, lay, hw) if lay.pp > 1 else 0.0
     makespan = pipeline_makespan(lay, times, p2p, exact)
-    ideal = lay.grad_acc * max(
-        sum(times.f[s] + times.b[s] + times.w[s] for s in range(len(times.f)) if _rank_of(s, lay) == r)
-        for r in range(lay.pp)
-    )
+    per_rank = [0.0] * lay.pp
+    for s in range(len(times.f)):
+        per_rank[_rank_of(s, lay)] += times.f[s] + times.b[s] + times.w[s]
+    ideal = lay.grad_acc * max(per_rank)
     st = comm.strides(lay)
     states = model_state_bytes(cfg, lay, fw, "first")
     # gradient reduction over dp x cp: bucketed, launched during the last micro-batch's backward
@@ -166,13 +165,16 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     grad_elems = (states["gradients"] / fw.grad_bytes) * (dpc if lay.zero >= 2 else 1)
     red_bytes = grad_elems * (fw.accum_bytes if lay.fp32_grad_accum else fw.grad_bytes)
     t_dp = 0.0
+    bucket = fw.dp_bucket_mib * 2**20
     if dpc > 1:
         if lay.zero >= 2:
-            t_dp = comm.reduce_scatter(red_bytes, dpc, st["dpcp"], hw) * (lay.grad_acc if lay.zero >= 3 else 1)
+            # ZeRO-2/3 keep only a gradient shard, so every micro-batch reduce-scatters its gradients
+            t_dp = comm.reduce_scatter(red_bytes, dpc, st["dpcp"], hw, bucket) * lay.grad_acc
         else:
-            t_dp = comm.all_reduce(red_bytes, dpc, st["dpcp"], hw)
-        last_bucket = t_dp * min(1.0, fw.dp_bucket_mb * 1e6 / max(red_bytes, 1.0))
-        window = sum(times.b[s] + times.w[s] for s in range(len(times.f)) if _rank_of(s, lay) == 0)
+            t_dp = comm.all_reduce(red_bytes, dpc, st["dpcp"], hw, bucket)
+        last_bucket = t_dp * min(1.0, bucket / max(red_bytes, 1.0))
+        window = sum(times.b[s] + times.w[s] for s in range(len(times.f)) if _rank_of(s, lay) == 0) if lay.pp > 1 \
+            else times.b[0] + times.w[0]
         t_dp_exposed = max(0.0, t_dp - window) + last_bucket
     else:
         t_dp_exposed = 0.0
@@ -189,10 +191,12 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     hbm = hw.hbm_gbps * 1e9
     t_opt = 2 * (states["parameters"] + states["gradients"] + states["optimizer"]) / hbm  # read + write once
     total = makespan + t_dp_exposed + t_gather + t_opt
-    scale = lay.grad_acc * (len(times.f) // lay.pp)
-    parts = {k: v * scale for k, v in times.parts.items()}
+    busiest = max(range(lay.pp), key=lambda r: per_rank[r])
+    blocks = sum(n for s, n in enumerate(times.counts) if _rank_of(s, lay) == busiest)
+    parts = {k: v * blocks * lay.grad_acc for k, v in times.comm_per_layer.items()}
+    parts = {"compute": ideal - sum(parts.values()), **parts}
     parts.update({"pipeline_bubble": max(0.0, makespan - ideal), "dp_comm_exposed": t_dp_exposed,
-                  "zero_gather": t_gather, "optimizer": t_opt, "pp_p2p": 0.0})
+                  "zero_gather": t_gather, "optimizer": t_opt})
     return TimeReport(total, parts)
 
 

@@ -1,0 +1,207 @@
+"""`fivefold plan`: search every layout (or estimate one) and print memory and time; `fivefold plan validate`
+compares the model with published runs."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from fivefold.config import Config, ConfigError, ModelConfig, dump_toml
+from fivefold.planner.layout import FRAMEWORKS, Framework, Layout, parse_layout
+from fivefold.planner.search import SearchSpace, estimate, gib, parse_tokens, search
+
+_SHAPE_KEYS = {"layers": "n_layers", "hidden": "hidden", "heads": "n_heads", "kv_heads": "n_kv_heads",
+               "ffn": "ffn", "vocab": "vocab_size", "experts": "n_experts", "top_k": "top_k",
+               "tied": "tied_embeddings", "moe_ffn": "moe_ffn", "shared_experts": "n_shared_experts"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", nargs="?", choices=["search", "validate"], default="search",
+                   help="search (default) or validate against published runs")
+    p.add_argument("--model", default="llama3-8b",
+                   help="a preset, a shape 'layers=..,hidden=..,heads=..,kv_heads=..,ffn=..,vocab=..' "
+                        "(optional experts=..,top_k=..,tied=..), or a Hugging Face config.json")
+    p.add_argument("--gpu", default="h100", help="h100, h100-pcie, h200, b200, a100-40gb, a100-80gb, mi300x, "
+                                                  "max1550, cpu, h100-efa")
+    p.add_argument("--hardware", help="TOML file describing the hardware (optionally base = PRESET)")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=0, help="default: the hardware's")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--global-batch", default="1M", help="tokens per step; K/M/G are powers of two (1M = 1048576)")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--write-config", help="write the best layout as a `fivefold train` TOML config")
+    p.add_argument("--layout", help="estimate one layout, e.g. 'dp=4,tp=2,pp=1,mbs=1,zero=1,recompute=none'")
+    p.add_argument("--explain", action="store_true", help="say why the best layout wins")
+    p.add_argument("--framework", choices=sorted(FRAMEWORKS), default="fivefold",
+                   help="whose implementation to model (nanotron: the playbook's benchmark settings)")
+    p.add_argument("--fp32-grad-accum", choices=["on", "off"], default="off")
+    p.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to consider")
+    p.add_argument("--recompute", default="none,selective,full", help="recompute modes to consider")
+    p.add_argument("--sp", choices=["on", "off", "both"], default="both", help="sequence parallel with tp>1")
+    p.add_argument("--schedules", default="afab,1f1b,interleaved,zero-bubble,dualpipev")
+    p.add_argument("--no-cp", action="store_true", help="do not consider context parallel")
+    p.add_argument("--moe-imbalance", type=float, default=1.0,
+                   help="busiest expert's load over the even share (dropless MoE memory)")
+    p.add_argument("--data", help="validate: CSV of runs (default: ../shared/data/playbook_benchmark_runs.csv "
+                                  "beside the repository)")
+    p.add_argument("--profile", help="validate: TOML of fitted constants (default: the packaged profile)")
+    p.add_argument("--fit", action="store_true", help="validate: refit the constants on the 1- and 2-node rows")
+
+
+def load_model(spec: str) -> ModelConfig:
+    """A preset name, a `key=value,...` shape, or a config.json path."""
+    from fivefold.models.presets import get_preset
+
+    if "=" in spec:
+        values: dict = {"name": "custom"}
+        for part in filter(None, (x.strip() for x in spec.split(","))):
+            key, _, value = part.partition("=")
+            if key not in _SHAPE_KEYS:
+                raise ConfigError(f"--model shape key {key!r} is not known; use: {', '.join(_SHAPE_KEYS)}")
+            field = _SHAPE_KEYS[key]
+            if field == "tied_embeddings":
+                values[field] = value.lower() in ("1", "true", "yes", "on")
+            else:
+                try:
+                    values[field] = int(value)
+                except ValueError:
+                    raise ConfigError(f"--model {key} = {value!r} is not an integer") from None
+        if "n_kv_heads" not in values and "n_heads" in values:
+            values["n_kv_heads"] = values["n_heads"]
+        cfg = ModelConfig(**values)
+        cfg.validate("--model")
+        return cfg
+    if spec.endswith(".json") or Path(spec).is_dir():
+        from fivefold.models.hf import model_config_from_hf
+
+        return model_config_from_hf(spec)
+    return get_preset(spec)
+
+
+def _space(args: argparse.Namespace) -> SearchSpace:
+    try:
+        zero = tuple(int(z) for z in args.zero.split(","))
+    except ValueError:
+        raise ConfigError(f"--zero {args.zero!r} must be a comma-separated list of 0..3") from None
+    rc = tuple(args.recompute.split(","))
+    for r in rc:
+        if r not in ("none", "selective", "full"):
+            raise ConfigError(f"--recompute {r!r} is not one of none, selective, full")
+    sp = {"on": (True,), "off": (False,), "both": (False, True)}[args.sp]
+    return SearchSpace(zero=zero, recompute=rc, sp=sp, schedules=tuple(args.schedules.split(",")),
+                       cp=not args.no_cp, fp32_grad_accum=args.fp32_grad_accum == "on")
+
+
+def _cluster(args: argparse.Namespace):
+    from fivefold.planner.hardware import get_cluster
+
+    hw = get_cluster(args.gpu, args.hardware)
+    if args.gpus_per_node:
+        hw = dataclasses.replace(hw, gpus_per_node=args.gpus_per_node)
+    return hw
+
+
+def write_config(path: str, cfg: ModelConfig, lay: Layout, seq: int, batch_seqs: int, hw_name: str) -> Config:
+    conf = Config()
+    conf.model = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, seq))
+    conf.layout = lay.to_layout_config()
+    conf.train.seq_len = seq
+    conf.train.global_batch_size = batch_seqs
+    conf.train.dtype = "bf16" if hw_name != "cpu" else "fp32"
+    conf.run_dir = f"runs/{cfg.name}-plan"
+    conf.validate()
+    Path(path).write_text(f"# written by `fivefold plan` ({lay.short()})\n" + dump_toml(conf))
+    return conf
+
+
+def _fmt_row(e) -> str:
+    return (f"{e.layout.short():58s} {gib(e.peak_bytes):8.1f} {e.step_time_s:9.3f} "
+            f"{e.tokens_per_s_per_gpu:12,.0f} {100 * e.mfu:6.1f}")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action == "validate":
+        from fivefold.planner.validate import run_validate
+
+        return run_validate(args)
+    cfg = load_model(args.model)
+    hw = _cluster(args)
+    fw: Framework = FRAMEWORKS[args.framework]
+    if args.nodes < 1:
+        raise ConfigError(f"--nodes = {args.nodes} must be >= 1")
+    n_gpus = args.nodes * hw.gpus_per_node
+    tokens = parse_tokens(args.global_batch)
+    seq = args.seq_len
+    if seq < 2 or tokens % seq:
+        raise ConfigError(f"--global-batch = {tokens} tokens is not a whole number of --seq-len = {seq} sequences; "
+                          f"nearest valid batches: {tokens // seq * seq} or {(tokens // seq + 1) * seq} tokens")
+    batch_seqs = tokens // seq
+    if args.layout:
+        lay = parse_layout(args.layout, batch_seqs)
+        lay = dataclasses.replace(lay, fp32_grad_accum=lay.fp32_grad_accum or args.fp32_grad_accum == "on")
+        if lay.world_size != n_gpus:
+            raise ConfigError(f"--layout dp x tp x pp x cp = {lay.world_size} but the cluster has {n_gpus} GPUs "
+                              f"({args.nodes} nodes x {hw.gpus_per_node}); change the degrees or --nodes")
+        e = estimate(cfg, seq, lay, fw, hw, True, moe_imbalance=args.moe_imbalance)
+        if args.json:
+            print(json.dumps(e.to_json(), indent=2))
+        else:
+            print(f"{cfg.name} on {n_gpus} x {hw.name}, seq {seq}, batch {batch_seqs} sequences: {lay.short()}")
+            print(f"fits: {'yes' if e.fits else 'NO'} (peak {gib(e.peak_bytes):.2f} GiB of {hw.memory_gib} GiB)")
+            for rank, parts in e.memory.items():
+                print(f"  memory, {rank} pipeline rank:")
+                for k, v in parts.items():
+                    print(f"    {k:20s} {gib(v):9.3f} GiB")
+            print(f"  step {e.step_time_s:.4f} s, {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {100 * e.mfu:.1f} %")
+            for k, v in e.time_parts.items():
+                print(f"    {k:20s} {v:9.4f} s")
+        return 0
+    result = search(cfg, seq, batch_seqs, n_gpus, fw, hw, _space(args), args.top, args.moe_imbalance)
+    if not result.candidates:
+        _no_candidates(result, cfg, hw, n_gpus, batch_seqs, args)
+        return 2
+    if args.write_config:
+        write_config(args.write_config, cfg, result.candidates[0].layout, seq, batch_seqs, hw.name)
+    if args.json:
+        print(json.dumps({"model": cfg.name, "gpus": n_gpus, "hardware": hw.name, "seq_len": seq,
+                          "global_batch_tokens": tokens, "evaluated": result.evaluated,
+                          "rejected": dict(result.rejected),
+                          "candidates": [e.to_json() for e in result.candidates]}, indent=2))
+        return 0
+    print(f"{cfg.name} on {args.nodes} x {hw.gpus_per_node} {hw.name}, seq {seq}, global batch {tokens:,} tokens "
+          f"({batch_seqs} sequences), {fw.name} engine: {result.evaluated:,} layouts evaluated")
+    print(f"{'layout':58s} {'peak GiB':>8s} {'step s':>9s} {'tok/s/GPU':>12s} {'MFU %':>6s}")
+    for e in result.candidates:
+        print(_fmt_row(e))
+    if result.rejected:
+        print("rejected:")
+        for reason, n in result.rejected.most_common():
+            print(f"  {n:7,d}  {reason} (e.g. {result.examples[reason]})")
+    if args.write_config:
+        print(f"wrote {args.write_config} (run it with: fivefold train --config {args.write_config})")
+    if args.explain:
+        from fivefold.planner.explain import explain
+
+        print(explain(result, hw.memory_bytes, batch_seqs))
+    return 0
+
+
+def _no_candidates(result, cfg: ModelConfig, hw, n_gpus: int, batch_seqs: int, args: argparse.Namespace) -> None:
+    """Say what to change when nothing fits or nothing reaches the batch."""
+    msg = [f"fivefold plan: no layout of {cfg.name} on {n_gpus} x {hw.name} works:"]
+    for reason, n in result.rejected.most_common():
+        msg.append(f"  {n:7,d}  {reason} (e.g. {result.examples[reason]})")
+    if result.closest_misfit is not None:
+        e = result.closest_misfit
+        msg.append(f"The smallest layout needs {gib(e.peak_bytes):.1f} GiB per GPU ({e.layout.short()}) but the "
+                   f"device has {hw.memory_gib} GiB: use more nodes (--nodes), a GPU with more memory, a shorter "
+                   "--seq-len, or allow ZeRO-3 and full recompute (--zero, --recompute).")
+    elif result.evaluated == 0:
+        msg.append(f"No dp divides the global batch of {batch_seqs} sequences on {n_gpus} GPUs: choose a global "
+                   f"batch that is a multiple of a power of two sequences (e.g. {max(n_gpus, batch_seqs)} x "
+                   f"{args.seq_len} tokens) or another number of nodes.")
+    print("\n".join(msg), file=sys.stderr)

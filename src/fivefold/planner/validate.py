@@ -1,0 +1,253 @@
+"""`fivefold plan validate`: model published (or fivefold's own) runs and compare.
+
+Each row is modelled with its framework's settings (the playbook rows: nanotron, see `NANOTRON`) on its
+hardware (the playbook's cluster: `h100-efa`, whose collective bandwidths are the playbook's own measurements).
+Constants fitted to data are fitted on the 1- and 2-node rows only; the metrics are printed separately for
+those rows ("fitted") and for the rest ("held out"):
+
+* fits/OOM agreement: predicted peak <= device memory, against finished vs crashed/OOM;
+* median relative error of the predicted peak memory over the finished runs;
+* Spearman correlation of predicted vs measured tokens/s per GPU inside each (model, nodes) group;
+* top-1 regret inside each group: 1 - measured tokens/s of the predicted best / the measured best. The
+  predicted best is chosen among the rows predicted to fit; a pick that crashed counts as a regret of 100 %.
+  The regret of the pick among the finished rows only is printed beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import math
+import statistics
+import tomllib
+from collections import defaultdict
+from pathlib import Path
+
+from fivefold.config import ConfigError, ModelConfig
+from fivefold.planner.hardware import Cluster, get_cluster
+from fivefold.planner.layout import FRAMEWORKS, Framework, Layout
+from fivefold.planner.search import estimate, gib, memory_of
+
+REPO = Path(__file__).resolve().parents[3]
+DEFAULT_DATA = REPO.parent / "shared" / "data" / "playbook_benchmark_runs.csv"
+DEFAULT_PROFILE = Path(__file__).resolve().parent / "profiles" / "nanotron-h100-efa.toml"
+FIT_NODES = (1, 2)
+
+
+@dataclasses.dataclass
+class Row:
+    model: ModelConfig
+    layout: Layout
+    nodes: int
+    seq: int
+    ok: bool
+    tok_s_gpu: float
+    mem_gib: float
+    framework: str
+    group: tuple
+
+
+def read_rows(path: Path) -> list[Row]:
+    if not path.is_file():
+        raise ConfigError(f"--data {str(path)!r} does not exist; give the runs CSV (e.g. "
+                          "../shared/data/playbook_benchmark_runs.csv)")
+    rows = []
+    with path.open() as f:
+        for r in csv.DictReader(f):
+            tied = r["tied_emb"].strip().lower() in ("true", "1", "yes")
+            cfg = ModelConfig(name=r["model"], n_layers=int(r["n_layers"]), hidden=int(r["hidden"]),
+                              n_heads=int(r["heads"]), n_kv_heads=int(r["kv_heads"] or r["heads"]), ffn=int(r["ffn"]),
+                              vocab_size=int(r["vocab"]), max_seq_len=int(r["seq_len"]), tied_embeddings=tied)
+            framework = r.get("framework") or "nanotron"
+            tp = int(r["tp"])
+            lay = Layout(dp=int(r["dp"]), tp=tp, pp=int(r["pp"]), cp=int(r.get("cp") or 1), ep=int(r.get("ep") or 1),
+                         zero=int(r["zero"]), mbs=int(r["mbs"]), grad_acc=int(r["grad_acc"]),
+                         recompute=r.get("recompute") or "none",
+                         sp=(r.get("sp", "").lower() in ("true", "on", "1")) if framework != "nanotron" else tp > 1,
+                         schedule=r.get("schedule") or "1f1b", vpp=int(r.get("vpp") or 1),
+                         fp32_grad_accum=framework == "nanotron" or r.get("fp32_grad_accum", "").lower() == "true")
+            ok = r["status"] == "ok"
+            rows.append(Row(cfg, lay, int(r["nodes"]), int(r["seq_len"]), ok,
+                            float(r["tok_s_gpu"]) if ok and r["tok_s_gpu"] else 0.0,
+                            float(r["mem_gb"]) if ok and r["mem_gb"] else 0.0, framework,
+                            (r["model"], int(r["nodes"]))))
+    return rows
+
+
+def load_profile(path: Path | None) -> tuple[Framework, Cluster]:
+    """The fitted constants: framework fields under [framework], hardware fields under [hardware]."""
+    path = path or DEFAULT_PROFILE
+    data = tomllib.loads(path.read_text())
+    fw = dataclasses.replace(FRAMEWORKS[data.get("framework", {}).get("name", "nanotron")],
+                             **{k: v for k, v in data.get("framework", {}).items() if k != "name"})
+    hw_data = dict(data.get("hardware", {}))
+    base = get_cluster(hw_data.pop("base", "h100-efa"))
+    return fw, dataclasses.replace(base, **hw_data)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fitting (1- and 2-node rows only)
+
+
+def fit_memory(rows: list[Row], fw: Framework) -> Framework:
+    """Least squares on relative error: measured = states + a * activations + l * logits elements + c."""
+    xs, ys = [], []
+    for r in rows:
+        if not r.ok:
+            continue
+        unit = dataclasses.replace(fw, activation_scale=1.0, logits_bytes=1.0, fixed_overhead_gib=0.0)
+        mem = memory_of(r.model, r.seq, r.layout, unit)
+        # the rank with the larger measured-like total: take the first rank unless the last is larger
+        parts = max(mem.values(), key=lambda p: sum(p.values()))
+        fixed = sum(v for k, v in parts.items() if k not in ("activations", "transient", "fixed_overhead"))
+        xs.append((parts["activations"], parts["transient"], 1.0 * 2**30, fixed))
+        ys.append(r.mem_gib * 2**30)
+    # weighted normal equations for (a, l, c) with y - fixed as the target, weights 1 / y^2
+    import numpy as np
+
+    a = np.array([[x[0], x[1], x[2]] for x in xs]) / np.array(ys)[:, None]
+    b = (np.array(ys) - np.array([x[3] for x in xs])) / np.array(ys)
+    coef, *_ = np.linalg.lstsq(a, b, rcond=None)
+    scale, logits, overhead = (max(float(c), 0.0) for c in coef)
+    fw = dataclasses.replace(fw, activation_scale=round(scale, 4), logits_bytes=round(logits, 3),
+                             fixed_overhead_gib=round(overhead, 3))
+    # the share of the device a run may use before it fails: the best fits/OOM agreement on these rows
+    peaks = [max(sum(p.values()) for p in memory_of(r.model, r.seq, r.layout, fw).values())
+             for r in rows]
+    invalid = [r.layout.pp > r.model.n_layers for r in rows]
+    hbm = get_cluster("h100-efa").memory_bytes
+
+    def agreement(frac: float) -> int:
+        return sum(((pk <= frac * hbm) and not bad) == r.ok for pk, bad, r in zip(peaks, invalid, rows, strict=True))
+
+    frac = max((f / 100 for f in range(80, 101)), key=lambda f: (agreement(f), f))
+    return dataclasses.replace(fw, usable_memory_fraction=frac)
+
+
+def fit_time(rows: list[Row], fw: Framework, hw: Cluster) -> tuple[Framework, Cluster]:
+    """Grid search of the matmul efficiency, the per-kernel cost and the TP overlap that minimise the median
+    absolute log error of tokens/s per GPU."""
+    ok = [r for r in rows if r.ok]
+    best = (math.inf, fw, hw)
+    for eff in (0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8):
+        for kern in (5.0, 10.0, 20.0, 40.0, 80.0):
+            for ov in (0.0, 0.25, 0.5):
+                f2 = dataclasses.replace(fw, tp_overlap=ov)
+                h2 = dataclasses.replace(hw, matmul_efficiency=eff, kernel_overhead_us=kern)
+                errs = [abs(math.log(estimate(r.model, r.seq, r.layout, f2, h2, False).tokens_per_s_per_gpu
+                                     / r.tok_s_gpu)) for r in ok]
+                score = statistics.median(errs)
+                if score < best[0]:
+                    best = (score, f2, h2)
+    return best[1], best[2]
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(x: list[float]) -> list[float]:
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        out = [0.0] * len(x)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    num = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    den = math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
+    return num / den if den else 0.0
+
+
+def metrics(rows: list[Row], preds: list) -> dict:
+    agree = sum((p.fits == r.ok) for r, p in zip(rows, preds, strict=True))
+    mem_err = [abs(gib(p.peak_bytes) - r.mem_gib) / r.mem_gib for r, p in zip(rows, preds, strict=True)
+               if r.ok and r.mem_gib > 0]
+    false_fit = sum(p.fits and not r.ok for r, p in zip(rows, preds, strict=True))
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, r in enumerate(rows):
+        groups[r.group].append(i)
+    rhos, regrets, regrets_ok, per_group = [], [], [], {}
+    for g, idx in sorted(groups.items()):
+        ok = [i for i in idx if rows[i].ok]
+        entry: dict = {"rows": len(idx), "finished": len(ok)}
+        if len(ok) >= 3:
+            rho = spearman([preds[i].tokens_per_s_per_gpu for i in ok], [rows[i].tok_s_gpu for i in ok])
+            rhos.append(rho)
+            entry["spearman"] = round(rho, 3)
+        if ok:
+            best = max(rows[i].tok_s_gpu for i in ok)
+            fit = [i for i in idx if preds[i].fits]
+            if fit:
+                pick = max(fit, key=lambda i: preds[i].tokens_per_s_per_gpu)
+                regret = 1 - rows[pick].tok_s_gpu / best if rows[pick].ok else 1.0
+                regrets.append(regret)
+                entry["regret"] = round(regret, 4)
+                entry["pick"] = rows[pick].layout.short()
+            pick_ok = max(ok, key=lambda i: preds[i].tokens_per_s_per_gpu)
+            regrets_ok.append(1 - rows[pick_ok].tok_s_gpu / best)
+            entry["regret_among_finished"] = round(regrets_ok[-1], 4)
+        per_group[f"{g[0]}/{g[1]}n"] = entry
+    return {
+        "rows": len(rows), "finished": sum(r.ok for r in rows),
+        "fits_agreement": agree / len(rows) if rows else float("nan"),
+        "false_fit_rate": false_fit / len(rows) if rows else float("nan"),
+        "median_memory_error": statistics.median(mem_err) if mem_err else float("nan"),
+        "median_spearman": statistics.median(rhos) if rhos else float("nan"),
+        "median_top1_regret": statistics.median(regrets) if regrets else float("nan"),
+        "median_top1_regret_among_finished": statistics.median(regrets_ok) if regrets_ok else float("nan"),
+        "groups": per_group,
+    }
+
+
+def validate(rows: list[Row], fw: Framework, hw: Cluster, exact: bool = True) -> dict:
+    preds = [estimate(r.model, r.seq, r.layout, fw if r.framework == "nanotron" else FRAMEWORKS[r.framework], hw,
+                      exact) for r in rows]
+    fitted = [i for i, r in enumerate(rows) if r.nodes in FIT_NODES]
+    held = [i for i, r in enumerate(rows) if r.nodes not in FIT_NODES]
+    return {"fitted": metrics([rows[i] for i in fitted], [preds[i] for i in fitted]),
+            "held_out": metrics([rows[i] for i in held], [preds[i] for i in held])}
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    path = Path(args.data) if args.data else DEFAULT_DATA
+    rows = read_rows(path)
+    fw, hw = load_profile(Path(args.profile) if args.profile else None)
+    if args.fit:
+        train = [r for r in rows if r.nodes in FIT_NODES]
+        fw = fit_memory(train, fw)
+        fw, hw = fit_time(train, fw, hw)
+        print(f"fitted on {len(train)} rows of 1-2 nodes: activation_scale = {fw.activation_scale}, logits_bytes = "
+              f"{fw.logits_bytes}, fixed_overhead_gib = {fw.fixed_overhead_gib}, usable_memory_fraction = "
+              f"{fw.usable_memory_fraction}, tp_overlap = {fw.tp_overlap}, "
+              f"matmul_efficiency = {hw.matmul_efficiency}, kernel_overhead_us = {hw.kernel_overhead_us}")
+    result = validate(rows, fw, hw)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"{path.name}: {len(rows)} rows, modelled as {fw.name} on {hw.name}; constants fitted on nodes "
+          f"{'/'.join(map(str, FIT_NODES))} only")
+    print(f"{'':34s} {'fitted (1-2 nodes)':>20s} {'held out (4+ nodes)':>20s}")
+    labels = [("rows (finished)", None), ("fits/OOM agreement", "fits_agreement"),
+              ("predicted fits but crashed", "false_fit_rate"), ("median memory error", "median_memory_error"),
+              ("median per-group Spearman", "median_spearman"), ("median top-1 regret", "median_top1_regret"),
+              ("  (pick among finished rows)", "median_top1_regret_among_finished")]
+    for label, key in labels:
+        if key is None:
+            cells = [f"{m['rows']} ({m['finished']})" for m in (result["fitted"], result["held_out"])]
+        elif key == "median_spearman":
+            cells = [f"{m[key]:.3f}" for m in (result["fitted"], result["held_out"])]
+        else:
+            cells = [f"{100 * m[key]:.1f} %" for m in (result["fitted"], result["held_out"])]
+        print(f"{label:34s} {cells[0]:>20s} {cells[1]:>20s}")
+    return 0

@@ -1,0 +1,234 @@
+"""`fivefold plan`: the search, one-layout estimates, the written config, bad input, hardware files, the
+closed forms the search uses against the schedules' action lists, and the validation against published runs."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from fivefold.cli import main
+from fivefold.config import ConfigError, build_config
+from fivefold.models.presets import get_preset
+from fivefold.parallel.schedules import _peak_in_flight, build_schedule
+from fivefold.planner.hardware import get_cluster
+from fivefold.planner.layout import FIVEFOLD, Layout, parse_layout
+from fivefold.planner.search import estimate, in_flight, parse_tokens, search
+from fivefold.planner.validate import DEFAULT_DATA, spearman
+
+PLAYBOOK = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "playbook_benchmark_runs.csv"
+needs_data = pytest.mark.skipif(not PLAYBOOK.is_file(), reason="../shared/data is not beside the repository")
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(["plan", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_llama3_8b_one_node_table_config_and_json(capsys, tmp_path):
+    cfg_file = tmp_path / "best.toml"
+    rc, out, _ = run_cli(capsys, "--model", "llama3-8b", "--gpu", "h100", "--nodes", "1", "--gpus-per-node", "8",
+                         "--seq-len", "4096", "--global-batch", "1M", "--top", "5", "--write-config", str(cfg_file),
+                         "--explain")
+    assert rc == 0
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("layout"))
+    rows = lines[header + 1:header + 6]
+    tokens = [float(r.split()[-2].replace(",", "")) for r in rows]
+    assert tokens == sorted(tokens, reverse=True) and tokens[0] > 0
+    assert "rejected:" in out and "What binds:" in out
+    conf = build_config(cfg_file)
+    conf.validate()  # what `fivefold train --config FILE` does first
+    assert conf.layout.dp * conf.layout.tp * conf.layout.pp * conf.layout.cp == 8
+    assert conf.train.global_batch_size * conf.train.seq_len == 2**20
+    assert conf.model.n_layers == 32 and conf.model.hidden == 4096
+
+    rc, out, _ = run_cli(capsys, "--model", "llama3-8b", "--nodes", "1", "--global-batch", "1M", "--top", "3",
+                         "--json")
+    data = json.loads(out)
+    cand = data["candidates"][0]
+    for key in ("layout", "fits", "memory_bytes", "step_time_s", "tokens_per_s_per_gpu", "mfu", "time_s"):
+        assert key in cand
+    for knob in ("dp", "tp", "pp", "cp", "ep", "zero", "mbs", "grad_acc", "recompute", "sp", "schedule", "vpp",
+                 "fp32_grad_accum"):
+        assert knob in cand["layout"]
+    first = cand["memory_bytes"]["first"]
+    assert first["peak"] == pytest.approx(sum(v for k, v in first.items() if k != "peak"))
+    assert cand["fits"] and 0 < cand["mfu"] < 1
+
+
+def test_one_layout_breakdown(capsys):
+    rc, out, _ = run_cli(capsys, "--model", "llama3-8b", "--nodes", "1", "--global-batch", "1M", "--json",
+                         "--layout", "dp=2,tp=2,pp=2,mbs=1,zero=1,recompute=selective,sp=on,schedule=1f1b")
+    data = json.loads(out)
+    mem = data["memory_bytes"]
+    assert set(mem) >= {"first", "last", "peak"}  # per stage for the first and the last pipeline stage
+    for part in ("parameters", "gradients", "optimizer", "activations", "comm_buffers", "fixed_overhead"):
+        assert part in mem["first"]
+    assert mem["last"]["transient"] > 0  # the loss temporaries live on the last stage
+    assert data["layout"]["grad_acc"] == 256 // 2
+    for part in ("compute", "tp_comm", "pipeline_bubble", "dp_comm_exposed"):
+        assert data["time_s"][part] >= 0
+    assert data["time_s"]["tp_comm"] > 0 and data["time_s"]["pipeline_bubble"] > 0
+
+
+def test_memory_follows_the_techniques():
+    cfg, hw = get_preset("llama3-8b"), get_cluster("h100")
+
+    def peak(**kw) -> float:
+        lay = parse_layout(",".join(f"{k}={v}" for k, v in kw.items()), 256)
+        return estimate(cfg, 4096, lay, FIVEFOLD, hw).peak_bytes
+
+    assert peak(dp=8, zero=3) < peak(dp=8, zero=2) < peak(dp=8, zero=1) < peak(dp=8, zero=0)
+    assert peak(dp=4, tp=2, sp="on") < peak(dp=4, tp=2, sp="off")
+    assert peak(dp=8, recompute="full") < peak(dp=8, recompute="none")
+    assert peak(dp=4, pp=2, schedule="1f1b") < peak(dp=4, pp=2, schedule="afab")
+    assert peak(dp=4, cp=2) < peak(dp=8, mbs=2)
+
+
+@pytest.mark.parametrize("name,p,m,v", [("afab", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 2, 1),
+                                        ("interleaved", 4, 8, 2), ("interleaved", 8, 16, 2), ("interleaved", 4, 4, 4),
+                                        ("zero-bubble", 4, 8, 1), ("dualpipev", 4, 8, 1), ("dualpipev", 3, 9, 1)])
+def test_in_flight_closed_forms_match_the_action_lists(name, p, m, v):
+    peaks = _peak_in_flight(build_schedule(name, p, m, v))
+    assert in_flight(name, p, m, v) == (peaks[0], peaks[-1])
+
+
+def test_parse_inputs():
+    assert parse_tokens("1M") == 1_048_576 == 256 * 4096
+    assert parse_tokens("4096K") == parse_tokens("4M") == 4 * 2**20
+    assert parse_tokens("1G") == 2**30 and parse_tokens("12345") == 12345
+    with pytest.raises(ConfigError, match="token count"):
+        parse_tokens("lots")
+    lay = parse_layout("dp=4,tp=2,pp=1,mbs=1,zero=1,recompute=none", 256)
+    assert (lay.dp, lay.tp, lay.grad_acc, lay.zero, lay.schedule) == (4, 2, 64, 1, "1f1b")
+    with pytest.raises(ConfigError, match="recompute"):
+        parse_layout("recompute=some", 256)
+    with pytest.raises(ConfigError, match="does not divide the global batch"):
+        parse_layout("dp=3", 256)
+
+
+def test_hardware_presets_and_toml_override(tmp_path):
+    for name in ("h100", "h100-pcie", "h200", "b200", "a100-40gb", "a100-80gb", "mi300x", "max1550", "cpu"):
+        hw = get_cluster(name)
+        assert hw.bf16_tflops > 0 and hw.memory_gib > 0 and hw.inter_node_gbps > 0
+    f = tmp_path / "mine.toml"
+    f.write_text('base = "h100"\nmemory_gib = 40\ninter_node_gbps = 25\n[busbw_gbps]\n1 = 400\n4 = 100\n')
+    hw = get_cluster(None, f)
+    assert hw.memory_gib == 40 and hw.bf16_tflops == get_cluster("h100").bf16_tflops
+    assert hw.bus_bandwidth(2) == pytest.approx(200e9)  # log-interpolated between measured node counts
+    f.write_text("tflops = 3\n")
+    with pytest.raises(ConfigError, match="not known"):
+        get_cluster(None, f)
+
+
+def test_bad_input_says_what_to_change(capsys):
+    rc, _, err = run_cli(capsys, "--model", "llama-9000")
+    assert rc == 2 and "not a preset" in err
+    rc, _, err = run_cli(capsys, "--gpu", "tpu-v9")
+    assert rc == 2 and "h100" in err
+    rc, _, err = run_cli(capsys, "--model", "tiny", "--global-batch", "1000", "--seq-len", "128")
+    assert rc == 2 and "whole number of --seq-len" in err
+    # 3 sequences on 64 GPUs, tp x pp at most 16 for this model: no dp divides the batch
+    rc, _, err = run_cli(capsys, "--model", "tiny", "--nodes", "8", "--seq-len", "128", "--global-batch", "384",
+                         "--no-cp")
+    assert rc == 2 and "global batch" in err
+    # a 405B model on one 40 GB GPU fits nowhere
+    rc, _, err = run_cli(capsys, "--model", "llama3-405b", "--gpu", "a100-40gb", "--gpus-per-node", "1",
+                         "--global-batch", "64K")
+    assert rc == 2 and "use more nodes" in err
+    rc, _, err = run_cli(capsys, "--model", "layers=2,hidden=100,heads=3")
+    assert rc == 2 and "n_heads" in err
+
+
+def test_shape_and_moe_models(capsys):
+    rc, out, _ = run_cli(capsys, "--model", "layers=8,hidden=1024,heads=16,kv_heads=4,ffn=2816,vocab=32000",
+                         "--global-batch", "256K", "--top", "2")
+    assert rc == 0 and "custom on 1 x 8 h100" in out
+    rc, out, _ = run_cli(capsys, "--model", "mixtral-mini", "--global-batch", "256K", "--json", "--top", "20")
+    eps = {c["layout"]["ep"] for c in json.loads(out)["candidates"]}
+    assert rc == 0 and eps  # expert parallel is part of the search for MoE models
+
+
+def test_search_405b_on_16384_gpus_is_fast():
+    cfg, hw = get_preset("llama3-405b"), get_cluster("h100")
+    start = time.process_time()
+    result = search(cfg, 8192, 2048, 16384, FIVEFOLD, hw, top=5)
+    took = time.process_time() - start
+    assert result.candidates and result.evaluated > 10_000
+    assert took < 30, f"the 405B / 16,384-GPU search took {took:.1f} s of CPU"
+
+
+def test_spearman():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 2, 3], [1, 2, 2, 3]) == pytest.approx(1.0)
+
+
+@needs_data
+def test_validate_playbook_held_out(capsys):
+    assert DEFAULT_DATA.resolve() == PLAYBOOK.resolve()
+    rc, out, _ = run_cli(capsys, "validate", "--json")
+    assert rc == 0
+    held = json.loads(out)["held_out"]
+    assert held["rows"] > 2000
+    assert held["fits_agreement"] >= 0.85
+    assert held["median_memory_error"] <= 0.15
+    assert held["median_spearman"] >= 0.6
+    assert held["median_top1_regret"] <= 0.10
+
+
+def test_validate_without_data_is_a_clear_error(capsys, tmp_path):
+    rc, _, err = run_cli(capsys, "validate", "--data", str(tmp_path / "none.csv"))
+    assert rc == 2 and "does not exist" in err
+
+
+def test_layout_fields_roundtrip():
+    lay = Layout(dp=2, tp=2, sp=True, zero=1, mbs=2, grad_acc=4, recompute="selective")
+    conf = lay.to_layout_config()
+    assert (conf.dp, conf.tp, conf.sp, conf.zero, conf.micro_batch_size, conf.recompute) == (2, 2, True, 1, 2,
+                                                                                            "selective")
+
+
+def test_time_parts_add_up_to_the_step():
+    cfg, hw = get_preset("llama3-8b"), get_cluster("h100")
+    for text in ("dp=8", "dp=2,tp=2,pp=2,sp=on,recompute=full", "dp=2,pp=4,schedule=interleaved,vpp=2",
+                 "dp=4,cp=2,zero=3", "dp=2,pp=4,schedule=dualpipev"):
+        e = estimate(cfg, 4096, parse_layout(text, 256), FIVEFOLD, hw)
+        assert sum(e.time_parts.values()) == pytest.approx(e.step_time_s, rel=1e-9), text
+        assert min(e.time_parts.values()) >= 0, text
+
+
+@pytest.mark.slow
+@needs_data
+def test_packaged_profile_is_the_fit_on_one_and_two_nodes():
+    from fivefold.planner.validate import FIT_NODES, fit_memory, fit_time, load_profile, read_rows
+
+    rows = [r for r in read_rows(PLAYBOOK) if r.nodes in FIT_NODES]
+    fw, hw = load_profile(None)
+    fitted_fw = fit_memory(rows, fw)
+    fitted_fw, fitted_hw = fit_time(rows, fitted_fw, hw)
+    for name in ("activation_scale", "logits_bytes", "fixed_overhead_gib", "usable_memory_fraction", "tp_overlap"):
+        assert getattr(fitted_fw, name) == pytest.approx(getattr(fw, name), abs=1e-3), name
+    assert (fitted_hw.matmul_efficiency, fitted_hw.kernel_overhead_us) == (hw.matmul_efficiency, hw.kernel_overhead_us)
+
+
+def test_validate_reads_fivefold_rows(capsys, tmp_path):
+    # fivefold's own results in the same columns, with the knobs nanotron fixes given per row
+    head = ("model,n_layers,hidden,heads,kv_heads,ffn,vocab,tied_emb,seq_len,nodes,gpus,dp,tp,pp,mbs,grad_acc,zero,"
+            "status,tok_s_gpu,mem_gb,framework,cp,recompute,sp,schedule\n")
+    shape = "tiny,4,128,4,2,384,2048,True,128"
+    rows = [f"{shape},1,2,2,1,1,1,8,0,ok,1000,0.5,fivefold,1,none,false,1f1b",
+            f"{shape},1,2,1,2,1,1,8,0,ok,900,0.4,fivefold,1,full,true,1f1b",
+            f"{shape},1,2,1,1,2,1,8,0,ok,800,0.4,fivefold,1,none,false,afab",
+            f"{shape},4,8,8,1,1,1,2,1,crashed_or_oom,,,fivefold,1,none,false,1f1b"]
+    f = tmp_path / "runs.csv"
+    f.write_text(head + "\n".join(rows) + "\n")
+    rc, out, _ = run_cli(capsys, "validate", "--data", str(f), "--json")
+    result = json.loads(out)
+    assert rc == 0 and result["fitted"]["rows"] == 3 and result["held_out"]["rows"] == 1
+    assert "tiny/1n" in result["fitted"]["groups"]
+    assert result["fitted"]["finished"] == 3

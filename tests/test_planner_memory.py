@@ -1,0 +1,175 @@
+"""The planner's bytes against the real model on CPU.
+
+Model states: closed form of the planner against the real module's parameter shapes, sharded the way the
+engine issues specify (tp splits projections, the vocabulary and the experts' MLPs; norms and the router
+are replicated; ZeRO shards a flat buffer over dp), and against a real AdamW step on one device.
+Activations: the planner's count against the bytes autograd really saves during a forward pass, measured
+with `torch.autograd.graph.saved_tensors_hooks` (distinct storages, parameters excluded), for several
+(batch, seq) shapes, dense and MoE, with recompute none / selective (attention core) / full (block) applied
+with `torch.utils.checkpoint` as the engine applies them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from fivefold.models.llama import build_model
+from fivefold.models.presets import get_preset
+from fivefold.planner.layout import FIVEFOLD, FIVEFOLD_CPU, Layout
+from fivefold.planner.memory import forward_saved_bytes, model_state_bytes, rank_memory
+from fivefold.train.loss import linear_cross_entropy_sum
+
+TOL = 0.05  # the acceptance bound; the counts below are in fact exact for these shapes
+
+# how tensor parallel splits each parameter (by name suffix): the dim that is split, or None if replicated
+_TP_DIM = {"q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "o_proj.weight": 1, "gate_proj.weight": 0,
+           "up_proj.weight": 0, "down_proj.weight": 1, "embed.weight": 0, "lm_head.weight": 0, "w_gate": 2,
+           "w_up": 2, "w_down": 1}
+
+
+def per_rank_numel(model: torch.nn.Module, tp: int, ep: int) -> tuple[int, int]:
+    """(dense, expert) parameters one rank holds, from the module's real shapes."""
+    dense = expert = 0
+    for name, p in model.named_parameters():  # tied weights appear once
+        dim = next((d for suffix, d in _TP_DIM.items() if name.endswith(suffix)), None)
+        shape = list(p.shape)
+        if name.endswith(("w_gate", "w_up", "w_down")):
+            shape[0] //= ep
+        if name.endswith(("k_proj.weight", "v_proj.weight")):  # kv heads split, or replicated when tp > kv heads
+            shape[0] = max(shape[0] // model.cfg.head_dim // tp, 1) * model.cfg.head_dim
+        elif dim is not None:
+            shape[dim] //= tp
+        n = math.prod(shape)
+        if name.endswith(("w_gate", "w_up", "w_down")):
+            expert += n
+        else:
+            dense += n
+    return dense, expert
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("dp,zero", [(1, 0), (2, 0), (2, 1), (2, 2), (4, 3), (3, 3)])
+def test_model_state_bytes_exact(preset, tp, dp, zero):
+    cfg = get_preset(preset)
+    model = build_model(cfg, "meta")
+    ep = 2 if cfg.is_moe and dp % 2 == 0 else 1
+    lay = Layout(dp=dp, tp=tp, zero=zero, ep=ep)
+    dense, expert = per_rank_numel(model, tp, ep)
+
+    def shard(n: int, parts: int, on: bool) -> int:
+        return -(-n // parts) if on else n
+
+    dpe = dp // ep
+    want = {
+        "parameters": 4 * (shard(dense, dp, zero >= 3) + shard(expert, dpe, zero >= 3)),
+        "gradients": 4 * (shard(dense, dp, zero >= 2) + shard(expert, dpe, zero >= 2)),
+        "optimizer": 8 * (shard(dense, dp, zero >= 1) + shard(expert, dpe, zero >= 1)),
+        "grad_accum_buffer": 0,
+    }
+    assert model_state_bytes(cfg, lay, FIVEFOLD_CPU) == want
+    with_accum = model_state_bytes(cfg, dataclasses.replace(lay, fp32_grad_accum=True), FIVEFOLD_CPU)
+    assert with_accum["grad_accum_buffer"] == 4 * (shard(dense, dp, zero >= 2) + shard(expert, dpe, zero >= 2))
+
+
+def test_model_states_match_a_real_adamw_step():
+    from fivefold.config import Config
+    from fivefold.train.engine import Engine
+
+    cfg = Config()
+    cfg.model = get_preset("tiny-moe")
+    model = build_model(cfg.model, "cpu", seed=0)
+    engine = Engine(model, cfg, torch.device("cpu"))
+    x = torch.randint(0, cfg.model.vocab_size, (2, 16))
+    engine.forward_backward([(x, x)], x.numel())
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    engine.clip_grad_norm(1.0)
+    engine.optimizer.step()
+    states = engine.optimizer.state.values()
+    moments = sum(s[k].numel() * s[k].element_size() for s in states for k in ("exp_avg", "exp_avg_sq"))
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    pred = model_state_bytes(cfg.model, Layout(), FIVEFOLD_CPU)
+    assert (pred["parameters"], pred["gradients"], pred["optimizer"]) == (params, grads, moments)
+
+
+def test_playbook_zero_table():
+    # playbook widget, 8B on dp=8: ZeRO-1 optimizer 60 -> 7.5 GiB, ZeRO-2 gradients 15 -> 1.875, ZeRO-3 params
+    cfg = get_preset("llama-3.1-8b")
+    bf16 = dataclasses.replace(FIVEFOLD, param_bytes=2, grad_bytes=2, optim_bytes=8)
+    z0 = model_state_bytes(cfg, Layout(dp=8, zero=0), bf16)
+    for zero, key in [(1, "optimizer"), (2, "gradients"), (3, "parameters")]:
+        z = model_state_bytes(cfg, Layout(dp=8, zero=zero), bf16)
+        assert z[key] == pytest.approx(z0[key] / 8, rel=1e-6)
+    assert z0["optimizer"] / 2**30 == pytest.approx(59.828, rel=2e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations
+
+
+def measure_saved_bytes(cfg, batch: int, seq: int, recompute: str = "none", bf16: bool = False) -> int:
+    """Bytes of the distinct storages autograd saves during one forward (the engine's fused loss included)."""
+    model = build_model(cfg, "cpu", seed=0)
+    if recompute == "full":
+        for block in model.layers.values():
+            block.forward = (lambda f: lambda x, c, s: checkpoint(f, x, c, s, use_reentrant=False))(block.forward)
+    elif recompute == "selective":
+        for block in model.layers.values():
+            core = block.attn.core
+            block.attn.core = (lambda f: lambda q, k, v: checkpoint(f, q, k, v, use_reentrant=False))(core)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen.setdefault(st.data_ptr(), st.nbytes())
+        return t
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            hidden = model.forward_hidden(x)
+            linear_cross_entropy_sum(hidden, model.lm_head.weight, x, 8192,
+                                     torch.bfloat16 if bf16 else torch.float32)
+    return sum(seen.values())
+
+
+SHAPES = [(1, 64), (2, 16), (4, 128), (3, 256)]
+
+
+@pytest.mark.parametrize("batch,seq", SHAPES)
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe-capacity"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_activation_bytes_fp32(preset, batch, seq, recompute):
+    if preset == "tiny-moe-capacity":  # capacity routing makes the packed expert tensors' size deterministic
+        cfg = dataclasses.replace(get_preset("tiny-moe"), capacity_factor=1.25)
+    else:
+        cfg = get_preset(preset)
+    measured = measure_saved_bytes(cfg, batch, seq, recompute)
+    predicted = forward_saved_bytes(cfg, batch, seq, Layout(recompute=recompute), FIVEFOLD_CPU)
+    assert predicted == pytest.approx(measured, rel=TOL)
+
+
+def test_recompute_orders_memory():
+    cfg = get_preset("tiny")
+    none, sel, full = (forward_saved_bytes(cfg, 4, 128, Layout(recompute=r), FIVEFOLD_CPU)
+                       for r in ("none", "selective", "full"))
+    assert full < sel < none
+
+
+@pytest.mark.parametrize("batch,seq", [(2, 64), (4, 128)])
+def test_activation_bytes_bf16_autocast(batch, seq):
+    # under autocast the saved bytes include the bf16 weight casts, which the planner counts separately
+    cfg = get_preset("tiny")
+    measured = measure_saved_bytes(cfg, batch, seq, bf16=True)
+    lay = Layout(mbs=batch)
+    rep = rank_memory(dataclasses.replace(cfg), seq, lay, FIVEFOLD, in_flight=1.0)
+    predicted = rep.parts["activations"] + rep.parts["bf16_weight_copies"]
+    assert predicted == pytest.approx(measured, rel=TOL)

@@ -1,0 +1,75 @@
+"""The planner's activation bytes against the parallel engine: tp2 with and without sequence parallel, with
+recompute none / selective / full, measured with `torch.autograd.graph.saved_tensors_hooks` on 2 gloo ranks
+(fp32, CPU) during a real forward pass of the tensor-parallel tiny model and its vocabulary-parallel loss."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_ranks
+from fivefold.models.llama import build_model
+from fivefold.models.presets import get_preset
+from fivefold.planner.layout import FIVEFOLD_CPU, Layout
+from fivefold.planner.memory import forward_saved_bytes
+
+tensor = pytest.importorskip("fivefold.parallel.tensor")
+recompute_module = pytest.importorskip("fivefold.parallel.recompute")
+
+TOL = 0.05
+
+
+def _config(preset: str):
+    cfg = get_preset(preset.removesuffix("-capacity"))
+    return dataclasses.replace(cfg, capacity_factor=1.25) if preset.endswith("-capacity") else cfg
+
+
+def _measure_on_ranks(rank: int, world: int, cases: list[tuple]) -> list[int]:
+    """Saved bytes of one forward per case (preset, batch, seq, sp, recompute) on this tp rank."""
+    out = []
+    group = dist.group.WORLD
+    for preset, batch, seq, sp, recompute in cases:
+        cfg = _config(preset)
+        model = build_model(cfg, "cpu", seed=0)
+        tensor.apply_tensor_parallel(model, group, sp)
+        recompute_module.apply_recompute(model, recompute)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, params=params, seen=seen) -> torch.Tensor:
+            st = t.untyped_storage()
+            if st.data_ptr() not in params:
+                seen.setdefault(st.data_ptr(), st.nbytes())
+            return t
+
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            hidden = model.forward_hidden(tokens)
+            tensor.vocab_parallel_loss_sum(model, hidden, tokens, group, sp)
+        out.append(sum(seen.values()))
+    return out
+
+
+def _check(cases: list[tuple]) -> None:
+    results = run_ranks(2, _measure_on_ranks, cases)
+    for i, (preset, batch, seq, sp, recompute) in enumerate(cases):
+        measured = results[0][i]
+        assert results[1][i] == measured  # the two tp ranks hold the same bytes
+        predicted = forward_saved_bytes(_config(preset), batch, seq, Layout(tp=2, sp=sp, recompute=recompute),
+                                        FIVEFOLD_CPU)
+        assert predicted == pytest.approx(measured, rel=TOL), (preset, batch, seq, sp, recompute, measured)
+
+
+def test_tp2_activation_bytes():
+    _check([("tiny", 2, 64, sp, rc) for sp in (False, True) for rc in ("none", "selective", "full")]
+           + [("tiny-moe-capacity", 2, 32, True, "none")])
+
+
+@pytest.mark.slow
+def test_tp2_activation_bytes_more_shapes():
+    _check([(p, b, s, sp, rc) for p in ("tiny", "tiny-moe-capacity") for b, s in ((1, 128), (3, 64), (4, 256))
+            for sp in (False, True) for rc in ("none", "selective", "full")])

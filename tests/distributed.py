@@ -25,7 +25,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, received) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)  # ranks share the machine's cores
@@ -36,6 +36,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
+        # tensors in the result travel as shared memory that the parent opens through this process: stay alive
+        # until the parent has them
+        received.wait(timeout=600)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -43,9 +46,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the results in rank order."""
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    queue, received = ctx.Queue(), ctx.Event()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, received), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -62,6 +65,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0)
         else:
             errors.append(f"rank {rank} failed:\n{value}")
             break  # the other ranks may hang in a collective; stop them below
+    received.set()
     for p in procs:
         p.join(timeout=timeout if not errors else 5)
         if p.is_alive():

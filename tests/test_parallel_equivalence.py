@@ -41,7 +41,8 @@ def tiny_config(overrides: dict[str, str]) -> Config:
     }
     cfg = build_config(None, {**base, **overrides})
     dp = cfg.layout.dp
-    cfg.layout.micro_batch_size = cfg.train.global_batch_size // (dp * ACCUM)
+    if "layout.micro_batch_size" not in overrides:
+        cfg.layout.micro_batch_size = cfg.train.global_batch_size // (dp * ACCUM)
     cfg.validate()
     return cfg
 

@@ -125,6 +125,8 @@ class LayoutConfig:
     sp: bool = False
     schedule: Literal["afab", "1f1b", "interleaved", "zero-bubble", "dualpipev"] = "1f1b"
     vpp: int = 1
+    # blocks per pipeline stage in model order (pp x vpp stages, 2 pp for dualpipev); empty = balanced by compute
+    stage_layers: list[int] = field(default_factory=list)
     fp32_grad_accum: bool = False
 
     @property
@@ -295,6 +297,13 @@ def _coerce(value: Any, typ: Any, name: str) -> Any:
             raise ConfigError(f"{name} = {value!r} is not a number") from None
     if typ is str:
         return str(value)
+    if origin is list:
+        if isinstance(value, str):  # from the command line: "3,3,2"
+            value = [v for v in value.replace(" ", "").strip("[]").split(",") if v]
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{name} = {value!r} is not a list (write it as 3,3,2 or [3, 3, 2])")
+        item = typing.get_args(typ)[0]
+        return [_coerce(v, item, f"{name}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if isinstance(value, str):
             try:
@@ -415,6 +424,8 @@ def _toml_value(v: Any) -> str:
         return "true" if v else "false"
     if isinstance(v, int | float):
         return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, dict):
         return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
     return json.dumps(str(v))

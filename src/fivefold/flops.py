@@ -1,10 +1,13 @@
-"""Model accounting shared by the trainer (metrics) and the planner: parameters and FLOPs.
+"""Model accounting shared by the trainer (metrics, pipeline stages) and the planner: parameters, FLOPs, and the
+split of the blocks into pipeline stages balanced by those FLOPs.
 
 One function per quantity, so that the FLOPs behind a logged MFU and a predicted MFU are the same.
 """
 
 from __future__ import annotations
 
+import math
+from functools import lru_cache
 from typing import Literal
 
 from fivefold.config import ModelConfig
@@ -63,3 +66,53 @@ def training_flops_per_token(
     if attention == "causal":
         attn //= 2
     return 6 * active_matmul_params(cfg) + attn
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline stages balanced by compute (the engine's split and the planner's are this one function)
+
+
+def head_cost_in_layers(cfg: ModelConfig, seq: int) -> float:
+    """The output layer's (and the loss's) training FLOPs in units of one block's, to balance pipeline stages by
+    compute. The embedding is a lookup, no matmul, so it weighs nothing here (as in `training_flops_per_token`)."""
+    head = 6 * cfg.vocab_size * cfg.hidden
+    return head / ((training_flops_per_token(cfg, seq) - head) / cfg.n_layers)
+
+
+def split_layers(n_layers: int, stages: int, last_extra: float = 0.0) -> list[int]:
+    return list(_split_layers(n_layers, stages, round(last_extra, 6)))
+
+
+@lru_cache(maxsize=4096)
+def _split_layers(n_layers: int, stages: int, last_extra: float) -> tuple[int, ...]:
+    """Layers per pipeline stage, balanced by compute: the last stage also runs the output layer and the loss,
+    worth `last_extra` blocks, so it gets fewer blocks; the remaining imbalance goes to the middle stages.
+    Every stage keeps at least one block (when there are as many blocks as stages)."""
+    if stages == 1:
+        return (n_layers,)
+    if stages >= n_layers:
+        return (1,) * n_layers + (0,) * (stages - n_layers)
+    extra = [0.0] * stages
+    extra[-1] = last_extra
+    lo, hi = 0.0, n_layers + last_extra + 1.0
+    for _ in range(60):  # the lowest level at which the stages hold every layer
+        mid = (lo + hi) / 2
+        if sum(max(1, math.floor(mid - e)) for e in extra) >= n_layers:
+            hi = mid
+        else:
+            lo = mid
+    counts = [max(1, math.floor(hi - e)) for e in extra]
+    order = sorted(range(stages), key=lambda s: (s in (0, stages - 1), abs(s - (stages - 1) / 2)))
+    i = 0
+    while sum(counts) > n_layers:  # trim the overshoot from the middle stages first
+        s = order[i % stages]
+        if counts[s] > 1:
+            counts[s] -= 1
+        i += 1
+    return tuple(counts)
+
+
+def balanced_stage_layers(cfg: ModelConfig, n_stages: int, seq: int) -> list[int]:
+    """Blocks per global pipeline stage, in model order, balanced by training FLOPs at sequence length `seq`:
+    the last stage also runs the output layer and the loss (`head_cost_in_layers`)."""
+    return split_layers(cfg.n_layers, n_stages, head_cost_in_layers(cfg, seq) if n_stages > 1 else 0.0)

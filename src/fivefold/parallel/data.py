@@ -26,6 +26,7 @@ dtype; the engine keeps fp32 master parameters, so buckets are fp32 either way t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -50,7 +51,9 @@ class Bucket:
     shard: nn.Parameter | None = None  # ZeRO-1/2: this rank's slice of flat_params, stepped by AdamW
     grad: torch.Tensor | None = None  # full flat gradient (ZeRO-0/1 always; ZeRO-2 during one micro-batch)
     shard_grad: torch.Tensor | None = None  # ZeRO-2: this rank's accumulated gradient slice
-    ready: int = 0
+    ready: int = 0  # gradient accumulations since the last reduction
+    expected: int = 0  # accumulations that complete the bucket: one per parameter, or per pipeline step
+    count_in_norm: bool = True  # False for a copy whose gradient another rank also counts (tied embeddings)
     launched: bool = False
     work: list = field(default_factory=list)  # (async handle, output to fold into shard_grad or None)
 
@@ -60,14 +63,15 @@ class Bucket:
 
 
 def make_buckets(named_params: list[tuple[str, nn.Parameter]], tp_sharded: set[str], dp_size: int,
-                 bucket_bytes: int, fp32_grad_accum: bool) -> list[Bucket]:
+                 bucket_bytes: int, fp32_grad_accum: bool, own_bucket: frozenset[str] = frozenset()) -> list[Bucket]:
     """Flat buckets of parameters that share a weight-decay class, a tp-sharding class and a dtype (so that
     one slice of a bucket is one optimizer group, and the gradient norm can tell sharded from replicated).
-    The parameters become views into their bucket's flat storage."""
+    Parameters named in `own_bucket` get a bucket each (a tied weight whose gradient is summed with another
+    rank's). The parameters become views into their bucket's flat storage."""
     classes: dict[tuple, list[list[tuple[str, nn.Parameter]]]] = {}
     sizes: dict[tuple, int] = {}
     for name, p in reversed(named_params):
-        key = (p.ndim >= 2, name in tp_sharded, p.dtype)
+        key = (p.ndim >= 2, name in tp_sharded, p.dtype, name if name in own_bucket else "")
         lists = classes.setdefault(key, [[]])
         if lists[-1] and sizes[key] + p.numel() * p.element_size() > bucket_bytes:
             lists.append([])
@@ -75,7 +79,7 @@ def make_buckets(named_params: list[tuple[str, nn.Parameter]], tp_sharded: set[s
         lists[-1].append((name, p))
         sizes[key] = sizes.get(key, 0) + p.numel() * p.element_size()
     buckets = []
-    for (decay, sharded, dtype), lists in classes.items():
+    for (decay, sharded, dtype, _), lists in classes.items():
         for members in lists:
             offsets, total = [], 0
             for _, p in members:
@@ -88,7 +92,7 @@ def make_buckets(named_params: list[tuple[str, nn.Parameter]], tp_sharded: set[s
                 flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
                 p.data = flat[off:off + p.numel()].view_as(p)
             buckets.append(Bucket(params, offsets, numel, flat, torch.float32 if fp32_grad_accum else dtype,
-                                  decay, sharded))
+                                  decay, sharded, expected=len(params)))
     return buckets
 
 
@@ -96,10 +100,12 @@ class BucketedDataParallel:
     """ZeRO-0/1/2 over `group` for the parameters of `named_params` (see the module docstring)."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], tp_sharded: set[str], group: ProcessGroup,
-                 zero: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, fp32_grad_accum: bool = False) -> None:
+                 zero: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, fp32_grad_accum: bool = False,
+                 own_bucket: frozenset[str] = frozenset()) -> None:
         self.group, self.zero = group, zero
         self.dp_size, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
-        self.buckets = make_buckets(named_params, tp_sharded, self.dp_size, bucket_bytes, fp32_grad_accum)
+        self.buckets = make_buckets(named_params, tp_sharded, self.dp_size, bucket_bytes, fp32_grad_accum,
+                                    own_bucket)
         self.sync = True  # reduce on this micro-batch (the last of the accumulation)
         self.launched_in_backward = 0  # buckets whose reduction started from a gradient hook (overlap)
         for bucket in self.buckets:
@@ -126,14 +132,23 @@ class BucketedDataParallel:
             return [p for b in self.buckets for p in b.params]
         return [b.shard for b in self.buckets]
 
+    def expect_accumulations(self, per_param: Callable[[nn.Parameter], int]) -> None:
+        """For a pipeline, whose micro-batches' backward passes interleave: a ZeRO-0/1 bucket is complete (and its
+        reduction starts from the hook) after `per_param(p)` accumulations of each of its parameters; ZeRO-2
+        reduce-scatters whenever a bucket has received as many accumulations as it has parameters."""
+        for bucket in self.buckets:
+            bucket.expected = sum(per_param(p) for p in bucket.params) if self.zero < 2 else len(bucket.params)
+
     def _hook(self, bucket: Bucket, index: int):
         def hook(p: torch.Tensor) -> None:
+            if bucket.launched and self.zero == 2:  # a pipeline's next round while the last one is reduced
+                self._finish(bucket)
             if bucket.grad is None:  # ZeRO-2: the full bucket exists only while one micro-batch fills it
                 bucket.grad = torch.zeros(bucket.numel, dtype=bucket.grad_dtype, device=p.device)
             bucket.grad_view(index).add_(p.grad)
             p.grad = None
             bucket.ready += 1
-            if bucket.ready == len(bucket.params) and (self.sync or self.zero == 2):
+            if bucket.ready == bucket.expected and (self.sync or self.zero == 2):
                 self._launch(bucket)
                 self.launched_in_backward += 1
         return hook
@@ -160,19 +175,32 @@ class BucketedDataParallel:
                     bucket.grad = torch.zeros(bucket.numel, dtype=bucket.grad_dtype, device=bucket.flat_params.device)
                 self._launch(bucket)
         for bucket in self.buckets:
-            for work, out in bucket.work:
-                work.wait()
-                if out is None:
-                    continue
-                if self.zero == 2:
-                    bucket.shard_grad.add_(out)
-                else:
-                    lo, hi = self.shard_range(bucket)
-                    bucket.grad[lo:hi].copy_(out)
-            bucket.work.clear()
-            bucket.ready, bucket.launched = 0, False
+            self._finish(bucket)
+
+    def _finish(self, bucket: Bucket) -> None:
+        """Wait for the bucket's reductions and keep the result (ZeRO-2: add it to the slice, free the bucket)."""
+        for work, out in bucket.work:
+            work.wait()
+            if out is None:
+                continue
             if self.zero == 2:
-                bucket.grad = None
+                bucket.shard_grad.add_(out)
+            else:
+                lo, hi = self.shard_range(bucket)
+                bucket.grad[lo:hi].copy_(out)
+        bucket.work.clear()
+        bucket.ready, bucket.launched = 0, False
+        if self.zero == 2:
+            bucket.grad = None
+
+    def reduced_grad(self, bucket: Bucket) -> torch.Tensor:
+        """The part of the bucket's reduced gradient this rank keeps (after `end_micro_batch` of the step)."""
+        if self.zero == 0:
+            return bucket.grad
+        if self.zero == 1:
+            lo, hi = self.shard_range(bucket)
+            return bucket.grad[lo:hi]
+        return bucket.shard_grad
 
     def attach_grads(self) -> None:
         """Point what AdamW steps at the reduced gradients (views, cast if the buffer is fp32)."""
@@ -205,6 +233,8 @@ class BucketedDataParallel:
         device = self.buckets[0].flat_params.device
         sums = torch.zeros(2, dtype=torch.float32, device=device)
         for bucket in self.buckets:
+            if not bucket.count_in_norm:
+                continue
             if self.zero == 0:
                 g = bucket.grad
             else:

@@ -8,6 +8,7 @@ counted once), and checkpoints gather the full plain-named state (collective) or
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterator
 
@@ -19,7 +20,15 @@ from fivefold.config import Config
 from fivefold.models.llama import Llama, build_model
 from fivefold.parallel.data import DEFAULT_BUCKET_BYTES, BucketedDataParallel, FullyShardedDataParallel
 from fivefold.parallel.mesh import ProcessGrid
-from fivefold.parallel.parallelize import LossModel, parallelize
+from fivefold.parallel.parallelize import LossModel, parallelize, parallelize_stages
+from fivefold.parallel.pipeline import (
+    PipelineExecutor,
+    WeightGradQueue,
+    build_stages,
+    layer_ranges,
+    stage_layer_counts,
+)
+from fivefold.parallel.schedules import Schedule, build_schedule, forward_schedule, stage_placement
 from fivefold.train.engine import Engine, use_bf16
 from fivefold.train.optim import build_adamw
 
@@ -51,12 +60,16 @@ class ParallelEngine(Engine):
         yield
         self.data_parallel.end_micro_batch()
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+    def grad_square_sum(self) -> torch.Tensor:
+        """Sum of the squared gradients of the whole model (every rank gets the same value)."""
         self.data_parallel.attach_grads()
         sharded, replicated = self.data_parallel.grad_square_sums()
         if self.tp_size > 1:  # each tp rank holds a different slice of the sharded parameters
             dist.all_reduce(sharded, group=self.grid.tp_group)
-        norm = (sharded + replicated).sqrt()
+        return sharded + replicated
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        norm = self.grad_square_sum().sqrt()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             for p in self.data_parallel.optimizer_params():
@@ -86,13 +99,17 @@ class ParallelEngine(Engine):
             state = {name: t.full_tensor() for name, t in state.items()}
         return state
 
-    def model_state(self) -> dict[str, torch.Tensor]:
-        """The full plain-named state on every rank (collective: every rank must call it)."""
+    def _tp_gathered_state(self) -> dict[str, torch.Tensor]:
         state = self._local_state()
         if self.tp_size > 1:
             from fivefold.parallel.tensor import gather_state
 
             state = gather_state(state, self.grid.tp_group)
+        return state
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """The full plain-named state on every rank (collective: every rank must call it)."""
+        state = self._tp_gathered_state()
         if self.cfg.model.tied_embeddings:
             state.pop("lm_head.weight", None)
         return state
@@ -167,11 +184,226 @@ class ParallelEngine(Engine):
         return {**held, "optimizer": optimizer}
 
 
+class LlamaStage:
+    """One pipeline stage of the Llama as the executor sees it (`pipeline.PipelineStage`): F runs the stage's
+    blocks (the first stage from the tokens, the last one through the loss), B backpropagates from the output
+    gradient (the last stage from its loss), W drains the deferred weight gradients.
+
+    The last stage's loss is the micro-batch's summed token loss divided by the global batch's token count, as in
+    the one-process engine; each stage adds its own MoE layers' load-balancing loss (times the coefficient and the
+    micro-batch's token share) to what it backpropagates."""
+
+    def __init__(self, module: Llama, loss_model: LossModel | None, stage: int, n_stages: int,
+                 queue: WeightGradQueue | None, engine: PipelineEngine) -> None:
+        self.module, self.loss_model, self.stage, self.queue, self.engine = module, loss_model, stage, queue, engine
+        self.first, self.last = stage == 0, stage == n_stages - 1
+        self.saved: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+
+    def begin(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], global_tokens: int,
+              positions: torch.Tensor, training: bool) -> None:
+        self.micro_batches, self.global_tokens, self.positions = micro_batches, global_tokens, positions
+        self.training = training
+        # evaluation sums in float64, as the one-process evaluation does
+        self.loss_sum = torch.zeros((), device=positions.device, dtype=torch.float32 if training else torch.float64)
+
+    def forward(self, micro_batch: int, x: torch.Tensor | None) -> torch.Tensor | None:
+        inputs, targets = self.micro_batches[micro_batch]
+        if self.first:
+            x = inputs
+        elif self.training:
+            x.requires_grad_()
+        with self.engine.autocast():
+            if self.last:
+                loss_sum = self.loss_model(x, targets, self.positions)
+                self.loss_sum += loss_sum.detach()
+                out = loss_sum / self.global_tokens
+            else:
+                out = self.module.forward_hidden(x, self.positions)
+        if self.training:
+            roots = [out]
+            aux = self.module.moe_aux_loss()
+            if aux is not None:  # token-weighted mean of the load-balancing loss over the global batch
+                roots.append(self.engine.cfg.model.aux_loss_coef * aux * targets.numel() / self.global_tokens)
+            self.saved[micro_batch] = (x, roots)
+        return None if self.last else out
+
+    def backward_input(self, micro_batch: int, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+        x, roots = self.saved.pop(micro_batch)
+        grads = [grad_output] + [None] * (len(roots) - 1)
+        with self.queue.collect((micro_batch, self.stage)) if self.queue is not None else contextlib.nullcontext():
+            torch.autograd.backward(roots, grads)
+        return None if self.first else x.grad
+
+    def backward_weight(self, micro_batch: int) -> None:
+        if self.queue is not None:
+            self.queue.run((micro_batch, self.stage))
+
+
+class PipelineEngine(ParallelEngine):
+    """The parallel engine over pipeline stages: `forward_backward` runs this rank's action list of the schedule
+    (`layout.schedule`) through `PipelineExecutor`; evaluation runs the forward-only pipeline.
+
+    What differs from `ParallelEngine`: the data-parallel buckets are reduced once per step, each as soon as the
+    last micro-batch's gradient of its parameters arrives (micro-batches interleave); with tied embeddings on two
+    ranks, the two copies' reduced gradients are summed over the `embed` group (first and last pipeline rank)
+    and counted once in the norm; the gradient norm and the logged losses are summed over pp; checkpoints
+    gather every stage's parameters over pp (and tp) into the plain model's state."""
+
+    def __init__(self, stages: dict[int, Llama], loss_model: LossModel | None, data_parallel: BucketedDataParallel,
+                 grid: ProcessGrid, cfg: Config, device: torch.device, counts: list[int],
+                 queue: WeightGradQueue | None, tied_bucket_names: frozenset[str]) -> None:
+        super().__init__(nn.ModuleDict({str(s): m for s, m in stages.items()}), loss_model, data_parallel, grid,
+                         cfg, device)
+        la = cfg.layout
+        self.stages, self.counts, self.queue = stages, counts, queue
+        self.pp_rank, self.pp_size = grid.ranks["pp"], grid.size("pp")
+        self.pp_group = grid.groups["pp"]
+        self.optimizer_state_is_sharded = True  # every pp rank steps other parameters
+        self.placement = stage_placement(la.schedule, la.pp, la.vpp)
+        self.n_stages = len(self.placement)
+        self.runners = {s: LlamaStage(m, loss_model if s == self.n_stages - 1 else None, s, self.n_stages, queue,
+                                      self) for s, m in stages.items()}
+        # gradient accumulations of each parameter per micro-batch: 2 for a weight tied on one rank (DualPipeV)
+        self.uses = collections.Counter(id(p) for m in stages.values() for p in m.parameters())
+        tied = {id(p) for m in stages.values() for n, p in m.named_parameters() if n in tied_bucket_names}
+        self.tied_buckets = [b for b in data_parallel.buckets if any(id(p) in tied for p in b.params)]
+        if self.pp_rank != self.placement[0]:  # the output layer's copy: the first rank counts it in the norm
+            for b in self.tied_buckets:
+                b.count_in_norm = False
+        self.schedules: dict[tuple[int, bool], Schedule] = {}
+
+    def schedule(self, m: int, training: bool = True) -> Schedule:
+        la = self.cfg.layout
+        if (m, training) not in self.schedules:
+            make = build_schedule if training else forward_schedule
+            self.schedules[(m, training)] = make(la.schedule, la.pp, m, la.vpp)
+        return self.schedules[(m, training)]
+
+    def _run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], global_tokens: int,
+             training: bool) -> torch.Tensor:
+        """Run the (training or forward-only) schedule over the micro-batches; this rank's summed token loss (zero
+        but on the rank of the last stage)."""
+        inputs = micro_batches[0][0]
+        seq = inputs.shape[1]
+        positions = torch.arange(seq, device=self.device)
+        local_seq = seq // self.tp_size if self.cfg.layout.sp else seq
+        shape = (inputs.shape[0], local_seq, self.cfg.model.hidden)
+        for runner in self.runners.values():
+            runner.begin(micro_batches, global_tokens, positions, training)
+        executor = PipelineExecutor(self.pp_group, self.pp_rank, shape, torch.float32, self.device)
+        executor.run(self.schedule(len(micro_batches), training), self.runners)
+        self.last_trace = executor.trace
+        last = self.runners.get(self.n_stages - 1)
+        return last.loss_sum if last is not None else torch.zeros((), device=self.device)
+
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], global_tokens: int) -> (
+        torch.Tensor
+    ):
+        m = len(micro_batches)
+        self.data_parallel.sync = True
+        self.data_parallel.expect_accumulations(lambda p: m * self.uses[id(p)])
+        total = self._run(micro_batches, global_tokens, training=True)
+        self.data_parallel.end_micro_batch()  # reduce what the hooks did not start, and wait
+        for bucket in self.tied_buckets:  # the embedding's and the output layer's gradients are one gradient
+            dist.all_reduce(self.data_parallel.reduced_grad(bucket), group=self.grid.groups["embed"])
+        return total
+
+    @torch.no_grad()
+    def eval_micro_batches(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        return self._run(micro_batches, 1, training=False)
+
+    def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.eval_micro_batches([(inputs, targets)])
+
+    def grad_square_sum(self) -> torch.Tensor:
+        total = super().grad_square_sum()
+        dist.all_reduce(total, group=self.pp_group)  # each pp rank holds other parameters
+        return total
+
+    def reduce_for_logging(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel ranks and the pipeline ranks (only the last stage's is not zero)."""
+        value = super().reduce_for_logging(value)
+        dist.all_reduce(value, group=self.pp_group)
+        return value
+
+    # --- state -----------------------------------------------------------------------------------
+    def _local_state(self) -> dict[str, torch.Tensor]:
+        return {name: t for m in self.stages.values() for name, t in m.state_dict().items()}
+
+    def _owner(self, name: str) -> int:
+        """The pp rank that holds plain-model parameter `name`."""
+        placement = self.placement
+        if name.startswith("embed."):
+            return placement[0]
+        if name.startswith("layers."):
+            index = int(name.split(".")[1])
+            stage = next(s for s, r in enumerate(layer_ranges(self.counts)) if index in r)
+            return placement[stage]
+        return placement[-1]  # final norm, output layer
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """The full plain-named state on every rank: each stage's parameters (tp-gathered) broadcast from their pp
+        rank over the pp group (collective: every rank must call it)."""
+        mine = self._tp_gathered_state()
+        full = {}
+        for name, meta in build_model(self.cfg.model, device="meta").state_dict().items():
+            if name == "lm_head.weight" and self.cfg.model.tied_embeddings:
+                continue
+            owner = self._owner(name)
+            tensor = mine[name] if owner == self.pp_rank else torch.empty(meta.shape, dtype=meta.dtype,
+                                                                          device=self.device)
+            tensor = tensor.detach().contiguous()
+            dist.broadcast(tensor, group=self.pp_group, group_src=owner)
+            full[name] = tensor
+        return full
+
+    @torch.no_grad()
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        if self.cfg.model.tied_embeddings:
+            state = {**state, "lm_head.weight": state["embed.weight"]}
+        own = self._local_state()
+        missing = set(own) - set(state)
+        if missing:
+            raise KeyError(f"model state lacks {sorted(missing)}")
+        state = {name: state[name] for name in own}
+        if self.tp_size > 1:
+            from fivefold.parallel.tensor import shard_state
+
+            state = shard_state(state, self.tp_rank, self.tp_size)
+        for m in self.stages.values():  # copies in place: bucket views stay views
+            m.load_state_dict({name: state[name] for name in m.state_dict()}, strict=True)
+
+    def _shard_layout(self) -> dict:
+        la = self.cfg.layout
+        return {**super()._shard_layout(), "pp": la.pp, "schedule": la.schedule, "vpp": la.vpp,
+                "stage_layers": list(self.counts)}
+
+
+def create_pipeline_engine(cfg: Config, grid: ProcessGrid, device: torch.device,
+                           bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> PipelineEngine:
+    """This rank's stages of the full model (built from the seed), the layout applied to each, and the engine."""
+    la = cfg.layout
+    counts = stage_layer_counts(cfg)
+    placement = stage_placement(la.schedule, la.pp, la.vpp)
+    pp_rank = grid.ranks["pp"]
+    stages = build_stages(cfg.model, counts, placement, pp_rank, device, cfg.train.seed)
+    split = build_schedule(la.schedule, la.pp, cfg.grad_accum_steps, la.vpp).split_backward
+    queue = WeightGradQueue() if split else None
+    tied_names: frozenset[str] = frozenset()
+    if cfg.model.tied_embeddings and placement[0] != placement[-1]:
+        tied_names = frozenset({"embed.weight"} if pp_rank == placement[0] else
+                               {"lm_head.weight"} if pp_rank == placement[-1] else set())
+    loss_model, data_parallel = parallelize_stages(stages, cfg, grid, queue, tied_names, bucket_bytes)
+    return PipelineEngine(stages, loss_model, data_parallel, grid, cfg, device, counts, queue, tied_names)
+
+
 def create_parallel_engine(cfg: Config, device: torch.device,
                            bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ParallelEngine:
     """Validate the layout against the initialised world, build the grid, the plain model (same seed on every
-    rank), apply the layout and return the engine."""
+    rank), apply the layout and return the engine (the pipeline engine when layout.pp > 1)."""
     grid = ProcessGrid.build(cfg)
+    if cfg.layout.pp > 1:
+        return create_pipeline_engine(cfg, grid, device, bucket_bytes)
     model = build_model(cfg.model, device=device, seed=cfg.train.seed)
     loss_model, data_parallel = parallelize(model, cfg, grid, device, bucket_bytes)
     return ParallelEngine(model, loss_model, data_parallel, grid, cfg, device)

@@ -25,7 +25,7 @@ from torch.distributed import ProcessGroup
 from fivefold.config import Config, ConfigError, LayoutConfig, nearest_divisors
 
 AXES = ("pp", "dp", "cp", "tp")  # outermost first
-LATER_ENGINE = "arrives with Parallel engine II (pipeline, context and expert parallel)"
+LATER_ENGINE = "arrives with Parallel engine II (context and expert parallel)"
 
 
 def _nearest_multiples(value: int, base: int) -> list[int]:
@@ -49,12 +49,9 @@ def validate_layout(cfg: Config, world_size: int) -> None:
             f"world size {world_size} (number of processes); {hint}, or start {product} processes "
             f"(--nproc {product})"
         )
-    for name in ("pp", "cp", "ep"):
+    for name in ("cp", "ep"):
         if getattr(la, name) > 1:
             raise ConfigError(f"layout.{name} = {getattr(la, name)}: {name} > 1 {LATER_ENGINE}; use layout.{name} = 1")
-    if la.vpp > 1:
-        raise ConfigError(f"layout.vpp = {la.vpp} needs pipeline parallel (layout.pp > 1), which {LATER_ENGINE}; "
-                          "use layout.vpp = 1")
     if la.tp > 1:
         from fivefold.parallel.tensor import validate_tensor_parallel
 
@@ -80,6 +77,9 @@ def validate_layout(cfg: Config, world_size: int) -> None:
             f"{_nearest_multiples(t.global_batch_size, la.dp * mbs)}, or micro-batch sizes "
             f"{nearest_divisors(max(t.global_batch_size // la.dp, 1), mbs)}"
         )
+    from fivefold.parallel.pipeline import validate_pipeline
+
+    validate_pipeline(cfg)
 
 
 def rank_of(layout: LayoutConfig, pp: int, dp: int, cp: int, tp: int) -> int:
@@ -145,6 +145,8 @@ class ProcessGrid:
         grid = cls(cfg.layout, rank, world, ranks=coordinates(cfg.layout, rank))
         for name, axes in GROUP_AXES.items():
             grid._add(name, axis_groups(cfg.layout, axes))
+        if cfg.layout.pp > 1:  # the first and last pipeline ranks, which hold the tied embedding's two copies
+            grid._add("embed", [[members[0], members[-1]] for members in axis_groups(cfg.layout, ("pp",))])
         ep_lists, edp_lists = expert_groups(cfg.layout)
         grid._add("ep", ep_lists)
         grid._add("edp", edp_lists)

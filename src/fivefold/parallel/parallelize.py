@@ -1,7 +1,10 @@
 """Apply the parallel techniques to a plain `Llama`, from outside and in one fixed order:
 
+0. pipeline parallel (`layout.pp > 1`, done before this function by `pipeline.build_stages`): each rank keeps
+   only its stages' blocks, and every step below applies to each stage;
 1. tensor parallel (with sequence parallel when `layout.sp`): shards the projections, the MLP/experts and
-   the vocabulary over the tp ranks, in place, keeping every parameter name;
+   the vocabulary over the tp ranks, in place, keeping every parameter name; under a zero-bubble pipeline
+   schedule the linears then defer their weight gradients to the W pass (`pipeline.defer_weight_grads`);
 2. activation recomputation (`layout.recompute`: none, selective = the attention core, full = each block);
 3. `torch.compile` of each block (`train.compile`);
 4. data parallel last, because it works on whatever parameters the steps before left (tp shards):
@@ -14,6 +17,8 @@ the tp-local parameters, and recompute must wrap the tp-aware modules.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -22,6 +27,9 @@ from fivefold.models.llama import Llama
 from fivefold.parallel.data import DEFAULT_BUCKET_BYTES, BucketedDataParallel, FullyShardedDataParallel
 from fivefold.parallel.mesh import ProcessGrid
 from fivefold.train.loss import linear_cross_entropy_sum
+
+if TYPE_CHECKING:
+    from fivefold.parallel.pipeline import WeightGradQueue
 
 LOSS_CHUNK_TOKENS = 8192
 
@@ -39,8 +47,10 @@ class LossModel(nn.Module):
         self.grid, self.sequence_parallel = grid, sequence_parallel
         self.compute_dtype = torch.float32
 
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        hidden = self.model.forward_hidden(inputs)
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> (
+        torch.Tensor
+    ):
+        hidden = self.model.forward_hidden(inputs, positions)
         dtype = torch.bfloat16 if torch.is_autocast_enabled(hidden.device.type) else torch.float32
         if self.grid.size("tp") > 1:
             from fivefold.parallel.tensor import vocab_parallel_loss_sum
@@ -59,16 +69,18 @@ def tp_sharded_names(model: nn.Module, tp: int) -> set[str]:
     return {name for name, _ in model.named_parameters() if tp_shard_dim(name) is not None}
 
 
-def parallelize(model: Llama, cfg: Config, grid: ProcessGrid, device: torch.device,
-                bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[LossModel, BucketedDataParallel |
-                                                                   FullyShardedDataParallel]:
-    """Apply the layout to `model` in place (see the module docstring); return the loss module to call and
-    the data-parallel state that reduces the gradients."""
+def apply_model_parallel(model: Llama, cfg: Config, grid: ProcessGrid,
+                         weight_grad_queue: WeightGradQueue | None = None) -> None:
+    """Steps 1 to 3 on one model (or pipeline stage), in place."""
     la = cfg.layout
     if grid.size("tp") > 1:  # 1. tensor (and sequence) parallel
         from fivefold.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, grid.tp_group, la.sp)
+    if weight_grad_queue is not None:  # the zero-bubble schedules' B / W split
+        from fivefold.parallel.pipeline import defer_weight_grads
+
+        defer_weight_grads(model, weight_grad_queue)
     if la.recompute != "none":  # 2. activation recomputation
         from fivefold.parallel.recompute import apply_recompute
 
@@ -76,6 +88,15 @@ def parallelize(model: Llama, cfg: Config, grid: ProcessGrid, device: torch.devi
     if cfg.train.compile:  # 3. compile each block
         for block in model.layers.values():
             block.compile()
+
+
+def parallelize(model: Llama, cfg: Config, grid: ProcessGrid, device: torch.device,
+                bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[LossModel, BucketedDataParallel |
+                                                                   FullyShardedDataParallel]:
+    """Apply the layout to `model` in place (see the module docstring); return the loss module to call and
+    the data-parallel state that reduces the gradients."""
+    la = cfg.layout
+    apply_model_parallel(model, cfg, grid)
     loss_model = LossModel(model, grid, la.sp)
     tp_sharded = tp_sharded_names(model, grid.size("tp"))
     if la.zero == 3:  # 4. data parallel
@@ -83,3 +104,33 @@ def parallelize(model: Llama, cfg: Config, grid: ProcessGrid, device: torch.devi
     named = list(model.named_parameters())
     return loss_model, BucketedDataParallel(named, tp_sharded, grid.grad_group, la.zero, bucket_bytes,
                                             la.fp32_grad_accum)
+
+
+def parallelize_stages(stages: dict[int, Llama], cfg: Config, grid: ProcessGrid,
+                       weight_grad_queue: WeightGradQueue | None, own_bucket: frozenset[str],
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[LossModel | None, BucketedDataParallel]:
+    """The same order for this pipeline rank's stages: steps 1 to 3 on each, then one data-parallel state over
+    all of their parameters (ZeRO-0/1/2; `own_bucket` names a tied weight that needs a bucket of its own).
+    Returns the last stage's loss module (None when this rank does not hold it)."""
+    la = cfg.layout
+    for stage in stages.values():
+        apply_model_parallel(stage, cfg, grid, weight_grad_queue)
+    first, last = stages.get(0), stages.get(_last_stage(cfg))
+    if cfg.model.tied_embeddings and first is not None and last is not None:
+        last.lm_head.weight = first.embed.weight  # both on this rank (DualPipeV): one parameter again after tp
+    named, seen = [], set()
+    for stage in stages.values():
+        for name, p in stage.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                named.append((name, p))
+    tp_sharded = set().union(*(tp_sharded_names(stage, grid.size("tp")) for stage in stages.values()))
+    data_parallel = BucketedDataParallel(named, tp_sharded, grid.grad_group, la.zero, bucket_bytes,
+                                         la.fp32_grad_accum, own_bucket)
+    return (LossModel(last, grid, la.sp) if last is not None else None), data_parallel
+
+
+def _last_stage(cfg: Config) -> int:
+    from fivefold.parallel.pipeline import n_stages
+
+    return n_stages(cfg.layout) - 1

@@ -82,6 +82,24 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     return _dualpipev(p, m)
 
 
+def stage_placement(name: str, p: int, v: int = 1) -> tuple[int, ...]:
+    """Global stage -> the rank that holds it: one stage per rank, rank r holding r, r + p, ... (interleaved), or
+    r and 2p - 1 - r (the V shape of DualPipeV)."""
+    if name == "dualpipev":
+        return tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
+    return tuple(s % p for s in range(p * (v if name == "interleaved" else 1)))
+
+
+def forward_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
+    """Forward passes only (evaluation), with the stage placement of schedule `name`, for any m >= 1: each rank
+    runs the forwards of its stages in (micro-batch, stage) order. Every dependency of an action is smaller in
+    that order, so the lists cannot deadlock."""
+    placement = stage_placement(name, p, v)
+    actions = tuple(tuple(Action("F", i, s) for i in range(m) for s in range(len(placement)) if placement[s] == r)
+                    for r in range(p))
+    return Schedule(name, p, m, len(placement) // p, actions, placement, False)
+
+
 def _afab(p: int, m: int) -> Schedule:
     actions = tuple(
         tuple([Action("F", i, r) for i in range(m)] + [Action("B", i, r) for i in range(m)]) for r in range(p)
@@ -124,8 +142,7 @@ def _interleaved(p: int, m: int, v: int) -> Schedule:
             acts += [fwd(warmup + k, r), bwd(k, r)]
         acts += [bwd(k, r) for k in range(total - warmup, total)]
         per_rank.append(tuple(acts))
-    stage_rank = tuple(s % p for s in range(p * v))
-    return Schedule("interleaved", p, m, v, tuple(per_rank), stage_rank, False)
+    return Schedule("interleaved", p, m, v, tuple(per_rank), stage_placement("interleaved", p, v), False)
 
 
 def _zero_bubble_h1(p: int, m: int) -> Schedule:
@@ -188,9 +205,8 @@ def _dualpipev(p: int, m: int) -> Schedule:
     (chunk 1), so the first rank also computes the last stage. The eight phases of the reference
     implementation: F0 warm-up, F0F1, B1W1F1, the main F0B1F1B0 phase, B1F1B0, B1B0 (second half split),
     WB0, and the remaining W. A full backward is written as B immediately followed by its W."""
-    stage_rank = tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
     actions = tuple(_dualpipev_rank(p, m, r) for r in range(p))
-    return Schedule("dualpipev", p, m, 2, actions, stage_rank, True)
+    return Schedule("dualpipev", p, m, 2, actions, stage_placement("dualpipev", p), True)
 
 
 def _dualpipev_rank(p: int, m: int, r: int) -> tuple[Action, ...]:

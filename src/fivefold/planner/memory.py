@@ -28,9 +28,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 from fivefold.config import ModelConfig
+from fivefold.flops import balanced_stage_layers
 from fivefold.planner.layout import Framework, Layout
 
 GIB = 2**30
@@ -59,47 +59,6 @@ def layer_params(cfg: ModelConfig, tp: int = 1, ep: int = 1) -> dict[str, int]:
             "matmul": attn + mlp + expert + (h * cfg.n_experts if cfg.is_moe else 0)}
 
 
-def head_cost_in_layers(cfg: ModelConfig, seq: int) -> float:
-    """The output layer's training FLOPs in units of one block's (to balance pipeline stages by compute)."""
-    from fivefold.flops import training_flops_per_token
-
-    head = 6 * cfg.vocab_size * cfg.hidden
-    return head / ((training_flops_per_token(cfg, seq) - head) / cfg.n_layers)
-
-
-def split_layers(n_layers: int, stages: int, last_extra: float = 0.0) -> list[int]:
-    return list(_split_layers(n_layers, stages, round(last_extra, 6)))
-
-
-@lru_cache(maxsize=4096)
-def _split_layers(n_layers: int, stages: int, last_extra: float) -> tuple[int, ...]:
-    """Layers per pipeline stage, balanced by compute: the last stage also runs the output layer and the loss,
-    worth `last_extra` blocks, so it gets fewer blocks; the remaining imbalance goes to the middle stages.
-    Every stage keeps at least one block (when there are as many blocks as stages)."""
-    if stages == 1:
-        return (n_layers,)
-    if stages >= n_layers:
-        return (1,) * n_layers + (0,) * (stages - n_layers)
-    extra = [0.0] * stages
-    extra[-1] = last_extra
-    lo, hi = 0.0, n_layers + last_extra + 1.0
-    for _ in range(60):  # the lowest level at which the stages hold every layer
-        mid = (lo + hi) / 2
-        if sum(max(1, math.floor(mid - e)) for e in extra) >= n_layers:
-            hi = mid
-        else:
-            lo = mid
-    counts = [max(1, math.floor(hi - e)) for e in extra]
-    order = sorted(range(stages), key=lambda s: (s in (0, stages - 1), abs(s - (stages - 1) / 2)))
-    i = 0
-    while sum(counts) > n_layers:  # trim the overshoot from the middle stages first
-        s = order[i % stages]
-        if counts[s] > 1:
-            counts[s] -= 1
-        i += 1
-    return tuple(counts)
-
-
 @dataclass(frozen=True)
 class RankParams:
     dense: int  # parameters reduced over dp x cp (everything but routed experts)
@@ -117,7 +76,7 @@ class RankParams:
 def stage_layers(cfg: ModelConfig, lay: Layout, seq: int = 4096) -> list[int]:
     """Blocks per global pipeline stage (pp x vpp stages, or 2 pp for the V-shaped schedule)."""
     n = lay.pp * (2 if lay.schedule == "dualpipev" and lay.pp > 1 else lay.vpp)
-    return split_layers(cfg.n_layers, n, head_cost_in_layers(cfg, seq) if n > 1 else 0.0)
+    return balanced_stage_layers(cfg, n, seq)
 
 
 def rank_params(cfg: ModelConfig, lay: Layout, rank: str = "first") -> RankParams:

@@ -71,6 +71,14 @@ class Engine:
             return linear_cross_entropy_sum(hidden, self.model.lm_head.weight, targets, LOSS_CHUNK_TOKENS,
                                             torch.bfloat16 if self.bf16 else torch.float32)
 
+    @torch.no_grad()
+    def eval_micro_batches(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Summed token loss over the micro-batches, forward only (a pipeline runs them as one schedule)."""
+        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        for inputs, targets in micro_batches:
+            total += self.eval_loss_sum(inputs, targets).double()
+        return total
+
     def micro_batch_loss(self, inputs: torch.Tensor, targets: torch.Tensor, global_tokens: int) -> tuple[
         torch.Tensor, torch.Tensor
     ]:

@@ -116,8 +116,8 @@ def evaluate(engine: Engine, batches: list[tuple[torch.Tensor, torch.Tensor]], m
     for inputs, targets in batches:
         rows = inputs.shape[0] // engine.dp_size
         lo = engine.dp_rank * rows
-        for x, y in split_micro_batches(inputs[lo:lo + rows], targets[lo:lo + rows], mbs, engine.device):
-            total += engine.eval_loss_sum(x, y).double()
+        total += engine.eval_micro_batches(split_micro_batches(inputs[lo:lo + rows], targets[lo:lo + rows], mbs,
+                                                               engine.device)).double()
         tokens += targets.numel()
     engine.model.train()
     return float(engine.reduce_for_logging(total).item() / tokens)

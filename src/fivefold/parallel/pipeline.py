@@ -1,0 +1,338 @@
+"""Pipeline parallel: the blocks split into stages over the pp ranks, and the executor that runs a schedule's
+per-rank action list (`schedules.build_schedule`) on them.
+
+What is sharded: the blocks, whole. Global stage s (0 .. n_stages - 1, in model order) holds a consecutive run
+of blocks; the first stage also holds the embedding, the last the final norm and the output layer (and computes
+the loss). There are pp stages, pp x vpp under the interleaved schedule and 2 pp under DualPipeV, and the rank of
+each is `schedules.stage_placement` (rank r holds r, r + pp, ... when interleaved; r and 2 pp - 1 - r in the V of
+DualPipeV, so that rank 0 holds the first and the last stage). The blocks per stage are balanced by training
+FLOPs (`flops.balanced_stage_layers`, the planner's split too: the last stage's output layer and loss count as a
+fraction of a block, the embedding lookup as none), or given explicitly as `layout.stage_layers`. Every rank
+builds the full model from the seed, so that initialisation equals the one-process model exactly, and keeps only
+its stages: each stage is the plain `Llama` with the other blocks removed (blocks keep their global index, so
+parameter names are the plain model's) and the embedding, norm and output layer None where not held. With tied
+embeddings and the first and last stages on different ranks, both ranks hold a copy of the weight and their
+gradients are summed between the two once per step (the engine does it); on one rank (DualPipeV) it stays one
+parameter.
+
+What is communicated: activations forward and their gradients backward between neighbouring stages, point to
+point on the pp group (`pipeline_comm`), one [micro-batch, local sequence, hidden] tensor per action; the
+tied-embedding gradient and the loss and gradient-norm scalars (engine).
+
+The executor (`PipelineExecutor`) does not know what a stage computes: a stage is anything with `forward`,
+`backward_input` and `backward_weight` (`PipelineStage`). F receives its input from the previous stage's rank (or
+starts from the tokens), runs the stage and sends the output on; B receives the output gradient, backpropagates
+and sends the input gradient back; W computes the weight gradients. Schedules without a split backward (AFAB,
+1F1B, interleaved) run W right after B. For the zero-bubble schedules the split is real: the linear layers of the
+blocks become `DeferredGradLinear`, whose backward computes the input gradient and leaves the weight-gradient
+matmul (grad_output^T @ input) in a `WeightGradQueue` that the W pass drains; nothing runs twice. The
+tensor-parallel linears compose (they stay linears; under sequence parallel the fused q/k/v and gate/up
+projections defer their weight gradients too, all-gathering their input in W). The norms, the embedding, the
+output layer (whose gradient the fused loss computes in forward) and the MoE experts' batched weights get their
+gradients in B.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from fivefold.config import Config, ConfigError, LayoutConfig, ModelConfig
+from fivefold.flops import balanced_stage_layers
+from fivefold.models.llama import Llama, build_model
+from fivefold.parallel.pipeline_comm import PointToPoint, consumer_stage
+from fivefold.parallel.schedules import Action, Schedule, min_micro_batches, stage_placement
+
+# ---------------------------------------------------------------------------------------------
+# The split and its validation
+
+
+def n_stages(layout: LayoutConfig) -> int:
+    """Global pipeline stages: pp, pp x vpp (interleaved) or 2 pp (DualPipeV)."""
+    return 1 if layout.pp == 1 else len(stage_placement(layout.schedule, layout.pp, layout.vpp))
+
+
+def stage_layer_counts(cfg: Config) -> list[int]:
+    """Blocks per global stage, in model order: `layout.stage_layers`, or balanced by compute."""
+    if cfg.layout.stage_layers:
+        return list(cfg.layout.stage_layers)
+    return balanced_stage_layers(cfg.model, n_stages(cfg.layout), cfg.train.seq_len)
+
+
+def _micro_batch_sizes_for(per_rank: int, need: int, multiple: int = 1) -> list[int]:
+    """The largest micro-batch sizes that give at least `need` micro-batches (a multiple of `multiple`)."""
+    sizes = [d for d in range(per_rank, 0, -1) if per_rank % d == 0 and per_rank // d >= need
+             and (per_rank // d) % multiple == 0]
+    return sizes[:3]
+
+
+def validate_pipeline(cfg: Config) -> None:
+    """Refuse a pipeline layout that cannot run, naming the rule and the nearest valid values (before any
+    process group exists)."""
+    la, model, t = cfg.layout, cfg.model, cfg.train
+    if la.pp == 1:
+        if la.vpp > 1:
+            raise ConfigError(f"layout.vpp = {la.vpp} needs pipeline parallel (layout.pp > 1) and the interleaved "
+                              "schedule; use layout.vpp = 1")
+        if la.stage_layers:
+            raise ConfigError(f"layout.stage_layers = {la.stage_layers} splits the blocks over pipeline stages, "
+                              "but layout.pp = 1; leave it empty or use layout.pp >= 2")
+        return
+    if la.pp > model.n_layers:
+        raise ConfigError(f"layout.pp = {la.pp} exceeds model.n_layers = {model.n_layers}: every pipeline stage "
+                          f"holds at least one block; use layout.pp <= {model.n_layers}")
+    if la.vpp > 1 and la.schedule != "interleaved":
+        raise ConfigError(f"layout.vpp = {la.vpp} (stages per rank) applies to the interleaved schedule only, "
+                          f"not layout.schedule = {la.schedule}; use layout.vpp = 1 or layout.schedule = interleaved")
+    if la.zero == 3:
+        raise ConfigError("layout.zero = 3 with layout.pp > 1 is refused: ZeRO-3 gathers a block's weights for "
+                          "every forward and backward, and a pipeline rank runs its micro-batches' passes "
+                          "interleaved, so the weights would be gathered 2 x micro-batches times per step (and "
+                          "fully_shard's root unit expects one forward and backward around the whole model); "
+                          "use layout.zero = 1 or 2 with pipeline parallel")
+    stages = n_stages(la)
+    if stages > model.n_layers:
+        what = f"layout.pp x layout.vpp = {la.pp} x {la.vpp}" if la.schedule == "interleaved" else \
+            f"the V of dualpipev, 2 x layout.pp = 2 x {la.pp}"
+        valid = [v for v in range(1, model.n_layers // la.pp + 1)] if la.schedule == "interleaved" else None
+        hint = f"use layout.vpp in {valid[-3:]}" if valid else f"use layout.pp <= {model.n_layers // 2}"
+        raise ConfigError(f"{what} = {stages} stages exceed model.n_layers = {model.n_layers}: every stage holds "
+                          f"at least one block; {hint}")
+    per_rank = t.global_batch_size // la.dp
+    mbs = la.micro_batch_size or per_rank
+    m = per_rank // mbs
+    need = min_micro_batches(la.schedule, la.pp, la.vpp)
+    multiple = la.pp if la.schedule == "interleaved" else 1
+    if m < need or m % multiple:
+        rule = f"at least {need} micro-batches per step" + (f", a multiple of layout.pp = {la.pp}" if multiple > 1
+                                                              else "")
+        sizes = _micro_batch_sizes_for(per_rank, need, multiple)
+        hint = (f"use layout.micro_batch_size in {sizes}" if sizes else
+                f"raise train.global_batch_size to {need * multiple * la.dp} or more")
+        raise ConfigError(f"layout.schedule = {la.schedule} with layout.pp = {la.pp} needs {rule}, but "
+                          f"train.global_batch_size / (layout.dp x layout.micro_batch_size) = {t.global_batch_size} "
+                          f"/ ({la.dp} x {mbs}) = {m}; {hint}, or another schedule")
+    if la.stage_layers:
+        counts = la.stage_layers
+        balanced = balanced_stage_layers(model, stages, t.seq_len)
+        if len(counts) != stages or min(counts) < 1 or sum(counts) != model.n_layers:
+            raise ConfigError(f"layout.stage_layers = {counts} must give each of the {stages} pipeline stages at "
+                              f"least one block, {model.n_layers} blocks in all (model.n_layers); the compute-"
+                              f"balanced split is {balanced} (leave layout.stage_layers empty to use it)")
+
+
+def layer_ranges(counts: list[int]) -> list[range]:
+    """The global block indices of each stage."""
+    out, start = [], 0
+    for n in counts:
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def stage_module(full: Llama, layers: range, first: bool, last: bool) -> Llama:
+    """The plain `Llama` holding `full`'s blocks `layers` (shared, not copied), with the embedding on the first
+    stage and the final norm and output layer on the last; None elsewhere."""
+    with torch.device("meta"):
+        stage = Llama(dataclasses.replace(full.cfg, n_layers=0))
+    stage.cfg = full.cfg
+    stage.embed = full.embed if first else None
+    stage.layers = nn.ModuleDict({str(i): full.layers[str(i)] for i in layers})
+    stage.norm = full.norm if last else None
+    stage.lm_head = full.lm_head if last else None
+    return stage
+
+
+def build_stages(cfg: ModelConfig, counts: list[int], placement: tuple[int, ...], pp_rank: int,
+                 device: torch.device, seed: int) -> dict[int, Llama]:
+    """This rank's stages {global stage: Llama}: the full model is built from the seed (the same on every rank)
+    and the parts of other ranks' stages are dropped."""
+    full = build_model(cfg, device=device, seed=seed)
+    ranges, last = layer_ranges(counts), len(counts) - 1
+    return {s: stage_module(full, ranges[s], s == 0, s == last) for s, r in enumerate(placement) if r == pp_rank}
+
+
+# ---------------------------------------------------------------------------------------------
+# The B / W split: linear layers that leave their weight gradient for later
+
+
+class WeightGradQueue:
+    """Weight-gradient work that the B pass of a split schedule leaves for its W pass, per (micro-batch, stage).
+
+    During `collect(key)` (around B's backward) deferred layers add (weight, compute) items; `run(key)` (the W
+    pass) computes them and accumulates them into the weights' `.grad` through autograd, so that the gradient
+    hooks of data parallel fire as they would in a plain backward."""
+
+    def __init__(self) -> None:
+        self.pending: dict[tuple[int, int], list[tuple[nn.Parameter, Callable[[], torch.Tensor]]]] = {}
+        self._open: list | None = None
+
+    @contextlib.contextmanager
+    def collect(self, key: tuple[int, int]) -> Iterator[None]:
+        self._open = self.pending.setdefault(key, [])
+        try:
+            yield
+        finally:
+            self._open = None
+
+    def defer(self, weight: nn.Parameter, compute: Callable[[], torch.Tensor]) -> None:
+        if self._open is None:
+            raise RuntimeError("a deferred-gradient layer ran backward outside a pipeline B pass")
+        self._open.append((weight, compute))
+
+    def run(self, key: tuple[int, int]) -> None:
+        items = self.pending.pop(key, [])
+        if items:
+            grads = [compute().to(weight.dtype) for weight, compute in items]
+            torch.autograd.backward([weight for weight, _ in items], grads)
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.pending.values())
+
+
+class _DeferredWeightLinear(torch.autograd.Function):
+    """`x @ weight.T` whose backward returns the input gradient and defers the weight gradient. The weight enters
+    detached, with the parameter itself passed aside, so that B does not touch the parameter's gradient at all."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, param: tuple[nn.Parameter],
+                queue: WeightGradQueue) -> torch.Tensor:
+        device = x.device.type
+        # autocast does not reach into backward: fix the matmul dtype here and reuse it there
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        with torch.autocast(device, enabled=False):
+            x = x.to(dtype)
+            out = F.linear(x, weight.to(dtype))
+        ctx.save_for_backward(x, weight)
+        ctx.dtype, ctx.param, ctx.queue = dtype, param[0], queue
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad = grad.to(ctx.dtype)
+
+        def weight_grad() -> torch.Tensor:
+            return grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+
+        ctx.queue.defer(ctx.param, weight_grad)
+        return grad @ weight.to(ctx.dtype), None, None, None
+
+
+class DeferredGradLinear(nn.Linear):
+    """A bias-free linear whose backward computes the input gradient and defers the weight gradient to
+    `weight_grad_queue` (see `WeightGradQueue`)."""
+
+    weight_grad_queue: WeightGradQueue
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _DeferredWeightLinear.apply(x, self.weight.detach(), (self.weight,), self.weight_grad_queue)
+
+
+def defer_weight_grads(stage: Llama, queue: WeightGradQueue) -> None:
+    """Make the linear layers of `stage`'s blocks defer their weight gradients to `queue` (after tensor parallel,
+    whose modules keep their linears). Modules that fuse their input projections (sequence parallel) read
+    `weight_grad_queue` too."""
+    for block in stage.layers.values():
+        for module in block.modules():
+            if type(module) is nn.Linear:
+                if module.bias is not None:
+                    raise ValueError("deferred weight gradients support bias-free linears only")
+                module.__class__ = DeferredGradLinear
+            if isinstance(module, DeferredGradLinear) or hasattr(module, "sequence_parallel"):
+                module.weight_grad_queue = queue
+
+
+# ---------------------------------------------------------------------------------------------
+# The executor
+
+
+class PipelineStage(Protocol):
+    """What the executor needs of a stage. `forward` gets the input (None on the first stage, which reads its own
+    data) and returns the output to send (None on the last stage); `backward_input` gets the output gradient
+    (None on the last stage, which starts from its loss) and returns the input gradient (None on the first);
+    `backward_weight` computes the weight gradients of that micro-batch."""
+
+    def forward(self, micro_batch: int, inputs: torch.Tensor | None) -> torch.Tensor | None: ...
+
+    def backward_input(self, micro_batch: int, grad_output: torch.Tensor | None) -> torch.Tensor | None: ...
+
+    def backward_weight(self, micro_batch: int) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Ran:
+    """One executed action and when its compute began and ended (after its input arrived, before waiting for
+    anything else), in `time.perf_counter` seconds."""
+
+    action: Action
+    start: float
+    end: float
+
+
+class PipelineExecutor:
+    """Runs pp rank `rank`'s action list of a schedule over its stages, with point-to-point transfers of tensors
+    of `shape` and `dtype` on `group` (the pp group; ranks are pp ranks). `trace` holds what the last `run`
+    executed, in order."""
+
+    def __init__(self, group: ProcessGroup, rank: int, shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.group, self.rank, self.shape, self.dtype, self.device = group, rank, shape, dtype, device
+        self.trace: list[Ran] = []
+
+    def run(self, schedule: Schedule, stages: Mapping[int, PipelineStage]) -> list[Ran]:
+        mine = {s for s, r in enumerate(schedule.stage_rank) if r == self.rank}
+        if set(stages) != mine:
+            raise ValueError(f"pp rank {self.rank} holds stages {sorted(mine)} of schedule {schedule.name}, "
+                             f"got stages {sorted(stages)}")
+        p2p = PointToPoint(schedule, self.rank, self.group, self.shape, self.dtype, self.device)
+        last = schedule.n_stages - 1
+        local: dict[tuple[str, int, int], torch.Tensor] = {}  # handed between two stages of this rank
+        where = schedule.stage_rank
+        self.trace = []
+
+        def take(kind: str, mb: int, producer: int) -> torch.Tensor:
+            key = (kind, mb, producer)
+            return local.pop(key) if where[producer] == self.rank else p2p.receive(key, where[producer])
+
+        def give(kind: str, mb: int, producer: int, tensor: torch.Tensor) -> None:
+            consumer = where[consumer_stage(kind, producer)]
+            if consumer == self.rank:
+                local[(kind, mb, producer)] = tensor.detach()
+            else:
+                p2p.send((kind, mb, producer), tensor, consumer)
+
+        for action in schedule.actions[self.rank]:
+            p2p.post_receives()
+            kind, mb, s = action
+            stage = stages[s]
+            if kind == "F":
+                x = None if s == 0 else take("F", mb, s - 1)
+                start = time.perf_counter()
+                y = stage.forward(mb, x)
+                if s < last:
+                    give("F", mb, s, y)
+            elif kind == "B":
+                grad = None if s == last else take("B", mb, s + 1)
+                start = time.perf_counter()
+                grad_input = stage.backward_input(mb, grad)
+                if s > 0:
+                    give("B", mb, s, grad_input)
+                if not schedule.split_backward:
+                    stage.backward_weight(mb)
+            else:
+                start = time.perf_counter()
+                stage.backward_weight(mb)
+            self.trace.append(Ran(action, start, time.perf_counter()))
+        p2p.finish()
+        if local:
+            raise RuntimeError(f"pipeline step ended with local hand-overs unused: {sorted(local)}")
+        return self.trace

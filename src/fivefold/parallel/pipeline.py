@@ -191,7 +191,8 @@ class WeightGradQueue:
     def run(self, key: tuple[int, int]) -> None:
         items = self.pending.pop(key, [])
         if items:
-            grads = [compute().to(weight.dtype) for weight, compute in items]
+            with torch.no_grad():  # as inside backward
+                grads = [compute().to(weight.dtype) for weight, compute in items]
             torch.autograd.backward([weight for weight, _ in items], grads)
 
     def __len__(self) -> int:

@@ -152,7 +152,8 @@ class TensorParallelAttention(Attention):
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.sequence_parallel:
-            return gather_linears(x, self.tp_group, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+            return gather_linears(x, self.tp_group, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
+                                  weight_grad_queue=getattr(self, "weight_grad_queue", None))
         return super().project_qkv(x)
 
 
@@ -169,7 +170,8 @@ class TensorParallelMLP(MLP):
 
     def project_gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.sequence_parallel:
-            return gather_linears(x, self.tp_group, self.gate_proj.weight, self.up_proj.weight)
+            return gather_linears(x, self.tp_group, self.gate_proj.weight, self.up_proj.weight,
+                                  weight_grad_queue=getattr(self, "weight_grad_queue", None))
         return super().project_gate_up(x)
 
 

@@ -118,29 +118,40 @@ class _GradOnFirstRank(torch.autograd.Function):
 
 class _GatherLinears(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, queue, params: tuple[torch.Tensor, ...] | None,
+                *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
         device = x.device.type
         # autocast does not reach into backward: fix the matmul dtype here and reuse it there
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         with torch.autocast(device, enabled=False):
             x_full = _all_gather(x.to(dtype), SEQ_DIM, group)
             outs = tuple(x_full @ w.to(dtype).t() for w in weights)
-        ctx.group, ctx.dtype = group, dtype
+        ctx.group, ctx.dtype, ctx.queue, ctx.params = group, dtype, queue, params
         ctx.save_for_backward(x, *weights)  # the local slice only: the gathered input is rebuilt in backward
         return outs
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         x, *weights = ctx.saved_tensors
-        x_full = _all_gather(x.to(ctx.dtype), SEQ_DIM, ctx.group)
-        x_rows = x_full.reshape(-1, x_full.shape[-1])
-        grad_x_full = torch.zeros_like(x_full)
-        grad_weights = []
-        for grad, w in zip(grads, weights, strict=True):
-            grad = grad.to(ctx.dtype)
-            grad_x_full += grad @ w.to(ctx.dtype)
-            grad_weights.append((grad.reshape(-1, grad.shape[-1]).t() @ x_rows).to(w.dtype))
-        return _reduce_scatter(grad_x_full, SEQ_DIM, ctx.group).to(x.dtype), None, *grad_weights
+        grads = tuple(grad.to(ctx.dtype) for grad in grads)
+        grad_x_full = sum(grad @ w.to(ctx.dtype) for grad, w in zip(grads, weights, strict=True))
+        grad_x = _reduce_scatter(grad_x_full, SEQ_DIM, ctx.group).to(x.dtype)
+        gathered: list[torch.Tensor] = []
+
+        def x_rows() -> torch.Tensor:  # gathered once, for all the weights that share the input
+            if not gathered:
+                x_full = _all_gather(x.to(ctx.dtype), SEQ_DIM, ctx.group)
+                gathered.append(x_full.reshape(-1, x_full.shape[-1]))
+            return gathered[0]
+
+        def weight_grad(grad: torch.Tensor) -> torch.Tensor:
+            return grad.reshape(-1, grad.shape[-1]).t() @ x_rows()
+
+        if ctx.queue is not None:  # a pipeline's W pass computes them (and gathers the input again then)
+            for grad, param in zip(grads, ctx.params, strict=True):
+                ctx.queue.defer(param, lambda grad=grad: weight_grad(grad))
+            return grad_x, None, None, None, *[None] * len(weights)
+        return grad_x, None, None, None, *[weight_grad(g).to(w.dtype) for g, w in zip(grads, weights, strict=True)]
 
 
 def _single(group: ProcessGroup) -> bool:
@@ -167,14 +178,20 @@ def scatter_sequence(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return x if _single(group) else _ScatterSequence.apply(x, group)
 
 
-def gather_linears(x: torch.Tensor, group: ProcessGroup, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def gather_linears(x: torch.Tensor, group: ProcessGroup, *weights: torch.Tensor, weight_grad_queue=None) -> (
+    tuple[torch.Tensor, ...]
+):
     """Sequence-parallel input of column-parallel linears sharing it (q/k/v, gate/up): one all-gather of the
     sequence slices [b, s/tp, h], then `x_full @ w.T` for each weight. Only the slice is kept for backward,
     which all-gathers it again for the weight gradients and reduce-scatters the input gradient (as
-    Megatron does), so SP holds 1/tp of these activations where TP alone holds them whole."""
+    Megatron does), so SP holds 1/tp of these activations where TP alone holds them whole. With a
+    `weight_grad_queue` (a pipeline's zero-bubble schedules) backward computes only the input gradient and leaves
+    the all-gather and the weight gradients to the queue's W pass."""
     if _single(group):
         return tuple(x @ w.t() for w in weights)
-    return _GatherLinears.apply(x, group, *weights)
+    if weight_grad_queue is not None:  # weights enter detached: B leaves their gradients to the W pass
+        return _GatherLinears.apply(x, group, weight_grad_queue, weights, *(w.detach() for w in weights))
+    return _GatherLinears.apply(x, group, None, None, *weights)
 
 
 def enter_tp_region(x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:

@@ -33,7 +33,7 @@ def pipeline_on_ranks(rank: int, world_size: int, layouts: list[dict[str, str]])
     for overrides in layouts:
         cfg = tiny_config(overrides)
         engine = create_parallel_engine(cfg, torch.device("cpu"), bucket_bytes=SMALL_BUCKET)
-        losses, norms = train_steps(engine, cfg)
+        losses, norms, drops = train_steps(engine, cfg)
         schedule = engine.schedule(cfg.grad_accum_steps)
         assert [r.action for r in engine.last_trace] == list(schedule.actions[engine.pp_rank])
         dp = engine.data_parallel
@@ -42,19 +42,23 @@ def pipeline_on_ranks(rank: int, world_size: int, layouts: list[dict[str, str]])
         if engine.queue is not None:
             assert len(engine.queue) == 0  # every deferred weight gradient was computed by a W pass
         state = engine.model_state()
-        results.append((losses, norms, state if rank == 0 else None))
+        results.append((losses, norms, drops, state if rank == 0 else None))
     return results
 
 
 def assert_pipeline_equivalent(layouts: list[dict[str, str]], world_size: int) -> None:
     results = run_ranks(world_size, pipeline_on_ranks, layouts)[0]
-    for overrides, (losses, norms, state) in zip(layouts, results, strict=True):
-        ref_losses, ref_norms, ref_state = reference_run(overrides)
+    for overrides, (losses, norms, drops, state) in zip(layouts, results, strict=True):
+        ref_losses, ref_norms, ref_drops, ref_state = reference_run(overrides)
         label = " ".join(f"{k}={v}" for k, v in overrides.items())
         for step, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
             assert abs(a - b) <= 1e-5 * abs(b), f"{label}: loss of step {step + 1}: {a} vs single process {b}"
         for step, (a, b) in enumerate(zip(norms, ref_norms, strict=True)):
             assert abs(a - b) <= 1e-4 * abs(b), f"{label}: grad norm of step {step + 1}: {a} vs {b}"
+        if float(overrides.get("model.capacity_factor", 0)) > 0:  # capacity-based routing drops the same slots
+            assert max(ref_drops) > 0.01, f"{label}: the reference drops nothing, so the test shows nothing"
+            for step, (a, b) in enumerate(zip(drops, ref_drops, strict=True)):
+                assert abs(a - b) <= 1e-6, f"{label}: drop fraction of step {step + 1}: {a} vs {b}"
         assert state.keys() == ref_state.keys(), label
         for name, ref in ref_state.items():
             error = ((state[name] - ref).norm() / ref.norm()).item()

@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, profile N more steps and report the top kernels by device time")
+    p.add_argument("--trace", help="with --profile: write the profiler's Chrome trace to this file")
 
 
 def _timer(device: torch.device):
@@ -119,6 +122,8 @@ def run_bench(args: argparse.Namespace) -> dict:
         step(split)
     synchronize(device)
 
+    top_kernels = profile_steps(step, args.profile, device, args.trace) if args.profile else None
+
     tokens_per_s = global_tokens * args.steps / seconds
     per_device = tokens_per_s / engine.n_devices
     flops = training_flops_per_token(cfg.model, seq)
@@ -137,7 +142,34 @@ def run_bench(args: argparse.Namespace) -> dict:
         "mfu": tflops / peak if peak else None, "peak_tflops": peak,
         "peak_memory_allocated_bytes": allocated, "peak_memory_reserved_bytes": reserved,
         "time_split_s": {k: v / split_steps for k, v in split.items()},
+        "top_kernels": top_kernels,
     }
+
+
+def profile_steps(step, n: int, device: torch.device, trace: str | None, top: int = 15) -> list[dict]:
+    """Run `n` steps under the PyTorch profiler; the `top` operators by self time on the device (CPU time on
+    CPU), each with its share of the profiled device time, per step."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    kind = {"cuda": "CUDA", "xpu": "XPU"}.get(device.type)
+    if kind and hasattr(torch.profiler.ProfilerActivity, kind):
+        activities.append(getattr(torch.profiler.ProfilerActivity, kind))
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(n):
+            step(None)
+        synchronize(device)
+    if trace:
+        prof.export_chrome_trace(trace)
+    on_device = device.type != "cpu"
+    if on_device:  # the kernels themselves, not the host operators that launched them (which would count twice)
+        events = [e for e in prof.key_averages()
+                  if e.device_type != torch.autograd.DeviceType.CPU and not e.is_user_annotation]
+    else:
+        events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    key = (lambda e: e.self_device_time_total) if on_device else (lambda e: e.self_cpu_time_total)
+    events.sort(key=key, reverse=True)
+    total = sum(key(e) for e in events) or 1.0
+    return [{"name": e.key[:90], "calls_per_step": e.count / n, "ms_per_step": key(e) / 1e3 / n,
+             "share": key(e) / total} for e in events[:top]]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -160,4 +192,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"  peak memory      {mem}")
     print("  step split       " + ", ".join(f"{k} {1e3 * v:.1f} ms ({100 * v / total:.0f} %)"
                                            for k, v in split.items()))
+    if result["top_kernels"]:
+        print("  top kernels (self time per step, share of the profiled time)")
+        for k in result["top_kernels"]:
+            print(f"    {k['ms_per_step']:8.2f} ms  {100 * k['share']:5.1f} %  x{k['calls_per_step']:<5g} {k['name']}")
     return 0

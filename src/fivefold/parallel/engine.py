@@ -1,9 +1,11 @@
 """The parallel engine: the single-device engine's contract (`fivefold.train.engine`) over a process grid.
 
-It differs from the single-device engine in four places: the loss goes through `LossModel` (vocabulary
-parallel under tp), each micro-batch tells the data-parallel state whether to reduce gradients, the
-gradient norm is summed over shards (tp-sharded parameters over tp, ZeRO slices over dp, replicated ones
-counted once), and checkpoints gather the full plain-named state (collective) or shard a loaded one.
+It differs from the single-device engine in these places: `prepare_micro_batch` keeps a context-parallel
+rank's zig-zag chunks of each sequence with their rotary positions; the loss goes through `LossModel`
+(vocabulary parallel under tp); each micro-batch tells the data-parallel state whether to reduce gradients
+(over dp x cp); the gradient norm is summed over shards (tp-sharded parameters over tp, ZeRO slices over
+dp x cp, replicated ones counted once); logged values are summed over dp x cp; and checkpoints gather the
+full plain-named state (collective) or shard a loaded one.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from fivefold.train.optim import build_adamw
 
 
 class ParallelEngine(Engine):
-    """Trains one rank's part of the model; `dp_rank`/`dp_size` select this rank's rows of the batch."""
+    """Trains one rank's part of the model; `dp_rank`/`dp_size` select this rank's rows of the batch (every cp
+    rank of a dp rank gets the same rows and keeps its chunks of them)."""
 
     def __init__(self, model: Llama, loss_model: LossModel,
                  data_parallel: BucketedDataParallel | FullyShardedDataParallel, grid: ProcessGrid, cfg: Config,
@@ -44,15 +47,26 @@ class ParallelEngine(Engine):
         self.bf16 = use_bf16(cfg, device)
         self.dp_rank, self.dp_size = grid.ranks["dp"], grid.size("dp")
         self.tp_rank, self.tp_size = grid.ranks["tp"], grid.size("tp")
+        self.cp_rank, self.cp_size = grid.ranks["cp"], grid.size("cp")
         self.is_logging_rank = grid.rank == 0
         self.n_devices = grid.world_size
         # every rank writes its own optimizer file when the states differ between ranks
         self.optimizer_state_is_sharded = cfg.layout.zero >= 1 or self.tp_size > 1
         self.optimizer = build_adamw(nn.ParameterList(data_parallel.optimizer_params()), cfg.train, device)
 
-    def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def prepare_micro_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor | None
+    ]:
+        """Under context parallel, this cp rank's zig-zag chunks of every sequence and their rotary positions."""
+        if self.cp_size == 1:
+            return inputs, targets, None
+        from fivefold.parallel.context import shard_batch
+
+        return shard_batch(inputs, targets, self.cp_rank, self.cp_size)
+
+    def loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         with self.autocast():
-            return self.loss_model(inputs, targets)
+            return self.loss_model(inputs, targets, positions)
 
     @contextlib.contextmanager
     def micro_batch_context(self, index: int, count: int) -> Iterator[None]:
@@ -86,10 +100,17 @@ class ParallelEngine(Engine):
         return norm
 
     def reduce_for_logging(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum over the data-parallel ranks (tp ranks hold the same value)."""
+        """Sum over the data- and context-parallel ranks, which hold different tokens (tp ranks hold the same
+        value)."""
         value = value.clone()
         dist.all_reduce(value, group=self.grid.grad_group)
         return value
+
+    def moe_drop_fraction(self) -> float | None:
+        """The mean over dp x cp ranks, which route equally many slots."""
+        if self.drop_fraction is None:
+            return None
+        return float(self.reduce_for_logging(self.drop_fraction)) / dist.get_world_size(self.grid.grad_group)
 
     # --- state -----------------------------------------------------------------------------------
     def _local_state(self) -> dict[str, torch.Tensor]:
@@ -127,8 +148,11 @@ class ParallelEngine(Engine):
             missing = set(own) ^ set(state)
             if missing:
                 raise KeyError(f"model state keys differ: {sorted(missing)}")
+            # fully_shard splits dim 0 over the ranks that reduce gradients (dp x cp)
+            group = self.grid.grad_group
+            size, rank = dist.get_world_size(group), dist.get_rank(group)
             for name, param in own.items():
-                param.to_local().copy_(state[name].chunk(self.dp_size, 0)[self.dp_rank])
+                param.to_local().copy_(state[name].chunk(size, 0)[rank])
             return
         self.model.load_state_dict(state, strict=True)  # copies in place: bucket views stay views
 
@@ -164,7 +188,8 @@ class ParallelEngine(Engine):
 
     def _shard_layout(self) -> dict[str, int]:
         la = self.cfg.layout
-        return {"dp": la.dp, "tp": la.tp, "zero": la.zero, "rank": self.grid.rank}
+        extra = {"cp": la.cp} if la.cp > 1 else {}
+        return {"dp": la.dp, "tp": la.tp, **extra, "zero": la.zero, "rank": self.grid.rank}
 
     def barrier(self) -> None:
         dist.barrier()
@@ -199,31 +224,34 @@ class LlamaStage:
         self.first, self.last = stage == 0, stage == n_stages - 1
         self.saved: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
-    def begin(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], global_tokens: int,
-              positions: torch.Tensor, training: bool) -> None:
-        self.micro_batches, self.global_tokens, self.positions = micro_batches, global_tokens, positions
-        self.training = training
+    def begin(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], global_tokens: int,
+              training: bool) -> None:
+        """The step's prepared micro-batches (this rank's inputs, targets and rotary positions of each)."""
+        self.micro_batches, self.global_tokens, self.training = micro_batches, global_tokens, training
+        device = micro_batches[0][0].device
         # evaluation sums in float64, as the one-process evaluation does
-        self.loss_sum = torch.zeros((), device=positions.device, dtype=torch.float32 if training else torch.float64)
+        self.loss_sum = torch.zeros((), device=device, dtype=torch.float32 if training else torch.float64)
+        self.drop_sum = torch.zeros((), device=device)
 
     def forward(self, micro_batch: int, x: torch.Tensor | None) -> torch.Tensor | None:
-        inputs, targets = self.micro_batches[micro_batch]
+        inputs, targets, positions = self.micro_batches[micro_batch]
         if self.first:
             x = inputs
         elif self.training:
             x.requires_grad_()
         with self.engine.autocast():
             if self.last:
-                loss_sum = self.loss_model(x, targets, self.positions)
+                loss_sum = self.loss_model(x, targets, positions)
                 self.loss_sum += loss_sum.detach()
                 out = loss_sum / self.global_tokens
             else:
-                out = self.module.forward_hidden(x, self.positions)
+                out = self.module.forward_hidden(x, positions)
         if self.training:
             roots = [out]
             aux = self.module.moe_aux_loss()
             if aux is not None:  # token-weighted mean of the load-balancing loss over the global batch
                 roots.append(self.engine.cfg.model.aux_loss_coef * aux * targets.numel() / self.global_tokens)
+                self.drop_sum += self.module.moe_drop_fraction().detach() * len(self.module.layers)
             self.saved[micro_batch] = (x, roots)
         return None if self.last else out
 
@@ -283,30 +311,24 @@ class PipelineEngine(ParallelEngine):
              training: bool) -> torch.Tensor:
         """Run the (training or forward-only) schedule over the micro-batches; this rank's summed token loss (zero
         but on the rank of the last stage)."""
-        inputs = micro_batches[0][0]
-        seq = inputs.shape[1]
-        positions = torch.arange(seq, device=self.device)
-        local_seq = seq // self.tp_size if self.cfg.layout.sp else seq
-        shape = (inputs.shape[0], local_seq, self.cfg.model.hidden)
+        prepared = []
+        for inputs, targets in micro_batches:
+            inputs, targets, positions = self.prepare_micro_batch(inputs, targets)
+            if positions is None:  # later stages see hidden states (sequence-sharded under SP): say where they are
+                positions = torch.arange(inputs.shape[1], device=inputs.device)
+            prepared.append((inputs, targets, positions))
+        rows, local_seq = prepared[0][0].shape
+        shape = (rows, local_seq // self.tp_size if self.cfg.layout.sp else local_seq, self.cfg.model.hidden)
         for runner in self.runners.values():
-            runner.begin(micro_batches, global_tokens, positions, training)
+            runner.begin(prepared, global_tokens, training)
         executor = PipelineExecutor(self.pp_group, self.pp_rank, shape, torch.float32, self.device)
         executor.run(self.schedule(len(micro_batches), training), self.runners)
         self.last_trace = executor.trace
+        if training and self.cfg.model.is_moe:  # this rank's layers' share of the mean over all MoE layers
+            drops = sum(runner.drop_sum for runner in self.runners.values())
+            self.drop_fraction = drops / (len(micro_batches) * self.cfg.model.n_layers)
         last = self.runners.get(self.n_stages - 1)
         return last.loss_sum if last is not None else torch.zeros((), device=self.device)
-
-    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], global_tokens: int) -> (
-        torch.Tensor
-    ):
-        m = len(micro_batches)
-        self.data_parallel.sync = True
-        self.data_parallel.expect_accumulations(lambda p: m * self.uses[id(p)])
-        total = self._run(micro_batches, global_tokens, training=True)
-        self.data_parallel.end_micro_batch()  # reduce what the hooks did not start, and wait
-        for bucket in self.tied_buckets:  # the embedding's and the output layer's gradients are one gradient
-            dist.all_reduce(self.data_parallel.reduced_grad(bucket), group=self.grid.groups["embed"])
-        return total
 
     @torch.no_grad()
     def eval_micro_batches(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

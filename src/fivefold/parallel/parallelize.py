@@ -1,18 +1,22 @@
 """Apply the parallel techniques to a plain `Llama`, from outside and in one fixed order:
 
-0. pipeline parallel (`layout.pp > 1`, done before this function by `pipeline.build_stages`): each rank keeps
-   only its stages' blocks, and every step below applies to each stage;
+0. pipeline parallel (`layout.pp > 1`, before this module, by `pipeline.build_stages`): each rank keeps only its
+   stages' blocks, and steps 1 to 4 apply to each stage (`parallelize_stages`);
 1. tensor parallel (with sequence parallel when `layout.sp`): shards the projections, the MLP/experts and
    the vocabulary over the tp ranks, in place, keeping every parameter name; under a zero-bubble pipeline
    schedule the linears then defer their weight gradients to the W pass (`pipeline.defer_weight_grads`);
-2. activation recomputation (`layout.recompute`: none, selective = the attention core, full = each block);
-3. `torch.compile` of each block (`train.compile`);
-4. data parallel last, because it works on whatever parameters the steps before left (tp shards):
-   ZeRO-0/1/2 as flat gradient buckets with hooks, ZeRO-3 as `fully_shard` units per block.
+2. context parallel (`layout.cp`): attention becomes ring attention over the cp group, MoE statistics that
+   span the sequence are summed over it; the engine feeds each rank its zig-zag chunks of every sequence;
+3. activation recomputation (`layout.recompute`: none, selective = the attention core, full = each block);
+4. `torch.compile` of each block (`train.compile`);
+5. data parallel last, because it works on whatever parameters the steps before left (tp shards):
+   ZeRO-0/1/2 as flat gradient buckets with hooks, ZeRO-3 as `fully_shard` units per block, over the dp x cp
+   ranks (cp ranks hold other tokens of the same sequences, so their gradients are partial sums too).
 
-The model file holds no parallel code; this order is the one torchtitan documents (TP, then activation
-checkpointing, then compile, then data-parallel sharding), for the same reasons: data parallel must see
-the tp-local parameters, and recompute must wrap the tp-aware modules.
+The model file holds no parallel code; this order is the one torchtitan documents (TP, then CP, then
+activation checkpointing, then compile, then data-parallel sharding), for the same reasons: data parallel
+must see the local parameters, and recompute must wrap the modules that communicate (so that a recomputed
+block repeats its tp and cp communication in backward, the same on every rank).
 """
 
 from __future__ import annotations
@@ -35,15 +39,16 @@ LOSS_CHUNK_TOKENS = 8192
 
 
 class LossModel(nn.Module):
-    """The model and its loss as one module: `forward(inputs, targets)` is the summed token loss of the rows.
+    """The model and its loss as one module: `forward(inputs, targets, positions)` is the summed token loss of
+    the rows (positions: the rotary positions of a context-parallel rank's tokens, None for 0..seq-1).
 
     Under tensor parallel the output layer and the cross-entropy are vocabulary-parallel (the full logits never
     exist); otherwise the fused chunked output layer + loss of the single-device engine. ZeRO-3's root unit
     wraps this module, so that its hooks run around the whole micro-batch."""
 
-    def __init__(self, model: Llama, grid: ProcessGrid, sequence_parallel: bool) -> None:
+    def __init__(self, model: Llama, grid: ProcessGrid, sequence_parallel: bool, compiled: bool = False) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.compiled = model, compiled
         self.grid, self.sequence_parallel = grid, sequence_parallel
         self.compute_dtype = torch.float32
 
@@ -57,7 +62,8 @@ class LossModel(nn.Module):
 
             return vocab_parallel_loss_sum(self.model, hidden, targets, self.grid.tp_group, self.sequence_parallel,
                                            compute_dtype=dtype)
-        return linear_cross_entropy_sum(hidden, self.model.lm_head.weight, targets, LOSS_CHUNK_TOKENS, dtype)
+        return linear_cross_entropy_sum(hidden, self.model.lm_head.weight, targets, LOSS_CHUNK_TOKENS, dtype,
+                                        self.compiled)
 
 
 def tp_sharded_names(model: nn.Module, tp: int) -> set[str]:
@@ -71,7 +77,7 @@ def tp_sharded_names(model: nn.Module, tp: int) -> set[str]:
 
 def apply_model_parallel(model: Llama, cfg: Config, grid: ProcessGrid,
                          weight_grad_queue: WeightGradQueue | None = None) -> None:
-    """Steps 1 to 3 on one model (or pipeline stage), in place."""
+    """Steps 1 to 4 on one model (or pipeline stage), in place."""
     la = cfg.layout
     if grid.size("tp") > 1:  # 1. tensor (and sequence) parallel
         from fivefold.parallel.tensor import apply_tensor_parallel
@@ -81,11 +87,15 @@ def apply_model_parallel(model: Llama, cfg: Config, grid: ProcessGrid,
         from fivefold.parallel.pipeline import defer_weight_grads
 
         defer_weight_grads(model, weight_grad_queue)
-    if la.recompute != "none":  # 2. activation recomputation
+    if grid.size("cp") > 1:  # 2. context parallel
+        from fivefold.parallel.context import apply_context_parallel
+
+        apply_context_parallel(model, grid.groups["cp"])
+    if la.recompute != "none":  # 3. activation recomputation
         from fivefold.parallel.recompute import apply_recompute
 
         apply_recompute(model, la.recompute)
-    if cfg.train.compile:  # 3. compile each block
+    if cfg.train.compile:  # 4. compile each block
         for block in model.layers.values():
             block.compile()
 
@@ -97,9 +107,9 @@ def parallelize(model: Llama, cfg: Config, grid: ProcessGrid, device: torch.devi
     the data-parallel state that reduces the gradients."""
     la = cfg.layout
     apply_model_parallel(model, cfg, grid)
-    loss_model = LossModel(model, grid, la.sp)
+    loss_model = LossModel(model, grid, la.sp, cfg.train.compile)
     tp_sharded = tp_sharded_names(model, grid.size("tp"))
-    if la.zero == 3:  # 4. data parallel
+    if la.zero == 3:  # 5. data parallel
         return loss_model, FullyShardedDataParallel(loss_model, model, tp_sharded, grid.grad_group, device.type)
     named = list(model.named_parameters())
     return loss_model, BucketedDataParallel(named, tp_sharded, grid.grad_group, la.zero, bucket_bytes,
@@ -109,13 +119,15 @@ def parallelize(model: Llama, cfg: Config, grid: ProcessGrid, device: torch.devi
 def parallelize_stages(stages: dict[int, Llama], cfg: Config, grid: ProcessGrid,
                        weight_grad_queue: WeightGradQueue | None, own_bucket: frozenset[str],
                        bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[LossModel | None, BucketedDataParallel]:
-    """The same order for this pipeline rank's stages: steps 1 to 3 on each, then one data-parallel state over
+    """The same order for this pipeline rank's stages: steps 1 to 4 on each, then one data-parallel state over
     all of their parameters (ZeRO-0/1/2; `own_bucket` names a tied weight that needs a bucket of its own).
     Returns the last stage's loss module (None when this rank does not hold it)."""
+    from fivefold.parallel.pipeline import n_stages
+
     la = cfg.layout
     for stage in stages.values():
         apply_model_parallel(stage, cfg, grid, weight_grad_queue)
-    first, last = stages.get(0), stages.get(_last_stage(cfg))
+    first, last = stages.get(0), stages.get(n_stages(la) - 1)
     if cfg.model.tied_embeddings and first is not None and last is not None:
         last.lm_head.weight = first.embed.weight  # both on this rank (DualPipeV): one parameter again after tp
     named, seen = [], set()
@@ -127,10 +139,4 @@ def parallelize_stages(stages: dict[int, Llama], cfg: Config, grid: ProcessGrid,
     tp_sharded = set().union(*(tp_sharded_names(stage, grid.size("tp")) for stage in stages.values()))
     data_parallel = BucketedDataParallel(named, tp_sharded, grid.grad_group, la.zero, bucket_bytes,
                                          la.fp32_grad_accum, own_bucket)
-    return (LossModel(last, grid, la.sp) if last is not None else None), data_parallel
-
-
-def _last_stage(cfg: Config) -> int:
-    from fivefold.parallel.pipeline import n_stages
-
-    return n_stages(cfg.layout) - 1
+    return (LossModel(last, grid, la.sp, cfg.train.compile) if last is not None else None), data_parallel

@@ -149,10 +149,12 @@ MOE = {"model.n_experts": "4", "model.top_k": "2"}
 
 def test_pp2_1f1b_and_zero_bubble_match_one_process():
     """1F1B with tied embeddings on the two ranks (their gradients summed between them); zero-bubble with the
-    B / W split on the MoE model, untied, with each stage's load-balancing loss."""
+    B / W split on the MoE model, untied, with each stage's load-balancing loss and capacity-based routing (the
+    drop fraction of the layers of both ranks equals the reference's)."""
     assert_pipeline_equivalent([
         {**PP, "layout.pp": "2"},
-        {**PP, **MOE, "layout.pp": "2", "layout.schedule": "zero-bubble", "model.tied_embeddings": "false"},
+        {**PP, **MOE, "model.capacity_factor": "1.0", "layout.pp": "2", "layout.schedule": "zero-bubble",
+         "model.tied_embeddings": "false"},
     ], world_size=2)
 
 
@@ -180,6 +182,18 @@ def test_pp2_with_zero_and_tensor_parallel_matches_one_process():
          "layout.schedule": "zero-bubble", "layout.fp32_grad_accum": "true"},
         {**PP_DP, "layout.pp": "2", "layout.tp": "2", "layout.sp": "true", "layout.schedule": "zero-bubble"},
         {**PP, **MOE, "layout.pp": "2", "layout.tp": "2", "layout.schedule": "dualpipev"},
+    ], world_size=4)
+
+
+@pytest.mark.slow
+def test_pp2_with_context_parallel_matches_one_process():
+    """4 ranks: pp2 x cp2 (each rank holds its zig-zag chunks of every sequence, the rotary positions reach every
+    stage, the transfers are [micro-batch, seq / cp, hidden]); with tp2 + SP (8 ranks would be dp2 x tp2 x pp2's
+    test); with the MoE model under DualPipeV and ZeRO-1 over cp."""
+    assert_pipeline_equivalent([
+        {**PP_DP, "layout.pp": "2", "layout.cp": "2"},
+        {**PP_DP, "layout.pp": "2", "layout.cp": "2", "layout.schedule": "zero-bubble", "layout.recompute": "full"},
+        {**PP, **MOE, "layout.pp": "2", "layout.cp": "2", "layout.schedule": "dualpipev", "layout.zero": "1"},
     ], world_size=4)
 
 

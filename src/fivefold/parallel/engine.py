@@ -330,6 +330,18 @@ class PipelineEngine(ParallelEngine):
         last = self.runners.get(self.n_stages - 1)
         return last.loss_sum if last is not None else torch.zeros((), device=self.device)
 
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], global_tokens: int) -> (
+        torch.Tensor
+    ):
+        m = len(micro_batches)
+        self.data_parallel.sync = True
+        self.data_parallel.expect_accumulations(lambda p: m * self.uses[id(p)])
+        total = self._run(micro_batches, global_tokens, training=True)
+        self.data_parallel.end_micro_batch()  # reduce what the hooks did not start, and wait
+        for bucket in self.tied_buckets:  # the embedding's and the output layer's gradients are one gradient
+            dist.all_reduce(self.data_parallel.reduced_grad(bucket), group=self.grid.groups["embed"])
+        return total
+
     @torch.no_grad()
     def eval_micro_batches(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         return self._run(micro_batches, 1, training=False)

@@ -87,3 +87,15 @@ def test_lr_schedules_closed_form():
     t.lr_schedule, t.wsd_decay_fraction = "wsd", 0.2
     assert lr_at(50, t) == 1.0 and lr_at(90, t) == 1.0  # stable until 80 % of the post-warmup steps
     assert lr_at(100, t) == pytest.approx(1.0 - 0.9 * 0.5) and lr_at(110, t) == pytest.approx(0.1)
+
+
+def test_list_fields_from_the_command_line_and_files(tmp_path):
+    cfg = build_config(None, {"layout.stage_layers": "3, 1"})
+    assert cfg.layout.stage_layers == [3, 1]
+    path = tmp_path / "c.toml"
+    path.write_text(dump_toml(cfg))
+    assert "stage_layers = [3, 1]" in path.read_text()
+    assert build_config(path).layout.stage_layers == [3, 1]
+    assert build_config(None).layout.stage_layers == []
+    with pytest.raises(ConfigError, match=r"layout\.stage_layers\[1\] = 'x' is not an integer"):
+        build_config(None, {"layout.stage_layers": "3,x"})

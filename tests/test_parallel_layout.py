@@ -78,7 +78,6 @@ def test_zero_needs_data_parallel():
 
 
 @pytest.mark.parametrize("fields, world, expected", [
-    ({"layout__pp": "2"}, 2, "layout.pp = 2: pp > 1 arrives with Parallel engine II"),
     ({"layout__ep": "2", "layout__dp": "2"}, 2, "layout.ep = 2: ep > 1 arrives with Parallel engine II"),
     ({"layout__vpp": "2"}, 1, "layout.vpp = 2 needs pipeline parallel"),
     ({"layout__sp": "true", "layout__dp": "2"}, 2, "layout.sp = true needs tensor parallel"),
@@ -119,6 +118,65 @@ def test_context_parallel_layouts_that_work_are_accepted():
         ({"layout__cp": "2", "train__seq_len": "128"}, 2),
         ({"layout__cp": "2", "layout__tp": "2", "layout__sp": "true", "train__seq_len": "128"}, 4),
         ({"layout__cp": "2", "layout__zero": "1"}, 2),  # ZeRO shards over dp x cp
+    ]:
+        cfg = config(**fields)
+        cfg.validate()
+        validate_layout(cfg, world)
+
+
+def test_pp_above_the_layer_count_is_refused():
+    msg = refused(config(layout__pp="8", model__n_layers="4"), 8)
+    assert "layout.pp = 8 exceeds model.n_layers = 4" in msg and "use layout.pp <= 4" in msg
+
+
+def test_a_schedule_needing_more_micro_batches_is_refused():
+    # dualpipev needs 2 pp micro-batches; the whole batch in one micro-batch gives 1
+    msg = refused(config(layout__pp="2", layout__schedule="dualpipev", model__n_layers="4"), 2)
+    assert "layout.schedule = dualpipev with layout.pp = 2 needs at least 4 micro-batches per step" in msg
+    assert "= 8 / (1 x 8) = 1" in msg and "use layout.micro_batch_size in [2, 1]" in msg
+
+
+def test_interleaved_needs_a_multiple_of_pp_micro_batches_and_enough_layers():
+    cfg = config(layout__pp="2", layout__schedule="interleaved", layout__vpp="2", model__n_layers="4",
+                 layout__micro_batch_size="2")
+    cfg.train.global_batch_size = 6  # 3 micro-batches
+    msg = refused(cfg, 2)
+    assert "needs at least 2 micro-batches per step, a multiple of layout.pp = 2" in msg
+    assert "use layout.micro_batch_size in [3, 1]" in msg
+    msg = refused(config(layout__pp="2", layout__schedule="interleaved", layout__vpp="4", model__n_layers="4",
+                         layout__micro_batch_size="2"), 2)
+    assert "layout.pp x layout.vpp = 2 x 4 = 8 stages exceed model.n_layers = 4" in msg
+    assert "use layout.vpp in [1, 2]" in msg
+
+
+def test_vpp_without_the_interleaved_schedule_is_refused():
+    msg = refused(config(layout__pp="2", layout__vpp="2", model__n_layers="4"), 2)
+    assert "layout.vpp = 2 (stages per rank) applies to the interleaved schedule only" in msg
+    assert "layout.schedule = interleaved" in msg
+
+
+def test_zero3_with_pipeline_parallel_is_refused():
+    msg = refused(config(layout__pp="2", layout__dp="2", layout__zero="3"), 4)
+    assert "layout.zero = 3 with layout.pp > 1 is refused" in msg and "use layout.zero = 1 or 2" in msg
+
+
+def test_a_bad_explicit_stage_split_is_refused():
+    for split in ("3,2", "4,0", "1,1,2"):
+        msg = refused(config(layout__pp="2", model__n_layers="4", layout__stage_layers=split), 2)
+        assert "must give each of the 2 pipeline stages at least one block, 4 blocks in all" in msg
+        assert "the compute-balanced split is [3, 1]" in msg, msg
+    msg = refused(config(layout__stage_layers="2,2", model__n_layers="4"), 1)
+    assert "layout.stage_layers = [2, 2] splits the blocks over pipeline stages, but layout.pp = 1" in msg
+
+
+def test_pipeline_layouts_that_work_are_accepted():
+    for fields, world in [
+        ({"layout__pp": "2", "model__n_layers": "4", "layout__stage_layers": "1,3"}, 2),
+        ({"layout__pp": "2", "layout__schedule": "interleaved", "layout__vpp": "2", "model__n_layers": "4",
+          "layout__micro_batch_size": "4"}, 2),
+        ({"layout__pp": "2", "layout__dp": "2", "layout__zero": "2", "layout__schedule": "dualpipev",
+          "model__n_layers": "4", "layout__micro_batch_size": "1"}, 4),
+        ({"layout__pp": "4", "layout__tp": "2", "model__n_layers": "4"}, 8),
     ]:
         cfg = config(**fields)
         cfg.validate()

@@ -117,6 +117,57 @@ def test_executor_runs_each_rank_s_actions_in_order_and_routes_every_message():
     run_ranks(3, executor_on_ranks)
 
 
+def test_stage_split_is_the_most_balanced_by_compute():
+    """Against brute force over every split into consecutive runs of blocks: the split's busiest stage (blocks,
+    plus the output layer and loss in block units on the last stage) is the least possible."""
+    import itertools
+
+    from fivefold.config import ModelConfig
+    from fivefold.flops import balanced_stage_layers, head_cost_in_layers
+
+    for n_layers in range(2, 13):
+        for stages in range(2, min(n_layers, 6) + 1):
+            for vocab in (256, 2048, 32768):
+                cfg = ModelConfig(n_layers=n_layers, vocab_size=vocab)
+                head = head_cost_in_layers(cfg, 128)
+
+                def busiest(split: list[int], head: float = head) -> float:
+                    return max(*split[:-1], split[-1] + head)
+
+                best = min(busiest([b - a for a, b in zip((0, *cuts), (*cuts, n_layers), strict=True)])
+                           for cuts in itertools.combinations(range(1, n_layers), stages - 1))
+                split = balanced_stage_layers(cfg, stages, 128)
+                assert sum(split) == n_layers and min(split) >= 1
+                assert busiest(split) == pytest.approx(best), (n_layers, stages, vocab, split)
+
+
+def test_stages_hold_their_blocks_and_initialise_as_one_process():
+    """Every rank's stages together are the one-process model, parameter for parameter (same names, same values),
+    for the three stage placements; the tied output layer is a copy on the last rank, the same parameter when
+    the first and last stages share a rank."""
+    from fivefold.models.llama import build_model
+    from fivefold.parallel.pipeline import build_stages, layer_ranges
+    from fivefold.parallel.schedules import stage_placement
+
+    cfg = tiny_config({**PP, "model.n_layers": "8"})
+    full = build_model(cfg.model, "cpu", seed=5).state_dict()
+    for name, p, v, counts in [("1f1b", 2, 1, [5, 3]), ("interleaved", 2, 2, [2, 2, 2, 2]),
+                               ("dualpipev", 2, 1, [3, 2, 2, 1])]:
+        placement = stage_placement(name, p, v)
+        seen: dict[str, torch.Tensor] = {}
+        for rank in range(p):
+            stages = build_stages(cfg.model, counts, placement, rank, torch.device("cpu"), seed=5)
+            assert sorted(stages) == [s for s, r in enumerate(placement) if r == rank]
+            for s, stage in stages.items():
+                assert list(stage.layers) == [str(i) for i in layer_ranges(counts)[s]]
+                assert (stage.embed is not None) == (s == 0) and (stage.lm_head is not None) == (s == len(counts) - 1)
+                seen.update(stage.state_dict())
+            if 0 in stages and len(counts) - 1 in stages:
+                assert stages[len(counts) - 1].lm_head.weight is stages[0].embed.weight
+        assert seen.keys() == full.keys(), name
+        assert all(torch.equal(seen[k], full[k]) for k in full), name
+
+
 def test_weight_gradients_wait_for_the_w_pass():
     """The B / W split: after B the linears of the blocks have no gradient (the norms do), W adds it, and the
     result equals a plain backward's."""

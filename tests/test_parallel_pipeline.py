@@ -12,10 +12,22 @@ interleaved, tp, 8 ranks, resume.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+from safetensors.torch import load_file
 from tests.distributed import run_ranks
 from tests.test_parallel_equivalence import SMALL_BUCKET, STEPS, reference_run, tiny_config, train_steps
+from tests.test_parallel_launch import SRC, check_resume
+from tests.test_train import dataset, small_config  # noqa: F401  (dataset is a fixture)
+
+from fivefold.config import dump_toml
+from fivefold.train.checkpoint import latest_checkpoint
+from fivefold.train.loop import train
 
 PP = {"model.n_layers": "4", "layout.micro_batch_size": "2"}  # 4 blocks, 4 micro-batches of 2 sequences
 # with dp or tp, the 2-block model of the other equivalence tests where 4 stages are not needed: the dense 4-block
@@ -256,3 +268,41 @@ def test_dp2_tp2_pp2_matches_one_process():
         {**PP_DP, "layout.dp": "2", "layout.tp": "2", "layout.pp": "2", "layout.zero": "2",
          "layout.schedule": "zero-bubble", "layout.recompute": "full"},
     ], world_size=8)
+
+
+@pytest.mark.slow
+def test_resume_under_pp2_is_exact(tmp_path, dataset):  # noqa: F811
+    """Cut after step 3 and resumed: the losses, the validation loss and the checkpointed model are bit for bit
+    those of the uninterrupted run (each pp rank writes its own optimizer shard)."""
+    check_resume(tmp_path, dataset, 2, {"layout.pp": "2", "layout.schedule": "zero-bubble"})
+    assert sorted(p.name for p in latest_checkpoint(tmp_path / "cut").glob("optimizer-rank*.safetensors")) == [
+        "optimizer-rank0.safetensors", "optimizer-rank1.safetensors"]
+
+
+@pytest.mark.slow
+def test_train_nproc_2_pp2_matches_one_process(tmp_path, dataset):  # noqa: F811
+    """`fivefold train --nproc 2 --layout.pp 2` end to end (launcher, data, forward-only evaluation, checkpoint)
+    against the one-process run: losses and validation loss to 1e-5, the checkpointed model to 1e-4."""
+    overrides = {"train.max_steps": "4", "train.checkpoint_every": "0", "train.dtype": "fp32",
+                 "train.device": "cpu", "train.threads": "1", "layout.micro_batch_size": "2", "model.n_layers": "3",
+                 "train.eval_every": "2"}
+    single = train(small_config(tmp_path / "one", dataset, **overrides))
+    config = tmp_path / "config.toml"
+    config.write_text(dump_toml(small_config(tmp_path / "two", dataset, **overrides, **{"log.progress": "none"})))
+    cmd = [sys.executable, "-m", "fivefold", "train", "--nproc", "2", "--config", str(config), "--layout.pp", "2",
+           "--run-dir", str(tmp_path / "two")]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)},
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert len(losses) == 4
+    for a, b in zip(losses, single.losses, strict=True):
+        assert abs(a - b) <= 1e-5 * b
+    vals = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+    assert vals.keys() == single.val_losses.keys() == {0, 2, 4}
+    assert all(abs(vals[k] - single.val_losses[k]) <= 1e-5 * single.val_losses[k] for k in vals)
+    a = load_file(str(latest_checkpoint(tmp_path / "two") / "model.safetensors"))
+    b = load_file(str(latest_checkpoint(tmp_path / "one") / "model.safetensors"))
+    assert a.keys() == b.keys()
+    assert all((a[k] - b[k]).norm() <= 1e-4 * b[k].norm() for k in a)

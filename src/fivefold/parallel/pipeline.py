@@ -325,10 +325,10 @@ class PipelineExecutor:
                 grad = None if s == last else take("B", mb, s + 1)
                 start = time.perf_counter()
                 grad_input = stage.backward_input(mb, grad)
+                if not schedule.split_backward:  # a whole backward: its input gradient leaves when it is done
+                    stage.backward_weight(mb)
                 if s > 0:
                     give("B", mb, s, grad_input)
-                if not schedule.split_backward:
-                    stage.backward_weight(mb)
             else:
                 start = time.perf_counter()
                 stage.backward_weight(mb)

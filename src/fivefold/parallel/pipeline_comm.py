@@ -80,7 +80,7 @@ class PointToPoint:
         self.position = dict.fromkeys(self.ops, 0)
         self.tags = {(peer, msg.key): tag for peer, msgs in self.ops.items() for tag, msg in enumerate(msgs)}
         self.pending: dict[tuple[str, int, int], tuple[dist.Work, torch.Tensor]] = {}
-        self.sends: list[dist.Work] = []
+        self.sends: list[tuple[dist.Work, torch.Tensor]] = []
 
     def _post_until(self, peer: int, stop: tuple[str, int, int] | None) -> None:
         """Post this pair's receives in order, up to the next send (or up to and including the send `stop`)."""
@@ -99,14 +99,16 @@ class PointToPoint:
             self.position[peer] = pos + 1
 
     def post_receives(self) -> None:
-        """Post every receive that the order allows now (called before each action)."""
+        """Post every receive that the order allows now, and let go of the sends that have completed (called before
+        each action, so that a sent tensor is not held to the end of the step)."""
+        self.sends = [(work, tensor) for work, tensor in self.sends if not work.is_completed()]
         for peer in self.ops:
             self._post_until(peer, None)
 
     def send(self, key: tuple[str, int, int], tensor: torch.Tensor, peer: int) -> None:
         self._post_until(peer, key)
         tensor = tensor.detach().contiguous()
-        self.sends.append(dist.isend(tensor, group=self.group, group_dst=peer, tag=self.tags[(peer, key)]))
+        self.sends.append((dist.isend(tensor, group=self.group, group_dst=peer, tag=self.tags[(peer, key)]), tensor))
         self._post_until(peer, None)
 
     def receive(self, key: tuple[str, int, int], peer: int) -> torch.Tensor:
@@ -121,7 +123,7 @@ class PointToPoint:
 
     def finish(self) -> None:
         """Wait for the outstanding sends; every planned message must have been exchanged."""
-        for work in self.sends:
+        for work, _ in self.sends:
             work.wait()
         self.sends.clear()
         left = [peer for peer, msgs in self.ops.items() if self.position[peer] != len(msgs)]

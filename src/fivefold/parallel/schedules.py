@@ -388,3 +388,25 @@ def render(schedule: Schedule, sim: SimResult | None = None) -> str:
     if sim is not None:
         lines.append(f"makespan {sim.makespan:.3g}, bubble {sim.bubble:.3f}")
     return "\n".join(lines)
+
+
+def timeline(schedule: Schedule) -> str:
+    """The schedule drawn against time, one text line per rank, as `simulate` runs it with equal chunks: one
+    column is one chunk's forward of one micro-batch (t_f = 1), a backward takes 2 (B 1 and W 1 when split,
+    else one B of 2), a transfer 0. A cell is the action's kind and micro-batch (`F3`), lower case for a rank's
+    second chunk (interleaved, DualPipeV), `..` for idle."""
+    sim = simulate(schedule, 1.0, 1.0, 1.0)
+    width = round(sim.makespan)
+    lines = []
+    for r, acts in enumerate(schedule.actions):
+        mine = sorted({a.stage for a in acts})
+        cells = [".."] * width
+        for a in acts:
+            key = (a.kind, a.micro_batch, a.stage)
+            label = f"{a.kind}{a.micro_batch}"
+            if mine.index(a.stage) == 1:
+                label = label.lower()
+            for t in range(round(sim.start[key]), round(sim.end[key])):
+                cells[t] = label
+        lines.append(f"rank {r}: " + " ".join(cells))
+    return "\n".join(lines)

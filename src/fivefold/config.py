@@ -112,7 +112,7 @@ class ModelConfig:
 
 @dataclass
 class LayoutConfig:
-    """How the model is spread over devices. Parallel degrees other than 1 arrive with the engine issues."""
+    """How the model is spread over devices (see docs/parallelism.md); checked as a whole by `validate_layout`."""
 
     dp: int = 1
     tp: int = 1

@@ -410,3 +410,4 @@ def timeline(schedule: Schedule) -> str:
                 cells[t] = label
         lines.append(f"rank {r}: " + " ".join(cells))
     return "\n".join(lines)
+

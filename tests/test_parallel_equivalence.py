@@ -137,21 +137,28 @@ def check_overlap(engine, cfg: Config) -> None:
 def assert_equivalent(layouts: list[dict[str, str]], world_size: int) -> None:
     results = run_ranks(world_size, layouts_on_ranks, layouts)[0]
     for overrides, (losses, norms, drops, state) in zip(layouts, results, strict=True):
-        ref_losses, ref_norms, ref_drops, ref_state = reference_run(overrides)
-        label = " ".join(f"{k}={v}" for k, v in overrides.items())
-        assert len(losses) == STEPS
-        for step, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
-            assert abs(a - b) <= 1e-5 * abs(b), f"{label}: loss of step {step + 1}: {a} vs single process {b}"
-        for step, (a, b) in enumerate(zip(norms, ref_norms, strict=True)):
-            assert abs(a - b) <= 1e-4 * abs(b), f"{label}: grad norm of step {step + 1}: {a} vs {b}"
-        if float(overrides.get("model.capacity_factor", 0)) > 0:  # capacity-based routing drops the same slots
-            assert max(ref_drops) > 0.01, f"{label}: the reference drops nothing, so the test shows nothing"
-            for step, (a, b) in enumerate(zip(drops, ref_drops, strict=True)):
-                assert abs(a - b) <= 1e-6, f"{label}: drop fraction of step {step + 1}: {a} vs {b}"
-        assert state.keys() == ref_state.keys(), label
-        for name, ref in ref_state.items():
-            error = ((state[name] - ref).norm() / ref.norm()).item()
-            assert error <= 1e-4, f"{label}: {name} differs by {error:.2e} (relative) after {STEPS} steps"
+        assert_matches_one_process(overrides, losses, norms, drops, state)
+
+
+def assert_matches_one_process(overrides: dict[str, str], losses: list[float], norms: list[float],
+                               drops: list[float | None], state: dict[str, torch.Tensor]) -> None:
+    """One layout's losses, gradient norms, drop fractions and final parameters against `reference_run`'s, with
+    the tolerances of the module docstring."""
+    ref_losses, ref_norms, ref_drops, ref_state = reference_run(overrides)
+    label = " ".join(f"{k}={v}" for k, v in overrides.items())
+    assert len(losses) == STEPS
+    for step, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"{label}: loss of step {step + 1}: {a} vs single process {b}"
+    for step, (a, b) in enumerate(zip(norms, ref_norms, strict=True)):
+        assert abs(a - b) <= 1e-4 * abs(b), f"{label}: grad norm of step {step + 1}: {a} vs {b}"
+    if float(overrides.get("model.capacity_factor", 0)) > 0:  # capacity-based routing drops the same slots
+        assert max(ref_drops) > 0.01, f"{label}: the reference drops nothing, so the test shows nothing"
+        for step, (a, b) in enumerate(zip(drops, ref_drops, strict=True)):
+            assert abs(a - b) <= 1e-6, f"{label}: drop fraction of step {step + 1}: {a} vs {b}"
+    assert state.keys() == ref_state.keys(), label
+    for name, ref in ref_state.items():
+        error = ((state[name] - ref).norm() / ref.norm()).item()
+        assert error <= 1e-4, f"{label}: {name} differs by {error:.2e} (relative) after {STEPS} steps"
 
 
 MOE = {"model.n_experts": "4", "model.top_k": "2"}

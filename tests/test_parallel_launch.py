@@ -32,25 +32,35 @@ def test_train_nproc_2_matches_one_process(tmp_path, dataset):  # noqa: F811
            "--model.ffn", "128", "--model.vocab_size", "512", "--train.seq_len", "32", "--train.global_batch_size",
            "8", "--train.warmup_steps", "2", "--train.eval_every", "0", "--train.eval_batches", "2",
            "--log.log_every", "1", "--log.progress", "none", *args]
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    records = assert_cli_run_matches(cmd, tmp_path / "two", single)
+    assert all(len(r["peak_memory_bytes_per_rank"]) == 2 for r in records if "loss" in r)
+
+
+def assert_cli_run_matches(cmd: list[str], run_dir: Path, single) -> list[dict]:
+    """Run the `fivefold train --nproc N ...` command `cmd` (writing `run_dir`) and check its logged losses,
+    validation losses and checkpointed model against the one-process run `single` (losses to 1e-5, the model to
+    1e-4 of each tensor's largest value); the checkpoint holds one optimizer shard per rank. Returns the
+    metrics records."""
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)},
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
-    assert len(losses) == 4
+    assert len(losses) == len(single.losses)
     for a, b in zip(losses, single.losses, strict=True):
         assert abs(a - b) <= 1e-5 * b
     vals = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
-    assert abs(vals[4] - single.val_losses[4]) <= 1e-5 * single.val_losses[4]
-    assert all(len(r["peak_memory_bytes_per_rank"]) == 2 for r in records if "loss" in r)
+    assert vals.keys() == single.val_losses.keys()
+    assert all(abs(vals[k] - single.val_losses[k]) <= 1e-5 * single.val_losses[k] for k in vals)
     # the checkpoint holds the full plain-named model, equal to the one-process run's, and one optimizer shard
     # per rank
-    two, one = latest_checkpoint(tmp_path / "two"), latest_checkpoint(tmp_path / "one")
+    two, one = latest_checkpoint(run_dir), latest_checkpoint(single.run_dir)
     a, b = load_file(str(two / "model.safetensors")), load_file(str(one / "model.safetensors"))
     assert a.keys() == b.keys()
     assert all((a[k] - b[k]).abs().max() <= 1e-4 * b[k].abs().max() for k in a)
     assert sorted(p.name for p in two.glob("optimizer-rank*.safetensors")) == [
         "optimizer-rank0.safetensors", "optimizer-rank1.safetensors"]
+    return records
 
 
 def test_slurm_script_runs_torchrun_on_every_node(tmp_path, capsys):

@@ -1,13 +1,15 @@
 """Pipeline parallel against one process, with the method of tests/test_parallel_equivalence.py (K = 3 steps of a
 tiny Llama in fp32 on CPU, the same global batches; losses to 1e-5, gradient norms and parameters to 1e-4
-relative), on a 4-block model with 4 micro-batches per step (DualPipeV needs 2 pp of them).
+relative), on a 4-block model with 4 micro-batches per step (DualPipeV needs 2 pp of them), and with dp or tp
+on the 2-block model where 4 stages are not needed (see PP_DP). Every rank also checks that it ran exactly its
+action list, that every gradient bucket was reduced from a hook and that no deferred weight gradient was left.
 
-Also: the executor runs each rank's action list in exactly its order; the B / W split defers the weight
-gradients of the linears (W computes them, B does not); the stage split is balanced by compute and
-initialisation equals the one-process model; the forward-only schedule.
+Also: the executor calls each stage in exactly its rank's order and routes every message (synthetic stages);
+the B / W split defers the linears' weight gradients to W; the stage split is the min-max optimum; the stages
+initialise as the one-process model; resume; `fivefold train --nproc 2 --layout.pp 2`.
 
-Fast (default run): pp2 under 1F1B with ZeRO-1 on a second layout... see each test. Slow: the other schedules,
-interleaved, tp, 8 ranks, resume.
+Fast (default run): pp2 1F1B and zero-bubble (MoE, capacity routing, untied); the executor, split and B / W
+tests. Slow: the other schedules, ZeRO-1/2 x dp2, tp2 (+SP), cp2, dp2 x tp2 x pp2 (8 ranks), resume, the CLI.
 """
 
 from __future__ import annotations

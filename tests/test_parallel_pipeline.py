@@ -43,7 +43,9 @@ PP_DP = {"layout.micro_batch_size": "2"}
 def pipeline_on_ranks(rank: int, world_size: int, layouts: list[dict[str, str]]) -> list:
     """On every rank: train each layout; rank 0 returns (losses, norms, state) of each, every rank checks that it
     ran its action list in order and that the data-parallel buckets were reduced from the gradient hooks."""
+    from fivefold.flops import balanced_stage_layers
     from fivefold.parallel import create_parallel_engine
+    from fivefold.parallel.pipeline import layer_ranges
 
     results = []
     for overrides in layouts:
@@ -52,6 +54,9 @@ def pipeline_on_ranks(rank: int, world_size: int, layouts: list[dict[str, str]])
         losses, norms, drops = train_steps(engine, cfg)
         schedule = engine.schedule(cfg.grad_accum_steps)
         assert [r.action for r in engine.last_trace] == list(schedule.actions[engine.pp_rank])
+        counts = cfg.layout.stage_layers or balanced_stage_layers(cfg.model, schedule.n_stages, cfg.train.seq_len)
+        for s, stage in engine.stages.items():  # the split asked for (or the balanced one), stage by stage
+            assert list(stage.layers) == [str(i) for i in layer_ranges(counts)[s]]
         dp = engine.data_parallel
         if cfg.layout.zero < 2:  # each bucket reduced once per step, launched by the hook of its last gradient
             assert dp.launched_in_backward == len(dp.buckets) * STEPS
@@ -214,10 +219,11 @@ def test_pp2_1f1b_and_zero_bubble_match_one_process():
 
 @pytest.mark.slow
 def test_pp2_other_schedules_match_one_process():
-    """AFAB; interleaved with v = 2 (4 stages, rank r holding stages r and r + 2); DualPipeV (rank 0 holds the
-    first and the last stage, so the tied weight is one parameter there); zero-bubble with recompute."""
+    """AFAB with an explicit split; interleaved with v = 2 (4 stages, rank r holding stages r and r + 2); DualPipeV
+    (rank 0 holds the first and the last stage, so the tied weight is one parameter there); zero-bubble with
+    recompute."""
     assert_pipeline_equivalent([
-        {**PP, "layout.pp": "2", "layout.schedule": "afab"},
+        {**PP, "layout.pp": "2", "layout.schedule": "afab", "layout.stage_layers": "1,3"},
         {**PP, "layout.pp": "2", "layout.schedule": "interleaved", "layout.vpp": "2"},
         {**PP, "layout.pp": "2", "layout.schedule": "dualpipev"},
         {**PP, "layout.pp": "2", "layout.schedule": "zero-bubble", "layout.recompute": "full"},

@@ -221,3 +221,31 @@ def test_context_times_tensor_and_data_parallel_matches_one_process():
         {"layout.cp": "2", "layout.dp": "2", "layout.zero": "3"},
         {"layout.cp": "2", "layout.tp": "2", "layout.sp": "true", "layout.zero": "1", **MOE},
     ], world_size=4)
+
+
+def test_expert_parallel_matches_one_process():
+    assert_equivalent([
+        {"layout.dp": "2", "layout.ep": "2", **MOE},
+        # capacity per source rank and expert as in one process: the same slots dropped
+        {"layout.dp": "2", "layout.ep": "2", "layout.zero": "1", **CAPACITY},
+    ], world_size=2)
+
+
+@pytest.mark.slow
+def test_expert_parallel_over_context_parallel_matches_one_process():
+    assert_equivalent([
+        {"layout.cp": "2", "layout.ep": "2", "layout.zero": "2", "layout.recompute": "full", **CAPACITY},
+        {"layout.dp": "2", "layout.ep": "2", "layout.recompute": "selective", "model.n_shared_experts": "1", **MOE},
+    ], world_size=2)
+
+
+@pytest.mark.slow
+def test_expert_times_tensor_and_data_parallel_matches_one_process():
+    assert_equivalent([
+        {"layout.dp": "2", "layout.tp": "2", "layout.ep": "2", **MOE},
+        {"layout.dp": "2", "layout.tp": "2", "layout.ep": "2", "layout.sp": "true", "layout.zero": "2", **CAPACITY},
+        # two ranks hold the same experts: expert gradients reduced over them (edp), ZeRO slices over them
+        {"layout.dp": "4", "layout.ep": "2", "layout.zero": "1", **MOE},
+        {"layout.dp": "4", "layout.ep": "4", "layout.zero": "2", **CAPACITY},
+        {"layout.dp": "2", "layout.cp": "2", "layout.ep": "4", "layout.zero": "1", **MOE},
+    ], world_size=4)

@@ -1,5 +1,6 @@
 """Parallel training: the process grid (`mesh`), data parallel and ZeRO (`data`), tensor and sequence
-parallel (`tensor`), recompute (`recompute`), applied in order by `parallelize`, driven by `ParallelEngine`.
+parallel (`tensor`), expert parallel (`expert`), context parallel (`context`), recompute (`recompute`),
+applied in order by `parallelize`, driven by `ParallelEngine`.
 
 This module also starts processes: `launch` runs `fivefold train` on N local processes through PyTorch's
 own launcher (`torch.distributed.run`, the code behind `torchrun`), `init_distributed` joins the process

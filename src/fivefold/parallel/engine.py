@@ -2,10 +2,11 @@
 
 It differs from the single-device engine in these places: `prepare_micro_batch` keeps a context-parallel
 rank's zig-zag chunks of each sequence with their rotary positions; the loss goes through `LossModel`
-(vocabulary parallel under tp); each micro-batch tells the data-parallel state whether to reduce gradients
-(over dp x cp); the gradient norm is summed over shards (tp-sharded parameters over tp, ZeRO slices over
-dp x cp, replicated ones counted once); logged values are summed over dp x cp; and checkpoints gather the
-full plain-named state (collective) or shard a loaded one.
+(vocabulary parallel under tp); each micro-batch tells the data-parallel states whether to reduce gradients
+(dense ones over dp x cp, expert ones over the ranks holding the same experts); the gradient norm is summed
+over shards (tp-sharded parameters over tp, ZeRO slices over their group, experts over ep, replicated ones
+counted once); logged values are summed over dp x cp; and checkpoints gather the full plain-named state
+(collective) or shard a loaded one.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from fivefold.config import Config
 from fivefold.models.llama import Llama, build_model
 from fivefold.parallel.data import DEFAULT_BUCKET_BYTES, BucketedDataParallel, FullyShardedDataParallel
 from fivefold.parallel.mesh import ProcessGrid
-from fivefold.parallel.parallelize import LossModel, parallelize
+from fivefold.parallel.parallelize import DataParallel, LossModel, parallelize
 from fivefold.train.engine import Engine, use_bf16
 from fivefold.train.optim import build_adamw
 
@@ -30,20 +31,23 @@ class ParallelEngine(Engine):
     """Trains one rank's part of the model; `dp_rank`/`dp_size` select this rank's rows of the batch (every cp
     rank of a dp rank gets the same rows and keeps its chunks of them)."""
 
-    def __init__(self, model: Llama, loss_model: LossModel,
-                 data_parallel: BucketedDataParallel | FullyShardedDataParallel, grid: ProcessGrid, cfg: Config,
-                 device: torch.device) -> None:
+    def __init__(self, model: Llama, loss_model: LossModel, data_parallel: DataParallel, grid: ProcessGrid,
+                 cfg: Config, device: torch.device, expert_data_parallel: BucketedDataParallel | None = None) -> None:
         self.model, self.loss_model, self.data_parallel, self.grid = model, loss_model, data_parallel, grid
+        self.expert_data_parallel = expert_data_parallel
+        self.data_parallels = [data_parallel] + ([expert_data_parallel] if expert_data_parallel else [])
         self.cfg, self.device = cfg, device
         self.bf16 = use_bf16(cfg, device)
         self.dp_rank, self.dp_size = grid.ranks["dp"], grid.size("dp")
         self.tp_rank, self.tp_size = grid.ranks["tp"], grid.size("tp")
         self.cp_rank, self.cp_size = grid.ranks["cp"], grid.size("cp")
+        self.ep_rank, self.ep_size = grid.group_ranks["ep"].index(grid.rank), grid.size("ep")
         self.is_logging_rank = grid.rank == 0
         self.n_devices = grid.world_size
         # every rank writes its own optimizer file when the states differ between ranks
-        self.optimizer_state_is_sharded = cfg.layout.zero >= 1 or self.tp_size > 1
-        self.optimizer = build_adamw(nn.ParameterList(data_parallel.optimizer_params()), cfg.train, device)
+        self.optimizer_state_is_sharded = cfg.layout.zero >= 1 or self.tp_size > 1 or self.ep_size > 1
+        params = [p for dp in self.data_parallels for p in dp.optimizer_params()]
+        self.optimizer = build_adamw(nn.ParameterList(params), cfg.train, device)
 
     def prepare_micro_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor | None
@@ -61,28 +65,37 @@ class ParallelEngine(Engine):
 
     @contextlib.contextmanager
     def micro_batch_context(self, index: int, count: int) -> Iterator[None]:
-        self.data_parallel.sync = index == count - 1
+        for dp in self.data_parallels:
+            dp.sync = index == count - 1
         yield
-        self.data_parallel.end_micro_batch()
+        for dp in self.data_parallels:
+            dp.end_micro_batch()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        self.data_parallel.attach_grads()
+        for dp in self.data_parallels:
+            dp.attach_grads()
         sharded, replicated = self.data_parallel.grad_square_sums()
+        if self.expert_data_parallel is not None:  # each ep rank holds other experts (and under tp, a slice)
+            experts = sum(self.expert_data_parallel.grad_square_sums())
+            dist.all_reduce(experts, group=self.grid.groups["ep"])
+            sharded = sharded + experts
         if self.tp_size > 1:  # each tp rank holds a different slice of the sharded parameters
             dist.all_reduce(sharded, group=self.grid.tp_group)
         norm = (sharded + replicated).sqrt()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for p in self.data_parallel.optimizer_params():
-                if p.grad is not None:
-                    grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                    grad.mul_(coef)
+            for dp in self.data_parallels:
+                for p in dp.optimizer_params():
+                    if p.grad is not None:
+                        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                        grad.mul_(coef)
         return norm
 
     def optimizer_step(self) -> torch.Tensor:
         norm = self.clip_grad_norm(self.cfg.train.grad_clip)
         self.optimizer.step()
-        self.data_parallel.after_step()
+        for dp in self.data_parallels:
+            dp.after_step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
@@ -114,6 +127,10 @@ class ParallelEngine(Engine):
             from fivefold.parallel.tensor import gather_state
 
             state = gather_state(state, self.grid.tp_group)
+        if self.ep_size > 1:
+            from fivefold.parallel.expert import gather_expert_state
+
+            state = gather_expert_state(state, self.grid.groups["ep"])
         if self.cfg.model.tied_embeddings:
             state.pop("lm_head.weight", None)
         return state
@@ -126,6 +143,10 @@ class ParallelEngine(Engine):
             from fivefold.parallel.tensor import shard_state
 
             state = shard_state(state, self.tp_rank, self.tp_size)
+        if self.ep_size > 1:
+            from fivefold.parallel.expert import shard_expert_state
+
+            state = shard_expert_state(state, self.ep_rank, self.ep_size)
         if isinstance(self.data_parallel, FullyShardedDataParallel):
             own = self.model.state_dict()
             missing = set(own) ^ set(state)
@@ -171,7 +192,7 @@ class ParallelEngine(Engine):
 
     def _shard_layout(self) -> dict[str, int]:
         la = self.cfg.layout
-        extra = {"cp": la.cp} if la.cp > 1 else {}
+        extra = {name: getattr(la, name) for name in ("cp", "ep") if getattr(la, name) > 1}
         return {"dp": la.dp, "tp": la.tp, **extra, "zero": la.zero, "rank": self.grid.rank}
 
     def barrier(self) -> None:
@@ -183,6 +204,8 @@ class ParallelEngine(Engine):
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer states (Adam's two moments)."""
         held = self.data_parallel.state_bytes()
+        if self.expert_data_parallel is not None:
+            held = {k: v + self.expert_data_parallel.state_bytes()[k] for k, v in held.items()}
         optimizer = 0
         for s in self.optimizer.state.values():
             for key in ("exp_avg", "exp_avg_sq"):
@@ -198,5 +221,5 @@ def create_parallel_engine(cfg: Config, device: torch.device,
     rank), apply the layout and return the engine."""
     grid = ProcessGrid.build(cfg)
     model = build_model(cfg.model, device=device, seed=cfg.train.seed)
-    loss_model, data_parallel = parallelize(model, cfg, grid, device, bucket_bytes)
-    return ParallelEngine(model, loss_model, data_parallel, grid, cfg, device)
+    loss_model, data_parallel, expert_data_parallel = parallelize(model, cfg, grid, device, bucket_bytes)
+    return ParallelEngine(model, loss_model, data_parallel, grid, cfg, device, expert_data_parallel)

@@ -2,18 +2,20 @@
 
 1. tensor parallel (with sequence parallel when `layout.sp`): shards the projections, the MLP/experts and
    the vocabulary over the tp ranks, in place, keeping every parameter name;
-2. context parallel (`layout.cp`): attention becomes ring attention over the cp group, MoE statistics that
+2. expert parallel (`layout.ep`): keeps this rank's experts of each MoE layer (whole experts, already split
+   along their ffn dim by tp) and routes tokens to them with all-to-alls over the ep group;
+3. context parallel (`layout.cp`): attention becomes ring attention over the cp group, MoE statistics that
    span the sequence are summed over it; the engine feeds each rank its zig-zag chunks of every sequence;
-3. activation recomputation (`layout.recompute`: none, selective = the attention core, full = each block);
-4. `torch.compile` of each block (`train.compile`);
-5. data parallel last, because it works on whatever parameters the steps before left (tp shards):
-   ZeRO-0/1/2 as flat gradient buckets with hooks, ZeRO-3 as `fully_shard` units per block, over the dp x cp
-   ranks (cp ranks hold other tokens of the same sequences, so their gradients are partial sums too).
+4. activation recomputation (`layout.recompute`: none, selective = the attention core, full = each block);
+5. `torch.compile` of each block (`train.compile`);
+6. data parallel last, because it works on whatever parameters the steps before left (tp and ep shards):
+   ZeRO-0/1/2 as flat gradient buckets with hooks, ZeRO-3 as `fully_shard` units per block. Dense gradients
+   are reduced over dp x cp, expert gradients (under ep) over the ranks that hold the same experts.
 
 The model file holds no parallel code; this order is the one torchtitan documents (TP, then CP, then
 activation checkpointing, then compile, then data-parallel sharding), for the same reasons: data parallel
 must see the local parameters, and recompute must wrap the modules that communicate (so that a recomputed
-block repeats its tp and cp communication in backward, the same on every rank).
+block repeats its tp, ep and cp communication in backward, the same on every rank).
 """
 
 from __future__ import annotations
@@ -66,31 +68,46 @@ def tp_sharded_names(model: nn.Module, tp: int) -> set[str]:
     return {name for name, _ in model.named_parameters() if tp_shard_dim(name) is not None}
 
 
+DataParallel = BucketedDataParallel | FullyShardedDataParallel
+
+
 def parallelize(model: Llama, cfg: Config, grid: ProcessGrid, device: torch.device,
-                bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[LossModel, BucketedDataParallel |
-                                                                   FullyShardedDataParallel]:
-    """Apply the layout to `model` in place (see the module docstring); return the loss module to call and
-    the data-parallel state that reduces the gradients."""
+                bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[LossModel, DataParallel,
+                                                                   BucketedDataParallel | None]:
+    """Apply the layout to `model` in place (see the module docstring); return the loss module to call, the
+    data-parallel state that reduces the dense gradients and, under expert parallel, the one that reduces the
+    expert gradients (None otherwise)."""
     la = cfg.layout
     if grid.size("tp") > 1:  # 1. tensor (and sequence) parallel
         from fivefold.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, grid.tp_group, la.sp)
-    if grid.size("cp") > 1:  # 2. context parallel
+    if la.ep > 1:  # 2. expert parallel
+        from fivefold.parallel.expert import apply_expert_parallel
+
+        apply_expert_parallel(model, grid.groups["ep"])
+    if grid.size("cp") > 1:  # 3. context parallel
         from fivefold.parallel.context import apply_context_parallel
 
         apply_context_parallel(model, grid.groups["cp"])
-    if la.recompute != "none":  # 3. activation recomputation
+    if la.recompute != "none":  # 4. activation recomputation
         from fivefold.parallel.recompute import apply_recompute
 
         apply_recompute(model, la.recompute)
-    if cfg.train.compile:  # 4. compile each block
+    if cfg.train.compile:  # 5. compile each block
         for block in model.layers.values():
             block.compile()
     loss_model = LossModel(model, grid, la.sp)
     tp_sharded = tp_sharded_names(model, grid.size("tp"))
-    if la.zero == 3:  # 5. data parallel
-        return loss_model, FullyShardedDataParallel(loss_model, model, tp_sharded, grid.grad_group, device.type)
+    if la.zero == 3:  # 6. data parallel (ep with ZeRO-3 is refused by the layout check)
+        return loss_model, FullyShardedDataParallel(loss_model, model, tp_sharded, grid.grad_group, device.type), None
     named = list(model.named_parameters())
-    return loss_model, BucketedDataParallel(named, tp_sharded, grid.grad_group, la.zero, bucket_bytes,
-                                            la.fp32_grad_accum)
+    experts = None
+    if la.ep > 1:
+        from fivefold.parallel.expert import is_expert_param
+
+        experts = BucketedDataParallel([(n, p) for n, p in named if is_expert_param(n)], tp_sharded,
+                                       grid.groups["edp"], la.zero, bucket_bytes, la.fp32_grad_accum)
+        named = [(n, p) for n, p in named if not is_expert_param(n)]
+    dense = BucketedDataParallel(named, tp_sharded, grid.grad_group, la.zero, bucket_bytes, la.fp32_grad_accum)
+    return loss_model, dense, experts

@@ -60,7 +60,9 @@ def global_batches(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def train_steps(engine: Engine, cfg: Config) -> tuple[list[float], list[float], list[float | None]]:
     """STEPS optimizer steps on this engine's rows of the global batches; (losses, grad norms, MoE drop fractions)
-    per step."""
+    per step, and last the evaluation loss of the first batch after training (as a one-element list)."""
+    from fivefold.train.loop import evaluate
+
     global_tokens = cfg.train.global_batch_size * cfg.train.seq_len
     losses, norms, drops = [], [], []
     for step, (inputs, targets) in enumerate(global_batches(cfg)):
@@ -73,6 +75,7 @@ def train_steps(engine: Engine, cfg: Config) -> tuple[list[float], list[float], 
         norms.append(float(engine.optimizer_step()))
         losses.append(engine.reduce_for_logging(loss_sum).item() / global_tokens)
         drops.append(engine.moe_drop_fraction())
+    losses.append(evaluate(engine, global_batches(cfg)[:1], cfg.micro_batch_size))
     return losses, norms, drops
 
 
@@ -138,9 +141,10 @@ def assert_equivalent(layouts: list[dict[str, str]], world_size: int) -> None:
     for overrides, (losses, norms, drops, state) in zip(layouts, results, strict=True):
         ref_losses, ref_norms, ref_drops, ref_state = reference_run(overrides)
         label = " ".join(f"{k}={v}" for k, v in overrides.items())
-        assert len(losses) == STEPS
+        assert len(losses) == STEPS + 1
         for step, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
-            assert abs(a - b) <= 1e-5 * abs(b), f"{label}: loss of step {step + 1}: {a} vs single process {b}"
+            what = f"loss of step {step + 1}" if step < STEPS else "evaluation loss"
+            assert abs(a - b) <= 1e-5 * abs(b), f"{label}: {what}: {a} vs single process {b}"
         for step, (a, b) in enumerate(zip(norms, ref_norms, strict=True)):
             assert abs(a - b) <= 1e-4 * abs(b), f"{label}: grad norm of step {step + 1}: {a} vs {b}"
         if float(overrides.get("model.capacity_factor", 0)) > 0:  # capacity-based routing drops the same slots

@@ -16,7 +16,7 @@ import torch
 from fivefold.config import Config
 from fivefold.planner.hardware import Cluster, get_cluster
 from fivefold.planner.layout import FIVEFOLD, FIVEFOLD_CPU, Layout
-from fivefold.planner.search import estimate
+from fivefold.planner.search import Estimate, estimate
 
 
 def layout_of(cfg: Config) -> Layout:
@@ -58,25 +58,29 @@ def load_hardware(file: str | Path | None, device_type: str) -> Cluster:
     return default_hardware(device_type)
 
 
-def predict_run(cfg: Config, hardware: Cluster, device_type: str | None = None) -> dict:
-    """Predicted step time, tokens/s per device, MFU and peak memory per device of `cfg` on `hardware`.
-
-    `device_type` (cpu, cuda, ...) picks the compute precision when `train.dtype` is auto; default: the
-    config's `train.device`, or this machine's accelerator for `auto`. Keys: `step_time_s`,
-    `tokens_per_s_per_device`, `mfu`, `peak_memory_bytes`, `fits`, `time_s` (step time by cause),
-    `memory_bytes` (peak by part of the most loaded pipeline rank), `hardware`, `framework`, `layout`."""
+def estimate_run(cfg: Config, hardware: Cluster, device_type: str | None = None) -> Estimate:
+    """The planner's `Estimate` of `cfg` with fivefold's settings for the precision it computes in."""
     if device_type is None:
         device_type = cfg.train.device.split(":")[0]
         if device_type == "auto":
             acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
             device_type = acc.type if acc is not None else "cpu"
     framework = FIVEFOLD_CPU if compute_dtype(cfg, device_type) == "fp32" else FIVEFOLD
-    lay = layout_of(cfg)
-    e = estimate(cfg.model, cfg.train.seq_len, lay, framework, hardware, True)
+    return estimate(cfg.model, cfg.train.seq_len, layout_of(cfg), framework, hardware, True)
+
+
+def predict_run(cfg: Config, hardware: Cluster, device_type: str | None = None) -> dict:
+    """Predicted step time, tokens/s per device, MFU and peak memory per device of `cfg` on `hardware`.
+
+    `device_type` (cpu, cuda, ...) picks the compute precision when `train.dtype` is auto; default: the
+    config's `train.device`, or this machine's accelerator for `auto`. Keys: `step_time_s`,
+    `tokens_per_s_per_device`, `mfu`, `peak_memory_bytes`, `fits`, `time_s` (step time by cause),
+    `memory_bytes` (peak by part of the most loaded pipeline rank), `hardware`, `layout`."""
+    e = estimate_run(cfg, hardware, device_type)
     parts = max(e.memory.values(), key=lambda p: sum(p.values()))
     return {
         "step_time_s": e.step_time_s, "tokens_per_s_per_device": e.tokens_per_s_per_gpu, "mfu": e.mfu,
         "peak_memory_bytes": e.peak_bytes, "fits": e.fits, "time_s": dict(e.time_parts),
-        "memory_bytes": dict(parts), "hardware": hardware.name, "framework": framework.name,
-        "layout": dataclasses.asdict(lay),
+        "memory_bytes": dict(parts), "hardware": hardware.name,
+        "layout": dataclasses.asdict(e.layout),
     }

@@ -226,7 +226,8 @@ def _sweep(args, grid, plans: list[PlannedRun], dropped: dict[str, int], store: 
     if slurm:
         return _slurm(args, grid, todo, store, runs, timeout, retry, hardware, device_type)
     progress = Progress(len(todo), out)
-    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    # SIGTERM and SIGHUP stop the run in flight like Ctrl-C does, instead of orphaning its processes
+    previous = {sig: signal.signal(sig, _sigterm_as_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         for plan in todo:
             status = store.status(plan.key)  # another sweep on the same file may have finished it meanwhile
@@ -245,7 +246,8 @@ def _sweep(args, grid, plans: list[PlannedRun], dropped: dict[str, int], store: 
               "is lost; run the same command to finish the rest", file=sys.stderr)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     _summary(store, grid.name, args.results, out)
     return 0
 

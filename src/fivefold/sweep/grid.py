@@ -33,12 +33,11 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fivefold.config import Config, ConfigError, build_config
+from fivefold.config import Config, ConfigError, build_config, load_file
 
 SECTIONS = ("model", "layout", "train", "data", "log")
 TOP_KEYS = {"name": str, "steps": int, "warmup": int, "timeout": (int, float), "devices": (int, list)}
@@ -81,12 +80,7 @@ class PlannedRun:
 def load_grid(path: str | Path) -> Grid:
     """Read and check a grid file; errors name the key and what is allowed."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"grid file {str(path)!r} does not exist or is not a file")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"grid file {str(path)!r} is not valid TOML: {e}") from None
+    data = load_file(path, "grid file")
     top = {k: v for k, v in data.items() if k != "grid"}
     for key, value in top.items():
         if key in SECTIONS:

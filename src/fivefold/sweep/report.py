@@ -236,9 +236,15 @@ def plot_memory(plt, ok: list[dict], path: Path) -> None:
     if pred:
         ax.scatter([p for _, p in pred], [y for y, _ in pred], marker="D", color="#f58518", zorder=3, s=22,
                    label="planner's prediction")
-    ax.set_yticks(list(ys), [f"{r['label']} ({r['n_devices']} dev)" for r in runs], fontsize=8)
-    ax.set_xlabel(f"peak memory per device ({unit})")
-    ax.set_title("Peak memory per device (line: span over ranks)")
+    _finish_runs_chart(plt, fig, ax, runs, f"peak memory per device ({unit})",
+                       "Peak memory per device (line: span over ranks)", path)
+
+
+def _finish_runs_chart(plt, fig, ax, runs: list[dict], xlabel: str, title: str, path: Path) -> None:
+    """Labels, legend and file of a horizontal bar chart with one bar per run."""
+    ax.set_yticks(list(range(len(runs))), [f"{r['label']} ({r['n_devices']} dev)" for r in runs], fontsize=8)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
     ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(axis="y", visible=False)
     fig.tight_layout()
@@ -255,14 +261,7 @@ def plot_breakdown(plt, ok: list[dict], path: Path) -> None:
         widths = [1e3 * r[part] for r in runs]
         ax.barh(ys, widths, left=left, color=color, label=part[:-2])
         left = [a + b for a, b in zip(left, widths, strict=True)]
-    ax.set_yticks(ys, [f"{r['label']} ({r['n_devices']} dev)" for r in runs], fontsize=8)
-    ax.set_xlabel("time per step (ms)")
-    ax.set_title("Step time by phase")
-    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    ax.grid(axis="y", visible=False)
-    fig.tight_layout()
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
+    _finish_runs_chart(plt, fig, ax, runs, "time per step (ms)", "Step time by phase", path)
 
 
 def plot_predicted(plt, ok: list[dict], acc: dict, path: Path) -> None:

@@ -3,12 +3,14 @@
     results = run_ranks(4, my_fn, arg1, arg2)   # my_fn(rank, world_size, arg1, arg2) on every rank
 
 `my_fn` must be importable by name (a module-level function), because ranks are spawned processes.
-An exception on any rank fails the call with that rank's traceback.
+An exception on any rank fails the call with that rank's traceback. Results may hold tensors: they are pickled
+by value (not through shared memory, which would vanish when the rank exits).
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -32,7 +34,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -58,7 +60,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0)
             errors.append(f"no answer from every rank within {timeout:.0f} s")
             break
         if ok:
-            results[rank] = value
+            results[rank] = pickle.loads(value)
         else:
             errors.append(f"rank {rank} failed:\n{value}")
             break  # the other ranks may hang in a collective; stop them below

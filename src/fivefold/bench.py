@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                        "size: dp x tp x pp x cp)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--out", help="also write the JSON object to this file")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, profile N more steps and report the top kernels by device time")
+    p.add_argument("--trace", help="with --profile: write the profiler's Chrome trace to this file (rank 0's)")
 
 
 def _timer(device: torch.device):
@@ -190,6 +193,9 @@ def run_bench(args: argparse.Namespace) -> dict:
         step(split)
     synchronize(device)
 
+    trace = args.trace if not dist.is_initialized() or dist.get_rank() == 0 else None
+    top_kernels = profile_steps(step, args.profile, device, trace) if args.profile else None
+
     tokens_per_s = global_tokens * args.steps / seconds
     per_device = tokens_per_s / engine.n_devices
     flops = training_flops_per_token(cfg.model, seq)
@@ -216,6 +222,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         "peak_memory_reserved_bytes": max(m[1] for m in per_rank) if module is not None else None,
         "peak_memory_bytes_per_rank": allocated, "memory_source": source,
         "time_split_s": {k: v / split_steps for k, v in split.items()} if split is not None else None,
+        "top_kernels": top_kernels,
     }
 
 
@@ -224,11 +231,37 @@ def forwarded_argv(args: argparse.Namespace) -> list[str]:
     out = ["--model", args.model, "--micro-batch", str(args.micro_batch), "--grad-accum", str(args.grad_accum),
            "--steps", str(args.steps), "--warmup", str(args.warmup)]
     for flag, value in (("--config", args.config), ("--seq-len", args.seq_len), ("--dtype", args.dtype),
-                        ("--out", args.out)):
+                        ("--out", args.out), ("--profile", args.profile or None), ("--trace", args.trace)):
         if value is not None:
             out += [flag, str(value)]
     out += ["--compile"] * args.compile + ["--json"] * args.json
     return out + list(getattr(args, "overrides", []) or [])
+
+
+def profile_steps(step, n: int, device: torch.device, trace: str | None, top: int = 15) -> list[dict]:
+    """Run `n` steps under the PyTorch profiler; the `top` operators by self time on the device (CPU time on
+    CPU), each with its share of the profiled device time, per step."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    kind = {"cuda": "CUDA", "xpu": "XPU"}.get(device.type)
+    if kind and hasattr(torch.profiler.ProfilerActivity, kind):
+        activities.append(getattr(torch.profiler.ProfilerActivity, kind))
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(n):
+            step(None)
+        synchronize(device)
+    if trace:
+        prof.export_chrome_trace(trace)
+    on_device = device.type != "cpu"
+    if on_device:  # the kernels themselves, not the host operators that launched them (which would count twice)
+        events = [e for e in prof.key_averages()
+                  if e.device_type != torch.autograd.DeviceType.CPU and not e.is_user_annotation]
+    else:
+        events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    key = (lambda e: e.self_device_time_total) if on_device else (lambda e: e.self_cpu_time_total)
+    events.sort(key=key, reverse=True)
+    total = sum(key(e) for e in events) or 1.0
+    return [{"name": e.key[:90], "calls_per_step": e.count / n, "ms_per_step": key(e) / 1e3 / n,
+             "share": key(e) / total} for e in events[:top]]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -281,4 +314,8 @@ def run(args: argparse.Namespace) -> int:
         total = sum(split.values()) or 1.0
         print("  step split       " + ", ".join(f"{k} {1e3 * v:.1f} ms ({100 * v / total:.0f} %)"
                                                for k, v in split.items()))
+    if result["top_kernels"]:
+        print("  top kernels (self time per step, share of the profiled time)")
+        for k in result["top_kernels"]:
+            print(f"    {k['ms_per_step']:8.2f} ms  {100 * k['share']:5.1f} %  x{k['calls_per_step']:<5g} {k['name']}")
     return 0

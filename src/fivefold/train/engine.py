@@ -69,7 +69,7 @@ class Engine:
         with self.autocast():
             hidden = self.model.forward_hidden(inputs)
             return linear_cross_entropy_sum(hidden, self.model.lm_head.weight, targets, LOSS_CHUNK_TOKENS,
-                                            torch.bfloat16 if self.bf16 else torch.float32)
+                                            torch.bfloat16 if self.bf16 else torch.float32, self.cfg.train.compile)
 
     def micro_batch_loss(self, inputs: torch.Tensor, targets: torch.Tensor, global_tokens: int) -> tuple[
         torch.Tensor, torch.Tensor

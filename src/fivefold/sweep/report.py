@@ -119,6 +119,9 @@ def plot_status(plt, rows: list[dict], path: Path) -> None:
     ax.set_ylabel("runs")
     ax.set_title(f"{len(rows)} runs by status")
     ax.set_ylim(0, max(counts.values(), default=1) * 1.2)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(axis="x", visible=False)
     fig.tight_layout()
     fig.savefig(path, bbox_inches="tight")
@@ -229,8 +232,8 @@ def plot_memory(plt, ok: list[dict], path: Path) -> None:
         ranks = r.get("peak_memory_per_rank") or []
         if len(ranks) > 1:
             ax.plot([min(ranks) / scale, max(ranks) / scale], [y, y], color="black", linewidth=1)
-        ax.text(r["peak_memory_bytes"] / scale, y, f" {r['peak_memory_bytes'] / scale:,.0f}", va="center",
-                fontsize=8)
+        ax.text(r["peak_memory_bytes"] / scale, y, f"{r['peak_memory_bytes'] / scale:,.0f} ", va="center",
+                ha="right", fontsize=8, color="white")
     pred = [(y, r["predicted_peak_memory_bytes"] / scale) for y, r in zip(ys, runs, strict=True)
             if r.get("predicted_peak_memory_bytes") is not None]
     if pred:

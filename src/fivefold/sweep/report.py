@@ -231,7 +231,7 @@ def plot_memory(plt, ok: list[dict], path: Path) -> None:
     for y, r in zip(ys, runs, strict=True):
         ranks = r.get("peak_memory_per_rank") or []
         if len(ranks) > 1:
-            ax.plot([min(ranks) / scale, max(ranks) / scale], [y, y], color="black", linewidth=1)
+            ax.plot([min(ranks) / scale, max(ranks) / scale], [y + 0.3, y + 0.3], color="black", linewidth=1.5)
         ax.text(r["peak_memory_bytes"] / scale, y, f"{r['peak_memory_bytes'] / scale:,.0f} ", va="center",
                 ha="right", fontsize=8, color="white")
     pred = [(y, r["predicted_peak_memory_bytes"] / scale) for y, r in zip(ys, runs, strict=True)

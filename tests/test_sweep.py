@@ -5,8 +5,8 @@ tiny model on one and two gloo processes) is killed, together with its run in fl
 recorded, and run again: the store must end with one row per run, the first one untouched. Its rows are then
 checked against what `fivefold bench` measures (tokens per step, ranks), the report is drawn from it, and
 `fivefold plan validate --results` reads it. Two processes write one store at once; a sweep whose every run
-fails (a crash, a timeout, an invalid layout) still gets a report that says why; SLURM mode is run end to end
-with stand-ins for sbatch, srun and scontrol.
+fails (a crash, a timeout, an invalid layout) still gets a report that says why; SLURM mode writes its scripts,
+and (slow) runs end to end with stand-ins for sbatch, srun and scontrol.
 """
 
 from __future__ import annotations
@@ -340,7 +340,7 @@ echo "Submitted batch job 4242"
 """
 
 
-def test_slurm_mode_writes_submits_and_records(tmp_path):
+def _slurm_setup(tmp_path: Path) -> tuple[Path, Path, Path, dict]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("sbatch", FAKE_SBATCH), ("srun", '#!/bin/bash\nexec "$@"\n'),
@@ -355,25 +355,44 @@ def test_slurm_mode_writes_submits_and_records(tmp_path):
         devices = 12
         train = { global_batch_size = 24 }
         """)
-    results, jobs = tmp_path / "s.db", tmp_path / "jobs"
     env = {**ENV, "PATH": f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    return grid, tmp_path / "s.db", tmp_path / "jobs", env
+
+
+def test_slurm_mode_writes_one_script_per_run(tmp_path, capsys):
+    grid, results, jobs, _ = _slurm_setup(tmp_path)
     # without --submit: scripts only; 12 devices are not whole nodes of 8
-    done = subprocess.run(_sweep_cmd(grid, results, "--slurm", str(jobs)), env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "1 skipped (not whole nodes of 8)" in done.stdout and "wrote 1 scripts" in done.stdout
+    assert main(["sweep", str(grid), "--results", str(results), "--slurm", str(jobs)]) == 0
+    out = capsys.readouterr().out
+    assert "1 skipped (not whole nodes of 8)" in out and "wrote 1 scripts" in out
     (script,) = jobs.glob("*/job.sh")
     text = script.read_text()
     assert "#SBATCH --nodes=1" in text and "#SBATCH --gpus-per-node=1" in text and "#SBATCH --time=00:02:00" in text
     assert "--module fivefold bench" in text and f"--out {script.parent / 'result.json'}" in text
-    assert read_rows(results) == []
+    assert f"#SBATCH --output={script.parent / 'output.log'}" in text and "exit_status" in text
+    assert (script.parent / "config.toml").exists() and read_rows(results) == []
+    # with 4 GPUs per node the 12-device run spans 3 nodes
+    assert main(["sweep", str(grid), "--results", str(results), "--slurm", str(jobs), "--gpus-per-node", "4"]) == 0
+    twelve = [p for p in jobs.glob("*/job.sh") if "--nodes=3" in p.read_text()]
+    assert len(twelve) == 1 and "#SBATCH --gpus-per-node=4" in twelve[0].read_text()
+    assert main(["sweep", str(grid), "--results", str(results), "--submit"]) == 2  # --submit needs --slurm
+
+
+@pytest.mark.slow
+def test_slurm_mode_submits_and_records(tmp_path):
+    grid, results, jobs, env = _slurm_setup(tmp_path)
     # --submit runs the job (the stand-in sbatch runs it at once); the next call records it
     done = subprocess.run(_sweep_cmd(grid, results, "--slurm", str(jobs), "--submit"), env=env,
                           capture_output=True, text=True, timeout=300)
     assert "submitted 4242" in done.stdout, done.stdout + done.stderr
+    (script,) = jobs.glob("*/job.sh")
     assert (script.parent / "exit_status").read_text().strip() == "0", (script.parent / "output.log").read_text()
     done = subprocess.run(_sweep_cmd(grid, results, "--slurm", str(jobs)), env=env, capture_output=True, text=True,
                           timeout=120)
     assert "recorded 1 ended jobs" in done.stdout, done.stdout + done.stderr
     (row,) = read_rows(results)
     assert row["status"] == "ok" and row["n_devices"] == 1 and row["nodes"] == 1 and row["tokens_per_s"] > 0
+    # recorded runs are not written or submitted again
+    done = subprocess.run(_sweep_cmd(grid, results, "--slurm", str(jobs), "--submit"), env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert "1 already in" in done.stdout and "submitted 0" in done.stdout

@@ -1,7 +1,7 @@
 """Parallel training: the process grid (`mesh`), data parallel and ZeRO (`data`), tensor and sequence
 parallel (`tensor`), recompute (`recompute`), applied in order by `parallelize`, driven by `ParallelEngine`.
 
-This module also starts processes: `launch` runs `fivefold train` on N local processes through PyTorch's
+This module also starts processes: `launch` runs `fivefold train` (or `bench`) on N local processes through PyTorch's
 own launcher (`torch.distributed.run`, the code behind `torchrun`), `init_distributed` joins the process
 group in each of them (gloo on CPU, the accelerator's backend, e.g. nccl, on GPU), and
 `write_slurm_script` writes a batch script that runs the same command under `torchrun` on many nodes.

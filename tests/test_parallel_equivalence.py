@@ -16,7 +16,9 @@ stepped twice) moves the gradient norm, the loss and the parameters by far more:
 (1e-2, constant) so each step changes every parameter by about 1e-2, 10 % of its typical size.
 
 Fast (default run): dp2 under ZeRO-0/1/2/3 and the MoE model under dp2, in one 2-rank launch; tp2, tp2+SP, MoE
-under tp2, recompute full. Slow (`pytest -m slow`): the 4-rank layouts dp2 x tp2 and ZeRO-3 x tp2.
+under tp2, recompute full; cp2 (zig-zag), and cp2 with capacity-based MoE routing, whose drop fraction must equal
+the reference's at every step. Slow (`pytest -m slow`): the 4-rank layouts dp2 x tp2, ZeRO-3 x tp2, cp2 x tp2
+(with and without SP), cp2 x dp2; cp2 with recompute and with the MoE model.
 """
 
 from __future__ import annotations
@@ -56,10 +58,11 @@ def global_batches(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def train_steps(engine: Engine, cfg: Config) -> tuple[list[float], list[float]]:
-    """STEPS optimizer steps on this engine's rows of the global batches; (losses, grad norms) per step."""
+def train_steps(engine: Engine, cfg: Config) -> tuple[list[float], list[float], list[float | None]]:
+    """STEPS optimizer steps on this engine's rows of the global batches; (losses, grad norms, MoE drop fractions)
+    per step."""
     global_tokens = cfg.train.global_batch_size * cfg.train.seq_len
-    losses, norms = [], []
+    losses, norms, drops = [], [], []
     for step, (inputs, targets) in enumerate(global_batches(cfg)):
         engine.set_lr(step)
         rows = inputs.shape[0] // engine.dp_size
@@ -69,10 +72,12 @@ def train_steps(engine: Engine, cfg: Config) -> tuple[list[float], list[float]]:
         loss_sum = engine.forward_backward(micro, global_tokens)
         norms.append(float(engine.optimizer_step()))
         losses.append(engine.reduce_for_logging(loss_sum).item() / global_tokens)
-    return losses, norms
+        drops.append(engine.moe_drop_fraction())
+    return losses, norms, drops
 
 
-def reference_run(overrides: dict[str, str]) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+def reference_run(overrides: dict[str, str]) -> tuple[list[float], list[float], list[float | None],
+                                                      dict[str, torch.Tensor]]:
     """The single-device engine with the layout's micro-batch size (same micro-batches, so the MoE load-balancing
     loss, which depends on the tokens routed together, is the same)."""
     from fivefold.models.llama import build_model
@@ -83,8 +88,8 @@ def reference_run(overrides: dict[str, str]) -> tuple[list[float], list[float], 
     ref_cfg.layout.micro_batch_size = cfg.micro_batch_size
     ref_cfg.layout.recompute = "none"
     engine = Engine(build_model(ref_cfg.model, "cpu", ref_cfg.train.seed), ref_cfg, torch.device("cpu"))
-    losses, norms = train_steps(engine, ref_cfg)
-    return losses, norms, engine.model_state()
+    losses, norms, drops = train_steps(engine, ref_cfg)
+    return losses, norms, drops, engine.model_state()
 
 
 def layouts_on_ranks(rank: int, world_size: int, layouts: list[dict[str, str]]) -> list:
@@ -95,11 +100,25 @@ def layouts_on_ranks(rank: int, world_size: int, layouts: list[dict[str, str]]) 
     for overrides in layouts:
         cfg = tiny_config(overrides)
         engine = create_parallel_engine(cfg, torch.device("cpu"), bucket_bytes=SMALL_BUCKET)
-        losses, norms = train_steps(engine, cfg)
+        check_local_shards(engine, cfg)
+        losses, norms, drops = train_steps(engine, cfg)
         state = engine.model_state()
-        results.append((losses, norms, state if rank == 0 else None))
+        results.append((losses, norms, drops, state if rank == 0 else None))
         check_overlap(engine, cfg)
     return results
+
+
+def check_local_shards(engine, cfg: Config) -> None:
+    """What the rank really holds and computes: n_experts / ep experts per MoE layer, seq_len / cp tokens of each
+    sequence."""
+    la, m = cfg.layout, cfg.model
+    for block in engine.model.layers.values():
+        if m.is_moe:
+            assert block.mlp.w_gate.shape[0] == m.n_experts // la.ep
+    rows = torch.zeros(1, cfg.train.seq_len, dtype=torch.long)
+    inputs, targets, positions = engine.prepare_micro_batch(rows, rows)
+    assert inputs.shape == targets.shape == (1, cfg.train.seq_len // la.cp)
+    assert la.cp == 1 or positions.shape == (cfg.train.seq_len // la.cp,)
 
 
 def check_overlap(engine, cfg: Config) -> None:
@@ -116,14 +135,18 @@ def check_overlap(engine, cfg: Config) -> None:
 
 def assert_equivalent(layouts: list[dict[str, str]], world_size: int) -> None:
     results = run_ranks(world_size, layouts_on_ranks, layouts)[0]
-    for overrides, (losses, norms, state) in zip(layouts, results, strict=True):
-        ref_losses, ref_norms, ref_state = reference_run(overrides)
+    for overrides, (losses, norms, drops, state) in zip(layouts, results, strict=True):
+        ref_losses, ref_norms, ref_drops, ref_state = reference_run(overrides)
         label = " ".join(f"{k}={v}" for k, v in overrides.items())
         assert len(losses) == STEPS
         for step, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
             assert abs(a - b) <= 1e-5 * abs(b), f"{label}: loss of step {step + 1}: {a} vs single process {b}"
         for step, (a, b) in enumerate(zip(norms, ref_norms, strict=True)):
             assert abs(a - b) <= 1e-4 * abs(b), f"{label}: grad norm of step {step + 1}: {a} vs {b}"
+        if float(overrides.get("model.capacity_factor", 0)) > 0:  # capacity-based routing drops the same slots
+            assert max(ref_drops) > 0.01, f"{label}: the reference drops nothing, so the test shows nothing"
+            for step, (a, b) in enumerate(zip(drops, ref_drops, strict=True)):
+                assert abs(a - b) <= 1e-6, f"{label}: drop fraction of step {step + 1}: {a} vs {b}"
         assert state.keys() == ref_state.keys(), label
         for name, ref in ref_state.items():
             error = ((state[name] - ref).norm() / ref.norm()).item()
@@ -166,4 +189,35 @@ def test_data_times_tensor_parallel_matches_one_process():
         {"layout.dp": "2", "layout.tp": "2", "layout.zero": "3"},
         {"layout.dp": "2", "layout.tp": "2", "layout.zero": "3", "layout.sp": "true", "layout.recompute": "full"},
         {"layout.dp": "2", "layout.tp": "2", "layout.zero": "1", **MOE},
+    ], world_size=4)
+
+
+CAPACITY = {**MOE, "model.capacity_factor": "1.0"}
+
+
+def test_context_parallel_matches_one_process():
+    assert_equivalent([
+        {"layout.cp": "2"},
+        # the MoE load-balancing loss and capacity are computed over the whole sequences, as in one process
+        {"layout.cp": "2", "layout.zero": "1", **CAPACITY},
+    ], world_size=2)
+
+
+@pytest.mark.slow
+def test_context_parallel_with_recompute_and_moe_matches_one_process():
+    assert_equivalent([
+        {"layout.cp": "2", "layout.recompute": "selective"},
+        {"layout.cp": "2", "layout.recompute": "full", "layout.zero": "3"},
+        {"layout.cp": "2", "layout.zero": "2", **MOE},
+    ], world_size=2)
+
+
+@pytest.mark.slow
+def test_context_times_tensor_and_data_parallel_matches_one_process():
+    assert_equivalent([
+        {"layout.cp": "2", "layout.tp": "2"},
+        {"layout.cp": "2", "layout.tp": "2", "layout.sp": "true", "layout.recompute": "full"},
+        {"layout.cp": "2", "layout.dp": "2"},
+        {"layout.cp": "2", "layout.dp": "2", "layout.zero": "3"},
+        {"layout.cp": "2", "layout.tp": "2", "layout.sp": "true", "layout.zero": "1", **MOE},
     ], world_size=4)

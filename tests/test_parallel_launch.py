@@ -92,3 +92,12 @@ def test_resume_under_zero3_is_exact(tmp_path, dataset):  # noqa: F811
 @pytest.mark.slow
 def test_resume_under_tensor_parallel_and_zero2_is_exact(tmp_path, dataset):  # noqa: F811
     check_resume(tmp_path, dataset, 4, {"layout.dp": "2", "layout.tp": "2", "layout.zero": "2", "layout.sp": "true"})
+
+
+def test_resume_under_context_parallel_and_zero3_is_exact(tmp_path, dataset):  # noqa: F811
+    # ZeRO-3 shards over dp x cp; capacity-based MoE routing logs its drop rate
+    moe = {"model.n_experts": "4", "model.top_k": "2", "model.capacity_factor": "1.0"}
+    check_resume(tmp_path, dataset, 2, {"layout.cp": "2", "layout.zero": "3", **moe})
+    records = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    drops = [r["moe_drop_fraction"] for r in records if "loss" in r]
+    assert len(drops) == 6 and all(0 <= d < 0.5 for d in drops) and max(drops) > 0

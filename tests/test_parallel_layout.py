@@ -79,7 +79,6 @@ def test_zero_needs_data_parallel():
 
 @pytest.mark.parametrize("fields, world, expected", [
     ({"layout__pp": "2"}, 2, "layout.pp = 2: pp > 1 arrives with Parallel engine II"),
-    ({"layout__cp": "2"}, 2, "layout.cp = 2: cp > 1 arrives with Parallel engine II"),
     ({"layout__ep": "2", "layout__dp": "2"}, 2, "layout.ep = 2: ep > 1 arrives with Parallel engine II"),
     ({"layout__vpp": "2"}, 1, "layout.vpp = 2 needs pipeline parallel"),
     ({"layout__sp": "true", "layout__dp": "2"}, 2, "layout.sp = true needs tensor parallel"),
@@ -96,3 +95,31 @@ def test_cli_refuses_a_bad_layout_before_starting_processes(capsys, tmp_path):
     err = capsys.readouterr().err
     assert "does not equal the world size 3" in err and "layout.dp = 3" in err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("fields, world, expected", [
+    # cp cuts each sequence into 2*cp chunks
+    ({"layout__cp": "2", "train__seq_len": "126"}, 2,
+     "train.seq_len = 126 cannot be split for context parallel with cp = 2: the sequence is cut into 2*cp = 4 "
+     "equal chunks (rank r keeps chunks r and 3-r), so the length must be a multiple of 4; nearest valid "
+     "lengths: 124, 128"),
+    # cp x tp with sequence parallel: the cp-local length is split again over tp
+    ({"layout__cp": "2", "layout__tp": "4", "layout__sp": "true", "train__seq_len": "36", "model__n_kv_heads": "4"}, 8,
+     "train.seq_len = 36 (the cp-local length train.seq_len / layout.cp = 18) is not divisible by layout.tp = 4, "
+     "which sequence parallel (layout.sp = true) needs; nearest valid seq_len: [32, 40]"),
+    # ZeRO needs ranks that reduce gradients: dp or cp
+    ({"layout__zero": "1", "layout__tp": "2"}, 2, "layout.zero = 1 with layout.dp = 1 and layout.cp = 1"),
+])
+def test_bad_context_parallel_layouts_are_refused(fields, world, expected):
+    assert expected in refused(config(**fields), world)
+
+
+def test_context_parallel_layouts_that_work_are_accepted():
+    for fields, world in [
+        ({"layout__cp": "2", "train__seq_len": "128"}, 2),
+        ({"layout__cp": "2", "layout__tp": "2", "layout__sp": "true", "train__seq_len": "128"}, 4),
+        ({"layout__cp": "2", "layout__zero": "1"}, 2),  # ZeRO shards over dp x cp
+    ]:
+        cfg = config(**fields)
+        cfg.validate()
+        validate_layout(cfg, world)

@@ -151,10 +151,31 @@ class MoE(nn.Module):
         probs = F.softmax(self.router(x).float(), dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
-        # load balancing: E * sum_e (fraction of routed slots to e) * (mean router probability of e)
-        slots = F.one_hot(experts, self.n_experts).sum(1).float()  # [tokens, experts]
-        self.aux_loss = self.n_experts * (slots.mean(0) / self.top_k * probs.mean(0)).sum()
+        slot_counts = torch.bincount(experts.reshape(-1), minlength=self.n_experts).float()
+        self.aux_loss = self.load_balancing_loss(slot_counts, probs.sum(0), x.shape[0])
         return experts, weights.to(x.dtype)
+
+    def load_balancing_loss(self, slot_counts: torch.Tensor, prob_sums: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Switch load balancing over `tokens` tokens: E * sum_e (fraction of routed slots that went to e) *
+        (mean router probability of e), from the slot counts and probability sums per expert. Context parallel
+        replaces this method to sum the statistics over the micro-batch's cp ranks first."""
+        return self.n_experts * (slot_counts / (tokens * self.top_k) * (prob_sums / tokens)).sum()
+
+    def expert_slots(self, flat_expert: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
+        """(position of each routed slot in its expert's queue, capacity) for the slots `flat_expert` [tokens *
+        top_k] of `rows` sequences in token order: earlier tokens come first, so capacity-based routing drops
+        the last tokens that chose an over-full expert. Context parallel replaces this method to count
+        positions over the whole sequence."""
+        n_experts = self.n_experts
+        counts = torch.bincount(flat_expert, minlength=n_experts)
+        order = flat_expert.argsort(stable=True)
+        starts = torch.cumsum(counts, 0) - counts
+        slot = torch.empty_like(flat_expert)
+        slot[order] = torch.arange(order.numel(), device=flat_expert.device) - starts[flat_expert[order]]
+        if self.capacity_factor > 0:
+            tokens = flat_expert.numel() // self.top_k
+            return slot, max(1, math.ceil(self.capacity_factor * tokens * self.top_k / n_experts))
+        return slot, int(counts.max())  # dropless: one host sync for the packed shape
 
     def experts_forward(self, packed: torch.Tensor) -> torch.Tensor:
         """All experts on their packed tokens: [experts, capacity, hidden] -> same shape."""
@@ -165,31 +186,31 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         experts, weights = self.route(x)
-        out = self.dispatch_combine(x, experts, weights)
+        out = self.dispatch_combine(x, experts, weights, rows=shape[0])
         if self.shared is not None:
             out = out + self.shared(x)
         return out.view(shape)
 
-    def dispatch_combine(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        tokens = x.shape[0]
-        flat_expert = experts.reshape(-1)  # [tokens * k]
-        order = flat_expert.argsort(stable=True)
-        sorted_expert = flat_expert[order]
-        counts = torch.bincount(flat_expert, minlength=self.n_experts)
-        starts = torch.cumsum(counts, 0) - counts
-        slot = torch.arange(order.numel(), device=x.device) - starts[sorted_expert]
-        if self.capacity_factor > 0:
-            capacity = max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.n_experts))
-        else:
-            capacity = int(counts.max())  # dropless: one host sync for the packed shape
+    def kept_slots(self, experts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(indices of the routed slots that fit their expert's capacity, in token order; their queue
+        positions; the capacity); records `drop_fraction`."""
+        slot, capacity = self.expert_slots(experts.reshape(-1), rows)
         keep = slot < capacity
         self.drop_fraction = 1.0 - keep.float().mean()
-        src_token = order // self.top_k
-        order, sorted_expert, slot, src_token = order[keep], sorted_expert[keep], slot[keep], src_token[keep]
+        kept = keep.nonzero().squeeze(1)  # slot index = token * top_k + choice
+        return kept, slot[kept], capacity
+
+    def dispatch_combine(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                         rows: int = 1) -> torch.Tensor:
+        """Pack the tokens of `x` [tokens, hidden] by expert into [experts, capacity, hidden], run the experts as
+        one batched matmul, and sum each token's expert outputs scaled by its routing weights. Expert
+        parallel replaces this method with a dispatch over the ep ranks."""
+        kept, slot, capacity = self.kept_slots(experts, rows)
+        expert, src_token = experts.reshape(-1)[kept], kept // self.top_k
         packed = x.new_zeros(self.n_experts, capacity, x.shape[1])
-        packed[sorted_expert, slot] = x[src_token]
+        packed[expert, slot] = x[src_token]
         result = self.experts_forward(packed)
-        contrib = result[sorted_expert, slot] * weights.reshape(-1)[order].unsqueeze(-1)
+        contrib = result[expert, slot] * weights.reshape(-1)[kept].unsqueeze(-1)
         return x.new_zeros(x.shape).index_add_(0, src_token, contrib)
 
 
@@ -261,6 +282,12 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         x = self.forward_hidden(tokens, positions)
         return self.lm_head(x) if self.lm_head is not None else x
+
+    def moe_drop_fraction(self) -> torch.Tensor | None:
+        """Mean over the MoE layers of the fraction of routed slots dropped by capacity in the last forward."""
+        drops = [b.mlp.drop_fraction for b in self.layers.values()
+                 if isinstance(b.mlp, MoE) and b.mlp.drop_fraction is not None]
+        return torch.stack(drops).mean() if drops else None
 
     def moe_aux_loss(self) -> torch.Tensor | None:
         """Sum of the MoE layers' load-balancing losses from the last forward (None for dense models)."""

@@ -12,8 +12,11 @@ point-to-point sends (`batch_isend_irecv`), cp-1 hops in the forward. The transf
 posted before the current block is computed, so that it overlaps with compute. Partial outputs of the blocks
 are merged with their log-sum-exp (online softmax). The backward passes the key/value blocks around again,
 with the gradients of each block (dK, dV) travelling beside it, cp hops, the last one bringing them home.
-Everything outside attention is per token and needs no communication; the parameter gradients of the cp
-ranks are partial sums and are all-reduced over dp x cp, like data-parallel gradients.
+Everything outside attention is per token and needs no communication, but for two statistics of MoE layers
+that span the sequence: the load-balancing loss's slot counts and probability sums (an all-reduce of 2E
+numbers per layer) and, for capacity-based routing only, the expert choices that order each expert's queue
+(an all-gather of top_k integers per token). The parameter gradients of the cp ranks are partial sums and
+are all-reduced over dp x cp, like data-parallel gradients.
 
 Per block pair (queries of one chunk, keys of another) the work is: none when the key chunk comes after the
 query chunk, a causal (triangular) block on the diagonal, a full block otherwise. `step_calls` groups the
@@ -30,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fivefold.config import ConfigError
+from fivefold.models.llama import MoE
 from fivefold.parallel.attention_ops import attention_backward, attention_forward
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -299,11 +303,69 @@ class RingAttentionCore:
         return RingAttention.apply(q, k, v, self.group, self.layout)
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over `group`, backward the same sum: every rank's result depends on every rank's input."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ContextParallelLoadBalancing:
+    """Replacement of `MoE.load_balancing_loss`: the Switch loss is a product of two means over the tokens of
+    the micro-batch, which the cp ranks share, so the slot counts and router probability sums (E numbers each)
+    are summed over the cp group first. Every cp rank then holds the single-process loss; the probability
+    sums' backward sums the gradient of every rank's copy."""
+
+    def __init__(self, moe: MoE, group: dist.ProcessGroup) -> None:
+        self.moe, self.group = moe, group
+
+    def __call__(self, slot_counts: torch.Tensor, prob_sums: torch.Tensor, tokens: int) -> torch.Tensor:
+        counts = slot_counts.clone()
+        dist.all_reduce(counts, group=self.group)
+        sums = _AllReduceSum.apply(prob_sums, self.group)
+        return MoE.load_balancing_loss(self.moe, counts, sums, tokens * dist.get_world_size(self.group))
+
+
+class ContextParallelExpertSlots:
+    """Replacement of `MoE.expert_slots` for capacity-based routing: an expert's queue holds the tokens of the
+    whole sequences in order, so each rank all-gathers the expert choices of the micro-batch (top_k integers
+    per token) over the cp group, computes the single-process queue positions and capacity, and keeps its
+    own tokens' positions. Dropless routing needs no positions beyond the rank's own."""
+
+    def __init__(self, moe: MoE, group: dist.ProcessGroup, layout: str = "zigzag") -> None:
+        self.moe, self.group, self.layout = moe, group, layout
+
+    def __call__(self, flat_expert: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
+        if self.moe.capacity_factor == 0:
+            return MoE.expert_slots(self.moe, flat_expert, rows)
+        cp, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        gathered = flat_expert.new_empty(cp * flat_expert.numel())
+        dist.all_gather_single(gathered, flat_expert.contiguous(), group=self.group)
+        shards = list(gathered.view(cp, rows, -1, self.moe.top_k))
+        whole = unshard_sequence(shards, self.layout, dim=1)
+        slot, capacity = MoE.expert_slots(self.moe, whole.reshape(-1), rows)
+        return shard_sequence(slot.view(whole.shape), rank, cp, self.layout, dim=1).reshape(-1), capacity
+
+
 def apply_context_parallel(model: nn.Module, cp_group: dist.ProcessGroup, layout: str = "zigzag") -> nn.Module:
-    """Make every attention block of `model` run ring attention over `cp_group`, in place.
+    """Make every attention block of `model` run ring attention over `cp_group`, in place, and every MoE layer
+    compute its load-balancing statistics and capacity over the whole sequences.
 
     The model then expects each rank's shard of the sequence (`shard_batch`) with its rotary positions passed
     to `forward` / `forward_hidden`; the rest of the model is per token and unchanged."""
     for block in model.layers.values():
         block.attn.core = RingAttentionCore(cp_group, layout)
+        if isinstance(block.mlp, MoE):
+            block.mlp.load_balancing_loss = ContextParallelLoadBalancing(block.mlp, cp_group)
+            block.mlp.expert_slots = ContextParallelExpertSlots(block.mlp, cp_group, layout)
     return model

@@ -1,9 +1,11 @@
 """The parallel engine: the single-device engine's contract (`fivefold.train.engine`) over a process grid.
 
-It differs from the single-device engine in four places: the loss goes through `LossModel` (vocabulary
-parallel under tp), each micro-batch tells the data-parallel state whether to reduce gradients, the
-gradient norm is summed over shards (tp-sharded parameters over tp, ZeRO slices over dp, replicated ones
-counted once), and checkpoints gather the full plain-named state (collective) or shard a loaded one.
+It differs from the single-device engine in these places: `prepare_micro_batch` keeps a context-parallel
+rank's zig-zag chunks of each sequence with their rotary positions; the loss goes through `LossModel`
+(vocabulary parallel under tp); each micro-batch tells the data-parallel state whether to reduce gradients
+(over dp x cp); the gradient norm is summed over shards (tp-sharded parameters over tp, ZeRO slices over
+dp x cp, replicated ones counted once); logged values are summed over dp x cp; and checkpoints gather the
+full plain-named state (collective) or shard a loaded one.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from fivefold.train.optim import build_adamw
 
 
 class ParallelEngine(Engine):
-    """Trains one rank's part of the model; `dp_rank`/`dp_size` select this rank's rows of the batch."""
+    """Trains one rank's part of the model; `dp_rank`/`dp_size` select this rank's rows of the batch (every cp
+    rank of a dp rank gets the same rows and keeps its chunks of them)."""
 
     def __init__(self, model: Llama, loss_model: LossModel,
                  data_parallel: BucketedDataParallel | FullyShardedDataParallel, grid: ProcessGrid, cfg: Config,
@@ -35,15 +38,26 @@ class ParallelEngine(Engine):
         self.bf16 = use_bf16(cfg, device)
         self.dp_rank, self.dp_size = grid.ranks["dp"], grid.size("dp")
         self.tp_rank, self.tp_size = grid.ranks["tp"], grid.size("tp")
+        self.cp_rank, self.cp_size = grid.ranks["cp"], grid.size("cp")
         self.is_logging_rank = grid.rank == 0
         self.n_devices = grid.world_size
         # every rank writes its own optimizer file when the states differ between ranks
         self.optimizer_state_is_sharded = cfg.layout.zero >= 1 or self.tp_size > 1
         self.optimizer = build_adamw(nn.ParameterList(data_parallel.optimizer_params()), cfg.train, device)
 
-    def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def prepare_micro_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor | None
+    ]:
+        """Under context parallel, this cp rank's zig-zag chunks of every sequence and their rotary positions."""
+        if self.cp_size == 1:
+            return inputs, targets, None
+        from fivefold.parallel.context import shard_batch
+
+        return shard_batch(inputs, targets, self.cp_rank, self.cp_size)
+
+    def loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         with self.autocast():
-            return self.loss_model(inputs, targets)
+            return self.loss_model(inputs, targets, positions)
 
     @contextlib.contextmanager
     def micro_batch_context(self, index: int, count: int) -> Iterator[None]:
@@ -73,10 +87,17 @@ class ParallelEngine(Engine):
         return norm
 
     def reduce_for_logging(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum over the data-parallel ranks (tp ranks hold the same value)."""
+        """Sum over the data- and context-parallel ranks, which hold different tokens (tp ranks hold the same
+        value)."""
         value = value.clone()
         dist.all_reduce(value, group=self.grid.grad_group)
         return value
+
+    def moe_drop_fraction(self) -> float | None:
+        """The mean over dp x cp ranks, which route equally many slots."""
+        if self.drop_fraction is None:
+            return None
+        return float(self.reduce_for_logging(self.drop_fraction)) / dist.get_world_size(self.grid.grad_group)
 
     # --- state -----------------------------------------------------------------------------------
     def _local_state(self) -> dict[str, torch.Tensor]:
@@ -110,8 +131,11 @@ class ParallelEngine(Engine):
             missing = set(own) ^ set(state)
             if missing:
                 raise KeyError(f"model state keys differ: {sorted(missing)}")
+            # fully_shard splits dim 0 over the ranks that reduce gradients (dp x cp)
+            group = self.grid.grad_group
+            size, rank = dist.get_world_size(group), dist.get_rank(group)
             for name, param in own.items():
-                param.to_local().copy_(state[name].chunk(self.dp_size, 0)[self.dp_rank])
+                param.to_local().copy_(state[name].chunk(size, 0)[rank])
             return
         self.model.load_state_dict(state, strict=True)  # copies in place: bucket views stay views
 
@@ -147,7 +171,8 @@ class ParallelEngine(Engine):
 
     def _shard_layout(self) -> dict[str, int]:
         la = self.cfg.layout
-        return {"dp": la.dp, "tp": la.tp, "zero": la.zero, "rank": self.grid.rank}
+        extra = {"cp": la.cp} if la.cp > 1 else {}
+        return {"dp": la.dp, "tp": la.tp, **extra, "zero": la.zero, "rank": self.grid.rank}
 
     def barrier(self) -> None:
         dist.barrier()

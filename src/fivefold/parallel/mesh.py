@@ -17,6 +17,7 @@ needs it: nothing here is global.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -49,7 +50,7 @@ def validate_layout(cfg: Config, world_size: int) -> None:
             f"world size {world_size} (number of processes); {hint}, or start {product} processes "
             f"(--nproc {product})"
         )
-    for name in ("pp", "cp", "ep"):
+    for name in ("pp", "ep"):
         if getattr(la, name) > 1:
             raise ConfigError(f"layout.{name} = {getattr(la, name)}: {name} > 1 {LATER_ENGINE}; use layout.{name} = 1")
     if la.vpp > 1:
@@ -62,15 +63,20 @@ def validate_layout(cfg: Config, world_size: int) -> None:
     if la.sp and la.tp == 1:
         raise ConfigError("layout.sp = true needs tensor parallel: sequence parallel shards the norm and residual "
                           "regions over the tp ranks; use layout.tp >= 2 or layout.sp = false")
-    if la.sp and t.seq_len % la.tp:
+    if la.cp > 1:
+        validate_context_parallel(cfg)
+    if la.sp and t.seq_len % (la.tp * la.cp):
+        local = "" if la.cp == 1 else f" (the cp-local length train.seq_len / layout.cp = {t.seq_len // la.cp})"
+        multiple = math.lcm(la.tp * la.cp, 2 * la.cp if la.cp > 1 else 1)
         raise ConfigError(
-            f"train.seq_len = {t.seq_len} is not divisible by layout.tp = {la.tp}, which sequence parallel "
-            f"(layout.sp = true) needs; nearest valid seq_len: {_nearest_multiples(t.seq_len, la.tp)}"
+            f"train.seq_len = {t.seq_len}{local} is not divisible by layout.tp = {la.tp}, which sequence parallel "
+            f"(layout.sp = true) needs; nearest valid seq_len: {_nearest_multiples(t.seq_len, multiple)}"
         )
-    if la.zero > 0 and la.dp == 1:
+    if la.zero > 0 and la.dp * la.cp == 1:
         raise ConfigError(
-            f"layout.zero = {la.zero} with layout.dp = 1: ZeRO shards over the data-parallel ranks, so there is "
-            "nothing to shard; use layout.zero = 0, or layout.dp >= 2"
+            f"layout.zero = {la.zero} with layout.dp = 1 and layout.cp = 1: ZeRO shards over the data-parallel x "
+            "context-parallel ranks (those that reduce gradients), so there is nothing to shard; use "
+            "layout.zero = 0, or layout.dp >= 2 (or layout.cp >= 2)"
         )
     mbs = la.micro_batch_size or t.global_batch_size // max(la.dp, 1)
     if t.global_batch_size % (la.dp * mbs):
@@ -80,6 +86,13 @@ def validate_layout(cfg: Config, world_size: int) -> None:
             f"{_nearest_multiples(t.global_batch_size, la.dp * mbs)}, or micro-batch sizes "
             f"{nearest_divisors(max(t.global_batch_size // la.dp, 1), mbs)}"
         )
+
+
+def validate_context_parallel(cfg: Config) -> None:
+    """cp cuts every sequence into 2*cp zig-zag chunks (see `fivefold.parallel.context`)."""
+    from fivefold.parallel.context import check_sequence_length
+
+    check_sequence_length(cfg.train.seq_len, cfg.layout.cp)
 
 
 def rank_of(layout: LayoutConfig, pp: int, dp: int, cp: int, tp: int) -> int:

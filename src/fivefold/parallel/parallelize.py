@@ -2,14 +2,18 @@
 
 1. tensor parallel (with sequence parallel when `layout.sp`): shards the projections, the MLP/experts and
    the vocabulary over the tp ranks, in place, keeping every parameter name;
-2. activation recomputation (`layout.recompute`: none, selective = the attention core, full = each block);
-3. `torch.compile` of each block (`train.compile`);
-4. data parallel last, because it works on whatever parameters the steps before left (tp shards):
-   ZeRO-0/1/2 as flat gradient buckets with hooks, ZeRO-3 as `fully_shard` units per block.
+2. context parallel (`layout.cp`): attention becomes ring attention over the cp group, MoE statistics that
+   span the sequence are summed over it; the engine feeds each rank its zig-zag chunks of every sequence;
+3. activation recomputation (`layout.recompute`: none, selective = the attention core, full = each block);
+4. `torch.compile` of each block (`train.compile`);
+5. data parallel last, because it works on whatever parameters the steps before left (tp shards):
+   ZeRO-0/1/2 as flat gradient buckets with hooks, ZeRO-3 as `fully_shard` units per block, over the dp x cp
+   ranks (cp ranks hold other tokens of the same sequences, so their gradients are partial sums too).
 
-The model file holds no parallel code; this order is the one torchtitan documents (TP, then activation
-checkpointing, then compile, then data-parallel sharding), for the same reasons: data parallel must see
-the tp-local parameters, and recompute must wrap the tp-aware modules.
+The model file holds no parallel code; this order is the one torchtitan documents (TP, then CP, then
+activation checkpointing, then compile, then data-parallel sharding), for the same reasons: data parallel
+must see the local parameters, and recompute must wrap the modules that communicate (so that a recomputed
+block repeats its tp and cp communication in backward, the same on every rank).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ LOSS_CHUNK_TOKENS = 8192
 
 
 class LossModel(nn.Module):
-    """The model and its loss as one module: `forward(inputs, targets)` is the summed token loss of the rows.
+    """The model and its loss as one module: `forward(inputs, targets, positions)` is the summed token loss of
+    the rows (positions: the rotary positions of a context-parallel rank's tokens, None for 0..seq-1).
 
     Under tensor parallel the output layer and the cross-entropy are vocabulary-parallel (the full logits never
     exist); otherwise the fused chunked output layer + loss of the single-device engine. ZeRO-3's root unit
@@ -39,8 +44,10 @@ class LossModel(nn.Module):
         self.grid, self.sequence_parallel = grid, sequence_parallel
         self.compute_dtype = torch.float32
 
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        hidden = self.model.forward_hidden(inputs)
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> (
+        torch.Tensor
+    ):
+        hidden = self.model.forward_hidden(inputs, positions)
         dtype = torch.bfloat16 if torch.is_autocast_enabled(hidden.device.type) else torch.float32
         if self.grid.size("tp") > 1:
             from fivefold.parallel.tensor import vocab_parallel_loss_sum
@@ -70,16 +77,20 @@ def parallelize(model: Llama, cfg: Config, grid: ProcessGrid, device: torch.devi
         from fivefold.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, grid.tp_group, la.sp)
-    if la.recompute != "none":  # 2. activation recomputation
+    if grid.size("cp") > 1:  # 2. context parallel
+        from fivefold.parallel.context import apply_context_parallel
+
+        apply_context_parallel(model, grid.groups["cp"])
+    if la.recompute != "none":  # 3. activation recomputation
         from fivefold.parallel.recompute import apply_recompute
 
         apply_recompute(model, la.recompute)
-    if cfg.train.compile:  # 3. compile each block
+    if cfg.train.compile:  # 4. compile each block
         for block in model.layers.values():
             block.compile()
     loss_model = LossModel(model, grid, la.sp, cfg.train.compile)
     tp_sharded = tp_sharded_names(model, grid.size("tp"))
-    if la.zero == 3:  # 4. data parallel
+    if la.zero == 3:  # 5. data parallel
         return loss_model, FullyShardedDataParallel(loss_model, model, tp_sharded, grid.grad_group, device.type)
     named = list(model.named_parameters())
     return loss_model, BucketedDataParallel(named, tp_sharded, grid.grad_group, la.zero, bucket_bytes,

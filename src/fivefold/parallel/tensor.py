@@ -187,7 +187,7 @@ class TensorParallelMoE(MoE):
         x = x.reshape(-1, shape[-1])
         experts, weights = self.route(grad_on_first_rank(x, group))
         # the weights scale partial expert outputs, so their gradient is partial too: f sums it
-        out = self.dispatch_combine(x, experts, copy_to_tp(weights, group))
+        out = self.dispatch_combine(x, experts, copy_to_tp(weights, group), rows=shape[0])
         if self.shared is not None:
             out = out + self.shared(x)
         return exit_tp_region(out.view(shape), group, self.sequence_parallel)

@@ -52,6 +52,7 @@ class Engine:
 
     dp_rank = 0
     dp_size = 1
+    drop_fraction: torch.Tensor | None = None
     is_logging_rank = True
     n_devices = 1
 
@@ -63,23 +64,37 @@ class Engine:
     def autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
-    def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Summed token loss of a batch (also the training loss before normalisation). The output layer and
-        the loss run fused and chunked, so the whole batch's fp32 logits are never materialised."""
+    def prepare_micro_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor | None
+    ]:
+        """What this rank computes of a micro-batch of whole sequences [rows, seq]: (inputs, targets, rotary
+        positions, None meaning 0..seq-1). The one place where a layout cuts a micro-batch (the parallel
+        engine keeps a context-parallel rank's chunks of each sequence); on one device, all of it."""
+        return inputs, targets, None
+
+    def loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """Summed token loss of a prepared micro-batch. The output layer and the loss run fused and chunked, so
+        the whole batch's fp32 logits are never materialised."""
         with self.autocast():
-            hidden = self.model.forward_hidden(inputs)
+            hidden = self.model.forward_hidden(inputs, positions)
             return linear_cross_entropy_sum(hidden, self.model.lm_head.weight, targets, LOSS_CHUNK_TOKENS,
                                             torch.bfloat16 if self.bf16 else torch.float32, self.cfg.train.compile)
+
+    def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed token loss of this rank's part of a batch of whole sequences (also the training loss before
+        normalisation)."""
+        return self.loss_sum(*self.prepare_micro_batch(inputs, targets))
 
     def micro_batch_loss(self, inputs: torch.Tensor, targets: torch.Tensor, global_tokens: int) -> tuple[
         torch.Tensor, torch.Tensor
     ]:
-        """(loss to backpropagate, summed token loss) of one micro-batch."""
-        loss_sum = self.eval_loss_sum(inputs, targets)
+        """(loss to backpropagate, summed token loss) of one micro-batch of whole sequences."""
+        inputs, targets, positions = self.prepare_micro_batch(inputs, targets)
+        loss_sum = self.loss_sum(inputs, targets, positions)
         loss = loss_sum
         aux = self.model.moe_aux_loss()
         if aux is not None:
-            # token-weighted mean of the load-balancing loss over the global batch
+            # token-weighted mean of the load-balancing loss over the global batch (this rank's tokens' share)
             loss = loss + self.cfg.model.aux_loss_coef * aux * targets.numel()
         return loss / global_tokens, loss_sum.detach()
 
@@ -91,12 +106,23 @@ class Engine:
         torch.Tensor
     ):
         total = torch.zeros((), device=self.device)
+        drops = []
         for i, (inputs, targets) in enumerate(micro_batches):
             with self.micro_batch_context(i, len(micro_batches)):
                 loss, loss_sum = self.micro_batch_loss(inputs, targets, global_tokens)
                 loss.backward()
             total += loss_sum
+            drop = self.model.moe_drop_fraction()
+            if drop is not None:
+                drops.append(drop.detach())
+        self.drop_fraction = torch.stack(drops).mean() if drops else None
         return total
+
+    def moe_drop_fraction(self) -> float | None:
+        """Fraction of routed slots that capacity-based routing dropped in the last step (mean over the MoE
+        layers and micro-batches; over the ranks under data, context or expert parallel), or None for a dense
+        model. Collective in the parallel engine."""
+        return None if self.drop_fraction is None else float(self.drop_fraction)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]

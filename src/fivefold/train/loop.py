@@ -240,10 +240,13 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
                 profiler.step()
             if done % cfg.log.log_every == 0 or done == t.max_steps or done == stop_after:
                 loss = engine.reduce_for_logging(loss_sum).item() / global_tokens
+                drop = engine.moe_drop_fraction() if cfg.model.capacity_factor > 0 else None
                 synchronize(device)
                 memory = per_rank_peak_memory(device)
                 record = step_record(done, loss, lr, float(grad_norm), throughput.report(), engine.n_devices,
                                      flops_per_token, peak, max(memory))
+                if drop is not None:
+                    record["moe_drop_fraction"] = drop
                 if len(memory) > 1:
                     record["peak_memory_bytes_per_rank"] = memory
                 log(record)

@@ -1,9 +1,10 @@
 """Metrics of a run: throughput, model TFLOP/s and MFU, peak memory, written as JSON lines.
 
 Each logged step appends one object to `metrics.jsonl` with the keys `step, loss, lr, grad_norm,
-tokens_per_s, tokens_per_s_per_device, tflops_per_device, mfu, peak_memory_bytes`; validations append
-`{"step", "val_loss"}`. FLOPs per token come from `fivefold.flops.training_flops_per_token` (the planner's
-function too), so MFU counts model FLOPs only: recomputation does not raise it.
+tokens_per_s, tokens_per_s_per_device, tflops_per_device, mfu, peak_memory_bytes` (and `moe_drop_fraction`,
+the share of routed slots that capacity-based MoE routing dropped in the step, when model.capacity_factor > 0);
+validations append `{"step", "val_loss"}`. FLOPs per token come from `fivefold.flops.training_flops_per_token`
+(the planner's function too), so MFU counts model FLOPs only: recomputation does not raise it.
 """
 
 from __future__ import annotations

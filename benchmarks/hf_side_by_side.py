@@ -85,6 +85,7 @@ def main() -> None:
     n_tokens = inputs.numel()
 
     t_fivefold = time_fivefold(cfg, device, inputs, targets, args.steps, args.warmup)
+    torch.compiler.reset()  # compiled graphs keep references to the engine's tensors
     gc.collect()
     if device.type != "cpu" and hasattr(torch.accelerator, "empty_cache"):
         torch.accelerator.empty_cache()

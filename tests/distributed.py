@@ -3,13 +3,14 @@
     results = run_ranks(4, my_fn, arg1, arg2)   # my_fn(rank, world_size, arg1, arg2) on every rank
 
 `my_fn` must be importable by name (a module-level function), because ranks are spawned processes.
-An exception on any rank fails the call with that rank's traceback.
+An exception on any rank fails the call with that rank's traceback. Results may hold tensors: they are pickled
+by value (not through shared memory, which would vanish when the rank exits).
 """
 
 from __future__ import annotations
 
 import os
-import queue as queue_module
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -26,16 +27,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, collected) -> None:
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)  # ranks share the machine's cores
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
-        # tensors in the result travel through this process's shared memory: stay until the parent has them
-        collected.wait(300)
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -46,9 +45,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the results in rank order."""
     ctx = mp.get_context("spawn")
-    queue, collected = ctx.Queue(), ctx.Event()
+    queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, collected), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -57,15 +56,14 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0)
     for _ in range(world_size):
         try:
             rank, ok, value = queue.get(timeout=timeout)
-        except queue_module.Empty:  # a rank hangs
+        except Exception:  # queue.Empty: a rank hangs
             errors.append(f"no answer from every rank within {timeout:.0f} s")
             break
         if ok:
-            results[rank] = value
+            results[rank] = pickle.loads(value)
         else:
             errors.append(f"rank {rank} failed:\n{value}")
             break  # the other ranks may hang in a collective; stop them below
-    collected.set()
     for p in procs:
         p.join(timeout=timeout if not errors else 5)
         if p.is_alive():

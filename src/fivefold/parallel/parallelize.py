@@ -40,9 +40,9 @@ class LossModel(nn.Module):
     exist); otherwise the fused chunked output layer + loss of the single-device engine. ZeRO-3's root unit
     wraps this module, so that its hooks run around the whole micro-batch."""
 
-    def __init__(self, model: Llama, grid: ProcessGrid, sequence_parallel: bool) -> None:
+    def __init__(self, model: Llama, grid: ProcessGrid, sequence_parallel: bool, compiled: bool = False) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.compiled = model, compiled
         self.grid, self.sequence_parallel = grid, sequence_parallel
         self.compute_dtype = torch.float32
 
@@ -56,7 +56,8 @@ class LossModel(nn.Module):
 
             return vocab_parallel_loss_sum(self.model, hidden, targets, self.grid.tp_group, self.sequence_parallel,
                                            compute_dtype=dtype)
-        return linear_cross_entropy_sum(hidden, self.model.lm_head.weight, targets, LOSS_CHUNK_TOKENS, dtype)
+        return linear_cross_entropy_sum(hidden, self.model.lm_head.weight, targets, LOSS_CHUNK_TOKENS, dtype,
+                                        self.compiled)
 
 
 def tp_sharded_names(model: nn.Module, tp: int) -> set[str]:
@@ -97,7 +98,7 @@ def parallelize(model: Llama, cfg: Config, grid: ProcessGrid, device: torch.devi
     if cfg.train.compile:  # 5. compile each block
         for block in model.layers.values():
             block.compile()
-    loss_model = LossModel(model, grid, la.sp)
+    loss_model = LossModel(model, grid, la.sp, cfg.train.compile)
     tp_sharded = tp_sharded_names(model, grid.size("tp"))
     if la.zero == 3:  # 6. data parallel (ep with ZeRO-3 is refused by the layout check)
         return loss_model, FullyShardedDataParallel(loss_model, model, tp_sharded, grid.grad_group, device.type), None

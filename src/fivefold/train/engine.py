@@ -78,7 +78,7 @@ class Engine:
         with self.autocast():
             hidden = self.model.forward_hidden(inputs, positions)
             return linear_cross_entropy_sum(hidden, self.model.lm_head.weight, targets, LOSS_CHUNK_TOKENS,
-                                            torch.bfloat16 if self.bf16 else torch.float32)
+                                            torch.bfloat16 if self.bf16 else torch.float32, self.cfg.train.compile)
 
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed token loss of this rank's part of a batch of whole sequences (also the training loss before

@@ -11,29 +11,52 @@ from __future__ import annotations
 import torch
 
 
+def chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, need_grad: bool,
+                        grad_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Summed cross-entropy of one chunk's logits [tokens, vocab] (targets of -100 ignored) and, from the same
+    pass, its gradient with respect to the logits (softmax minus one-hot) in `grad_dtype`. In fp32 whatever the
+    logits' dtype; in place after the one fp32 copy, so that eager mode makes no further [tokens, vocab] tensor
+    and `torch.compile` fuses it into a reduction and one elementwise pass."""
+    logits = logits.float()
+    valid = targets != -100
+    safe = torch.where(valid, targets, 0)
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, safe[:, None]).squeeze(1)
+    loss = ((lse - picked) * valid).sum()
+    if not need_grad:
+        return loss, None
+    grad = logits.sub_(lse[:, None]).exp_()
+    grad.scatter_add_(1, safe[:, None], -torch.ones_like(lse)[:, None])
+    grad.mul_(valid[:, None])
+    return loss, grad.to(grad_dtype)
+
+
+_compiled: dict[str, object] = {}  # the compiled chunk function, built on first use
+
+
+def _chunk_function(compiled: bool):
+    if not compiled:
+        return chunk_loss_and_grad
+    if "chunk" not in _compiled:
+        _compiled["chunk"] = torch.compile(chunk_loss_and_grad, dynamic=False)
+    return _compiled["chunk"]
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                compute_dtype: torch.dtype) -> torch.Tensor:
+                compute_dtype: torch.dtype, compiled: bool) -> torch.Tensor:
         needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        chunk_fn = _chunk_function(compiled)
         w = weight.to(compute_dtype)
         total = torch.zeros((), device=hidden.device, dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if needs_grad else None
         grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if needs_grad else None
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start:start + chunk].to(compute_dtype)
-            t = targets[start:start + chunk]
-            logits = (h @ w.t()).float()
-            valid = t != -100
-            safe_t = torch.where(valid, t, 0)
-            log_probs = torch.log_softmax(logits, dim=-1)
-            picked = log_probs.gather(1, safe_t[:, None]).squeeze(1)
-            total -= (picked * valid).sum()
+            loss, g = chunk_fn(h @ w.t(), targets[start:start + chunk], needs_grad, compute_dtype)
+            total += loss
             if needs_grad:
-                g = log_probs.exp_()  # softmax, in place of the log-probabilities
-                g.scatter_add_(1, safe_t[:, None], -torch.ones_like(picked)[:, None])
-                g *= valid[:, None]
-                g = g.to(compute_dtype)
                 grad_hidden[start:start + chunk] = (g @ w).to(hidden.dtype)
                 grad_weight += (g.t() @ h).float()
         if needs_grad:
@@ -43,15 +66,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_out, grad_weight * grad_out, None, None, None
+        return grad_hidden * grad_out, grad_weight * grad_out, None, None, None, None
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                             chunk_tokens: int = 4096, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+                             chunk_tokens: int = 4096, compute_dtype: torch.dtype | None = None,
+                             compiled: bool = False) -> torch.Tensor:
     """Summed cross-entropy of `hidden @ weight.T` against `targets` (-100 ignored), in chunks of tokens.
 
     `hidden` is [..., hidden], `weight` is [vocab, hidden]; the matmuls run in `compute_dtype` (default:
-    the hidden states' dtype), the softmax in fp32."""
+    the hidden states' dtype), the softmax in fp32. `compiled` runs each chunk's softmax through
+    `torch.compile` (one fused pass over the logits instead of several)."""
     hidden = hidden.reshape(-1, hidden.shape[-1])
     return _LinearCrossEntropy.apply(hidden, weight, targets.reshape(-1), chunk_tokens,
-                                     compute_dtype or hidden.dtype)
+                                     compute_dtype or hidden.dtype, compiled)

@@ -61,7 +61,9 @@ def global_batches(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def train_steps(engine: Engine, cfg: Config) -> tuple[list[float], list[float], list[float | None]]:
     """STEPS optimizer steps on this engine's rows of the global batches; (losses, grad norms, MoE drop fractions)
-    per step."""
+    per step, and last the evaluation loss of the first batch after training (as a one-element list)."""
+    from fivefold.train.loop import evaluate
+
     global_tokens = cfg.train.global_batch_size * cfg.train.seq_len
     losses, norms, drops = [], [], []
     for step, (inputs, targets) in enumerate(global_batches(cfg)):
@@ -74,6 +76,7 @@ def train_steps(engine: Engine, cfg: Config) -> tuple[list[float], list[float], 
         norms.append(float(engine.optimizer_step()))
         losses.append(engine.reduce_for_logging(loss_sum).item() / global_tokens)
         drops.append(engine.moe_drop_fraction())
+    losses.append(evaluate(engine, global_batches(cfg)[:1], cfg.micro_batch_size))
     return losses, norms, drops
 
 
@@ -146,9 +149,10 @@ def assert_matches_one_process(overrides: dict[str, str], losses: list[float], n
     the tolerances of the module docstring."""
     ref_losses, ref_norms, ref_drops, ref_state = reference_run(overrides)
     label = " ".join(f"{k}={v}" for k, v in overrides.items())
-    assert len(losses) == STEPS
+    assert len(losses) == STEPS + 1
     for step, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
-        assert abs(a - b) <= 1e-5 * abs(b), f"{label}: loss of step {step + 1}: {a} vs single process {b}"
+        what = f"loss of step {step + 1}" if step < STEPS else "evaluation loss"
+        assert abs(a - b) <= 1e-5 * abs(b), f"{label}: {what}: {a} vs single process {b}"
     for step, (a, b) in enumerate(zip(norms, ref_norms, strict=True)):
         assert abs(a - b) <= 1e-4 * abs(b), f"{label}: grad norm of step {step + 1}: {a} vs {b}"
     if float(overrides.get("model.capacity_factor", 0)) > 0:  # capacity-based routing drops the same slots
@@ -228,4 +232,32 @@ def test_context_times_tensor_and_data_parallel_matches_one_process():
         {"layout.cp": "2", "layout.dp": "2"},
         {"layout.cp": "2", "layout.dp": "2", "layout.zero": "3"},
         {"layout.cp": "2", "layout.tp": "2", "layout.sp": "true", "layout.zero": "1", **MOE},
+    ], world_size=4)
+
+
+def test_expert_parallel_matches_one_process():
+    assert_equivalent([
+        {"layout.dp": "2", "layout.ep": "2", **MOE},
+        # capacity per source rank and expert as in one process: the same slots dropped
+        {"layout.dp": "2", "layout.ep": "2", "layout.zero": "1", **CAPACITY},
+    ], world_size=2)
+
+
+@pytest.mark.slow
+def test_expert_parallel_over_context_parallel_matches_one_process():
+    assert_equivalent([
+        {"layout.cp": "2", "layout.ep": "2", "layout.zero": "2", "layout.recompute": "full", **CAPACITY},
+        {"layout.dp": "2", "layout.ep": "2", "layout.recompute": "selective", "model.n_shared_experts": "1", **MOE},
+    ], world_size=2)
+
+
+@pytest.mark.slow
+def test_expert_times_tensor_and_data_parallel_matches_one_process():
+    assert_equivalent([
+        {"layout.dp": "2", "layout.tp": "2", "layout.ep": "2", **MOE},
+        {"layout.dp": "2", "layout.tp": "2", "layout.ep": "2", "layout.sp": "true", "layout.zero": "2", **CAPACITY},
+        # two ranks hold the same experts: expert gradients reduced over them (edp), ZeRO slices over them
+        {"layout.dp": "4", "layout.ep": "2", "layout.zero": "1", **MOE},
+        {"layout.dp": "4", "layout.ep": "4", "layout.zero": "2", **CAPACITY},
+        {"layout.dp": "2", "layout.cp": "2", "layout.ep": "4", "layout.zero": "1", **MOE},
     ], world_size=4)

@@ -111,3 +111,12 @@ def test_resume_under_context_parallel_and_zero3_is_exact(tmp_path, dataset):  #
     records = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
     drops = [r["moe_drop_fraction"] for r in records if "loss" in r]
     assert len(drops) == 6 and all(0 <= d < 0.5 for d in drops) and max(drops) > 0
+
+
+@pytest.mark.slow
+def test_resume_under_expert_parallel_and_zero2_is_exact(tmp_path, dataset):  # noqa: F811
+    # every rank saves its own experts' optimizer states; the model file holds every expert
+    moe = {"model.n_experts": "4", "model.top_k": "2", "model.capacity_factor": "1.0"}
+    check_resume(tmp_path, dataset, 2, {"layout.dp": "2", "layout.ep": "2", "layout.zero": "2", **moe})
+    model = load_file(str(latest_checkpoint(tmp_path / "full") / "model.safetensors"))
+    assert model["layers.0.mlp.w_gate"].shape[0] == 4

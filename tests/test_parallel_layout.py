@@ -78,7 +78,6 @@ def test_zero_needs_data_parallel():
 
 
 @pytest.mark.parametrize("fields, world, expected", [
-    ({"layout__ep": "2", "layout__dp": "2"}, 2, "layout.ep = 2: ep > 1 arrives with Parallel engine II"),
     ({"layout__vpp": "2"}, 1, "layout.vpp = 2 needs pipeline parallel"),
     ({"layout__sp": "true", "layout__dp": "2"}, 2, "layout.sp = true needs tensor parallel"),
     ({"layout__sp": "true", "layout__tp": "2", "train__seq_len": "127"}, 2,
@@ -96,6 +95,9 @@ def test_cli_refuses_a_bad_layout_before_starting_processes(capsys, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+MOE = {"model__n_experts": "4", "model__top_k": "2"}
+
+
 @pytest.mark.parametrize("fields, world, expected", [
     # cp cuts each sequence into 2*cp chunks
     ({"layout__cp": "2", "train__seq_len": "126"}, 2,
@@ -106,18 +108,33 @@ def test_cli_refuses_a_bad_layout_before_starting_processes(capsys, tmp_path):
     ({"layout__cp": "2", "layout__tp": "4", "layout__sp": "true", "train__seq_len": "36", "model__n_kv_heads": "4"}, 8,
      "train.seq_len = 36 (the cp-local length train.seq_len / layout.cp = 18) is not divisible by layout.tp = 4, "
      "which sequence parallel (layout.sp = true) needs; nearest valid seq_len: [32, 40]"),
+    # ep
+    ({"layout__ep": "2", "layout__dp": "2"}, 2,
+     "layout.ep = 2 on a dense model (model.n_experts = 0): expert parallel shards the experts of "
+     "mixture-of-experts layers; use layout.ep = 1, or an MoE model"),
+    ({"layout__ep": "3", "layout__dp": "3", "train__global_batch_size": "9", **MOE}, 3,
+     "layout.ep = 3 does not divide model.n_experts = 4: each ep rank holds n_experts / ep whole experts; "
+     "valid ep for this model: [1, 2, 4]"),
+    ({"layout__ep": "4", "layout__dp": "2", **MOE}, 2,
+     "layout.ep = 4 does not divide layout.dp x layout.cp = 2 x 1 = 2: expert parallel folds over the dp x cp "
+     "ranks (it adds no ranks), so each dp x cp group must split into blocks of ep ranks; valid ep for this "
+     "layout and model: [1, 2]"),
+    ({"layout__ep": "2", "layout__dp": "2", "layout__zero": "3", **MOE}, 2,
+     "layout.zero = 3 with layout.ep = 2: ZeRO-3 shards parameters with one fully_shard mesh"),
     # ZeRO needs ranks that reduce gradients: dp or cp
     ({"layout__zero": "1", "layout__tp": "2"}, 2, "layout.zero = 1 with layout.dp = 1 and layout.cp = 1"),
 ])
-def test_bad_context_parallel_layouts_are_refused(fields, world, expected):
+def test_bad_context_and_expert_parallel_layouts_are_refused(fields, world, expected):
     assert expected in refused(config(**fields), world)
 
 
-def test_context_parallel_layouts_that_work_are_accepted():
+def test_context_and_expert_parallel_layouts_that_work_are_accepted():
     for fields, world in [
         ({"layout__cp": "2", "train__seq_len": "128"}, 2),
         ({"layout__cp": "2", "layout__tp": "2", "layout__sp": "true", "train__seq_len": "128"}, 4),
         ({"layout__cp": "2", "layout__zero": "1"}, 2),  # ZeRO shards over dp x cp
+        ({"layout__ep": "2", "layout__cp": "2", **MOE}, 2),  # ep folds over cp too
+        ({"layout__ep": "2", "layout__dp": "2", "layout__zero": "2", **MOE}, 2),
     ]:
         cfg = config(**fields)
         cfg.validate()
@@ -181,3 +198,10 @@ def test_pipeline_layouts_that_work_are_accepted():
         cfg = config(**fields)
         cfg.validate()
         validate_layout(cfg, world)
+
+
+def test_cli_refuses_a_bad_expert_layout_before_starting_processes(capsys, tmp_path):
+    code = main(["train", "--nproc", "2", "--layout.dp", "2", "--layout.ep", "2", "--run-dir", str(tmp_path / "r")])
+    assert code == 2
+    assert "layout.ep = 2 on a dense model" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

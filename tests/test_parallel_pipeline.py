@@ -53,7 +53,9 @@ def pipeline_on_ranks(rank: int, world_size: int, layouts: list[dict[str, str]])
         engine = create_parallel_engine(cfg, torch.device("cpu"), bucket_bytes=SMALL_BUCKET)
         losses, norms, drops = train_steps(engine, cfg)
         schedule = engine.schedule(cfg.grad_accum_steps)
-        assert [r.action for r in engine.last_trace] == list(schedule.actions[engine.pp_rank])
+        assert [r.action for r in engine.traces[True]] == list(schedule.actions[engine.pp_rank])
+        (forward,) = [s for (_, training), s in engine.schedules.items() if not training]  # the evaluation's
+        assert [r.action for r in engine.traces[False]] == list(forward.actions[engine.pp_rank])
         counts = cfg.layout.stage_layers or balanced_stage_layers(cfg.model, schedule.n_stages, cfg.train.seq_len)
         for s, stage in engine.stages.items():  # the split asked for (or the balanced one), stage by stage
             assert list(stage.layers) == [str(i) for i in layer_ranges(counts)[s]]
@@ -235,13 +237,17 @@ def test_pp2_other_schedules_match_one_process():
 def test_pp2_with_zero_and_tensor_parallel_matches_one_process():
     """4 ranks: pp2 x dp2 under ZeRO-1 and ZeRO-2 (reduce-scatters while micro-batches interleave); pp2 x tp2 with
     sequence parallel under zero-bubble (the fused q/k/v and gate/up projections defer their weight gradients,
-    gathering their input again in W) and DualPipeV (the tied weight re-tied after tp on rank 0)."""
+    gathering their input again in W) and DualPipeV (the tied weight re-tied after tp on rank 0); pp2 x dp2 with
+    ep2 and capacity-based routing."""
     assert_pipeline_equivalent([
         {**PP_DP, "layout.pp": "2", "layout.dp": "2", "layout.zero": "1"},
         {**PP_DP, "layout.pp": "2", "layout.dp": "2", "layout.zero": "2", "layout.micro_batch_size": "1",
          "layout.schedule": "zero-bubble", "layout.fp32_grad_accum": "true"},
         {**PP_DP, "layout.pp": "2", "layout.tp": "2", "layout.sp": "true", "layout.schedule": "zero-bubble"},
         {**PP, **MOE, "layout.pp": "2", "layout.tp": "2", "layout.schedule": "dualpipev"},
+        # expert parallel folded over dp2 on each stage: the experts' own buckets are reduced over edp
+        {**PP_DP, **MOE, "model.capacity_factor": "1.0", "layout.pp": "2", "layout.dp": "2", "layout.ep": "2",
+         "layout.zero": "1", "layout.schedule": "zero-bubble"},
     ], world_size=4)
 
 

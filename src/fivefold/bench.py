@@ -5,20 +5,32 @@ per device), model TFLOP/s per device and MFU (the trainer's FLOPs function), pe
 reserved, and the split of the step between forward, backward and optimizer, measured with device events
 (host timers on CPU). Event timing adds a few synchronisations per step, so the split is taken on
 separate profiled steps and the throughput on steps without them.
+
+With a parallel layout it runs on several processes: `--nproc N` starts them through PyTorch's launcher, and
+under `torchrun` the same command joins the process group. Each data-parallel rank draws its own rows; rank 0
+times the steps (all ranks meet at a barrier at both edges), gathers every rank's peak memory and prints (or
+writes with `--out`) the result. On CPU the peak memory is the process's peak resident set size above its
+resident size just before the model was built, after one small step has initialised the libraries (no
+allocator statistics exist there).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
+import sys
 import time
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from fivefold.config import ConfigError, build_config
+from fivefold.config import Config, ConfigError, build_config
 from fivefold.flops import training_flops_per_token
 from fivefold.train.cli import parse_overrides
-from fivefold.train.engine import create_engine, resolve_device
+from fivefold.train.engine import Engine, create_engine, resolve_device
 from fivefold.train.metrics import resolve_peak_tflops, synchronize
 
 ACCEPTS_OVERRIDES = True
@@ -28,16 +40,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="model preset (see `fivefold models`)")
     p.add_argument("--config", help="TOML or YAML config file (model, layout and train sections)")
     p.add_argument("--seq-len", type=int, help="sequence length (default: the config's train.seq_len)")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch per rank")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps")
-    p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto")
+    p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], help="default: the config's train.dtype (auto)")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
+    p.add_argument("--nproc", type=int, default=1, help="start this many local processes (the layout's world "
+                                                       "size: dp x tp x pp x cp)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--out", help="also write the JSON object to this file")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile N more steps and report the top kernels by device time")
-    p.add_argument("--trace", help="with --profile: write the profiler's Chrome trace to this file")
+    p.add_argument("--trace", help="with --profile: write the profiler's Chrome trace to this file (rank 0's)")
 
 
 def _timer(device: torch.device):
@@ -60,7 +75,8 @@ def _timer(device: torch.device):
     return mark, elapsed
 
 
-def run_bench(args: argparse.Namespace) -> dict:
+def bench_config(args: argparse.Namespace) -> Config:
+    """The config to time: file and overrides, then the bench flags (sequence, micro-batch, accumulation)."""
     overrides = parse_overrides(getattr(args, "overrides", []) or [])
     overrides.setdefault("model.preset", args.model)
     cfg = build_config(args.config, overrides)
@@ -68,7 +84,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     if seq > cfg.model.max_seq_len:
         cfg.model.max_seq_len = seq
     cfg.train.seq_len = seq
-    cfg.train.dtype = args.dtype
+    cfg.train.dtype = args.dtype or cfg.train.dtype
     cfg.train.compile = args.compile or cfg.train.compile
     cfg.layout.micro_batch_size = args.micro_batch
     cfg.train.global_batch_size = args.micro_batch * args.grad_accum * cfg.layout.dp
@@ -76,16 +92,69 @@ def run_bench(args: argparse.Namespace) -> dict:
     cfg.train.warmup_steps = 0
     if args.steps < 1 or args.warmup < 0:
         raise ConfigError(f"--steps = {args.steps} must be >= 1 and --warmup = {args.warmup} >= 0")
+    if args.micro_batch < 1 or args.grad_accum < 1:
+        raise ConfigError(f"--micro-batch = {args.micro_batch} and --grad-accum = {args.grad_accum} must be >= 1")
     cfg.validate()
+    return cfg
+
+
+def _resident_bytes() -> int:
+    """The process's resident set size now (Linux), or 0 where /proc is missing."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _warm_up_libraries() -> None:
+    """One small step of every kind of kernel the model uses, so that the CPU libraries' one-time buffers
+    (tens of MiB) land in the baseline rather than in the run's peak."""
+    linear = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(linear.parameters(), foreach=True)
+    q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=True) for _ in range(3))
+    attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    (torch.nn.functional.cross_entropy(linear(torch.randn(8, 64)), torch.zeros(8, dtype=torch.long))
+     + attn.sum()).backward()
+    opt.step()
+
+
+def _max_resident_bytes() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def _gather_ints(values: list[int], device: torch.device) -> list[list[int]]:
+    """Every rank's `values`, in rank order (one collective; this rank's alone when not distributed)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [values]
+    world = dist.get_world_size()
+    out = torch.zeros(world, len(values), dtype=torch.int64, device=device)
+    out[dist.get_rank()] = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(out)
+    return out.tolist()
+
+
+def run_bench(args: argparse.Namespace) -> dict:
+    cfg = bench_config(args)
+    seq = cfg.train.seq_len
     device = resolve_device(cfg.train.device)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    if device.type == "cpu":
+        _warm_up_libraries()
+    resident_before = _resident_bytes()
     engine = create_engine(cfg, device)
-    gen = torch.Generator().manual_seed(cfg.train.seed)
+    # each data-parallel rank its own rows; tensor-parallel ranks of one dp rank share them
+    gen = torch.Generator().manual_seed(cfg.train.seed + engine.dp_rank)
     rows = args.micro_batch * args.grad_accum
     tokens = torch.randint(0, cfg.model.vocab_size, (rows, seq + 1), generator=gen)
     inputs, targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
     micro = list(zip(inputs.split(args.micro_batch), targets.split(args.micro_batch), strict=True))
     global_tokens = cfg.train.global_batch_size * seq
     mark, elapsed = _timer(device)
+    barrier = dist.barrier if dist.is_initialized() else (lambda: None)
+    # the split times micro-batches one by one, which only engines with the plain micro-batch loop allow
+    can_split = type(engine).forward_backward is Engine.forward_backward
 
     def step(split: dict[str, float] | None) -> None:
         if split is None:
@@ -111,39 +180,62 @@ def run_bench(args: argparse.Namespace) -> dict:
     module = torch.get_device_module(device.type) if device.type != "cpu" else None
     if module is not None and hasattr(module, "reset_peak_memory_stats"):
         module.reset_peak_memory_stats()
+    barrier()
     start = time.perf_counter()
     for _ in range(args.steps):
         step(None)
     synchronize(device)
+    barrier()
     seconds = time.perf_counter() - start
-    split = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+    split: dict[str, float] | None = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0} if can_split else None
     split_steps = min(3, args.steps)
-    for _ in range(split_steps):
+    for _ in range(split_steps if can_split else 0):
         step(split)
     synchronize(device)
 
-    top_kernels = profile_steps(step, args.profile, device, args.trace) if args.profile else None
+    trace = args.trace if not dist.is_initialized() or dist.get_rank() == 0 else None
+    top_kernels = profile_steps(step, args.profile, device, trace) if args.profile else None
 
     tokens_per_s = global_tokens * args.steps / seconds
     per_device = tokens_per_s / engine.n_devices
     flops = training_flops_per_token(cfg.model, seq)
     peak = resolve_peak_tflops(cfg.log.peak_tflops, device)
     tflops = per_device * flops / 1e12
-    allocated = reserved = None
     if module is not None and hasattr(module, "max_memory_allocated"):
-        allocated, reserved = int(module.max_memory_allocated()), int(module.max_memory_reserved())
+        memory = [int(module.max_memory_allocated()), int(module.max_memory_reserved())]
+        source = "allocator peak over the timed steps"
+    else:
+        memory = [max(_max_resident_bytes() - resident_before, 0)] * 2
+        source = "peak resident set size above the resident size before the model was built"
+    per_rank = _gather_ints(memory, device)
+    allocated = [m[0] for m in per_rank]
     return {
         "model": cfg.model.name, "device": str(device),
         "device_name": module.get_device_name() if module is not None else "cpu",
         "torch": torch.__version__, "seq_len": seq, "micro_batch": args.micro_batch,
         "grad_accum": args.grad_accum, "dtype": "bf16" if engine.bf16 else "fp32", "compile": cfg.train.compile,
+        "n_devices": engine.n_devices, "layout": dict(vars(cfg.layout)),
         "steps": args.steps, "step_time_s": seconds / args.steps, "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_device": per_device, "tflops_per_device": tflops,
         "mfu": tflops / peak if peak else None, "peak_tflops": peak,
-        "peak_memory_allocated_bytes": allocated, "peak_memory_reserved_bytes": reserved,
-        "time_split_s": {k: v / split_steps for k, v in split.items()},
+        "peak_memory_allocated_bytes": max(allocated) if module is not None else None,
+        "peak_memory_reserved_bytes": max(m[1] for m in per_rank) if module is not None else None,
+        "peak_memory_bytes_per_rank": allocated, "memory_source": source,
+        "time_split_s": {k: v / split_steps for k, v in split.items()} if split is not None else None,
         "top_kernels": top_kernels,
     }
+
+
+def forwarded_argv(args: argparse.Namespace) -> list[str]:
+    """This command's arguments for each started process, without --nproc."""
+    out = ["--model", args.model, "--micro-batch", str(args.micro_batch), "--grad-accum", str(args.grad_accum),
+           "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    for flag, value in (("--config", args.config), ("--seq-len", args.seq_len), ("--dtype", args.dtype),
+                        ("--out", args.out), ("--profile", args.profile or None), ("--trace", args.trace)):
+        if value is not None:
+            out += [flag, str(value)]
+    out += ["--compile"] * args.compile + ["--json"] * args.json
+    return out + list(getattr(args, "overrides", []) or [])
 
 
 def profile_steps(step, n: int, device: torch.device, trace: str | None, top: int = 15) -> list[dict]:
@@ -173,25 +265,55 @@ def profile_steps(step, n: int, device: torch.device, trace: str | None, top: in
 
 
 def run(args: argparse.Namespace) -> int:
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc = {args.nproc} must be >= 1")
+    cfg = bench_config(args)  # every config error before any process starts
+    world = int(os.environ.get("WORLD_SIZE", "1")) if distributed else args.nproc
+    if world > 1 or cfg.layout.world_size > 1:
+        from fivefold.parallel import validate_layout
+
+        validate_layout(cfg, world)
+    if args.nproc > 1 and not distributed:
+        from fivefold.parallel import launch
+
+        return launch(args.nproc, forwarded_argv(args), verb="bench")
+    if distributed:
+        from fivefold.parallel import init_distributed
+
+        init_distributed(resolve_device(cfg.train.device).type)
     result = run_bench(args)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        dist.destroy_process_group()
+        return 0
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if args.out:
+        out = Path(args.out)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(result) + "\n")
+        tmp.replace(out)  # whole or absent, never half written
     if args.json:
         print(json.dumps(result))
         return 0
     gib = 2**30
     mfu = f"{100 * result['mfu']:.1f} %" if result["mfu"] is not None else "n/a (no known peak: --log.peak_tflops)"
-    mem = ("n/a on CPU" if result["peak_memory_allocated_bytes"] is None else
+    mem = (f"{max(result['peak_memory_bytes_per_rank']) / 2**20:,.0f} MiB resident above the baseline"
+           if result["peak_memory_allocated_bytes"] is None else
            f"{result['peak_memory_allocated_bytes'] / gib:.2f} GiB allocated, "
            f"{result['peak_memory_reserved_bytes'] / gib:.2f} GiB reserved")
     split = result["time_split_s"]
-    total = sum(split.values()) or 1.0
-    print(f"{result['model']} on {result['device_name']} ({result['dtype']}, seq {result['seq_len']}, "
+    devices = f"{result['n_devices']} x " if result["n_devices"] > 1 else ""
+    print(f"{result['model']} on {devices}{result['device_name']} ({result['dtype']}, seq {result['seq_len']}, "
           f"micro-batch {result['micro_batch']} x {result['grad_accum']}, compile {result['compile']})")
     print(f"  step time        {1e3 * result['step_time_s']:.1f} ms")
     print(f"  tokens/s         {result['tokens_per_s']:,.0f} ({result['tokens_per_s_per_device']:,.0f} per device)")
     print(f"  TFLOP/s/device   {result['tflops_per_device']:.2f}   MFU {mfu}")
     print(f"  peak memory      {mem}")
-    print("  step split       " + ", ".join(f"{k} {1e3 * v:.1f} ms ({100 * v / total:.0f} %)"
-                                           for k, v in split.items()))
+    if split is not None:
+        total = sum(split.values()) or 1.0
+        print("  step split       " + ", ".join(f"{k} {1e3 * v:.1f} ms ({100 * v / total:.0f} %)"
+                                               for k, v in split.items()))
     if result["top_kernels"]:
         print("  top kernels (self time per step, share of the profiled time)")
         for k in result["top_kernels"]:

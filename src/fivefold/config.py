@@ -332,11 +332,11 @@ def _apply(obj: Any, values: dict[str, Any], prefix: str) -> None:
             setattr(obj, key, _coerce(value, types_[key], name))
 
 
-def load_file(path: str | Path) -> dict[str, Any]:
-    """Read a TOML or YAML config file into a plain dict."""
+def load_file(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """Read a TOML, YAML or JSON file (a config, or `what` the caller names in errors) into a plain dict."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist or is not a file")
+        raise ConfigError(f"{what} {str(path)!r} does not exist or is not a file")
     text = path.read_text()
     try:
         if path.suffix == ".toml":
@@ -346,17 +346,17 @@ def load_file(path: str | Path) -> dict[str, Any]:
 
             data = yaml.safe_load(text) or {}
             if not isinstance(data, dict):
-                raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
+                raise ConfigError(f"{what} {str(path)!r} must hold a mapping at the top level")
             return data
         if path.suffix == ".json":
             return json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid: {e}") from None
+        raise ConfigError(f"{what} {str(path)!r} is not valid: {e}") from None
     except Exception as e:  # yaml.YAMLError without importing yaml at module level
         if type(e).__module__.startswith("yaml"):
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+            raise ConfigError(f"{what} {str(path)!r} is not valid YAML: {e}") from None
         raise
-    raise ConfigError(f"config file {str(path)!r} must end in .toml, .yaml, .yml or .json")
+    raise ConfigError(f"{what} {str(path)!r} must end in .toml, .yaml, .yml or .json")
 
 
 def build_config(

@@ -1,7 +1,8 @@
 """Parallel training: the process grid (`mesh`), data parallel and ZeRO (`data`), tensor and sequence
-parallel (`tensor`), recompute (`recompute`), applied in order by `parallelize`, driven by `ParallelEngine`.
+parallel (`tensor`), expert parallel (`expert`), context parallel (`context`), recompute (`recompute`),
+applied in order by `parallelize`, driven by `ParallelEngine`.
 
-This module also starts processes: `launch` runs `fivefold train` on N local processes through PyTorch's
+This module also starts processes: `launch` runs `fivefold train` (or `bench`) on N local processes through PyTorch's
 own launcher (`torch.distributed.run`, the code behind `torchrun`), `init_distributed` joins the process
 group in each of them (gloo on CPU, the accelerator's backend, e.g. nccl, on GPU), and
 `write_slurm_script` writes a batch script that runs the same command under `torchrun` on many nodes.
@@ -44,14 +45,14 @@ def init_distributed(device_type: str) -> None:
     dist.init_process_group(dist.get_default_backend_for_device(device), device_id=device)
 
 
-def launch(nproc: int, argv: list[str]) -> int:
-    """Run `fivefold train ARGV` on `nproc` local processes (single node, a free rendezvous port); returns the
-    exit status (non-zero when any process failed)."""
+def launch(nproc: int, argv: list[str], verb: str = "train") -> int:
+    """Run `fivefold VERB ARGV` (train or bench) on `nproc` local processes (single node, a free rendezvous
+    port); returns the exit status (non-zero when any process failed)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     args = get_args_parser().parse_args(
-        ["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc), "--module", "fivefold", "train", *argv]
+        ["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc), "--module", "fivefold", verb, *argv]
     )
     try:
         run(args)
@@ -63,10 +64,13 @@ def launch(nproc: int, argv: list[str]) -> int:
 
 
 def write_slurm_script(path: str | Path, argv: list[str], nodes: int, gpus_per_node: int,
-                       job_name: str = "fivefold", time_limit: str = "01:00:00", port: int = 29500) -> Path:
-    """Write a SLURM batch script that runs `fivefold train ARGV` on `nodes` x `gpus_per_node` processes: one
-    `torchrun` per node (started by `srun`), meeting at the first node through the c10d rendezvous."""
+                       job_name: str = "fivefold", time_limit: str = "01:00:00", port: int = 29500,
+                       verb: str = "train", output: str = "%x-%j.out", on_exit: str = "") -> Path:
+    """Write a SLURM batch script that runs `fivefold VERB ARGV` on `nodes` x `gpus_per_node` processes: one
+    `torchrun` per node (started by `srun`), meeting at the first node through the c10d rendezvous. `on_exit`
+    is a shell command run when the script ends, whatever its exit status (`$status` holds it)."""
     command = " ".join(shlex.quote(a) for a in argv)
+    trap = f"trap 'status=$?; {on_exit}' EXIT\n" if on_exit else ""
     text = f"""#!/bin/bash
 #SBATCH --job-name={job_name}
 #SBATCH --nodes={nodes}
@@ -74,14 +78,14 @@ def write_slurm_script(path: str | Path, argv: list[str], nodes: int, gpus_per_n
 #SBATCH --gpus-per-node={gpus_per_node}
 #SBATCH --exclusive
 #SBATCH --time={time_limit}
-#SBATCH --output=%x-%j.out
-# Written by `fivefold train --slurm`. One torchrun per node; torchrun starts {gpus_per_node} ranks per node.
+#SBATCH --output={output}
+# Written by fivefold: `fivefold {verb}` under one torchrun per node, each starting {gpus_per_node} ranks.
 set -euo pipefail
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+{trap}head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 srun torchrun \\
   --nnodes "$SLURM_NNODES" --nproc-per-node {gpus_per_node} \\
   --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$head_node:{port}" \\
-  --module fivefold train {command}
+  --module fivefold {verb} {command}
 """
     path = Path(path)
     path.write_text(text)

@@ -2,10 +2,11 @@
 
 It differs from the single-device engine in these places: `prepare_micro_batch` keeps a context-parallel
 rank's zig-zag chunks of each sequence with their rotary positions; the loss goes through `LossModel`
-(vocabulary parallel under tp); each micro-batch tells the data-parallel state whether to reduce gradients
-(over dp x cp); the gradient norm is summed over shards (tp-sharded parameters over tp, ZeRO slices over
-dp x cp, replicated ones counted once); logged values are summed over dp x cp; and checkpoints gather the
-full plain-named state (collective) or shard a loaded one.
+(vocabulary parallel under tp); each micro-batch tells the data-parallel states whether to reduce gradients
+(dense ones over dp x cp, expert ones over the ranks holding the same experts); the gradient norm is summed
+over shards (tp-sharded parameters over tp, ZeRO slices over their group, experts over ep, replicated ones
+counted once); logged values are summed over dp x cp; and checkpoints gather the full plain-named state
+(collective) or shard a loaded one.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from fivefold.config import Config
 from fivefold.models.llama import Llama, build_model
 from fivefold.parallel.data import DEFAULT_BUCKET_BYTES, BucketedDataParallel, FullyShardedDataParallel
 from fivefold.parallel.mesh import ProcessGrid
-from fivefold.parallel.parallelize import LossModel, parallelize, parallelize_stages
+from fivefold.parallel.parallelize import DataParallel, LossModel, parallelize, parallelize_stages
 from fivefold.parallel.pipeline import (
     PipelineExecutor,
     WeightGradQueue,
@@ -39,20 +40,23 @@ class ParallelEngine(Engine):
     """Trains one rank's part of the model; `dp_rank`/`dp_size` select this rank's rows of the batch (every cp
     rank of a dp rank gets the same rows and keeps its chunks of them)."""
 
-    def __init__(self, model: Llama, loss_model: LossModel,
-                 data_parallel: BucketedDataParallel | FullyShardedDataParallel, grid: ProcessGrid, cfg: Config,
-                 device: torch.device) -> None:
+    def __init__(self, model: Llama, loss_model: LossModel, data_parallel: DataParallel, grid: ProcessGrid,
+                 cfg: Config, device: torch.device, expert_data_parallel: BucketedDataParallel | None = None) -> None:
         self.model, self.loss_model, self.data_parallel, self.grid = model, loss_model, data_parallel, grid
+        self.expert_data_parallel = expert_data_parallel
+        self.data_parallels = [data_parallel] + ([expert_data_parallel] if expert_data_parallel else [])
         self.cfg, self.device = cfg, device
         self.bf16 = use_bf16(cfg, device)
         self.dp_rank, self.dp_size = grid.ranks["dp"], grid.size("dp")
         self.tp_rank, self.tp_size = grid.ranks["tp"], grid.size("tp")
         self.cp_rank, self.cp_size = grid.ranks["cp"], grid.size("cp")
+        self.ep_rank, self.ep_size = grid.group_ranks["ep"].index(grid.rank), grid.size("ep")
         self.is_logging_rank = grid.rank == 0
         self.n_devices = grid.world_size
         # every rank writes its own optimizer file when the states differ between ranks
-        self.optimizer_state_is_sharded = cfg.layout.zero >= 1 or self.tp_size > 1
-        self.optimizer = build_adamw(nn.ParameterList(data_parallel.optimizer_params()), cfg.train, device)
+        self.optimizer_state_is_sharded = cfg.layout.zero >= 1 or self.tp_size > 1 or self.ep_size > 1
+        params = [p for dp in self.data_parallels for p in dp.optimizer_params()]
+        self.optimizer = build_adamw(nn.ParameterList(params), cfg.train, device)
 
     def prepare_micro_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor | None
@@ -70,14 +74,21 @@ class ParallelEngine(Engine):
 
     @contextlib.contextmanager
     def micro_batch_context(self, index: int, count: int) -> Iterator[None]:
-        self.data_parallel.sync = index == count - 1
+        for dp in self.data_parallels:
+            dp.sync = index == count - 1
         yield
-        self.data_parallel.end_micro_batch()
+        for dp in self.data_parallels:
+            dp.end_micro_batch()
 
     def grad_square_sum(self) -> torch.Tensor:
         """Sum of the squared gradients of the whole model (every rank gets the same value)."""
-        self.data_parallel.attach_grads()
+        for dp in self.data_parallels:
+            dp.attach_grads()
         sharded, replicated = self.data_parallel.grad_square_sums()
+        if self.expert_data_parallel is not None:  # each ep rank holds other experts (and under tp, a slice)
+            experts = sum(self.expert_data_parallel.grad_square_sums())
+            dist.all_reduce(experts, group=self.grid.groups["ep"])
+            sharded = sharded + experts
         if self.tp_size > 1:  # each tp rank holds a different slice of the sharded parameters
             dist.all_reduce(sharded, group=self.grid.tp_group)
         return sharded + replicated
@@ -86,16 +97,18 @@ class ParallelEngine(Engine):
         norm = self.grad_square_sum().sqrt()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for p in self.data_parallel.optimizer_params():
-                if p.grad is not None:
-                    grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                    grad.mul_(coef)
+            for dp in self.data_parallels:
+                for p in dp.optimizer_params():
+                    if p.grad is not None:
+                        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                        grad.mul_(coef)
         return norm
 
     def optimizer_step(self) -> torch.Tensor:
         norm = self.clip_grad_norm(self.cfg.train.grad_clip)
         self.optimizer.step()
-        self.data_parallel.after_step()
+        for dp in self.data_parallels:
+            dp.after_step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
@@ -120,17 +133,22 @@ class ParallelEngine(Engine):
             state = {name: t.full_tensor() for name, t in state.items()}
         return state
 
-    def _tp_gathered_state(self) -> dict[str, torch.Tensor]:
+    def _gathered_state(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters with plain names, whole over tp and ep (collective over those groups)."""
         state = self._local_state()
         if self.tp_size > 1:
             from fivefold.parallel.tensor import gather_state
 
             state = gather_state(state, self.grid.tp_group)
+        if self.ep_size > 1:
+            from fivefold.parallel.expert import gather_expert_state
+
+            state = gather_expert_state(state, self.grid.groups["ep"])
         return state
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """The full plain-named state on every rank (collective: every rank must call it)."""
-        state = self._tp_gathered_state()
+        state = self._gathered_state()
         if self.cfg.model.tied_embeddings:
             state.pop("lm_head.weight", None)
         return state
@@ -143,6 +161,10 @@ class ParallelEngine(Engine):
             from fivefold.parallel.tensor import shard_state
 
             state = shard_state(state, self.tp_rank, self.tp_size)
+        if self.ep_size > 1:
+            from fivefold.parallel.expert import shard_expert_state
+
+            state = shard_expert_state(state, self.ep_rank, self.ep_size)
         if isinstance(self.data_parallel, FullyShardedDataParallel):
             own = self.model.state_dict()
             missing = set(own) ^ set(state)
@@ -188,7 +210,7 @@ class ParallelEngine(Engine):
 
     def _shard_layout(self) -> dict[str, int]:
         la = self.cfg.layout
-        extra = {"cp": la.cp} if la.cp > 1 else {}
+        extra = {name: getattr(la, name) for name in ("cp", "ep") if getattr(la, name) > 1}
         return {"dp": la.dp, "tp": la.tp, **extra, "zero": la.zero, "rank": self.grid.rank}
 
     def barrier(self) -> None:
@@ -200,6 +222,8 @@ class ParallelEngine(Engine):
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer states (Adam's two moments)."""
         held = self.data_parallel.state_bytes()
+        if self.expert_data_parallel is not None:
+            held = {k: v + self.expert_data_parallel.state_bytes()[k] for k, v in held.items()}
         optimizer = 0
         for s in self.optimizer.state.values():
             for key in ("exp_avg", "exp_avg_sq"):
@@ -278,10 +302,11 @@ class PipelineEngine(ParallelEngine):
     gather every stage's parameters over pp (and tp) into the plain model's state."""
 
     def __init__(self, stages: dict[int, Llama], loss_model: LossModel | None, data_parallel: BucketedDataParallel,
-                 grid: ProcessGrid, cfg: Config, device: torch.device, counts: list[int],
-                 queue: WeightGradQueue | None, tied_bucket_names: frozenset[str]) -> None:
+                 expert_data_parallel: BucketedDataParallel | None, grid: ProcessGrid, cfg: Config,
+                 device: torch.device, counts: list[int], queue: WeightGradQueue | None,
+                 tied_bucket_names: frozenset[str]) -> None:
         super().__init__(nn.ModuleDict({str(s): m for s, m in stages.items()}), loss_model, data_parallel, grid,
-                         cfg, device)
+                         cfg, device, expert_data_parallel)
         la = cfg.layout
         self.stages, self.counts, self.queue = stages, counts, queue
         self.pp_rank, self.pp_size = grid.ranks["pp"], grid.size("pp")
@@ -299,6 +324,7 @@ class PipelineEngine(ParallelEngine):
             for b in self.tied_buckets:
                 b.count_in_norm = False
         self.schedules: dict[tuple[int, bool], Schedule] = {}
+        self.traces: dict[bool, list] = {}  # what the executor ran in the last training / evaluation step
 
     def schedule(self, m: int, training: bool = True) -> Schedule:
         la = self.cfg.layout
@@ -323,7 +349,7 @@ class PipelineEngine(ParallelEngine):
             runner.begin(prepared, global_tokens, training)
         executor = PipelineExecutor(self.pp_group, self.pp_rank, shape, torch.float32, self.device)
         executor.run(self.schedule(len(micro_batches), training), self.runners)
-        self.last_trace = executor.trace
+        self.traces[training] = executor.trace
         if training and self.cfg.model.is_moe:  # this rank's layers' share of the mean over all MoE layers
             drops = sum(runner.drop_sum for runner in self.runners.values())
             self.drop_fraction = drops / (len(micro_batches) * self.cfg.model.n_layers)
@@ -334,10 +360,12 @@ class PipelineEngine(ParallelEngine):
         torch.Tensor
     ):
         m = len(micro_batches)
-        self.data_parallel.sync = True
-        self.data_parallel.expect_accumulations(lambda p: m * self.uses[id(p)])
+        for dp in self.data_parallels:
+            dp.sync = True
+            dp.expect_accumulations(lambda p: m * self.uses[id(p)])
         total = self._run(micro_batches, global_tokens, training=True)
-        self.data_parallel.end_micro_batch()  # reduce what the hooks did not start, and wait
+        for dp in self.data_parallels:
+            dp.end_micro_batch()  # reduce what the hooks did not start, and wait
         for bucket in self.tied_buckets:  # the embedding's and the output layer's gradients are one gradient
             dist.all_reduce(self.data_parallel.reduced_grad(bucket), group=self.grid.groups["embed"])
         return total
@@ -378,7 +406,7 @@ class PipelineEngine(ParallelEngine):
     def model_state(self) -> dict[str, torch.Tensor]:
         """The full plain-named state on every rank: each stage's parameters (tp-gathered) broadcast from their pp
         rank over the pp group (collective: every rank must call it)."""
-        mine = self._tp_gathered_state()
+        mine = self._gathered_state()
         full = {}
         for name, meta in build_model(self.cfg.model, device="meta").state_dict().items():
             if name == "lm_head.weight" and self.cfg.model.tied_embeddings:
@@ -404,6 +432,10 @@ class PipelineEngine(ParallelEngine):
             from fivefold.parallel.tensor import shard_state
 
             state = shard_state(state, self.tp_rank, self.tp_size)
+        if self.ep_size > 1:
+            from fivefold.parallel.expert import shard_expert_state
+
+            state = shard_expert_state(state, self.ep_rank, self.ep_size)
         for m in self.stages.values():  # copies in place: bucket views stay views
             m.load_state_dict({name: state[name] for name in m.state_dict()}, strict=True)
 
@@ -427,8 +459,10 @@ def create_pipeline_engine(cfg: Config, grid: ProcessGrid, device: torch.device,
     if cfg.model.tied_embeddings and placement[0] != placement[-1]:
         tied_names = frozenset({"embed.weight"} if pp_rank == placement[0] else
                                {"lm_head.weight"} if pp_rank == placement[-1] else set())
-    loss_model, data_parallel = parallelize_stages(stages, cfg, grid, queue, tied_names, bucket_bytes)
-    return PipelineEngine(stages, loss_model, data_parallel, grid, cfg, device, counts, queue, tied_names)
+    loss_model, data_parallel, expert_data_parallel = parallelize_stages(stages, cfg, grid, queue, tied_names,
+                                                                         bucket_bytes)
+    return PipelineEngine(stages, loss_model, data_parallel, expert_data_parallel, grid, cfg, device, counts, queue,
+                          tied_names)
 
 
 def create_parallel_engine(cfg: Config, device: torch.device,
@@ -439,5 +473,5 @@ def create_parallel_engine(cfg: Config, device: torch.device,
     if cfg.layout.pp > 1:
         return create_pipeline_engine(cfg, grid, device, bucket_bytes)
     model = build_model(cfg.model, device=device, seed=cfg.train.seed)
-    loss_model, data_parallel = parallelize(model, cfg, grid, device, bucket_bytes)
-    return ParallelEngine(model, loss_model, data_parallel, grid, cfg, device)
+    loss_model, data_parallel, expert_data_parallel = parallelize(model, cfg, grid, device, bucket_bytes)
+    return ParallelEngine(model, loss_model, data_parallel, grid, cfg, device, expert_data_parallel)

@@ -26,7 +26,6 @@ from torch.distributed import ProcessGroup
 from fivefold.config import Config, ConfigError, LayoutConfig, nearest_divisors
 
 AXES = ("pp", "dp", "cp", "tp")  # outermost first
-LATER_ENGINE = "arrives with Parallel engine II (context and expert parallel)"
 
 
 def _nearest_multiples(value: int, base: int) -> list[int]:
@@ -50,9 +49,6 @@ def validate_layout(cfg: Config, world_size: int) -> None:
             f"world size {world_size} (number of processes); {hint}, or start {product} processes "
             f"(--nproc {product})"
         )
-    for name in ("ep",):
-        if getattr(la, name) > 1:
-            raise ConfigError(f"layout.{name} = {getattr(la, name)}: {name} > 1 {LATER_ENGINE}; use layout.{name} = 1")
     if la.tp > 1:
         from fivefold.parallel.tensor import validate_tensor_parallel
 
@@ -69,6 +65,8 @@ def validate_layout(cfg: Config, world_size: int) -> None:
             f"train.seq_len = {t.seq_len}{local} is not divisible by layout.tp = {la.tp}, which sequence parallel "
             f"(layout.sp = true) needs; nearest valid seq_len: {_nearest_multiples(t.seq_len, multiple)}"
         )
+    if la.ep > 1:
+        validate_expert_parallel(cfg)
     if la.zero > 0 and la.dp * la.cp == 1:
         raise ConfigError(
             f"layout.zero = {la.zero} with layout.dp = 1 and layout.cp = 1: ZeRO shards over the data-parallel x "
@@ -93,6 +91,35 @@ def validate_context_parallel(cfg: Config) -> None:
     from fivefold.parallel.context import check_sequence_length
 
     check_sequence_length(cfg.train.seq_len, cfg.layout.cp)
+
+
+def validate_expert_parallel(cfg: Config) -> None:
+    """ep shards whole experts of an MoE model over blocks of ep ranks of each dp x cp group."""
+    la, m = cfg.layout, cfg.model
+    if not m.is_moe:
+        raise ConfigError(
+            f"layout.ep = {la.ep} on a dense model (model.n_experts = 0): expert parallel shards the experts of "
+            "mixture-of-experts layers; use layout.ep = 1, or an MoE model (model.n_experts >= 2, e.g. "
+            "--preset tiny-moe)"
+        )
+    if m.n_experts % la.ep:
+        raise ConfigError(
+            f"layout.ep = {la.ep} does not divide model.n_experts = {m.n_experts}: each ep rank holds "
+            f"n_experts / ep whole experts; valid ep for this model: {nearest_divisors(m.n_experts, la.ep)}"
+        )
+    if (la.dp * la.cp) % la.ep:
+        valid = [d for d in nearest_divisors(la.dp * la.cp, la.ep, 8) if m.n_experts % d == 0][:3]
+        raise ConfigError(
+            f"layout.ep = {la.ep} does not divide layout.dp x layout.cp = {la.dp} x {la.cp} = {la.dp * la.cp}: "
+            f"expert parallel folds over the dp x cp ranks (it adds no ranks), so each dp x cp group must split "
+            f"into blocks of ep ranks; valid ep for this layout and model: {valid}, or raise layout.dp"
+        )
+    if la.zero == 3:
+        raise ConfigError(
+            f"layout.zero = 3 with layout.ep = {la.ep}: ZeRO-3 shards parameters with one fully_shard mesh over "
+            "dp x cp, while expert weights are reduced over the smaller expert-data-parallel groups; use "
+            "layout.zero = 1 or 2 with expert parallel, or layout.ep = 1"
+        )
 
 
 def rank_of(layout: LayoutConfig, pp: int, dp: int, cp: int, tp: int) -> int:

@@ -1,22 +1,24 @@
 """Apply the parallel techniques to a plain `Llama`, from outside and in one fixed order:
 
 0. pipeline parallel (`layout.pp > 1`, before this module, by `pipeline.build_stages`): each rank keeps only its
-   stages' blocks, and steps 1 to 4 apply to each stage (`parallelize_stages`);
+   stages' blocks, and steps 1 to 5 apply to each stage (`parallelize_stages`);
 1. tensor parallel (with sequence parallel when `layout.sp`): shards the projections, the MLP/experts and
    the vocabulary over the tp ranks, in place, keeping every parameter name; under a zero-bubble pipeline
    schedule the linears then defer their weight gradients to the W pass (`pipeline.defer_weight_grads`);
-2. context parallel (`layout.cp`): attention becomes ring attention over the cp group, MoE statistics that
+2. expert parallel (`layout.ep`): keeps this rank's experts of each MoE layer (whole experts, already split
+   along their ffn dim by tp) and routes tokens to them with all-to-alls over the ep group;
+3. context parallel (`layout.cp`): attention becomes ring attention over the cp group, MoE statistics that
    span the sequence are summed over it; the engine feeds each rank its zig-zag chunks of every sequence;
-3. activation recomputation (`layout.recompute`: none, selective = the attention core, full = each block);
-4. `torch.compile` of each block (`train.compile`);
-5. data parallel last, because it works on whatever parameters the steps before left (tp shards):
-   ZeRO-0/1/2 as flat gradient buckets with hooks, ZeRO-3 as `fully_shard` units per block, over the dp x cp
-   ranks (cp ranks hold other tokens of the same sequences, so their gradients are partial sums too).
+4. activation recomputation (`layout.recompute`: none, selective = the attention core, full = each block);
+5. `torch.compile` of each block (`train.compile`);
+6. data parallel last, because it works on whatever parameters the steps before left (tp and ep shards):
+   ZeRO-0/1/2 as flat gradient buckets with hooks, ZeRO-3 as `fully_shard` units per block. Dense gradients
+   are reduced over dp x cp, expert gradients (under ep) over the ranks that hold the same experts.
 
 The model file holds no parallel code; this order is the one torchtitan documents (TP, then CP, then
 activation checkpointing, then compile, then data-parallel sharding), for the same reasons: data parallel
 must see the local parameters, and recompute must wrap the modules that communicate (so that a recomputed
-block repeats its tp and cp communication in backward, the same on every rank).
+block repeats its tp, ep and cp communication in backward, the same on every rank).
 """
 
 from __future__ import annotations
@@ -75,9 +77,12 @@ def tp_sharded_names(model: nn.Module, tp: int) -> set[str]:
     return {name for name, _ in model.named_parameters() if tp_shard_dim(name) is not None}
 
 
+DataParallel = BucketedDataParallel | FullyShardedDataParallel
+
+
 def apply_model_parallel(model: Llama, cfg: Config, grid: ProcessGrid,
                          weight_grad_queue: WeightGradQueue | None = None) -> None:
-    """Steps 1 to 4 on one model (or pipeline stage), in place."""
+    """Steps 1 to 5 on one model (or pipeline stage), in place."""
     la = cfg.layout
     if grid.size("tp") > 1:  # 1. tensor (and sequence) parallel
         from fivefold.parallel.tensor import apply_tensor_parallel
@@ -87,47 +92,70 @@ def apply_model_parallel(model: Llama, cfg: Config, grid: ProcessGrid,
         from fivefold.parallel.pipeline import defer_weight_grads
 
         defer_weight_grads(model, weight_grad_queue)
-    if grid.size("cp") > 1:  # 2. context parallel
+    if la.ep > 1:  # 2. expert parallel
+        from fivefold.parallel.expert import apply_expert_parallel
+
+        apply_expert_parallel(model, grid.groups["ep"])
+    if grid.size("cp") > 1:  # 3. context parallel
         from fivefold.parallel.context import apply_context_parallel
 
         apply_context_parallel(model, grid.groups["cp"])
-    if la.recompute != "none":  # 3. activation recomputation
+    if la.recompute != "none":  # 4. activation recomputation
         from fivefold.parallel.recompute import apply_recompute
 
         apply_recompute(model, la.recompute)
-    if cfg.train.compile:  # 4. compile each block
+    if cfg.train.compile:  # 5. compile each block
         for block in model.layers.values():
             block.compile()
 
 
 def parallelize(model: Llama, cfg: Config, grid: ProcessGrid, device: torch.device,
-                bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[LossModel, BucketedDataParallel |
-                                                                   FullyShardedDataParallel]:
-    """Apply the layout to `model` in place (see the module docstring); return the loss module to call and
-    the data-parallel state that reduces the gradients."""
+                bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[LossModel, DataParallel,
+                                                                   BucketedDataParallel | None]:
+    """Apply the layout to `model` in place (see the module docstring); return the loss module to call, the
+    data-parallel state that reduces the dense gradients and, under expert parallel, the one that reduces the
+    expert gradients (None otherwise)."""
     la = cfg.layout
     apply_model_parallel(model, cfg, grid)
     loss_model = LossModel(model, grid, la.sp, cfg.train.compile)
     tp_sharded = tp_sharded_names(model, grid.size("tp"))
-    if la.zero == 3:  # 5. data parallel
-        return loss_model, FullyShardedDataParallel(loss_model, model, tp_sharded, grid.grad_group, device.type)
-    named = list(model.named_parameters())
-    return loss_model, BucketedDataParallel(named, tp_sharded, grid.grad_group, la.zero, bucket_bytes,
-                                            la.fp32_grad_accum)
+    if la.zero == 3:  # 6. data parallel (ep with ZeRO-3 is refused by the layout check)
+        return loss_model, FullyShardedDataParallel(loss_model, model, tp_sharded, grid.grad_group, device.type), None
+    dense, experts = bucketed_data_parallel(list(model.named_parameters()), tp_sharded, cfg, grid, bucket_bytes)
+    return loss_model, dense, experts
+
+
+def bucketed_data_parallel(named: list[tuple[str, nn.Parameter]], tp_sharded: set[str], cfg: Config,
+                           grid: ProcessGrid, bucket_bytes: int, own_bucket: frozenset[str] = frozenset()) -> (
+    tuple[BucketedDataParallel, BucketedDataParallel | None]
+):
+    """Step 6 for ZeRO-0/1/2: the dense parameters' state over dp x cp and, under ep, the experts' over the ranks
+    that hold the same experts."""
+    la = cfg.layout
+    experts = None
+    if la.ep > 1:
+        from fivefold.parallel.expert import is_expert_param
+
+        experts = BucketedDataParallel([(n, p) for n, p in named if is_expert_param(n)], tp_sharded,
+                                       grid.groups["edp"], la.zero, bucket_bytes, la.fp32_grad_accum)
+        named = [(n, p) for n, p in named if not is_expert_param(n)]
+    dense = BucketedDataParallel(named, tp_sharded, grid.grad_group, la.zero, bucket_bytes, la.fp32_grad_accum,
+                                 own_bucket)
+    return dense, experts
 
 
 def parallelize_stages(stages: dict[int, Llama], cfg: Config, grid: ProcessGrid,
                        weight_grad_queue: WeightGradQueue | None, own_bucket: frozenset[str],
-                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[LossModel | None, BucketedDataParallel]:
-    """The same order for this pipeline rank's stages: steps 1 to 4 on each, then one data-parallel state over
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[LossModel | None, BucketedDataParallel,
+                                                                          BucketedDataParallel | None]:
+    """The same order for this pipeline rank's stages: steps 1 to 5 on each, then the data-parallel states over
     all of their parameters (ZeRO-0/1/2; `own_bucket` names a tied weight that needs a bucket of its own).
-    Returns the last stage's loss module (None when this rank does not hold it)."""
+    Returns the last stage's loss module (None when this rank does not hold it) and the two states."""
     from fivefold.parallel.pipeline import n_stages
 
-    la = cfg.layout
     for stage in stages.values():
         apply_model_parallel(stage, cfg, grid, weight_grad_queue)
-    first, last = stages.get(0), stages.get(n_stages(la) - 1)
+    first, last = stages.get(0), stages.get(n_stages(cfg.layout) - 1)
     if cfg.model.tied_embeddings and first is not None and last is not None:
         last.lm_head.weight = first.embed.weight  # both on this rank (DualPipeV): one parameter again after tp
     named, seen = [], set()
@@ -137,6 +165,6 @@ def parallelize_stages(stages: dict[int, Llama], cfg: Config, grid: ProcessGrid,
                 seen.add(id(p))
                 named.append((name, p))
     tp_sharded = set().union(*(tp_sharded_names(stage, grid.size("tp")) for stage in stages.values()))
-    data_parallel = BucketedDataParallel(named, tp_sharded, grid.grad_group, la.zero, bucket_bytes,
-                                         la.fp32_grad_accum, own_bucket)
-    return (LossModel(last, grid, la.sp, cfg.train.compile) if last is not None else None), data_parallel
+    dense, experts = bucketed_data_parallel(named, tp_sharded, cfg, grid, bucket_bytes, own_bucket)
+    loss_model = LossModel(last, grid, cfg.layout.sp, cfg.train.compile) if last is not None else None
+    return loss_model, dense, experts

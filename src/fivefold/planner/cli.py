@@ -48,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="busiest expert's load over the even share (dropless MoE memory)")
     p.add_argument("--data", help="validate: CSV of runs (default: ../shared/data/playbook_benchmark_runs.csv "
                                   "beside the repository)")
+    p.add_argument("--results", help="validate: a `fivefold sweep` results store instead of the CSV (with "
+                                     "--hardware FILE for the profile to predict with)")
     p.add_argument("--profile", help="validate: TOML of fitted constants (default: the packaged profile)")
     p.add_argument("--fit", action="store_true", help="validate: refit the constants on the 1- and 2-node rows")
 

@@ -200,6 +200,9 @@ def _inner(cfg: ModelConfig, dp: int, tp: int, pp: int, cp: int, batch: int, spa
             if zero == 3 and pp > 1:
                 reject("ZeRO-3 with pipeline parallel (weights would be gathered per micro-batch)", f"pp={pp} zero=3")
                 continue
+            if zero == 3 and ep > 1:
+                reject("ZeRO-3 with expert parallel (refused by the engine)", f"ep={ep} zero=3")
+                continue
             for sp in space.sp if tp > 1 else (False,):
                 yield Layout(dp, tp, pp, cp, ep, zero, mbs, ga, "full", sp, sched, v, space.fp32_grad_accum)
 

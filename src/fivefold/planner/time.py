@@ -80,18 +80,22 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
         t_tp *= 1 - fw.tp_overlap
     else:
         t_tp = 0.0
-    # context parallel: K/V blocks around the ring, overlapped with the attention of the current block
+    # context parallel: K/V blocks around the ring, overlapped with the attention of the current block; the
+    # backward passes K/V around again (cp - 1 hops) and the fp32 dK/dV of each shard home (cp hops)
     t_cp_f = t_cp_b = 0.0
     if lay.cp > 1:
         kv_bytes = tokens * 2 * kv * d * ab
         ring = (lay.cp - 1) * comm.all_to_all(kv_bytes * 2, 2, st["cp"], hw)
+        grad_ring = lay.cp * comm.all_to_all(kv_bytes / ab * 4 * 2, 2, st["cp"], hw)
         t_cp_f = max(0.0, ring - t_attn)
-        t_cp_b = max(0.0, 2 * ring - 2 * t_attn)
-    # expert parallel: dispatch and combine all-to-alls, not overlapped
+        t_cp_b = max(0.0, ring + grad_ring - 2 * t_attn)
+    # expert parallel: dispatch and combine all-to-alls over the ep group (consecutive members of a dp x cp
+    # group), not overlapped
     t_ep = 0.0
     if cfg.is_moe and lay.ep > 1:
-        t_ep = 2 * comm.all_to_all(tokens * cfg.top_k * h * ab, lay.ep, st["dp"], hw)
-    recompute = {"none": 0.0, "selective": t_attn, "full": t_layer + t_tp + t_cp_f + t_ep}[lay.recompute]
+        t_ep = 2 * comm.all_to_all(tokens * cfg.top_k * h * ab, lay.ep, st["dpcp"], hw)
+    # selective recompute reruns the attention core, which under cp is the ring's forward with its transfers
+    recompute = {"none": 0.0, "selective": t_attn + t_cp_f, "full": t_layer + t_tp + t_cp_f + t_ep}[lay.recompute]
     f_layer = t_layer + t_tp + t_cp_f + t_ep
     # backward: twice the forward's matmuls, split evenly into input-gradient (B) and weight-gradient (W)
     w_layer = t_layer - t_attn - overhead / 2
@@ -106,7 +110,9 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     b[-1] += t_head
     w[-1] += t_head
     again = 1 if lay.recompute == "full" else 0  # full recompute repeats the forward's communication
-    per_layer = {"tp_comm": (2 + again) * t_tp, "cp_comm": (1 + again) * t_cp_f + t_cp_b, "ep_comm": (2 + again) * t_ep}
+    again_cp = 1 if lay.recompute != "none" else 0  # selective recompute too (the ring is the recomputed core)
+    per_layer = {"tp_comm": (2 + again) * t_tp, "cp_comm": (1 + again_cp) * t_cp_f + t_cp_b,
+                 "ep_comm": (2 + again) * t_ep}
     return StageTimes(f, b, w, per_layer, counts)
 
 
@@ -147,7 +153,7 @@ class TimeReport:
 
 
 def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, exact: bool = True) -> TimeReport:
-    from fivefold.planner.memory import model_state_bytes
+    from fivefold.planner.memory import model_state_bytes, rank_params
 
     times = stage_times(cfg, seq, lay, fw, hw)
     tokens = lay.mbs * seq / lay.cp
@@ -160,18 +166,23 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     ideal = lay.grad_acc * max(per_rank)
     st = comm.strides(lay)
     states = model_state_bytes(cfg, lay, fw, "first")
-    # gradient reduction over dp x cp: bucketed, launched during the last micro-batch's backward
+    # gradient reduction, bucketed, launched during the last micro-batch's backward: dense gradients over
+    # dp x cp, routed experts' over the ranks holding the same experts (dp x cp / ep, every ep-th member)
     dpc = lay.dp * lay.cp
-    grad_elems = (states["gradients"] / fw.grad_bytes) * (dpc if lay.zero >= 2 else 1)
-    red_bytes = grad_elems * (fw.accum_bytes if lay.fp32_grad_accum else fw.grad_bytes)
-    t_dp = 0.0
+    rp = rank_params(cfg, lay, "first")
+    elem_bytes = fw.accum_bytes if lay.fp32_grad_accum else fw.grad_bytes
+    red_bytes = (rp.dense + rp.expert) * elem_bytes
     bucket = fw.dp_bucket_mib * 2**20
+
+    def reduce_time(nbytes: float, size: int, stride: int) -> float:
+        if lay.zero >= 2:  # ZeRO-2/3 keep only a gradient shard, so every micro-batch reduce-scatters
+            return comm.reduce_scatter(nbytes, size, stride, hw, bucket) * lay.grad_acc
+        return comm.all_reduce(nbytes, size, stride, hw, bucket)
+
+    t_dp = 0.0
     if dpc > 1:
-        if lay.zero >= 2:
-            # ZeRO-2/3 keep only a gradient shard, so every micro-batch reduce-scatters its gradients
-            t_dp = comm.reduce_scatter(red_bytes, dpc, st["dpcp"], hw, bucket) * lay.grad_acc
-        else:
-            t_dp = comm.all_reduce(red_bytes, dpc, st["dpcp"], hw, bucket)
+        t_dp = reduce_time(rp.dense * elem_bytes, dpc, st["dpcp"])
+        t_dp += reduce_time(rp.expert * elem_bytes, dpc // lay.ep, st["dpcp"] * lay.ep)
         last_bucket = t_dp * min(1.0, bucket / max(red_bytes, 1.0))
         window = sum(times.b[s] + times.w[s] for s in range(len(times.f)) if _rank_of(s, lay) == 0) if lay.pp > 1 \
             else times.b[0] + times.w[0]

@@ -10,7 +10,14 @@ those rows ("fitted") and for the rest ("held out"):
 * Spearman correlation of predicted vs measured tokens/s per GPU inside each (model, nodes) group;
 * top-1 regret inside each group: 1 - measured tokens/s of the predicted best / the measured best. The
   predicted best is chosen among the rows predicted to fit; a pick that crashed counts as a regret of 100 %.
-  The regret of the pick among the finished rows only is printed beside it.
+  The regret of the pick among the finished rows only is printed beside it;
+* median relative error of the predicted step time, and the Spearman correlation of predicted vs measured
+  step time over all finished rows.
+
+`--results FILE` reads a `fivefold sweep` results store instead: its runs that finished or ran out of memory
+(crashes, timeouts and invalid layouts say nothing about the model), each predicted as `fivefold sweep` does
+(fivefold's own settings, `--hardware FILE` or the built-in profile of the device kind, all of a local run's
+processes on one node), grouped by (model, device count).
 """
 
 from __future__ import annotations
@@ -47,6 +54,15 @@ class Row:
     mem_gib: float
     framework: str
     group: tuple
+    step_time_s: float = 0.0  # measured; 0 = derive it from tokens/s per GPU
+    estimate: object = None  # the prediction when the reader makes it (store rows)
+
+    @property
+    def measured_step_time(self) -> float:
+        if self.step_time_s:
+            return self.step_time_s
+        tokens = self.layout.dp * self.layout.mbs * self.layout.grad_acc * self.seq
+        return tokens / (self.tok_s_gpu * self.layout.world_size) if self.tok_s_gpu else 0.0
 
 
 def read_rows(path: Path) -> list[Row]:
@@ -73,6 +89,41 @@ def read_rows(path: Path) -> list[Row]:
                             float(r["tok_s_gpu"]) if ok and r["tok_s_gpu"] else 0.0,
                             float(r["mem_gb"]) if ok and r["mem_gb"] else 0.0, framework,
                             (r["model"], int(r["nodes"]))))
+    return rows
+
+
+def read_results(path: Path, hardware_file: str | None) -> list[Row]:
+    """The runs of a `fivefold sweep` store that finished or ran out of memory, with the planner's estimate."""
+    import dataclasses as dc
+
+    from fivefold.config import config_from_dict
+    from fivefold.planner.predict import compute_dtype, estimate_run, layout_of, load_hardware
+    from fivefold.sweep.store import StoreError
+    from fivefold.sweep.store import read_rows as read_store
+
+    try:
+        stored = read_store(path)
+    except StoreError as e:
+        raise ConfigError(f"--results: {e}") from None
+    rows = []
+    for r in stored:
+        if r["status"] not in ("ok", "oom"):
+            continue
+        cfg = config_from_dict(r["config"])
+        device_type = (r.get("device") or cfg.train.device).split(":")[0]
+        device_type = "cpu" if device_type == "cpu" else "accelerator"
+        hw = load_hardware(hardware_file, device_type)
+        if (r.get("nodes") or 1) == 1:  # a local run: every process on one node
+            hw = dc.replace(hw, gpus_per_node=max(hw.gpus_per_node, r["n_devices"]))
+        ok = r["status"] == "ok"
+        framework = "fivefold-cpu" if compute_dtype(cfg, device_type) == "fp32" else "fivefold"
+        rows.append(Row(cfg.model, layout_of(cfg), r.get("nodes") or 1, cfg.train.seq_len, ok,
+                        r["tokens_per_s_per_device"] if ok else 0.0,
+                        r["peak_memory_bytes"] / 2**30 if ok else 0.0, framework,
+                        (r["model"], f"{r['n_devices']} dev"), r["step_time_s"] if ok else 0.0,
+                        estimate_run(cfg, hw, device_type)))
+    if not rows:
+        raise ConfigError(f"--results {str(path)!r} holds no run that finished or ran out of memory")
     return rows
 
 
@@ -197,9 +248,15 @@ def metrics(rows: list[Row], preds: list) -> dict:
             pick_ok = max(ok, key=lambda i: preds[i].tokens_per_s_per_gpu)
             regrets_ok.append(1 - rows[pick_ok].tok_s_gpu / best)
             entry["regret_among_finished"] = round(regrets_ok[-1], 4)
-        per_group[f"{g[0]}/{g[1]}n"] = entry
+        per_group[f"{g[0]}/{g[1]}n" if isinstance(g[1], int) else f"{g[0]}/{g[1]}"] = entry
+    timed = [(p.step_time_s, r.measured_step_time) for r, p in zip(rows, preds, strict=True)
+             if r.ok and r.measured_step_time > 0]
+    time_err = [abs(p / m - 1) for p, m in timed]
     return {
         "rows": len(rows), "finished": sum(r.ok for r in rows),
+        "median_step_time_error": statistics.median(time_err) if time_err else float("nan"),
+        "step_time_spearman": spearman([p for p, _ in timed], [m for _, m in timed]) if len(timed) >= 3
+        else float("nan"),
         "fits_agreement": agree / len(rows) if rows else float("nan"),
         "false_fit_rate": false_fit / len(rows) if rows else float("nan"),
         "median_memory_error": statistics.median(mem_err) if mem_err else float("nan"),
@@ -219,7 +276,42 @@ def validate(rows: list[Row], fw: Framework, hw: Cluster, exact: bool = True) ->
             "held_out": metrics([rows[i] for i in held], [preds[i] for i in held])}
 
 
+_LABELS = [("rows (finished)", None), ("fits/OOM agreement", "fits_agreement"),
+           ("predicted fits but crashed", "false_fit_rate"), ("median memory error", "median_memory_error"),
+           ("median step-time error", "median_step_time_error"),
+           ("step-time Spearman (all rows)", "step_time_spearman"),
+           ("median per-group Spearman", "median_spearman"), ("median top-1 regret", "median_top1_regret"),
+           ("  (pick among finished rows)", "median_top1_regret_among_finished")]
+
+
+def _cell(m: dict, key: str | None) -> str:
+    if key is None:
+        return f"{m['rows']} ({m['finished']})"
+    if key in ("median_spearman", "step_time_spearman"):
+        return f"{m[key]:.3f}"
+    return f"{100 * m[key]:.1f} %"
+
+
+def run_validate_results(args: argparse.Namespace) -> int:
+    """`fivefold plan validate --results FILE`: the same figures on a sweep's own runs."""
+    path = Path(args.results)
+    rows = read_results(path, args.hardware)
+    result = {"results": metrics(rows, [r.estimate for r in rows])}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    profile = args.hardware or "the built-in profile of the device kind"
+    print(f"{path.name}: {len(rows)} runs that finished or ran out of memory, modelled as fivefold with {profile}")
+    for label, key in _LABELS:
+        print(f"{label:34s} {_cell(result['results'], key):>20s}")
+    return 0
+
+
 def run_validate(args: argparse.Namespace) -> int:
+    if getattr(args, "results", None):
+        if args.data or args.fit:
+            raise ConfigError("--results reads a sweep's store; it does not combine with --data or --fit")
+        return run_validate_results(args)
     path = Path(args.data) if args.data else DEFAULT_DATA
     rows = read_rows(path)
     fw, hw = load_profile(Path(args.profile) if args.profile else None)
@@ -238,16 +330,7 @@ def run_validate(args: argparse.Namespace) -> int:
     print(f"{path.name}: {len(rows)} rows, modelled as {fw.name} on {hw.name}; constants fitted on nodes "
           f"{'/'.join(map(str, FIT_NODES))} only")
     print(f"{'':34s} {'fitted (1-2 nodes)':>20s} {'held out (4+ nodes)':>20s}")
-    labels = [("rows (finished)", None), ("fits/OOM agreement", "fits_agreement"),
-              ("predicted fits but crashed", "false_fit_rate"), ("median memory error", "median_memory_error"),
-              ("median per-group Spearman", "median_spearman"), ("median top-1 regret", "median_top1_regret"),
-              ("  (pick among finished rows)", "median_top1_regret_among_finished")]
-    for label, key in labels:
-        if key is None:
-            cells = [f"{m['rows']} ({m['finished']})" for m in (result["fitted"], result["held_out"])]
-        elif key == "median_spearman":
-            cells = [f"{m[key]:.3f}" for m in (result["fitted"], result["held_out"])]
-        else:
-            cells = [f"{100 * m[key]:.1f} %" for m in (result["fitted"], result["held_out"])]
+    for label, key in _LABELS:
+        cells = [_cell(m, key) for m in (result["fitted"], result["held_out"])]
         print(f"{label:34s} {cells[0]:>20s} {cells[1]:>20s}")
     return 0

@@ -1,0 +1,121 @@
+"""Expert parallel (EP): the routed experts of every MoE layer sharded over the ranks of an ep group.
+
+Expert parallel adds no ranks: it folds over the dp x cp ranks (see `fivefold.parallel.mesh`), which hold
+different tokens, so an ep group is a block of ep ranks of one dp x cp group (one tp coordinate).
+
+What is sharded. Rank r of an ep group holds experts [r E/ep, (r+1) E/ep) of each layer's batched weights
+`w_gate`, `w_up`, `w_down` (first dim E/ep, plain names kept; under tp each expert's ffn dim is further split
+by `fivefold.parallel.tensor`). The router and the shared experts are replicated, like every dense weight.
+Gradients of the expert weights are summed over the `edp` group (the ranks that hold the same experts:
+dp x cp / ep of them), dense gradients over dp x cp.
+
+What is communicated, per MoE layer and micro-batch (see `expert_comm`), with T tokens on the rank, k the
+top-k and h the hidden size:
+
+1. routing runs locally, on the rank's own tokens, as in one process: the same top-k, the same capacity (per
+   source rank and expert, from the rank's micro-batch) and so the same dropped slots;
+2. the counts of kept slots per destination expert are exchanged (an all-to-all of E integers);
+3. dispatch: the kept slots' hidden states, grouped by destination, go out in one all-to-all with uneven
+   splits (about T k h elements sent and received per rank when the load is balanced; (ep-1)/ep of it
+   leaves the rank);
+4. the local experts run as one batched matmul on the received rows, packed by local expert;
+5. combine: the expert outputs return by the reverse all-to-all (same volume), and each token sums its
+   outputs scaled by its routing weights.
+
+Backward runs the two all-to-alls in reverse order with the splits swapped. The load-balancing loss stays
+local to the rank's micro-batch (summed over cp by `fivefold.parallel.context`), as in one process.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from fivefold.models.llama import Llama, MoE
+from fivefold.parallel.expert_comm import all_to_all, exchange_counts
+
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # batched routed-expert weights; dim 0 is the expert
+
+
+def is_expert_param(name: str) -> bool:
+    """Whether plain-model parameter `name` is a routed expert's weight (sharded over ep along dim 0)."""
+    return name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS
+
+
+def shard_expert_state(state: dict[str, torch.Tensor], ep_rank: int, ep: int) -> dict[str, torch.Tensor]:
+    """This ep rank's experts of a state whose expert weights hold every expert (other tensors unchanged)."""
+    return {name: t.chunk(ep, 0)[ep_rank].clone() if is_expert_param(name) else t for name, t in state.items()}
+
+
+def gather_expert_state(state: dict[str, torch.Tensor], ep_group: ProcessGroup) -> dict[str, torch.Tensor]:
+    """The state with every expert, from each ep rank's experts (collective over the ep group)."""
+    ep = dist.get_world_size(ep_group)
+    full = {}
+    for name, t in state.items():
+        if not is_expert_param(name) or ep == 1:
+            full[name] = t
+            continue
+        parts = [torch.empty_like(t) for _ in range(ep)]
+        dist.all_gather(parts, t.detach().contiguous(), group=ep_group)
+        full[name] = torch.cat(parts, 0)
+    return full
+
+
+class ExpertParallelDispatch:
+    """Replacement of `MoE.dispatch_combine`: the kept slots travel to the ranks that hold their experts and
+    come back (see the module docstring)."""
+
+    def __init__(self, moe: MoE, group: ProcessGroup) -> None:
+        self.moe, self.group = moe, group
+        self.ep = dist.get_world_size(group)
+        self.local_experts = moe.n_experts // self.ep
+
+    def __call__(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, rows: int = 1) -> torch.Tensor:
+        moe, ep, local = self.moe, self.ep, self.local_experts
+        kept, _, _ = moe.kept_slots(experts, rows)
+        kept_expert = experts.reshape(-1)[kept]
+        order = kept_expert.argsort(stable=True)  # grouped by expert, hence by destination rank
+        sent = kept[order]  # slot indices (token * top_k + choice) in the order they are sent
+        send_counts = torch.bincount(kept_expert, minlength=moe.n_experts).view(ep, local)
+        recv_counts = exchange_counts(send_counts, self.group)  # [source rank, local expert]
+        send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        rows = x[sent // moe.top_k]
+        if torch.is_autocast_enabled(x.device.type):  # the experts' matmuls take it in that dtype anyway
+            rows = rows.to(torch.get_autocast_dtype(x.device.type))
+        received = all_to_all(rows, send_splits, recv_splits, self.group)
+
+        # received rows come in blocks (source rank, local expert); place each in its expert's packed queue,
+        # after the rows of the same expert from earlier source ranks
+        block_counts = recv_counts.reshape(-1)
+        block = torch.repeat_interleave(torch.arange(block_counts.numel(), device=x.device), block_counts)
+        block_start = torch.cumsum(block_counts, 0) - block_counts
+        expert_offset = (torch.cumsum(recv_counts, 0) - recv_counts).reshape(-1)
+        local_expert = block % local
+        position = torch.arange(block.numel(), device=x.device) - block_start[block] + expert_offset[block]
+        capacity = max(int(recv_counts.sum(0).max()), 1)
+        packed = received.new_zeros(local, capacity, x.shape[1])
+        packed[local_expert, position] = received
+        result = moe.experts_forward(packed)[local_expert, position]
+
+        returned = all_to_all(result, recv_splits, send_splits, self.group)
+        contrib = returned.to(x.dtype) * weights.reshape(-1)[sent].unsqueeze(-1)
+        return x.new_zeros(x.shape).index_add_(0, sent // moe.top_k, contrib)
+
+
+def apply_expert_parallel(model: Llama, ep_group: ProcessGroup) -> None:
+    """Keep this rank's experts of every MoE layer of `model` and route tokens over `ep_group`, in place.
+    Every rank must hold the same full experts beforehand (built from the same seed); apply after tensor
+    parallel (which splits each expert's ffn dim) and before data parallel."""
+    ep, ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    for block in model.layers.values():
+        moe = block.mlp
+        if not isinstance(moe, MoE):
+            continue
+        if moe.n_experts % ep:
+            raise ValueError(f"ep = {ep} does not divide the {moe.n_experts} experts")
+        for name in EXPERT_WEIGHTS:
+            full = getattr(moe, name)
+            setattr(moe, name, nn.Parameter(full.detach().chunk(ep, 0)[ep_rank].clone()))
+        moe.dispatch_combine = ExpertParallelDispatch(moe, ep_group)

@@ -1,0 +1,44 @@
+"""The communication of expert parallel: the all-to-all exchanges over an ep group.
+
+`exchange_counts` tells every rank how many tokens each other rank will send to each of its experts (a fixed
+size all-to-all of E integers per rank); `all_to_all` then moves the token rows themselves with uneven split
+sizes (`all_to_all_single` with input and output split sizes, which gloo supports), and its backward moves
+the gradients the opposite way with the splits swapped.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+def exchange_counts(send_counts: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """`send_counts` [ep, local_experts]: rows this rank sends to each expert of each ep rank. Returns
+    [ep, local_experts]: rows each ep rank sends to each expert of this rank."""
+    received = torch.empty_like(send_counts)
+    dist.all_to_all_single(received, send_counts.contiguous(), group=group)
+    return received
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                group: ProcessGroup) -> torch.Tensor:
+        ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
+        received = rows.new_empty(sum(recv_splits), *rows.shape[1:])
+        dist.all_to_all_single(received, rows.contiguous(), recv_splits, send_splits, group=group)
+        return received
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        sent_grad = grad.new_empty(sum(ctx.send_splits), *grad.shape[1:])
+        dist.all_to_all_single(sent_grad, grad.contiguous(), ctx.send_splits, ctx.recv_splits, group=ctx.group)
+        return sent_grad, None, None, None
+
+
+def all_to_all(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+               group: ProcessGroup) -> torch.Tensor:
+    """Send the first `send_splits[0]` rows of `rows` to ep rank 0, the next `send_splits[1]` to rank 1, ...;
+    return the rows received, `recv_splits[r]` from rank r, in rank order (differentiable)."""
+    return _AllToAll.apply(rows, send_splits, recv_splits, group)

@@ -1,0 +1,86 @@
+"""The planner's prediction for one run of fivefold: the layout of a `Config` on a described cluster.
+
+`predict_run` is what `fivefold sweep` records beside each measurement; it turns the config into the planner's
+`Layout` (the gradient accumulation follows from the global batch) and calls `estimate` with fivefold's own
+implementation settings (`FIVEFOLD` under bf16 on accelerators, `FIVEFOLD_CPU` for fp32 compute). The time
+model underneath may improve (a calibrated hardware profile); this function's inputs and keys stay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from fivefold.config import Config
+from fivefold.planner.hardware import Cluster, get_cluster
+from fivefold.planner.layout import FIVEFOLD, FIVEFOLD_CPU, Layout
+from fivefold.planner.search import Estimate, estimate
+
+
+def layout_of(cfg: Config) -> Layout:
+    """The planner's layout for a config (micro-batch and gradient accumulation resolved)."""
+    la = cfg.layout
+    return Layout(dp=la.dp, tp=la.tp, pp=la.pp, cp=la.cp, ep=la.ep, zero=la.zero, mbs=cfg.micro_batch_size,
+                  grad_acc=cfg.grad_accum_steps, recompute=la.recompute, sp=la.sp and la.tp > 1,
+                  schedule=la.schedule, vpp=la.vpp, fp32_grad_accum=la.fp32_grad_accum)
+
+
+def compute_dtype(cfg: Config, device_type: str) -> str:
+    """bf16 or fp32, as the engine resolves `train.dtype` on this kind of device."""
+    if cfg.train.dtype != "auto":
+        return cfg.train.dtype
+    return "fp32" if device_type == "cpu" else "bf16"
+
+
+def default_hardware(device_type: str) -> Cluster:
+    """The built-in profile for the kind of device that runs: the preset whose name matches this machine's
+    accelerator, `h100` for an accelerator not in the table, `cpu` on CPU."""
+    from fivefold.hardware import HARDWARE
+
+    if device_type == "cpu":
+        return get_cluster("cpu")
+    name = ""
+    if torch.accelerator.is_available():
+        module = torch.get_device_module(device_type)
+        name = module.get_device_name() if hasattr(module, "get_device_name") else ""
+    for hw in HARDWARE.values():
+        if any(m.lower() in name.lower() for m in hw.match):
+            return get_cluster(hw.name)
+    return get_cluster("h100")
+
+
+def load_hardware(file: str | Path | None, device_type: str) -> Cluster:
+    """`--hardware FILE` as `fivefold plan` reads it, else the built-in profile for the device kind."""
+    if file:
+        return get_cluster(None, file)
+    return default_hardware(device_type)
+
+
+def estimate_run(cfg: Config, hardware: Cluster, device_type: str | None = None) -> Estimate:
+    """The planner's `Estimate` of `cfg` with fivefold's settings for the precision it computes in."""
+    if device_type is None:
+        device_type = cfg.train.device.split(":")[0]
+        if device_type == "auto":
+            acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+            device_type = acc.type if acc is not None else "cpu"
+    framework = FIVEFOLD_CPU if compute_dtype(cfg, device_type) == "fp32" else FIVEFOLD
+    return estimate(cfg.model, cfg.train.seq_len, layout_of(cfg), framework, hardware, True)
+
+
+def predict_run(cfg: Config, hardware: Cluster, device_type: str | None = None) -> dict:
+    """Predicted step time, tokens/s per device, MFU and peak memory per device of `cfg` on `hardware`.
+
+    `device_type` (cpu, cuda, ...) picks the compute precision when `train.dtype` is auto; default: the
+    config's `train.device`, or this machine's accelerator for `auto`. Keys: `step_time_s`,
+    `tokens_per_s_per_device`, `mfu`, `peak_memory_bytes`, `fits`, `time_s` (step time by cause),
+    `memory_bytes` (peak by part of the most loaded pipeline rank), `hardware`, `layout`."""
+    e = estimate_run(cfg, hardware, device_type)
+    parts = max(e.memory.values(), key=lambda p: sum(p.values()))
+    return {
+        "step_time_s": e.step_time_s, "tokens_per_s_per_device": e.tokens_per_s_per_gpu, "mfu": e.mfu,
+        "peak_memory_bytes": e.peak_bytes, "fits": e.fits, "time_s": dict(e.time_parts),
+        "memory_bytes": dict(parts), "hardware": hardware.name,
+        "layout": dataclasses.asdict(e.layout),
+    }

@@ -1,0 +1,221 @@
+"""Running one planned run, locally or as a SLURM job, and turning what it left into a store row.
+
+Every run has a folder `RUNS/KEY/` holding `config.toml` (the full config), `output.log` (everything its
+processes printed) and, when it finished, `result.json` (what `fivefold bench --out` writes). Locally the run is
+`fivefold bench --nproc N` in a subprocess of its own session: PyTorch's launcher with a free rendezvous port
+(`--standalone`); past the timeout the launcher gets SIGTERM (it stops its workers), and whatever of the run is
+still alive after a grace period gets SIGKILL. Under SLURM the same command runs under `torchrun` from a batch
+script `RUNS/KEY/job.sh`; the script writes `RUNS/KEY/exit_status` when it ends.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import fivefold
+from fivefold.config import dump_toml
+from fivefold.sweep.grid import PlannedRun, config_json
+
+TERM_GRACE_S = 20.0
+TAIL_LINES = 15
+_ERROR_LINE = re.compile(r"^\s*(\w+(\.\w+)*(Error|Exception)|ChildFailedError|fivefold \w+: error)\b.*", re.M)
+_LAUNCHER_NOISE = re.compile(r"^[WI]\d{4} .*(run\.py|api\.py):\d+\]|^\*{5,}$|Setting OMP_NUM_THREADS")
+
+
+@dataclass
+class Outcome:
+    """What a run left: its status, the bench result (when ok) and the error's lines (when not)."""
+
+    status: str
+    result: dict | None
+    error: str | None
+    error_tail: str | None
+    wall_s: float
+    started_at: str
+    finished_at: str
+
+
+def run_dir(runs: Path, plan: PlannedRun) -> Path:
+    return runs / plan.key
+
+
+def bench_argv(plan: PlannedRun, folder: Path, steps: int, warmup: int) -> list[str]:
+    """`fivefold bench` arguments of this run (the process count is the launcher's business)."""
+    return ["--config", str(folder / "config.toml"), "--micro-batch", str(plan.micro_batch_size),
+            "--grad-accum", str(plan.grad_accum), "--steps", str(steps), "--warmup", str(warmup),
+            "--out", str(folder / "result.json")]
+
+
+def prepare(runs: Path, plan: PlannedRun) -> Path:
+    folder = run_dir(runs, plan)
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in ("result.json", "exit_status"):
+        (folder / stale).unlink(missing_ok=True)
+    (folder / "config.toml").write_text(f"# fivefold sweep run {plan.key}: {plan.label}\n" + dump_toml(plan.cfg))
+    (folder / "config.json").write_text(config_json(plan.cfg) + "\n")
+    return folder
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S")
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc; empty elsewhere). The launcher starts its workers in sessions
+    of their own, so signalling its process group would miss them."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+            ppid = int(text.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the run's top process (the launcher stops its workers on it), then SIGKILL to what is left."""
+    family = _descendants(proc.pid)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=TERM_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    except ProcessLookupError:
+        pass
+    for pid in [proc.pid, *family, *_descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait()
+
+
+def subprocess_env() -> dict[str, str]:
+    """The environment of a run: this one, with this fivefold first on the import path."""
+    src = str(Path(fivefold.__file__).resolve().parents[1])
+    path = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONPATH": src + (os.pathsep + path if path else "")}
+
+
+def run_local(plan: PlannedRun, runs: Path, steps: int, warmup: int, timeout: float,
+              tick: Callable[[float], None] | None = None) -> Outcome:
+    """Run one planned run as its own process group and wait for it (at most `timeout` seconds)."""
+    folder = prepare(runs, plan)
+    cmd = [sys.executable, "-m", "fivefold", "bench", "--nproc", str(plan.n_devices),
+           *bench_argv(plan, folder, steps, warmup)]
+    started, t0 = _now(), time.monotonic()
+    timed_out = False
+    with open(folder / "output.log", "w") as log:
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=subprocess_env(), start_new_session=True)
+        try:
+            while proc.poll() is None:
+                elapsed = time.monotonic() - t0
+                if elapsed > timeout:
+                    timed_out = True
+                    _stop(proc)
+                    break
+                if tick is not None:
+                    tick(elapsed)
+                time.sleep(0.2)
+        except BaseException:  # Ctrl-C or a kill of the sweep: take the run down with it
+            _stop(proc)
+            raise
+    wall = time.monotonic() - t0
+    return outcome_of(folder, proc.returncode, timed_out, timeout, wall, started, _now())
+
+
+def outcome_of(folder: Path, returncode: int | None, timed_out: bool, timeout: float, wall: float,
+               started: str, finished: str) -> Outcome:
+    """Classify a finished run from its exit status, its output and its result file."""
+    import json
+
+    log = (folder / "output.log").read_text(errors="replace") if (folder / "output.log").exists() else ""
+    result_file = folder / "result.json"
+    if not timed_out and returncode == 0 and result_file.exists():
+        return Outcome("ok", json.loads(result_file.read_text()), None, None, wall, started, finished)
+    lines = [ln for ln in log.splitlines() if ln.strip() and not _LAUNCHER_NOISE.search(ln)]
+    tail = "\n".join(lines[-TAIL_LINES:])
+    if timed_out or "DUE TO TIME LIMIT" in log:
+        return Outcome("timeout", None, f"timed out after {timeout:.0f} s", tail, wall, started, finished)
+    errors = [m.group(0).strip() for m in _ERROR_LINE.finditer(log)]
+    specific = [e for e in errors if not e.startswith("ChildFailedError")]
+    message = (specific or errors or [f"exit status {returncode} without an error message"])[-1]
+    status = "oom" if re.search(r"out of memory|OutOfMemoryError", log, re.I) else "crash"
+    if status == "oom":
+        message = next((e for e in reversed(specific) if re.search(r"out of memory", e, re.I)), message)
+    return Outcome(status, None, message[:500], tail, wall, started, finished)
+
+
+# ---------------------------------------------------------------------------------------------
+# SLURM
+
+
+def slurm_shape(n_devices: int, gpus_per_node: int) -> tuple[int, int] | None:
+    """(nodes, processes per node) of a run, or None when it does not fill whole nodes."""
+    if n_devices <= gpus_per_node:
+        return 1, n_devices
+    if n_devices % gpus_per_node:
+        return None
+    return n_devices // gpus_per_node, gpus_per_node
+
+
+def write_job(plan: PlannedRun, runs: Path, steps: int, warmup: int, timeout: float, gpus_per_node: int,
+              sweep: str) -> Path:
+    """Write `RUNS/KEY/job.sh` (and the run's config); the caller checked `slurm_shape`."""
+    from fivefold.parallel import write_slurm_script
+
+    folder = prepare(runs, plan).resolve()
+    nodes, per_node = slurm_shape(plan.n_devices, gpus_per_node) or (1, plan.n_devices)
+    minutes = max(1, math.ceil(timeout / 60))
+    port = 29500 + int(plan.key[:4], 16) % 2000  # distinct jobs sharing a node get distinct ports
+    return write_slurm_script(
+        folder / "job.sh", bench_argv(plan, folder, steps, warmup), nodes, per_node,
+        job_name=f"{sweep}-{plan.key[:8]}", time_limit=f"{minutes // 60:02d}:{minutes % 60:02d}:00", port=port,
+        verb="bench", output=str(folder / "output.log"), on_exit=f'echo $status > "{folder / "exit_status"}"')
+
+
+def submit(job: Path) -> str:
+    """`sbatch JOB`; returns the job id (also written beside the script)."""
+    done = subprocess.run(["sbatch", str(job)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"sbatch {job} failed: {done.stderr.strip() or done.stdout.strip()}")
+    job_id = done.stdout.strip().split()[-1]
+    (job.parent / "job_id").write_text(job_id + "\n")
+    return job_id
+
+
+def slurm_outcome(folder: Path, timeout: float) -> Outcome | None:
+    """The outcome of a SLURM run that has ended, or None while it is pending or running."""
+    exit_file, log = folder / "exit_status", folder / "output.log"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    timed_out = "DUE TO TIME LIMIT" in text
+    if not exit_file.exists() and not timed_out:
+        return None
+    code = int(exit_file.read_text().strip() or 1) if exit_file.exists() else None
+    mtime = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime((exit_file if exit_file.exists() else log)
+                                                             .stat().st_mtime))
+    return outcome_of(folder, code, timed_out, timeout, float("nan"), "", mtime)
+
+
+def hostname() -> str:
+    return socket.gethostname()

@@ -1,0 +1,113 @@
+"""Expert parallel: the token dispatch over an ep group against the single-process MoE on each rank's tokens,
+including routing so skewed that one rank's experts receive no token, and capacity-based drops; the expert
+state's shard and gather. Whole-engine equivalence is in tests/test_parallel_equivalence.py.
+
+Tolerances: fp32. The dispatched rows are the same rows through the same batched matmuls, summed in another
+order only where a token's top-k outputs are added, so results differ by float32 rounding (1e-6 relative).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from tests.distributed import run_ranks
+
+from fivefold.config import ModelConfig
+from fivefold.models.llama import MoE
+from fivefold.parallel.expert import apply_expert_parallel, gather_expert_state, is_expert_param, shard_expert_state
+
+
+def moe_config(capacity_factor: float = 0.0) -> ModelConfig:
+    return ModelConfig(hidden=32, ffn=48, n_heads=4, n_kv_heads=2, n_experts=4, top_k=2,
+                       capacity_factor=capacity_factor, n_shared_experts=1)
+
+
+def build_moe(cfg: ModelConfig, skew: bool) -> MoE:
+    torch.manual_seed(0)
+    moe = MoE(cfg)
+    moe.reset_parameters()
+    torch.nn.init.normal_(moe.router.weight, std=0.1)
+    if skew:  # every token prefers experts 0 and 1, which ep rank 0 holds: rank 1's experts receive nothing
+        with torch.no_grad():
+            moe.router.weight[:2] += 5.0 * moe.router.weight.new_ones(2, cfg.hidden).sign()
+    return moe
+
+
+def rank_tokens(rank: int, cfg: ModelConfig) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(10 + rank)
+    return torch.rand(2, 12, cfg.hidden, generator=gen)  # positive, so the skewed router row wins for all
+
+
+def single_process(rank: int, cfg: ModelConfig, skew: bool) -> tuple:
+    """Output, input gradient, parameter gradients and drop fraction of the plain MoE on `rank`'s tokens."""
+    moe = build_moe(cfg, skew)
+    x = rank_tokens(rank, cfg).requires_grad_()
+    out = moe(x)
+    (out.square().sum() + moe.aux_loss).backward()
+    grads = {n: p.grad for n, p in moe.named_parameters()}
+    return out.detach(), x.grad, grads, float(moe.drop_fraction)
+
+
+def ep_ranks(rank: int, world_size: int, cases: list[tuple[bool, float]]) -> list[tuple]:
+    return [ep_rank(rank, world_size, moe_config(capacity_factor), skew) for skew, capacity_factor in cases]
+
+
+def ep_rank(rank: int, world_size: int, cfg: ModelConfig, skew: bool) -> tuple:
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleDict({"0": torch.nn.Module()})
+    model.layers["0"].mlp = build_moe(cfg, skew)
+    full_state = copy.deepcopy(model.state_dict())
+    apply_expert_parallel(model, dist.group.WORLD)
+    moe = model.layers["0"].mlp
+    assert moe.w_gate.shape[0] == cfg.n_experts // world_size
+    x = rank_tokens(rank, cfg).requires_grad_()
+    out = moe(x)
+    (out.square().sum() + moe.aux_loss).backward()
+    grads = {n: p.grad.clone() for n, p in moe.named_parameters()}
+    # the state round trip: gather every expert, then shard it again
+    gathered = gather_expert_state(model.state_dict(), dist.group.WORLD)
+    assert all(torch.equal(gathered[n], full_state[n]) for n in full_state)
+    resharded = shard_expert_state(gathered, rank, world_size)
+    assert all(torch.equal(resharded[n], t) for n, t in model.state_dict().items())
+    return out.detach().numpy(), x.grad.numpy(), {n: g.numpy() for n, g in grads.items()}, float(moe.drop_fraction)
+
+
+CASES = [(False, 0.0), (True, 0.0), (True, 1.0)]  # (skewed routing, capacity factor)
+
+
+def test_expert_dispatch_matches_single_process_moe():
+    per_rank = run_ranks(2, ep_ranks, CASES)
+    for index, (skew, capacity_factor) in enumerate(CASES):
+        check_case([cases[index] for cases in per_rank], moe_config(capacity_factor), skew)
+
+
+def check_case(results: list[tuple], cfg: ModelConfig, skew: bool) -> None:
+    references = [single_process(rank, cfg, skew) for rank in range(2)]
+    for (out, x_grad, grads, drop), (ref_out, ref_x_grad, ref_grads, ref_drop) in zip(results, references,
+                                                                                      strict=True):
+        torch.testing.assert_close(torch.from_numpy(out), ref_out, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(torch.from_numpy(x_grad), ref_x_grad, atol=1e-6, rtol=1e-5)
+        assert drop == ref_drop  # the same slots dropped: capacity per source rank and expert as in one process
+        for name, g in grads.items():
+            if not is_expert_param(name):  # router and shared expert: replicated, gradients of the rank's tokens
+                torch.testing.assert_close(torch.from_numpy(g), ref_grads[name], atol=1e-6, rtol=1e-5)
+    # each rank's experts got the gradients of both ranks' tokens routed to them
+    for name in ("w_gate", "w_up", "w_down"):
+        got = torch.cat([torch.from_numpy(r[2][name]) for r in results], 0)
+        torch.testing.assert_close(got, references[0][2][name] + references[1][2][name], atol=1e-6, rtol=1e-5)
+    if cfg.capacity_factor:
+        assert references[0][3] > 0.1  # the skew really overflows experts 0 and 1
+    if skew:
+        assert not torch.from_numpy(results[1][2]["w_gate"]).any()  # rank 1's experts saw no token
+
+
+def test_expert_parameter_names():
+    assert is_expert_param("layers.3.mlp.w_gate") and is_expert_param("layers.0.mlp.w_down")
+    assert not is_expert_param("layers.0.mlp.router.weight")
+    assert not is_expert_param("layers.0.mlp.shared.gate_proj.weight")
+    state = {"layers.0.mlp.w_up": torch.arange(8.0).view(4, 2), "embed.weight": torch.ones(3)}
+    shard = shard_expert_state(state, 1, 2)
+    assert shard["layers.0.mlp.w_up"].tolist() == [[4.0, 5.0], [6.0, 7.0]] and shard["embed.weight"] is state[
+        "embed.weight"]

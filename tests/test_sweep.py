@@ -1,0 +1,398 @@
+"""`fivefold sweep`, its results store and `fivefold report`.
+
+The grid tests check the expansion against the config and layout validators themselves. The real sweep (a
+tiny model on one and two gloo processes) is killed, together with its run in flight, once its first run is
+recorded, and run again: the store must end with one row per run, the first one untouched. Its rows are then
+checked against what `fivefold bench` measures (tokens per step, ranks), the report is drawn from it, and
+`fivefold plan validate --results` reads it. Two processes write one store at once; a sweep whose every run
+fails (a crash, a timeout, an invalid layout) still gets a report that says why; SLURM mode writes its scripts,
+and (slow) runs end to end with stand-ins for sbatch, srun and scontrol.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fivefold.cli import main
+from fivefold.config import ConfigError, config_from_dict
+from fivefold.parallel.mesh import validate_layout
+from fivefold.sweep.grid import expand, load_grid, run_key
+from fivefold.sweep.runner import _descendants
+from fivefold.sweep.store import Store, read_rows
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+ENV = {**os.environ, "PYTHONPATH": str(SRC)}
+SMALL = """
+[model]
+preset = "tiny"
+n_layers = 1
+hidden = 64
+n_heads = 4
+n_kv_heads = 2
+ffn = 128
+vocab_size = 256
+
+[train]
+seq_len = 32
+global_batch_size = 8
+device = "cpu"
+dtype = "fp32"
+threads = 1
+"""
+
+
+def write_grid(tmp_path: Path, body: str, name: str = "grid.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Grid expansion
+
+
+def test_grid_expands_the_product_and_filters_with_the_validators(tmp_path):
+    grid = load_grid(write_grid(tmp_path, 'name = "g"\nsteps = 3\nwarmup = 1\ndevices = [1, 2, 4]\n' + SMALL + """
+        [layout]
+        tp = [1, 2, 4]
+        zero = [0, 1]
+        """))
+    plans, dropped = expand(grid)
+    # 3 device counts x 3 tp x 2 zero = 18 combinations; tp not dividing the devices is dropped: tp2 on 1 device,
+    # tp4 on 1 and 2 devices, each with 2 zero stages
+    assert len(plans) == 18 - 6 and sum(dropped.values()) == 6
+    for plan in plans:
+        la = plan.cfg.layout
+        assert la.dp * la.tp == plan.n_devices and plan.n_devices in (1, 2, 4)  # dp fills the devices
+        try:
+            plan.cfg.validate()
+            validate_layout(plan.cfg, plan.n_devices)
+            expected = None
+        except ConfigError as e:
+            expected = str(e)
+        assert plan.invalid == expected, plan.label
+    invalid = {(p.cfg.layout.dp, p.cfg.layout.tp, p.cfg.layout.zero) for p in plans if p.invalid}
+    # zero > 0 needs dp >= 2; tp = 4 does not divide the 2 kv heads
+    assert invalid == {(1, 1, 1), (1, 2, 1), (1, 4, 0), (1, 4, 1)}
+    assert len({p.key for p in plans}) == len(plans)
+    assert all(p.cfg.train.max_steps == 4 for p in plans)
+
+
+def test_grid_union_keys_and_errors(tmp_path):
+    path = write_grid(tmp_path, "steps = 2\n" + SMALL + """
+        [[grid]]
+        devices = 2
+        layout = { tp = [1, 2] }
+
+        [[grid]]
+        devices = 1
+        layout = { micro_batch_size = [2, 4, 8] }
+        """)
+    plans, _ = expand(load_grid(path))
+    assert sorted((p.n_devices, p.cfg.layout.tp, p.cfg.micro_batch_size) for p in plans) == [
+        (1, 1, 2), (1, 1, 4), (1, 1, 8), (2, 1, 4), (2, 2, 8)]
+    # the key is the config and the protocol: stable across loads, blind to paths and logging, not to steps
+    again, _ = expand(load_grid(path))
+    assert [p.key for p in plans] == [p.key for p in again]
+    cfg = plans[0].cfg
+    key = run_key(cfg, 2, 2)
+    cfg.run_dir, cfg.log.log_every = "elsewhere", 7
+    assert run_key(cfg, 2, 2) == key and run_key(cfg, 3, 2) != key
+    cfg.layout.recompute = "full"
+    assert run_key(cfg, 2, 2) != key
+    # grid errors stop the sweep, naming the key
+    with pytest.raises(ConfigError, match="layout.dpp"):
+        expand(load_grid(write_grid(tmp_path, "[layout]\ndpp = [1, 2]\n", "bad1.toml")))
+    with pytest.raises(ConfigError, match="'stepz'"):
+        load_grid(write_grid(tmp_path, "stepz = 3\n", "bad2.toml"))
+    with pytest.raises(ConfigError, match="devices"):
+        load_grid(write_grid(tmp_path, "devices = [0, 2]\n", "bad3.toml"))
+
+
+# ---------------------------------------------------------------------------------------------
+# A real sweep, interrupted and resumed
+
+
+def _sweep_cmd(grid: Path, results: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "fivefold", "sweep", str(grid), "--results", str(results), *extra]
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    """A sweep of three runs (two on one process, one on two) and an invalid layout, killed with its run in
+    flight after the first run is recorded, then run again to the end."""
+    tmp = tmp_path_factory.mktemp("sweep")
+    grid = write_grid(tmp, 'name = "t"\nsteps = 2\nwarmup = 1\ntimeout = 240\n' + SMALL + """
+        [[grid]]
+        devices = 1
+        layout = { micro_batch_size = [2, 8], zero = 0 }
+
+        [[grid]]
+        devices = [1, 2]
+        layout = { zero = 1, micro_batch_size = 4 }
+        """)
+    results = tmp / "results.db"
+    proc = subprocess.Popen(_sweep_cmd(grid, results), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + 240
+    first: list[dict] = []
+    while time.monotonic() < deadline and proc.poll() is None:
+        if results.exists():
+            first = [r for r in read_rows(results) if r["status"] == "ok"]
+            if first:
+                break
+        time.sleep(0.3)
+    family = _descendants(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)  # the sweep dies without a chance to clean up, its run in flight with it
+    for pid in family:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    first_out = proc.communicate()[0]
+    assert len(first) >= 1, first_out
+    after_kill = read_rows(results)
+    done = subprocess.run(_sweep_cmd(grid, results), env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return {"grid": grid, "results": results, "after_kill": after_kill, "resume_out": done.stdout, "tmp": tmp}
+
+
+def test_killed_sweep_resumes_with_one_row_per_run(swept):
+    rows = read_rows(swept["results"])
+    assert len(rows) == 4 and len({r["key"] for r in rows}) == 4
+    assert sorted(r["status"] for r in rows) == ["invalid", "ok", "ok", "ok"]
+    invalid = next(r for r in rows if r["status"] == "invalid")
+    assert "layout.zero = 1 with layout.dp = 1" in invalid["error"]
+    # the runs recorded before the kill were not run again: their rows are unchanged
+    ok_before = [r for r in swept["after_kill"] if r["status"] == "ok"]
+    by_key = {r["key"]: r for r in rows}
+    for r in ok_before:
+        assert by_key[r["key"]]["finished_at"] == r["finished_at"]
+        assert by_key[r["key"]]["step_time_s"] == r["step_time_s"]
+    out = swept["resume_out"]
+    assert f"{len(ok_before)} already in" in out
+    assert out.count(" ok ") == 3 - len(ok_before)  # one line per finished run, only the rest ran
+    # and a third time there is nothing left to do
+    again = subprocess.run(_sweep_cmd(swept["grid"], swept["results"]), env=ENV, capture_output=True, text=True,
+                           timeout=300)
+    assert "3 already in" in again.stdout and "0 to run" in again.stdout
+    assert len(read_rows(swept["results"])) == 4
+
+
+def test_stored_measurements_are_consistent(swept):
+    rows = [r for r in read_rows(swept["results"]) if r["status"] == "ok"]
+    for r in rows:
+        cfg = config_from_dict(r["config"])
+        tokens = cfg.train.global_batch_size * cfg.train.seq_len
+        assert r["tokens_per_s"] * r["step_time_s"] == pytest.approx(tokens, rel=1e-9)
+        assert r["tokens_per_s_per_device"] * r["n_devices"] == pytest.approx(r["tokens_per_s"], rel=1e-9)
+        assert len(r["peak_memory_per_rank"]) == r["n_devices"] == cfg.layout.world_size
+        assert r["peak_memory_bytes"] == max(r["peak_memory_per_rank"]) > 0
+        assert r["forward_s"] > 0 and r["backward_s"] > 0 and r["optimizer_s"] > 0
+        assert r["predicted_step_time_s"] > 0 and r["predicted_peak_memory_bytes"] > 0 and r["hardware"] == "cpu"
+        assert r["mfu"] == pytest.approx(r["tflops_per_device"] / r["peak_tflops"], rel=1e-9)
+        assert r["key"] == run_key(cfg, r["steps"], r["warmup"])
+    two = next(r for r in rows if r["n_devices"] == 2)
+    assert (two["dp"], two["zero"], two["micro_batch_size"], two["grad_accum"]) == (2, 1, 4, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Concurrent writers
+
+
+WRITER = """
+import random, sys, time
+from fivefold.sweep.store import Store
+me, path = sys.argv[1], sys.argv[2]
+store = Store(path)
+for i in range(40):
+    key = f"k{i:03d}" if i % 2 else f"{me}-{i:03d}"  # odd keys are written by both writers
+    payload = {"writer": me, "i": i, "pad": "x" * random.randint(0, 5000)}
+    store.record({"key": key, "status": "ok", "label": me, "model": me, "error": me, "n_devices": i,
+                  "config": payload}, replace_statuses=("ok",))
+    time.sleep(random.random() * 0.01)
+"""
+
+
+def test_two_writers_never_corrupt_each_others_rows(tmp_path):
+    path = tmp_path / "shared.db"
+    Store(path).close()
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, name, str(path)], env=ENV) for name in ("a", "b")]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    rows = read_rows(path)
+    assert len(rows) == 20 + 20 + 20  # 20 own keys each, 20 shared keys once
+    for r in rows:  # every row is whole: all its columns from one writer's one record
+        me = r["label"]
+        assert r["model"] == r["error"] == r["config"]["writer"] == me and r["n_devices"] == r["config"]["i"]
+        if not r["key"].startswith("k"):
+            assert r["key"].startswith(me)
+
+
+# ---------------------------------------------------------------------------------------------
+# The report
+
+
+def _ranks(x: list[float]) -> np.ndarray:
+    return np.argsort(np.argsort(np.asarray(x)))
+
+
+def test_report_from_the_store(swept, tmp_path):
+    out = tmp_path / "report"
+    assert main(["report", str(swept["results"]), "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    page = (out / "index.html").read_text()
+    for name in ["status.png", "mfu_heatmap.png", "memory.png", "predicted_vs_measured.png", "step_breakdown.png",
+                 "throughput_micro_batch_size.png", "throughput_dp.png", "throughput_zero.png"]:
+        assert name in summary["figures"], name
+    for name in summary["figures"]:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (out / name).stat().st_size > 5000
+        assert f"src='{name}'" in page and f"href='{name}'" in page
+    # the accuracy printed on the page is the median error and rank correlation of the stored columns
+    ok = [r for r in read_rows(swept["results"]) if r["status"] == "ok"]
+    pred = [r["predicted_step_time_s"] for r in ok]
+    meas = [r["step_time_s"] for r in ok]
+    err = statistics.median(abs(p / m - 1) for p, m in zip(pred, meas, strict=True))
+    assert summary["accuracy"]["step_time"]["median_abs_error"] == pytest.approx(err)
+    if len(set(pred)) == len(pred):
+        rho = float(np.corrcoef(_ranks(pred), _ranks(meas))[0, 1])
+        assert summary["accuracy"]["step_time"]["spearman"] == pytest.approx(rho)
+    assert f"{100 * err:.1f} %" in page
+    best = max((r for r in ok if r["n_devices"] == 1), key=lambda r: r["tokens_per_s_per_device"])
+    assert any(b["key"] == best["key"] for b in summary["best"])
+    assert "layout.zero = 1 with layout.dp = 1" in page  # the invalid run says why
+
+
+def test_report_of_a_sweep_where_every_run_failed(tmp_path):
+    # a crash (a device type that does not exist), an invalid layout, and a two-process run cut by the timeout
+    no_device = SMALL.replace('"cpu"', '"nosuchdevice"')
+    crash = write_grid(tmp_path, 'name = "fails"\nsteps = 1\nwarmup = 0\n' + no_device + """
+        [layout]
+        zero = [0, 1]
+        """, "crash.toml")
+    slow = write_grid(tmp_path, 'name = "fails"\nsteps = 1\nwarmup = 0\ndevices = 2\n' + SMALL, "slow.toml")
+    results = tmp_path / "failed.db"
+    assert main(["sweep", str(crash), "--results", str(results)]) == 0
+    assert main(["sweep", str(slow), "--results", str(results), "--timeout", "2", "--runs", str(tmp_path / "r")]) == 0
+    rows = {r["status"]: r for r in read_rows(results)}
+    assert set(rows) == {"crash", "invalid", "timeout"}
+    assert "nosuchdevice" in rows["crash"]["error"] and "Error" in rows["crash"]["error"]
+    assert rows["timeout"]["error"] == "timed out after 2 s"
+    # the timed-out run's processes are gone: none has its run folder on its command line
+    folder = str(tmp_path / "r")
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            assert folder not in cmdline.read_text()
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    out = tmp_path / "report"
+    assert main(["report", str(results), "--out", str(out)]) == 0
+    page = (out / "index.html").read_text()
+    assert (out / "status.png").exists() and not (out / "mfu_heatmap.png").exists()
+    assert "No run finished" in page
+    for r in rows.values():
+        assert r["status"] in page and html.escape(r["error"]) in page
+    assert html.escape(rows["crash"]["error_tail"].splitlines()[-1]) in page
+
+
+# ---------------------------------------------------------------------------------------------
+# plan validate on the store
+
+
+def test_plan_validate_reads_the_store(swept, capsys):
+    assert main(["plan", "validate", "--results", str(swept["results"]), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)["results"]
+    ok = [r for r in read_rows(swept["results"]) if r["status"] == "ok"]
+    assert result["rows"] == result["finished"] == len(ok) == 3
+    assert set(result["groups"]) == {"tiny/1 dev", "tiny/2 dev"}
+    # validate predicts as the sweep did (the same built-in profile): the same step-time error
+    err = statistics.median(abs(r["predicted_step_time_s"] / r["step_time_s"] - 1) for r in ok)
+    assert result["median_step_time_error"] == pytest.approx(err)
+    assert main(["plan", "validate", "--results", str(swept["results"])]) == 0
+    assert "median step-time error" in capsys.readouterr().out
+    assert main(["plan", "validate", "--results", str(swept["tmp"] / "missing.db")]) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# SLURM mode
+
+
+FAKE_SBATCH = """#!/bin/bash
+# stand-in for sbatch: runs the job at once on this machine, its output where #SBATCH --output says
+out=$(sed -n 's/^#SBATCH --output=//p' "$1")
+SLURM_JOB_ID=4242 SLURM_NNODES=1 SLURM_JOB_NODELIST=localhost bash "$1" > "$out" 2>&1 || true
+echo "Submitted batch job 4242"
+"""
+
+
+def _slurm_setup(tmp_path: Path) -> tuple[Path, Path, Path, dict]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("sbatch", FAKE_SBATCH), ("srun", '#!/bin/bash\nexec "$@"\n'),
+                       ("scontrol", "#!/bin/bash\necho localhost\n")):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    grid = write_grid(tmp_path, 'name = "s"\nsteps = 1\nwarmup = 0\ntimeout = 120\n' + SMALL + """
+        [[grid]]
+        devices = 1
+
+        [[grid]]
+        devices = 12
+        train = { global_batch_size = 24 }
+        """)
+    env = {**ENV, "PATH": f"{bin_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    return grid, tmp_path / "s.db", tmp_path / "jobs", env
+
+
+def test_slurm_mode_writes_one_script_per_run(tmp_path, capsys):
+    grid, results, jobs, _ = _slurm_setup(tmp_path)
+    # without --submit: scripts only; 12 devices are not whole nodes of 8
+    assert main(["sweep", str(grid), "--results", str(results), "--slurm", str(jobs)]) == 0
+    out = capsys.readouterr().out
+    assert "1 skipped (not whole nodes of 8)" in out and "wrote 1 scripts" in out
+    (script,) = jobs.glob("*/job.sh")
+    text = script.read_text()
+    assert "#SBATCH --nodes=1" in text and "#SBATCH --gpus-per-node=1" in text and "#SBATCH --time=00:02:00" in text
+    assert "--module fivefold bench" in text and f"--out {script.parent / 'result.json'}" in text
+    assert f"#SBATCH --output={script.parent / 'output.log'}" in text and "exit_status" in text
+    assert (script.parent / "config.toml").exists() and read_rows(results) == []
+    # with 4 GPUs per node the 12-device run spans 3 nodes
+    assert main(["sweep", str(grid), "--results", str(results), "--slurm", str(jobs), "--gpus-per-node", "4"]) == 0
+    twelve = [p for p in jobs.glob("*/job.sh") if "--nodes=3" in p.read_text()]
+    assert len(twelve) == 1 and "#SBATCH --gpus-per-node=4" in twelve[0].read_text()
+    assert main(["sweep", str(grid), "--results", str(results), "--submit"]) == 2  # --submit needs --slurm
+
+
+@pytest.mark.slow
+def test_slurm_mode_submits_and_records(tmp_path):
+    grid, results, jobs, env = _slurm_setup(tmp_path)
+    # --submit runs the job (the stand-in sbatch runs it at once); the next call records it
+    done = subprocess.run(_sweep_cmd(grid, results, "--slurm", str(jobs), "--submit"), env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert "submitted 4242" in done.stdout, done.stdout + done.stderr
+    (script,) = jobs.glob("*/job.sh")
+    assert (script.parent / "exit_status").read_text().strip() == "0", (script.parent / "output.log").read_text()
+    done = subprocess.run(_sweep_cmd(grid, results, "--slurm", str(jobs)), env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert "recorded 1 ended jobs" in done.stdout, done.stdout + done.stderr
+    (row,) = read_rows(results)
+    assert row["status"] == "ok" and row["n_devices"] == 1 and row["nodes"] == 1 and row["tokens_per_s"] > 0
+    # recorded runs are not written or submitted again
+    done = subprocess.run(_sweep_cmd(grid, results, "--slurm", str(jobs), "--submit"), env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert "1 already in" in done.stdout and "submitted 0" in done.stdout

@@ -1,6 +1,7 @@
 """Parallel training: the process grid (`mesh`), data parallel and ZeRO (`data`), tensor and sequence
-parallel (`tensor`), expert parallel (`expert`), context parallel (`context`), recompute (`recompute`),
-applied in order by `parallelize`, driven by `ParallelEngine`.
+parallel (`tensor`), expert parallel (`expert`), context parallel (`context`), pipeline parallel (`pipeline`,
+its schedules in `schedules`), recompute (`recompute`), applied in order by `parallelize`, driven by
+`ParallelEngine` (`PipelineEngine` when pp > 1).
 
 This module also starts processes: `launch` runs `fivefold train` (or `bench`) on N local processes through PyTorch's
 own launcher (`torch.distributed.run`, the code behind `torchrun`), `init_distributed` joins the process

@@ -7,6 +7,10 @@ rank's zig-zag chunks of each sequence with their rotary positions; the loss goe
 over shards (tp-sharded parameters over tp, ZeRO slices over their group, experts over ep, replicated ones
 counted once); logged values are summed over dp x cp; and checkpoints gather the full plain-named state
 (collective) or shard a loaded one.
+
+With pipeline parallel, `PipelineEngine` runs the schedule's actions over this rank's stages (`LlamaStage`, one
+per stage, for `pipeline.PipelineExecutor`) instead of the micro-batch loop; see its docstring and
+`fivefold.parallel.pipeline` for what it shards and communicates.
 """
 
 from __future__ import annotations
@@ -299,7 +303,7 @@ class PipelineEngine(ParallelEngine):
     last micro-batch's gradient of its parameters arrives (micro-batches interleave); with tied embeddings on two
     ranks, the two copies' reduced gradients are summed over the `embed` group (first and last pipeline rank)
     and counted once in the norm; the gradient norm and the logged losses are summed over pp; checkpoints
-    gather every stage's parameters over pp (and tp) into the plain model's state."""
+    gather every stage's parameters over pp (and tp and ep) into the plain model's state."""
 
     def __init__(self, stages: dict[int, Llama], loss_model: LossModel | None, data_parallel: BucketedDataParallel,
                  expert_data_parallel: BucketedDataParallel | None, grid: ProcessGrid, cfg: Config,
@@ -404,8 +408,8 @@ class PipelineEngine(ParallelEngine):
         return placement[-1]  # final norm, output layer
 
     def model_state(self) -> dict[str, torch.Tensor]:
-        """The full plain-named state on every rank: each stage's parameters (tp-gathered) broadcast from their pp
-        rank over the pp group (collective: every rank must call it)."""
+        """The full plain-named state on every rank: each stage's parameters (whole over tp and ep) broadcast from
+        their pp rank over the pp group (collective: every rank must call it)."""
         mine = self._gathered_state()
         full = {}
         for name, meta in build_model(self.cfg.model, device="meta").state_dict().items():

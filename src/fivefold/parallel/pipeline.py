@@ -102,7 +102,7 @@ def validate_pipeline(cfg: Config) -> None:
     if stages > model.n_layers:
         what = f"layout.pp x layout.vpp = {la.pp} x {la.vpp}" if la.schedule == "interleaved" else \
             f"the V of dualpipev, 2 x layout.pp = 2 x {la.pp}"
-        valid = [v for v in range(1, model.n_layers // la.pp + 1)] if la.schedule == "interleaved" else None
+        valid = list(range(1, model.n_layers // la.pp + 1)) if la.schedule == "interleaved" else None
         hint = f"use layout.vpp in {valid[-3:]}" if valid else f"use layout.pp <= {model.n_layers // 2}"
         raise ConfigError(f"{what} = {stages} stages exceed model.n_layers = {model.n_layers}: every stage holds "
                           f"at least one block; {hint}")
@@ -115,8 +115,9 @@ def validate_pipeline(cfg: Config) -> None:
         rule = f"at least {need} micro-batches per step" + (f", a multiple of layout.pp = {la.pp}" if multiple > 1
                                                               else "")
         sizes = _micro_batch_sizes_for(per_rank, need, multiple)
+        smallest = -(-need // multiple) * multiple  # the fewest micro-batches that the schedule accepts
         hint = (f"use layout.micro_batch_size in {sizes}" if sizes else
-                f"raise train.global_batch_size to {need * multiple * la.dp} or more")
+                f"raise train.global_batch_size to {smallest * la.dp} or more")
         raise ConfigError(f"layout.schedule = {la.schedule} with layout.pp = {la.pp} needs {rule}, but "
                           f"train.global_batch_size / (layout.dp x layout.micro_batch_size) = {t.global_batch_size} "
                           f"/ ({la.dp} x {mbs}) = {m}; {hint}, or another schedule")

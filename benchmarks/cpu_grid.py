@@ -1,0 +1,185 @@
+"""Measure the step time of the CPU grid's layouts and compare it with the planner's prediction.
+
+Each layout runs as its own process group (`torch.distributed.run`, gloo, one process per rank, the way
+`fivefold train --nproc N` starts them: one intra-op thread per process when N > 1, PyTorch's default when
+N = 1) for a few warm-up and timed steps of the training engine on synthetic tokens; rank 0 prints the
+mean step time. The prediction is `planner.search.estimate` with a hardware profile from `fivefold
+calibrate` (`--hardware`). Prints per run measured vs predicted, the median absolute error and Spearman.
+
+    python benchmarks/cpu_grid.py --hardware cpu.toml                     # measure and compare
+    python benchmarks/cpu_grid.py --hardware cpu.toml --measured runs.jsonl   # compare stored measurements
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+GRID_DEFAULT = {
+    "model": "tiny", "seq_len": 128, "global_batch": 32,
+    "layouts": [  # (dp, tp, zero, mbs, recompute)
+        *[(1, 1, 0, m, r) for m in (1, 4, 16) for r in ("none", "full")],
+        *[(2, 1, z, m, "none") for z in (0, 1, 2, 3) for m in (1, 4, 16)],
+        *[(4, 1, z, m, "none") for z in (0, 2, 3) for m in (1, 8)],
+        *[(1, 2, 0, m, r) for m in (1, 4, 16) for r in ("none", "full")],
+        *[(2, 2, z, m, "none") for z in (0, 1) for m in (1, 8)],
+        *[(1, 4, 0, m, "none") for m in (1, 8)],
+        (2, 1, 0, 4, "full"), (4, 1, 0, 8, "full"),
+    ],
+}
+
+
+def worker(spec: dict) -> None:
+    """One rank: build the engine for the layout and time `steps` steps after `warmup`."""
+    import torch
+    import torch.distributed as dist
+
+    from fivefold.config import build_config
+    from fivefold.parallel import init_distributed
+    from fivefold.train.engine import create_engine
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        init_distributed("cpu")
+    cfg = build_config(None, {"model.preset": spec["model"]})
+    cfg.train.seq_len = spec["seq_len"]
+    cfg.model.max_seq_len = max(cfg.model.max_seq_len, spec["seq_len"])
+    cfg.train.global_batch_size = spec["global_batch"]
+    cfg.layout.dp, cfg.layout.tp, cfg.layout.zero = spec["dp"], spec["tp"], spec["zero"]
+    cfg.layout.micro_batch_size, cfg.layout.recompute = spec["mbs"], spec["recompute"]
+    cfg.train.device = "cpu"
+    cfg.validate()
+    engine = create_engine(cfg, torch.device("cpu"))
+    rows = spec["global_batch"] // spec["dp"]
+    gen = torch.Generator().manual_seed(1 + engine.dp_rank)
+    tokens = torch.randint(0, cfg.model.vocab_size, (rows, spec["seq_len"] + 1), generator=gen)
+    micro = list(zip(tokens[:, :-1].split(spec["mbs"]), tokens[:, 1:].split(spec["mbs"]), strict=True))
+    global_tokens = spec["global_batch"] * spec["seq_len"]
+
+    def step() -> None:
+        engine.forward_backward(micro, global_tokens)
+        engine.optimizer_step()
+
+    for _ in range(spec["warmup"]):
+        step()
+    times = []
+    for _ in range(spec["steps"]):
+        if world > 1:
+            dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        if world > 1:
+            dist.barrier()
+        times.append(time.perf_counter() - t0)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print("RESULT " + json.dumps({**spec, "step_times": times}), flush=True)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def measure(spec: dict, timeout: float) -> dict:
+    world = spec["dp"] * spec["tp"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+           "--nproc-per-node", str(world), __file__, "--worker", json.dumps(spec)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"layout {spec} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+
+
+def predict(spec: dict, hw) -> float:
+    from fivefold.models.presets import get_preset
+    from fivefold.planner.layout import FIVEFOLD_CPU, Layout
+    from fivefold.planner.search import estimate
+
+    cfg = get_preset(spec["model"])
+    cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, spec["seq_len"]))
+    lay = Layout(dp=spec["dp"], tp=spec["tp"], zero=spec["zero"], mbs=spec["mbs"],
+                 grad_acc=spec["global_batch"] // (spec["dp"] * spec["mbs"]), recompute=spec["recompute"])
+    return estimate(cfg, spec["seq_len"], lay, FIVEFOLD_CPU, hw).step_time_s
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(x: list[float]) -> list[float]:
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        r = [0.0] * len(x)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else 0.0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--hardware", help="hardware profile TOML (from `fivefold calibrate`)")
+    p.add_argument("--measured", help="JSON lines of stored measurements: compare them instead of measuring")
+    p.add_argument("--out", help="append each measurement to this JSON lines file")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--only", type=int, nargs="*", help="indices of the layouts to run")
+    args = p.parse_args()
+    if args.worker:
+        worker(json.loads(args.worker))
+        return
+    grid = GRID_DEFAULT
+    runs: list[dict] = []
+    if args.measured:
+        runs = [json.loads(line) for line in Path(args.measured).read_text().splitlines() if line.strip()]
+    else:
+        for i, (dp, tp, zero, mbs, rc) in enumerate(grid["layouts"]):
+            if args.only and i not in args.only:
+                continue
+            spec = {"model": grid["model"], "seq_len": grid["seq_len"], "global_batch": grid["global_batch"],
+                    "dp": dp, "tp": tp, "zero": zero, "mbs": mbs, "recompute": rc, "steps": args.steps,
+                    "warmup": args.warmup}
+            t0 = time.perf_counter()
+            run = measure(spec, 600)
+            run["load"] = os.getloadavg()[0]
+            runs.append(run)
+            print(f"[{i + 1}/{len(grid['layouts'])}] dp{dp} tp{tp} z{zero} mbs{mbs} {rc}: "
+                  f"{1e3 * statistics.median(run['step_times']):.0f} ms "
+                  f"({', '.join(f'{1e3 * t:.0f}' for t in run['step_times'])}) in {time.perf_counter() - t0:.0f} s",
+                  flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(run) + "\n")
+    if not args.hardware:
+        return
+    from fivefold.planner.hardware import get_cluster
+
+    hw = get_cluster(None, args.hardware)
+    measured, predicted = [], []
+    print(f"{'layout':34s} {'measured ms':>12s} {'predicted ms':>13s} {'error':>7s}")
+    for run in runs:
+        m, pr = statistics.median(run["step_times"]), predict(run, hw)
+        measured.append(m)
+        predicted.append(pr)
+        name = f"dp{run['dp']} tp{run['tp']} z{run['zero']} mbs{run['mbs']} rc:{run['recompute']}"
+        print(f"{name:34s} {1e3 * m:12.1f} {1e3 * pr:13.1f} {100 * (pr - m) / m:+6.1f}%")
+    errors = [abs(pr - m) / m for m, pr in zip(measured, predicted, strict=True)]
+    print(f"runs {len(runs)}: median |error| {100 * statistics.median(errors):.1f} %, "
+          f"Spearman {spearman(measured, predicted):.3f}")
+
+
+if __name__ == "__main__":
+    main()

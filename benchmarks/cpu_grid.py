@@ -22,18 +22,25 @@ import sys
 import time
 from pathlib import Path
 
-GRID_DEFAULT = {
-    "model": "tiny", "seq_len": 128, "global_batch": 32,
-    "layouts": [  # (dp, tp, zero, mbs, recompute)
-        *[(1, 1, 0, m, r) for m in (1, 4, 16) for r in ("none", "full")],
-        *[(2, 1, z, m, "none") for z in (0, 1, 2, 3) for m in (1, 4, 16)],
-        *[(4, 1, z, m, "none") for z in (0, 2, 3) for m in (1, 8)],
-        *[(1, 2, 0, m, r) for m in (1, 4, 16) for r in ("none", "full")],
-        *[(2, 2, z, m, "none") for z in (0, 1) for m in (1, 8)],
-        *[(1, 4, 0, m, "none") for m in (1, 8)],
-        (2, 1, 0, 4, "full"), (4, 1, 0, 8, "full"),
-    ],
-}
+# examples/sweep-cpu.toml's runnable layouts (tiny, seq 128, 16 sequences per step, one thread per process):
+# (dp, tp, sp, zero, micro-batch, recompute)
+SWEEP_CPU = [
+    *[(1, 1, False, 0, m, r) for m in (4, 16) for r in ("none", "selective", "full")],
+    *[(2, 1, False, z, 8, "none") for z in (0, 1, 2, 3)],
+    *[(1, 2, sp, 0, 8, "none") for sp in (False, True)],
+    (4, 1, False, 1, 4, "none"), (2, 2, False, 1, 4, "none"),
+]
+# more of the same space: micro-batches, ZeRO stages and recompute under each world size
+EXTENDED = [
+    *[(1, 1, False, 0, m, "none") for m in (1, 2, 8)],
+    *[(2, 1, False, z, m, "none") for z in (0, 2, 3) for m in (1, 4)],
+    (2, 1, False, 0, 8, "full"), (2, 1, False, 1, 2, "none"),
+    *[(1, 2, False, 0, m, "none") for m in (1, 2, 4, 16)], (1, 2, True, 0, 2, "none"), (1, 2, False, 0, 8, "full"),
+    *[(4, 1, False, z, m, "none") for z in (0, 2, 3) for m in (1, 4)], (4, 1, False, 1, 2, "none"),
+    *[(2, 2, sp, z, m, "none") for sp in (False, True) for z in (0, 2) for m in (1, 8)],
+]
+GRIDS = {"sweep-cpu": SWEEP_CPU, "extended": EXTENDED, "all": SWEEP_CPU + EXTENDED}
+MODEL, SEQ, GLOBAL_BATCH = "tiny", 128, 16
 
 
 def worker(spec: dict) -> None:
@@ -46,6 +53,7 @@ def worker(spec: dict) -> None:
     from fivefold.train.engine import create_engine
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    torch.set_num_threads(1)  # as the sweep's CPU grid (train.threads = 1) and torchrun for several processes
     if world > 1:
         init_distributed("cpu")
     cfg = build_config(None, {"model.preset": spec["model"]})
@@ -53,6 +61,7 @@ def worker(spec: dict) -> None:
     cfg.model.max_seq_len = max(cfg.model.max_seq_len, spec["seq_len"])
     cfg.train.global_batch_size = spec["global_batch"]
     cfg.layout.dp, cfg.layout.tp, cfg.layout.zero = spec["dp"], spec["tp"], spec["zero"]
+    cfg.layout.sp = spec["sp"]
     cfg.layout.micro_batch_size, cfg.layout.recompute = spec["mbs"], spec["recompute"]
     cfg.train.device = "cpu"
     cfg.validate()
@@ -102,9 +111,14 @@ def predict(spec: dict, hw) -> float:
 
     cfg = get_preset(spec["model"])
     cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, spec["seq_len"]))
-    lay = Layout(dp=spec["dp"], tp=spec["tp"], zero=spec["zero"], mbs=spec["mbs"],
+    lay = Layout(dp=spec["dp"], tp=spec["tp"], sp=spec["sp"], zero=spec["zero"], mbs=spec["mbs"],
                  grad_acc=spec["global_batch"] // (spec["dp"] * spec["mbs"]), recompute=spec["recompute"])
     return estimate(cfg, spec["seq_len"], lay, FIVEFOLD_CPU, hw).step_time_s
+
+
+def name_of(run: dict) -> str:
+    return (f"dp{run['dp']} tp{run['tp']}{'+sp' if run['sp'] else ''} z{run['zero']} mbs{run['mbs']} "
+            f"rc:{run['recompute']}")
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -134,29 +148,29 @@ def main() -> None:
     p.add_argument("--hardware", help="hardware profile TOML (from `fivefold calibrate`)")
     p.add_argument("--measured", help="JSON lines of stored measurements: compare them instead of measuring")
     p.add_argument("--out", help="append each measurement to this JSON lines file")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--grid", choices=sorted(GRIDS), default="sweep-cpu")
+    p.add_argument("--steps", type=int, default=5, help="timed steps (the sweep's grid: 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (the sweep's grid: 2)")
     p.add_argument("--only", type=int, nargs="*", help="indices of the layouts to run")
     args = p.parse_args()
     if args.worker:
         worker(json.loads(args.worker))
         return
-    grid = GRID_DEFAULT
+    layouts = GRIDS[args.grid]
     runs: list[dict] = []
     if args.measured:
         runs = [json.loads(line) for line in Path(args.measured).read_text().splitlines() if line.strip()]
     else:
-        for i, (dp, tp, zero, mbs, rc) in enumerate(grid["layouts"]):
+        for i, (dp, tp, sp, zero, mbs, rc) in enumerate(layouts):
             if args.only and i not in args.only:
                 continue
-            spec = {"model": grid["model"], "seq_len": grid["seq_len"], "global_batch": grid["global_batch"],
-                    "dp": dp, "tp": tp, "zero": zero, "mbs": mbs, "recompute": rc, "steps": args.steps,
-                    "warmup": args.warmup}
+            spec = {"model": MODEL, "seq_len": SEQ, "global_batch": GLOBAL_BATCH, "dp": dp, "tp": tp, "sp": sp,
+                    "zero": zero, "mbs": mbs, "recompute": rc, "steps": args.steps, "warmup": args.warmup}
             t0 = time.perf_counter()
             run = measure(spec, 600)
             run["load"] = os.getloadavg()[0]
             runs.append(run)
-            print(f"[{i + 1}/{len(grid['layouts'])}] dp{dp} tp{tp} z{zero} mbs{mbs} {rc}: "
+            print(f"[{i + 1}/{len(layouts)}] {name_of(run)}: "
                   f"{1e3 * statistics.median(run['step_times']):.0f} ms "
                   f"({', '.join(f'{1e3 * t:.0f}' for t in run['step_times'])}) in {time.perf_counter() - t0:.0f} s",
                   flush=True)
@@ -174,8 +188,7 @@ def main() -> None:
         m, pr = statistics.median(run["step_times"]), predict(run, hw)
         measured.append(m)
         predicted.append(pr)
-        name = f"dp{run['dp']} tp{run['tp']} z{run['zero']} mbs{run['mbs']} rc:{run['recompute']}"
-        print(f"{name:34s} {1e3 * m:12.1f} {1e3 * pr:13.1f} {100 * (pr - m) / m:+6.1f}%")
+        print(f"{name_of(run):34s} {1e3 * m:12.1f} {1e3 * pr:13.1f} {100 * (pr - m) / m:+6.1f}%")
     errors = [abs(pr - m) / m for m, pr in zip(measured, predicted, strict=True)]
     print(f"runs {len(runs)}: median |error| {100 * statistics.median(errors):.1f} %, "
           f"Spearman {spearman(measured, predicted):.3f}")

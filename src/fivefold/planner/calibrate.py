@@ -149,8 +149,8 @@ def make_plan(args: argparse.Namespace, device_type: str) -> tuple[Plan, list[in
         raise ConfigError(f"--threads = {args.threads} must be >= 1")
     tps = [t for t in (1, 2, 4, 8) if t <= nproc]
     if args.quick:
-        mbs, sizes, elem = [1, 8], [4 * KIB, 256 * KIB, 4096 * KIB], [2**12, 2**18, 2**22]
-        min_seconds, opt_numel = 0.01, 2**18
+        mbs, sizes, elem = [2], [4 * KIB, 1024 * KIB], [2**12, 2**20]
+        min_seconds, opt_numel = 0.003, 2**16
     else:
         mbs = [1, 2, 4, 8, 16, 32] if cpu else [1, 2, 4, 8]
         sizes = [4 * KIB * 4**i for i in range(7)]  # 4 KiB .. 16 MiB

@@ -158,22 +158,22 @@ def _loglog(points: tuple[tuple[float, float], ...], x: float, extrapolate: bool
 
 
 def interpolate(points: tuple[tuple[float, ...], ...], key: tuple[float, ...]) -> tuple[float, ...]:
-    """Values measured at scattered points (key..., value...) interpolated at `key`: a measured key gives its
-    values; otherwise the geometric mean of the nearest points' values, weighted by inverse squared distance in
-    log2 space (outside the measured range this holds the nearest values, it does not extrapolate)."""
+    """Values measured at scattered points (key..., value...) at `key`: a measured key gives its values;
+    otherwise the geometric mean of the values of the points at most one octave (in log2 distance) farther than
+    the nearest, weighted by inverse squared distance. Beyond the measured range this holds the nearest values
+    rather than extrapolating."""
     dims = len(key)
     logs = [math.log2(max(x, 1e-9)) for x in key]
     scored = []
     for p in points:
-        d2 = sum((math.log2(max(p[i], 1e-9)) - logs[i]) ** 2 for i in range(dims))
-        if d2 < 1e-12:
+        dist = math.sqrt(sum((math.log2(max(p[i], 1e-9)) - logs[i]) ** 2 for i in range(dims)))
+        if dist < 1e-9:
             return tuple(p[dims:])
-        scored.append((d2, p))
-    scored.sort(key=lambda t: t[0])
-    near = scored[:2 ** dims]
-    weights = [1 / d2 for d2, _ in near]
-    total = sum(weights)
-    return tuple(math.exp(sum(w * math.log(p[dims + j]) for w, (_, p) in zip(weights, near, strict=True)) / total)
+        scored.append((dist, p))
+    nearest = min(d for d, _ in scored)
+    near = [(1 / d**2, p) for d, p in scored if d <= nearest + 1]
+    total = sum(w for w, _ in near)
+    return tuple(math.exp(sum(w * math.log(p[dims + j]) for w, p in near) / total)
                  for j in range(len(points[0]) - dims))
 
 

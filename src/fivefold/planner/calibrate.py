@@ -78,6 +78,7 @@ class Plan:
     message_bytes: list[int]
     optimizer_numel: int
     min_seconds: float  # timing budget per measured point
+    passes: int = 2  # timing passes over the linear and attention shapes
     compute: bool = True
     quiet: bool = False
     kinds: tuple[str, ...] = COLLECTIVES
@@ -124,7 +125,9 @@ def shapes_for(models: list, seq: int, micro_batches: list[int], tps: list[int])
                 chunk = min(tokens, LOSS_CHUNK_TOKENS if tp == 1 else 4096)
                 linear.add((chunk, cfg.vocab_size // tp, cfg.hidden))
                 attention.add((mbs, cfg.n_heads // tp, max(cfg.n_kv_heads // tp, 1), seq, cfg.head_dim))
-    return sorted(linear), sorted(attention)
+    # the planner looks attention up by (batch x heads, seq, head dim): one shape per key
+    unique = {(b * h, s, d): (b, h, kvh, s, d) for b, h, kvh, s, d in sorted(attention, reverse=True)}
+    return sorted(linear), sorted(unique.values())
 
 
 def make_plan(args: argparse.Namespace, device_type: str) -> tuple[Plan, list[int]]:
@@ -157,7 +160,8 @@ def make_plan(args: argparse.Namespace, device_type: str) -> tuple[Plan, list[in
         elem = [2**i for i in range(10, 25, 2)]
         min_seconds, opt_numel = 0.05, 2**21
     linear, attention = shapes_for(models, seq, mbs, tps)
-    plan = Plan(device_type, args.threads, linear, attention, elem, sizes, opt_numel, min_seconds)
+    plan = Plan(device_type, args.threads, linear, attention, elem, sizes, opt_numel, min_seconds,
+                passes=1 if args.quick else 2)
     return plan, list(range(1, nproc + 1))
 
 
@@ -192,7 +196,8 @@ class Clock:
             dist.barrier(group=self._cpu_group())
 
     def time(self, *phases: Callable[[], object], calls: int = 1) -> list[float]:
-        """Median seconds of each phase (run in order, `calls` times per sample) after one warm-up round."""
+        """Seconds of each phase (run in order, `calls` times per sample) after one warm-up round: the lower
+        quartile of the samples, since whatever else runs on the machine only ever slows a sample down."""
         for phase in phases:
             for _ in range(calls):
                 phase()
@@ -213,10 +218,14 @@ class Clock:
                     phase()
                 self.sync()
                 samples[i].append((time.perf_counter() - t0) / calls)
-        return [statistics.median(s) for s in samples]
+        return [lower_quartile(s) for s in samples]
 
 
 _cpu_group_cache: dict = {}
+
+
+def lower_quartile(samples: list[float]) -> float:
+    return statistics.quantiles(samples, n=4, method="inclusive")[0] if len(samples) > 1 else samples[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -238,6 +247,17 @@ def _forward_backward(clock: Clock, fn: Callable[[], torch.Tensor], leaves: list
 
     fwd, bwd = clock.time(forward, backward)
     return fwd, bwd
+
+
+def two_passes(measure: Callable[[list], list[list[float]]], shapes: list, keys: int, passes: int) -> list[list[float]]:
+    """Measure `shapes` `passes` times, the second in reverse order, keeping each shape's best throughputs: a
+    burst of other work on the machine slows a stretch of shapes, rarely the same shape in both passes."""
+    rows = measure(shapes)
+    for _ in range(passes - 1):
+        again = {tuple(r[:keys]): r for r in measure(shapes[::-1])}
+        rows = [r[:keys] + [max(a, b) for a, b in zip(r[keys:], again[tuple(r[:keys])][keys:], strict=True)]
+                for r in rows]
+    return rows
 
 
 def measure_linear(clock: Clock, shapes, dtype: torch.dtype, say) -> list[list[float]]:
@@ -471,8 +491,9 @@ def run_ranks(rank: int, world: int, plan: Plan, port: int, out_path: str) -> No
     clock = Clock(device, world, plan.min_seconds)
     result = Result(world)
     if plan.compute:
-        result.linear = measure_linear(clock, plan.linear, dtype, say)
-        result.attention = measure_attention(clock, plan.attention, dtype, say)
+        result.linear = two_passes(lambda s: measure_linear(clock, s, dtype, say), plan.linear, 3, plan.passes)
+        result.attention = two_passes(lambda s: measure_attention(clock, s, dtype, say), plan.attention, 3,
+                                      plan.passes)
         fwd, bwd = measure_fixed_cost(clock, dtype, say)
         result.kernel_overhead_us, result.backward_overhead_us = 1e6 * fwd, 1e6 * bwd
         result.elementwise = measure_elementwise(clock, plan.elementwise_numel, dtype, say)
@@ -649,17 +670,20 @@ def calibrate(args: argparse.Namespace) -> tuple[Path, dict[int, Result], float]
           f"{len(plan.attention)} attention shapes, {len(plan.message_bytes)} message sizes"
           f"{' (quick)' if args.quick else ''}", flush=True)
     start = time.perf_counter()
+    load_before = _load_note()
     results: dict[int, Result] = {}
     for n in levels:
         results[n] = measure_group(dataclasses.replace(plan, compute=device_type == "cpu" or n == 1), n)
         print(f"calibrate: {n} rank{'s' if n > 1 else ''} done in {results[n].seconds:.0f} s", flush=True)
     seconds = time.perf_counter() - start
+    load = f"load average {load_before} before, {_load_note()} after (cores: {os.cpu_count()})"
+    print(f"calibrate: {load}", flush=True)
     header = (f"written by `fivefold calibrate{' --quick' if args.quick else ''}` on {socket.gethostname()} "
               f"({device_type}, torch {torch.__version__}) in {seconds:.0f} s, {time.strftime('%Y-%m-%d %H:%M')}\n"
               "top level: measured with 1 rank; [ranks.N]: with N ranks running at once on this machine.\n"
               "linear rows: m, n, k, forward TFLOP/s, backward TFLOP/s; attention rows: batch x heads, seq, "
               "head dim, forward, backward TFLOP/s;\nelement-wise rows: operand bytes, GB/s; collectives: "
-              "[ranks.N.collectives.KIND] group size = [[bytes, seconds], ...]")
+              f"[ranks.N.collectives.KIND] group size = [[bytes, seconds], ...]\n{load}")
     tables = profile_tables(results, device_type, args.threads, levels[-1], out.stem)
     out.write_text(to_toml(tables, header))
     return out, results, seconds
@@ -678,6 +702,11 @@ def run(args: argparse.Namespace) -> int:
                   f"{_size(int(ar[-1][0]))} {1e3 * ar[-1][1]:.1f} ms; overlap {r.comm_overlap:.2f}")
     print(f"use it with: fivefold plan --hardware {out} ...", file=sys.stdout)
     return 0
+
+
+def _load_note() -> str:
+    """The 1-minute load average: above the core count, other work shared the machine with the timings."""
+    return f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "n/a"
 
 
 def _size(nbytes: int) -> str:

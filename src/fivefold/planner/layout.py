@@ -124,6 +124,10 @@ class Framework:
     residual_bytes: int = 4  # the residual stream (fivefold keeps it fp32 under autocast)
     norm_saves_normalized: bool = True  # RMSNorm saves its normalised input too (an unfused norm)
     sp_saves_gathered_input: bool = False  # with sp, column-parallel linears save the gathered input (else the slice)
+    # with sp the column linears keep only the sequence slice and all-gather it again in backward: fivefold waits
+    # for it; nanotron overlaps it with the input-gradient matmul (asynchronous communication)
+    sp_regather_exposed: bool = True
+    sp_norm_grad_allreduces: int = 2  # per block with sp: the two norms' weight gradients, all-reduced over tp
     fused_projections: bool = False  # q|k|v and gate|up as one linear each (fivefold runs them separately)
     # fixed-cost kernels per block forward besides its linears and attention core (norms, rope, activations,
     # adds, casts, views), and per micro-batch outside the blocks (embedding, rotary tables, final norm, loss)
@@ -146,5 +150,6 @@ FIVEFOLD_CPU = dataclasses.replace(FIVEFOLD, name="fivefold-cpu", compute_dtype=
 NANOTRON = Framework(name="nanotron", param_bytes=2, grad_bytes=2, master_bytes=4, optim_bytes=8, accum_bytes=4,
                      autocast_weight_copies=False, fused_loss_chunk=0, logits_bytes=10.0, tp_overlap=0.5,
                      fixed_overhead_gib=1.0, residual_bytes=2, norm_saves_normalized=False,
-                     sp_saves_gathered_input=False, fused_projections=True)
+                     sp_saves_gathered_input=False, fused_projections=True, sp_norm_grad_allreduces=0,
+                     sp_regather_exposed=False)
 FRAMEWORKS = {"fivefold": FIVEFOLD, "fivefold-cpu": FIVEFOLD_CPU, "nanotron": NANOTRON}

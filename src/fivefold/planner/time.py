@@ -120,15 +120,21 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     # tensor parallel: 2 all-reduces (or 2 all-gathers + 2 reduce-scatters with sp) per block and direction
     act = tokens * h * ab
     st = comm.strides(lay)
+    t_tp_b_extra = 0.0  # backward-only collectives of sequence parallel
     if tp > 1:
         if lay.sp:
             t_tp = 2 * (comm.all_gather(act, tp, st["tp"], hw) + comm.reduce_scatter(act, tp, st["tp"], hw))
+            if fw.sp_regather_exposed:  # the column linears gather their input again for the weight gradients
+                t_tp_b_extra += 2 * comm.all_gather(act, tp, st["tp"], hw)
+            # norm weights that see a sequence slice: their gradients all-reduced over tp, per block
+            t_tp_b_extra += fw.sp_norm_grad_allreduces * comm.all_reduce(h * 4, tp, st["tp"], hw)
             # the embedding's output scattered, the loss's input gathered (and the reverse in backward)
             head_tp = comm.reduce_scatter(act, tp, st["tp"], hw) + comm.all_gather(act, tp, st["tp"], hw)
         else:
             t_tp = 2 * comm.all_reduce(act, tp, st["tp"], hw)
             head_tp = comm.all_reduce(act, tp, st["tp"], hw)  # the embedding's output; the loss's input grad
         t_tp *= 1 - fw.tp_overlap
+        t_tp_b_extra *= 1 - fw.tp_overlap
         head_tp *= 1 - fw.tp_overlap
         # the vocabulary-parallel loss: row maxima, then sum of exponentials and target logits, per chunk
         loss_tp = tokens / chunk * (comm.all_reduce(chunk * 4, tp, st["tp"], hw)
@@ -149,7 +155,7 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     recompute = {"none": 0.0, "selective": attn_f, "full": t_layer + t_tp + t_cp_f + t_ep}[lay.recompute]
     f_layer = t_layer + t_tp + t_cp_f + t_ep
     # backward: the linears' input-gradient half in B, weight-gradient half in W; a third of the fixed costs in W
-    b_layer = lin_b / 2 + attn_b + elementwise + oh_b * 2 / 3 + t_tp + t_cp_b + t_ep + recompute
+    b_layer = lin_b / 2 + attn_b + elementwise + oh_b * 2 / 3 + t_tp + t_tp_b_extra + t_cp_b + t_ep + recompute
     w_layer = lin_b / 2 + elementwise + oh_b / 3
     counts = stage_layers(cfg, lay, seq)
     f = [n * f_layer for n in counts]
@@ -161,7 +167,8 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     b[-1] += head_b / 2
     w[-1] += head_b / 2
     again = 1 if lay.recompute == "full" else 0  # full recompute repeats the forward's communication
-    per_layer = {"tp_comm": (2 + again) * t_tp, "cp_comm": (1 + again) * t_cp_f + t_cp_b, "ep_comm": (2 + again) * t_ep}
+    per_layer = {"tp_comm": (2 + again) * t_tp + t_tp_b_extra, "cp_comm": (1 + again) * t_cp_f + t_cp_b,
+                 "ep_comm": (2 + again) * t_ep}
     return StageTimes(f, b, w, per_layer, counts, {"tp_comm": head_tp + loss_tp})
 
 

@@ -93,15 +93,48 @@ def worker(spec: dict) -> None:
         dist.destroy_process_group()
 
 
+def running_processes() -> int:
+    """Processes running or runnable now, machine-wide (/proc/loadavg's fourth field)."""
+    try:
+        return int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def wait_quiet(max_wait: float, threshold: float = 1.5) -> float:
+    """Wait (at most `max_wait` s) until, over 3 s, on average at most `threshold` processes run (this one
+    included); returns that average, the other work present when the run starts."""
+    deadline = time.monotonic() + max_wait
+    while True:
+        samples = []
+        for _ in range(15):
+            samples.append(running_processes())
+            time.sleep(0.2)
+        mean = statistics.fmean(samples)
+        if mean <= threshold or time.monotonic() > deadline:
+            return mean
+        time.sleep(5)
+
+
 def measure(spec: dict, timeout: float) -> dict:
     world = spec["dp"] * spec["tp"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
            "--nproc-per-node", str(world), __file__, "--worker", json.dumps(spec)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    for line in out.stdout.splitlines():
+    samples: list[int] = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        start = time.monotonic()
+        while proc.poll() is None and time.monotonic() - start < timeout:
+            samples.append(running_processes())
+            time.sleep(0.5)
+        if proc.poll() is None:
+            proc.kill()
+        stdout, stderr = proc.communicate()
+    for line in stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError(f"layout {spec} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+            # other work: processes running beyond this run's ranks (and this script)
+            other = max(0.0, statistics.fmean(samples) - world - 1) if samples else 0.0
+            return {**json.loads(line[7:]), "other_running": other}
+    raise RuntimeError(f"layout {spec} failed:\n{stdout[-2000:]}\n{stderr[-3000:]}")
 
 
 def predict(spec: dict, hw) -> float:
@@ -146,12 +179,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--hardware", help="hardware profile TOML (from `fivefold calibrate`)")
-    p.add_argument("--measured", help="JSON lines of stored measurements: compare them instead of measuring")
+    p.add_argument("--measured", nargs="+", help="JSON lines of stored measurements: compare them instead")
     p.add_argument("--out", help="append each measurement to this JSON lines file")
     p.add_argument("--grid", choices=sorted(GRIDS), default="sweep-cpu")
     p.add_argument("--steps", type=int, default=5, help="timed steps (the sweep's grid: 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (the sweep's grid: 2)")
     p.add_argument("--only", type=int, nargs="*", help="indices of the layouts to run")
+    p.add_argument("--rounds", type=int, default=1, help="measure the grid this many times (interleaved)")
+    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
+                   help="before each run wait up to S seconds for the machine to be idle")
     args = p.parse_args()
     if args.worker:
         worker(json.loads(args.worker))
@@ -159,39 +195,52 @@ def main() -> None:
     layouts = GRIDS[args.grid]
     runs: list[dict] = []
     if args.measured:
-        runs = [json.loads(line) for line in Path(args.measured).read_text().splitlines() if line.strip()]
+        for path in args.measured:
+            runs += [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     else:
-        for i, (dp, tp, sp, zero, mbs, rc) in enumerate(layouts):
-            if args.only and i not in args.only:
-                continue
-            spec = {"model": MODEL, "seq_len": SEQ, "global_batch": GLOBAL_BATCH, "dp": dp, "tp": tp, "sp": sp,
-                    "zero": zero, "mbs": mbs, "recompute": rc, "steps": args.steps, "warmup": args.warmup}
-            t0 = time.perf_counter()
-            run = measure(spec, 600)
-            run["load"] = os.getloadavg()[0]
-            runs.append(run)
-            print(f"[{i + 1}/{len(layouts)}] {name_of(run)}: "
-                  f"{1e3 * statistics.median(run['step_times']):.0f} ms "
-                  f"({', '.join(f'{1e3 * t:.0f}' for t in run['step_times'])}) in {time.perf_counter() - t0:.0f} s",
-                  flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(run) + "\n")
+        for rnd in range(args.rounds):
+            for i, (dp, tp, sp, zero, mbs, rc) in enumerate(layouts):
+                if args.only and i not in args.only:
+                    continue
+                spec = {"model": MODEL, "seq_len": SEQ, "global_batch": GLOBAL_BATCH, "dp": dp, "tp": tp, "sp": sp,
+                        "zero": zero, "mbs": mbs, "recompute": rc, "steps": args.steps, "warmup": args.warmup}
+                before = wait_quiet(args.wait_quiet) if args.wait_quiet else None
+                t0 = time.perf_counter()
+                run = measure(spec, 600)
+                run.update(load=os.getloadavg()[0], running_before=before, round=rnd)
+                runs.append(run)
+                print(f"[round {rnd + 1}, {i + 1}/{len(layouts)}] {name_of(run)}: "
+                      f"{1e3 * statistics.median(run['step_times']):.0f} ms "
+                      f"({', '.join(f'{1e3 * t:.0f}' for t in run['step_times'])}) in {time.perf_counter() - t0:.0f} s"
+                      f", other processes running {run['other_running']:.1f}", flush=True)
+                if args.out:
+                    with open(args.out, "a") as f:
+                        f.write(json.dumps(run) + "\n")
     if not args.hardware:
         return
     from fivefold.planner.hardware import get_cluster
 
     hw = get_cluster(None, args.hardware)
-    measured, predicted = [], []
-    print(f"{'layout':34s} {'measured ms':>12s} {'predicted ms':>13s} {'error':>7s}")
+    # each layout: its rounds' median step times; the fastest round is the one least slowed by other work
+    by_layout: dict[str, list[dict]] = {}
     for run in runs:
-        m, pr = statistics.median(run["step_times"]), predict(run, hw)
+        by_layout.setdefault(name_of(run), []).append(run)
+    measured, predicted = [], []
+    print(f"{'layout':34s} {'measured ms':>12s} {'spread':>7s} {'predicted ms':>13s} {'error':>7s}")
+    spreads = []
+    for name, group in by_layout.items():
+        medians = [statistics.median(r["step_times"]) for r in group]
+        m, pr = min(medians), predict(group[0], hw)
+        spread = max(medians) / m - 1 if len(medians) > 1 else (max(group[0]["step_times"]) /
+                                                                  min(group[0]["step_times"]) - 1)
+        spreads.append(spread)
         measured.append(m)
         predicted.append(pr)
-        print(f"{name_of(run):34s} {1e3 * m:12.1f} {1e3 * pr:13.1f} {100 * (pr - m) / m:+6.1f}%")
+        print(f"{name:34s} {1e3 * m:12.1f} {100 * spread:6.0f}% {1e3 * pr:13.1f} {100 * (pr - m) / m:+6.1f}%")
     errors = [abs(pr - m) / m for m, pr in zip(measured, predicted, strict=True)]
-    print(f"runs {len(runs)}: median |error| {100 * statistics.median(errors):.1f} %, "
-          f"Spearman {spearman(measured, predicted):.3f}")
+    print(f"runs {len(measured)} ({len(runs)} measurements): median |error| {100 * statistics.median(errors):.1f} %, "
+          f"Spearman {spearman(measured, predicted):.3f}; median spread between measurements "
+          f"{100 * statistics.median(spreads):.0f} %")
 
 
 if __name__ == "__main__":

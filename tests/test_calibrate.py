@@ -36,8 +36,8 @@ def test_quick_calibration_writes_a_profile_that_loads(quick_profile):
     assert hw.name == "cpu" and hw.cores >= 1 and hw.threads_per_rank == 1 and hw.gpus_per_node == 2
     assert set(hw.by_ranks) == {2}
     for view in (hw.on_node(1), hw.on_node(2)):
-        assert view.linear and view.attention and view.elementwise
-        for table in (view.linear, view.attention):
+        assert view.linear and view.attention and view.loss and view.elementwise
+        for table in (view.linear, view.attention, view.loss):
             for *_, fwd, bwd in table:
                 assert 1e-6 < fwd < 100 and 1e-6 < bwd < 100  # TFLOP/s: a CPU core is not idle, nor a GPU
         assert all(0.01 < gbps < 1e4 for _, gbps in view.elementwise)
@@ -65,6 +65,7 @@ def test_profile_drives_plan_hardware(quick_profile, capsys):
 def test_profile_round_trips_through_toml(tmp_path):
     """What calibrate measured is what `--hardware` reads back (6 significant digits)."""
     one = Result(1, linear=[[128, 256, 128, 0.0312345, 0.0254321]], attention=[[8, 128, 32, 0.0051, 0.0042]],
+                 loss=[[512, 2048, 128, 0.02, 0.5]],
                  elementwise=[[65536, 41.5], [16777216, 7.25]], kernel_overhead_us=9.5, backward_overhead_us=13.25,
                  optimizer_gbps=2.5, optimizer_tensor_us=150.0)
     two = dataclasses.replace(one, ranks=2, kernel_overhead_us=11.0, comm_overlap=0.25,
@@ -74,6 +75,7 @@ def test_profile_round_trips_through_toml(tmp_path):
     path.write_text(to_toml(profile_tables({1: one, 2: two}, "cpu", 1, 2, "mine"), "a header"))
     hw = get_cluster(None, path)
     assert hw.name == "mine" and hw.linear == ((128, 256, 128, 0.0312345, 0.0254321),)
+    assert hw.loss == ((512, 2048, 128, 0.02, 0.5),)
     assert hw.kernel_overhead_us == 9.5 and hw.backward_overhead_us == 13.25 and hw.optimizer_tensor_us == 150.0
     view = hw.on_node(2)
     assert view.kernel_overhead_us == 11.0 and view.comm_overlap == 0.25
@@ -123,8 +125,12 @@ def _profile(**extra) -> Cluster:
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_block_time_is_flops_over_measured_throughput_plus_fixed_costs(tp):
+@pytest.mark.parametrize("loss_table", [False, True])
+def test_block_time_is_flops_over_measured_throughput_plus_fixed_costs(tp, loss_table):
     hw = _profile()
+    if loss_table:  # the output layer + loss measured as one
+        hw = dataclasses.replace(hw, loss=tuple((512, TINY.vocab_size / t, TINY.hidden, 0.01 * t, 0.3)
+                                                for t in (1, 2)))
     lay = Layout(tp=tp, mbs=4, grad_acc=4)
     times = stage_times(TINY, 128, lay, FIVEFOLD_CPU, hw)
     tokens = 4 * 128
@@ -149,11 +155,15 @@ def test_block_time_is_flops_over_measured_throughput_plus_fixed_costs(tp):
     assert per_block_bw == pytest.approx(backward, rel=1e-9)
 
 
+def _head_row(hw: Cluster, tp: int) -> tuple[float, ...]:
+    return next(r for r in hw.loss or hw.linear if r[:3] == (512, TINY.vocab_size / tp, TINY.hidden))
+
+
 def _head_f(hw: Cluster, tp: int, tokens: int) -> float:
-    row = next(r for r in hw.linear if r[:3] == (512, TINY.vocab_size / tp, TINY.hidden))
+    row = _head_row(hw, tp)
     logits_bw = hw.elementwise_bandwidth(512 * TINY.vocab_size / tp * 4)
-    head = (2 * 512 * TINY.vocab_size / tp * TINY.hidden / (row[3] * 1e12)
-            + tokens * TINY.vocab_size / tp * FIVEFOLD_CPU.logits_bytes * 2 / logits_bw
+    logits = 0.0 if hw.loss else tokens * TINY.vocab_size / tp * FIVEFOLD_CPU.logits_bytes * 2 / logits_bw
+    head = (2 * 512 * TINY.vocab_size / tp * TINY.hidden / (row[3] * 1e12) + logits
             + FIVEFOLD_CPU.kernels_per_micro_batch * 10e-6)
     if tp > 1:  # embedding output all-reduce (half in forward), loss statistics
         head += comm.all_reduce(tokens * TINY.hidden * 4, tp, 1, hw) / 2
@@ -162,7 +172,7 @@ def _head_f(hw: Cluster, tp: int, tokens: int) -> float:
 
 
 def _head_b(hw: Cluster, tp: int, tokens: int) -> float:
-    row = next(r for r in hw.linear if r[:3] == (512, TINY.vocab_size / tp, TINY.hidden))
+    row = _head_row(hw, tp)
     head = 4 * 512 * TINY.vocab_size / tp * TINY.hidden / (row[4] * 1e12) + FIVEFOLD_CPU.kernels_per_micro_batch * 14e-6
     return head + (comm.all_reduce(tokens * TINY.hidden * 4, tp, 1, hw) / 2 if tp > 1 else 0.0)
 

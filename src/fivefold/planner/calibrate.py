@@ -74,6 +74,7 @@ class Plan:
     threads: int
     linear: list[tuple[int, int, int]]
     attention: list[tuple[int, int, int, int, int]]  # batch, heads, kv heads, seq, head dim
+    loss: list[tuple[int, int, int]]  # tokens per chunk, vocabulary, hidden
     elementwise_numel: list[int]
     message_bytes: list[int]
     optimizer_numel: int
@@ -91,6 +92,7 @@ class Result:
     ranks: int
     linear: list[list[float]] = field(default_factory=list)
     attention: list[list[float]] = field(default_factory=list)
+    loss: list[list[float]] = field(default_factory=list)
     elementwise: list[list[float]] = field(default_factory=list)
     kernel_overhead_us: float = 0.0
     backward_overhead_us: float = 0.0
@@ -105,14 +107,16 @@ class Result:
 # What to measure
 
 
-def shapes_for(models: list, seq: int, micro_batches: list[int], tps: list[int]) -> tuple[list, list]:
-    """Linear (m, n, k) and attention (batch, heads, kv heads, seq, head dim) shapes of the models' blocks and
-    output layers on one tp rank, as the planner's time model asks for them."""
+def shapes_for(models: list, seq: int, micro_batches: list[int], tps: list[int]) -> tuple[list, list, list]:
+    """Linear (m, n, k) and attention (batch, heads, kv heads, seq, head dim) shapes of the models' blocks, and
+    output layer + loss (tokens per chunk, vocabulary, hidden) shapes, on one tp rank, as the planner's time
+    model asks for them."""
     from fivefold.planner.search import tp_valid
     from fivefold.planner.time import _linear_shapes
     from fivefold.train.engine import LOSS_CHUNK_TOKENS
 
     linear: set[tuple[int, int, int]] = set()
+    loss: set[tuple[int, int, int]] = set()
     attention: set[tuple[int, int, int, int, int]] = set()
     for cfg in models:
         for tp in tps:
@@ -123,11 +127,11 @@ def shapes_for(models: list, seq: int, micro_batches: list[int], tps: list[int])
                 for m, n, k in _linear_shapes(cfg, tokens, tp, fused=False):
                     linear.add((int(m), int(n), int(k)))
                 chunk = min(tokens, LOSS_CHUNK_TOKENS if tp == 1 else 4096)
-                linear.add((chunk, cfg.vocab_size // tp, cfg.hidden))
+                loss.add((chunk, cfg.vocab_size // tp, cfg.hidden))
                 attention.add((mbs, cfg.n_heads // tp, max(cfg.n_kv_heads // tp, 1), seq, cfg.head_dim))
     # the planner looks attention up by (batch x heads, seq, head dim): one shape per key
     unique = {(b * h, s, d): (b, h, kvh, s, d) for b, h, kvh, s, d in sorted(attention, reverse=True)}
-    return sorted(linear), sorted(unique.values())
+    return sorted(linear), sorted(unique.values()), sorted(loss)
 
 
 def make_plan(args: argparse.Namespace, device_type: str) -> tuple[Plan, list[int]]:
@@ -159,8 +163,8 @@ def make_plan(args: argparse.Namespace, device_type: str) -> tuple[Plan, list[in
         sizes = [4 * KIB * 4**i for i in range(7)]  # 4 KiB .. 16 MiB
         elem = [2**i for i in range(10, 25, 2)]
         min_seconds, opt_numel = 0.05, 2**21
-    linear, attention = shapes_for(models, seq, mbs, tps)
-    plan = Plan(device_type, args.threads, linear, attention, elem, sizes, opt_numel, min_seconds,
+    linear, attention, loss = shapes_for(models, seq, mbs, tps)
+    plan = Plan(device_type, args.threads, linear, attention, loss, elem, sizes, opt_numel, min_seconds,
                 passes=1 if args.quick else 2)
     return plan, list(range(1, nproc + 1))
 
@@ -287,6 +291,25 @@ def measure_attention(clock: Clock, shapes, dtype: torch.dtype, say) -> list[lis
         flops = 2 * b * h * s * s * d  # causal: half of 4 b h s^2 d
         rows.append([b * h, s, d, flops / fwd / 1e12, 2 * flops / bwd / 1e12])
     say(f"attention {len(shapes)} shapes (last {shapes[-1]}: forward {rows[-1][3]:.3g} TFLOP/s)")
+    return rows
+
+
+def measure_loss(clock: Clock, shapes, dtype: torch.dtype, say) -> list[list[float]]:
+    """The engine's fused output layer + cross-entropy on one chunk of tokens (it computes its gradients in the
+    forward; the backward scales them), by (tokens, vocabulary, hidden)."""
+    from fivefold.train.loss import linear_cross_entropy_sum
+
+    rows = []
+    for m, n, k in shapes:
+        hidden = torch.randn(m, k, device=clock.device, dtype=dtype, requires_grad=True)
+        weight = (torch.randn(n, k, device=clock.device, dtype=dtype) * 0.02).requires_grad_()
+        targets = torch.randint(0, n, (m,), device=clock.device)
+        fwd, bwd = _forward_backward(
+            clock, lambda h=hidden, w=weight, t=targets, m=m: linear_cross_entropy_sum(h, w, t, m, dtype),
+            [hidden, weight], torch.ones((), device=clock.device, dtype=torch.float32))
+        flops = 2 * m * n * k
+        rows.append([m, n, k, flops / fwd / 1e12, 2 * flops / bwd / 1e12])
+    say(f"output layer + loss {len(shapes)} shapes (last {shapes[-1]}: {1e3 * (fwd + bwd):.3g} ms)")
     return rows
 
 
@@ -494,6 +517,7 @@ def run_ranks(rank: int, world: int, plan: Plan, port: int, out_path: str) -> No
         result.linear = two_passes(lambda s: measure_linear(clock, s, dtype, say), plan.linear, 3, plan.passes)
         result.attention = two_passes(lambda s: measure_attention(clock, s, dtype, say), plan.attention, 3,
                                       plan.passes)
+        result.loss = two_passes(lambda s: measure_loss(clock, s, dtype, say), plan.loss, 3, plan.passes)
         fwd, bwd = measure_fixed_cost(clock, dtype, say)
         result.kernel_overhead_us, result.backward_overhead_us = 1e6 * fwd, 1e6 * bwd
         result.elementwise = measure_elementwise(clock, plan.elementwise_numel, dtype, say)
@@ -514,13 +538,14 @@ def run_ranks(rank: int, world: int, plan: Plan, port: int, out_path: str) -> No
 
 def _average_compute(result: Result) -> None:
     """Replace rank 0's compute figures by the mean over the ranks (they ran the same work at once)."""
-    flat = [v for row in result.linear for v in row[3:]] + [v for row in result.attention for v in row[3:]] + \
+    tables = result.linear + result.attention + result.loss
+    flat = [v for row in tables for v in row[3:]] + \
         [row[1] for row in result.elementwise] + [result.kernel_overhead_us, result.backward_overhead_us,
                                                   result.optimizer_gbps, result.optimizer_tensor_us]
     t = torch.tensor(flat, dtype=torch.float64)
     dist.all_reduce(t, group=_cpu_group_cache.get("g"))
     values = iter((t / dist.get_world_size()).tolist())
-    for row in result.linear + result.attention:
+    for row in tables:
         row[3], row[4] = next(values), next(values)
     for row in result.elementwise:
         row[1] = next(values)
@@ -612,7 +637,7 @@ def profile_tables(results: dict[int, Result], device_type: str, threads: int, n
 def _compute_fields(r: Result) -> dict:
     return {"kernel_overhead_us": r.kernel_overhead_us, "backward_overhead_us": r.backward_overhead_us,
             "optimizer_gbps": r.optimizer_gbps, "optimizer_tensor_us": r.optimizer_tensor_us,
-            "linear": r.linear, "attention": r.attention, "elementwise": r.elementwise}
+            "linear": r.linear, "attention": r.attention, "loss": r.loss, "elementwise": r.elementwise}
 
 
 def _accelerator_preset() -> str:
@@ -666,8 +691,8 @@ def calibrate(args: argparse.Namespace) -> tuple[Path, dict[int, Result], float]
     device_type = resolve_device(args.device).type
     plan, levels = make_plan(args, device_type)
     out = Path(args.out or f"calibrated-{device_type}.toml")
-    print(f"calibrate: {device_type}, ranks {levels[0]}..{levels[-1]}, {len(plan.linear)} linear and "
-          f"{len(plan.attention)} attention shapes, {len(plan.message_bytes)} message sizes"
+    print(f"calibrate: {device_type}, ranks {levels[0]}..{levels[-1]}, {len(plan.linear)} linear, "
+          f"{len(plan.attention)} attention and {len(plan.loss)} loss shapes, {len(plan.message_bytes)} message sizes"
           f"{' (quick)' if args.quick else ''}", flush=True)
     start = time.perf_counter()
     load_before = _load_note()
@@ -682,7 +707,8 @@ def calibrate(args: argparse.Namespace) -> tuple[Path, dict[int, Result], float]
               f"({device_type}, torch {torch.__version__}) in {seconds:.0f} s, {time.strftime('%Y-%m-%d %H:%M')}\n"
               "top level: measured with 1 rank; [ranks.N]: with N ranks running at once on this machine.\n"
               "linear rows: m, n, k, forward TFLOP/s, backward TFLOP/s; attention rows: batch x heads, seq, "
-              "head dim, forward, backward TFLOP/s;\nelement-wise rows: operand bytes, GB/s; collectives: "
+              "head dim, forward, backward TFLOP/s;\nloss rows: tokens, vocabulary, hidden, forward, backward "
+              "TFLOP/s (of the output layer's matmul);\nelement-wise rows: operand bytes, GB/s; collectives: "
               f"[ranks.N.collectives.KIND] group size = [[bytes, seconds], ...]\n{load}")
     tables = profile_tables(results, device_type, args.threads, levels[-1], out.stem)
     out.write_text(to_toml(tables, header))

@@ -14,7 +14,8 @@ file: `fivefold plan --hardware FILE` where FILE holds
 
 `fivefold calibrate` writes such a file with measured tables instead of single constants: `linear` (forward
 and backward TFLOP/s of a linear layer by shape m x n x k), `attention` (causal attention TFLOP/s by
-batch x heads, sequence, head dim), `elementwise` (GB/s by tensor bytes), and, under `[ranks.N]`, the same
+batch x heads, sequence, head dim), `loss` (the fused output layer + cross-entropy by tokens, vocabulary,
+hidden), `elementwise` (GB/s by tensor bytes), and, under `[ranks.N]`, the same
 fields measured while N ranks run at once on the node (on a CPU they share its cores) plus
 `[ranks.N.collectives.KIND]` tables of seconds by group size and message bytes, for KIND in all_reduce,
 all_gather, reduce_scatter, all_to_all and p2p. `Cluster.on_node(ranks)` picks the values for a layout.
@@ -59,6 +60,7 @@ class Cluster:
     compute_scale: float = 1.0  # multiplies compute times (more ranks on a node than were measured)
     linear: tuple[tuple[float, ...], ...] = ()  # (m, n, k, forward TFLOP/s, backward TFLOP/s)
     attention: tuple[tuple[float, ...], ...] = ()  # (batch x heads, seq, head_dim, fwd TFLOP/s, bwd TFLOP/s)
+    loss: tuple[tuple[float, ...], ...] = ()  # fused output layer + cross-entropy: (tokens, vocab, hidden, TFLOP/s x2)
     elementwise: tuple[tuple[float, ...], ...] = ()  # (tensor bytes, GB/s)
     collectives: dict[str, dict[int, tuple[tuple[float, float], ...]]] = field(default_factory=dict)
     by_ranks: dict[int, dict] = field(default_factory=dict)  # ranks at once on a node -> fields measured so
@@ -113,6 +115,15 @@ class Cluster:
             return None
         f, b = interpolate(self.linear, (m, n, k))
         flops = 2 * m * n * k
+        return self.compute_scale * flops / (f * 1e12), self.compute_scale * 2 * flops / (b * 1e12)
+
+    def loss_time(self, tokens: float, vocab: float, hidden: float) -> tuple[float, float] | None:
+        """Measured forward and backward seconds of the fused output layer + cross-entropy on one chunk of
+        tokens (its matmuls counted as a linear layer's FLOPs), or None without a table."""
+        if not self.loss:
+            return None
+        f, b = interpolate(self.loss, (tokens, vocab, hidden))
+        flops = 2 * tokens * vocab * hidden
         return self.compute_scale * flops / (f * 1e12), self.compute_scale * 2 * flops / (b * 1e12)
 
     def attention_time(self, batch_heads: float, seq: float, head_dim: float) -> tuple[float, float] | None:
@@ -223,7 +234,7 @@ def get_cluster(name: str | None = None, file: str | Path | None = None) -> Clus
     return dataclasses.replace(base, **values)
 
 
-_TABLE_WIDTH = {"linear": 5, "attention": 5, "elementwise": 2}
+_TABLE_WIDTH = {"linear": 5, "attention": 5, "loss": 5, "elementwise": 2}
 _INT_FIELDS = {"gpus_per_node", "cores", "threads_per_rank"}
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 

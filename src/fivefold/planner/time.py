@@ -93,10 +93,14 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
         elementwise = 2 * act_bytes / hw.elementwise_bandwidth(tokens * h * ab / (tp if lay.sp else 1))
         oh_f = fw.kernels_per_layer * hw.kernel_overhead_us * 1e-6 * hw.compute_scale
         oh_b = fw.kernels_per_layer * hw.backward_overhead() * hw.compute_scale
-        head = hw.linear_time(chunk, cfg.vocab_size / tp, h) or (0.0, 0.0)
         n_chunks = tokens / chunk
-        logits = tokens * cfg.vocab_size / tp * fw.logits_bytes * 2 / hw.elementwise_bandwidth(
-            chunk * cfg.vocab_size / tp * 4)
+        head = hw.loss_time(chunk, cfg.vocab_size / tp, h)  # output layer and softmax as measured together
+        if head is None:
+            head = hw.linear_time(chunk, cfg.vocab_size / tp, h) or (0.0, 0.0)
+            logits = tokens * cfg.vocab_size / tp * fw.logits_bytes * 2 / hw.elementwise_bandwidth(
+                chunk * cfg.vocab_size / tp * 4)
+        else:
+            logits = 0.0
         head_f = n_chunks * head[0] + logits + fw.kernels_per_micro_batch * hw.kernel_overhead_us * 1e-6 \
             * hw.compute_scale
         head_b = n_chunks * head[1] + fw.kernels_per_micro_batch * hw.backward_overhead() * hw.compute_scale

@@ -14,7 +14,7 @@ from fivefold.cli import main
 from fivefold.config import ConfigError
 from fivefold.models.presets import get_preset
 from fivefold.planner import comm
-from fivefold.planner.calibrate import Result, fit_link, profile_tables, to_toml
+from fivefold.planner.calibrate import Result, fit_link, monotone, profile_tables, to_toml
 from fivefold.planner.hardware import Cluster, get_cluster, interpolate
 from fivefold.planner.layout import FIVEFOLD_CPU, Layout
 from fivefold.planner.memory import layer_activation_bytes, model_state_bytes
@@ -226,6 +226,11 @@ def test_interpolation_of_scattered_measurements():
     assert interpolate(points, (100, 100, 100)) == (1.0, 2.0)
     assert interpolate(points, (200, 100, 100)) == pytest.approx((2.0, 4.0))  # halfway in log2: geometric mean
     assert interpolate(points, (10_000, 100, 100))[0] == pytest.approx(4.0, rel=0.05)  # held, not extrapolated
+
+
+def test_collective_tables_never_slower_for_smaller_messages():
+    rows = [[4096, 5e-3], [16384, 1e-3], [65536, 2e-3], [262144, 1.5e-3], [1 << 20, 4e-3]]
+    assert monotone(rows) == [[4096, 1e-3], [16384, 1e-3], [65536, 1.5e-3], [262144, 1.5e-3], [1 << 20, 4e-3]]
 
 
 def test_fit_link_recovers_latency_and_bandwidth():

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import socket
 import statistics
@@ -79,6 +80,7 @@ class Plan:
     message_bytes: list[int]
     optimizer_numel: int
     min_seconds: float  # timing budget per measured point
+    sample_seconds: float  # shortest sample (see `Clock.time`)
     passes: int = 2  # timing passes over the linear and attention shapes
     compute: bool = True
     quiet: bool = False
@@ -165,7 +167,7 @@ def make_plan(args: argparse.Namespace, device_type: str) -> tuple[Plan, list[in
         min_seconds, opt_numel = 0.05, 2**21
     linear, attention, loss = shapes_for(models, seq, mbs, tps)
     plan = Plan(device_type, args.threads, linear, attention, loss, elem, sizes, opt_numel, min_seconds,
-                passes=1 if args.quick else 2)
+                0.005 if args.quick else 0.03, passes=1 if args.quick else 2)
     return plan, list(range(1, nproc + 1))
 
 
@@ -177,8 +179,9 @@ class Clock:
     """Synchronised timings that every rank of the group runs together (same repetitions, started at a barrier),
     so that ranks sharing cores compete as in a training step."""
 
-    def __init__(self, device: torch.device, group_size: int, min_seconds: float) -> None:
+    def __init__(self, device: torch.device, group_size: int, min_seconds: float, sample_seconds: float = 0.0) -> None:
         self.device, self.group_size, self.min_seconds = device, group_size, min_seconds
+        self.sample_seconds = sample_seconds
 
     def sync(self) -> None:
         if self.device.type != "cpu":
@@ -199,20 +202,21 @@ class Clock:
         if self.group_size > 1:
             dist.barrier(group=self._cpu_group())
 
-    def time(self, *phases: Callable[[], object], calls: int = 1) -> list[float]:
-        """Seconds of each phase (run in order, `calls` times per sample) after one warm-up round: the lower
-        quartile of the samples, since whatever else runs on the machine only ever slows a sample down."""
+    def time(self, *phases: Callable[[], object]) -> list[float]:
+        """Seconds per call of each phase after one warm-up round. A sample repeats a phase for at least
+        `sample_seconds` (several of the scheduler's time slices, so that ranks sharing cores are timed sharing
+        them); the figure is the lower quartile of the samples, since other work on the machine only ever slows
+        a sample down."""
         for phase in phases:
-            for _ in range(calls):
-                phase()
+            phase()
         self.sync()
         t0 = time.perf_counter()
         for phase in phases:
-            for _ in range(calls):
-                phase()
+            phase()
         self.sync()
         once = self._agree(time.perf_counter() - t0)
-        reps = int(min(200, max(3, self.min_seconds / max(once, 1e-9))))
+        calls = max(1, math.ceil(self.sample_seconds / max(once, 1e-9)))
+        reps = int(min(50, max(3, self.min_seconds / max(once * calls, 1e-9))))
         samples: list[list[float]] = [[] for _ in phases]
         self.barrier()
         for _ in range(reps):
@@ -520,18 +524,18 @@ def run_ranks(rank: int, world: int, plan: Plan, port: int, out_path: str) -> No
             print(f"calibrate {prefix} {text}", flush=True)
 
     dtype = torch.float32 if plan.device_type == "cpu" else torch.bfloat16
-    clock = Clock(device, world, plan.min_seconds)
+    clock = Clock(device, world, plan.min_seconds, plan.sample_seconds)
     result = Result(world)
     if plan.compute:
         result.linear = two_passes(lambda s: measure_linear(clock, s, dtype, say), plan.linear, 3, plan.passes)
         result.attention = two_passes(lambda s: measure_attention(clock, s, dtype, say), plan.attention, 3,
                                       plan.passes)
         result.loss = two_passes(lambda s: measure_loss(clock, s, dtype, say), plan.loss, 3, plan.passes)
-        fwd, bwd = measure_fixed_cost(Clock(device, world, 6 * plan.min_seconds), dtype, say)
+        fwd, bwd = measure_fixed_cost(Clock(device, world, 6 * plan.min_seconds, plan.sample_seconds), dtype, say)
         result.kernel_overhead_us, result.backward_overhead_us = 1e6 * fwd, 1e6 * bwd
         result.elementwise = measure_elementwise(clock, plan.elementwise_numel, dtype, say)
-        result.optimizer_gbps, per_tensor = measure_optimizer(Clock(device, world, 4 * plan.min_seconds),
-                                                              plan.optimizer_numel, say)
+        result.optimizer_gbps, per_tensor = measure_optimizer(
+            Clock(device, world, 4 * plan.min_seconds, plan.sample_seconds), plan.optimizer_numel, say)
         result.optimizer_tensor_us = 1e6 * per_tensor
         if world > 1:
             _average_compute(result)

@@ -81,7 +81,8 @@ class Plan:
     optimizer_numel: int
     min_seconds: float  # timing budget per measured point
     sample_seconds: float  # shortest sample (see `Clock.time`)
-    passes: int = 2  # timing passes over the linear and attention shapes
+    model: object = None  # the (first) model of interest: its block is the ZeRO-3 unit timed
+    passes: int = 2  # timing passes over the shapes and the collectives
     compute: bool = True
     quiet: bool = False
     kinds: tuple[str, ...] = COLLECTIVES
@@ -102,6 +103,7 @@ class Result:
     optimizer_tensor_us: float = 0.0
     collectives: dict[str, dict[int, list[list[float]]]] = field(default_factory=dict)
     comm_overlap: float = 1.0
+    zero3_unit_us: float = 0.0
     seconds: float = 0.0
 
 
@@ -167,7 +169,7 @@ def make_plan(args: argparse.Namespace, device_type: str) -> tuple[Plan, list[in
         min_seconds, opt_numel = 0.05, 2**21
     linear, attention, loss = shapes_for(models, seq, mbs, tps)
     plan = Plan(device_type, args.threads, linear, attention, loss, elem, sizes, opt_numel, min_seconds,
-                0.005 if args.quick else 0.03, passes=1 if args.quick else 2)
+                0.005 if args.quick else 0.03, model=models[0], passes=1 if args.quick else 2)
     return plan, list(range(1, nproc + 1))
 
 
@@ -410,7 +412,8 @@ def _scatter_from():
     return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def measure_collectives(clock: Clock, world: int, rank: int, plan: Plan, say) -> dict[str, dict[int, list]]:
+def measure_collectives(clock: Clock, world: int, rank: int, plan: Plan, say,
+                        reverse: bool = False) -> dict[str, dict[int, list]]:
     """Seconds per call by kind, group size and message bytes (the buffer each rank contributes for all-reduce
     and all-to-all, the full buffer for all-gather and reduce-scatter, one message for send/recv)."""
     out: dict[str, dict[int, list]] = {k: {} for k in plan.kinds}
@@ -423,7 +426,7 @@ def measure_collectives(clock: Clock, world: int, rank: int, plan: Plan, say) ->
             if kind == "p2p" and size != 2:
                 continue
             rows = []
-            for nbytes in plan.message_bytes:
+            for nbytes in plan.message_bytes[::-1] if reverse else plan.message_bytes:
                 numel = max(size, nbytes // 4 // size * size)
                 full = torch.zeros(numel, device=device)
                 part = torch.zeros(numel // size, device=device)
@@ -451,7 +454,7 @@ def measure_collectives(clock: Clock, world: int, rank: int, plan: Plan, say) ->
                             dist.send(full, peer)
                 seconds = clock.time(call)[0]
                 rows.append([numel * 4, seconds / 2 if kind == "p2p" else seconds])
-            out[kind][size] = monotone(_rank_median(rows, device))
+            out[kind][size] = sorted(_rank_median(rows, device))
         say(f"collectives over groups of {size} of {world} ranks: all-reduce " + ", ".join(
             f"{_size(int(b))} {1e3 * s:.3g} ms" for b, s in out['all_reduce'][size]))
     return {k: v for k, v in out.items() if v}
@@ -473,6 +476,65 @@ def _rank_median(rows: list[list[float]], device: torch.device) -> list[list[flo
     gathered = [torch.zeros_like(t) for _ in range(world)]
     dist.all_gather(gathered, t, group=_cpu_group_cache.get("g") if device.type != "cpu" else None)
     return [[r[0], statistics.median(float(g[i]) for g in gathered)] for i, r in enumerate(rows)]
+
+
+def measure_zero3_unit(clock: Clock, model, collectives: dict, say) -> float:
+    """Seconds per micro-batch that one ZeRO-3 unit (`fully_shard` around a block of `model`, as the engine
+    wraps each block) costs beyond its two all-gathers and one reduce-scatter: hooks, copies in and out, frees.
+    A block on 8 tokens, sharded over all ranks, against the same block unsharded; the collectives of the
+    block's bytes (from this calibration's tables) are subtracted."""
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fivefold.models.llama import Block, rope_cos_sin
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        block = Block(model).to(clock.device)
+        block.attn.core = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                          enable_gqa=q.shape[1] != k.shape[1])
+        return block
+
+    class Root(nn.Module):  # the engine's root unit around the whole micro-batch (it holds no parameters here)
+        def __init__(self, block: nn.Module) -> None:
+            super().__init__()
+            self.block = block
+
+        def forward(self, *args: torch.Tensor) -> torch.Tensor:
+            return self.block(*args)
+
+    plain, sharded = build(), build()
+    root = Root(sharded)
+    mesh = DeviceMesh.from_group(dist.group.WORLD, clock.device.type)
+    unit, outer = fully_shard(sharded, mesh=mesh), fully_shard(root, mesh=mesh)
+    for u in (unit, outer):
+        u.set_gradient_divide_factor(1.0)
+        u.set_force_sum_reduction_for_comms(True)
+    x = torch.randn(1, 8, model.hidden, device=clock.device, requires_grad=True)
+    cos, sin = rope_cos_sin(model, torch.arange(8, device=clock.device))
+
+    def step(module: nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            module(x, cos, sin).sum().backward()
+        return run
+
+    t_plain, t_sharded = clock.time(step(plain), step(root))
+    nbytes = sum(p.numel() for p in plain.parameters()) * 4
+    world = dist.get_world_size()
+
+    def table(kind: str) -> float:
+        rows = collectives.get(kind, {}).get(world)
+        if not rows:
+            return 0.0
+        from fivefold.planner.hardware import _loglog
+
+        return _loglog(tuple((b, sec) for b, sec in rows), nbytes)
+
+    overhead = max(0.0, t_sharded - t_plain - 2 * table("all_gather") - table("reduce_scatter"))
+    say(f"ZeRO-3 unit: {1e3 * (t_sharded - t_plain):.2f} ms per micro-batch with its collectives, "
+        f"{1e3 * overhead:.2f} ms beyond them")
+    return overhead
 
 
 def measure_overlap(clock: Clock, dtype: torch.dtype, say) -> float:
@@ -531,17 +593,26 @@ def run_ranks(rank: int, world: int, plan: Plan, port: int, out_path: str) -> No
         result.attention = two_passes(lambda s: measure_attention(clock, s, dtype, say), plan.attention, 3,
                                       plan.passes)
         result.loss = two_passes(lambda s: measure_loss(clock, s, dtype, say), plan.loss, 3, plan.passes)
-        fwd, bwd = measure_fixed_cost(Clock(device, world, 6 * plan.min_seconds, plan.sample_seconds), dtype, say)
-        result.kernel_overhead_us, result.backward_overhead_us = 1e6 * fwd, 1e6 * bwd
-        result.elementwise = measure_elementwise(clock, plan.elementwise_numel, dtype, say)
-        result.optimizer_gbps, per_tensor = measure_optimizer(
-            Clock(device, world, 4 * plan.min_seconds, plan.sample_seconds), plan.optimizer_numel, say)
-        result.optimizer_tensor_us = 1e6 * per_tensor
+        long_clock = Clock(device, world, 6 * plan.min_seconds, plan.sample_seconds)
+        fixed = [measure_fixed_cost(long_clock, dtype, say) for _ in range(plan.passes)]
+        result.kernel_overhead_us = 1e6 * min(f for f, _ in fixed)
+        result.backward_overhead_us = 1e6 * min(b for _, b in fixed)
+        result.elementwise = two_passes(lambda n: measure_elementwise(clock, n, dtype, say), plan.elementwise_numel,
+                                        1, plan.passes)
+        optimizer = [measure_optimizer(long_clock, plan.optimizer_numel, say) for _ in range(plan.passes)]
+        result.optimizer_gbps = max(g for g, _ in optimizer)
+        result.optimizer_tensor_us = 1e6 * min(t for _, t in optimizer)
         if world > 1:
             _average_compute(result)
     if world > 1:
-        result.collectives = measure_collectives(clock, world, rank, plan, say)
+        passes = [measure_collectives(clock, world, rank, plan, say, reverse=i % 2 == 1) for i in range(plan.passes)]
+        result.collectives = {kind: {size: monotone([[b, min(p[kind][size][j][1] for p in passes)]
+                                                     for j, (b, _) in enumerate(rows)])
+                                     for size, rows in groups.items()}
+                              for kind, groups in passes[0].items()}
         result.comm_overlap = measure_overlap(clock, dtype, say)
+        if plan.model is not None:
+            result.zero3_unit_us = 1e6 * measure_zero3_unit(clock, plan.model, result.collectives, say)
     result.seconds = time.perf_counter() - start
     if rank == 0:
         Path(out_path).write_text(json.dumps(asdict(result)))
@@ -641,6 +712,7 @@ def profile_tables(results: dict[int, Result], device_type: str, threads: int, n
             continue
         section = _compute_fields(r) if cpu else {}
         section["comm_overlap"] = r.comm_overlap
+        section["zero3_unit_us"] = r.zero3_unit_us
         section["collectives"] = {k: {str(s): rows for s, rows in v.items()} for k, v in r.collectives.items()}
         ranks[str(n)] = section
     if ranks:

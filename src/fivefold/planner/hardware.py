@@ -57,6 +57,7 @@ class Cluster:
     optimizer_gbps: float = 0.0  # parameter + gradient + optimizer-state bytes the step streams per s; 0 = hbm / 2
     optimizer_tensor_us: float = 0.0  # fixed cost per parameter tensor of the optimizer step (clip, AdamW, zero)
     comm_overlap: float = 1.0  # share of a collective's time that can hide behind compute running at once
+    zero3_unit_us: float = 0.0  # per ZeRO-3 unit and micro-batch: hooks, copies and frees beyond its collectives
     compute_scale: float = 1.0  # multiplies compute times (more ranks on a node than were measured)
     linear: tuple[tuple[float, ...], ...] = ()  # (m, n, k, forward TFLOP/s, backward TFLOP/s)
     attention: tuple[tuple[float, ...], ...] = ()  # (batch x heads, seq, head_dim, fwd TFLOP/s, bwd TFLOP/s)
@@ -261,7 +262,7 @@ def _parse_fields(data: dict, where: str) -> dict:
         else:
             value = float(value)
             if value < 0 or (value == 0 and key not in ("backward_overhead_us", "optimizer_gbps",
-                                                         "optimizer_tensor_us", "comm_overlap")):
+                                                         "optimizer_tensor_us", "comm_overlap", "zero3_unit_us")):
                 raise ConfigError(f"{where} {key} = {value} must be > 0")
         values[key] = value
     return values

@@ -256,6 +256,8 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
         ag = comm.all_gather(block, dpc, st["dpcp"], hw)
         per_block = (times.f[0] + times.b[0] + times.w[0]) / n_layers
         t_gather = lay.grad_acc * n_layers * 2 * (overlap * max(0.0, ag - per_block / 3) + (1 - overlap) * ag)
+        # what each unit (the blocks and the root) costs per micro-batch beyond its collectives, as measured
+        t_gather += lay.grad_acc * (n_layers + 1) * hw.zero3_unit_us * 1e-6
     # the optimizer step streams parameters, gradients and states once, plus a fixed cost per tensor
     opt_bandwidth = (hw.optimizer_gbps * 1e9 if hw.optimizer_gbps else hw.hbm_gbps * 1e9 / 2) / hw.compute_scale
     t_opt = (states["parameters"] + states["gradients"] + states["optimizer"]) / opt_bandwidth \

@@ -104,6 +104,7 @@ class Result:
     collectives: dict[str, dict[int, list[list[float]]]] = field(default_factory=dict)
     comm_overlap: float = 1.0
     zero3_unit_us: float = 0.0
+    collective_wait: list[list[float]] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -537,6 +538,35 @@ def measure_zero3_unit(clock: Clock, model, collectives: dict, say) -> float:
     return overhead
 
 
+def measure_collective_wait(clock: Clock, world: int, rank: int, dtype: torch.dtype, say) -> list[list[float]]:
+    """Seconds a blocking collective costs beyond its own time when the ranks compute between calls, as in a
+    training step, by group size: a rank reaching the collective waits for its peers, which on shared cores may
+    not be running at that moment. (compute, then a 64 KiB all-reduce) - compute alone - the all-reduce alone."""
+    a = torch.randn(128, 384, device=clock.device, dtype=dtype)
+    b = torch.randn(384, 128, device=clock.device, dtype=dtype)
+    buffer = torch.zeros(16 * KIB, device=clock.device)
+    rows = []
+    for size in [n for n in range(2, world + 1) if world % n == 0]:
+        groups = [dist.new_group(list(range(s, s + size))) for s in range(0, world, size)]
+        group = groups[rank // size]
+
+        def compute() -> None:
+            for _ in range(16):
+                a @ b
+
+        def communicate(group=group) -> None:
+            dist.all_reduce(buffer, group=group)
+
+        def both(group=group) -> None:
+            compute()
+            dist.all_reduce(buffer, group=group)
+
+        t_compute, t_comm, t_both = clock.time(compute, communicate, both)
+        rows.append([size, max(t_both - t_compute - t_comm, 1e-7)])
+    say("collective wait between compute: " + ", ".join(f"groups of {int(n)} {1e3 * w:.2f} ms" for n, w in rows))
+    return rows
+
+
 def measure_overlap(clock: Clock, dtype: torch.dtype, say) -> float:
     """Share of an all-reduce over all ranks that hides behind matmuls running at the same time: (compute +
     communication - both at once) / the shorter of the two, in [0, 1]."""
@@ -611,6 +641,8 @@ def run_ranks(rank: int, world: int, plan: Plan, port: int, out_path: str) -> No
                                      for size, rows in groups.items()}
                               for kind, groups in passes[0].items()}
         result.comm_overlap = measure_overlap(clock, dtype, say)
+        waits = [measure_collective_wait(clock, world, rank, dtype, say) for _ in range(plan.passes)]
+        result.collective_wait = [[row[0], min(w[i][1] for w in waits)] for i, row in enumerate(waits[0])]
         if plan.model is not None:
             result.zero3_unit_us = 1e6 * measure_zero3_unit(clock, plan.model, result.collectives, say)
     result.seconds = time.perf_counter() - start
@@ -713,6 +745,7 @@ def profile_tables(results: dict[int, Result], device_type: str, threads: int, n
         section = _compute_fields(r) if cpu else {}
         section["comm_overlap"] = r.comm_overlap
         section["zero3_unit_us"] = r.zero3_unit_us
+        section["collective_wait"] = r.collective_wait
         section["collectives"] = {k: {str(s): rows for s, rows in v.items()} for k, v in r.collectives.items()}
         ranks[str(n)] = section
     if ranks:

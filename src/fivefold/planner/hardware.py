@@ -18,7 +18,8 @@ batch x heads, sequence, head dim), `loss` (the fused output layer + cross-entro
 hidden), `elementwise` (GB/s by tensor bytes), and, under `[ranks.N]`, the same
 fields measured while N ranks run at once on the node (on a CPU they share its cores) plus
 `[ranks.N.collectives.KIND]` tables of seconds by group size and message bytes, for KIND in all_reduce,
-all_gather, reduce_scatter, all_to_all and p2p. `Cluster.on_node(ranks)` picks the values for a layout.
+all_gather, reduce_scatter, all_to_all and p2p, and `collective_wait` (what a collective costs beyond its own
+time when the ranks compute in between). `Cluster.on_node(ranks)` picks the values for a layout.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class Cluster:
     optimizer_tensor_us: float = 0.0  # fixed cost per parameter tensor of the optimizer step (clip, AdamW, zero)
     comm_overlap: float = 1.0  # share of a collective's time that can hide behind compute running at once
     zero3_unit_us: float = 0.0  # per ZeRO-3 unit and micro-batch: hooks, copies and frees beyond its collectives
+    # (group size, seconds): what a blocking collective costs beyond its own time when ranks compute in between
+    collective_wait: tuple[tuple[float, ...], ...] = ()
     compute_scale: float = 1.0  # multiplies compute times (more ranks on a node than were measured)
     linear: tuple[tuple[float, ...], ...] = ()  # (m, n, k, forward TFLOP/s, backward TFLOP/s)
     attention: tuple[tuple[float, ...], ...] = ()  # (batch x heads, seq, head_dim, fwd TFLOP/s, bwd TFLOP/s)
@@ -151,7 +154,10 @@ class Cluster:
         points = table[near]
         seconds = _loglog(points, nbytes)
         # a group size that was not measured: scale by its ring steps (n - 1)
-        return seconds * (size - 1) / (near - 1) if near != size and near > 1 else seconds
+        seconds = seconds * (size - 1) / (near - 1) if near != size and near > 1 else seconds
+        if self.collective_wait:  # in a step the peers are computing, not waiting at the collective
+            seconds += min(self.collective_wait, key=lambda r: (abs(r[0] - size), -r[0]))[1]
+        return seconds
 
 
 def _loglog(points: tuple[tuple[float, float], ...], x: float, extrapolate: bool = True) -> float:
@@ -235,7 +241,7 @@ def get_cluster(name: str | None = None, file: str | Path | None = None) -> Clus
     return dataclasses.replace(base, **values)
 
 
-_TABLE_WIDTH = {"linear": 5, "attention": 5, "loss": 5, "elementwise": 2}
+_TABLE_WIDTH = {"linear": 5, "attention": 5, "loss": 5, "elementwise": 2, "collective_wait": 2}
 _INT_FIELDS = {"gpus_per_node", "cores", "threads_per_rank"}
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 

@@ -44,7 +44,8 @@ def test_quick_calibration_writes_a_profile_that_loads(quick_profile):
         assert 0.05 < view.kernel_overhead_us < 1e4 and 0.05 < view.backward_overhead_us < 1e4
         assert view.optimizer_gbps > 0 and view.optimizer_tensor_us > 0
     two = hw.on_node(2)
-    assert 0.0 <= two.comm_overlap <= 1.0
+    assert 0.0 <= two.comm_overlap <= 1.0 and two.zero3_unit_us >= 0.0
+    assert [size for size, _ in two.collective_wait] == [2] and 0 < two.collective_wait[0][1] < 1.0
     assert set(two.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"}
     for kind, groups in two.collectives.items():
         assert set(groups) == {2}, kind
@@ -193,6 +194,24 @@ def test_collective_time_is_the_measured_table():
     # a kind that was not measured falls back to the link formula
     assert comm.all_gather(65536, 2, 1, hw) == pytest.approx(65536 / 2 / (hw.intra_node_gbps * 1e9)
                                                              + hw.intra_latency_us * 1e-6)
+
+
+def test_collectives_in_a_step_add_the_measured_wait():
+    rows = ((4096, 1e-4), (4194304, 8e-3))
+    hw = _profile(collectives={"all_reduce": {2: rows, 4: rows}}, collective_wait=((2, 3e-4), (4, 2e-3)))
+    assert comm.all_reduce(4096, 2, 1, hw) == pytest.approx(1e-4 + 3e-4)
+    assert comm.all_reduce(4096, 4, 1, hw) == pytest.approx(1e-4 + 2e-3)
+    assert comm.all_reduce(2 * 4096, 2, 1, hw, bucket=4096) == pytest.approx(2 * (1e-4 + 3e-4))  # per call
+
+
+def test_zero3_adds_the_measured_unit_cost_per_micro_batch():
+    rows = ((4096, 1e-4), (4194304, 8e-3))
+    base = _profile(collectives={"all_gather": {2: rows}, "reduce_scatter": {2: rows}})
+    lay = Layout(dp=2, zero=3, mbs=2, grad_acc=4)
+    plain = step_time(TINY, 128, lay, FIVEFOLD_CPU, base).parts["zero_gather"]
+    costly = step_time(TINY, 128, lay, FIVEFOLD_CPU, dataclasses.replace(base, zero3_unit_us=500.0))
+    # 4 micro-batches x (4 blocks + the root unit) x 0.5 ms
+    assert costly.parts["zero_gather"] - plain == pytest.approx(4 * 5 * 500e-6)
 
 
 def test_step_adds_optimizer_and_unhidden_gradient_reduction():

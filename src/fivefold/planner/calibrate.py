@@ -90,7 +90,7 @@ class Plan:
 
 @dataclass
 class Result:
-    """Figures of one group of ranks (rank 0's view, averaged over the ranks)."""
+    """Figures of one group of ranks (the same on every rank: each sample lasts until the slowest is done)."""
 
     ranks: int
     linear: list[list[float]] = field(default_factory=list)
@@ -207,9 +207,9 @@ class Clock:
 
     def time(self, *phases: Callable[[], object]) -> list[float]:
         """Seconds per call of each phase after one warm-up round. A sample repeats a phase for at least
-        `sample_seconds` (several of the scheduler's time slices, so that ranks sharing cores are timed sharing
-        them); the figure is the lower quartile of the samples, since other work on the machine only ever slows
-        a sample down."""
+        `sample_seconds` (several of the scheduler's time slices) on every rank at once, from a barrier, and lasts
+        until the slowest rank is done: ranks sharing cores are timed sharing them. The figure is the lower
+        quartile of the samples, since other work on the machine only ever slows a sample down."""
         for phase in phases:
             phase()
         self.sync()
@@ -220,16 +220,18 @@ class Clock:
         once = self._agree(time.perf_counter() - t0)
         calls = max(1, math.ceil(self.sample_seconds / max(once, 1e-9)))
         reps = int(min(50, max(3, self.min_seconds / max(once * calls, 1e-9))))
-        samples: list[list[float]] = [[] for _ in phases]
-        self.barrier()
-        for _ in range(reps):
+        samples = torch.zeros(len(phases), reps, dtype=torch.float64)
+        for r in range(reps):
             for i, phase in enumerate(phases):
+                self.barrier()  # every rank starts each sample together, so that they share the cores throughout
                 t0 = time.perf_counter()
                 for _ in range(calls):
                     phase()
                 self.sync()
-                samples[i].append((time.perf_counter() - t0) / calls)
-        return [lower_quartile(s) for s in samples]
+                samples[i, r] = (time.perf_counter() - t0) / calls
+        if self.group_size > 1:  # a sample lasts until its slowest rank is done, as a step would
+            dist.all_reduce(samples, op=dist.ReduceOp.MAX, group=self._cpu_group())
+        return [lower_quartile(row.tolist()) for row in samples]
 
 
 _cpu_group_cache: dict = {}
@@ -455,7 +457,7 @@ def measure_collectives(clock: Clock, world: int, rank: int, plan: Plan, say,
                             dist.send(full, peer)
                 seconds = clock.time(call)[0]
                 rows.append([numel * 4, seconds / 2 if kind == "p2p" else seconds])
-            out[kind][size] = sorted(_rank_median(rows, device))
+            out[kind][size] = sorted(rows)  # every rank holds the same figures (see `Clock.time`)
         say(f"collectives over groups of {size} of {world} ranks: all-reduce " + ", ".join(
             f"{_size(int(b))} {1e3 * s:.3g} ms" for b, s in out['all_reduce'][size]))
     return {k: v for k, v in out.items() if v}
@@ -468,15 +470,6 @@ def monotone(rows: list[list[float]]) -> list[list[float]]:
     for i in range(len(out) - 2, -1, -1):
         out[i][1] = min(out[i][1], out[i + 1][1])
     return out
-
-
-def _rank_median(rows: list[list[float]], device: torch.device) -> list[list[float]]:
-    """Each row's seconds, the median over all ranks (they measure the same calls)."""
-    t = torch.tensor([r[1] for r in rows], dtype=torch.float64)
-    world = dist.get_world_size()
-    gathered = [torch.zeros_like(t) for _ in range(world)]
-    dist.all_gather(gathered, t, group=_cpu_group_cache.get("g") if device.type != "cpu" else None)
-    return [[r[0], statistics.median(float(g[i]) for g in gathered)] for i, r in enumerate(rows)]
 
 
 def measure_zero3_unit(clock: Clock, model, collectives: dict, say) -> float:
@@ -598,7 +591,7 @@ def measure_overlap(clock: Clock, dtype: torch.dtype, say) -> float:
 
 
 def run_ranks(rank: int, world: int, plan: Plan, port: int, out_path: str) -> None:
-    """Entry point of each process: join the group, measure, and (rank 0) write the averaged figures."""
+    """Entry point of each process: join the group, measure, and (rank 0) write the figures."""
     start = time.perf_counter()
     device = torch.device(plan.device_type) if plan.device_type == "cpu" else \
         torch.device(plan.device_type, rank)
@@ -632,8 +625,6 @@ def run_ranks(rank: int, world: int, plan: Plan, port: int, out_path: str) -> No
         optimizer = [measure_optimizer(long_clock, plan.optimizer_numel, say) for _ in range(plan.passes)]
         result.optimizer_gbps = max(g for g, _ in optimizer)
         result.optimizer_tensor_us = 1e6 * min(t for _, t in optimizer)
-        if world > 1:
-            _average_compute(result)
     if world > 1:
         passes = [measure_collectives(clock, world, rank, plan, say, reverse=i % 2 == 1) for i in range(plan.passes)]
         result.collectives = {kind: {size: monotone([[b, min(p[kind][size][j][1] for p in passes)]
@@ -651,23 +642,6 @@ def run_ranks(rank: int, world: int, plan: Plan, port: int, out_path: str) -> No
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
-
-
-def _average_compute(result: Result) -> None:
-    """Replace rank 0's compute figures by the mean over the ranks (they ran the same work at once)."""
-    tables = result.linear + result.attention + result.loss
-    flat = [v for row in tables for v in row[3:]] + \
-        [row[1] for row in result.elementwise] + [result.kernel_overhead_us, result.backward_overhead_us,
-                                                  result.optimizer_gbps, result.optimizer_tensor_us]
-    t = torch.tensor(flat, dtype=torch.float64)
-    dist.all_reduce(t, group=_cpu_group_cache.get("g"))
-    values = iter((t / dist.get_world_size()).tolist())
-    for row in tables:
-        row[3], row[4] = next(values), next(values)
-    for row in result.elementwise:
-        row[1] = next(values)
-    result.kernel_overhead_us, result.backward_overhead_us = next(values), next(values)
-    result.optimizer_gbps, result.optimizer_tensor_us = next(values), next(values)
 
 
 def _free_port() -> int:
@@ -745,7 +719,8 @@ def profile_tables(results: dict[int, Result], device_type: str, threads: int, n
         section = _compute_fields(r) if cpu else {}
         section["comm_overlap"] = r.comm_overlap
         section["zero3_unit_us"] = r.zero3_unit_us
-        section["collective_wait"] = r.collective_wait
+        if r.collective_wait:
+            section["collective_wait"] = r.collective_wait
         section["collectives"] = {k: {str(s): rows for s, rows in v.items()} for k, v in r.collectives.items()}
         ranks[str(n)] = section
     if ranks:
@@ -754,9 +729,10 @@ def profile_tables(results: dict[int, Result], device_type: str, threads: int, n
 
 
 def _compute_fields(r: Result) -> dict:
-    return {"kernel_overhead_us": r.kernel_overhead_us, "backward_overhead_us": r.backward_overhead_us,
-            "optimizer_gbps": r.optimizer_gbps, "optimizer_tensor_us": r.optimizer_tensor_us,
-            "linear": r.linear, "attention": r.attention, "loss": r.loss, "elementwise": r.elementwise}
+    fields = {"kernel_overhead_us": r.kernel_overhead_us, "backward_overhead_us": r.backward_overhead_us,
+              "optimizer_gbps": r.optimizer_gbps, "optimizer_tensor_us": r.optimizer_tensor_us,
+              "linear": r.linear, "attention": r.attention, "loss": r.loss, "elementwise": r.elementwise}
+    return {k: v for k, v in fields.items() if v != []}
 
 
 def _accelerator_preset() -> str:

@@ -15,6 +15,8 @@ VERBS: dict[str, tuple[str, str]] = {
     "models": ("fivefold.models.cli", "list the model presets with their parameter counts"),
     "export": ("fivefold.models.hf_cli", "export a checkpoint as a Hugging Face Llama directory"),
     "plan": ("fivefold.planner.cli", "search the parallel layouts of a model on a cluster: memory, step time, MFU"),
+    "calibrate": ("fivefold.planner.calibrate", "measure this machine's compute and collectives; write a hardware "
+                  "profile for the planner"),
     "bench": ("fivefold.bench", "time the training step on synthetic tokens (tokens/s, MFU, memory)"),
     "sweep": ("fivefold.sweep.cli", "run a grid of layouts, each for a few timed steps, into a results store"),
     "report": ("fivefold.sweep.report", "plots and an HTML page from a sweep's results store"),

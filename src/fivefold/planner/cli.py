@@ -36,8 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--write-config", help="write the best layout as a `fivefold train` TOML config")
     p.add_argument("--layout", help="estimate one layout, e.g. 'dp=4,tp=2,pp=1,mbs=1,zero=1,recompute=none'")
     p.add_argument("--explain", action="store_true", help="say why the best layout wins")
-    p.add_argument("--framework", choices=sorted(FRAMEWORKS), default="fivefold",
-                   help="whose implementation to model (nanotron: the playbook's benchmark settings)")
+    p.add_argument("--framework", choices=sorted(FRAMEWORKS),
+                   help="whose implementation to model (default: fivefold-cpu on a CPU profile, else fivefold; "
+                        "nanotron: the playbook's benchmark settings)")
     p.add_argument("--fp32-grad-accum", choices=["on", "off"], default="off")
     p.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to consider")
     p.add_argument("--recompute", default="none,selective,full", help="recompute modes to consider")
@@ -107,13 +108,14 @@ def _cluster(args: argparse.Namespace):
     return hw
 
 
-def write_config(path: str, cfg: ModelConfig, lay: Layout, seq: int, batch_seqs: int, hw_name: str) -> Config:
+def write_config(path: str, cfg: ModelConfig, lay: Layout, seq: int, batch_seqs: int, hw_name: str,
+                 dtype: str | None = None) -> Config:
     conf = Config()
     conf.model = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, seq))
     conf.layout = lay.to_layout_config()
     conf.train.seq_len = seq
     conf.train.global_batch_size = batch_seqs
-    conf.train.dtype = "bf16" if hw_name != "cpu" else "fp32"
+    conf.train.dtype = dtype or ("bf16" if hw_name != "cpu" else "fp32")
     conf.run_dir = f"runs/{cfg.name}-plan"
     conf.validate()
     Path(path).write_text(f"# written by `fivefold plan` ({lay.short()})\n" + dump_toml(conf))
@@ -132,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         return run_validate(args)
     cfg = load_model(args.model)
     hw = _cluster(args)
-    fw: Framework = FRAMEWORKS[args.framework]
+    fw: Framework = FRAMEWORKS[args.framework or ("fivefold-cpu" if hw.cores or hw.name == "cpu" else "fivefold")]
     if args.nodes < 1:
         raise ConfigError(f"--nodes = {args.nodes} must be >= 1")
     n_gpus = args.nodes * hw.gpus_per_node
@@ -167,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
         _no_candidates(result, cfg, hw, n_gpus, batch_seqs, args)
         return 2
     if args.write_config:
-        write_config(args.write_config, cfg, result.candidates[0].layout, seq, batch_seqs, hw.name)
+        write_config(args.write_config, cfg, result.candidates[0].layout, seq, batch_seqs, hw.name,
+                     fw.compute_dtype)
     if args.json:
         print(json.dumps({"model": cfg.name, "gpus": n_gpus, "hardware": hw.name, "seq_len": seq,
                           "global_batch_tokens": tokens, "evaluated": result.evaluated,

@@ -6,6 +6,9 @@ ceil(size * stride / gpus_per_node) nodes when it leaves the node; ring collecti
 the bus bandwidth of that many nodes (measured, when the hardware profile has it, else the per-device network
 bandwidth). Ring algorithms pay one latency per step: 2 (n - 1) steps for an all-reduce, n - 1 for an
 all-gather or reduce-scatter; a buffer sent in buckets pays them once per bucket.
+
+Inside a node, a profile from `fivefold calibrate` replaces the formula with what it measured: seconds per call
+by kind, group size and message bytes (`Cluster.collective_time`), once per bucket.
 """
 
 from __future__ import annotations
@@ -28,8 +31,11 @@ def _time(kind: str, nbytes: float, size: int, stride: int, hw: Cluster, bucket:
     if size <= 1 or nbytes <= 0:
         return 0.0
     nodes = nodes_spanned(size, stride, hw.gpus_per_node)
-    bw = hw.bus_bandwidth(nodes)
     buckets = max(1, math.ceil(nbytes / bucket)) if bucket else 1
+    measured = hw.collective_time(kind, nbytes / buckets, size) if nodes <= 1 else None
+    if measured is not None:
+        return buckets * measured
+    bw = hw.bus_bandwidth(nodes)
     steps = (size - 1) * buckets
     frac = (size - 1) / size
     if kind == "all_reduce":

@@ -11,11 +11,21 @@ file: `fivefold plan --hardware FILE` where FILE holds
     [busbw_gbps]               # optional measured all-reduce bus bandwidth (GB/s) by nodes in the group
     1 = 436.0
     2 = 361.7
+
+`fivefold calibrate` writes such a file with measured tables instead of single constants: `linear` (forward
+and backward TFLOP/s of a linear layer by shape m x n x k), `attention` (causal attention TFLOP/s by
+batch x heads, sequence, head dim), `loss` (the fused output layer + cross-entropy by tokens, vocabulary,
+hidden), `elementwise` (GB/s by tensor bytes), and, under `[ranks.N]`, the same
+fields measured while N ranks run at once on the node (on a CPU they share its cores) plus
+`[ranks.N.collectives.KIND]` tables of seconds by group size and message bytes, for KIND in all_reduce,
+all_gather, reduce_scatter, all_to_all and p2p, and `collective_wait` (what a collective costs beyond its own
+time when the ranks compute in between). `Cluster.on_node(ranks)` picks the values for a layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import tomllib
 from dataclasses import dataclass, field
@@ -41,6 +51,23 @@ class Cluster:
     kernel_overhead_us: float = 4.0  # per launched kernel (small shapes are latency bound)
     # measured all-reduce bus bandwidth by nodes spanned (GB/s); empty = derive from the link bandwidths
     busbw_gbps: dict[int, float] = field(default_factory=dict)
+    # --- what `fivefold calibrate` measures (defaults: the closed forms above) ---
+    cores: int = 0  # CPU cores that the ranks of a node share (0: every rank has its own device)
+    threads_per_rank: int = 0  # intra-op threads per rank the measurements used (CPU)
+    backward_overhead_us: float = 0.0  # per forward kernel, its backward's fixed cost; 0 = 1.5 x kernel_overhead_us
+    optimizer_gbps: float = 0.0  # parameter + gradient + optimizer-state bytes the step streams per s; 0 = hbm / 2
+    optimizer_tensor_us: float = 0.0  # fixed cost per parameter tensor of the optimizer step (clip, AdamW, zero)
+    comm_overlap: float = 1.0  # share of a collective's time that can hide behind compute running at once
+    zero3_unit_us: float = 0.0  # per ZeRO-3 unit and micro-batch: hooks, copies and frees beyond its collectives
+    # (group size, seconds): what a blocking collective costs beyond its own time when ranks compute in between
+    collective_wait: tuple[tuple[float, ...], ...] = ()
+    compute_scale: float = 1.0  # multiplies compute times (more ranks on a node than were measured)
+    linear: tuple[tuple[float, ...], ...] = ()  # (m, n, k, forward TFLOP/s, backward TFLOP/s)
+    attention: tuple[tuple[float, ...], ...] = ()  # (batch x heads, seq, head_dim, fwd TFLOP/s, bwd TFLOP/s)
+    loss: tuple[tuple[float, ...], ...] = ()  # fused output layer + cross-entropy: (tokens, vocab, hidden, TFLOP/s x2)
+    elementwise: tuple[tuple[float, ...], ...] = ()  # (tensor bytes, GB/s)
+    collectives: dict[str, dict[int, tuple[tuple[float, float], ...]]] = field(default_factory=dict)
+    by_ranks: dict[int, dict] = field(default_factory=dict)  # ranks at once on a node -> fields measured so
 
     def peak_flops(self, dtype: str = "bf16") -> float:
         return (self.bf16_tflops if dtype == "bf16" else self.fp32_tflops) * 1e12
@@ -66,6 +93,106 @@ class Cluster:
 
     def latency(self, nodes_spanned: int) -> float:
         return (self.intra_latency_us if nodes_spanned <= 1 else self.inter_latency_us) * 1e-6
+
+    def on_node(self, ranks: int) -> Cluster:
+        """This cluster as seen by one of `ranks` ranks running at once on a node: the fields measured with
+        the most ranks not above `ranks` (compute slowed in proportion when more ranks than that share the
+        cores), and the collective tables measured with exactly that many ranks when there are some."""
+        if not self.by_ranks:
+            return self
+        ranks = max(1, ranks)
+        below = [n for n in self.by_ranks if n <= ranks]
+        values = dict(self.by_ranks[max(below)]) if below else {}
+        if below and ranks > max(below) and self.cores and ranks > self.cores:
+            values["compute_scale"] = ranks / max(max(below), self.cores)
+        exact = self.by_ranks.get(ranks, {})
+        values["collectives"] = exact.get("collectives") or values.get("collectives") or self.collectives
+        return dataclasses.replace(self, by_ranks={}, **values)
+
+    def backward_overhead(self) -> float:
+        """Seconds of backward fixed cost per forward kernel."""
+        return (self.backward_overhead_us or 1.5 * self.kernel_overhead_us) * 1e-6
+
+    def linear_time(self, m: float, n: float, k: float) -> tuple[float, float] | None:
+        """Measured forward and backward seconds of a linear layer [m, k] x [k, n], or None without a table."""
+        if not self.linear:
+            return None
+        f, b = interpolate(self.linear, (m, n, k))
+        flops = 2 * m * n * k
+        return self.compute_scale * flops / (f * 1e12), self.compute_scale * 2 * flops / (b * 1e12)
+
+    def loss_time(self, tokens: float, vocab: float, hidden: float) -> tuple[float, float] | None:
+        """Measured forward and backward seconds of the fused output layer + cross-entropy on one chunk of
+        tokens (its matmuls counted as a linear layer's FLOPs), or None without a table."""
+        if not self.loss:
+            return None
+        f, b = interpolate(self.loss, (tokens, vocab, hidden))
+        flops = 2 * tokens * vocab * hidden
+        return self.compute_scale * flops / (f * 1e12), self.compute_scale * 2 * flops / (b * 1e12)
+
+    def attention_time(self, batch_heads: float, seq: float, head_dim: float) -> tuple[float, float] | None:
+        """Measured forward and backward seconds of causal attention, or None without a table."""
+        if not self.attention:
+            return None
+        f, b = interpolate(self.attention, (batch_heads, seq, head_dim))
+        flops = 2 * batch_heads * seq * seq * head_dim  # causal: half of 4 b h s^2 d
+        return self.compute_scale * flops / (f * 1e12), self.compute_scale * 2 * flops / (b * 1e12)
+
+    def elementwise_bandwidth(self, tensor_bytes: float) -> float:
+        """Bytes/s that element-wise kernels stream on tensors of this size (the HBM bandwidth without a table)."""
+        if not self.elementwise:
+            return self.hbm_gbps * 1e9
+        pts = tuple((x, y) for x, y in self.elementwise)
+        return _loglog(pts, tensor_bytes, extrapolate=False) * 1e9 / self.compute_scale
+
+    def collective_time(self, kind: str, nbytes: float, size: int) -> float | None:
+        """Measured seconds of one collective of `nbytes` over `size` ranks of this node, or None."""
+        table = self.collectives.get(kind)
+        if not table or nbytes <= 0:
+            return None
+        near = min(table, key=lambda s: (abs(s - size), -s))
+        points = table[near]
+        seconds = _loglog(points, nbytes)
+        # a group size that was not measured: scale by its ring steps (n - 1)
+        seconds = seconds * (size - 1) / (near - 1) if near != size and near > 1 else seconds
+        if self.collective_wait:  # in a step the peers are computing, not waiting at the collective
+            seconds += min(self.collective_wait, key=lambda r: (abs(r[0] - size), -r[0]))[1]
+        return seconds
+
+
+def _loglog(points: tuple[tuple[float, float], ...], x: float, extrapolate: bool = True) -> float:
+    """Piecewise log-log interpolation of (x, y) points; below the first: its y (a latency); above the last:
+    linear in x (bandwidth bound) when `extrapolate`, else the last y."""
+    pts = sorted(points)
+    if x <= pts[0][0]:
+        return pts[0][1]
+    if x >= pts[-1][0]:
+        return pts[-1][1] * x / pts[-1][0] if extrapolate else pts[-1][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(pts):
+        if x0 <= x <= x1:
+            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return math.exp((1 - w) * math.log(y0) + w * math.log(y1))
+    raise AssertionError("unreachable")
+
+
+def interpolate(points: tuple[tuple[float, ...], ...], key: tuple[float, ...]) -> tuple[float, ...]:
+    """Values measured at scattered points (key..., value...) at `key`: a measured key gives its values;
+    otherwise the geometric mean of the values of the points at most one octave (in log2 distance) farther than
+    the nearest, weighted by inverse squared distance. Beyond the measured range this holds the nearest values
+    rather than extrapolating."""
+    dims = len(key)
+    logs = [math.log2(max(x, 1e-9)) for x in key]
+    scored = []
+    for p in points:
+        dist = math.sqrt(sum((math.log2(max(p[i], 1e-9)) - logs[i]) ** 2 for i in range(dims)))
+        if dist < 1e-9:
+            return tuple(p[dims:])
+        scored.append((dist, p))
+    nearest = min(d for d, _ in scored)
+    near = [(1 / d**2, p) for d, p in scored if d <= nearest + 1]
+    total = sum(w for w, _ in near)
+    return tuple(math.exp(sum(w * math.log(p[dims + j]) for w, p in near) / total)
+                 for j in range(len(points[0]) - dims))
 
 
 def _from_base(name: str) -> Cluster:
@@ -99,21 +226,81 @@ def get_cluster(name: str | None = None, file: str | Path | None = None) -> Clus
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--hardware {str(path)!r} is not valid TOML: {e}") from None
     base = get_cluster(str(data.pop("base", name or "h100")))
-    fields = {f.name: f for f in dataclasses.fields(Cluster)}
+    ranks = data.pop("ranks", {})
+    values = _parse_fields(data, "--hardware")
+    if not isinstance(ranks, dict):
+        raise ConfigError("--hardware [ranks] must be a table of [ranks.N] tables (N = ranks at once on a node)")
+    by_ranks = {}
+    for key, section in ranks.items():
+        if not str(key).isdigit() or int(key) < 1 or not isinstance(section, dict):
+            raise ConfigError(f"--hardware [ranks.{key}] must be named by a number of ranks >= 1 and be a table")
+        by_ranks[int(key)] = _parse_fields(dict(section), f"--hardware [ranks.{key}]")
+    if by_ranks:
+        values["by_ranks"] = by_ranks
+    values.setdefault("name", path.stem)
+    return dataclasses.replace(base, **values)
+
+
+_TABLE_WIDTH = {"linear": 5, "attention": 5, "loss": 5, "elementwise": 2, "collective_wait": 2}
+_INT_FIELDS = {"gpus_per_node", "cores", "threads_per_rank"}
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+
+
+def _parse_fields(data: dict, where: str) -> dict:
+    """Cluster fields from a TOML table, each checked (name, type, sign) with the field named in errors."""
+    fields = {f.name for f in dataclasses.fields(Cluster)} - {"by_ranks"}
     values: dict = {}
     for key, value in data.items():
         if key not in fields:
-            raise ConfigError(f"--hardware field {key!r} is not known; known fields: {', '.join(fields)}")
+            raise ConfigError(f"{where} field {key!r} is not known; known fields: {', '.join(sorted(fields))}")
         if key == "busbw_gbps":
             value = {int(k): float(v) for k, v in value.items()}
         elif key == "name":
             value = str(value)
-        elif key == "gpus_per_node":
+        elif key in _INT_FIELDS:
             value = int(value)
+            if value < 0:
+                raise ConfigError(f"{where} {key} = {value} must be >= 0")
+        elif key in _TABLE_WIDTH:
+            value = _table(value, _TABLE_WIDTH[key], f"{where} {key}")
+        elif key == "collectives":
+            value = _collectives(value, where)
         else:
             value = float(value)
-            if value <= 0:
-                raise ConfigError(f"--hardware {key} = {value} must be > 0")
+            if value < 0 or (value == 0 and key not in ("backward_overhead_us", "optimizer_gbps",
+                                                         "optimizer_tensor_us", "comm_overlap", "zero3_unit_us")):
+                raise ConfigError(f"{where} {key} = {value} must be > 0")
         values[key] = value
-    values.setdefault("name", path.stem)
-    return dataclasses.replace(base, **values)
+    return values
+
+
+def _table(rows, width: int, where: str) -> tuple[tuple[float, ...], ...]:
+    """Rows of `width` positive numbers."""
+    if not isinstance(rows, list) or not rows:
+        raise ConfigError(f"{where} must be a non-empty list of [{width} numbers] rows")
+    out = []
+    for row in rows:
+        if not isinstance(row, list) or len(row) != width or not all(isinstance(x, int | float) and x > 0
+                                                                    for x in row):
+            raise ConfigError(f"{where} row {row!r} must be {width} positive numbers")
+        out.append(tuple(float(x) for x in row))
+    return tuple(out)
+
+
+def _collectives(data, where: str) -> dict[str, dict[int, tuple[tuple[float, float], ...]]]:
+    """[collectives.KIND] tables: group size -> [[bytes, seconds], ...]."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} collectives must be a table of [collectives.KIND] tables")
+    out = {}
+    for kind, groups in data.items():
+        if kind not in COLLECTIVES:
+            raise ConfigError(f"{where} collectives.{kind} is not known; known: {', '.join(COLLECTIVES)}")
+        if not isinstance(groups, dict):
+            raise ConfigError(f"{where} collectives.{kind} must map group sizes to [[bytes, seconds], ...]")
+        table = {}
+        for size, rows in groups.items():
+            if not str(size).isdigit() or int(size) < 2:
+                raise ConfigError(f"{where} collectives.{kind} group size {size!r} must be a number >= 2")
+            table[int(size)] = _table(rows, 2, f"{where} collectives.{kind}.{size}")
+        out[kind] = table
+    return out

@@ -124,6 +124,15 @@ class Framework:
     residual_bytes: int = 4  # the residual stream (fivefold keeps it fp32 under autocast)
     norm_saves_normalized: bool = True  # RMSNorm saves its normalised input too (an unfused norm)
     sp_saves_gathered_input: bool = False  # with sp, column-parallel linears save the gathered input (else the slice)
+    # with sp the column linears keep only the sequence slice and all-gather it again in backward: fivefold waits
+    # for it; nanotron overlaps it with the input-gradient matmul (asynchronous communication)
+    sp_regather_exposed: bool = True
+    sp_norm_grad_allreduces: int = 2  # per block with sp: the two norms' weight gradients, all-reduced over tp
+    fused_projections: bool = False  # q|k|v and gate|up as one linear each (fivefold runs them separately)
+    # fixed-cost kernels per block forward besides its linears and attention core (norms, rope, activations,
+    # adds, casts, views), and per micro-batch outside the blocks (embedding, rotary tables, final norm, loss)
+    kernels_per_layer: int = 19
+    kernels_per_micro_batch: int = 0
 
     @property
     def act_bytes(self) -> int:
@@ -131,13 +140,16 @@ class Framework:
 
 
 FIVEFOLD = Framework()
+# On CPU every operator runs eagerly on the host, so its fixed cost counts: the operators of fivefold's block
+# and of its embedding + loss as the profiler counts them (tests/test_calibrate.py checks the counts).
 FIVEFOLD_CPU = dataclasses.replace(FIVEFOLD, name="fivefold-cpu", compute_dtype="fp32", autocast_weight_copies=False,
-                                   logits_bytes=8.0)
+                                   logits_bytes=8.0, kernels_per_layer=42, kernels_per_micro_batch=33)
 # nanotron as the playbook's benchmark ran it: bf16 parameters and gradients, fp32 master weights sharded by
 # ZeRO-1, a fp32 gradient accumulation buffer, flash attention, TP always with sequence parallel and
 # asynchronous TP communication, whole (vocabulary-parallel) logits. Fitted fields: see docs/planner.md.
 NANOTRON = Framework(name="nanotron", param_bytes=2, grad_bytes=2, master_bytes=4, optim_bytes=8, accum_bytes=4,
                      autocast_weight_copies=False, fused_loss_chunk=0, logits_bytes=10.0, tp_overlap=0.5,
                      fixed_overhead_gib=1.0, residual_bytes=2, norm_saves_normalized=False,
-                     sp_saves_gathered_input=False)
+                     sp_saves_gathered_input=False, fused_projections=True, sp_norm_grad_allreduces=0,
+                     sp_regather_exposed=False)
 FRAMEWORKS = {"fivefold": FIVEFOLD, "fivefold-cpu": FIVEFOLD_CPU, "nanotron": NANOTRON}

@@ -22,7 +22,6 @@ from fivefold.planner.memory import layer_activation_bytes, stage_layers
 
 # schedules with more F actions than this are timed with the closed form (simulating them takes seconds)
 EXACT_MAX_ACTIONS = 8192
-KERNELS_PER_LAYER = 24  # launched kernels per block forward (norms, projections, rope, attention, MLP, adds)
 
 
 def _gemm_eff(m: float, n: float, k: float, ab: int, hw: Cluster) -> float:
@@ -45,6 +44,27 @@ class StageTimes:
     w: list[float]  # weight-gradient pass
     comm_per_layer: dict[str, float] = field(default_factory=dict)  # exposed, per block and micro-batch
     counts: list[int] = field(default_factory=list)  # blocks per stage
+    comm_per_micro_batch: dict[str, float] = field(default_factory=dict)  # outside the blocks (embedding, loss)
+
+
+def _linear_shapes(cfg: ModelConfig, tokens: float, tp: int, fused: bool) -> list[tuple[float, float, float]]:
+    """(m, n, k) of each linear layer of a block on one tp rank: q, k, v, o, gate, up, down (the fused
+    q|k|v and gate|up of frameworks that fuse them); MoE experts as their share of the routed tokens."""
+    h, d = cfg.hidden, cfg.head_dim
+    kv = max(cfg.n_kv_heads // tp, 1) * d
+    q = cfg.n_heads * d // tp
+    attn = [(tokens, q + 2 * kv, h)] if fused else [(tokens, q, h), (tokens, kv, h), (tokens, kv, h)]
+    attn.append((tokens, h, q))
+    if cfg.is_moe:
+        f = cfg.expert_ffn // tp
+        routed = tokens * cfg.top_k / cfg.n_experts
+        mlp = [(routed, f, h)] * (2 * cfg.n_experts) + [(routed, h, f)] * cfg.n_experts + [(tokens, cfg.n_experts, h)]
+        if cfg.n_shared_experts:
+            fs = f * cfg.n_shared_experts
+            mlp += [(tokens, fs, h), (tokens, fs, h), (tokens, h, fs)]
+        return attn + mlp
+    f = cfg.ffn // tp
+    return attn + ([(tokens, 2 * f, h)] if fused else [(tokens, f, h), (tokens, f, h)]) + [(tokens, h, f)]
 
 
 def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster) -> StageTimes:
@@ -60,26 +80,71 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     attn_fwd = attn_flops / cfg.n_layers / 3 * tokens / tp
     head_fwd = head_flops / 3 * tokens / tp
     kv = max(cfg.n_kv_heads // tp, 1)
-    f_mlp = (cfg.expert_ffn * (cfg.top_k + cfg.n_shared_experts) if cfg.is_moe else cfg.ffn) // tp
-    gemms = [(tokens, (cfg.n_heads // tp + 2 * kv) * d, h), (tokens, h, cfg.n_heads * d // tp),
-             (tokens, 2 * f_mlp, h), (tokens, h, f_mlp)]
-    eff = _weighted_eff(gemms, ab, hw)
     hbm = hw.hbm_gbps * 1e9
-    elementwise = 2 * layer_activation_bytes(cfg, int(tokens), Layout(tp=tp, sp=lay.sp), fw)["total"] / hbm
-    overhead = KERNELS_PER_LAYER * hw.kernel_overhead_us * 1e-6
-    t_layer = layer_fwd / (peak * eff) + attn_fwd / (peak * hw.matmul_efficiency) + elementwise + overhead
-    t_attn = attn_fwd / (peak * hw.matmul_efficiency)
+    act_bytes = layer_activation_bytes(cfg, int(tokens), Layout(tp=tp, sp=lay.sp), fw)["total"]
+    # tokens per chunk of the fused output layer + loss (the whole micro-batch for unfused logits), as memory.py
+    chunk = min(fw.tp_loss_chunk if tp > 1 else fw.fused_loss_chunk, tokens) if fw.fused_loss_chunk else tokens
+    # forward (f) and backward (b) seconds of a block's linears, attention core, element-wise work, fixed costs
+    measured = [hw.linear_time(*shape) for shape in _linear_shapes(cfg, tokens, tp, fw.fused_projections)]
+    if all(measured) and measured:  # a calibrated profile: measured per shape
+        attn = hw.attention_time(lay.mbs * cfg.n_heads / tp, seq / lay.cp, d) or (0.0, 0.0)
+        lin_f, lin_b = sum(t[0] for t in measured), sum(t[1] for t in measured)
+        attn_f, attn_b = attn
+        elementwise = 2 * act_bytes / hw.elementwise_bandwidth(tokens * h * ab / (tp if lay.sp else 1))
+        oh_f = fw.kernels_per_layer * hw.kernel_overhead_us * 1e-6 * hw.compute_scale
+        oh_b = fw.kernels_per_layer * hw.backward_overhead() * hw.compute_scale
+        n_chunks = tokens / chunk
+        head = hw.loss_time(chunk, cfg.vocab_size / tp, h)  # output layer and softmax as measured together
+        if head is None:
+            head = hw.linear_time(chunk, cfg.vocab_size / tp, h) or (0.0, 0.0)
+            logits = tokens * cfg.vocab_size / tp * fw.logits_bytes * 2 / hw.elementwise_bandwidth(
+                chunk * cfg.vocab_size / tp * 4)
+        else:
+            logits = 0.0
+        head_f = n_chunks * head[0] + logits + fw.kernels_per_micro_batch * hw.kernel_overhead_us * 1e-6 \
+            * hw.compute_scale
+        head_b = n_chunks * head[1] + fw.kernels_per_micro_batch * hw.backward_overhead() * hw.compute_scale
+    else:  # the roofline: matmuls at `matmul_efficiency` of the peak scaled by arithmetic intensity
+        gemms = [(tokens, (cfg.n_heads // tp + 2 * kv) * d, h), (tokens, h, cfg.n_heads * d // tp),
+                 (tokens, 2 * (cfg.expert_ffn * (cfg.top_k + cfg.n_shared_experts) if cfg.is_moe else cfg.ffn)
+                  // tp, h), (tokens, h, (cfg.expert_ffn * (cfg.top_k + cfg.n_shared_experts) if cfg.is_moe
+                                        else cfg.ffn) // tp)]
+        lin_f = layer_fwd / (peak * _weighted_eff(gemms, ab, hw))
+        lin_b = 2 * lin_f
+        attn_f = attn_fwd / (peak * hw.matmul_efficiency)
+        attn_b = 2 * attn_f
+        elementwise = 2 * act_bytes / hbm
+        kernels = fw.kernels_per_layer + len(gemms) + 1  # with the matmuls and the attention kernel
+        oh_f = kernels * hw.kernel_overhead_us * 1e-6
+        oh_b = kernels * hw.backward_overhead()
+        head_gemm = _weighted_eff([(chunk, cfg.vocab_size / tp, h)], ab, hw)
+        head_f = head_fwd / (peak * head_gemm) + tokens * cfg.vocab_size / tp * fw.logits_bytes * 2 / hbm
+        head_b = 2 * head_f
+    t_layer = lin_f + attn_f + elementwise + oh_f
     # tensor parallel: 2 all-reduces (or 2 all-gathers + 2 reduce-scatters with sp) per block and direction
     act = tokens * h * ab
     st = comm.strides(lay)
+    t_tp_b_extra = 0.0  # backward-only collectives of sequence parallel
     if tp > 1:
         if lay.sp:
             t_tp = 2 * (comm.all_gather(act, tp, st["tp"], hw) + comm.reduce_scatter(act, tp, st["tp"], hw))
+            if fw.sp_regather_exposed:  # the column linears gather their input again for the weight gradients
+                t_tp_b_extra += 2 * comm.all_gather(act, tp, st["tp"], hw)
+            # norm weights that see a sequence slice: their gradients all-reduced over tp, per block
+            t_tp_b_extra += fw.sp_norm_grad_allreduces * comm.all_reduce(h * 4, tp, st["tp"], hw)
+            # the embedding's output scattered, the loss's input gathered (and the reverse in backward)
+            head_tp = comm.reduce_scatter(act, tp, st["tp"], hw) + comm.all_gather(act, tp, st["tp"], hw)
         else:
             t_tp = 2 * comm.all_reduce(act, tp, st["tp"], hw)
+            head_tp = comm.all_reduce(act, tp, st["tp"], hw)  # the embedding's output; the loss's input grad
         t_tp *= 1 - fw.tp_overlap
+        t_tp_b_extra *= 1 - fw.tp_overlap
+        head_tp *= 1 - fw.tp_overlap
+        # the vocabulary-parallel loss: row maxima, then sum of exponentials and target logits, per chunk
+        loss_tp = tokens / chunk * (comm.all_reduce(chunk * 4, tp, st["tp"], hw)
+                                    + comm.all_reduce(2 * chunk * 4, tp, st["tp"], hw))
     else:
-        t_tp = 0.0
+        t_tp = head_tp = loss_tp = 0.0
     # context parallel: K/V blocks around the ring, overlapped with the attention of the current block; the
     # backward passes K/V around again (cp - 1 hops) and the fp32 dK/dV of each shard home (cp hops)
     t_cp_f = t_cp_b = 0.0
@@ -87,33 +152,33 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
         kv_bytes = tokens * 2 * kv * d * ab
         ring = (lay.cp - 1) * comm.all_to_all(kv_bytes * 2, 2, st["cp"], hw)
         grad_ring = lay.cp * comm.all_to_all(kv_bytes / ab * 4 * 2, 2, st["cp"], hw)
-        t_cp_f = max(0.0, ring - t_attn)
-        t_cp_b = max(0.0, ring + grad_ring - 2 * t_attn)
+        t_cp_f = max(0.0, ring - attn_f)
+        t_cp_b = max(0.0, ring + grad_ring - attn_b)
     # expert parallel: dispatch and combine all-to-alls over the ep group (consecutive members of a dp x cp
     # group), not overlapped
     t_ep = 0.0
     if cfg.is_moe and lay.ep > 1:
         t_ep = 2 * comm.all_to_all(tokens * cfg.top_k * h * ab, lay.ep, st["dpcp"], hw)
     # selective recompute reruns the attention core, which under cp is the ring's forward with its transfers
-    recompute = {"none": 0.0, "selective": t_attn + t_cp_f, "full": t_layer + t_tp + t_cp_f + t_ep}[lay.recompute]
+    recompute = {"none": 0.0, "selective": attn_f + t_cp_f, "full": t_layer + t_tp + t_cp_f + t_ep}[lay.recompute]
     f_layer = t_layer + t_tp + t_cp_f + t_ep
-    # backward: twice the forward's matmuls, split evenly into input-gradient (B) and weight-gradient (W)
-    w_layer = t_layer - t_attn - overhead / 2
-    b_layer = t_layer + t_attn + t_tp + t_cp_b + t_ep + recompute
-    head_gemm = _weighted_eff([(min(tokens, fw.fused_loss_chunk or tokens), cfg.vocab_size / tp, h)], ab, hw)
-    t_head = head_fwd / (peak * head_gemm) + tokens * cfg.vocab_size / tp * fw.logits_bytes * 2 / hbm
+    # backward: the linears' input-gradient half in B, weight-gradient half in W; a third of the fixed costs in W
+    b_layer = lin_b / 2 + attn_b + elementwise + oh_b * 2 / 3 + t_tp + t_tp_b_extra + t_cp_b + t_ep + recompute
+    w_layer = lin_b / 2 + elementwise + oh_b / 3
     counts = stage_layers(cfg, lay, seq)
     f = [n * f_layer for n in counts]
     b = [n * b_layer for n in counts]
     w = [n * w_layer for n in counts]
-    f[-1] += t_head
-    b[-1] += t_head
-    w[-1] += t_head
+    f[0] += head_tp / 2
+    b[0] += head_tp / 2
+    f[-1] += head_f + loss_tp
+    b[-1] += head_b / 2
+    w[-1] += head_b / 2
     again = 1 if lay.recompute == "full" else 0  # full recompute repeats the forward's communication
     again_cp = 1 if lay.recompute != "none" else 0  # selective recompute too (the ring is the recomputed core)
-    per_layer = {"tp_comm": (2 + again) * t_tp, "cp_comm": (1 + again_cp) * t_cp_f + t_cp_b,
+    per_layer = {"tp_comm": (2 + again) * t_tp + t_tp_b_extra, "cp_comm": (1 + again_cp) * t_cp_f + t_cp_b,
                  "ep_comm": (2 + again) * t_ep}
-    return StageTimes(f, b, w, per_layer, counts)
+    return StageTimes(f, b, w, per_layer, counts, {"tp_comm": head_tp + loss_tp})
 
 
 @lru_cache(maxsize=4096)
@@ -155,6 +220,7 @@ class TimeReport:
 def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, exact: bool = True) -> TimeReport:
     from fivefold.planner.memory import model_state_bytes, rank_params
 
+    hw = hw.on_node(min(lay.world_size, hw.gpus_per_node))
     times = stage_times(cfg, seq, lay, fw, hw)
     tokens = lay.mbs * seq / lay.cp
     send = tokens * cfg.hidden * fw.act_bytes / (lay.tp if lay.sp else 1)
@@ -173,6 +239,7 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     elem_bytes = fw.accum_bytes if lay.fp32_grad_accum else fw.grad_bytes
     red_bytes = (rp.dense + rp.expert) * elem_bytes
     bucket = fw.dp_bucket_mib * 2**20
+    overlap = hw.comm_overlap  # share of a collective that compute running at once can hide
 
     def reduce_time(nbytes: float, size: int, stride: int) -> float:
         if lay.zero >= 2:  # ZeRO-2/3 keep only a gradient shard, so every micro-batch reduce-scatters
@@ -186,7 +253,7 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
         last_bucket = t_dp * min(1.0, bucket / max(red_bytes, 1.0))
         window = sum(times.b[s] + times.w[s] for s in range(len(times.f)) if _rank_of(s, lay) == 0) if lay.pp > 1 \
             else times.b[0] + times.w[0]
-        t_dp_exposed = max(0.0, t_dp - window) + last_bucket
+        t_dp_exposed = overlap * (max(0.0, t_dp - window) + last_bucket) + (1 - overlap) * t_dp
     else:
         t_dp_exposed = 0.0
     param_full = states["parameters"] * (dpc if lay.zero >= 3 else 1)
@@ -198,17 +265,37 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
         block = param_full / n_layers
         ag = comm.all_gather(block, dpc, st["dpcp"], hw)
         per_block = (times.f[0] + times.b[0] + times.w[0]) / n_layers
-        t_gather = lay.grad_acc * n_layers * 2 * max(0.0, ag - per_block / 3)
-    hbm = hw.hbm_gbps * 1e9
-    t_opt = 2 * (states["parameters"] + states["gradients"] + states["optimizer"]) / hbm  # read + write once
+        t_gather = lay.grad_acc * n_layers * 2 * (overlap * max(0.0, ag - per_block / 3) + (1 - overlap) * ag)
+        # what each unit (the blocks and the root) costs per micro-batch beyond its collectives, as measured
+        t_gather += lay.grad_acc * (n_layers + 1) * hw.zero3_unit_us * 1e-6
+    # the optimizer step streams parameters, gradients and states once, plus a fixed cost per tensor
+    opt_bandwidth = (hw.optimizer_gbps * 1e9 if hw.optimizer_gbps else hw.hbm_gbps * 1e9 / 2) / hw.compute_scale
+    t_opt = (states["parameters"] + states["gradients"] + states["optimizer"]) / opt_bandwidth \
+        + optimizer_tensors(cfg, lay, fw) * hw.optimizer_tensor_us * 1e-6 * hw.compute_scale
     total = makespan + t_dp_exposed + t_gather + t_opt
     busiest = max(range(lay.pp), key=lambda r: per_rank[r])
     blocks = sum(n for s, n in enumerate(times.counts) if _rank_of(s, lay) == busiest)
     parts = {k: v * blocks * lay.grad_acc for k, v in times.comm_per_layer.items()}
+    for k, v in times.comm_per_micro_batch.items():
+        parts[k] += v * lay.grad_acc
     parts = {"compute": ideal - sum(parts.values()), **parts}
     parts.update({"pipeline_bubble": max(0.0, makespan - ideal), "dp_comm_exposed": t_dp_exposed,
                   "zero_gather": t_gather, "optimizer": t_opt})
     return TimeReport(total, parts)
+
+
+def optimizer_tensors(cfg: ModelConfig, lay: Layout, fw: Framework) -> int:
+    """Tensors the optimizer step walks on one rank: every parameter tensor of its stage, or under ZeRO-1/2
+    one flat shard per gradient bucket (buckets split weights from norms, tp-sharded from replicated)."""
+    from fivefold.planner.memory import model_state_bytes
+
+    if 1 <= lay.zero <= 2 and lay.dp * lay.cp > 1:
+        grads = model_state_bytes(cfg, lay, fw, "first")["gradients"] * lay.dp * lay.cp
+        classes = 2 if lay.tp == 1 else 4
+        return classes + int(grads // (fw.dp_bucket_mib * 2**20))
+    per_layer = 9 if not cfg.is_moe else 6 + 4 + (3 if cfg.n_shared_experts else 0)
+    layers = -(-cfg.n_layers // lay.pp)
+    return layers * per_layer + 2 + (0 if cfg.tied_embeddings else 1)
 
 
 def _rank_of(stage: int, lay: Layout) -> int:

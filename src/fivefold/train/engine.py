@@ -192,6 +192,10 @@ def create_engine(cfg: Config, device: torch.device) -> Engine:
     from fivefold.models.llama import build_model
 
     model = build_model(cfg.model, device=device, seed=cfg.train.seed)
+    if la.recompute != "none":  # before compiling, as the parallel engine orders them
+        from fivefold.parallel.recompute import apply_recompute
+
+        apply_recompute(model, la.recompute)
     if cfg.train.compile:
         for block in model.layers.values():
             block.compile()

@@ -1,0 +1,290 @@
+"""`fivefold calibrate` and the calibrated time model: a quick calibration on 2 gloo ranks writes a profile that
+loads and drives `fivefold plan --hardware`; the model's parts equal closed forms of the profile's figures; the
+operator counts the model uses for fivefold's CPU path equal what the profiler counts in a real block."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from fivefold.cli import main
+from fivefold.config import ConfigError
+from fivefold.models.presets import get_preset
+from fivefold.planner import comm
+from fivefold.planner.calibrate import Result, fit_link, monotone, profile_tables, to_toml
+from fivefold.planner.hardware import Cluster, get_cluster, interpolate
+from fivefold.planner.layout import FIVEFOLD_CPU, Layout
+from fivefold.planner.memory import layer_activation_bytes, model_state_bytes
+from fivefold.planner.time import _linear_shapes, optimizer_tensors, stage_times, step_time
+
+TINY = get_preset("tiny")
+
+
+@pytest.fixture(scope="module")
+def quick_profile(tmp_path_factory):
+    """`fivefold calibrate --quick` on this machine: 1 rank, then 2 gloo ranks."""
+    path = tmp_path_factory.mktemp("calibrate") / "cpu.toml"
+    assert main(["calibrate", "--quick", "--device", "cpu", "--nproc-max", "2", "--out", str(path)]) == 0
+    return path
+
+
+def test_quick_calibration_writes_a_profile_that_loads(quick_profile):
+    hw = get_cluster(None, quick_profile)
+    assert hw.name == "cpu" and hw.cores >= 1 and hw.threads_per_rank == 1 and hw.gpus_per_node == 2
+    assert set(hw.by_ranks) == {2}
+    for view in (hw.on_node(1), hw.on_node(2)):
+        assert view.linear and view.attention and view.loss and view.elementwise
+        for table in (view.linear, view.attention, view.loss):
+            for *_, fwd, bwd in table:
+                assert 1e-6 < fwd < 100 and 1e-6 < bwd < 100  # TFLOP/s: a CPU core is not idle, nor a GPU
+        assert all(0.01 < gbps < 1e4 for _, gbps in view.elementwise)
+        assert 0.05 < view.kernel_overhead_us < 1e4 and 0.05 < view.backward_overhead_us < 1e4
+        assert view.optimizer_gbps > 0 and view.optimizer_tensor_us > 0
+    two = hw.on_node(2)
+    assert 0.0 <= two.comm_overlap <= 1.0 and two.zero3_unit_us >= 0.0
+    assert [size for size, _ in two.collective_wait] == [2] and 0 < two.collective_wait[0][1] < 1.0
+    assert set(two.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"}
+    for kind, groups in two.collectives.items():
+        assert set(groups) == {2}, kind
+        rows = groups[2]
+        assert [b for b, _ in rows] == sorted(b for b, _ in rows) and all(1e-7 < s < 10 for _, s in rows)
+    assert hw.intra_latency_us > 0 and hw.intra_node_gbps > 0
+
+
+def test_profile_drives_plan_hardware(quick_profile, capsys):
+    code = main(["plan", "--hardware", str(quick_profile), "--model", "tiny", "--seq-len", "128", "--global-batch",
+                 "2048", "--layout", "dp=2,mbs=4,zero=1", "--framework", "fivefold-cpu"])
+    out = capsys.readouterr().out
+    assert code == 0 and "step" in out and "2 x cpu" in out
+    assert main(["plan", "--hardware", str(quick_profile), "--model", "tiny", "--seq-len", "128",
+                 "--global-batch", "2048", "--framework", "fivefold-cpu", "--top", "3"]) == 0
+
+
+def test_profile_round_trips_through_toml(tmp_path):
+    """What calibrate measured is what `--hardware` reads back (6 significant digits)."""
+    one = Result(1, linear=[[128, 256, 128, 0.0312345, 0.0254321]], attention=[[8, 128, 32, 0.0051, 0.0042]],
+                 loss=[[512, 2048, 128, 0.02, 0.5]],
+                 elementwise=[[65536, 41.5], [16777216, 7.25]], kernel_overhead_us=9.5, backward_overhead_us=13.25,
+                 optimizer_gbps=2.5, optimizer_tensor_us=150.0)
+    two = dataclasses.replace(one, ranks=2, kernel_overhead_us=11.0, comm_overlap=0.25,
+                              collectives={"all_reduce": {2: [[4096, 1.5e-4], [4194304, 4.5e-3]]},
+                                           "p2p": {2: [[4096, 6.0e-5]]}})
+    path = tmp_path / "p.toml"
+    path.write_text(to_toml(profile_tables({1: one, 2: two}, "cpu", 1, 2, "mine"), "a header"))
+    hw = get_cluster(None, path)
+    assert hw.name == "mine" and hw.linear == ((128, 256, 128, 0.0312345, 0.0254321),)
+    assert hw.loss == ((512, 2048, 128, 0.02, 0.5),)
+    assert hw.kernel_overhead_us == 9.5 and hw.backward_overhead_us == 13.25 and hw.optimizer_tensor_us == 150.0
+    view = hw.on_node(2)
+    assert view.kernel_overhead_us == 11.0 and view.comm_overlap == 0.25
+    assert view.collectives["all_reduce"][2] == ((4096, 1.5e-4), (4194304, 4.5e-3))
+    # the link constants for other group sizes come from the 2-rank all-reduce (exact for two points)
+    latency, bandwidth = 1e-6 * hw.intra_latency_us, 1e9 * hw.intra_node_gbps
+    for nbytes, seconds in two.collectives["all_reduce"][2]:
+        assert 2 * latency + nbytes / bandwidth == pytest.approx(seconds, rel=1e-4)
+
+
+def test_bad_profile_fields_are_named(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text('base = "cpu"\n[ranks.2]\nkernel_overhead = 3.0\n')
+    with pytest.raises(ConfigError, match=r"\[ranks.2\] field 'kernel_overhead' is not known"):
+        get_cluster(None, path)
+    path.write_text('base = "cpu"\nlinear = [[1, 2, 3]]\n')
+    with pytest.raises(ConfigError, match="linear row .* must be 5 positive numbers"):
+        get_cluster(None, path)
+    path.write_text('base = "cpu"\n[ranks.2.collectives.broadcast]\n2 = [[4096, 0.001]]\n')
+    with pytest.raises(ConfigError, match="collectives.broadcast is not known"):
+        get_cluster(None, path)
+
+
+def test_calibrate_refuses_bad_arguments(capsys):
+    assert main(["calibrate", "--device", "cpu", "--threads", "0"]) == 2
+    assert "--threads = 0 must be >= 1" in capsys.readouterr().err
+    assert main(["calibrate", "--device", "cpu", "--nproc-max", "-1"]) == 2
+    assert "--nproc-max = -1 must be >= 1" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The time model's parts against closed forms of the profile
+
+
+def _profile(**extra) -> Cluster:
+    """A CPU profile whose tables hold exactly the tiny model's shapes at micro-batch 4, tp 1 and 2."""
+    linear, attention = [], []
+    for tp in (1, 2):
+        for i, (m, n, k) in enumerate(_linear_shapes(TINY, 512, tp, fused=False)):
+            linear.append((m, n, k, 0.01 * (i + 1), 0.004 * (i + 2)))
+        linear.append((512, TINY.vocab_size / tp, TINY.hidden, 0.02, 0.015))
+        attention.append((4 * TINY.n_heads / tp, 128, TINY.head_dim, 0.003, 0.002))
+    base = dataclasses.replace(get_cluster("cpu"), gpus_per_node=4, cores=2)
+    return dataclasses.replace(base, linear=tuple(linear), attention=tuple(attention),
+                               elementwise=((2**10, 40.0), (2**20, 20.0), (2**24, 5.0)), kernel_overhead_us=10.0,
+                               backward_overhead_us=14.0, **extra)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("loss_table", [False, True])
+def test_block_time_is_flops_over_measured_throughput_plus_fixed_costs(tp, loss_table):
+    hw = _profile()
+    if loss_table:  # the output layer + loss measured as one
+        hw = dataclasses.replace(hw, loss=tuple((512, TINY.vocab_size / t, TINY.hidden, 0.01 * t, 0.3)
+                                                for t in (1, 2)))
+    lay = Layout(tp=tp, mbs=4, grad_acc=4)
+    times = stage_times(TINY, 128, lay, FIVEFOLD_CPU, hw)
+    tokens = 4 * 128
+    lin_f = lin_b = 0.0
+    for m, n, k in _linear_shapes(TINY, tokens, tp, fused=False):
+        row = next(r for r in hw.linear if r[:3] == (m, n, k))
+        lin_f += 2 * m * n * k / (row[3] * 1e12)
+        lin_b += 4 * m * n * k / (row[4] * 1e12)
+    attn_flops = 2 * 4 * TINY.n_heads / tp * 128 * 128 * TINY.head_dim
+    attn_row = next(r for r in hw.attention if r[0] == 4 * TINY.n_heads / tp)
+    act = layer_activation_bytes(TINY, tokens, Layout(tp=tp), FIVEFOLD_CPU)["total"]
+    # operand of 512 x 128 fp32 = 256 KiB: log-log between 1 KiB (40 GB/s) and 1 MiB (20 GB/s)
+    bandwidth = math.exp(math.log(40.0) + (math.log(20.0) - math.log(40.0)) * 8 / 10) * 1e9
+    fixed_f = FIVEFOLD_CPU.kernels_per_layer * 10e-6
+    fixed_b = FIVEFOLD_CPU.kernels_per_layer * 14e-6
+    forward = lin_f + attn_flops / (attn_row[3] * 1e12) + 2 * act / bandwidth + fixed_f
+    t_tp = 2 * comm.all_reduce(tokens * TINY.hidden * 4, tp, 1, hw) if tp > 1 else 0.0
+    per_block_f = (times.f[0] - _head_f(hw, tp, tokens)) / TINY.n_layers
+    assert per_block_f == pytest.approx(forward + t_tp, rel=1e-9)
+    backward = lin_b + 2 * attn_flops / (attn_row[4] * 1e12) + 4 * act / bandwidth + fixed_b + t_tp
+    per_block_bw = (times.b[0] + times.w[0] - _head_b(hw, tp, tokens)) / TINY.n_layers
+    assert per_block_bw == pytest.approx(backward, rel=1e-9)
+
+
+def _head_row(hw: Cluster, tp: int) -> tuple[float, ...]:
+    return next(r for r in hw.loss or hw.linear if r[:3] == (512, TINY.vocab_size / tp, TINY.hidden))
+
+
+def _head_f(hw: Cluster, tp: int, tokens: int) -> float:
+    row = _head_row(hw, tp)
+    logits_bw = hw.elementwise_bandwidth(512 * TINY.vocab_size / tp * 4)
+    logits = 0.0 if hw.loss else tokens * TINY.vocab_size / tp * FIVEFOLD_CPU.logits_bytes * 2 / logits_bw
+    head = (2 * 512 * TINY.vocab_size / tp * TINY.hidden / (row[3] * 1e12) + logits
+            + FIVEFOLD_CPU.kernels_per_micro_batch * 10e-6)
+    if tp > 1:  # embedding output all-reduce (half in forward), loss statistics
+        head += comm.all_reduce(tokens * TINY.hidden * 4, tp, 1, hw) / 2
+        head += comm.all_reduce(512 * 4, tp, 1, hw) + comm.all_reduce(2 * 512 * 4, tp, 1, hw)
+    return head
+
+
+def _head_b(hw: Cluster, tp: int, tokens: int) -> float:
+    row = _head_row(hw, tp)
+    head = 4 * 512 * TINY.vocab_size / tp * TINY.hidden / (row[4] * 1e12) + FIVEFOLD_CPU.kernels_per_micro_batch * 14e-6
+    return head + (comm.all_reduce(tokens * TINY.hidden * 4, tp, 1, hw) / 2 if tp > 1 else 0.0)
+
+
+def test_collective_time_is_the_measured_table():
+    rows = ((4096, 1e-4), (65536, 4e-4), (4194304, 8e-3))
+    hw = _profile(collectives={"all_reduce": {2: rows}, "reduce_scatter": {2: rows}})
+    assert comm.all_reduce(65536, 2, 1, hw) == pytest.approx(4e-4)
+    # between points: log-log; beyond the last: bandwidth bound; below the first: its latency
+    geometric = math.exp((math.log(4e-4) + math.log(8e-3)) / 2)
+    assert comm.all_reduce(math.sqrt(65536 * 4194304), 2, 1, hw) == pytest.approx(geometric)
+    assert comm.all_reduce(2 * 4194304, 2, 1, hw) == pytest.approx(16e-3)
+    assert comm.all_reduce(100, 2, 1, hw) == pytest.approx(1e-4)
+    # in buckets: one measured call per bucket of the bucket's size
+    assert comm.reduce_scatter(4 * 65536, 2, 1, hw, bucket=65536) == pytest.approx(4 * 4e-4)
+    # a group size that was not measured: its ring steps relative to the nearest measured one
+    assert comm.all_reduce(65536, 4, 1, hw) == pytest.approx(3 * 4e-4)
+    # a kind that was not measured falls back to the link formula
+    assert comm.all_gather(65536, 2, 1, hw) == pytest.approx(65536 / 2 / (hw.intra_node_gbps * 1e9)
+                                                             + hw.intra_latency_us * 1e-6)
+
+
+def test_collectives_in_a_step_add_the_measured_wait():
+    rows = ((4096, 1e-4), (4194304, 8e-3))
+    hw = _profile(collectives={"all_reduce": {2: rows, 4: rows}}, collective_wait=((2, 3e-4), (4, 2e-3)))
+    assert comm.all_reduce(4096, 2, 1, hw) == pytest.approx(1e-4 + 3e-4)
+    assert comm.all_reduce(4096, 4, 1, hw) == pytest.approx(1e-4 + 2e-3)
+    assert comm.all_reduce(2 * 4096, 2, 1, hw, bucket=4096) == pytest.approx(2 * (1e-4 + 3e-4))  # per call
+
+
+def test_zero3_adds_the_measured_unit_cost_per_micro_batch():
+    rows = ((4096, 1e-4), (4194304, 8e-3))
+    base = _profile(collectives={"all_gather": {2: rows}, "reduce_scatter": {2: rows}})
+    lay = Layout(dp=2, zero=3, mbs=2, grad_acc=4)
+    plain = step_time(TINY, 128, lay, FIVEFOLD_CPU, base).parts["zero_gather"]
+    costly = step_time(TINY, 128, lay, FIVEFOLD_CPU, dataclasses.replace(base, zero3_unit_us=500.0))
+    # 4 micro-batches x (4 blocks + the root unit) x 0.5 ms
+    assert costly.parts["zero_gather"] - plain == pytest.approx(4 * 5 * 500e-6)
+
+
+def test_step_adds_optimizer_and_unhidden_gradient_reduction():
+    rows = ((4096, 1e-4), (4194304, 8e-3))
+    hw = _profile(collectives={"all_reduce": {2: rows}}, optimizer_gbps=2.0, optimizer_tensor_us=100.0,
+                  comm_overlap=0.0)
+    lay = Layout(dp=2, mbs=4, grad_acc=2)
+    report = step_time(TINY, 128, lay, FIVEFOLD_CPU, hw)
+    states = model_state_bytes(TINY, lay, FIVEFOLD_CPU, "first")
+    expected_opt = (states["parameters"] + states["gradients"] + states["optimizer"]) / 2e9 + \
+        optimizer_tensors(TINY, lay, FIVEFOLD_CPU) * 100e-6
+    assert report.parts["optimizer"] == pytest.approx(expected_opt)
+    assert optimizer_tensors(TINY, lay, FIVEFOLD_CPU) == 4 * 9 + 2  # tiny: tied embedding, final norm
+    # nothing overlaps: the whole all-reduce of the fp32 gradients is exposed
+    assert report.parts["dp_comm_exposed"] == pytest.approx(comm.all_reduce(states["gradients"], 2, 1, hw))
+
+
+def test_ranks_on_a_node_select_their_measurements():
+    hw = dataclasses.replace(_profile(), by_ranks={2: {"kernel_overhead_us": 20.0, "collectives": {}},
+                                                   4: {"kernel_overhead_us": 45.0}})
+    assert hw.on_node(1).kernel_overhead_us == 10.0
+    assert hw.on_node(2).kernel_overhead_us == 20.0 and hw.on_node(3).kernel_overhead_us == 20.0
+    assert hw.on_node(4).compute_scale == 1.0
+    eight = hw.on_node(8)  # twice the ranks of the most measured, on 2 cores: every compute time doubles
+    assert eight.kernel_overhead_us == 45.0 and eight.compute_scale == 2.0
+    assert eight.linear_time(512, 128, 128)[0] == pytest.approx(2 * hw.linear_time(512, 128, 128)[0])
+
+
+def test_interpolation_of_scattered_measurements():
+    points = ((100, 100, 100, 1.0, 2.0), (400, 100, 100, 4.0, 8.0))
+    assert interpolate(points, (100, 100, 100)) == (1.0, 2.0)
+    assert interpolate(points, (200, 100, 100)) == pytest.approx((2.0, 4.0))  # halfway in log2: geometric mean
+    assert interpolate(points, (10_000, 100, 100))[0] == pytest.approx(4.0, rel=0.05)  # held, not extrapolated
+
+
+def test_collective_tables_never_slower_for_smaller_messages():
+    rows = [[4096, 5e-3], [16384, 1e-3], [65536, 2e-3], [262144, 1.5e-3], [1 << 20, 4e-3]]
+    assert monotone(rows) == [[4096, 1e-3], [16384, 1e-3], [65536, 1.5e-3], [262144, 1.5e-3], [1 << 20, 4e-3]]
+
+
+def test_fit_link_recovers_latency_and_bandwidth():
+    latency, bandwidth = 50e-6, 1.5e9
+    rows = [[b, 2 * latency + b / bandwidth] for b in (4096, 65536, 1 << 20, 16 << 20)]
+    fitted = fit_link(rows, 2)
+    assert fitted[0] == pytest.approx(latency, rel=1e-6) and fitted[1] == pytest.approx(bandwidth, rel=1e-6)
+
+
+def test_cpu_operator_counts_are_the_blocks():
+    """FIVEFOLD_CPU's fixed-cost operators per block and per micro-batch are what the profiler counts in the
+    engine's forward and backward of one micro-batch (the top-level operators of the forward, each with its
+    backward; linears and the attention kernel are timed by shape)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fivefold.config import build_config
+    from fivefold.models.llama import build_model
+    from fivefold.train.engine import Engine
+
+    def count(layers: int) -> tuple[int, int]:
+        cfg = build_config(None, {"model.preset": "tiny", "model.n_layers": str(layers), "train.device": "cpu"})
+        engine = Engine(build_model(cfg.model, device=torch.device("cpu"), seed=0), cfg, torch.device("cpu"))
+        tokens = torch.randint(0, cfg.model.vocab_size, (1, 33))
+        micro = [(tokens[:, :-1], tokens[:, 1:])]
+        engine.forward_backward(micro, 32)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine.forward_backward(micro, 32)
+        top = [e.name for e in prof.events() if e.cpu_parent is None and not e.name.startswith("autograd::")]
+        timed = sum(name in ("aten::linear", "aten::scaled_dot_product_attention") for name in top)
+        return len(top) - timed, timed
+
+    two, four = count(2), count(4)
+    per_layer = (four[0] - two[0]) // 2
+    assert per_layer == FIVEFOLD_CPU.kernels_per_layer
+    assert (four[1] - two[1]) // 2 == 8  # q, k, v, o, gate, up, down and the attention kernel
+    # outside the blocks: embedding, rotary tables, final norm and the fused output layer + loss (one operator,
+    # timed as the output layer's linear)
+    assert four[0] - 4 * per_layer - 1 == FIVEFOLD_CPU.kernels_per_micro_batch

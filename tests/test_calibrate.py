@@ -5,6 +5,7 @@ operator counts the model uses for fivefold's CPU path equal what the profiler c
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -288,3 +289,23 @@ def test_cpu_operator_counts_are_the_blocks():
     # outside the blocks: embedding, rotary tables, final norm and the fused output layer + loss (one operator,
     # timed as the output layer's linear)
     assert four[0] - 4 * per_layer - 1 == FIVEFOLD_CPU.kernels_per_micro_batch
+
+
+def test_timed_operands_rotate_through_sets_beyond_the_caches():
+    """Each timed call of a compute figure finds its operands uncached: the sets rotated through span at least
+    `COLD_SPAN_BYTES` (up to `MAX_SETS` copies), and successive calls use different sets."""
+    from fivefold.planner.calibrate import COLD_SPAN_BYTES, MAX_SETS, Clock, _forward_backward, operand_sets
+
+    assert operand_sets(3 * 2**20) == math.ceil(COLD_SPAN_BYTES / (3 * 2**20)) <= MAX_SETS
+    assert operand_sets(1024) == MAX_SETS and operand_sets(10 * COLD_SPAN_BYTES) == 1
+    made, used = [], []
+
+    def make():
+        x = torch.randn(4, 4, requires_grad=True)
+        made.append(x)
+        return (lambda: (used.append(x), x * 2)[1]), [x], torch.ones(4, 4)
+
+    fwd, bwd = _forward_backward(Clock(torch.device("cpu"), 1, 0.0), make, 8 * 2**20)
+    assert len(made) == operand_sets(8 * 2**20) == 12 and fwd > 0 and bwd > 0
+    assert len(used) >= 5 and all(a is not b for a, b in itertools.pairwise(used))  # one set per call, in turn
+    assert [id(t) for t in used] == [id(made[i % len(made)]) for i in range(len(used))]

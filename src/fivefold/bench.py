@@ -1,6 +1,7 @@
 """`fivefold bench`: time the training step on synthetic tokens.
 
-Warm-up steps, then N timed steps with the device synchronised at the edges. Reports tokens/s (total and
+Warm-up steps, then N timed steps, each from a barrier to the device synchronised and every rank done; the
+step time is their median (a burst of other work during one step does not move it). Reports tokens/s (total and
 per device), model TFLOP/s per device and MFU (the trainer's FLOPs function), peak memory allocated and
 reserved, and the split of the step between forward, backward and optimizer, measured with device events
 (host timers on CPU). Event timing adds a few synchronisations per step, so the split is taken on
@@ -8,7 +9,7 @@ separate profiled steps and the throughput on steps without them.
 
 With a parallel layout it runs on several processes: `--nproc N` starts them through PyTorch's launcher, and
 under `torchrun` the same command joins the process group. Each data-parallel rank draws its own rows; rank 0
-times the steps (all ranks meet at a barrier at both edges), gathers every rank's peak memory and prints (or
+times the steps (all ranks meet at a barrier at both edges of each), gathers every rank's peak memory and prints (or
 writes with `--out`) the result. On CPU the peak memory is the process's peak resident set size above its
 resident size just before the model was built, after one small step has initialised the libraries (no
 allocator statistics exist there).
@@ -20,6 +21,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -180,13 +182,18 @@ def run_bench(args: argparse.Namespace) -> dict:
     module = torch.get_device_module(device.type) if device.type != "cpu" else None
     if module is not None and hasattr(module, "reset_peak_memory_stats"):
         module.reset_peak_memory_stats()
-    barrier()
-    start = time.perf_counter()
+    # each step timed on its own, from a barrier to the slowest rank's end: the step time is their median, which
+    # a burst of other work on the machine (or a straggling rank) during one step does not move
+    step_seconds = []
     for _ in range(args.steps):
+        barrier()
+        start = time.perf_counter()
         step(None)
-    synchronize(device)
-    barrier()
-    seconds = time.perf_counter() - start
+        synchronize(device)
+        barrier()
+        step_seconds.append(time.perf_counter() - start)
+    median = statistics.median(step_seconds)
+    seconds = median * args.steps
     split: dict[str, float] | None = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0} if can_split else None
     split_steps = min(3, args.steps)
     for _ in range(split_steps if can_split else 0):
@@ -215,7 +222,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         "torch": torch.__version__, "seq_len": seq, "micro_batch": args.micro_batch,
         "grad_accum": args.grad_accum, "dtype": "bf16" if engine.bf16 else "fp32", "compile": cfg.train.compile,
         "n_devices": engine.n_devices, "layout": dict(vars(cfg.layout)),
-        "steps": args.steps, "step_time_s": seconds / args.steps, "tokens_per_s": tokens_per_s,
+        "steps": args.steps, "step_time_s": median, "step_times_s": step_seconds, "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_device": per_device, "tflops_per_device": tflops,
         "mfu": tflops / peak if peak else None, "peak_tflops": peak,
         "peak_memory_allocated_bytes": max(allocated) if module is not None else None,

@@ -105,6 +105,7 @@ class Result:
     comm_overlap: float = 1.0
     zero3_unit_us: float = 0.0
     collective_wait: list[list[float]] = field(default_factory=list)
+    posted_p2p_wait_us: float = 0.0
     seconds: float = 0.0
 
 
@@ -245,17 +246,35 @@ def lower_quartile(samples: list[float]) -> float:
 # Compute
 
 
-def _forward_backward(clock: Clock, fn: Callable[[], torch.Tensor], leaves: list[torch.Tensor],
-                      grad: torch.Tensor) -> tuple[float, float]:
-    """Median seconds of `fn()` with autograd recording, and of its backward to `leaves` with `grad`."""
+# Operands of a timed call are rotated through sets spanning more than the caches (a CPU's L3, a GPU's L2), so
+# that every call starts from memory as in a training step, where the other layers' work has evicted them.
+COLD_SPAN_BYTES = 96 * 2**20
+MAX_SETS = 64
+
+
+def operand_sets(set_bytes: int) -> int:
+    """How many copies of operands of `set_bytes` to rotate through so that each call finds them uncached."""
+    return max(1, min(MAX_SETS, math.ceil(COLD_SPAN_BYTES / max(set_bytes, 1))))
+
+
+def _forward_backward(clock: Clock, make: Callable[[], tuple[Callable[[], torch.Tensor], list[torch.Tensor],
+                                                             torch.Tensor]], set_bytes: int) -> tuple[float, float]:
+    """Seconds of a call with autograd recording, and of its backward, over rotating operand sets: `make()`
+    returns one set, (the call, the leaves it differentiates, the output gradient)."""
+    sets = [make() for _ in range(operand_sets(set_bytes))]
     out: list[torch.Tensor] = []
+    turn = [0, 0]
 
     def forward() -> None:
+        fn, leaves, _ = sets[turn[0] % len(sets)]
+        turn[0] += 1
         for t in leaves:
             t.grad = None
         out.append(fn())
 
     def backward() -> None:
+        grad = sets[turn[1] % len(sets)][2]
+        turn[1] += 1
         out.pop().backward(grad)
 
     fwd, bwd = clock.time(forward, backward)
@@ -276,10 +295,14 @@ def two_passes(measure: Callable[[list], list[list[float]]], shapes: list, keys:
 def measure_linear(clock: Clock, shapes, dtype: torch.dtype, say) -> list[list[float]]:
     rows = []
     for i, (m, n, k) in enumerate(shapes):
-        x = torch.randn(1, m, k, device=clock.device, dtype=dtype, requires_grad=True)
-        w = (torch.randn(n, k, device=clock.device, dtype=dtype) * 0.02).requires_grad_()
-        g = torch.randn(1, m, n, device=clock.device, dtype=dtype)
-        fwd, bwd = _forward_backward(clock, lambda x=x, w=w: F.linear(x, w), [x, w], g)
+        def make(m=m, n=n, k=k):
+            x = torch.randn(1, m, k, device=clock.device, dtype=dtype, requires_grad=True)
+            w = (torch.randn(n, k, device=clock.device, dtype=dtype) * 0.02).requires_grad_()
+            g = torch.randn(1, m, n, device=clock.device, dtype=dtype)
+            return (lambda: F.linear(x, w)), [x, w], g
+
+        size = torch.finfo(dtype).bits // 8
+        fwd, bwd = _forward_backward(clock, make, 2 * (m * k + n * k + m * n) * size)
         flops = 2 * m * n * k
         rows.append([m, n, k, flops / fwd / 1e12, 2 * flops / bwd / 1e12])
         if (i + 1) % 10 == 0 or i + 1 == len(shapes):
@@ -291,12 +314,15 @@ def measure_linear(clock: Clock, shapes, dtype: torch.dtype, say) -> list[list[f
 def measure_attention(clock: Clock, shapes, dtype: torch.dtype, say) -> list[list[float]]:
     rows = []
     for b, h, kvh, s, d in shapes:
-        q = torch.randn(b, h, s, d, device=clock.device, dtype=dtype, requires_grad=True)
-        k, v = (torch.randn(b, kvh, s, d, device=clock.device, dtype=dtype, requires_grad=True) for _ in range(2))
-        g = torch.randn(b, h, s, d, device=clock.device, dtype=dtype)
-        fwd, bwd = _forward_backward(
-            clock, lambda q=q, k=k, v=v, gqa=h != kvh: F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                                                      enable_gqa=gqa), [q, k, v], g)
+        def make(b=b, h=h, kvh=kvh, s=s, d=d):
+            q = torch.randn(b, h, s, d, device=clock.device, dtype=dtype, requires_grad=True)
+            k, v = (torch.randn(b, kvh, s, d, device=clock.device, dtype=dtype, requires_grad=True)
+                    for _ in range(2))
+            g = torch.randn(b, h, s, d, device=clock.device, dtype=dtype)
+            return (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=h != kvh)), \
+                [q, k, v], g
+
+        fwd, bwd = _forward_backward(clock, make, 2 * b * s * d * (3 * h + 2 * kvh) * (torch.finfo(dtype).bits // 8))
         flops = 2 * b * h * s * s * d  # causal: half of 4 b h s^2 d
         rows.append([b * h, s, d, flops / fwd / 1e12, 2 * flops / bwd / 1e12])
     say(f"attention {len(shapes)} shapes (last {shapes[-1]}: forward {rows[-1][3]:.3g} TFLOP/s)")
@@ -310,12 +336,14 @@ def measure_loss(clock: Clock, shapes, dtype: torch.dtype, say) -> list[list[flo
 
     rows = []
     for m, n, k in shapes:
-        hidden = torch.randn(m, k, device=clock.device, dtype=dtype, requires_grad=True)
-        weight = (torch.randn(n, k, device=clock.device, dtype=dtype) * 0.02).requires_grad_()
-        targets = torch.randint(0, n, (m,), device=clock.device)
-        fwd, bwd = _forward_backward(
-            clock, lambda h=hidden, w=weight, t=targets, m=m: linear_cross_entropy_sum(h, w, t, m, dtype),
-            [hidden, weight], torch.ones((), device=clock.device, dtype=torch.float32))
+        def make(m=m, n=n, k=k):
+            hidden = torch.randn(m, k, device=clock.device, dtype=dtype, requires_grad=True)
+            weight = (torch.randn(n, k, device=clock.device, dtype=dtype) * 0.02).requires_grad_()
+            targets = torch.randint(0, n, (m,), device=clock.device)
+            return (lambda: linear_cross_entropy_sum(hidden, weight, targets, m, dtype)), [hidden, weight], \
+                torch.ones((), device=clock.device, dtype=torch.float32)
+
+        fwd, bwd = _forward_backward(clock, make, 2 * (m * k + n * k) * (torch.finfo(dtype).bits // 8))
         flops = 2 * m * n * k
         rows.append([m, n, k, flops / fwd / 1e12, 2 * flops / bwd / 1e12])
     say(f"output layer + loss {len(shapes)} shapes (last {shapes[-1]}: {1e3 * (fwd + bwd):.3g} ms)")
@@ -350,22 +378,31 @@ def measure_fixed_cost(clock: Clock, dtype: torch.dtype, say) -> tuple[float, fl
             y = _fixed_cost_unit(y, w)
         return y.sum()
 
-    fwd, bwd = _forward_backward(clock, chain, [x, w], torch.ones((), device=clock.device, dtype=dtype))
+    one = (chain, [x, w], torch.ones((), device=clock.device, dtype=dtype))
+    fwd, bwd = _forward_backward(clock, lambda: one, COLD_SPAN_BYTES)  # fixed costs: one set, kept in cache
     ops = units * OPS_PER_UNIT
     say(f"operator fixed cost: forward {1e6 * fwd / ops:.1f} us, backward {1e6 * bwd / ops:.1f} us")
     return fwd / ops, bwd / ops
 
 
 def measure_elementwise(clock: Clock, numels: list[int], dtype: torch.dtype, say) -> list[list[float]]:
-    """GB/s of a binary element-wise operator beyond its fixed cost, by the bytes of one operand."""
+    """GB/s of a binary element-wise operator beyond its fixed cost, by the bytes of one operand (operands
+    rotated through sets beyond the caches, as `_forward_backward`)."""
     tiny = torch.ones(16, device=clock.device, dtype=dtype)
     base = clock.time(lambda: torch.mul(tiny, tiny))[0]
     rows = []
     for n in numels:
-        a = torch.randn(n, device=clock.device, dtype=dtype)
-        b = torch.randn(n, device=clock.device, dtype=dtype)
-        seconds = clock.time(lambda a=a, b=b: torch.mul(a, b))[0]
-        nbytes = n * a.element_size()
+        nbytes = n * (torch.finfo(dtype).bits // 8)
+        pairs = [(torch.randn(n, device=clock.device, dtype=dtype), torch.randn(n, device=clock.device, dtype=dtype))
+                 for _ in range(operand_sets(3 * nbytes))]
+        turn = [0]
+
+        def mul(pairs=pairs, turn=turn) -> None:
+            a, b = pairs[turn[0] % len(pairs)]
+            turn[0] += 1
+            torch.mul(a, b)
+
+        seconds = clock.time(mul)[0]
         rows.append([nbytes, 3 * nbytes / max(seconds - base, seconds * 0.05) / 1e9])
     say("element-wise GB/s by operand size: " + ", ".join(f"{_size(int(r[0]))} {r[1]:.3g}" for r in rows))
     return rows
@@ -560,6 +597,41 @@ def measure_collective_wait(clock: Clock, world: int, rank: int, dtype: torch.dt
     return rows
 
 
+def measure_posted_p2p_wait(clock: Clock, world: int, rank: int, dtype: torch.dtype, say) -> float:
+    """Seconds a ring shift posted before compute and waited for after it (context parallel's K/V transfers)
+    adds beyond the compute and its own time: on shared cores the transfer progresses only when the
+    communication thread gets a core. (post a 128 KiB shift around all ranks, compute, wait) - compute - the
+    shift alone."""
+    a = torch.randn(128, 384, device=clock.device, dtype=dtype)
+    b = torch.randn(384, 128, device=clock.device, dtype=dtype)
+    send = torch.zeros(32 * KIB, device=clock.device)
+    received = torch.empty_like(send)
+
+    def post() -> list:
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, (rank + 1) % world),
+                                       dist.P2POp(dist.irecv, received, (rank - 1) % world)])
+
+    def compute() -> None:
+        for _ in range(16):
+            a @ b
+
+    def shift() -> None:
+        for work in post():
+            work.wait()
+
+    def both() -> None:
+        works = post()
+        compute()
+        for work in works:
+            work.wait()
+
+    t_compute, t_shift, t_both = clock.time(compute, shift, both)
+    wait = max(t_both - t_compute - t_shift, 0.0)
+    say(f"ring shift posted before compute: {1e3 * wait:.2f} ms beyond compute {1e3 * t_compute:.2f} ms and the "
+        f"shift alone {1e3 * t_shift:.2f} ms")
+    return wait
+
+
 def measure_overlap(clock: Clock, dtype: torch.dtype, say) -> float:
     """Share of an all-reduce over all ranks that hides behind matmuls running at the same time: (compute +
     communication - both at once) / the shorter of the two, in [0, 1]."""
@@ -634,6 +706,8 @@ def run_ranks(rank: int, world: int, plan: Plan, port: int, out_path: str) -> No
         result.comm_overlap = measure_overlap(clock, dtype, say)
         waits = [measure_collective_wait(clock, world, rank, dtype, say) for _ in range(plan.passes)]
         result.collective_wait = [[row[0], min(w[i][1] for w in waits)] for i, row in enumerate(waits[0])]
+        result.posted_p2p_wait_us = 1e6 * min(measure_posted_p2p_wait(clock, world, rank, dtype, say)
+                                              for _ in range(plan.passes))
         if plan.model is not None:
             result.zero3_unit_us = 1e6 * measure_zero3_unit(clock, plan.model, result.collectives, say)
     result.seconds = time.perf_counter() - start
@@ -719,6 +793,7 @@ def profile_tables(results: dict[int, Result], device_type: str, threads: int, n
         section = _compute_fields(r) if cpu else {}
         section["comm_overlap"] = r.comm_overlap
         section["zero3_unit_us"] = r.zero3_unit_us
+        section["posted_p2p_wait_us"] = r.posted_p2p_wait_us
         if r.collective_wait:
             section["collective_wait"] = r.collective_wait
         section["collectives"] = {k: {str(s): rows for s, rows in v.items()} for k, v in r.collectives.items()}

@@ -77,6 +77,12 @@ def p2p(nbytes: float, lay: Layout, hw: Cluster) -> float:
     return _time("p2p", nbytes, 2, inner, hw)
 
 
+def ring_step(nbytes: float, stride: int, hw: Cluster) -> float:
+    """One step of a ring (context parallel's K/V): every member sends `nbytes` to the next and receives as
+    many from the previous at once, as a send/recv pair."""
+    return _time("p2p", nbytes, 2, stride, hw)
+
+
 def strides(lay: Layout) -> dict[str, int]:
     """Distance in ranks between neighbours of each axis' group (tp innermost, then cp, dp, pp)."""
     return {"tp": 1, "cp": lay.tp, "dp": lay.tp * lay.cp, "dpcp": lay.tp, "pp": lay.tp * lay.cp * lay.dp}

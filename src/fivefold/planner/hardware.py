@@ -59,6 +59,7 @@ class Cluster:
     optimizer_tensor_us: float = 0.0  # fixed cost per parameter tensor of the optimizer step (clip, AdamW, zero)
     comm_overlap: float = 1.0  # share of a collective's time that can hide behind compute running at once
     zero3_unit_us: float = 0.0  # per ZeRO-3 unit and micro-batch: hooks, copies and frees beyond its collectives
+    posted_p2p_wait_us: float = 0.0  # a send/recv posted before compute and waited after: cost beyond both
     # (group size, seconds): what a blocking collective costs beyond its own time when ranks compute in between
     collective_wait: tuple[tuple[float, ...], ...] = ()
     compute_scale: float = 1.0  # multiplies compute times (more ranks on a node than were measured)
@@ -268,7 +269,8 @@ def _parse_fields(data: dict, where: str) -> dict:
         else:
             value = float(value)
             if value < 0 or (value == 0 and key not in ("backward_overhead_us", "optimizer_gbps",
-                                                         "optimizer_tensor_us", "comm_overlap", "zero3_unit_us")):
+                                                         "optimizer_tensor_us", "comm_overlap", "zero3_unit_us",
+                                                         "posted_p2p_wait_us")):
                 raise ConfigError(f"{where} {key} = {value} must be > 0")
         values[key] = value
     return values

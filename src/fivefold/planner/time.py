@@ -150,10 +150,17 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     t_cp_f = t_cp_b = 0.0
     if lay.cp > 1:
         kv_bytes = tokens * 2 * kv * d * ab
-        ring = (lay.cp - 1) * comm.all_to_all(kv_bytes * 2, 2, st["cp"], hw)
-        grad_ring = lay.cp * comm.all_to_all(kv_bytes / ab * 4 * 2, 2, st["cp"], hw)
-        t_cp_f = max(0.0, ring - attn_f)
-        t_cp_b = max(0.0, ring + grad_ring - attn_b)
+        ring = (lay.cp - 1) * comm.ring_step(kv_bytes * 2, st["cp"], hw)
+        grad_ring = lay.cp * comm.ring_step(kv_bytes / ab * 4 * 2, st["cp"], hw)
+        # hidden behind the blocks' attention in proportion to the measured overlap (none where the same cores
+        # compute and communicate)
+        ov = hw.comm_overlap
+        t_cp_f = ov * max(0.0, ring - attn_f) + (1 - ov) * ring
+        t_cp_b = ov * max(0.0, ring + grad_ring - attn_b) + (1 - ov) * (ring + grad_ring)
+        # each shift is posted before compute and waited for after it: what that costs beyond both, as measured
+        wait = hw.posted_p2p_wait_us * 1e-6
+        t_cp_f += (lay.cp - 1) * wait
+        t_cp_b += (2 * lay.cp - 1) * wait
     # expert parallel: dispatch and combine all-to-alls over the ep group (consecutive members of a dp x cp
     # group), not overlapped
     t_ep = 0.0

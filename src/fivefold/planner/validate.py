@@ -302,6 +302,14 @@ def run_validate_results(args: argparse.Namespace) -> int:
         return 0
     profile = args.hardware or "the built-in profile of the device kind"
     print(f"{path.name}: {len(rows)} runs that finished or ran out of memory, modelled as fivefold with {profile}")
+    if not args.hardware:
+        from fivefold.planner.predict import load_hardware
+        from fivefold.sweep.store import read_rows as read_store
+
+        used = sorted({r["hardware"] for r in read_store(path) if r.get("hardware") and r["hardware"] != load_hardware(
+            None, "cpu" if str(r.get("device") or "").startswith("cpu") else "accelerator").name})
+        if used:
+            print(f"  (the sweep predicted with {', '.join(used)}: pass that profile as --hardware FILE to score it)")
     for label, key in _LABELS:
         print(f"{label:34s} {_cell(result['results'], key):>20s}")
     return 0

@@ -704,10 +704,13 @@ def run_ranks(rank: int, world: int, plan: Plan, port: int, out_path: str) -> No
                                      for size, rows in groups.items()}
                               for kind, groups in passes[0].items()}
         result.comm_overlap = measure_overlap(clock, dtype, say)
-        waits = [measure_collective_wait(clock, world, rank, dtype, say) for _ in range(plan.passes)]
-        result.collective_wait = [[row[0], min(w[i][1] for w in waits)] for i, row in enumerate(waits[0])]
-        result.posted_p2p_wait_us = 1e6 * min(measure_posted_p2p_wait(clock, world, rank, dtype, say)
-                                              for _ in range(plan.passes))
+        # waits are the ranks' own contention for the cores, not noise on top of a figure: the mean of several
+        # passes (a single pass reads anywhere between none and a scheduler time slice)
+        passes = 2 * plan.passes
+        waits = [measure_collective_wait(clock, world, rank, dtype, say) for _ in range(passes)]
+        result.collective_wait = [[row[0], statistics.fmean(w[i][1] for w in waits)] for i, row in enumerate(waits[0])]
+        result.posted_p2p_wait_us = 1e6 * statistics.fmean(measure_posted_p2p_wait(clock, world, rank, dtype, say)
+                                                           for _ in range(passes))
         if plan.model is not None:
             result.zero3_unit_us = 1e6 * measure_zero3_unit(clock, plan.model, result.collectives, say)
     result.seconds = time.perf_counter() - start

@@ -34,7 +34,7 @@ def quick_profile(tmp_path_factory):
 
 def test_quick_calibration_writes_a_profile_that_loads(quick_profile):
     hw = get_cluster(None, quick_profile)
-    assert hw.name == "cpu" and hw.cores >= 1 and hw.threads_per_rank == 1 and hw.gpus_per_node == 2
+    assert hw.name == "cpu-calibrated" and hw.cores >= 1 and hw.threads_per_rank == 1 and hw.gpus_per_node == 2
     assert set(hw.by_ranks) == {2}
     for view in (hw.on_node(1), hw.on_node(2)):
         assert view.linear and view.attention and view.loss and view.elementwise

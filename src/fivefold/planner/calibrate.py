@@ -883,7 +883,11 @@ def calibrate(args: argparse.Namespace) -> tuple[Path, dict[int, Result], float]
               "head dim, forward, backward TFLOP/s;\nloss rows: tokens, vocabulary, hidden, forward, backward "
               "TFLOP/s (of the output layer's matmul);\nelement-wise rows: operand bytes, GB/s; collectives: "
               f"[ranks.N.collectives.KIND] group size = [[bytes, seconds], ...]\n{load}")
-    tables = profile_tables(results, device_type, args.threads, levels[-1], out.stem)
+    from fivefold.planner.hardware import PRESETS
+
+    # named after the file, never like a built-in profile (a store's predictions name the profile they used)
+    name = out.stem if out.stem.lower() not in PRESETS else f"{out.stem}-calibrated"
+    tables = profile_tables(results, device_type, args.threads, levels[-1], name)
     out.write_text(to_toml(tables, header))
     return out, results, seconds
 

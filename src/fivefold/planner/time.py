@@ -230,7 +230,8 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     hw = hw.on_node(min(lay.world_size, hw.gpus_per_node))
     times = stage_times(cfg, seq, lay, fw, hw)
     tokens = lay.mbs * seq / lay.cp
-    send = tokens * cfg.hidden * fw.act_bytes / (lay.tp if lay.sp else 1)
+    # the residual stream crosses stages (fivefold's engine keeps and sends it in fp32 under autocast)
+    send = tokens * cfg.hidden * fw.residual_bytes / (lay.tp if lay.sp else 1)
     p2p = comm.p2p(send, lay, hw) if lay.pp > 1 else 0.0
     makespan = pipeline_makespan(lay, times, p2p, exact)
     per_rank = [0.0] * lay.pp

@@ -309,3 +309,19 @@ def test_timed_operands_rotate_through_sets_beyond_the_caches():
     assert len(made) == operand_sets(8 * 2**20) == 12 and fwd > 0 and bwd > 0
     assert len(used) >= 5 and all(a is not b for a, b in itertools.pairwise(used))  # one set per call, in turn
     assert [id(t) for t in used] == [id(made[i % len(made)]) for i in range(len(used))]
+
+
+def test_tied_embedding_gradient_sum_across_pipeline_ends_is_timed():
+    """With tied embeddings on pp > 1, the first and last pipeline ranks sum the embedding's gradient once per
+    step: one all-reduce of vocab x hidden gradient bytes over 2 ranks; none when DualPipeV keeps both ends on
+    rank 0 or the model is untied."""
+    hw = get_cluster("cpu")
+    lay = Layout(pp=2, mbs=2, grad_acc=4)
+    rep = step_time(TINY, 128, lay, FIVEFOLD_CPU, hw)
+    st = comm.strides(lay)
+    expect = comm.all_reduce(TINY.vocab_size * TINY.hidden * FIVEFOLD_CPU.grad_bytes, 2, st["pp"], hw.on_node(2))
+    assert TINY.tied_embeddings and rep.parts["dp_comm_exposed"] == pytest.approx(expect) and expect > 0
+    untied = dataclasses.replace(TINY, tied_embeddings=False)
+    assert step_time(untied, 128, lay, FIVEFOLD_CPU, hw).parts["dp_comm_exposed"] == 0.0
+    dualpipe = dataclasses.replace(lay, schedule="dualpipev", vpp=2)
+    assert step_time(TINY, 128, dualpipe, FIVEFOLD_CPU, hw).parts["dp_comm_exposed"] == 0.0

@@ -264,6 +264,11 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
         t_dp_exposed = overlap * (max(0.0, t_dp - window) + last_bucket) + (1 - overlap) * t_dp
     else:
         t_dp_exposed = 0.0
+    if cfg.tied_embeddings and lay.pp > 1 and _rank_of(len(times.f) - 1, lay) != 0:
+        # the embedding and the output layer on the first and last pipeline ranks: their reduced gradients are
+        # summed over those two ranks after the step's backward, not overlapped
+        tied = cfg.vocab_size / lay.tp * cfg.hidden * elem_bytes
+        t_dp_exposed += comm.all_reduce(tied, 2, st["pp"] * (lay.pp - 1), hw)
     param_full = states["parameters"] * (dpc if lay.zero >= 3 else 1)
     t_gather = 0.0
     if dpc > 1 and 1 <= lay.zero <= 2 and fw.zero1_allgather_exposed:

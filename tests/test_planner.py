@@ -232,3 +232,18 @@ def test_validate_reads_fivefold_rows(capsys, tmp_path):
     assert rc == 0 and result["fitted"]["rows"] == 3 and result["held_out"]["rows"] == 1
     assert "tiny/1n" in result["fitted"]["groups"]
     assert result["fitted"]["finished"] == 3
+
+
+def test_search_never_proposes_sequence_parallel_the_engine_refuses():
+    """Sequence parallel cuts the (cp-local) sequence over tp: with seq = 129 on 2 GPUs, tp2 + sp is rejected with
+    its reason, tp2 without sp stays, and every proposed layout passes the engine's validator."""
+    from fivefold.parallel.mesh import validate_layout
+
+    cfg, hw = get_preset("tiny"), get_cluster("h100")
+    result = search(cfg, 129, 8, 2, FIVEFOLD, hw, top=1000)
+    assert result.rejected["sequence parallel with seq not divisible by tp x cp"] > 0
+    assert not any(e.layout.sp for e in result.candidates) and any(e.layout.tp == 2 for e in result.candidates)
+    for e in result.candidates:
+        conf = build_config(None, {"model.preset": "tiny", "train.seq_len": 129, "train.global_batch_size": 8})
+        conf.layout = e.layout.to_layout_config()
+        validate_layout(conf, 2)

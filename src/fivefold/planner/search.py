@@ -185,10 +185,10 @@ def _bases(cfg: ModelConfig, seq: int, batch: int, n_gpus: int, hw: Cluster, spa
                 elif batch % dp:
                     reject("dp does not divide the global batch", f"dp={dp}, batch={batch} sequences")
                 else:
-                    yield from _inner(cfg, dp, tp, pp, cp, batch, space, reject)
+                    yield from _inner(cfg, seq, dp, tp, pp, cp, batch, space, reject)
 
 
-def _inner(cfg: ModelConfig, dp: int, tp: int, pp: int, cp: int, batch: int, space: SearchSpace,
+def _inner(cfg: ModelConfig, seq: int, dp: int, tp: int, pp: int, cp: int, batch: int, space: SearchSpace,
            reject: Callable[..., None]) -> Iterator[Layout]:
     eps = [e for e in _divisors(cfg.n_experts) if (dp * cp) % e == 0] if cfg.is_moe else [1]
     mbs_list = [m for m in _divisors(batch // dp) if m <= space.max_mbs]
@@ -204,6 +204,9 @@ def _inner(cfg: ModelConfig, dp: int, tp: int, pp: int, cp: int, batch: int, spa
                 reject("ZeRO-3 with expert parallel (refused by the engine)", f"ep={ep} zero=3")
                 continue
             for sp in space.sp if tp > 1 else (False,):
+                if sp and seq % (tp * cp):
+                    reject("sequence parallel with seq not divisible by tp x cp", f"seq={seq} tp={tp} cp={cp}")
+                    continue
                 yield Layout(dp, tp, pp, cp, ep, zero, mbs, ga, "full", sp, sched, v, space.fp32_grad_accum)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from fivefold.config import ConfigError
@@ -55,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CliError) as e:
         print(f"fivefold {args.verb}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into a reader that stopped early (`| head`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -20,20 +20,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from fivefold.config import Config, ConfigError, build_config
+from fivefold.config import Config, ConfigError, build_config, write_text_atomic
 from fivefold.flops import training_flops_per_token
 from fivefold.train.cli import parse_overrides
 from fivefold.train.engine import Engine, create_engine, resolve_device
-from fivefold.train.metrics import resolve_peak_tflops, synchronize
+from fivefold.train.metrics import gather_ints, peak_memory_bytes, resolve_peak_tflops, synchronize
 
 ACCEPTS_OVERRIDES = True
 
@@ -120,22 +118,6 @@ def _warm_up_libraries() -> None:
     opt.step()
 
 
-def _max_resident_bytes() -> int:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
-
-
-def _gather_ints(values: list[int], device: torch.device) -> list[list[int]]:
-    """Every rank's `values`, in rank order (one collective; this rank's alone when not distributed)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [values]
-    world = dist.get_world_size()
-    out = torch.zeros(world, len(values), dtype=torch.int64, device=device)
-    out[dist.get_rank()] = torch.tensor(values, dtype=torch.int64)
-    dist.all_reduce(out)
-    return out.tolist()
-
-
 def run_bench(args: argparse.Namespace) -> dict:
     cfg = bench_config(args)
     seq = cfg.train.seq_len
@@ -193,7 +175,6 @@ def run_bench(args: argparse.Namespace) -> dict:
         barrier()
         step_seconds.append(time.perf_counter() - start)
     median = statistics.median(step_seconds)
-    seconds = median * args.steps
     split: dict[str, float] | None = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0} if can_split else None
     split_steps = min(3, args.steps)
     for _ in range(split_steps if can_split else 0):
@@ -203,7 +184,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     trace = args.trace if not dist.is_initialized() or dist.get_rank() == 0 else None
     top_kernels = profile_steps(step, args.profile, device, trace) if args.profile else None
 
-    tokens_per_s = global_tokens * args.steps / seconds
+    tokens_per_s = global_tokens / median
     per_device = tokens_per_s / engine.n_devices
     flops = training_flops_per_token(cfg.model, seq)
     peak = resolve_peak_tflops(cfg.log.peak_tflops, device)
@@ -212,9 +193,9 @@ def run_bench(args: argparse.Namespace) -> dict:
         memory = [int(module.max_memory_allocated()), int(module.max_memory_reserved())]
         source = "allocator peak over the timed steps"
     else:
-        memory = [max(_max_resident_bytes() - resident_before, 0)] * 2
+        memory = [max(peak_memory_bytes(device) - resident_before, 0)] * 2
         source = "peak resident set size above the resident size before the model was built"
-    per_rank = _gather_ints(memory, device)
+    per_rank = gather_ints(memory, device)
     allocated = [m[0] for m in per_rank]
     return {
         "model": cfg.model.name, "device": str(device),
@@ -272,11 +253,12 @@ def profile_steps(step, n: int, device: torch.device, trace: str | None, top: in
 
 
 def run(args: argparse.Namespace) -> int:
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    launched = int(os.environ.get("WORLD_SIZE", "1"))  # > 1: this is one of the started processes
+    distributed = launched > 1
     if args.nproc < 1:
         raise ConfigError(f"--nproc = {args.nproc} must be >= 1")
     cfg = bench_config(args)  # every config error before any process starts
-    world = int(os.environ.get("WORLD_SIZE", "1")) if distributed else args.nproc
+    world = launched if distributed else args.nproc
     if world > 1 or cfg.layout.world_size > 1:
         from fivefold.parallel import validate_layout
 
@@ -290,16 +272,13 @@ def run(args: argparse.Namespace) -> int:
 
         init_distributed(resolve_device(cfg.train.device).type)
     result = run_bench(args)
-    if dist.is_initialized() and dist.get_rank() != 0:
-        dist.destroy_process_group()
-        return 0
     if dist.is_initialized():
+        rank = dist.get_rank()
         dist.destroy_process_group()
+        if rank != 0:
+            return 0
     if args.out:
-        out = Path(args.out)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(result) + "\n")
-        tmp.replace(out)  # whole or absent, never half written
+        write_text_atomic(args.out, json.dumps(result) + "\n")
     if args.json:
         print(json.dumps(result))
         return 0

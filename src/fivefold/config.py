@@ -403,6 +403,14 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     return cfg
 
 
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to `path` whole or not at all: into a temporary file beside it, then renamed over it."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def dump_toml(cfg: Config) -> str:
     """Serialise a config as TOML (enough of TOML for our flat sections)."""
     lines: list[str] = []

@@ -47,13 +47,16 @@ def with_overrides(hw: Hardware, **fields: float) -> Hardware:
     return dataclasses.replace(hw, **fields)
 
 
-def device_peak_tflops(device: torch.device) -> float | None:
-    """Dense bf16 peak of `device` looked up by its name; None when the device is not in the table."""
+def device_hardware(device: torch.device) -> Hardware | None:
+    """The table's entry for `device`, looked up by its name; None for a CPU or a device not in the table."""
     if device.type == "cpu":
         return None
     module = torch.get_device_module(device.type)
     name = module.get_device_name(device) if hasattr(module, "get_device_name") else ""
-    for hw in HARDWARE.values():
-        if any(m.lower() in name.lower() for m in hw.match):
-            return hw.bf16_tflops
-    return None
+    return next((hw for hw in HARDWARE.values() if any(m.lower() in name.lower() for m in hw.match)), None)
+
+
+def device_peak_tflops(device: torch.device) -> float | None:
+    """Dense bf16 peak of `device` looked up by its name; None when the device is not in the table."""
+    hw = device_hardware(device)
+    return hw.bf16_tflops if hw is not None else None

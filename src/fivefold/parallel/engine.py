@@ -279,7 +279,8 @@ class LlamaStage:
             aux = self.module.moe_aux_loss()
             if aux is not None:  # token-weighted mean of the load-balancing loss over the global batch
                 roots.append(self.engine.cfg.model.aux_loss_coef * aux * targets.numel() / self.global_tokens)
-                self.drop_sum += self.module.moe_drop_fraction().detach() * len(self.module.layers)
+                if self.engine.cfg.model.capacity_factor > 0:
+                    self.drop_sum += self.module.moe_drop_fraction().detach() * len(self.module.layers)
             self.saved[micro_batch] = (x, roots)
         return None if self.last else out
 
@@ -354,7 +355,7 @@ class PipelineEngine(ParallelEngine):
         executor = PipelineExecutor(self.pp_group, self.pp_rank, shape, torch.float32, self.device)
         executor.run(self.schedule(len(micro_batches), training), self.runners)
         self.traces[training] = executor.trace
-        if training and self.cfg.model.is_moe:  # this rank's layers' share of the mean over all MoE layers
+        if training and self.cfg.model.capacity_factor > 0:  # this rank's layers' share of the mean over all MoE layers
             drops = sum(runner.drop_sum for runner in self.runners.values())
             self.drop_fraction = drops / (len(micro_batches) * self.cfg.model.n_layers)
         last = self.runners.get(self.n_stages - 1)

@@ -80,7 +80,9 @@ class ExpertParallelDispatch:
         sent = kept[order]  # slot indices (token * top_k + choice) in the order they are sent
         send_counts = torch.bincount(kept_expert, minlength=moe.n_experts).view(ep, local)
         recv_counts = exchange_counts(send_counts, self.group)  # [source rank, local expert]
-        send_splits, recv_splits = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        # one host sync for every count the dispatch needs: the split sizes and the packed queue's capacity
+        send_table, recv_table = torch.stack([send_counts, recv_counts]).tolist()
+        send_splits, recv_splits = [sum(r) for r in send_table], [sum(r) for r in recv_table]
         rows = x[sent // moe.top_k]
         if torch.is_autocast_enabled(x.device.type):  # the experts' matmuls take it in that dtype anyway
             rows = rows.to(torch.get_autocast_dtype(x.device.type))
@@ -94,7 +96,7 @@ class ExpertParallelDispatch:
         expert_offset = (torch.cumsum(recv_counts, 0) - recv_counts).reshape(-1)
         local_expert = block % local
         position = torch.arange(block.numel(), device=x.device) - block_start[block] + expert_offset[block]
-        capacity = max(int(recv_counts.sum(0).max()), 1)
+        capacity = max(max(map(sum, zip(*recv_table, strict=True))), 1)
         packed = received.new_zeros(local, capacity, x.shape[1])
         packed[local_expert, position] = received
         result = moe.experts_forward(packed)[local_expert, position]

@@ -21,6 +21,7 @@ Sends are asynchronous and waited for at the end of the step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -50,8 +51,10 @@ def consumer_stage(kind: str, stage: int) -> int:
     return stage + 1 if kind == "F" else stage - 1
 
 
-def message_plan(schedule: Schedule) -> list[Message]:
-    """Every message that crosses ranks in one step of `schedule`, in the global order described above."""
+@lru_cache(maxsize=64)
+def message_plan(schedule: Schedule) -> tuple[Message, ...]:
+    """Every message that crosses ranks in one step of `schedule`, in the global order described above (built
+    once per schedule: every step of a run replays the same plan)."""
     sim = simulate(schedule, t_f=1.0, t_b=1.0, t_w=1.0)
     n, where = schedule.n_stages, schedule.stage_rank
     messages = []
@@ -62,7 +65,7 @@ def message_plan(schedule: Schedule) -> list[Message]:
             src, dst = where[a.stage], where[consumer_stage(a.kind, a.stage)]
             if src != dst:
                 messages.append(Message(a.kind, a.micro_batch, a.stage, src, dst))
-    return sorted(messages, key=lambda m: (sim.end[m.key], m.src, m.kind, m.micro_batch, m.stage))
+    return tuple(sorted(messages, key=lambda m: (sim.end[m.key], m.src, m.kind, m.micro_batch, m.stage)))
 
 
 class PointToPoint:

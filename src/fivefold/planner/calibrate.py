@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fivefold.config import ConfigError
+from fivefold.config import ConfigError, write_text_atomic
 from fivefold.planner.hardware import COLLECTIVES
 
 KIB = 1024
@@ -772,10 +772,12 @@ def fit_link(rows: list[list[float]], size: int) -> tuple[float, float]:
 
 def profile_tables(results: dict[int, Result], device_type: str, threads: int, nproc: int, name: str) -> dict:
     """The TOML tables of a profile: top level from one rank, [ranks.N] from N ranks."""
+    from fivefold.planner.predict import default_hardware
+
     one = results[1]
     cpu = device_type == "cpu"
     best = max(r[3] for r in one.linear)
-    top: dict = {"name": name, "base": "cpu" if cpu else _accelerator_preset()}
+    top: dict = {"name": name, "base": default_hardware(device_type).name}
     if cpu:
         top["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         top["threads_per_rank"] = threads
@@ -811,19 +813,6 @@ def _compute_fields(r: Result) -> dict:
               "optimizer_gbps": r.optimizer_gbps, "optimizer_tensor_us": r.optimizer_tensor_us,
               "linear": r.linear, "attention": r.attention, "loss": r.loss, "elementwise": r.elementwise}
     return {k: v for k, v in fields.items() if v != []}
-
-
-def _accelerator_preset() -> str:
-    from fivefold.hardware import HARDWARE
-
-    if torch.accelerator.is_available():
-        acc = torch.accelerator.current_accelerator()
-        module = torch.get_device_module(acc.type)
-        name = module.get_device_name() if hasattr(module, "get_device_name") else ""
-        for hw in HARDWARE.values():
-            if any(m.lower() in name.lower() for m in hw.match):
-                return hw.name
-    return "h100"
 
 
 def _number(x: float) -> str:
@@ -888,7 +877,7 @@ def calibrate(args: argparse.Namespace) -> tuple[Path, dict[int, Result], float]
     # named after the file, never like a built-in profile (a store's predictions name the profile they used)
     name = out.stem if out.stem.lower() not in PRESETS else f"{out.stem}-calibrated"
     tables = profile_tables(results, device_type, args.threads, levels[-1], name)
-    out.write_text(to_toml(tables, header))
+    write_text_atomic(out, to_toml(tables, header))
     return out, results, seconds
 
 

@@ -71,16 +71,15 @@ def all_to_all(nbytes: float, size: int, stride: int, hw: Cluster) -> float:
     return _time("all_to_all", nbytes, size, stride, hw)
 
 
+def send_recv(nbytes: float, stride: int, hw: Cluster) -> float:
+    """A send/recv pair between ranks `stride` apart: one step of a ring (context parallel's K/V, every member
+    sending to the next while receiving from the previous), or a pipeline stage's hand-over."""
+    return _time("p2p", nbytes, 2, stride, hw)
+
+
 def p2p(nbytes: float, lay: Layout, hw: Cluster) -> float:
     """Send between neighbouring pipeline stages: pp is the outermost axis."""
-    inner = lay.tp * lay.cp * lay.dp
-    return _time("p2p", nbytes, 2, inner, hw)
-
-
-def ring_step(nbytes: float, stride: int, hw: Cluster) -> float:
-    """One step of a ring (context parallel's K/V): every member sends `nbytes` to the next and receives as
-    many from the previous at once, as a send/recv pair."""
-    return _time("p2p", nbytes, 2, stride, hw)
+    return send_recv(nbytes, strides(lay)["pp"], hw)
 
 
 def strides(lay: Layout) -> dict[str, int]:

@@ -14,9 +14,11 @@ from pathlib import Path
 import torch
 
 from fivefold.config import Config
+from fivefold.hardware import device_hardware
 from fivefold.planner.hardware import Cluster, get_cluster
 from fivefold.planner.layout import FIVEFOLD, FIVEFOLD_CPU, Layout
 from fivefold.planner.search import Estimate, estimate
+from fivefold.train.engine import resolve_device, use_bf16
 
 
 def layout_of(cfg: Config) -> Layout:
@@ -28,27 +30,18 @@ def layout_of(cfg: Config) -> Layout:
 
 
 def compute_dtype(cfg: Config, device_type: str) -> str:
-    """bf16 or fp32, as the engine resolves `train.dtype` on this kind of device."""
-    if cfg.train.dtype != "auto":
-        return cfg.train.dtype
-    return "fp32" if device_type == "cpu" else "bf16"
+    """bf16 or fp32, as the engine resolves `train.dtype` on this kind of device (`use_bf16`)."""
+    return "bf16" if use_bf16(cfg, device_type) else "fp32"
 
 
 def default_hardware(device_type: str) -> Cluster:
     """The built-in profile for the kind of device that runs: the preset whose name matches this machine's
     accelerator, `h100` for an accelerator not in the table, `cpu` on CPU."""
-    from fivefold.hardware import HARDWARE
-
     if device_type == "cpu":
         return get_cluster("cpu")
-    name = ""
-    if torch.accelerator.is_available():
-        module = torch.get_device_module(device_type)
-        name = module.get_device_name() if hasattr(module, "get_device_name") else ""
-    for hw in HARDWARE.values():
-        if any(m.lower() in name.lower() for m in hw.match):
-            return get_cluster(hw.name)
-    return get_cluster("h100")
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    hw = device_hardware(acc) if acc is not None else None
+    return get_cluster(hw.name if hw is not None else "h100")
 
 
 def load_hardware(file: str | Path | None, device_type: str) -> Cluster:
@@ -61,10 +54,7 @@ def load_hardware(file: str | Path | None, device_type: str) -> Cluster:
 def estimate_run(cfg: Config, hardware: Cluster, device_type: str | None = None) -> Estimate:
     """The planner's `Estimate` of `cfg` with fivefold's settings for the precision it computes in."""
     if device_type is None:
-        device_type = cfg.train.device.split(":")[0]
-        if device_type == "auto":
-            acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-            device_type = acc.type if acc is not None else "cpu"
+        device_type = resolve_device(cfg.train.device).type
     framework = FIVEFOLD_CPU if compute_dtype(cfg, device_type) == "fp32" else FIVEFOLD
     return estimate(cfg.model, cfg.train.seq_len, layout_of(cfg), framework, hardware, True)
 

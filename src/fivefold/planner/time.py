@@ -37,6 +37,13 @@ def _weighted_eff(gemms: list[tuple[float, float, float]], ab: int, hw: Cluster)
     return sum(flops) / time
 
 
+def exposed(comm_time: float, compute_time: float, overlap: float) -> float:
+    """What a collective adds to a step when `compute_time` of compute runs beside it and a share `overlap` of
+    it can hide behind compute (1 on GPUs with their own communication engines, ~0 where the same CPU cores
+    compute and communicate)."""
+    return overlap * max(0.0, comm_time - compute_time) + (1 - overlap) * comm_time
+
+
 @dataclass
 class StageTimes:
     f: list[float]  # forward per micro-batch, per global stage
@@ -150,13 +157,12 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     t_cp_f = t_cp_b = 0.0
     if lay.cp > 1:
         kv_bytes = tokens * 2 * kv * d * ab
-        ring = (lay.cp - 1) * comm.ring_step(kv_bytes * 2, st["cp"], hw)
-        grad_ring = lay.cp * comm.ring_step(kv_bytes / ab * 4 * 2, st["cp"], hw)
+        ring = (lay.cp - 1) * comm.send_recv(kv_bytes * 2, st["cp"], hw)
+        grad_ring = lay.cp * comm.send_recv(kv_bytes / ab * 4 * 2, st["cp"], hw)
         # hidden behind the blocks' attention in proportion to the measured overlap (none where the same cores
         # compute and communicate)
-        ov = hw.comm_overlap
-        t_cp_f = ov * max(0.0, ring - attn_f) + (1 - ov) * ring
-        t_cp_b = ov * max(0.0, ring + grad_ring - attn_b) + (1 - ov) * (ring + grad_ring)
+        t_cp_f = exposed(ring, attn_f, hw.comm_overlap)
+        t_cp_b = exposed(ring + grad_ring, attn_b, hw.comm_overlap)
         # each shift is posted before compute and waited for after it: what that costs beyond both, as measured
         wait = hw.posted_p2p_wait_us * 1e-6
         t_cp_f += (lay.cp - 1) * wait
@@ -261,7 +267,7 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
         last_bucket = t_dp * min(1.0, bucket / max(red_bytes, 1.0))
         window = sum(times.b[s] + times.w[s] for s in range(len(times.f)) if _rank_of(s, lay) == 0) if lay.pp > 1 \
             else times.b[0] + times.w[0]
-        t_dp_exposed = overlap * (max(0.0, t_dp - window) + last_bucket) + (1 - overlap) * t_dp
+        t_dp_exposed = exposed(t_dp, window, overlap) + overlap * last_bucket
     else:
         t_dp_exposed = 0.0
     if cfg.tied_embeddings and lay.pp > 1 and _rank_of(len(times.f) - 1, lay) != 0:
@@ -278,7 +284,7 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
         block = param_full / n_layers
         ag = comm.all_gather(block, dpc, st["dpcp"], hw)
         per_block = (times.f[0] + times.b[0] + times.w[0]) / n_layers
-        t_gather = lay.grad_acc * n_layers * 2 * (overlap * max(0.0, ag - per_block / 3) + (1 - overlap) * ag)
+        t_gather = lay.grad_acc * n_layers * 2 * exposed(ag, per_block / 3, overlap)
         # what each unit (the blocks and the root) costs per micro-batch beyond its collectives, as measured
         t_gather += lay.grad_acc * (n_layers + 1) * hw.zero3_unit_us * 1e-6
     # the optimizer step streams parameters, gradients and states once, plus a fixed cost per tensor

@@ -37,9 +37,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def use_bf16(cfg: Config, device: torch.device) -> bool:
-    """bf16 autocast (fp32 master weights) on accelerators by default, fp32 on CPU."""
-    return cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and device.type != "cpu")
+def use_bf16(cfg: Config, device: torch.device | str) -> bool:
+    """bf16 autocast (fp32 master weights) on accelerators by default, fp32 on CPU (`device`: a device or its
+    type)."""
+    kind = device if isinstance(device, str) else device.type
+    return cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and kind != "cpu")
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -115,12 +117,13 @@ class Engine:
     ):
         total = torch.zeros((), device=self.device)
         drops = []
+        capacity = self.cfg.model.capacity_factor > 0  # only capacity-based routing drops, so only it is logged
         for i, (inputs, targets) in enumerate(micro_batches):
             with self.micro_batch_context(i, len(micro_batches)):
                 loss, loss_sum = self.micro_batch_loss(inputs, targets, global_tokens)
                 loss.backward()
             total += loss_sum
-            drop = self.model.moe_drop_fraction()
+            drop = self.model.moe_drop_fraction() if capacity else None
             if drop is not None:
                 drops.append(drop.detach())
         self.drop_fraction = torch.stack(drops).mean() if drops else None
@@ -128,8 +131,8 @@ class Engine:
 
     def moe_drop_fraction(self) -> float | None:
         """Fraction of routed slots that capacity-based routing dropped in the last step (mean over the MoE
-        layers and micro-batches; over the ranks under data, context or expert parallel), or None for a dense
-        model. Collective in the parallel engine."""
+        layers and micro-batches; over the ranks under data, context or expert parallel), or None without
+        capacity-based routing (a dense or dropless model). Collective in the parallel engine."""
         return None if self.drop_fraction is None else float(self.drop_fraction)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:

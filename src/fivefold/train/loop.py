@@ -6,7 +6,6 @@ Every check that can fail (config, data, run directory, checkpoint) runs before 
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from fivefold.config import (
     build_config,
     dump_toml,
     load_file,
+    write_text_atomic,
 )
 from fivefold.flops import training_flops_per_token
 from fivefold.train import checkpoint as ckpt
@@ -29,6 +29,7 @@ from fivefold.train.engine import Engine, create_engine, resolve_device
 from fivefold.train.metrics import (
     MetricsWriter,
     Throughput,
+    gather_ints,
     peak_memory_bytes,
     resolve_peak_tflops,
     step_record,
@@ -175,9 +176,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
     config_toml = dump_toml(cfg)
     if engine.is_logging_rank:
         run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = run_dir / "config.toml.tmp"
-        tmp.write_text(config_toml)
-        os.replace(tmp, run_dir / "config.toml")
+        write_text_atomic(run_dir / "config.toml", config_toml)
         if loaded:
             truncate_metrics(run_dir, start)
     writer = MetricsWriter(run_dir, t.max_steps, cfg.log.progress if engine.is_logging_rank else "none",
@@ -240,7 +239,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
                 profiler.step()
             if done % cfg.log.log_every == 0 or done == t.max_steps or done == stop_after:
                 loss = engine.reduce_for_logging(loss_sum).item() / global_tokens
-                drop = engine.moe_drop_fraction() if cfg.model.capacity_factor > 0 else None
+                drop = engine.moe_drop_fraction()  # None but under capacity-based MoE routing
                 synchronize(device)
                 memory = per_rank_peak_memory(device)
                 record = step_record(done, loss, lr, float(grad_norm), throughput.report(), engine.n_devices,
@@ -277,13 +276,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
 
 def per_rank_peak_memory(device: torch.device) -> list[int]:
     """Peak memory of every rank (one collective when distributed), in rank order."""
-    mine = peak_memory_bytes(device)
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return [mine]
-    values = torch.zeros(torch.distributed.get_world_size(), dtype=torch.int64, device=device)
-    values[torch.distributed.get_rank()] = mine
-    torch.distributed.all_reduce(values)
-    return values.tolist()
+    return [v[0] for v in gather_ints([peak_memory_bytes(device)], device)]
 
 
 def _last_finite(values: list[float]) -> float:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import resource
 import sys
 import time
@@ -20,6 +19,7 @@ from typing import Any, TextIO
 
 import torch
 
+from fivefold.config import write_text_atomic
 from fivefold.hardware import device_peak_tflops
 
 
@@ -32,6 +32,16 @@ def peak_memory_bytes(device: torch.device) -> int:
             return int(module.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def gather_ints(values: list[int], device: torch.device) -> list[list[int]]:
+    """Every rank's `values`, in rank order (one collective; this rank's alone when not distributed)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return [values]
+    out = torch.zeros(torch.distributed.get_world_size(), len(values), dtype=torch.int64, device=device)
+    out[torch.distributed.get_rank()] = torch.tensor(values, dtype=torch.int64)
+    torch.distributed.all_reduce(out)
+    return out.tolist()
 
 
 def synchronize(device: torch.device) -> None:
@@ -157,6 +167,4 @@ def truncate_metrics(run_dir: Path, after_step: int) -> None:
                 kept.append(line)
         except json.JSONDecodeError:
             continue  # a line cut short by the kill
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(k + "\n" for k in kept))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(k + "\n" for k in kept))

@@ -118,8 +118,8 @@ def _warm_up_libraries() -> None:
     opt.step()
 
 
-def run_bench(args: argparse.Namespace) -> dict:
-    cfg = bench_config(args)
+def run_bench(args: argparse.Namespace, cfg: Config) -> dict:
+    """Time `cfg` (what `bench_config(args)` built) as `args` says; the result as `--json` prints it."""
     seq = cfg.train.seq_len
     device = resolve_device(cfg.train.device)
     if cfg.train.threads:
@@ -271,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
         from fivefold.parallel import init_distributed
 
         init_distributed(resolve_device(cfg.train.device).type)
-    result = run_bench(args)
+    result = run_bench(args, cfg)
     if dist.is_initialized():
         rank = dist.get_rank()
         dist.destroy_process_group()

@@ -51,10 +51,17 @@ def load_hardware(file: str | Path | None, device_type: str) -> Cluster:
     return default_hardware(device_type)
 
 
+def on_one_node(hardware: Cluster, n_devices: int) -> Cluster:
+    """`hardware` with room for `n_devices` on its node: a local run puts every process on this one."""
+    return dataclasses.replace(hardware, gpus_per_node=max(hardware.gpus_per_node, n_devices))
+
+
 def estimate_run(cfg: Config, hardware: Cluster, device_type: str | None = None) -> Estimate:
     """The planner's `Estimate` of `cfg` with fivefold's settings for the precision it computes in."""
-    if device_type is None:
-        device_type = resolve_device(cfg.train.device).type
+    if device_type is None:  # the config's device kind, as a name (a run that failed may name a device not here)
+        device_type = cfg.train.device.split(":")[0]
+        if device_type == "auto":
+            device_type = resolve_device("auto").type
     framework = FIVEFOLD_CPU if compute_dtype(cfg, device_type) == "fp32" else FIVEFOLD
     return estimate(cfg.model, cfg.train.seq_len, layout_of(cfg), framework, hardware, True)
 

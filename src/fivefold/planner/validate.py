@@ -92,12 +92,11 @@ def read_rows(path: Path) -> list[Row]:
     return rows
 
 
-def read_results(path: Path, hardware_file: str | None) -> list[Row]:
-    """The runs of a `fivefold sweep` store that finished or ran out of memory, with the planner's estimate."""
-    import dataclasses as dc
-
+def read_results(path: Path, hardware_file: str | None) -> tuple[list[Row], list[str]]:
+    """The runs of a `fivefold sweep` store that finished or ran out of memory, with the planner's estimate; and
+    the profiles the sweep itself predicted with that differ from the ones these estimates use."""
     from fivefold.config import config_from_dict
-    from fivefold.planner.predict import compute_dtype, estimate_run, layout_of, load_hardware
+    from fivefold.planner.predict import compute_dtype, estimate_run, layout_of, load_hardware, on_one_node
     from fivefold.sweep.store import StoreError
     from fivefold.sweep.store import read_rows as read_store
 
@@ -105,16 +104,21 @@ def read_results(path: Path, hardware_file: str | None) -> list[Row]:
         stored = read_store(path)
     except StoreError as e:
         raise ConfigError(f"--results: {e}") from None
+    profiles: dict[str, Cluster] = {}  # device kind -> the profile its runs are estimated with
+    other: set[str] = set()
     rows = []
     for r in stored:
+        cfg = config_from_dict(r["config"])
+        device_type = "cpu" if (r.get("device") or cfg.train.device).split(":")[0] == "cpu" else "accelerator"
+        if device_type not in profiles:
+            profiles[device_type] = load_hardware(hardware_file, device_type)
+        hw = profiles[device_type]
+        if r.get("hardware") and r["hardware"] != hw.name:
+            other.add(r["hardware"])
         if r["status"] not in ("ok", "oom"):
             continue
-        cfg = config_from_dict(r["config"])
-        device_type = (r.get("device") or cfg.train.device).split(":")[0]
-        device_type = "cpu" if device_type == "cpu" else "accelerator"
-        hw = load_hardware(hardware_file, device_type)
         if (r.get("nodes") or 1) == 1:  # a local run: every process on one node
-            hw = dc.replace(hw, gpus_per_node=max(hw.gpus_per_node, r["n_devices"]))
+            hw = on_one_node(hw, r["n_devices"])
         ok = r["status"] == "ok"
         framework = "fivefold-cpu" if compute_dtype(cfg, device_type) == "fp32" else "fivefold"
         rows.append(Row(cfg.model, layout_of(cfg), r.get("nodes") or 1, cfg.train.seq_len, ok,
@@ -124,7 +128,7 @@ def read_results(path: Path, hardware_file: str | None) -> list[Row]:
                         estimate_run(cfg, hw, device_type)))
     if not rows:
         raise ConfigError(f"--results {str(path)!r} holds no run that finished or ran out of memory")
-    return rows
+    return rows, sorted(other)
 
 
 def load_profile(path: Path | None) -> tuple[Framework, Cluster]:
@@ -295,21 +299,16 @@ def _cell(m: dict, key: str | None) -> str:
 def run_validate_results(args: argparse.Namespace) -> int:
     """`fivefold plan validate --results FILE`: the same figures on a sweep's own runs."""
     path = Path(args.results)
-    rows = read_results(path, args.hardware)
+    rows, other_profiles = read_results(path, args.hardware)
     result = {"results": metrics(rows, [r.estimate for r in rows])}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     profile = args.hardware or "the built-in profile of the device kind"
     print(f"{path.name}: {len(rows)} runs that finished or ran out of memory, modelled as fivefold with {profile}")
-    if not args.hardware:
-        from fivefold.planner.predict import load_hardware
-        from fivefold.sweep.store import read_rows as read_store
-
-        used = sorted({r["hardware"] for r in read_store(path) if r.get("hardware") and r["hardware"] != load_hardware(
-            None, "cpu" if str(r.get("device") or "").startswith("cpu") else "accelerator").name})
-        if used:
-            print(f"  (the sweep predicted with {', '.join(used)}: pass that profile as --hardware FILE to score it)")
+    if other_profiles and not args.hardware:
+        print(f"  (the sweep predicted with {', '.join(other_profiles)}: pass that profile as --hardware FILE to "
+              "score it)")
     for label, key in _LABELS:
         print(f"{label:34s} {_cell(result['results'], key):>20s}")
     return 0

@@ -139,7 +139,8 @@ def _sigterm_as_interrupt(signum, frame) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fivefold.planner.predict import load_hardware
+    from fivefold.planner.predict import load_hardware, on_one_node
+    from fivefold.train.engine import resolve_device
 
     grid = load_grid(args.grid)
     timeout = args.timeout if args.timeout is not None else grid.timeout
@@ -160,12 +161,11 @@ def run(args: argparse.Namespace) -> int:
     slurm = args.slurm is not None
     # the device kind the runs will use: this machine's, or an accelerator on the SLURM cluster
     device_type = "accelerator" if slurm else None
-    hardware = load_hardware(args.hardware, _machine_device_type() if not slurm else "accelerator")
+    hardware = load_hardware(args.hardware, resolve_device("auto").type if not slurm else "accelerator")
     if slurm:
         hardware = dataclasses.replace(hardware, gpus_per_node=args.gpus_per_node)
     elif plans:  # local runs share this one node
-        hardware = dataclasses.replace(hardware, gpus_per_node=max(hardware.gpus_per_node,
-                                                                  max(p.n_devices for p in plans)))
+        hardware = on_one_node(hardware, max(p.n_devices for p in plans))
     if args.dry_run and not results.exists():
         results = Path(":memory:")  # list the plan without creating the store
     try:
@@ -176,11 +176,9 @@ def run(args: argparse.Namespace) -> int:
         return _sweep(args, grid, plans, dropped, store, runs, timeout, retry, hardware, device_type, slurm)
 
 
-def _machine_device_type() -> str:
-    import torch
-
-    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    return acc.type if acc is not None else "cpu"
+def _recorded(status: str | None, retry: tuple[str, ...]) -> bool:
+    """A run that the store holds and that is not to be run again."""
+    return status is not None and status != "invalid" and status not in retry
 
 
 def _sweep(args, grid, plans: list[PlannedRun], dropped: dict[str, int], store: Store, runs: Path, timeout: float,
@@ -192,8 +190,7 @@ def _sweep(args, grid, plans: list[PlannedRun], dropped: dict[str, int], store: 
     too_big: list[PlannedRun] = []
     done = 0
     for plan in plans:
-        status = stored.get(plan.key)
-        if status is not None and status != "invalid" and status not in retry:
+        if _recorded(stored.get(plan.key), retry):
             done += 1
         elif plan.invalid is not None:
             invalid.append(plan)
@@ -230,8 +227,8 @@ def _sweep(args, grid, plans: list[PlannedRun], dropped: dict[str, int], store: 
     previous = {sig: signal.signal(sig, _sigterm_as_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         for plan in todo:
-            status = store.status(plan.key)  # another sweep on the same file may have finished it meanwhile
-            if status is not None and status != "invalid" and status not in retry:
+            # another sweep on the same file may have finished it meanwhile
+            if _recorded(store.status(plan.key), retry):
                 progress.total -= 1
                 print(f"  already recorded by another sweep: {plan.label}", file=out)
                 continue

@@ -29,11 +29,10 @@ config and the measurement protocol (steps, warm-up).
 from __future__ import annotations
 
 import copy
-import dataclasses
 import hashlib
 import itertools
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +65,6 @@ class PlannedRun:
     model: str
     n_devices: int
     invalid: str | None = None
-    axes: dict[str, Any] = field(default_factory=dict)  # the grid values that made this run
 
     @property
     def micro_batch_size(self) -> int:
@@ -206,13 +204,10 @@ def expand(grid: Grid) -> tuple[list[PlannedRun], dict[str, int]]:
                     invalid = str(e)
                 model = cfg.model.name + "".join(f" {k.split('.', 1)[1]}={overrides[k]}" for k in varying)
                 key = run_key(cfg, grid.steps, grid.warmup)
-                axes_used = {k: overrides[k] for k, v in axes if len(v) > 1}
-                if n is not None:
-                    axes_used["devices"] = n
                 label = f"{model} | {layout_label(cfg)}"
-                runs.setdefault(key, PlannedRun(cfg, key, label, model, cfg.layout.world_size, invalid, axes_used))
+                runs.setdefault(key, PlannedRun(cfg, key, label, model, cfg.layout.world_size, invalid))
     return list(runs.values()), dropped
 
 
 def config_json(cfg: Config) -> str:
-    return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+    return json.dumps(cfg.to_dict(), sort_keys=True)

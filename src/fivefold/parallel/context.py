@@ -35,6 +35,7 @@ from torch import nn
 from fivefold.config import ConfigError
 from fivefold.models.llama import MoE
 from fivefold.parallel.attention_ops import attention_backward, attention_forward
+from fivefold.parallel.tensor_comm import all_gather, all_reduce
 
 LAYOUTS = ("zigzag", "contiguous")
 _KV_TAG, _GRAD_TAG = 1, 2  # two transfers may be in flight to the same neighbour at once
@@ -309,15 +310,11 @@ class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
+        return all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return all_reduce(grad, ctx.group), None
 
 
 class ContextParallelLoadBalancing:
@@ -330,8 +327,7 @@ class ContextParallelLoadBalancing:
         self.moe, self.group = moe, group
 
     def __call__(self, slot_counts: torch.Tensor, prob_sums: torch.Tensor, tokens: int) -> torch.Tensor:
-        counts = slot_counts.clone()
-        dist.all_reduce(counts, group=self.group)
+        counts = all_reduce(slot_counts, self.group)
         sums = _AllReduceSum.apply(prob_sums, self.group)
         return MoE.load_balancing_loss(self.moe, counts, sums, tokens * dist.get_world_size(self.group))
 
@@ -340,17 +336,15 @@ class ContextParallelExpertSlots:
     """Replacement of `MoE.expert_slots` for capacity-based routing: an expert's queue holds the tokens of the
     whole sequences in order, so each rank all-gathers the expert choices of the micro-batch (top_k integers
     per token) over the cp group, computes the single-process queue positions and capacity, and keeps its
-    own tokens' positions. Dropless routing needs no positions beyond the rank's own."""
+    own tokens' positions. Installed for capacity-based routing only: dropless routing needs no positions
+    beyond the rank's own."""
 
     def __init__(self, moe: MoE, group: dist.ProcessGroup, layout: str = "zigzag") -> None:
         self.moe, self.group, self.layout = moe, group, layout
 
     def __call__(self, flat_expert: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
-        if self.moe.capacity_factor == 0:
-            return MoE.expert_slots(self.moe, flat_expert, rows)
         cp, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        gathered = flat_expert.new_empty(cp * flat_expert.numel())
-        dist.all_gather_single(gathered, flat_expert.contiguous(), group=self.group)
+        gathered = all_gather(flat_expert, 0, self.group)
         shards = list(gathered.view(cp, rows, -1, self.moe.top_k))
         whole = unshard_sequence(shards, self.layout, dim=1)
         slot, capacity = MoE.expert_slots(self.moe, whole.reshape(-1), rows)
@@ -367,5 +361,6 @@ def apply_context_parallel(model: nn.Module, cp_group: dist.ProcessGroup, layout
         block.attn.core = RingAttentionCore(cp_group, layout)
         if isinstance(block.mlp, MoE):
             block.mlp.load_balancing_loss = ContextParallelLoadBalancing(block.mlp, cp_group)
-            block.mlp.expert_slots = ContextParallelExpertSlots(block.mlp, cp_group, layout)
+            if block.mlp.capacity_factor > 0:  # dropless routing needs no positions beyond the rank's own
+                block.mlp.expert_slots = ContextParallelExpertSlots(block.mlp, cp_group, layout)
     return model

@@ -34,6 +34,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from fivefold.parallel.tensor_comm import all_gather_into, reduce_scatter_into
+
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # 25 MiB, as DDP and nanotron
 
 
@@ -160,7 +162,7 @@ class BucketedDataParallel:
             return
         lo, hi = self.shard_range(bucket)
         out = torch.empty(hi - lo, dtype=bucket.grad_dtype, device=bucket.grad.device)
-        bucket.work.append((dist.reduce_scatter_single(out, bucket.grad, group=self.group, async_op=True), out))
+        bucket.work.append((reduce_scatter_into(out, bucket.grad, group=self.group, async_op=True), out))
 
     def end_micro_batch(self) -> None:
         """After one micro-batch's backward: reduce what the hooks did not (unused parameters), wait, and for
@@ -217,8 +219,7 @@ class BucketedDataParallel:
         """ZeRO-1/2: all-gather the updated slices into every rank's full parameters; zero the gradients."""
         for bucket in self.buckets:
             if self.zero >= 1:
-                dist.all_gather_single(bucket.flat_params, bucket.shard.detach().reshape(-1).clone(),
-                                            group=self.group)
+                all_gather_into(bucket.flat_params, bucket.shard.detach().reshape(-1).clone(), group=self.group)
                 bucket.shard.grad = None
             else:
                 for p in bucket.params:

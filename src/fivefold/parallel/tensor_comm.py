@@ -27,12 +27,13 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 SEQ_DIM = 1
-# the single-tensor collectives' new names (torch >= 2.13), the old ones before
-_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_scatter_from = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# the single-tensor collectives under their new names (torch >= 2.13), the old ones before (2.11 on the GPU
+# machines): every caller in fivefold goes through these two
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _all_reduce(x: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> (
+def all_reduce(x: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> (
     torch.Tensor
 ):
     out = x.clone(memory_format=torch.contiguous_format)
@@ -40,15 +41,15 @@ def _all_reduce(x: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpTyp
     return out
 
 
-def _all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+def all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     size = dist.get_world_size(group)
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] * size, *front.shape[1:]))
-    _gather_into(out, front, group=group)
+    all_gather_into(out, front, group=group)
     return out.movedim(0, dim)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
     size = dist.get_world_size(group)
     if x.shape[dim] % size:
         raise ValueError(
@@ -57,7 +58,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Ten
         )
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
-    _scatter_from(out, front, group=group)
+    reduce_scatter_into(out, front, group=group)
     return out.movedim(0, dim)
 
 
@@ -70,13 +71,13 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_reduce(grad, ctx.group), None
+        return all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        return _all_reduce(x, group)
+        return all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -87,22 +88,22 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        return _all_gather(x, SEQ_DIM, group)
+        return all_gather(x, SEQ_DIM, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter(grad, SEQ_DIM, ctx.group), None
+        return reduce_scatter(grad, SEQ_DIM, ctx.group), None
 
 
 class _ScatterSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        return _reduce_scatter(x, SEQ_DIM, group)
+        return reduce_scatter(x, SEQ_DIM, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_gather(grad, SEQ_DIM, ctx.group), None
+        return all_gather(grad, SEQ_DIM, ctx.group), None
 
 
 class _GradOnFirstRank(torch.autograd.Function):
@@ -124,7 +125,7 @@ class _GatherLinears(torch.autograd.Function):
         # autocast does not reach into backward: fix the matmul dtype here and reuse it there
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         with torch.autocast(device, enabled=False):
-            x_full = _all_gather(x.to(dtype), SEQ_DIM, group)
+            x_full = all_gather(x.to(dtype), SEQ_DIM, group)
             outs = tuple(x_full @ w.to(dtype).t() for w in weights)
         ctx.group, ctx.dtype, ctx.queue, ctx.params = group, dtype, queue, params
         ctx.save_for_backward(x, *weights)  # the local slice only: the gathered input is rebuilt in backward
@@ -135,12 +136,12 @@ class _GatherLinears(torch.autograd.Function):
         x, *weights = ctx.saved_tensors
         grads = tuple(grad.to(ctx.dtype) for grad in grads)
         grad_x_full = sum(grad @ w.to(ctx.dtype) for grad, w in zip(grads, weights, strict=True))
-        grad_x = _reduce_scatter(grad_x_full, SEQ_DIM, ctx.group).to(x.dtype)
+        grad_x = reduce_scatter(grad_x_full, SEQ_DIM, ctx.group).to(x.dtype)
         gathered: list[torch.Tensor] = []
 
         def x_rows() -> torch.Tensor:  # gathered once, for all the weights that share the input
             if not gathered:
-                x_full = _all_gather(x.to(ctx.dtype), SEQ_DIM, ctx.group)
+                x_full = all_gather(x.to(ctx.dtype), SEQ_DIM, ctx.group)
                 gathered.append(x_full.reshape(-1, x_full.shape[-1]))
             return gathered[0]
 

@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fivefold.config import ConfigError, write_text_atomic
+from fivefold.parallel.tensor_comm import all_gather_into, reduce_scatter_into
 from fivefold.planner.hardware import COLLECTIVES
 
 KIB = 1024
@@ -444,14 +445,6 @@ def measure_optimizer(clock: Clock, numel: int, say) -> tuple[float, float]:
 # Collectives
 
 
-def _gather_into():
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _scatter_from():
-    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 def measure_collectives(clock: Clock, world: int, rank: int, plan: Plan, say,
                         reverse: bool = False) -> dict[str, dict[int, list]]:
     """Seconds per call by kind, group size and message bytes (the buffer each rank contributes for all-reduce
@@ -477,10 +470,10 @@ def measure_collectives(clock: Clock, world: int, rank: int, plan: Plan, say,
                         return dist.all_reduce(full, group=group)
                 elif kind == "all_gather":
                     def call(full=full, part=part, group=group):
-                        return _gather_into()(full, part, group=group)
+                        return all_gather_into(full, part, group=group)
                 elif kind == "reduce_scatter":
                     def call(full=full, part=part, group=group):
-                        return _scatter_from()(part, full, group=group)
+                        return reduce_scatter_into(part, full, group=group)
                 elif kind == "all_to_all":
                     def call(full=full, other=other, group=group):
                         return dist.all_to_all_single(other, full, group=group)

@@ -211,9 +211,7 @@ class BucketedDataParallel:
                 for index, p in enumerate(bucket.params):
                     p.grad = bucket.grad_view(index).to(p.dtype)
                 continue
-            lo, hi = self.shard_range(bucket)
-            g = bucket.grad[lo:hi] if self.zero == 1 else bucket.shard_grad
-            bucket.shard.grad = g.to(bucket.shard.dtype).view_as(bucket.shard)
+            bucket.shard.grad = self.reduced_grad(bucket).to(bucket.shard.dtype).view_as(bucket.shard)
 
     def after_step(self) -> None:
         """ZeRO-1/2: all-gather the updated slices into every rank's full parameters; zero the gradients."""

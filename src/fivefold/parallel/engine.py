@@ -157,10 +157,8 @@ class ParallelEngine(Engine):
             state.pop("lm_head.weight", None)
         return state
 
-    @torch.no_grad()
-    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        if self.cfg.model.tied_embeddings:
-            state = {**state, "lm_head.weight": state["embed.weight"]}
+    def _sharded_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's tp and ep shards of a plain state (the reverse of `_gathered_state`)."""
         if self.tp_size > 1:
             from fivefold.parallel.tensor import shard_state
 
@@ -169,6 +167,13 @@ class ParallelEngine(Engine):
             from fivefold.parallel.expert import shard_expert_state
 
             state = shard_expert_state(state, self.ep_rank, self.ep_size)
+        return state
+
+    @torch.no_grad()
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        if self.cfg.model.tied_embeddings:
+            state = {**state, "lm_head.weight": state["embed.weight"]}
+        state = self._sharded_state(state)
         if isinstance(self.data_parallel, FullyShardedDataParallel):
             own = self.model.state_dict()
             missing = set(own) ^ set(state)
@@ -323,6 +328,7 @@ class PipelineEngine(ParallelEngine):
                                       self) for s, m in stages.items()}
         # gradient accumulations of each parameter per micro-batch: 2 for a weight tied on one rank (DualPipeV)
         self.uses = collections.Counter(id(p) for m in stages.values() for p in m.parameters())
+        self.expected_micro_batches = 0  # the micro-batch count the buckets' expectations were set for
         tied = {id(p) for m in stages.values() for n, p in m.named_parameters() if n in tied_bucket_names}
         self.tied_buckets = [b for b in data_parallel.buckets if any(id(p) in tied for p in b.params)]
         if self.pp_rank != self.placement[0]:  # the output layer's copy: the first rank counts it in the norm
@@ -367,7 +373,9 @@ class PipelineEngine(ParallelEngine):
         m = len(micro_batches)
         for dp in self.data_parallels:
             dp.sync = True
-            dp.expect_accumulations(lambda p: m * self.uses[id(p)])
+            if m != self.expected_micro_batches:  # the buckets' completion counts depend on m only
+                dp.expect_accumulations(lambda p: m * self.uses[id(p)])
+        self.expected_micro_batches = m
         total = self._run(micro_batches, global_tokens, training=True)
         for dp in self.data_parallels:
             dp.end_micro_batch()  # reduce what the hooks did not start, and wait
@@ -432,15 +440,7 @@ class PipelineEngine(ParallelEngine):
         missing = set(own) - set(state)
         if missing:
             raise KeyError(f"model state lacks {sorted(missing)}")
-        state = {name: state[name] for name in own}
-        if self.tp_size > 1:
-            from fivefold.parallel.tensor import shard_state
-
-            state = shard_state(state, self.tp_rank, self.tp_size)
-        if self.ep_size > 1:
-            from fivefold.parallel.expert import shard_expert_state
-
-            state = shard_expert_state(state, self.ep_rank, self.ep_size)
+        state = self._sharded_state({name: state[name] for name in own})
         for m in self.stages.values():  # copies in place: bucket views stay views
             m.load_state_dict({name: state[name] for name in m.state_dict()}, strict=True)
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -201,7 +202,7 @@ class Clock:
         return float(t.item())
 
     def _cpu_group(self):
-        return None if self.device.type == "cpu" else _cpu_group_cache.setdefault("g", dist.new_group(backend="gloo"))
+        return None if self.device.type == "cpu" else _group_cache.setdefault("g", dist.new_group(backend="gloo"))
 
     def barrier(self) -> None:
         if self.group_size > 1:
@@ -236,7 +237,7 @@ class Clock:
         return [lower_quartile(row.tolist()) for row in samples]
 
 
-_cpu_group_cache: dict = {}
+_group_cache: dict = {}  # process groups of this calibration run: "g" (gloo beside nccl), "sizes" (by size)
 
 
 def lower_quartile(samples: list[float]) -> float:
@@ -263,23 +264,27 @@ def _forward_backward(clock: Clock, make: Callable[[], tuple[Callable[[], torch.
     """Seconds of a call with autograd recording, and of its backward, over rotating operand sets: `make()`
     returns one set, (the call, the leaves it differentiates, the output gradient)."""
     sets = [make() for _ in range(operand_sets(set_bytes))]
+    forward_sets, backward_sets = itertools.cycle(sets), itertools.cycle(sets)
     out: list[torch.Tensor] = []
-    turn = [0, 0]
 
     def forward() -> None:
-        fn, leaves, _ = sets[turn[0] % len(sets)]
-        turn[0] += 1
+        fn, leaves, _ = next(forward_sets)
         for t in leaves:
             t.grad = None
         out.append(fn())
 
     def backward() -> None:
-        grad = sets[turn[1] % len(sets)][2]
-        turn[1] += 1
-        out.pop().backward(grad)
+        out.pop().backward(next(backward_sets)[2])
 
     fwd, bwd = clock.time(forward, backward)
     return fwd, bwd
+
+
+def _tflops(clock: Clock, make, set_bytes: int, flops: float) -> list[float]:
+    """[forward, backward] TFLOP/s of a call doing `flops` forward (twice that backward), timed as
+    `_forward_backward` times it."""
+    fwd, bwd = _forward_backward(clock, make, set_bytes)
+    return [flops / fwd / 1e12, 2 * flops / bwd / 1e12]
 
 
 def two_passes(measure: Callable[[list], list[list[float]]], shapes: list, keys: int, passes: int) -> list[list[float]]:
@@ -302,10 +307,7 @@ def measure_linear(clock: Clock, shapes, dtype: torch.dtype, say) -> list[list[f
             g = torch.randn(1, m, n, device=clock.device, dtype=dtype)
             return (lambda: F.linear(x, w)), [x, w], g
 
-        size = torch.finfo(dtype).bits // 8
-        fwd, bwd = _forward_backward(clock, make, 2 * (m * k + n * k + m * n) * size)
-        flops = 2 * m * n * k
-        rows.append([m, n, k, flops / fwd / 1e12, 2 * flops / bwd / 1e12])
+        rows.append([m, n, k, *_tflops(clock, make, 2 * (m * k + n * k + m * n) * dtype.itemsize, 2 * m * n * k)])
         if (i + 1) % 10 == 0 or i + 1 == len(shapes):
             say(f"linear {i + 1}/{len(shapes)} (last {m}x{n}x{k}: forward {rows[-1][3]:.3g}, backward "
                 f"{rows[-1][4]:.3g} TFLOP/s)")
@@ -323,9 +325,8 @@ def measure_attention(clock: Clock, shapes, dtype: torch.dtype, say) -> list[lis
             return (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=h != kvh)), \
                 [q, k, v], g
 
-        fwd, bwd = _forward_backward(clock, make, 2 * b * s * d * (3 * h + 2 * kvh) * (torch.finfo(dtype).bits // 8))
         flops = 2 * b * h * s * s * d  # causal: half of 4 b h s^2 d
-        rows.append([b * h, s, d, flops / fwd / 1e12, 2 * flops / bwd / 1e12])
+        rows.append([b * h, s, d, *_tflops(clock, make, 2 * b * s * d * (3 * h + 2 * kvh) * dtype.itemsize, flops)])
     say(f"attention {len(shapes)} shapes (last {shapes[-1]}: forward {rows[-1][3]:.3g} TFLOP/s)")
     return rows
 
@@ -344,10 +345,10 @@ def measure_loss(clock: Clock, shapes, dtype: torch.dtype, say) -> list[list[flo
             return (lambda: linear_cross_entropy_sum(hidden, weight, targets, m, dtype)), [hidden, weight], \
                 torch.ones((), device=clock.device, dtype=torch.float32)
 
-        fwd, bwd = _forward_backward(clock, make, 2 * (m * k + n * k) * (torch.finfo(dtype).bits // 8))
-        flops = 2 * m * n * k
-        rows.append([m, n, k, flops / fwd / 1e12, 2 * flops / bwd / 1e12])
-    say(f"output layer + loss {len(shapes)} shapes (last {shapes[-1]}: {1e3 * (fwd + bwd):.3g} ms)")
+        rows.append([m, n, k, *_tflops(clock, make, 2 * (m * k + n * k) * dtype.itemsize, 2 * m * n * k)])
+    m, n, k, fwd, bwd = rows[-1]  # TFLOP/s
+    ms = 2 * m * n * k * (1 / fwd + 2 / bwd) / 1e9
+    say(f"output layer + loss {len(shapes)} shapes (last {shapes[-1]}: {ms:.3g} ms)")
     return rows
 
 
@@ -393,15 +394,13 @@ def measure_elementwise(clock: Clock, numels: list[int], dtype: torch.dtype, say
     base = clock.time(lambda: torch.mul(tiny, tiny))[0]
     rows = []
     for n in numels:
-        nbytes = n * (torch.finfo(dtype).bits // 8)
-        pairs = [(torch.randn(n, device=clock.device, dtype=dtype), torch.randn(n, device=clock.device, dtype=dtype))
-                 for _ in range(operand_sets(3 * nbytes))]
-        turn = [0]
+        nbytes = n * dtype.itemsize
+        pairs = itertools.cycle([(torch.randn(n, device=clock.device, dtype=dtype),
+                                  torch.randn(n, device=clock.device, dtype=dtype))
+                                 for _ in range(operand_sets(3 * nbytes))])
 
-        def mul(pairs=pairs, turn=turn) -> None:
-            a, b = pairs[turn[0] % len(pairs)]
-            turn[0] += 1
-            torch.mul(a, b)
+        def mul(pairs=pairs) -> None:
+            torch.mul(*next(pairs))
 
         seconds = clock.time(mul)[0]
         rows.append([nbytes, 3 * nbytes / max(seconds - base, seconds * 0.05) / 1e9])
@@ -445,15 +444,37 @@ def measure_optimizer(clock: Clock, numel: int, say) -> tuple[float, float]:
 # Collectives
 
 
+def _size_groups(world: int, rank: int) -> dict[int, dist.ProcessGroup]:
+    """This rank's group of each size 2..world that divides world (the world / size groups of consecutive ranks
+    run at once, as a layout's groups do); created once per process, every rank in the same order."""
+    if "sizes" not in _group_cache:
+        groups = {}
+        for size in [n for n in range(2, world + 1) if world % n == 0]:
+            every = [dist.new_group(list(range(s, s + size))) for s in range(0, world, size)]
+            groups[size] = every[rank // size]
+        _group_cache["sizes"] = groups
+    return _group_cache["sizes"]
+
+
+def _compute_burst(clock: Clock, dtype: torch.dtype) -> Callable[[], None]:
+    """A few milliseconds of matmuls: the compute that ranks do between communications in the wait timings."""
+    a = torch.randn(128, 384, device=clock.device, dtype=dtype)
+    b = torch.randn(384, 128, device=clock.device, dtype=dtype)
+
+    def compute() -> None:
+        for _ in range(16):
+            a @ b
+
+    return compute
+
+
 def measure_collectives(clock: Clock, world: int, rank: int, plan: Plan, say,
                         reverse: bool = False) -> dict[str, dict[int, list]]:
     """Seconds per call by kind, group size and message bytes (the buffer each rank contributes for all-reduce
     and all-to-all, the full buffer for all-gather and reduce-scatter, one message for send/recv)."""
     out: dict[str, dict[int, list]] = {k: {} for k in plan.kinds}
     device = clock.device
-    for size in [n for n in range(2, world + 1) if world % n == 0]:
-        groups = [dist.new_group(list(range(s, s + size))) for s in range(0, world, size)]
-        group = groups[rank // size]
+    for size, group in _size_groups(world, rank).items():
         peer = rank ^ 1  # send/recv between neighbours
         for kind in plan.kinds:
             if kind == "p2p" and size != 2:
@@ -565,18 +586,10 @@ def measure_collective_wait(clock: Clock, world: int, rank: int, dtype: torch.dt
     """Seconds a blocking collective costs beyond its own time when the ranks compute between calls, as in a
     training step, by group size: a rank reaching the collective waits for its peers, which on shared cores may
     not be running at that moment. (compute, then a 64 KiB all-reduce) - compute alone - the all-reduce alone."""
-    a = torch.randn(128, 384, device=clock.device, dtype=dtype)
-    b = torch.randn(384, 128, device=clock.device, dtype=dtype)
+    compute = _compute_burst(clock, dtype)
     buffer = torch.zeros(16 * KIB, device=clock.device)
     rows = []
-    for size in [n for n in range(2, world + 1) if world % n == 0]:
-        groups = [dist.new_group(list(range(s, s + size))) for s in range(0, world, size)]
-        group = groups[rank // size]
-
-        def compute() -> None:
-            for _ in range(16):
-                a @ b
-
+    for size, group in _size_groups(world, rank).items():
         def communicate(group=group) -> None:
             dist.all_reduce(buffer, group=group)
 
@@ -595,18 +608,13 @@ def measure_posted_p2p_wait(clock: Clock, world: int, rank: int, dtype: torch.dt
     adds beyond the compute and its own time: on shared cores the transfer progresses only when the
     communication thread gets a core. (post a 128 KiB shift around all ranks, compute, wait) - compute - the
     shift alone."""
-    a = torch.randn(128, 384, device=clock.device, dtype=dtype)
-    b = torch.randn(384, 128, device=clock.device, dtype=dtype)
+    compute = _compute_burst(clock, dtype)
     send = torch.zeros(32 * KIB, device=clock.device)
     received = torch.empty_like(send)
 
     def post() -> list:
         return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, (rank + 1) % world),
                                        dist.P2POp(dist.irecv, received, (rank - 1) % world)])
-
-    def compute() -> None:
-        for _ in range(16):
-            a @ b
 
     def shift() -> None:
         for work in post():
@@ -711,6 +719,7 @@ def run_ranks(rank: int, world: int, plan: Plan, port: int, out_path: str) -> No
         Path(out_path).write_text(json.dumps(asdict(result)))
     if world > 1:
         dist.barrier()
+        _group_cache.clear()  # the groups end with the process group
         dist.destroy_process_group()
 
 

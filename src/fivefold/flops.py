@@ -79,10 +79,6 @@ def head_cost_in_layers(cfg: ModelConfig, seq: int) -> float:
     return head / ((training_flops_per_token(cfg, seq) - head) / cfg.n_layers)
 
 
-def split_layers(n_layers: int, stages: int, last_extra: float = 0.0) -> list[int]:
-    return list(_split_layers(n_layers, stages, round(last_extra, 6)))
-
-
 @lru_cache(maxsize=4096)
 def _split_layers(n_layers: int, stages: int, last_extra: float) -> tuple[int, ...]:
     """Layers per pipeline stage, balanced by compute: the last stage also runs the output layer and the loss,
@@ -115,4 +111,5 @@ def _split_layers(n_layers: int, stages: int, last_extra: float) -> tuple[int, .
 def balanced_stage_layers(cfg: ModelConfig, n_stages: int, seq: int) -> list[int]:
     """Blocks per global pipeline stage, in model order, balanced by training FLOPs at sequence length `seq`:
     the last stage also runs the output layer and the loss (`head_cost_in_layers`)."""
-    return split_layers(cfg.n_layers, n_stages, head_cost_in_layers(cfg, seq) if n_stages > 1 else 0.0)
+    extra = round(head_cost_in_layers(cfg, seq), 6) if n_stages > 1 else 0.0  # rounded: a stable cache key
+    return list(_split_layers(cfg.n_layers, n_stages, extra))

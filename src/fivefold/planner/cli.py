@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from fivefold.config import Config, ConfigError, ModelConfig, dump_toml
+from fivefold.config import Config, ConfigError, ModelConfig, dump_toml, write_text_atomic
 from fivefold.planner.layout import FRAMEWORKS, Framework, Layout, parse_layout
 from fivefold.planner.search import SearchSpace, estimate, gib, parse_tokens, search
 
@@ -108,17 +108,17 @@ def _cluster(args: argparse.Namespace):
     return hw
 
 
-def write_config(path: str, cfg: ModelConfig, lay: Layout, seq: int, batch_seqs: int, hw_name: str,
-                 dtype: str | None = None) -> Config:
+def write_config(path: str, cfg: ModelConfig, lay: Layout, seq: int, batch_seqs: int, dtype: str) -> Config:
+    """A `fivefold train` config of `lay` for `cfg`, computing in `dtype` (the framework's precision)."""
     conf = Config()
     conf.model = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, seq))
     conf.layout = lay.to_layout_config()
     conf.train.seq_len = seq
     conf.train.global_batch_size = batch_seqs
-    conf.train.dtype = dtype or ("bf16" if hw_name != "cpu" else "fp32")
+    conf.train.dtype = dtype
     conf.run_dir = f"runs/{cfg.name}-plan"
     conf.validate()
-    Path(path).write_text(f"# written by `fivefold plan` ({lay.short()})\n" + dump_toml(conf))
+    write_text_atomic(path, f"# written by `fivefold plan` ({lay.short()})\n" + dump_toml(conf))
     return conf
 
 
@@ -169,8 +169,7 @@ def run(args: argparse.Namespace) -> int:
         _no_candidates(result, cfg, hw, n_gpus, batch_seqs, args)
         return 2
     if args.write_config:
-        write_config(args.write_config, cfg, result.candidates[0].layout, seq, batch_seqs, hw.name,
-                     fw.compute_dtype)
+        write_config(args.write_config, cfg, result.candidates[0].layout, seq, batch_seqs, fw.compute_dtype)
     if args.json:
         print(json.dumps({"model": cfg.name, "gpus": n_gpus, "hardware": hw.name, "seq_len": seq,
                           "global_batch_tokens": tokens, "evaluated": result.evaluated,

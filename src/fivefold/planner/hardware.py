@@ -118,8 +118,13 @@ class Cluster:
         """Measured forward and backward seconds of a linear layer [m, k] x [k, n], or None without a table."""
         if not self.linear:
             return None
-        f, b = interpolate(self.linear, (m, n, k))
-        flops = 2 * m * n * k
+        return self._table_seconds(self.linear, (m, n, k), 2 * m * n * k)
+
+    def _table_seconds(self, table: tuple[tuple[float, ...], ...], key: tuple[float, float, float],
+                       flops: float) -> tuple[float, float]:
+        """Forward and backward seconds of `flops` forward (twice that backward) at the measured TFLOP/s of the
+        table's rows around `key`."""
+        f, b = interpolate(table, key)
         return self.compute_scale * flops / (f * 1e12), self.compute_scale * 2 * flops / (b * 1e12)
 
     def loss_time(self, tokens: float, vocab: float, hidden: float) -> tuple[float, float] | None:
@@ -127,17 +132,14 @@ class Cluster:
         tokens (its matmuls counted as a linear layer's FLOPs), or None without a table."""
         if not self.loss:
             return None
-        f, b = interpolate(self.loss, (tokens, vocab, hidden))
-        flops = 2 * tokens * vocab * hidden
-        return self.compute_scale * flops / (f * 1e12), self.compute_scale * 2 * flops / (b * 1e12)
+        return self._table_seconds(self.loss, (tokens, vocab, hidden), 2 * tokens * vocab * hidden)
 
     def attention_time(self, batch_heads: float, seq: float, head_dim: float) -> tuple[float, float] | None:
         """Measured forward and backward seconds of causal attention, or None without a table."""
         if not self.attention:
             return None
-        f, b = interpolate(self.attention, (batch_heads, seq, head_dim))
         flops = 2 * batch_heads * seq * seq * head_dim  # causal: half of 4 b h s^2 d
-        return self.compute_scale * flops / (f * 1e12), self.compute_scale * 2 * flops / (b * 1e12)
+        return self._table_seconds(self.attention, (batch_heads, seq, head_dim), flops)
 
     def elementwise_bandwidth(self, tensor_bytes: float) -> float:
         """Bytes/s that element-wise kernels stream on tensors of this size (the HBM bandwidth without a table)."""

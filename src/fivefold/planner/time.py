@@ -251,7 +251,7 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     dpc = lay.dp * lay.cp
     rp = rank_params(cfg, lay, "first")
     elem_bytes = fw.accum_bytes if lay.fp32_grad_accum else fw.grad_bytes
-    red_bytes = (rp.dense + rp.expert) * elem_bytes
+    red_bytes = rp.total * elem_bytes
     bucket = fw.dp_bucket_mib * 2**20
     overlap = hw.comm_overlap  # share of a collective that compute running at once can hide
 

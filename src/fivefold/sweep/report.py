@@ -48,11 +48,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # Figures of merit
 
 
-def abs_errors(rows: list[dict], predicted: str, measured: str) -> list[float]:
-    return [abs(r[predicted] / r[measured] - 1) for r in rows
-            if r.get(predicted) is not None and r.get(measured) and r[measured] > 0]
-
-
 def accuracy(ok: list[dict]) -> dict[str, Any]:
     """Median absolute relative error and Spearman correlation of predicted vs measured step time and memory."""
     from fivefold.planner.validate import spearman
@@ -61,7 +56,7 @@ def accuracy(ok: list[dict]) -> dict[str, Any]:
     for name, predicted, measured in (("step_time", "predicted_step_time_s", "step_time_s"),
                                       ("memory", "predicted_peak_memory_bytes", "peak_memory_bytes")):
         pairs = [(r[predicted], r[measured]) for r in ok if r.get(predicted) is not None and r.get(measured)]
-        errors = abs_errors(ok, predicted, measured)
+        errors = [abs(p / m - 1) for p, m in pairs if m > 0]
         out[name] = {
             "runs": len(pairs),
             "median_abs_error": statistics.median(errors) if errors else None,

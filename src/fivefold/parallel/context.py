@@ -327,8 +327,8 @@ class ContextParallelLoadBalancing:
         self.moe, self.group = moe, group
 
     def __call__(self, slot_counts: torch.Tensor, prob_sums: torch.Tensor, tokens: int) -> torch.Tensor:
-        counts = all_reduce(slot_counts, self.group)
-        sums = _AllReduceSum.apply(prob_sums, self.group)
+        # one all-reduce of the 2E numbers (the counts carry no gradient; the sums' backward sums over the group)
+        counts, sums = _AllReduceSum.apply(torch.cat([slot_counts, prob_sums]), self.group).split(self.moe.n_experts)
         return MoE.load_balancing_loss(self.moe, counts, sums, tokens * dist.get_world_size(self.group))
 
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from fivefold.config import Config, ConfigError, build_config, write_text_atomic
 from fivefold.flops import training_flops_per_token
-from fivefold.train.cli import parse_overrides
+from fivefold.train.cli import check_layout, local_world_size, parse_overrides, start_or_join
 from fivefold.train.engine import Engine, create_engine, resolve_device
 from fivefold.train.metrics import gather_ints, peak_memory_bytes, resolve_peak_tflops, synchronize
 
@@ -253,24 +253,13 @@ def profile_steps(step, n: int, device: torch.device, trace: str | None, top: in
 
 
 def run(args: argparse.Namespace) -> int:
-    launched = int(os.environ.get("WORLD_SIZE", "1"))  # > 1: this is one of the started processes
-    distributed = launched > 1
     if args.nproc < 1:
         raise ConfigError(f"--nproc = {args.nproc} must be >= 1")
     cfg = bench_config(args)  # every config error before any process starts
-    world = launched if distributed else args.nproc
-    if world > 1 or cfg.layout.world_size > 1:
-        from fivefold.parallel import validate_layout
-
-        validate_layout(cfg, world)
-    if args.nproc > 1 and not distributed:
-        from fivefold.parallel import launch
-
-        return launch(args.nproc, forwarded_argv(args), verb="bench")
-    if distributed:
-        from fivefold.parallel import init_distributed
-
-        init_distributed(resolve_device(cfg.train.device).type)
+    check_layout(cfg, local_world_size(args.nproc))
+    status = start_or_join(cfg, args.nproc, forwarded_argv(args), "bench")
+    if status is not None:
+        return status
     result = run_bench(args, cfg)
     if dist.is_initialized():
         rank = dist.get_rank()

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fivefold.train.loss import linear_cross_entropy_sum
+from fivefold.models.loss import linear_cross_entropy_sum
 
 
 @pytest.mark.parametrize("chunk", [3, 7, 64])

@@ -98,7 +98,7 @@ def reference_run(overrides: dict[str, str]) -> tuple[list[float], list[float], 
 
 def layouts_on_ranks(rank: int, world_size: int, layouts: list[dict[str, str]]) -> list:
     """On every rank: train each layout in turn; rank 0 returns (losses, norms, full model state) of each."""
-    from fivefold.parallel import create_parallel_engine
+    from fivefold.train.parallel_engine import create_parallel_engine
 
     results = []
     for overrides in layouts:

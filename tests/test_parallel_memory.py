@@ -43,7 +43,7 @@ def closed_form(zero: int, psi: int, dp: int) -> dict[str, int]:
 
 
 def held_bytes_on_ranks(rank: int, world_size: int, tp: int, stages: list[int]) -> list[dict[str, int]]:
-    from fivefold.parallel import create_parallel_engine
+    from fivefold.train.parallel_engine import create_parallel_engine
 
     out = []
     for zero in stages:

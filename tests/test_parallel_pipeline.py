@@ -44,8 +44,8 @@ def pipeline_on_ranks(rank: int, world_size: int, layouts: list[dict[str, str]])
     """On every rank: train each layout; rank 0 returns (losses, norms, state) of each, every rank checks that it
     ran its action list in order and that the data-parallel buckets were reduced from the gradient hooks."""
     from fivefold.flops import balanced_stage_layers
-    from fivefold.parallel import create_parallel_engine
     from fivefold.parallel.pipeline import layer_ranges
+    from fivefold.train.parallel_engine import create_parallel_engine
 
     results = []
     for overrides in layouts:

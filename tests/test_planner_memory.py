@@ -19,10 +19,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from fivefold.models.llama import build_model
+from fivefold.models.loss import linear_cross_entropy_sum
 from fivefold.models.presets import get_preset
 from fivefold.planner.layout import FIVEFOLD, FIVEFOLD_CPU, Layout
 from fivefold.planner.memory import forward_saved_bytes, model_state_bytes, rank_memory
-from fivefold.train.loss import linear_cross_entropy_sum
 
 TOL = 0.05  # the acceptance bound; the counts below are in fact exact for these shapes
 

@@ -28,9 +28,11 @@ import torch
 import torch.distributed as dist
 
 from fivefold.config import Config, ConfigError, build_config, write_text_atomic
+from fivefold.device import resolve_device
 from fivefold.flops import training_flops_per_token
-from fivefold.train.cli import check_layout, local_world_size, parse_overrides, start_or_join
-from fivefold.train.engine import Engine, create_engine, resolve_device
+from fivefold.launch import check_layout, local_world_size, start_or_join
+from fivefold.train.cli import parse_overrides
+from fivefold.train.engine import Engine, create_engine
 from fivefold.train.metrics import gather_ints, peak_memory_bytes, resolve_peak_tflops, synchronize
 
 ACCEPTS_OVERRIDES = True

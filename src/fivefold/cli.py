@@ -7,7 +7,7 @@ import importlib
 import os
 import sys
 
-from fivefold.config import ConfigError
+from fivefold.errors import CliError, ConfigError
 
 # verb -> (module, one-line help); modules are imported only when their verb runs or --help is asked
 VERBS: dict[str, tuple[str, str]] = {
@@ -22,10 +22,6 @@ VERBS: dict[str, tuple[str, str]] = {
     "sweep": ("fivefold.sweep.cli", "run a grid of layouts, each for a few timed steps, into a results store"),
     "report": ("fivefold.sweep.report", "plots and an HTML page from a sweep's results store"),
 }
-
-
-class CliError(Exception):
-    """A user error outside the config (files, run directories); printed without a traceback."""
 
 
 def main(argv: list[str] | None = None) -> int:

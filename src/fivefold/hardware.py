@@ -3,7 +3,6 @@ the planner reads everything. Figures are the vendors' dense (no sparsity) numbe
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -34,17 +33,6 @@ HARDWARE: dict[str, Hardware] = {
     # A nominal CPU socket; calibrate for real figures (`fivefold calibrate`).
     "cpu": Hardware("cpu", 0.2, 0.2, 16.0, 20, 10, 1.25, 1, ()),
 }
-
-
-def get_hardware(name: str) -> Hardware:
-    key = name.lower()
-    if key not in HARDWARE:
-        raise ValueError(f"--gpu {name!r} is not known; choose one of: {', '.join(HARDWARE)}")
-    return HARDWARE[key]
-
-
-def with_overrides(hw: Hardware, **fields: float) -> Hardware:
-    return dataclasses.replace(hw, **fields)
 
 
 def device_hardware(device: torch.device) -> Hardware | None:

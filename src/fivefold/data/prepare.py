@@ -5,6 +5,9 @@ expensive work, and to count documents and characters for the validation split),
 byte-level BPE tokenizer when none is given, the third tokenizes into `train_*.bin` / `val_*.bin`
 shards. Everything is written into a hidden temporary directory beside the output and renamed into
 place at the end, so an interrupted prepare never leaves a half-written output directory.
+
+The inputs are read by `sources`, the tokenizer comes from `tokenizer`, the shards and the output directory are
+written by `shards`; this module splits the corpus and runs the passes.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import os
 import re
 import secrets
 import shutil
-import tempfile
 import time
 from array import array
 from collections.abc import Callable, Iterator, Sequence
@@ -30,20 +32,29 @@ from fivefold.data.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     INDEX_FILE,
-    SHARD_NAME,
     TOKENIZER_FILE,
     DataError,
     dtype_name,
-    shard_file_name,
     token_dtype,
 )
+from fivefold.data.shards import (  # noqa: F401  (re-exported: the prepare step's public names)
+    OutputExistsError,
+    ShardWriter,
+    check_output,
+    is_prepared_directory,
+    publish,
+)
+from fivefold.data.sources import SUPPORTED_EXTENSIONS, Source, find_sources, read_documents  # noqa: F401
+from fivefold.data.tokenizer import (  # noqa: F401
+    DEFAULT_VOCAB_SIZE,
+    EOS_TOKEN,
+    check_vocab_size,
+    find_eos,
+    load_tokenizer,
+    tokenizer_vocab_size,
+    train_bpe_tokenizer,
+)
 
-SUPPORTED_EXTENSIONS = (".txt", ".jsonl", ".parquet")
-EOS_TOKEN = "<|endoftext|>"
-# end-of-text tokens of common tokenizers (GPT-2, Llama 3, Llama 2 / Mistral, Gemma), tried in this order
-EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
-BYTE_LEVEL_MIN_VOCAB = 257  # 256 byte symbols + the end-of-text token
-DEFAULT_VOCAB_SIZE = 2048
 DEFAULT_VAL_FRACTION = 0.05
 DEFAULT_SHARD_TOKENS = 100_000_000
 MAX_VAL_FRACTION = 0.5
@@ -55,222 +66,6 @@ PROGRESS_INTERVAL_S = 2.0
 LINE_START = re.compile(r"\n(?=\S)")  # a newline followed by a non-space character
 
 Progress = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class Source:
-    """One input file: where it is and how to read documents out of it."""
-
-    path: Path
-    kind: str  # "txt" | "jsonl" | "parquet"
-    size: int
-    mtime: float
-
-    def describe(self, field: str) -> dict[str, Any]:
-        entry: dict[str, Any] = {
-            "path": str(self.path),
-            "kind": self.kind,
-            "size": self.size,
-            "mtime": self.mtime,
-        }
-        if self.kind != "txt":
-            entry["field"] = field
-        return entry
-
-
-# ---------------------------------------------------------------------------------------------------
-# Finding and reading inputs
-
-
-def find_sources(inputs: Sequence[str | Path]) -> list[Source]:
-    """The input files named by `inputs` (files, or directories searched recursively), in a fixed order.
-
-    Files in directories whose extension is not supported are skipped; a file named explicitly must have
-    a supported extension.
-    """
-    if not inputs:
-        raise DataError("no inputs given; name one or more .txt, .jsonl or .parquet files or directories")
-    valid = ", ".join(SUPPORTED_EXTENSIONS)
-    found: dict[Path, Source] = {}
-    for given in inputs:
-        path = Path(given).expanduser()
-        if not path.exists():
-            raise DataError(f"input {path}: no such file or directory")
-        if path.is_dir():
-            files = sorted(
-                p
-                for p in path.rglob("*")
-                if p.is_file()
-                and p.suffix.lower() in SUPPORTED_EXTENSIONS
-                and not any(part.startswith(".") for part in p.relative_to(path).parts)
-            )
-            if not files:
-                raise DataError(f"input directory {path}: no input files found (looked for {valid})")
-        else:
-            if path.suffix.lower() not in SUPPORTED_EXTENSIONS:
-                raise DataError(
-                    f"input {path}: unknown extension {path.suffix or '(none)'!r}; valid: {valid}"
-                )
-            files = [path]
-        for file in files:
-            if not os.access(file, os.R_OK):
-                raise DataError(f"input {file}: not readable (permission denied)")
-            stat = file.stat()
-            resolved = file.resolve()
-            found.setdefault(resolved, Source(resolved, file.suffix.lower()[1:], stat.st_size, stat.st_mtime))
-    return list(found.values())
-
-
-def read_documents(source: Source, field: str) -> Iterator[str]:
-    """The documents of one input file: a whole `.txt` file, or the `field` of each JSONL line or
-    Parquet row. Empty documents are yielded too (the caller skips them)."""
-    if source.kind == "txt":
-        yield _read_text(source.path)
-    elif source.kind == "jsonl":
-        yield from _read_jsonl(source.path, field)
-    elif source.kind == "parquet":
-        yield from _read_parquet(source.path, field)
-    else:
-        raise DataError(f"input {source.path}: unknown kind {source.kind!r}")
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"input {path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
-    except OSError as e:
-        raise DataError(f"input {path}: cannot read ({e.strerror})") from None
-
-
-def _read_jsonl(path: Path, field: str) -> Iterator[str]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            for line_number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(
-                        f"input {path}, line {line_number}: invalid JSON ({e.msg} at column {e.colno})"
-                    ) from None
-                if not isinstance(record, dict):
-                    raise DataError(
-                        f"input {path}, line {line_number}: expected a JSON object with field {field!r}, "
-                        f"got a JSON {type(record).__name__}"
-                    )
-                if field not in record:
-                    fields = ", ".join(repr(k) for k in list(record)[:10]) or "none"
-                    raise DataError(
-                        f"input {path}, line {line_number}: no field {field!r} "
-                        f"(fields on this line: {fields}; "
-                        "choose one with --field)"
-                    )
-                value = record[field]
-                if not isinstance(value, str):
-                    raise DataError(
-                        f"input {path}, line {line_number}: field {field!r} must be a string, "
-                        f"got {type(value).__name__}"
-                    )
-                yield value
-    except UnicodeDecodeError as e:
-        raise DataError(f"input {path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
-    except OSError as e:
-        raise DataError(f"input {path}: cannot read ({e.strerror})") from None
-
-
-def _read_parquet(path: Path, field: str) -> Iterator[str]:
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(
-            f"input {path}: reading Parquet needs pyarrow (pip install pyarrow, or fivefold[parquet])"
-        ) from None
-    try:
-        parquet = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as e:
-        raise DataError(f"input {path}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
-    schema = parquet.schema_arrow
-    if field not in schema.names:
-        columns = ", ".join(repr(n) for n in schema.names[:20]) or "none"
-        raise DataError(f"input {path}: no column {field!r} (columns: {columns}; choose one with --field)")
-    column_type = schema.field(field).type
-    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
-        raise DataError(f"input {path}: column {field!r} must hold strings, it holds {column_type}")
-    for batch in parquet.iter_batches(columns=[field], batch_size=1024):
-        for value in batch.column(0).to_pylist():
-            if value is not None:  # a null row is no document
-                yield value
-
-
-# ---------------------------------------------------------------------------------------------------
-# Tokenizer
-
-
-def load_tokenizer(path: str | Path):
-    """A `tokenizers.Tokenizer` read from a `tokenizer.json` file, or a DataError saying why not."""
-    from tokenizers import Tokenizer
-
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise DataError(f"tokenizer {path}: no such file (give a Hugging Face tokenizer.json)")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises its own Exception subclass for any parse error
-        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DataError(f"tokenizer {path}: not a readable tokenizer.json ({first_line})") from None
-
-
-def find_eos(tokenizer, where: str, eos_token: str | None = None) -> tuple[int, str]:
-    """The (id, text) of the tokenizer's end-of-text token: `eos_token` if given, else the first of
-    EOS_CANDIDATES that the vocabulary holds."""
-    candidates = (eos_token,) if eos_token else EOS_CANDIDATES
-    for token in candidates:
-        token_id = tokenizer.token_to_id(token)
-        if token_id is not None:
-            return int(token_id), token
-    if eos_token:
-        raise DataError(f"tokenizer {where}: has no token {eos_token!r} (--eos-token)")
-    raise DataError(
-        f"tokenizer {where}: has none of the end-of-text tokens {', '.join(EOS_CANDIDATES)}; "
-        "name its end-of-text token with --eos-token"
-    )
-
-
-def tokenizer_vocab_size(tokenizer) -> int:
-    """One more than the largest token id, so that every id the tokenizer emits is below it."""
-    return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
-
-
-def check_vocab_size(vocab_size: int) -> None:
-    if not isinstance(vocab_size, int) or vocab_size < BYTE_LEVEL_MIN_VOCAB:
-        raise DataError(
-            f"--vocab-size {vocab_size} is too small: a byte-level BPE tokenizer needs at least "
-            f"{BYTE_LEVEL_MIN_VOCAB} ids (256 bytes + {EOS_TOKEN}); try {BYTE_LEVEL_MIN_VOCAB}, 512 or 2048"
-        )
-
-
-def train_bpe_tokenizer(documents: Iterator[str], vocab_size: int):
-    """A byte-level BPE tokenizer (GPT-2 style pre-tokenization) trained on `documents`, with
-    `<|endoftext|>` as id 0. The vocabulary may end up smaller than `vocab_size` on a tiny corpus."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    check_vocab_size(vocab_size)
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(documents, trainer=trainer)
-    return tokenizer
-
-
 # ---------------------------------------------------------------------------------------------------
 # Validation split
 
@@ -316,120 +111,6 @@ def split_at_line(text: str, offset: int, keep_head: bool) -> int:
     the cut and `keep_head` (the head is all the training split has)."""
     line_start = text.rfind("\n", 0, offset) + 1
     return offset if line_start == 0 and keep_head else line_start
-
-
-# ---------------------------------------------------------------------------------------------------
-# Writing shards
-
-
-class ShardWriter:
-    """Appends token ids to `<split>_NNNNNN.bin` files of at most `shard_tokens` tokens each, hashing as
-    it writes."""
-
-    def __init__(self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int):
-        self.directory, self.split, self.dtype, self.shard_tokens = directory, split, dtype, shard_tokens
-        self.shards: list[dict[str, Any]] = []
-        self.num_tokens = 0
-        self.num_documents = 0
-        self._file = None
-        self._hash = None
-        self._in_shard = 0
-
-    def _open_next(self) -> None:
-        self._close_current()
-        name = shard_file_name(self.split, len(self.shards))
-        self._file = open(self.directory / name, "wb")
-        self._hash = hashlib.sha256()
-        self._in_shard = 0
-        self.shards.append({"file": name, "num_tokens": 0, "sha256": ""})
-
-    def _close_current(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self.shards[-1]["num_tokens"] = self._in_shard
-            self.shards[-1]["sha256"] = self._hash.hexdigest()
-            self._file = None
-
-    def write(self, ids: np.ndarray) -> None:
-        ids = np.asarray(ids).astype(self.dtype, copy=False)
-        while ids.size:
-            if self._file is None or self._in_shard == self.shard_tokens:
-                self._open_next()
-            take = min(ids.size, self.shard_tokens - self._in_shard)
-            data = ids[:take].tobytes()
-            self._file.write(data)
-            self._hash.update(data)
-            self._in_shard += take
-            self.num_tokens += take
-            ids = ids[take:]
-
-    def close(self) -> dict[str, Any]:
-        self._close_current()
-        return {"num_tokens": self.num_tokens, "num_documents": self.num_documents, "shards": self.shards}
-
-
-# ---------------------------------------------------------------------------------------------------
-# Output directory
-
-
-class OutputExistsError(DataError):
-    """The output directory appeared (or was not empty) when the finished output was to be moved in."""
-
-
-def is_prepared_directory(path: Path) -> bool:
-    """True when `path` holds an index.json written by prepare and nothing but prepare's files."""
-    index_path = path / INDEX_FILE
-    try:
-        index = json.loads(index_path.read_text("utf-8"))
-    except (OSError, ValueError):
-        return False
-    if not isinstance(index, dict) or index.get("format") != FORMAT_NAME:
-        return False
-    return all(
-        entry.is_file() and (entry.name in (INDEX_FILE, TOKENIZER_FILE) or SHARD_NAME.match(entry.name))
-        for entry in path.iterdir()
-    )
-
-
-def check_output(out: Path, overwrite: bool) -> None:
-    """Refuse an output that is a file, or a non-empty directory unless `overwrite` and it is a previous
-    prepare output (anything else is never deleted)."""
-    if out.exists() and not out.is_dir():
-        raise DataError(f"--out {out}: exists and is not a directory")
-    if not out.is_dir() or not any(out.iterdir()):
-        return
-    if not overwrite:
-        raise DataError(
-            f"--out {out}: directory is not empty; pass --overwrite to replace a previous prepare output"
-        )
-    if not is_prepared_directory(out):
-        foreign = sorted(
-            e.name
-            for e in out.iterdir()
-            if not (e.is_file() and (e.name in (INDEX_FILE, TOKENIZER_FILE) or SHARD_NAME.match(e.name)))
-        )
-        what = f"holds {foreign[0]!r}, which is not" if foreign else "has no index.json written by"
-        raise DataError(
-            f"--out {out}: {what} part of a prepared token directory; refusing to delete it "
-            "(choose another --out)"
-        )
-
-
-def publish(staging: Path, out: Path, overwrite: bool) -> None:
-    """Move the finished `staging` directory to `out`, replacing an empty directory, or a previous
-    prepare output when `overwrite`."""
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite or not is_prepared_directory(out):
-            raise OutputExistsError(f"--out {out}: appeared while preparing; left it untouched")
-        retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.rename(out, retired / out.name)
-        os.rename(staging, out)
-        shutil.rmtree(retired)
-        return
-    try:
-        os.rename(staging, out)  # atomic; replaces an empty directory
-    except OSError as e:
-        raise OutputExistsError(f"--out {out}: could not move the output into place ({e.strerror})") from None
 
 
 # ---------------------------------------------------------------------------------------------------

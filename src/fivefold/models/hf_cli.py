@@ -11,8 +11,8 @@ import argparse
 import re
 from pathlib import Path
 
-from fivefold.cli import CliError
 from fivefold.config import build_config
+from fivefold.errors import CliError
 from fivefold.flops import count_params
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")

@@ -97,10 +97,6 @@ _ALIASES = {"llama3.2-1b": "llama-3.2-1b", "llama3.2-3b": "llama-3.2-3b", "llama
             "1b": "playbook-1b", "3b": "playbook-3b", "8b": "playbook-8b", "80b": "playbook-80b"}
 
 
-def preset_names() -> list[str]:
-    return list(PRESETS)
-
-
 def get_preset(name: str) -> ModelConfig:
     """A fresh copy of the named preset's shape; raises ConfigError listing the valid names."""
     key = _ALIASES.get(name.lower(), name.lower())

@@ -1,94 +1,13 @@
-"""Parallel training: the process grid (`mesh`), data parallel and ZeRO (`data`), tensor and sequence
-parallel (`tensor`), expert parallel (`expert`), context parallel (`context`), pipeline parallel (`pipeline`,
-its schedules in `schedules`), recompute (`recompute`), applied in order by `parallelize`, driven by
-`ParallelEngine` (`PipelineEngine` when pp > 1).
+"""Parallel mechanisms: the process grid (`mesh`), data parallel and ZeRO (`data`), tensor and sequence parallel
+(`tensor`), expert parallel (`expert`), context parallel (`context`), pipeline parallel (`pipeline`, its schedules
+in `schedules`, its point-to-point exchange in `pipeline_comm`), recompute (`recompute`), applied to a plain model
+in order by `parallelize`. Each technique keeps its communication primitives in a `*_comm.py` beside it.
 
-This module also starts processes: `launch` runs `fivefold train` (or `bench`) on N local processes through PyTorch's
-own launcher (`torch.distributed.run`, the code behind `torchrun`), `init_distributed` joins the process
-group in each of them (gloo on CPU, the accelerator's backend, e.g. nccl, on GPU), and
-`write_slurm_script` writes a batch script that runs the same command under `torchrun` on many nodes.
-"""
+This package holds mechanisms only: it imports neither `fivefold.train` (the engines that drive these mechanisms,
+`fivefold.train.parallel_engine`) nor `fivefold.planner`. Processes are started by `fivefold.launch`."""
 
 from __future__ import annotations
 
-import os
-import shlex
-import sys
-from pathlib import Path
-
-import torch
-import torch.distributed as dist
-
-from fivefold.parallel.engine import ParallelEngine, create_parallel_engine
 from fivefold.parallel.mesh import ProcessGrid, validate_layout
 
-__all__ = ["ParallelEngine", "ProcessGrid", "create_parallel_engine", "init_distributed", "launch",
-           "local_device", "validate_layout", "write_slurm_script"]
-
-
-def local_device(device_type: str) -> torch.device:
-    """This process's device: the accelerator numbered LOCAL_RANK on its node, or the CPU."""
-    if device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(device_type, int(os.environ.get("LOCAL_RANK", "0")))
-
-
-def init_distributed(device_type: str) -> None:
-    """Join the process group that the launcher described in the environment (RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT): gloo on CPU, the accelerator's default backend (nccl on CUDA) otherwise."""
-    if dist.is_initialized():
-        return
-    if device_type == "cpu":
-        dist.init_process_group("gloo")
-        return
-    device = local_device(device_type)
-    torch.accelerator.set_device_index(device.index)
-    dist.init_process_group(dist.get_default_backend_for_device(device), device_id=device)
-
-
-def launch(nproc: int, argv: list[str], verb: str = "train") -> int:
-    """Run `fivefold VERB ARGV` (train or bench) on `nproc` local processes (single node, a free rendezvous
-    port); returns the exit status (non-zero when any process failed)."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
-    args = get_args_parser().parse_args(
-        ["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc), "--module", "fivefold", verb, *argv]
-    )
-    try:
-        run(args)
-    except ChildFailedError as e:
-        print(f"fivefold: {len(e.failures)} of {nproc} processes failed; see their messages above",
-              file=sys.stderr)
-        return 1
-    return 0
-
-
-def write_slurm_script(path: str | Path, argv: list[str], nodes: int, gpus_per_node: int,
-                       job_name: str = "fivefold", time_limit: str = "01:00:00", port: int = 29500,
-                       verb: str = "train", output: str = "%x-%j.out", on_exit: str = "") -> Path:
-    """Write a SLURM batch script that runs `fivefold VERB ARGV` on `nodes` x `gpus_per_node` processes: one
-    `torchrun` per node (started by `srun`), meeting at the first node through the c10d rendezvous. `on_exit`
-    is a shell command run when the script ends, whatever its exit status (`$status` holds it)."""
-    command = " ".join(shlex.quote(a) for a in argv)
-    trap = f"trap 'status=$?; {on_exit}' EXIT\n" if on_exit else ""
-    text = f"""#!/bin/bash
-#SBATCH --job-name={job_name}
-#SBATCH --nodes={nodes}
-#SBATCH --ntasks-per-node=1
-#SBATCH --gpus-per-node={gpus_per_node}
-#SBATCH --exclusive
-#SBATCH --time={time_limit}
-#SBATCH --output={output}
-# Written by fivefold: `fivefold {verb}` under one torchrun per node, each starting {gpus_per_node} ranks.
-set -euo pipefail
-{trap}head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-srun torchrun \\
-  --nnodes "$SLURM_NNODES" --nproc-per-node {gpus_per_node} \\
-  --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$head_node:{port}" \\
-  --module fivefold {verb} {command}
-"""
-    path = Path(path)
-    path.write_text(text)
-    path.chmod(0o755)
-    return path
+__all__ = ["ProcessGrid", "validate_layout"]

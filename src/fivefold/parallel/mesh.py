@@ -206,10 +206,6 @@ class ProcessGrid:
         return self.groups["tp"]
 
     @property
-    def dp_group(self) -> ProcessGroup:
-        return self.groups["dp"]
-
-    @property
     def grad_group(self) -> ProcessGroup:
         """The ranks over which dense gradients are reduced (dp x cp)."""
         return self.groups["dp_cp"]

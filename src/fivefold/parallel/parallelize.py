@@ -30,14 +30,12 @@ from torch import nn
 
 from fivefold.config import Config
 from fivefold.models.llama import Llama
+from fivefold.models.loss import model_loss_sum
 from fivefold.parallel.data import DEFAULT_BUCKET_BYTES, BucketedDataParallel, FullyShardedDataParallel
 from fivefold.parallel.mesh import ProcessGrid
-from fivefold.train.loss import linear_cross_entropy_sum
 
 if TYPE_CHECKING:
     from fivefold.parallel.pipeline import WeightGradQueue
-
-LOSS_CHUNK_TOKENS = 8192
 
 
 class LossModel(nn.Module):
@@ -57,15 +55,14 @@ class LossModel(nn.Module):
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> (
         torch.Tensor
     ):
-        hidden = self.model.forward_hidden(inputs, positions)
-        dtype = torch.bfloat16 if torch.is_autocast_enabled(hidden.device.type) else torch.float32
-        if self.grid.size("tp") > 1:
-            from fivefold.parallel.tensor import vocab_parallel_loss_sum
+        dtype = torch.bfloat16 if torch.is_autocast_enabled(inputs.device.type) else torch.float32
+        if self.grid.size("tp") == 1:  # the single-device engine's loss
+            return model_loss_sum(self.model, inputs, targets, positions, dtype, self.compiled)
+        from fivefold.parallel.tensor import vocab_parallel_loss_sum
 
-            return vocab_parallel_loss_sum(self.model, hidden, targets, self.grid.tp_group, self.sequence_parallel,
-                                           compute_dtype=dtype)
-        return linear_cross_entropy_sum(hidden, self.model.lm_head.weight, targets, LOSS_CHUNK_TOKENS, dtype,
-                                        self.compiled)
+        hidden = self.model.forward_hidden(inputs, positions)
+        return vocab_parallel_loss_sum(self.model, hidden, targets, self.grid.tp_group, self.sequence_parallel,
+                                       compute_dtype=dtype)
 
 
 def tp_sharded_names(model: nn.Module, tp: int) -> set[str]:

@@ -40,6 +40,7 @@ from torch.distributed import ProcessGroup
 
 from fivefold.config import ConfigError, ModelConfig, nearest_divisors
 from fivefold.models.llama import MLP, Attention, Llama, MoE, RMSNorm
+from fivefold.models.loss import TP_LOSS_CHUNK_TOKENS
 from fivefold.parallel.tensor_comm import (
     copy_to_tp,
     enter_tp_region,
@@ -49,8 +50,6 @@ from fivefold.parallel.tensor_comm import (
     grad_on_first_rank,
     vocab_parallel_cross_entropy_sum,
 )
-
-LOSS_CHUNK_TOKENS = 4096
 
 # plain-model parameter name suffix -> the dim split over tp (anything else is replicated)
 _SHARD_DIMS = {
@@ -273,7 +272,7 @@ def apply_tensor_parallel(model: Llama, tp_group: ProcessGroup, sequence_paralle
 
 
 def vocab_parallel_loss_sum(model: Llama, hidden: torch.Tensor, targets: torch.Tensor, tp_group: ProcessGroup,
-                            sequence_parallel: bool, chunk_tokens: int = LOSS_CHUNK_TOKENS,
+                            sequence_parallel: bool, chunk_tokens: int = TP_LOSS_CHUNK_TOKENS,
                             compute_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Summed token cross-entropy of this rank's rows `targets` [batch, seq] (-100 ignored) from the final
     hidden states (sequence-sharded under SP), with the local vocab shard of `model.lm_head`; the full

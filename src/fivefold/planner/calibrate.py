@@ -119,9 +119,9 @@ def shapes_for(models: list, seq: int, micro_batches: list[int], tps: list[int])
     """Linear (m, n, k) and attention (batch, heads, kv heads, seq, head dim) shapes of the models' blocks, and
     output layer + loss (tokens per chunk, vocabulary, hidden) shapes, on one tp rank, as the planner's time
     model asks for them."""
+    from fivefold.models.loss import LOSS_CHUNK_TOKENS, TP_LOSS_CHUNK_TOKENS
     from fivefold.planner.search import tp_valid
     from fivefold.planner.time import _linear_shapes
-    from fivefold.train.engine import LOSS_CHUNK_TOKENS
 
     linear: set[tuple[int, int, int]] = set()
     loss: set[tuple[int, int, int]] = set()
@@ -134,7 +134,7 @@ def shapes_for(models: list, seq: int, micro_batches: list[int], tps: list[int])
                 tokens = mbs * seq
                 for m, n, k in _linear_shapes(cfg, tokens, tp, fused=False):
                     linear.add((int(m), int(n), int(k)))
-                chunk = min(tokens, LOSS_CHUNK_TOKENS if tp == 1 else 4096)
+                chunk = min(tokens, LOSS_CHUNK_TOKENS if tp == 1 else TP_LOSS_CHUNK_TOKENS)
                 loss.add((chunk, cfg.vocab_size // tp, cfg.hidden))
                 attention.add((mbs, cfg.n_heads // tp, max(cfg.n_kv_heads // tp, 1), seq, cfg.head_dim))
     # the planner looks attention up by (batch x heads, seq, head dim): one shape per key
@@ -334,7 +334,7 @@ def measure_attention(clock: Clock, shapes, dtype: torch.dtype, say) -> list[lis
 def measure_loss(clock: Clock, shapes, dtype: torch.dtype, say) -> list[list[float]]:
     """The engine's fused output layer + cross-entropy on one chunk of tokens (it computes its gradients in the
     forward; the backward scales them), by (tokens, vocabulary, hidden)."""
-    from fivefold.train.loss import linear_cross_entropy_sum
+    from fivefold.models.loss import linear_cross_entropy_sum
 
     rows = []
     for m, n, k in shapes:
@@ -850,7 +850,7 @@ def to_toml(tables: dict, header: str = "") -> str:
 
 
 def calibrate(args: argparse.Namespace) -> tuple[Path, dict[int, Result], float]:
-    from fivefold.train.engine import resolve_device
+    from fivefold.device import resolve_device
 
     device_type = resolve_device(args.device).type
     plan, levels = make_plan(args, device_type)

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from fivefold.config import ConfigError, LayoutConfig
+from fivefold.models.loss import LOSS_CHUNK_TOKENS, TP_LOSS_CHUNK_TOKENS
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -112,8 +113,8 @@ class Framework:
     zero_shards_master: bool = True  # ZeRO-1 shards the master copy with the optimizer states
     autocast_weight_copies: bool = True  # bf16 weight casts saved for backward, per micro-batch in flight
     compute_dtype: str = "bf16"  # "fp32" models fivefold on CPU
-    fused_loss_chunk: int = 8192  # tokens per chunk of the fused output layer + cross-entropy; 0 = whole logits
-    tp_loss_chunk: int = 4096  # the same for the vocabulary-parallel loss under tensor parallel
+    fused_loss_chunk: int = LOSS_CHUNK_TOKENS  # tokens per chunk of the fused output layer + loss; 0 = whole logits
+    tp_loss_chunk: int = TP_LOSS_CHUNK_TOKENS  # the same for the vocabulary-parallel loss under tensor parallel
     logits_bytes: float = 10.0  # bytes per (token, vocabulary entry / tp) alive at the loss peak
     activation_scale: float = 1.0  # multiplies the counted saved activations (fitted for other frameworks)
     tp_overlap: float = 0.0  # share of tensor-parallel communication hidden behind compute

@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 
 from fivefold.config import Config
+from fivefold.device import resolve_device, use_bf16
 from fivefold.hardware import device_hardware
 from fivefold.planner.hardware import Cluster, get_cluster
 from fivefold.planner.layout import FIVEFOLD, FIVEFOLD_CPU, Layout
 from fivefold.planner.search import Estimate, estimate
-from fivefold.train.engine import resolve_device, use_bf16
 
 
 def layout_of(cfg: Config) -> Layout:

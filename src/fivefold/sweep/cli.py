@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from fivefold.cli import CliError
 from fivefold.config import ConfigError
+from fivefold.errors import CliError
 from fivefold.sweep.grid import PlannedRun, config_json, expand, load_grid
 from fivefold.sweep.runner import Outcome, hostname, run_local, slurm_outcome, slurm_shape, submit, write_job
 from fivefold.sweep.store import STATUSES, Store, StoreError
@@ -139,8 +139,8 @@ def _sigterm_as_interrupt(signum, frame) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fivefold.device import resolve_device
     from fivefold.planner.predict import load_hardware, on_one_node
-    from fivefold.train.engine import resolve_device
 
     grid = load_grid(args.grid)
     timeout = args.timeout if args.timeout is not None else grid.timeout

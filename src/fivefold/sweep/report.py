@@ -28,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from fivefold.cli import CliError
+from fivefold.errors import CliError
 
 AXES = {"dp": "data parallel (dp)", "tp": "tensor parallel (tp)", "pp": "pipeline parallel (pp)",
         "cp": "context parallel (cp)", "micro_batch_size": "micro-batch size (sequences)",

@@ -182,7 +182,7 @@ def slurm_shape(n_devices: int, gpus_per_node: int) -> tuple[int, int] | None:
 def write_job(plan: PlannedRun, runs: Path, steps: int, warmup: int, timeout: float, gpus_per_node: int,
               sweep: str) -> Path:
     """Write `RUNS/KEY/job.sh` (and the run's config); the caller checked `slurm_shape`."""
-    from fivefold.parallel import write_slurm_script
+    from fivefold.launch import write_slurm_script
 
     folder = prepare(runs, plan).resolve()
     nodes, per_node = slurm_shape(plan.n_devices, gpus_per_node) or (1, plan.n_devices)

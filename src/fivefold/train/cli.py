@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from pathlib import Path
 
-from fivefold.cli import CliError
-from fivefold.config import Config, ConfigError, build_config
+from fivefold.config import ConfigError, build_config
+from fivefold.errors import CliError
 
 ACCEPTS_OVERRIDES = True
 
@@ -83,45 +82,15 @@ def resolve_config(args: argparse.Namespace):
     return cfg
 
 
-def local_world_size(nproc: int) -> int:
-    """Processes of a local run: those of the group a launcher started this one in, else the `nproc` to start."""
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    return launched if launched > 1 else max(nproc, 1)
-
-
-def check_layout(cfg: Config, world: int) -> None:
-    """Every layout error before any process or process group exists (parallel code imported only when needed)."""
-    if world > 1 or cfg.layout.world_size > 1:
-        from fivefold.parallel import validate_layout
-
-        validate_layout(cfg, world)
-
-
-def start_or_join(cfg: Config, nproc: int, argv: list[str], verb: str) -> int | None:
-    """Outside a launcher with `nproc` > 1: run `fivefold VERB ARGV` on `nproc` local processes and return their
-    exit status. In a process a launcher started: join its process group and return None, as on one process
-    (the caller goes on)."""
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if nproc > 1 and not launched:
-        from fivefold.parallel import launch
-
-        return launch(nproc, argv, verb=verb)
-    if launched:
-        from fivefold.parallel import init_distributed
-        from fivefold.train.engine import resolve_device
-
-        init_distributed(resolve_device(cfg.train.device).type)
-    return None
-
-
 def run(args: argparse.Namespace) -> int:
+    from fivefold.launch import check_layout, local_world_size, start_or_join
     from fivefold.train.loop import RunDirError, train
 
     cfg = resolve_config(args)
     cfg.validate()  # every config error before any process starts
     check_layout(cfg, args.nodes * args.nproc if args.slurm else local_world_size(args.nproc))
     if args.slurm:
-        from fivefold.parallel import write_slurm_script
+        from fivefold.launch import write_slurm_script
 
         if args.nodes < 1 or args.nproc < 1:
             raise CliError(f"--nodes = {args.nodes} and --nproc = {args.nproc} must both be >= 1")

@@ -1,9 +1,11 @@
 """The training step: forward and backward over the micro-batches of one global batch, gradient
 clipping and the optimizer step, on one device.
 
-The parallel engine extends this class: it overrides how gradients are reduced and clipped, how the loss
-is computed under tensor parallel, and how state is gathered for checkpoints. The contract that every
-engine keeps:
+`Engine` is the one base of every engine: the parallel engine (`fivefold.train.parallel_engine.ParallelEngine`)
+and the pipeline engine (`PipelineEngine`, beside it) extend it. They override what the optimizer steps, how a
+micro-batch is cut and its loss computed (context and tensor parallel), how gradients are reduced and their norm
+summed over shards, and how state is gathered for checkpoints; the step itself (`forward_backward`, clipping,
+`optimizer_step`) is written here once. The contract that every engine keeps:
 
 * `forward_backward(micro_batches, global_tokens)` runs every micro-batch of this rank's share of the
   global batch; each micro-batch's summed token loss is divided by the number of target tokens in the
@@ -18,35 +20,12 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fivefold.config import Config
-from fivefold.models.llama import Llama
-from fivefold.train.loss import linear_cross_entropy_sum
+from fivefold.device import autocast, use_bf16
+from fivefold.models.loss import model_loss_sum
 from fivefold.train.optim import build_adamw, lr_at
-
-LOSS_CHUNK_TOKENS = 8192  # tokens per chunk of the fused output layer + loss
-
-
-def resolve_device(name: str) -> torch.device:
-    """`auto` picks the current accelerator (CUDA, XPU, ROCm, ...) if there is one, else the CPU."""
-    if name == "auto":
-        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-        return acc if acc is not None else torch.device("cpu")
-    return torch.device(name)
-
-
-def use_bf16(cfg: Config, device: torch.device | str) -> bool:
-    """bf16 autocast (fp32 master weights) on accelerators by default, fp32 on CPU (`device`: a device or its
-    type)."""
-    kind = device if isinstance(device, str) else device.type
-    return cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and kind != "cpu")
-
-
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed (not averaged) cross-entropy over the tokens; targets of -100 are ignored."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum", ignore_index=-100)
 
 
 class Engine:
@@ -57,14 +36,20 @@ class Engine:
     drop_fraction: torch.Tensor | None = None
     is_logging_rank = True
     n_devices = 1
+    # True when ranks hold different optimizer states, so that every rank writes its own optimizer file
+    optimizer_state_is_sharded = False
 
-    def __init__(self, model: Llama, cfg: Config, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, cfg: Config, device: torch.device) -> None:
         self.model, self.cfg, self.device = model, cfg, device
         self.bf16 = use_bf16(cfg, device)
-        self.optimizer = build_adamw(model, cfg.train, device)
+        self.optimizer = build_adamw(self.optimized_parameters(), cfg.train, device)
+
+    def optimized_parameters(self) -> nn.Module:
+        """The parameters that this rank's optimizer steps (the whole model on one device)."""
+        return self.model
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+        return autocast(self.device, self.bf16)
 
     def prepare_micro_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor | None
@@ -78,9 +63,8 @@ class Engine:
         """Summed token loss of a prepared micro-batch. The output layer and the loss run fused and chunked, so
         the whole batch's fp32 logits are never materialised."""
         with self.autocast():
-            hidden = self.model.forward_hidden(inputs, positions)
-            return linear_cross_entropy_sum(hidden, self.model.lm_head.weight, targets, LOSS_CHUNK_TOKENS,
-                                            torch.bfloat16 if self.bf16 else torch.float32, self.cfg.train.compile)
+            return model_loss_sum(self.model, inputs, targets, positions,
+                                  torch.bfloat16 if self.bf16 else torch.float32, self.cfg.train.compile)
 
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed token loss of this rank's part of a batch of whole sequences (also the training loss before
@@ -135,11 +119,23 @@ class Engine:
         capacity-based routing (a dense or dropless model). Collective in the parallel engine."""
         return None if self.drop_fraction is None else float(self.drop_fraction)
 
+    def local_grads(self) -> list[torch.Tensor]:
+        """The gradients that this rank's optimizer steps, as plain local tensors."""
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global gradient norm of the whole model (every rank gets the same value)."""
+        return nn.utils.get_total_norm(self.local_grads(), foreach=True)
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        """Scale the gradients so that their global norm is at most `max_norm` (0: no clipping); returns the norm
+        before clipping. The one place where every engine clips."""
+        norm = self.grad_norm()
         if max_norm > 0:
-            return nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        return nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for grad in self.local_grads():
+                grad.mul_(coef)
+        return norm
 
     def set_lr(self, step: int) -> float:
         lr = lr_at(step, self.cfg.train)
@@ -150,8 +146,12 @@ class Engine:
     def optimizer_step(self) -> torch.Tensor:
         norm = self.clip_grad_norm(self.cfg.train.grad_clip)
         self.optimizer.step()
+        self.after_optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+    def after_optimizer_step(self) -> None:
+        """Work after the optimizer stepped and before the gradients are cleared (none on one device)."""
 
     def reduce_for_logging(self, value: torch.Tensor) -> torch.Tensor:
         """Sum a per-rank scalar over the ranks that hold different data (identity on one device)."""
@@ -189,7 +189,7 @@ def create_engine(cfg: Config, device: torch.device) -> Engine:
     engine, which shards the model over the process grid."""
     la = cfg.layout
     if la.world_size > 1 or la.ep > 1:
-        from fivefold.parallel import create_parallel_engine
+        from fivefold.train.parallel_engine import create_parallel_engine
 
         return create_parallel_engine(cfg, device)
     from fivefold.models.llama import build_model

@@ -23,9 +23,10 @@ from fivefold.config import (
     load_file,
     write_text_atomic,
 )
+from fivefold.device import resolve_device
 from fivefold.flops import training_flops_per_token
 from fivefold.train import checkpoint as ckpt
-from fivefold.train.engine import Engine, create_engine, resolve_device
+from fivefold.train.engine import Engine, create_engine
 from fivefold.train.metrics import (
     MetricsWriter,
     Throughput,
@@ -149,7 +150,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     engine = create_engine(cfg, device)
-    rank_suffix = f"-rank{rank}" if getattr(engine, "optimizer_state_is_sharded", False) else ""
+    rank_suffix = f"-rank{rank}" if engine.optimizer_state_is_sharded else ""
     loaded = None
     if resume_from is not None:
         loaded = ckpt.load_checkpoint(resume_from, rank_suffix)

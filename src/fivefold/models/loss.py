@@ -8,7 +8,18 @@ the incoming gradient. Only one chunk's logits are alive at a time.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from fivefold.models.llama import Llama
+
+# Tokens per chunk of the fused output layer + loss: fp32 logits exist for this many tokens at a time. The one
+# value that the engines use and the planner's memory and time models assume (`planner.layout.Framework`).
+LOSS_CHUNK_TOKENS = 8192
+# The same for the vocabulary-parallel loss under tensor parallel (`parallel.tensor.vocab_parallel_loss_sum`).
+TP_LOSS_CHUNK_TOKENS = 4096
 
 
 def chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, need_grad: bool,
@@ -70,7 +81,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                             chunk_tokens: int = 4096, compute_dtype: torch.dtype | None = None,
+                             chunk_tokens: int = LOSS_CHUNK_TOKENS, compute_dtype: torch.dtype | None = None,
                              compiled: bool = False) -> torch.Tensor:
     """Summed cross-entropy of `hidden @ weight.T` against `targets` (-100 ignored), in chunks of tokens.
 
@@ -80,3 +91,12 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
     hidden = hidden.reshape(-1, hidden.shape[-1])
     return _LinearCrossEntropy.apply(hidden, weight, targets.reshape(-1), chunk_tokens,
                                      compute_dtype or hidden.dtype, compiled)
+
+
+def model_loss_sum(model: Llama, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None,
+                   compute_dtype: torch.dtype, compiled: bool = False) -> torch.Tensor:
+    """Summed token loss of `model` on a micro-batch (`positions`: the rotary positions of the tokens, None for
+    0..seq-1): its hidden states, then the fused chunked output layer + loss. The single-device engine and the
+    parallel loss module (without tensor parallel) both compute the loss through this function."""
+    hidden = model.forward_hidden(inputs, positions)
+    return linear_cross_entropy_sum(hidden, model.lm_head.weight, targets, LOSS_CHUNK_TOKENS, compute_dtype, compiled)

@@ -1,7 +1,8 @@
-"""The parallel engine: the single-device engine's contract (`fivefold.train.engine`) over a process grid.
+"""The parallel engine: the single-device engine's contract (`fivefold.train.engine`) over a process grid,
+driving the mechanisms of `fivefold.parallel` (applied to the model by `parallel.parallelize`).
 
-It differs from the single-device engine in these places: `prepare_micro_batch` keeps a context-parallel
-rank's zig-zag chunks of each sequence with their rotary positions; the loss goes through `LossModel`
+It extends `Engine` (same set-up, same step) and differs from it in these places: `prepare_micro_batch` keeps
+a context-parallel rank's zig-zag chunks of each sequence with their rotary positions; the loss goes through `LossModel`
 (vocabulary parallel under tp); each micro-batch tells the data-parallel states whether to reduce gradients
 (dense ones over dp x cp, expert ones over the ranks holding the same experts); the gradient norm is summed
 over shards (tp-sharded parameters over tp, ZeRO slices over their group, experts over ep, replicated ones
@@ -36,8 +37,7 @@ from fivefold.parallel.pipeline import (
     stage_layer_counts,
 )
 from fivefold.parallel.schedules import Schedule, build_schedule, forward_schedule, stage_placement
-from fivefold.train.engine import Engine, use_bf16
-from fivefold.train.optim import build_adamw
+from fivefold.train.engine import Engine
 
 
 class ParallelEngine(Engine):
@@ -46,11 +46,10 @@ class ParallelEngine(Engine):
 
     def __init__(self, model: Llama, loss_model: LossModel, data_parallel: DataParallel, grid: ProcessGrid,
                  cfg: Config, device: torch.device, expert_data_parallel: BucketedDataParallel | None = None) -> None:
-        self.model, self.loss_model, self.data_parallel, self.grid = model, loss_model, data_parallel, grid
+        self.loss_model, self.data_parallel, self.grid = loss_model, data_parallel, grid
         self.expert_data_parallel = expert_data_parallel
         self.data_parallels = [data_parallel] + ([expert_data_parallel] if expert_data_parallel else [])
-        self.cfg, self.device = cfg, device
-        self.bf16 = use_bf16(cfg, device)
+        super().__init__(model, cfg, device)
         self.dp_rank, self.dp_size = grid.ranks["dp"], grid.size("dp")
         self.tp_rank, self.tp_size = grid.ranks["tp"], grid.size("tp")
         self.cp_rank, self.cp_size = grid.ranks["cp"], grid.size("cp")
@@ -59,8 +58,11 @@ class ParallelEngine(Engine):
         self.n_devices = grid.world_size
         # every rank writes its own optimizer file when the states differ between ranks
         self.optimizer_state_is_sharded = cfg.layout.zero >= 1 or self.tp_size > 1 or self.ep_size > 1
-        params = [p for dp in self.data_parallels for p in dp.optimizer_params()]
-        self.optimizer = build_adamw(nn.ParameterList(params), cfg.train, device)
+
+    def optimized_parameters(self) -> nn.Module:
+        """This rank's share of the parameters as the data-parallel states hand them to the optimizer (ZeRO
+        slices, tp and ep shards)."""
+        return nn.ParameterList([p for dp in self.data_parallels for p in dp.optimizer_params()])
 
     def prepare_micro_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor | None
@@ -97,24 +99,17 @@ class ParallelEngine(Engine):
             dist.all_reduce(sharded, group=self.grid.tp_group)
         return sharded + replicated
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        norm = self.grad_square_sum().sqrt()
-        if max_norm > 0:
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for dp in self.data_parallels:
-                for p in dp.optimizer_params():
-                    if p.grad is not None:
-                        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                        grad.mul_(coef)
-        return norm
+    def grad_norm(self) -> torch.Tensor:
+        return self.grad_square_sum().sqrt()
 
-    def optimizer_step(self) -> torch.Tensor:
-        norm = self.clip_grad_norm(self.cfg.train.grad_clip)
-        self.optimizer.step()
+    def local_grads(self) -> list[torch.Tensor]:
+        """The gradients of the parameters the optimizer steps (a ZeRO-3 shard's local slice)."""
+        return [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                for dp in self.data_parallels for p in dp.optimizer_params() if p.grad is not None]
+
+    def after_optimizer_step(self) -> None:
         for dp in self.data_parallels:
             dp.after_step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return norm
 
     def reduce_for_logging(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over the data- and context-parallel ranks, which hold different tokens (tp ranks hold the same
@@ -224,9 +219,6 @@ class ParallelEngine(Engine):
 
     def barrier(self) -> None:
         dist.barrier()
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        return self.model.parameters()
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients and optimizer states (Adam's two moments)."""

@@ -1,0 +1,133 @@
+"""The output of `fivefold data prepare`: token shards written and hashed as they fill, and the output directory
+checked before and published atomically after (a hidden staging directory renamed into place)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fivefold.data.format import (
+    FORMAT_NAME,
+    INDEX_FILE,
+    SHARD_NAME,
+    TOKENIZER_FILE,
+    DataError,
+    shard_file_name,
+)
+
+
+class ShardWriter:
+    """Appends token ids to `<split>_NNNNNN.bin` files of at most `shard_tokens` tokens each, hashing as
+    it writes."""
+
+    def __init__(self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int):
+        self.directory, self.split, self.dtype, self.shard_tokens = directory, split, dtype, shard_tokens
+        self.shards: list[dict[str, Any]] = []
+        self.num_tokens = 0
+        self.num_documents = 0
+        self._file = None
+        self._hash = None
+        self._in_shard = 0
+
+    def _open_next(self) -> None:
+        self._close_current()
+        name = shard_file_name(self.split, len(self.shards))
+        self._file = open(self.directory / name, "wb")
+        self._hash = hashlib.sha256()
+        self._in_shard = 0
+        self.shards.append({"file": name, "num_tokens": 0, "sha256": ""})
+
+    def _close_current(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self.shards[-1]["num_tokens"] = self._in_shard
+            self.shards[-1]["sha256"] = self._hash.hexdigest()
+            self._file = None
+
+    def write(self, ids: np.ndarray) -> None:
+        ids = np.asarray(ids).astype(self.dtype, copy=False)
+        while ids.size:
+            if self._file is None or self._in_shard == self.shard_tokens:
+                self._open_next()
+            take = min(ids.size, self.shard_tokens - self._in_shard)
+            data = ids[:take].tobytes()
+            self._file.write(data)
+            self._hash.update(data)
+            self._in_shard += take
+            self.num_tokens += take
+            ids = ids[take:]
+
+    def close(self) -> dict[str, Any]:
+        self._close_current()
+        return {"num_tokens": self.num_tokens, "num_documents": self.num_documents, "shards": self.shards}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Output directory
+
+
+class OutputExistsError(DataError):
+    """The output directory appeared (or was not empty) when the finished output was to be moved in."""
+
+
+def is_prepared_directory(path: Path) -> bool:
+    """True when `path` holds an index.json written by prepare and nothing but prepare's files."""
+    index_path = path / INDEX_FILE
+    try:
+        index = json.loads(index_path.read_text("utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(index, dict) or index.get("format") != FORMAT_NAME:
+        return False
+    return all(
+        entry.is_file() and (entry.name in (INDEX_FILE, TOKENIZER_FILE) or SHARD_NAME.match(entry.name))
+        for entry in path.iterdir()
+    )
+
+
+def check_output(out: Path, overwrite: bool) -> None:
+    """Refuse an output that is a file, or a non-empty directory unless `overwrite` and it is a previous
+    prepare output (anything else is never deleted)."""
+    if out.exists() and not out.is_dir():
+        raise DataError(f"--out {out}: exists and is not a directory")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        raise DataError(
+            f"--out {out}: directory is not empty; pass --overwrite to replace a previous prepare output"
+        )
+    if not is_prepared_directory(out):
+        foreign = sorted(
+            e.name
+            for e in out.iterdir()
+            if not (e.is_file() and (e.name in (INDEX_FILE, TOKENIZER_FILE) or SHARD_NAME.match(e.name)))
+        )
+        what = f"holds {foreign[0]!r}, which is not" if foreign else "has no index.json written by"
+        raise DataError(
+            f"--out {out}: {what} part of a prepared token directory; refusing to delete it "
+            "(choose another --out)"
+        )
+
+
+def publish(staging: Path, out: Path, overwrite: bool) -> None:
+    """Move the finished `staging` directory to `out`, replacing an empty directory, or a previous
+    prepare output when `overwrite`."""
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite or not is_prepared_directory(out):
+            raise OutputExistsError(f"--out {out}: appeared while preparing; left it untouched")
+        retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.rename(out, retired / out.name)
+        os.rename(staging, out)
+        shutil.rmtree(retired)
+        return
+    try:
+        os.rename(staging, out)  # atomic; replaces an empty directory
+    except OSError as e:
+        raise OutputExistsError(f"--out {out}: could not move the output into place ({e.strerror})") from None

@@ -1,0 +1,165 @@
+"""The inputs of `fivefold data prepare`: find the `.txt`, `.jsonl` and `.parquet` files and read documents out
+of them, failing with a DataError that names the file and the line or row."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fivefold.data.format import (
+    DataError,
+)
+
+SUPPORTED_EXTENSIONS = (".txt", ".jsonl", ".parquet")
+
+
+@dataclass(frozen=True)
+class Source:
+    """One input file: where it is and how to read documents out of it."""
+
+    path: Path
+    kind: str  # "txt" | "jsonl" | "parquet"
+    size: int
+    mtime: float
+
+    def describe(self, field: str) -> dict[str, Any]:
+        entry: dict[str, Any] = {
+            "path": str(self.path),
+            "kind": self.kind,
+            "size": self.size,
+            "mtime": self.mtime,
+        }
+        if self.kind != "txt":
+            entry["field"] = field
+        return entry
+
+
+# ---------------------------------------------------------------------------------------------------
+# Finding and reading inputs
+
+
+def find_sources(inputs: Sequence[str | Path]) -> list[Source]:
+    """The input files named by `inputs` (files, or directories searched recursively), in a fixed order.
+
+    Files in directories whose extension is not supported are skipped; a file named explicitly must have
+    a supported extension.
+    """
+    if not inputs:
+        raise DataError("no inputs given; name one or more .txt, .jsonl or .parquet files or directories")
+    valid = ", ".join(SUPPORTED_EXTENSIONS)
+    found: dict[Path, Source] = {}
+    for given in inputs:
+        path = Path(given).expanduser()
+        if not path.exists():
+            raise DataError(f"input {path}: no such file or directory")
+        if path.is_dir():
+            files = sorted(
+                p
+                for p in path.rglob("*")
+                if p.is_file()
+                and p.suffix.lower() in SUPPORTED_EXTENSIONS
+                and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            )
+            if not files:
+                raise DataError(f"input directory {path}: no input files found (looked for {valid})")
+        else:
+            if path.suffix.lower() not in SUPPORTED_EXTENSIONS:
+                raise DataError(
+                    f"input {path}: unknown extension {path.suffix or '(none)'!r}; valid: {valid}"
+                )
+            files = [path]
+        for file in files:
+            if not os.access(file, os.R_OK):
+                raise DataError(f"input {file}: not readable (permission denied)")
+            stat = file.stat()
+            resolved = file.resolve()
+            found.setdefault(resolved, Source(resolved, file.suffix.lower()[1:], stat.st_size, stat.st_mtime))
+    return list(found.values())
+
+
+def read_documents(source: Source, field: str) -> Iterator[str]:
+    """The documents of one input file: a whole `.txt` file, or the `field` of each JSONL line or
+    Parquet row. Empty documents are yielded too (the caller skips them)."""
+    if source.kind == "txt":
+        yield _read_text(source.path)
+    elif source.kind == "jsonl":
+        yield from _read_jsonl(source.path, field)
+    elif source.kind == "parquet":
+        yield from _read_parquet(source.path, field)
+    else:
+        raise DataError(f"input {source.path}: unknown kind {source.kind!r}")
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"input {path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except OSError as e:
+        raise DataError(f"input {path}: cannot read ({e.strerror})") from None
+
+
+def _read_jsonl(path: Path, field: str) -> Iterator[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line_number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(
+                        f"input {path}, line {line_number}: invalid JSON ({e.msg} at column {e.colno})"
+                    ) from None
+                if not isinstance(record, dict):
+                    raise DataError(
+                        f"input {path}, line {line_number}: expected a JSON object with field {field!r}, "
+                        f"got a JSON {type(record).__name__}"
+                    )
+                if field not in record:
+                    fields = ", ".join(repr(k) for k in list(record)[:10]) or "none"
+                    raise DataError(
+                        f"input {path}, line {line_number}: no field {field!r} "
+                        f"(fields on this line: {fields}; "
+                        "choose one with --field)"
+                    )
+                value = record[field]
+                if not isinstance(value, str):
+                    raise DataError(
+                        f"input {path}, line {line_number}: field {field!r} must be a string, "
+                        f"got {type(value).__name__}"
+                    )
+                yield value
+    except UnicodeDecodeError as e:
+        raise DataError(f"input {path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    except OSError as e:
+        raise DataError(f"input {path}: cannot read ({e.strerror})") from None
+
+
+def _read_parquet(path: Path, field: str) -> Iterator[str]:
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(
+            f"input {path}: reading Parquet needs pyarrow (pip install pyarrow, or fivefold[parquet])"
+        ) from None
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"input {path}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
+    schema = parquet.schema_arrow
+    if field not in schema.names:
+        columns = ", ".join(repr(n) for n in schema.names[:20]) or "none"
+        raise DataError(f"input {path}: no column {field!r} (columns: {columns}; choose one with --field)")
+    column_type = schema.field(field).type
+    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+        raise DataError(f"input {path}: column {field!r} must hold strings, it holds {column_type}")
+    for batch in parquet.iter_batches(columns=[field], batch_size=1024):
+        for value in batch.column(0).to_pylist():
+            if value is not None:  # a null row is no document
+                yield value

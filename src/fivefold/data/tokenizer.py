@@ -1,0 +1,79 @@
+"""Tokenizers for `fivefold data prepare`: load a given `tokenizer.json`, find its end-of-text token, or train a
+byte-level BPE tokenizer on the corpus."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from fivefold.data.format import (
+    DataError,
+)
+
+EOS_TOKEN = "<|endoftext|>"
+# end-of-text tokens of common tokenizers (GPT-2, Llama 3, Llama 2 / Mistral, Gemma), tried in this order
+EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+BYTE_LEVEL_MIN_VOCAB = 257  # 256 byte symbols + the end-of-text token
+DEFAULT_VOCAB_SIZE = 2048
+
+
+def load_tokenizer(path: str | Path):
+    """A `tokenizers.Tokenizer` read from a `tokenizer.json` file, or a DataError saying why not."""
+    from tokenizers import Tokenizer
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DataError(f"tokenizer {path}: no such file (give a Hugging Face tokenizer.json)")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises its own Exception subclass for any parse error
+        first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"tokenizer {path}: not a readable tokenizer.json ({first_line})") from None
+
+
+def find_eos(tokenizer, where: str, eos_token: str | None = None) -> tuple[int, str]:
+    """The (id, text) of the tokenizer's end-of-text token: `eos_token` if given, else the first of
+    EOS_CANDIDATES that the vocabulary holds."""
+    candidates = (eos_token,) if eos_token else EOS_CANDIDATES
+    for token in candidates:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None:
+            return int(token_id), token
+    if eos_token:
+        raise DataError(f"tokenizer {where}: has no token {eos_token!r} (--eos-token)")
+    raise DataError(
+        f"tokenizer {where}: has none of the end-of-text tokens {', '.join(EOS_CANDIDATES)}; "
+        "name its end-of-text token with --eos-token"
+    )
+
+
+def tokenizer_vocab_size(tokenizer) -> int:
+    """One more than the largest token id, so that every id the tokenizer emits is below it."""
+    return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+
+
+def check_vocab_size(vocab_size: int) -> None:
+    if not isinstance(vocab_size, int) or vocab_size < BYTE_LEVEL_MIN_VOCAB:
+        raise DataError(
+            f"--vocab-size {vocab_size} is too small: a byte-level BPE tokenizer needs at least "
+            f"{BYTE_LEVEL_MIN_VOCAB} ids (256 bytes + {EOS_TOKEN}); try {BYTE_LEVEL_MIN_VOCAB}, 512 or 2048"
+        )
+
+
+def train_bpe_tokenizer(documents: Iterator[str], vocab_size: int):
+    """A byte-level BPE tokenizer (GPT-2 style pre-tokenization) trained on `documents`, with
+    `<|endoftext|>` as id 0. The vocabulary may end up smaller than `vocab_size` on a tiny corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    check_vocab_size(vocab_size)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(documents, trainer=trainer)
+    return tokenizer

@@ -1,0 +1,38 @@
+"""Device helpers shared by every layer: which device a run uses, which accelerator a launched process owns,
+and whether it computes in bf16 (autocast over fp32 master weights)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from fivefold.config import Config
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` picks the current accelerator (CUDA, XPU, ROCm, ...) if there is one, else the CPU."""
+    if name == "auto":
+        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        return acc if acc is not None else torch.device("cpu")
+    return torch.device(name)
+
+
+def local_device(device_type: str) -> torch.device:
+    """This process's device: the accelerator numbered LOCAL_RANK on its node, or the CPU."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def use_bf16(cfg: Config, device: torch.device | str) -> bool:
+    """bf16 autocast (fp32 master weights) on accelerators by default, fp32 on CPU (`device`: a device or its
+    type)."""
+    kind = device if isinstance(device, str) else device.type
+    return cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and kind != "cpu")
+
+
+def autocast(device: torch.device, bf16: bool) -> contextlib.AbstractContextManager:
+    """bf16 autocast on `device` when `bf16`, else a context that changes nothing."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)

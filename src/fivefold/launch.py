@@ -1,0 +1,111 @@
+"""The one launcher: how `fivefold train`, `bench`, `sweep` and `calibrate` start and join processes.
+
+`launch` runs `fivefold train` (or `bench`) on N local processes through PyTorch's
+own launcher (`torch.distributed.run`, the code behind `torchrun`), `init_distributed` joins the process
+group in each of them (gloo on CPU, the accelerator's backend, e.g. nccl, on GPU), and
+`write_slurm_script` writes a batch script that runs the same command under `torchrun` on many nodes.
+`check_layout` reports every layout error before any process exists, and `start_or_join` either starts the local
+processes or joins the launcher's group from inside one of them.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fivefold.config import Config
+from fivefold.device import local_device, resolve_device
+
+__all__ = ["check_layout", "init_distributed", "launch", "local_world_size", "start_or_join", "write_slurm_script"]
+
+
+def local_world_size(nproc: int) -> int:
+    """Processes of a local run: those of the group a launcher started this one in, else the `nproc` to start."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    return launched if launched > 1 else max(nproc, 1)
+
+
+def check_layout(cfg: Config, world: int) -> None:
+    """Every layout error before any process or process group exists (parallel code imported only when needed)."""
+    if world > 1 or cfg.layout.world_size > 1:
+        from fivefold.parallel.mesh import validate_layout
+
+        validate_layout(cfg, world)
+
+
+def start_or_join(cfg: Config, nproc: int, argv: list[str], verb: str) -> int | None:
+    """Outside a launcher with `nproc` > 1: run `fivefold VERB ARGV` on `nproc` local processes and return their
+    exit status. In a process a launcher started: join its process group and return None, as on one process
+    (the caller goes on)."""
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if nproc > 1 and not launched:
+        return launch(nproc, argv, verb=verb)
+    if launched:
+        init_distributed(resolve_device(cfg.train.device).type)
+    return None
+
+
+def init_distributed(device_type: str) -> None:
+    """Join the process group that the launcher described in the environment (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT): gloo on CPU, the accelerator's default backend (nccl on CUDA) otherwise."""
+    if dist.is_initialized():
+        return
+    if device_type == "cpu":
+        dist.init_process_group("gloo")
+        return
+    device = local_device(device_type)
+    torch.accelerator.set_device_index(device.index)
+    dist.init_process_group(dist.get_default_backend_for_device(device), device_id=device)
+
+
+def launch(nproc: int, argv: list[str], verb: str = "train") -> int:
+    """Run `fivefold VERB ARGV` (train or bench) on `nproc` local processes (single node, a free rendezvous
+    port); returns the exit status (non-zero when any process failed)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    args = get_args_parser().parse_args(
+        ["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc), "--module", "fivefold", verb, *argv]
+    )
+    try:
+        run(args)
+    except ChildFailedError as e:
+        print(f"fivefold: {len(e.failures)} of {nproc} processes failed; see their messages above",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def write_slurm_script(path: str | Path, argv: list[str], nodes: int, gpus_per_node: int,
+                       job_name: str = "fivefold", time_limit: str = "01:00:00", port: int = 29500,
+                       verb: str = "train", output: str = "%x-%j.out", on_exit: str = "") -> Path:
+    """Write a SLURM batch script that runs `fivefold VERB ARGV` on `nodes` x `gpus_per_node` processes: one
+    `torchrun` per node (started by `srun`), meeting at the first node through the c10d rendezvous. `on_exit`
+    is a shell command run when the script ends, whatever its exit status (`$status` holds it)."""
+    command = " ".join(shlex.quote(a) for a in argv)
+    trap = f"trap 'status=$?; {on_exit}' EXIT\n" if on_exit else ""
+    text = f"""#!/bin/bash
+#SBATCH --job-name={job_name}
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node={gpus_per_node}
+#SBATCH --exclusive
+#SBATCH --time={time_limit}
+#SBATCH --output={output}
+# Written by fivefold: `fivefold {verb}` under one torchrun per node, each starting {gpus_per_node} ranks.
+set -euo pipefail
+{trap}head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+srun torchrun \\
+  --nnodes "$SLURM_NNODES" --nproc-per-node {gpus_per_node} \\
+  --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$head_node:{port}" \\
+  --module fivefold {verb} {command}
+"""
+    path = Path(path)
+    path.write_text(text)
+    path.chmod(0o755)
+    return path

@@ -1,0 +1,164 @@
+"""The layer rule of the package, checked on the source: every import (at module level, inside a function or
+under TYPE_CHECKING) points down the layer order or stays inside its own part, and no two parts import each
+other. `LAYERS` below is the one statement of the rule; docs/architecture.md explains it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# Bottom to top: (layer, the modules or packages in it, what it may import besides its own layer).
+# A module belongs to the entry with the longest matching name ("fivefold.planner.calibrate" before
+# "fivefold.planner"); `None` means every layer below. Each name listed is one part: parts of one layer may
+# import each other in one direction only.
+LAYERS: list[tuple[str, list[str], list[str] | None]] = [
+    # config and the user-error types, device helpers, the shared FLOPs formulas and the accelerator table
+    ("base", ["fivefold", "fivefold.config", "fivefold.errors", "fivefold.device", "fivefold.flops",
+              "fivefold.hardware"], None),
+    # plain PyTorch Llama (dense and MoE), presets, Hugging Face conversion, the fused chunked loss
+    ("models", ["fivefold.models"], None),
+    ("data", ["fivefold.data"], None),
+    # mechanisms only: the process grid, the wrappers, communication, pipeline schedules and executor
+    ("parallel", ["fivefold.parallel"], None),
+    # starting and joining processes: local launcher, SLURM script, the layout check before any process
+    ("launch", ["fivefold.launch"], None),
+    # the engines (one base, one step), the loop, optimizer, checkpoints, metrics
+    ("train", ["fivefold.train"], None),
+    # the planner models the engines, it does not call them: it reads only these lower parts
+    ("planner", ["fivefold.planner"], ["base", "models", "fivefold.parallel.schedules"]),
+    # tools that run or score the trainer: sweeps and their report, bench, calibrate (it times the training step,
+    # so it sits above train and the planner it writes profiles for), the planner's validation against a sweep
+    ("tools", ["fivefold.sweep", "fivefold.bench", "fivefold.planner.calibrate", "fivefold.planner.validate"], None),
+    # the command line: `fivefold VERB`; `plan` also runs the planner's validation
+    ("cli", ["fivefold.cli", "fivefold.__main__", "fivefold.planner.cli"], None),
+]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def source_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted((SRC / "fivefold").rglob("*.py"))}
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The fivefold modules that `path` imports anywhere in its body."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "fivefold"}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            if base.split(".")[0] != "fivefold":
+                continue
+            for a in node.names:  # `from fivefold.train import checkpoint` imports the submodule
+                out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
+    return out
+
+
+def part_of(module: str) -> tuple[int, str]:
+    """(layer index, part name) of a module: the entry with the longest matching name."""
+    best: tuple[int, str] | None = None
+    for index, (_, names, _) in enumerate(LAYERS):
+        for part in names:
+            exact_only = part == "fivefold"  # the root package's own module, not everything below it
+            if module == part or (not exact_only and module.startswith(part + ".")):
+                if best is None or len(part) > len(best[1]):
+                    best = (index, part)
+    if best is None:
+        raise AssertionError(f"{module} is in no layer of tests/test_architecture.py LAYERS; place it there")
+    return best
+
+
+def allowed(src: str, dst: str) -> bool:
+    (src_layer, src_part), (dst_layer, dst_part) = part_of(src), part_of(dst)
+    if src_part == dst_part or dst_layer == src_layer:
+        return True
+    if dst_layer > src_layer:
+        return False
+    reads = LAYERS[src_layer][2]
+    if reads is None:
+        return True
+    dst_layer_name = LAYERS[dst_layer][0]
+    return dst_layer_name in reads or any(dst == r or dst.startswith(r + ".") for r in reads)
+
+
+def violations(edges: dict[str, set[str]]) -> list[str]:
+    """Every import that points up or outside what its layer may read, and every pair of parts that import each
+    other (directly or through a longer cycle)."""
+    out = [f"{src} imports {dst}: {LAYERS[part_of(src)[0]][0]} may not import {LAYERS[part_of(dst)[0]][0]}"
+           for src, dsts in sorted(edges.items()) for dst in sorted(dsts) if not allowed(src, dst)]
+    graph: dict[str, set[str]] = {}
+    for src, dsts in edges.items():
+        for dst in dsts:
+            a, b = part_of(src)[1], part_of(dst)[1]
+            if a != b:
+                graph.setdefault(a, set()).add(b)
+
+    def reaches(a: str, b: str) -> bool:
+        seen, todo = set(), [a]
+        while todo:
+            node = todo.pop()
+            if node == b:
+                return True
+            if node not in seen:
+                seen.add(node)
+                todo.extend(graph.get(node, ()))
+        return False
+
+    parts = sorted(graph)
+    out += [f"{a} and {b} import each other" for i, a in enumerate(parts) for b in parts[i + 1:]
+            if reaches(a, b) and reaches(b, a)]
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = source_modules()
+    known = set(modules)
+    return {name: imports_of(name, path, known) - {name} for name, path in modules.items()}
+
+
+def test_every_module_has_a_layer():
+    for name in source_modules():
+        part_of(name)
+
+
+def test_imports_point_down_and_parts_do_not_import_each_other():
+    assert violations(import_graph()) == []
+
+
+def test_parallel_imports_neither_train_nor_planner():
+    for src, dsts in import_graph().items():
+        if src.startswith("fivefold.parallel"):
+            assert not [d for d in dsts if d.startswith(("fivefold.train", "fivefold.planner"))], src
+
+
+def test_nothing_below_the_command_line_imports_it():
+    for src, dsts in import_graph().items():
+        if part_of(src)[0] < len(LAYERS) - 1:
+            assert "fivefold.cli" not in dsts, src
+
+
+@pytest.mark.parametrize("edges, expected", [
+    ({"fivefold.parallel.data": {"fivefold.train.engine"}}, "parallel may not import train"),
+    ({"fivefold.models.llama": {"fivefold.cli"}}, "models may not import cli"),
+    ({"fivefold.planner.time": {"fivefold.train.engine"}}, "planner may not import train"),
+    ({"fivefold.planner.memory": {"fivefold.parallel.mesh"}}, "planner may not import parallel"),
+    ({"fivefold.sweep.grid": {"fivefold.bench"}, "fivefold.bench": {"fivefold.sweep.store"}},
+     "fivefold.bench and fivefold.sweep import each other"),
+])
+def test_the_checker_finds_a_violation(edges, expected):
+    """The rule above catches an upward import, a read outside the planner's list and two parts in a cycle."""
+    assert any(expected in v for v in violations(edges)), violations(edges)

@@ -13,12 +13,13 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Bottom to top: (layer, the modules or packages in it, what it may import besides its own layer).
 # A module belongs to the entry with the longest matching name ("fivefold.planner.calibrate" before
-# "fivefold.planner"); `None` means every layer below. Each name listed is one part: parts of one layer may
-# import each other in one direction only.
-LAYERS: list[tuple[str, list[str], list[str] | None]] = [
-    # config and the user-error types, device helpers, the shared FLOPs formulas and the accelerator table
-    ("base", ["fivefold", "fivefold.config", "fivefold.errors", "fivefold.device", "fivefold.flops",
-              "fivefold.hardware"], None),
+# "fivefold.planner"); `None` means every layer below. Each entry is one part (a tuple: names that form one part):
+# parts of one layer may import each other in one direction only.
+LAYERS: list[tuple[str, list[str | tuple[str, ...]], list[str] | None]] = [
+    # config (with the preset table it resolves `model.preset` from) and the user-error types, device helpers,
+    # the shared FLOPs formulas and the accelerator table
+    ("base", ["fivefold", ("fivefold.config", "fivefold.presets"), "fivefold.errors", "fivefold.device",
+              "fivefold.flops", "fivefold.hardware"], None),
     # plain PyTorch Llama (dense and MoE), presets, Hugging Face conversion, the fused chunked loss
     ("models", ["fivefold.models"], None),
     ("data", ["fivefold.data"], None),
@@ -71,12 +72,13 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
 def part_of(module: str) -> tuple[int, str]:
     """(layer index, part name) of a module: the entry with the longest matching name."""
     best: tuple[int, str] | None = None
-    for index, (_, names, _) in enumerate(LAYERS):
-        for part in names:
-            exact_only = part == "fivefold"  # the root package's own module, not everything below it
-            if module == part or (not exact_only and module.startswith(part + ".")):
-                if best is None or len(part) > len(best[1]):
-                    best = (index, part)
+    best_length = 0
+    for index, (_, entries, _) in enumerate(LAYERS):
+        for entry in entries:
+            for name in (entry,) if isinstance(entry, str) else entry:
+                exact_only = name == "fivefold"  # the root package's own module, not everything below it
+                if (module == name or (not exact_only and module.startswith(name + "."))) and len(name) > best_length:
+                    best, best_length = (index, entry if isinstance(entry, str) else " + ".join(entry)), len(name)
     if best is None:
         raise AssertionError(f"{module} is in no layer of tests/test_architecture.py LAYERS; place it there")
     return best

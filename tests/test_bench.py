@@ -6,7 +6,7 @@ import json
 
 from fivefold.cli import main
 from fivefold.flops import training_flops_per_token
-from fivefold.models.presets import get_preset
+from fivefold.presets import get_preset
 
 
 def test_bench_cpu_json(capsys):

@@ -13,13 +13,13 @@ import torch
 
 from fivefold.cli import main
 from fivefold.config import ConfigError
-from fivefold.models.presets import get_preset
 from fivefold.planner import comm
 from fivefold.planner.calibrate import Result, fit_link, monotone, profile_tables, to_toml
 from fivefold.planner.hardware import Cluster, get_cluster, interpolate
 from fivefold.planner.layout import FIVEFOLD_CPU, Layout
 from fivefold.planner.memory import layer_activation_bytes, model_state_bytes
 from fivefold.planner.time import _linear_shapes, optimizer_tensors, stage_times, step_time
+from fivefold.presets import get_preset
 
 TINY = get_preset("tiny")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fivefold.flops import active_matmul_params, count_params, training_flops_per_token
-from fivefold.models.presets import get_preset
+from fivefold.presets import get_preset
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "playbook_benchmark_runs.csv"
 

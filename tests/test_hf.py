@@ -348,7 +348,7 @@ def test_export_cli_refuses_non_empty_output(tmp_path: Path, capsys: pytest.Capt
 
 def test_models_verb_lists_every_preset(capsys: pytest.CaptureFixture) -> None:
     from fivefold.flops import count_params
-    from fivefold.models.presets import PRESETS
+    from fivefold.presets import PRESETS
 
     assert cli_main(["models", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)

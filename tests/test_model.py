@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from fivefold.config import ConfigError, ModelConfig
 from fivefold.flops import count_params
 from fivefold.models.llama import MoE, build_model, rope_frequencies
-from fivefold.models.presets import PRESETS, get_preset
+from fivefold.presets import PRESETS, get_preset
 
 
 def small_config(**changes) -> ModelConfig:

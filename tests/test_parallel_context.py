@@ -19,7 +19,6 @@ from torch.utils.checkpoint import checkpoint
 from distributed import run_ranks
 from fivefold.config import ConfigError
 from fivefold.models.llama import build_model
-from fivefold.models.presets import get_preset
 from fivefold.parallel import context
 from fivefold.parallel.attention_ops import attention_backward, attention_forward, expand_kv_heads, sum_kv_head_grads
 from fivefold.parallel.context import (
@@ -32,6 +31,7 @@ from fivefold.parallel.context import (
     shard_sequence,
     unshard_sequence,
 )
+from fivefold.presets import get_preset
 
 ATOL = 1e-5
 

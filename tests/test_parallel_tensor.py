@@ -25,7 +25,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from distributed import run_ranks
 from fivefold.config import ConfigError
 from fivefold.models.llama import build_model
-from fivefold.models.presets import get_preset
 from fivefold.parallel.recompute import apply_recompute
 from fivefold.parallel.tensor import (
     apply_tensor_parallel,
@@ -35,6 +34,7 @@ from fivefold.parallel.tensor import (
     validate_tensor_parallel,
     vocab_parallel_loss_sum,
 )
+from fivefold.presets import get_preset
 
 TOL = 1e-5
 

@@ -11,12 +11,12 @@ import pytest
 
 from fivefold.cli import main
 from fivefold.config import ConfigError, build_config
-from fivefold.models.presets import get_preset
 from fivefold.parallel.schedules import _peak_in_flight, build_schedule
 from fivefold.planner.hardware import get_cluster
 from fivefold.planner.layout import FIVEFOLD, Layout, parse_layout
 from fivefold.planner.search import estimate, in_flight, parse_tokens, search
 from fivefold.planner.validate import DEFAULT_DATA, spearman
+from fivefold.presets import get_preset
 
 PLAYBOOK = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "playbook_benchmark_runs.csv"
 needs_data = pytest.mark.skipif(not PLAYBOOK.is_file(), reason="../shared/data is not beside the repository")

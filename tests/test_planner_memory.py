@@ -20,9 +20,9 @@ from torch.utils.checkpoint import checkpoint
 
 from fivefold.models.llama import build_model
 from fivefold.models.loss import linear_cross_entropy_sum
-from fivefold.models.presets import get_preset
 from fivefold.planner.layout import FIVEFOLD, FIVEFOLD_CPU, Layout
 from fivefold.planner.memory import forward_saved_bytes, model_state_bytes, rank_memory
+from fivefold.presets import get_preset
 
 TOL = 0.05  # the acceptance bound; the counts below are in fact exact for these shapes
 

@@ -12,9 +12,9 @@ import torch.distributed as dist
 
 from distributed import run_ranks
 from fivefold.models.llama import build_model
-from fivefold.models.presets import get_preset
 from fivefold.planner.layout import FIVEFOLD_CPU, Layout
 from fivefold.planner.memory import forward_saved_bytes
+from fivefold.presets import get_preset
 
 tensor = pytest.importorskip("fivefold.parallel.tensor")
 recompute_module = pytest.importorskip("fivefold.parallel.recompute")

@@ -365,7 +365,7 @@ def build_config(
     preset: str | None = None,
 ) -> Config:
     """Defaults, then a model preset, then the file, then dotted overrides (`{"layout.dp": "2"}`)."""
-    from fivefold.models.presets import get_preset
+    from fivefold.presets import get_preset
 
     cfg = Config()
     data = load_file(file) if file else {}

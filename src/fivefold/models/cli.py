@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from fivefold.flops import active_matmul_params, count_params
-from fivefold.models.presets import PRESETS
+from fivefold.presets import PRESETS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -35,6 +35,7 @@ from pathlib import Path
 from fivefold.config import ConfigError, ModelConfig
 from fivefold.planner.hardware import Cluster, get_cluster
 from fivefold.planner.layout import FRAMEWORKS, Framework, Layout
+from fivefold.planner.score import spearman
 from fivefold.planner.search import estimate, gib, memory_of
 
 REPO = Path(__file__).resolve().parents[3]
@@ -201,27 +202,6 @@ def fit_time(rows: list[Row], fw: Framework, hw: Cluster) -> tuple[Framework, Cl
 
 # ---------------------------------------------------------------------------------------------
 # Metrics
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    def ranks(x: list[float]) -> list[float]:
-        order = sorted(range(len(x)), key=lambda i: x[i])
-        out = [0.0] * len(x)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                out[order[k]] = (i + j) / 2
-            i = j + 1
-        return out
-
-    ra, rb = ranks(a), ranks(b)
-    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
-    num = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
-    den = math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
-    return num / den if den else 0.0
 
 
 def metrics(rows: list[Row], preds: list) -> dict:

@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def accuracy(ok: list[dict]) -> dict[str, Any]:
     """Median absolute relative error and Spearman correlation of predicted vs measured step time and memory."""
-    from fivefold.planner.validate import spearman
+    from fivefold.planner.score import spearman
 
     out: dict[str, Any] = {}
     for name, predicted, measured in (("step_time", "predicted_step_time_s", "step_time_s"),

@@ -24,9 +24,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fivefold.models.llama import build_model
-from fivefold.models.presets import get_preset
+from fivefold.models.loss import linear_cross_entropy_sum
 from fivefold.parallel.context import apply_context_parallel, shard_batch
-from fivefold.train.loss import linear_cross_entropy_sum
+from fivefold.presets import get_preset
 
 MIB = 2**20
 

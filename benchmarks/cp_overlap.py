@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from cp_memory import run_on_ranks
 
-from fivefold.models.presets import get_preset
 from fivefold.parallel.context import ring_attention_forward, ring_shift
+from fivefold.presets import get_preset
 
 
 def timed(fn, repeats: int) -> float:

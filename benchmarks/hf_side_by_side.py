@@ -19,9 +19,10 @@ import time
 import torch
 
 from fivefold.config import Config
+from fivefold.device import resolve_device, use_bf16
 from fivefold.flops import training_flops_per_token
-from fivefold.models.presets import get_preset
-from fivefold.train.engine import create_engine, resolve_device, use_bf16
+from fivefold.presets import get_preset
+from fivefold.train.engine import create_engine
 from fivefold.train.metrics import resolve_peak_tflops, synchronize
 
 

@@ -159,15 +159,25 @@ class Engine:
 
     # --- state for checkpoints -------------------------------------------------------------------
     def model_state(self) -> dict[str, torch.Tensor]:
-        """The full, unsharded model state with plain-model names (tied weights once)."""
-        state = self.model.state_dict()
+        """The full, unsharded model state with plain-model names (tied weights once). Collective in the parallel
+        engines: every rank must call it."""
+        state = self.full_model_state()
         if self.cfg.model.tied_embeddings:
             state.pop("lm_head.weight", None)
         return state
 
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """The whole model's plain-named state (a tied output layer may be left out)."""
+        return self.model.state_dict()
+
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a plain-named state as `model_state` returns it (tied weights once)."""
         if self.cfg.model.tied_embeddings:
             state = {**state, "lm_head.weight": state["embed.weight"]}
+        self.load_full_model_state(state)
+
+    def load_full_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a plain-named state with every parameter of the model (this rank's part of it, in place)."""
         self.model.load_state_dict(state, strict=True)
 
     def optimizer_state(self) -> dict:

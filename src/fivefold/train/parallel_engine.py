@@ -145,12 +145,9 @@ class ParallelEngine(Engine):
             state = gather_expert_state(state, self.grid.groups["ep"])
         return state
 
-    def model_state(self) -> dict[str, torch.Tensor]:
+    def full_model_state(self) -> dict[str, torch.Tensor]:
         """The full plain-named state on every rank (collective: every rank must call it)."""
-        state = self._gathered_state()
-        if self.cfg.model.tied_embeddings:
-            state.pop("lm_head.weight", None)
-        return state
+        return self._gathered_state()
 
     def _sharded_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's tp and ep shards of a plain state (the reverse of `_gathered_state`)."""
@@ -165,9 +162,7 @@ class ParallelEngine(Engine):
         return state
 
     @torch.no_grad()
-    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        if self.cfg.model.tied_embeddings:
-            state = {**state, "lm_head.weight": state["embed.weight"]}
+    def load_full_model_state(self, state: dict[str, torch.Tensor]) -> None:
         state = self._sharded_state(state)
         if isinstance(self.data_parallel, FullyShardedDataParallel):
             own = self.model.state_dict()
@@ -408,9 +403,9 @@ class PipelineEngine(ParallelEngine):
             return placement[stage]
         return placement[-1]  # final norm, output layer
 
-    def model_state(self) -> dict[str, torch.Tensor]:
-        """The full plain-named state on every rank: each stage's parameters (whole over tp and ep) broadcast from
-        their pp rank over the pp group (collective: every rank must call it)."""
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """The full plain-named state on every rank (a tied output layer left out): each stage's parameters (whole
+        over tp and ep) broadcast from their pp rank over the pp group (collective: every rank must call it)."""
         mine = self._gathered_state()
         full = {}
         for name, meta in build_model(self.cfg.model, device="meta").state_dict().items():
@@ -425,9 +420,7 @@ class PipelineEngine(ParallelEngine):
         return full
 
     @torch.no_grad()
-    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        if self.cfg.model.tied_embeddings:
-            state = {**state, "lm_head.weight": state["embed.weight"]}
+    def load_full_model_state(self, state: dict[str, torch.Tensor]) -> None:
         own = self._local_state()
         missing = set(own) - set(state)
         if missing:

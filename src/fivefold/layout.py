@@ -30,13 +30,15 @@ from fivefold.config import (
 )
 from fivefold.flops import balanced_stage_layers
 
-__all__ = ["LayoutProblem", "batch_problem", "check_layout", "context_parallel_problem", "expert_parallel_problem",
-           "layout_problem", "min_micro_batches", "n_stages", "pipeline_problem", "sequence_length_problem",
-           "stage_count", "tensor_parallel_problem"]
+__all__ = ["SCHEDULES", "LayoutProblem", "batch_problem", "check_layout", "context_parallel_problem",
+           "expert_parallel_problem", "layout_problem", "min_micro_batches", "n_stages", "pipeline_problem",
+           "sequence_length_problem", "stage_count", "tensor_parallel_problem"]
 
 
 # ---------------------------------------------------------------------------------------------
 # Facts of the pipeline schedules that the rules need
+
+SCHEDULES = ("afab", "1f1b", "interleaved", "zero-bubble", "dualpipev")
 
 
 def min_micro_batches(name: str, p: int, v: int = 1) -> int:

@@ -21,10 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from fivefold.layout import min_micro_batches
+from fivefold.layout import SCHEDULES, min_micro_batches
 
 Kind = Literal["F", "B", "W"]
-SCHEDULES = ("afab", "1f1b", "interleaved", "zero-bubble", "dualpipev")
 
 
 class Action(NamedTuple):

@@ -61,7 +61,7 @@ class Row:
     def measured_step_time(self) -> float:
         if self.step_time_s:
             return self.step_time_s
-        tokens = self.layout.dp * self.layout.mbs * self.layout.grad_acc * self.seq
+        tokens = self.layout.dp * self.layout.micro_batch_size * self.layout.grad_accum_steps * self.seq
         return tokens / (self.tok_s_gpu * self.layout.world_size) if self.tok_s_gpu else 0.0
 
 
@@ -79,7 +79,7 @@ def read_rows(path: Path) -> list[Row]:
             framework = r.get("framework") or "nanotron"
             tp = int(r["tp"])
             lay = Layout(dp=int(r["dp"]), tp=tp, pp=int(r["pp"]), cp=int(r.get("cp") or 1), ep=int(r.get("ep") or 1),
-                         zero=int(r["zero"]), mbs=int(r["mbs"]), grad_acc=int(r["grad_acc"]),
+                         zero=int(r["zero"]), micro_batch_size=int(r["mbs"]), grad_accum_steps=int(r["grad_acc"]),
                          recompute=r.get("recompute") or "none",
                          sp=(r.get("sp", "").lower() in ("true", "on", "1")) if framework != "nanotron" else tp > 1,
                          schedule=r.get("schedule") or "1f1b", vpp=int(r.get("vpp") or 1),
@@ -191,7 +191,7 @@ def fit_time(rows: list[Row], fw: Framework, hw: Cluster) -> tuple[Framework, Cl
             for ov in (0.0, 0.25, 0.5):
                 f2 = dataclasses.replace(fw, tp_overlap=ov)
                 h2 = dataclasses.replace(hw, matmul_efficiency=eff, kernel_overhead_us=kern)
-                errs = [abs(math.log(estimate(r.model, r.seq, r.layout, f2, h2, False).tokens_per_s_per_gpu
+                errs = [abs(math.log(estimate(r.model, r.seq, r.layout, f2, h2, False).tokens_per_s_per_device
                                      / r.tok_s_gpu)) for r in ok]
                 score = statistics.median(errs)
                 if score < best[0]:
@@ -237,19 +237,19 @@ def metrics(rows: list[Row], preds: list) -> dict:
         ok = [i for i in idx if rows[i].ok]
         entry: dict = {"rows": len(idx), "finished": len(ok)}
         if len(ok) >= 3:
-            rho = spearman([preds[i].tokens_per_s_per_gpu for i in ok], [rows[i].tok_s_gpu for i in ok])
+            rho = spearman([preds[i].tokens_per_s_per_device for i in ok], [rows[i].tok_s_gpu for i in ok])
             rhos.append(rho)
             entry["spearman"] = round(rho, 3)
         if ok:
             best = max(rows[i].tok_s_gpu for i in ok)
             fit = [i for i in idx if preds[i].fits]
             if fit:
-                pick = max(fit, key=lambda i: preds[i].tokens_per_s_per_gpu)
+                pick = max(fit, key=lambda i: preds[i].tokens_per_s_per_device)
                 regret = 1 - rows[pick].tok_s_gpu / best if rows[pick].ok else 1.0
                 regrets.append(regret)
                 entry["regret"] = round(regret, 4)
                 entry["pick"] = rows[pick].layout.short()
-            pick_ok = max(ok, key=lambda i: preds[i].tokens_per_s_per_gpu)
+            pick_ok = max(ok, key=lambda i: preds[i].tokens_per_s_per_device)
             regrets_ok.append(1 - rows[pick_ok].tok_s_gpu / best)
             entry["regret_among_finished"] = round(regrets_ok[-1], 4)
         per_group[f"{g[0]}/{g[1]}n" if isinstance(g[1], int) else f"{g[0]}/{g[1]}"] = entry

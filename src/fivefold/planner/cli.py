@@ -49,8 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cp", action="store_true", help="do not consider context parallel")
     p.add_argument("--moe-imbalance", type=float, default=1.0,
                    help="busiest expert's load over the even share (dropless MoE memory)")
-    p.add_argument("--data", help="validate: CSV of runs (default: ../shared/data/playbook_benchmark_runs.csv "
-                                  "beside the repository)")
+    p.add_argument("--data", help="validate: CSV of runs (default in a clone: ../shared/data/"
+                                  "playbook_benchmark_runs.csv beside the repository; required otherwise)")
     p.add_argument("--results", help="validate: a `fivefold sweep` results store instead of the CSV (with "
                                      "--hardware FILE for the profile to predict with)")
     p.add_argument("--profile", help="validate: TOML of fitted constants (default: the packaged profile)")

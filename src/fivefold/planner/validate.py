@@ -37,8 +37,21 @@ from fivefold.planner.hardware import Cluster, get_cluster
 from fivefold.planner.layout import FRAMEWORKS, Framework, Layout
 from fivefold.planner.search import estimate, gib, memory_of
 
-REPO = Path(__file__).resolve().parents[3]
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "playbook_benchmark_runs.csv"
+DATA_NAME = "playbook_benchmark_runs.csv"
+
+
+def _checkout_data() -> Path | None:
+    """The runs CSV that a clone of the repository finds: `../shared/data/playbook_benchmark_runs.csv` beside the
+    checkout (the directory that holds pyproject.toml and src/fivefold). None when the package is installed
+    outside a checkout (the data is not shipped with it): then `--data FILE` says where it is."""
+    package = Path(__file__).resolve().parents[1]  # .../fivefold
+    for root in package.parents:
+        if (root / "pyproject.toml").is_file() and (root / "src" / "fivefold").resolve() == package:
+            return root.parent / "shared" / "data" / DATA_NAME
+    return None
+
+
+DEFAULT_DATA = _checkout_data()
 DEFAULT_PROFILE = Path(__file__).resolve().parent / "profiles" / "nanotron-h100-efa.toml"
 FIT_NODES = (1, 2)
 
@@ -67,8 +80,9 @@ class Row:
 
 def read_rows(path: Path) -> list[Row]:
     if not path.is_file():
-        raise ConfigError(f"--data {str(path)!r} does not exist; give the runs CSV (e.g. "
-                          "../shared/data/playbook_benchmark_runs.csv)")
+        raise ConfigError(f"--data {str(path)!r} does not exist; give the runs CSV: the playbook's benchmark runs "
+                          f"({DATA_NAME}, which a clone finds in ../shared/data beside the repository), or a CSV "
+                          "of runs in its columns (docs/planner.md)")
     rows = []
     with path.open() as f:
         for r in csv.DictReader(f):
@@ -319,6 +333,10 @@ def run_validate(args: argparse.Namespace) -> int:
         if args.data or args.fit:
             raise ConfigError("--results reads a sweep's store; it does not combine with --data or --fit")
         return run_validate_results(args)
+    if not args.data and DEFAULT_DATA is None:
+        raise ConfigError(f"fivefold plan validate needs the runs CSV: give --data FILE (the playbook's benchmark "
+                          f"runs, {DATA_NAME}; a clone of the repository finds it in ../shared/data beside the "
+                          "checkout, an installed package has no default)")
     path = Path(args.data) if args.data else DEFAULT_DATA
     rows = read_rows(path)
     fw, hw = load_profile(Path(args.profile) if args.profile else None)

@@ -38,7 +38,8 @@ def explain(result: SearchResult, memory_limit: float, global_batch_seqs: int, n
         binds.append(f"memory: the pick uses {100 * best.peak_bytes / memory_limit:.0f} % of the device; "
                      "layouts with less sharding or less recompute do not fit")
     if la.grad_accum_steps == 1:
-        binds.append(f"global batch: dp x mbs = {la.dp} x {la.micro_batch_size} already equals the {global_batch_seqs} "
+        binds.append(f"global batch: dp x micro_batch_size = {la.dp} x {la.micro_batch_size} already equals the "
+                     f"{global_batch_seqs} "
                      "sequences of the batch, so more data parallel is impossible")
     total = best.step_time_s
     comm = sum(best.time_parts.get(k, 0.0) for k in ("tp_comm", "cp_comm", "ep_comm", "dp_comm_exposed",

@@ -133,7 +133,7 @@ def test_block_time_is_flops_over_measured_throughput_plus_fixed_costs(tp, loss_
     if loss_table:  # the output layer + loss measured as one
         hw = dataclasses.replace(hw, loss=tuple((512, TINY.vocab_size / t, TINY.hidden, 0.01 * t, 0.3)
                                                 for t in (1, 2)))
-    lay = Layout(tp=tp, mbs=4, grad_acc=4)
+    lay = Layout(tp=tp, micro_batch_size=4, grad_accum_steps=4)
     times = stage_times(TINY, 128, lay, FIVEFOLD_CPU, hw)
     tokens = 4 * 128
     lin_f = lin_b = 0.0
@@ -208,7 +208,7 @@ def test_collectives_in_a_step_add_the_measured_wait():
 def test_zero3_adds_the_measured_unit_cost_per_micro_batch():
     rows = ((4096, 1e-4), (4194304, 8e-3))
     base = _profile(collectives={"all_gather": {2: rows}, "reduce_scatter": {2: rows}})
-    lay = Layout(dp=2, zero=3, mbs=2, grad_acc=4)
+    lay = Layout(dp=2, zero=3, micro_batch_size=2, grad_accum_steps=4)
     plain = step_time(TINY, 128, lay, FIVEFOLD_CPU, base).parts["zero_gather"]
     costly = step_time(TINY, 128, lay, FIVEFOLD_CPU, dataclasses.replace(base, zero3_unit_us=500.0))
     # 4 micro-batches x (4 blocks + the root unit) x 0.5 ms
@@ -219,7 +219,7 @@ def test_step_adds_optimizer_and_unhidden_gradient_reduction():
     rows = ((4096, 1e-4), (4194304, 8e-3))
     hw = _profile(collectives={"all_reduce": {2: rows}}, optimizer_gbps=2.0, optimizer_tensor_us=100.0,
                   comm_overlap=0.0)
-    lay = Layout(dp=2, mbs=4, grad_acc=2)
+    lay = Layout(dp=2, micro_batch_size=4, grad_accum_steps=2)
     report = step_time(TINY, 128, lay, FIVEFOLD_CPU, hw)
     states = model_state_bytes(TINY, lay, FIVEFOLD_CPU, "first")
     expected_opt = (states["parameters"] + states["gradients"] + states["optimizer"]) / 2e9 + \
@@ -316,7 +316,7 @@ def test_tied_embedding_gradient_sum_across_pipeline_ends_is_timed():
     step: one all-reduce of vocab x hidden gradient bytes over 2 ranks; none when DualPipeV keeps both ends on
     rank 0 or the model is untied."""
     hw = get_cluster("cpu")
-    lay = Layout(pp=2, mbs=2, grad_acc=4)
+    lay = Layout(pp=2, micro_batch_size=2, grad_accum_steps=4)
     rep = step_time(TINY, 128, lay, FIVEFOLD_CPU, hw)
     st = comm.strides(lay)
     expect = comm.all_reduce(TINY.vocab_size * TINY.hidden * FIVEFOLD_CPU.grad_bytes, 2, st["pp"], hw.on_node(2))

@@ -36,8 +36,8 @@ def params_per_tp_rank(m: ModelConfig, tp: int) -> int:
 def closed_form(zero: int, psi: int, dp: int) -> dict[str, int]:
     params, grads, optimizer = 4 * psi, 4 * psi, 8 * psi
     return {
-        "params": params // dp if zero >= 3 else params,
-        "grads": grads // dp if zero >= 2 else grads,
+        "parameters": params // dp if zero >= 3 else params,
+        "gradients": grads // dp if zero >= 2 else grads,
         "optimizer": optimizer // dp if zero >= 1 else optimizer,
     }
 

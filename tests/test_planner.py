@@ -86,7 +86,7 @@ def test_memory_follows_the_techniques():
     assert peak(dp=4, tp=2, sp="on") < peak(dp=4, tp=2, sp="off")
     assert peak(dp=8, recompute="full") < peak(dp=8, recompute="none")
     assert peak(dp=4, pp=2, schedule="1f1b") < peak(dp=4, pp=2, schedule="afab")
-    assert peak(dp=4, cp=2) < peak(dp=8, mbs=2)
+    assert peak(dp=4, cp=2) < peak(dp=8, micro_batch_size=2)
 
 
 @pytest.mark.parametrize("name,p,m,v", [("afab", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 4, 2, 1),
@@ -104,7 +104,7 @@ def test_parse_inputs():
     with pytest.raises(ConfigError, match="token count"):
         parse_tokens("lots")
     lay = parse_layout("dp=4,tp=2,pp=1,mbs=1,zero=1,recompute=none", 256)
-    assert (lay.dp, lay.tp, lay.grad_acc, lay.zero, lay.schedule) == (4, 2, 64, 1, "1f1b")
+    assert (lay.dp, lay.tp, lay.grad_accum_steps, lay.zero, lay.schedule) == (4, 2, 64, 1, "1f1b")
     with pytest.raises(ConfigError, match="recompute"):
         parse_layout("recompute=some", 256)
     with pytest.raises(ConfigError, match="does not divide the global batch"):
@@ -187,7 +187,7 @@ def test_validate_without_data_is_a_clear_error(capsys, tmp_path):
 
 
 def test_layout_fields_roundtrip():
-    lay = Layout(dp=2, tp=2, sp=True, zero=1, mbs=2, grad_acc=4, recompute="selective")
+    lay = Layout(dp=2, tp=2, sp=True, zero=1, micro_batch_size=2, grad_accum_steps=4, recompute="selective")
     conf = lay.to_layout_config()
     assert (conf.dp, conf.tp, conf.sp, conf.zero, conf.micro_batch_size, conf.recompute) == (2, 2, True, 1, 2,
                                                                                             "selective")

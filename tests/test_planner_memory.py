@@ -169,7 +169,7 @@ def test_activation_bytes_bf16_autocast(batch, seq):
     # under autocast the saved bytes include the bf16 weight casts, which the planner counts separately
     cfg = get_preset("tiny")
     measured = measure_saved_bytes(cfg, batch, seq, bf16=True)
-    lay = Layout(mbs=batch)
+    lay = Layout(micro_batch_size=batch)
     rep = rank_memory(dataclasses.replace(cfg), seq, lay, FIVEFOLD, in_flight=1.0)
     predicted = rep.parts["activations"] + rep.parts["bf16_weight_copies"]
     assert predicted == pytest.approx(measured, rel=TOL)

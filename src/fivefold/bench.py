@@ -202,8 +202,10 @@ def run_bench(args: argparse.Namespace, cfg: Config) -> dict:
     return {
         "model": cfg.model.name, "device": str(device),
         "device_name": module.get_device_name() if module is not None else "cpu",
-        "torch": torch.__version__, "seq_len": seq, "micro_batch": args.micro_batch,
-        "grad_accum": args.grad_accum, "dtype": "bf16" if engine.bf16 else "fp32", "compile": cfg.train.compile,
+        "torch": torch.__version__, "seq_len": seq, "micro_batch_size": args.micro_batch,
+        "grad_accum_steps": args.grad_accum, "micro_batch": args.micro_batch, "grad_accum": args.grad_accum,  # the
+        # last two: the previous names, kept for one release
+        "dtype": "bf16" if engine.bf16 else "fp32", "compile": cfg.train.compile,
         "n_devices": engine.n_devices, "layout": dict(vars(cfg.layout)),
         "steps": args.steps, "step_time_s": median, "step_times_s": step_seconds, "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_device": per_device, "tflops_per_device": tflops,
@@ -282,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
     split = result["time_split_s"]
     devices = f"{result['n_devices']} x " if result["n_devices"] > 1 else ""
     print(f"{result['model']} on {devices}{result['device_name']} ({result['dtype']}, seq {result['seq_len']}, "
-          f"micro-batch {result['micro_batch']} x {result['grad_accum']}, compile {result['compile']})")
+          f"micro-batch {result['micro_batch_size']} x {result['grad_accum_steps']}, compile {result['compile']})")
     print(f"  step time        {1e3 * result['step_time_s']:.1f} ms")
     print(f"  tokens/s         {result['tokens_per_s']:,.0f} ({result['tokens_per_s_per_device']:,.0f} per device)")
     print(f"  TFLOP/s/device   {result['tflops_per_device']:.2f}   MFU {mfu}")

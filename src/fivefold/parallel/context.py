@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fivefold.config import ConfigError
+from fivefold.layout import sequence_length_problem
 from fivefold.models.llama import MoE
 from fivefold.parallel.attention_ops import attention_backward, attention_forward
 from fivefold.parallel.tensor_comm import all_gather, all_reduce
@@ -47,16 +48,9 @@ _KV_TAG, _GRAD_TAG = 1, 2  # two transfers may be in flight to the same neighbou
 
 def check_sequence_length(seq_len: int, cp: int, field: str = "train.seq_len") -> None:
     """Refuse a sequence length that cannot be cut into 2*cp equal chunks."""
-    chunks = 2 * cp
-    if seq_len >= chunks and seq_len % chunks == 0:
-        return
-    lower = seq_len // chunks * chunks
-    nearest = [n for n in (lower, lower + chunks) if n > 0]
-    raise ConfigError(
-        f"{field} = {seq_len} cannot be split for context parallel with cp = {cp}: the sequence is cut into "
-        f"2*cp = {chunks} equal chunks (rank r keeps chunks r and {chunks - 1}-r), so the length must be a "
-        f"multiple of {chunks}; nearest valid lengths: {', '.join(map(str, nearest))}"
-    )
+    problem = sequence_length_problem(seq_len, cp, field)
+    if problem is not None:
+        raise ConfigError(problem.message)
 
 
 def _check_layout(layout: str) -> None:

@@ -250,7 +250,7 @@ class BucketedDataParallel:
         for b in self.buckets:
             kept = b.grad if self.zero < 2 else b.shard_grad
             grads += kept.numel() * kept.element_size()
-        return {"params": params, "grads": grads}
+        return {"parameters": params, "gradients": grads}
 
 
 class FullyShardedDataParallel:
@@ -306,4 +306,4 @@ class FullyShardedDataParallel:
             params += local.numel() * local.element_size()
             if p.grad is not None:
                 grads += p.grad.to_local().numel() * local.element_size()
-        return {"params": params, "grads": grads}
+        return {"parameters": params, "gradients": grads}

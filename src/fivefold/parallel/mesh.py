@@ -17,109 +17,23 @@ needs it: nothing here is global.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from fivefold.config import Config, ConfigError, LayoutConfig, nearest_divisors
+from fivefold.config import Config, LayoutConfig
+from fivefold.layout import check_layout
 
 AXES = ("pp", "dp", "cp", "tp")  # outermost first
 
 
-def _nearest_multiples(value: int, base: int) -> list[int]:
-    lo = max(base, value // base * base)
-    return sorted({lo, lo + base})
-
-
 def validate_layout(cfg: Config, world_size: int) -> None:
-    """Refuse a layout that cannot run on `world_size` ranks, naming the constraint and valid values.
+    """Refuse a layout that cannot run on `world_size` ranks, naming the constraint and valid values: the rule
+    book `fivefold.layout.check_layout`, which `fivefold plan --layout` and the planner's search use too.
 
     Called before any process group is created (and by `fivefold train` before any process starts)."""
-    la, m, t = cfg.layout, cfg.model, cfg.train
-    product = la.dp * la.tp * la.pp * la.cp
-    if product != world_size:
-        nearest_dp = world_size // (la.tp * la.pp * la.cp) if world_size % (la.tp * la.pp * la.cp) == 0 else None
-        hint = (f"with these tp, pp and cp use layout.dp = {nearest_dp}" if nearest_dp
-                else f"tp x pp x cp = {la.tp * la.pp * la.cp} must divide the world size; "
-                     f"valid tp for {world_size} ranks: {nearest_divisors(world_size, la.tp)}")
-        raise ConfigError(
-            f"layout dp x tp x pp x cp = {la.dp} x {la.tp} x {la.pp} x {la.cp} = {product} does not equal the "
-            f"world size {world_size} (number of processes); {hint}, or start {product} processes "
-            f"(--nproc {product})"
-        )
-    if la.tp > 1:
-        from fivefold.parallel.tensor import validate_tensor_parallel
-
-        validate_tensor_parallel(m, la.tp)
-    if la.sp and la.tp == 1:
-        raise ConfigError("layout.sp = true needs tensor parallel: sequence parallel shards the norm and residual "
-                          "regions over the tp ranks; use layout.tp >= 2 or layout.sp = false")
-    if la.cp > 1:
-        validate_context_parallel(cfg)
-    if la.sp and t.seq_len % (la.tp * la.cp):
-        local = "" if la.cp == 1 else f" (the cp-local length train.seq_len / layout.cp = {t.seq_len // la.cp})"
-        multiple = math.lcm(la.tp * la.cp, 2 * la.cp if la.cp > 1 else 1)
-        raise ConfigError(
-            f"train.seq_len = {t.seq_len}{local} is not divisible by layout.tp = {la.tp}, which sequence parallel "
-            f"(layout.sp = true) needs; nearest valid seq_len: {_nearest_multiples(t.seq_len, multiple)}"
-        )
-    if la.ep > 1:
-        validate_expert_parallel(cfg)
-    if la.zero > 0 and la.dp * la.cp == 1:
-        raise ConfigError(
-            f"layout.zero = {la.zero} with layout.dp = 1 and layout.cp = 1: ZeRO shards over the data-parallel x "
-            "context-parallel ranks (those that reduce gradients), so there is nothing to shard; use "
-            "layout.zero = 0, or layout.dp >= 2 (or layout.cp >= 2)"
-        )
-    mbs = la.micro_batch_size or t.global_batch_size // max(la.dp, 1)
-    if t.global_batch_size % (la.dp * mbs):
-        raise ConfigError(
-            f"train.global_batch_size = {t.global_batch_size} is not divisible by layout.dp x "
-            f"layout.micro_batch_size = {la.dp} x {mbs} = {la.dp * mbs}; nearest valid global batch sizes: "
-            f"{_nearest_multiples(t.global_batch_size, la.dp * mbs)}, or micro-batch sizes "
-            f"{nearest_divisors(max(t.global_batch_size // la.dp, 1), mbs)}"
-        )
-    from fivefold.parallel.pipeline import validate_pipeline
-
-    validate_pipeline(cfg)
-
-
-def validate_context_parallel(cfg: Config) -> None:
-    """cp cuts every sequence into 2*cp zig-zag chunks (see `fivefold.parallel.context`)."""
-    from fivefold.parallel.context import check_sequence_length
-
-    check_sequence_length(cfg.train.seq_len, cfg.layout.cp)
-
-
-def validate_expert_parallel(cfg: Config) -> None:
-    """ep shards whole experts of an MoE model over blocks of ep ranks of each dp x cp group."""
-    la, m = cfg.layout, cfg.model
-    if not m.is_moe:
-        raise ConfigError(
-            f"layout.ep = {la.ep} on a dense model (model.n_experts = 0): expert parallel shards the experts of "
-            "mixture-of-experts layers; use layout.ep = 1, or an MoE model (model.n_experts >= 2, e.g. "
-            "--preset tiny-moe)"
-        )
-    if m.n_experts % la.ep:
-        raise ConfigError(
-            f"layout.ep = {la.ep} does not divide model.n_experts = {m.n_experts}: each ep rank holds "
-            f"n_experts / ep whole experts; valid ep for this model: {nearest_divisors(m.n_experts, la.ep)}"
-        )
-    if (la.dp * la.cp) % la.ep:
-        valid = [d for d in nearest_divisors(la.dp * la.cp, la.ep, 8) if m.n_experts % d == 0][:3]
-        raise ConfigError(
-            f"layout.ep = {la.ep} does not divide layout.dp x layout.cp = {la.dp} x {la.cp} = {la.dp * la.cp}: "
-            f"expert parallel folds over the dp x cp ranks (it adds no ranks), so each dp x cp group must split "
-            f"into blocks of ep ranks; valid ep for this layout and model: {valid}, or raise layout.dp"
-        )
-    if la.zero == 3:
-        raise ConfigError(
-            f"layout.zero = 3 with layout.ep = {la.ep}: ZeRO-3 shards parameters with one fully_shard mesh over "
-            "dp x cp, while expert weights are reduced over the smaller expert-data-parallel groups; use "
-            "layout.zero = 1 or 2 with expert parallel, or layout.ep = 1"
-        )
+    check_layout(cfg, world_size)
 
 
 def rank_of(layout: LayoutConfig, pp: int, dp: int, cp: int, tp: int) -> int:

@@ -45,19 +45,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from fivefold.config import Config, ConfigError, LayoutConfig, ModelConfig
+from fivefold.config import Config, ConfigError, ModelConfig
 from fivefold.flops import balanced_stage_layers
+from fivefold.layout import n_stages, pipeline_problem
 from fivefold.models.llama import Llama, build_model
 from fivefold.parallel.pipeline_comm import PointToPoint, consumer_stage
-from fivefold.parallel.schedules import Action, Schedule, min_micro_batches, stage_placement
+from fivefold.parallel.schedules import Action, Schedule
 
 # ---------------------------------------------------------------------------------------------
 # The split and its validation
-
-
-def n_stages(layout: LayoutConfig) -> int:
-    """Global pipeline stages: pp, pp x vpp (interleaved) or 2 pp (DualPipeV)."""
-    return 1 if layout.pp == 1 else len(stage_placement(layout.schedule, layout.pp, layout.vpp))
 
 
 def stage_layer_counts(cfg: Config) -> list[int]:
@@ -67,67 +63,12 @@ def stage_layer_counts(cfg: Config) -> list[int]:
     return balanced_stage_layers(cfg.model, n_stages(cfg.layout), cfg.train.seq_len)
 
 
-def _micro_batch_sizes_for(per_rank: int, need: int, multiple: int = 1) -> list[int]:
-    """The largest micro-batch sizes that give at least `need` micro-batches (a multiple of `multiple`)."""
-    sizes = [d for d in range(per_rank, 0, -1) if per_rank % d == 0 and per_rank // d >= need
-             and (per_rank // d) % multiple == 0]
-    return sizes[:3]
-
-
 def validate_pipeline(cfg: Config) -> None:
     """Refuse a pipeline layout that cannot run, naming the rule and the nearest valid values (before any
-    process group exists)."""
-    la, model, t = cfg.layout, cfg.model, cfg.train
-    if la.pp == 1:
-        if la.vpp > 1:
-            raise ConfigError(f"layout.vpp = {la.vpp} needs pipeline parallel (layout.pp > 1) and the interleaved "
-                              "schedule; use layout.vpp = 1")
-        if la.stage_layers:
-            raise ConfigError(f"layout.stage_layers = {la.stage_layers} splits the blocks over pipeline stages, "
-                              "but layout.pp = 1; leave it empty or use layout.pp >= 2")
-        return
-    if la.pp > model.n_layers:
-        raise ConfigError(f"layout.pp = {la.pp} exceeds model.n_layers = {model.n_layers}: every pipeline stage "
-                          f"holds at least one block; use layout.pp <= {model.n_layers}")
-    if la.vpp > 1 and la.schedule != "interleaved":
-        raise ConfigError(f"layout.vpp = {la.vpp} (stages per rank) applies to the interleaved schedule only, "
-                          f"not layout.schedule = {la.schedule}; use layout.vpp = 1 or layout.schedule = interleaved")
-    if la.zero == 3:
-        raise ConfigError("layout.zero = 3 with layout.pp > 1 is refused: ZeRO-3 gathers a block's weights for "
-                          "every forward and backward, and a pipeline rank runs its micro-batches' passes "
-                          "interleaved, so the weights would be gathered 2 x micro-batches times per step (and "
-                          "fully_shard's root unit expects one forward and backward around the whole model); "
-                          "use layout.zero = 1 or 2 with pipeline parallel")
-    stages = n_stages(la)
-    if stages > model.n_layers:
-        what = f"layout.pp x layout.vpp = {la.pp} x {la.vpp}" if la.schedule == "interleaved" else \
-            f"the V of dualpipev, 2 x layout.pp = 2 x {la.pp}"
-        valid = list(range(1, model.n_layers // la.pp + 1)) if la.schedule == "interleaved" else None
-        hint = f"use layout.vpp in {valid[-3:]}" if valid else f"use layout.pp <= {model.n_layers // 2}"
-        raise ConfigError(f"{what} = {stages} stages exceed model.n_layers = {model.n_layers}: every stage holds "
-                          f"at least one block; {hint}")
-    per_rank = t.global_batch_size // la.dp
-    mbs = la.micro_batch_size or per_rank
-    m = per_rank // mbs
-    need = min_micro_batches(la.schedule, la.pp, la.vpp)
-    multiple = la.pp if la.schedule == "interleaved" else 1
-    if m < need or m % multiple:
-        rule = f"at least {need} micro-batches per step" + (f", a multiple of layout.pp = {la.pp}" if multiple > 1
-                                                              else "")
-        sizes = _micro_batch_sizes_for(per_rank, need, multiple)
-        smallest = -(-need // multiple) * multiple  # the fewest micro-batches that the schedule accepts
-        hint = (f"use layout.micro_batch_size in {sizes}" if sizes else
-                f"raise train.global_batch_size to {smallest * la.dp} or more")
-        raise ConfigError(f"layout.schedule = {la.schedule} with layout.pp = {la.pp} needs {rule}, but "
-                          f"train.global_batch_size / (layout.dp x layout.micro_batch_size) = {t.global_batch_size} "
-                          f"/ ({la.dp} x {mbs}) = {m}; {hint}, or another schedule")
-    if la.stage_layers:
-        counts = la.stage_layers
-        balanced = balanced_stage_layers(model, stages, t.seq_len)
-        if len(counts) != stages or min(counts) < 1 or sum(counts) != model.n_layers:
-            raise ConfigError(f"layout.stage_layers = {counts} must give each of the {stages} pipeline stages at "
-                              f"least one block, {model.n_layers} blocks in all (model.n_layers); the compute-"
-                              f"balanced split is {balanced} (leave layout.stage_layers empty to use it)")
+    process group exists): the pipeline rules of `fivefold.layout`."""
+    problem = pipeline_problem(cfg.model, cfg.layout, cfg.train.seq_len, cfg.train.global_batch_size)
+    if problem is not None:
+        raise ConfigError(problem.message)
 
 
 def layer_ranges(counts: list[int]) -> list[range]:

@@ -21,8 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from fivefold.layout import SCHEDULES, min_micro_batches
+
 Kind = Literal["F", "B", "W"]
-SCHEDULES = ("afab", "1f1b", "interleaved", "zero-bubble", "dualpipev")
 
 
 class Action(NamedTuple):
@@ -48,15 +49,6 @@ class Schedule:
 
 class ScheduleError(ValueError):
     """A schedule that cannot be built for these (p, m, v); the message says what would work."""
-
-
-def min_micro_batches(name: str, p: int, v: int = 1) -> int:
-    """The fewest micro-batches the schedule accepts (and, for interleaved, m must be a multiple of p)."""
-    if name == "dualpipev":
-        return 2 * p
-    if name == "interleaved":
-        return p
-    return 1
 
 
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:

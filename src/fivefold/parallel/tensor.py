@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from fivefold.config import ConfigError, ModelConfig, nearest_divisors
+from fivefold.config import ConfigError, ModelConfig
+from fivefold.layout import tensor_parallel_problem
 from fivefold.models.llama import MLP, Attention, Llama, MoE, RMSNorm
 from fivefold.models.loss import TP_LOSS_CHUNK_TOKENS
 from fivefold.parallel.tensor_comm import (
@@ -99,25 +100,9 @@ def gather_state(local_state: dict[str, torch.Tensor], tp_group: ProcessGroup) -
 
 def validate_tensor_parallel(cfg: ModelConfig, tp: int, field: str = "layout.tp") -> None:
     """Refuse a tp degree that does not divide every dim it splits (callable before any group exists)."""
-    checks = [("model.n_heads", cfg.n_heads), ("model.n_kv_heads", cfg.n_kv_heads),
-              ("model.vocab_size", cfg.vocab_size)]
-    if cfg.is_moe:
-        checks.append(("model.moe_ffn" if cfg.moe_ffn else "model.ffn (the expert ffn)", cfg.expert_ffn))
-    else:
-        checks.append(("model.ffn", cfg.ffn))
-    for name, value in checks:
-        if value % tp:
-            raise ConfigError(
-                f"{field} = {tp} does not divide {name} = {value}: tensor parallelism splits it evenly over the "
-                f"tp ranks (kv heads are not replicated); valid tp for this model: "
-                f"{_valid_tp(cfg, tp)}"
-            )
-
-
-def _valid_tp(cfg: ModelConfig, tp: int) -> list[int]:
-    dims = [cfg.n_heads, cfg.n_kv_heads, cfg.vocab_size, cfg.expert_ffn if cfg.is_moe else cfg.ffn]
-    candidates = [d for d in nearest_divisors(cfg.n_kv_heads, tp, 8) if all(x % d == 0 for x in dims)]
-    return sorted(candidates, key=lambda d: (abs(d - tp), d))[:3] or [1]
+    problem = tensor_parallel_problem(cfg, tp, field)
+    if problem is not None:
+        raise ConfigError(problem.message)
 
 
 # --- the tensor-parallel modules ------------------------------------------------------------------------

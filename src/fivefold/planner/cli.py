@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from fivefold.config import Config, ConfigError, ModelConfig, dump_toml, write_text_atomic
+from fivefold.layout import check_layout
 from fivefold.planner.layout import FRAMEWORKS, Framework, Layout, parse_layout
 from fivefold.planner.search import SearchSpace, estimate, gib, parse_tokens, search
 
@@ -34,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--write-config", help="write the best layout as a `fivefold train` TOML config")
-    p.add_argument("--layout", help="estimate one layout, e.g. 'dp=4,tp=2,pp=1,mbs=1,zero=1,recompute=none'")
+    p.add_argument("--layout", help="estimate one layout, e.g. 'dp=4,tp=2,pp=1,micro_batch_size=1,zero=1,"
+                                    "recompute=none' (mbs is short for micro_batch_size)")
     p.add_argument("--explain", action="store_true", help="say why the best layout wins")
     p.add_argument("--framework", choices=sorted(FRAMEWORKS),
                    help="whose implementation to model (default: fivefold-cpu on a CPU profile, else fivefold; "
@@ -47,8 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cp", action="store_true", help="do not consider context parallel")
     p.add_argument("--moe-imbalance", type=float, default=1.0,
                    help="busiest expert's load over the even share (dropless MoE memory)")
-    p.add_argument("--data", help="validate: CSV of runs (default: ../shared/data/playbook_benchmark_runs.csv "
-                                  "beside the repository)")
+    p.add_argument("--data", help="validate: CSV of runs (default in a clone: ../shared/data/"
+                                  "playbook_benchmark_runs.csv beside the repository; required otherwise)")
     p.add_argument("--results", help="validate: a `fivefold sweep` results store instead of the CSV (with "
                                      "--hardware FILE for the profile to predict with)")
     p.add_argument("--profile", help="validate: TOML of fitted constants (default: the packaged profile)")
@@ -108,8 +110,9 @@ def _cluster(args: argparse.Namespace):
     return hw
 
 
-def write_config(path: str, cfg: ModelConfig, lay: Layout, seq: int, batch_seqs: int, dtype: str) -> Config:
-    """A `fivefold train` config of `lay` for `cfg`, computing in `dtype` (the framework's precision)."""
+def train_config(cfg: ModelConfig, lay: Layout, seq: int, batch_seqs: int, dtype: str) -> Config:
+    """The `fivefold train` config of `lay` for `cfg`, computing in `dtype` (the framework's precision), checked
+    by the same rules as `fivefold train` (`Config.validate`, then the layout rule book on the layout's world)."""
     conf = Config()
     conf.model = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, seq))
     conf.layout = lay.to_layout_config()
@@ -118,13 +121,20 @@ def write_config(path: str, cfg: ModelConfig, lay: Layout, seq: int, batch_seqs:
     conf.train.dtype = dtype
     conf.run_dir = f"runs/{cfg.name}-plan"
     conf.validate()
+    check_layout(conf, lay.world_size)
+    return conf
+
+
+def write_config(path: str, cfg: ModelConfig, lay: Layout, seq: int, batch_seqs: int, dtype: str) -> Config:
+    """A `fivefold train` config of `lay` for `cfg`, computing in `dtype` (the framework's precision)."""
+    conf = train_config(cfg, lay, seq, batch_seqs, dtype)
     write_text_atomic(path, f"# written by `fivefold plan` ({lay.short()})\n" + dump_toml(conf))
     return conf
 
 
 def _fmt_row(e) -> str:
     return (f"{e.layout.short():58s} {gib(e.peak_bytes):8.1f} {e.step_time_s:9.3f} "
-            f"{e.tokens_per_s_per_gpu:12,.0f} {100 * e.mfu:6.1f}")
+            f"{e.tokens_per_s_per_device:12,.0f} {100 * e.mfu:6.1f}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -150,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         if lay.world_size != n_gpus:
             raise ConfigError(f"--layout dp x tp x pp x cp = {lay.world_size} but the cluster has {n_gpus} GPUs "
                               f"({args.nodes} nodes x {hw.gpus_per_node}); change the degrees or --nodes")
+        train_config(cfg, lay, seq, batch_seqs, fw.compute_dtype)  # refused as `fivefold train` refuses it
         e = estimate(cfg, seq, lay, fw, hw, True, moe_imbalance=args.moe_imbalance)
         if args.json:
             print(json.dumps(e.to_json(), indent=2))
@@ -160,7 +171,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  memory, {rank} pipeline rank:")
                 for k, v in parts.items():
                     print(f"    {k:20s} {gib(v):9.3f} GiB")
-            print(f"  step {e.step_time_s:.4f} s, {e.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, MFU {100 * e.mfu:.1f} %")
+            print(f"  step {e.step_time_s:.4f} s, {e.tokens_per_s_per_device:,.0f} tokens/s/GPU, "
+                  f"MFU {100 * e.mfu:.1f} %")
             for k, v in e.time_parts.items():
                 print(f"    {k:20s} {v:9.4f} s")
         return 0

@@ -30,15 +30,16 @@ def explain(result: SearchResult, memory_limit: float, global_batch_seqs: int, n
         return "No layout fits; see the rejected families above."
     best = result.candidates[0]
     la = best.layout
-    lines = [f"Best: {la.short()} at {best.tokens_per_s_per_gpu:,.0f} tokens/s per GPU "
+    lines = [f"Best: {la.short()} at {best.tokens_per_s_per_device:,.0f} tokens/s per GPU "
              f"(MFU {100 * best.mfu:.1f} %, step {best.step_time_s:.3g} s, peak {gib(best.peak_bytes):.1f} GiB "
              f"of {gib(memory_limit):.1f} GiB)."]
     binds = []
     if best.peak_bytes > 0.85 * memory_limit:
         binds.append(f"memory: the pick uses {100 * best.peak_bytes / memory_limit:.0f} % of the device; "
                      "layouts with less sharding or less recompute do not fit")
-    if la.grad_acc == 1:
-        binds.append(f"global batch: dp x mbs = {la.dp} x {la.mbs} already equals the {global_batch_seqs} "
+    if la.grad_accum_steps == 1:
+        binds.append(f"global batch: dp x micro_batch_size = {la.dp} x {la.micro_batch_size} already equals the "
+                     f"{global_batch_seqs} "
                      "sequences of the batch, so more data parallel is impossible")
     total = best.step_time_s
     comm = sum(best.time_parts.get(k, 0.0) for k in ("tp_comm", "cp_comm", "ep_comm", "dp_comm_exposed",
@@ -63,10 +64,10 @@ def explain(result: SearchResult, memory_limit: float, global_batch_seqs: int, n
     if close:
         lines.append("Closest alternatives with another tp/pp/cp/ep:")
         for e in close:
-            loss = 100 * (1 - e.tokens_per_s_per_gpu / best.tokens_per_s_per_gpu)
+            loss = 100 * (1 - e.tokens_per_s_per_device / best.tokens_per_s_per_device)
             lines.append(f"  {e.layout.short()}: {loss:.1f} % slower, {_biggest_difference(best, e)}")
     same = [e for e in result.candidates[1:] if _family(e) == _family(best)][:2]
     for e in same:
-        loss = 100 * (1 - e.tokens_per_s_per_gpu / best.tokens_per_s_per_gpu)
+        loss = 100 * (1 - e.tokens_per_s_per_device / best.tokens_per_s_per_device)
         lines.append(f"  same grid, {e.layout.short()}: {loss:.1f} % slower, {_biggest_difference(best, e)}")
     return "\n".join(lines)

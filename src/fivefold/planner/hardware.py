@@ -1,8 +1,9 @@
 """The cluster the planner models: one accelerator kind, how many per node, how many nodes, and the links.
 
-The presets extend `fivefold.hardware` (the vendors' peaks, which the trainer also reads for MFU) with what the
-time model needs: collective latencies, an achievable share of the matmul peak, and optionally the measured
-bus bandwidth of collectives by node count (a calibrated profile). Any field can be overridden from a TOML
+The presets are `fivefold.hardware`'s table (the vendors' peaks, which the trainer also reads for MFU;
+`Cluster` inherits its fields) extended with what the time model needs: collective latencies, an achievable
+share of the matmul peak, and optionally the measured bus bandwidth of collectives by node count (a calibrated
+profile). Any field can be overridden from a TOML
 file: `fivefold plan --hardware FILE` where FILE holds
 
     base = "h100"              # optional: start from a preset
@@ -32,19 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fivefold.config import ConfigError
-from fivefold.hardware import HARDWARE
+from fivefold.hardware import HARDWARE, Hardware
 
 
 @dataclass(frozen=True)
-class Cluster:
-    name: str
-    bf16_tflops: float  # dense peak per device
-    fp32_tflops: float
-    memory_gib: float  # what the framework can allocate per device
-    hbm_gbps: float
-    intra_node_gbps: float  # per device, unidirectional, to peers inside the node
-    inter_node_gbps: float  # per device, unidirectional, across nodes
-    gpus_per_node: int = 8
+class Cluster(Hardware):
+    """A device of `fivefold.hardware` (the one table of device facts: peaks, memory, links, devices per node),
+    with what the time model adds. The device fields are inherited, so the two cannot drift apart."""
+
     intra_latency_us: float = 2.0  # one ring step of a collective inside a node
     inter_latency_us: float = 5.0  # one ring step across nodes
     matmul_efficiency: float = 0.78  # best achievable share of the peak on large matmuls
@@ -200,8 +196,7 @@ def interpolate(points: tuple[tuple[float, ...], ...], key: tuple[float, ...]) -
 
 def _from_base(name: str) -> Cluster:
     hw = HARDWARE[name]
-    return Cluster(name, hw.bf16_tflops, hw.fp32_tflops, hw.memory_gib, hw.hbm_gbps, hw.intra_node_gbps,
-                   hw.inter_node_gbps, hw.gpus_per_node)
+    return Cluster(**{f.name: getattr(hw, f.name) for f in dataclasses.fields(Hardware)})
 
 
 PRESETS: dict[str, Cluster] = {name: _from_base(name) for name in HARDWARE}
@@ -251,7 +246,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"
 
 def _parse_fields(data: dict, where: str) -> dict:
     """Cluster fields from a TOML table, each checked (name, type, sign) with the field named in errors."""
-    fields = {f.name for f in dataclasses.fields(Cluster)} - {"by_ranks"}
+    fields = {f.name for f in dataclasses.fields(Cluster)} - {"by_ranks", "match"}
     values: dict = {}
     for key, value in data.items():
         if key not in fields:

@@ -1,5 +1,5 @@
-"""A candidate layout (every knob of `LayoutConfig` plus the gradient accumulation that the global batch
-implies) and the framework settings that turn a layout into bytes and seconds.
+"""A candidate layout (`fivefold train`'s `LayoutConfig` itself, with the gradient accumulation steps that the
+global batch implies) and the framework settings that turn a layout into bytes and seconds.
 
 `Framework` holds what differs between implementations of the same techniques, so that published runs of
 another framework can be modelled with its own settings: the precision of parameters and gradients, whether
@@ -11,31 +11,19 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fivefold.config import ConfigError, LayoutConfig
+from fivefold.config import ConfigError, LayoutConfig, batch_problem
 from fivefold.models.loss import LOSS_CHUNK_TOKENS, TP_LOSS_CHUNK_TOKENS
 
 RECOMPUTE = ("none", "selective", "full")
 
 
-@dataclass(frozen=True)
-class Layout:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    zero: int = 0
-    mbs: int = 1
-    grad_acc: int = 1
-    recompute: str = "none"
-    sp: bool = False
-    schedule: str = "1f1b"
-    vpp: int = 1
-    fp32_grad_accum: bool = False
+@dataclass
+class Layout(LayoutConfig):
+    """A `LayoutConfig` (the same fields, so the planner and the trainer cannot drift apart) whose micro-batch
+    size is explicit (1 unless given) and which carries the gradient accumulation steps of its global batch."""
 
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
+    micro_batch_size: int = 1
+    grad_accum_steps: int = 1
 
     def short(self) -> str:
         s = f"dp{self.dp} tp{self.tp}{'+sp' if self.sp and self.tp > 1 else ''} pp{self.pp}"
@@ -43,37 +31,45 @@ class Layout:
             s += f" cp{self.cp}"
         if self.ep > 1:
             s += f" ep{self.ep}"
-        s += f" z{self.zero} mbs{self.mbs} ga{self.grad_acc} rc:{self.recompute}"
+        s += f" z{self.zero} mbs{self.micro_batch_size} ga{self.grad_accum_steps} rc:{self.recompute}"
         if self.pp > 1:
             s += f" {self.schedule}" + (f" v{self.vpp}" if self.vpp > 1 else "")
         return s
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields, plus `mbs` and `grad_acc`: the previous names of micro_batch_size and grad_accum_steps,
+        kept in `fivefold plan --json` for readers of the previous release (to be removed in the next one)."""
+        d = dataclasses.asdict(self)
+        return {**d, "mbs": self.micro_batch_size, "grad_acc": self.grad_accum_steps}
 
     def to_layout_config(self) -> LayoutConfig:
-        return LayoutConfig(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, zero=self.zero,
-                            micro_batch_size=self.mbs, recompute=self.recompute, sp=self.sp,  # type: ignore[arg-type]
-                            schedule=self.schedule, vpp=self.vpp, fp32_grad_accum=self.fp32_grad_accum)  # type: ignore[arg-type]
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(LayoutConfig)}
+        return LayoutConfig(**{**values, "stage_layers": list(self.stage_layers)})
 
 
-_KEYS = {"dp", "tp", "pp", "cp", "ep", "zero", "mbs", "recompute", "sp", "schedule", "vpp", "fp32_grad_accum"}
+# the previous names of two fields, still read from --layout
+LEGACY_NAMES = {"mbs": "micro_batch_size", "grad_acc": "grad_accum_steps"}
+
+
+_KEYS = {f.name for f in dataclasses.fields(LayoutConfig)} - {"stage_layers"} | {"mbs"}
 
 
 def parse_layout(text: str, global_batch_seqs: int) -> Layout:
-    """`"dp=4,tp=2,pp=1,mbs=1,zero=1,recompute=none"` -> Layout; grad_acc follows from the global batch."""
+    """`"dp=4,tp=2,pp=1,micro_batch_size=1,zero=1,recompute=none"` -> Layout (`mbs` is short for micro_batch_size);
+    grad_accum_steps follows from the global batch."""
     values: dict = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, eq, value = part.partition("=")
         key = key.strip()
         if not eq or key not in _KEYS:
             raise ConfigError(f"--layout item {part!r} is not KEY=VALUE with KEY one of: {', '.join(sorted(_KEYS))}")
+        key = LEGACY_NAMES.get(key, key)
         value = value.strip()
         if key == "recompute":
             if value not in RECOMPUTE:
                 raise ConfigError(f"--layout recompute = {value!r} is not one of {list(RECOMPUTE)}")
         elif key == "schedule":
-            from fivefold.parallel.schedules import SCHEDULES
+            from fivefold.layout import SCHEDULES
 
             if value not in SCHEDULES:
                 raise ConfigError(f"--layout schedule = {value!r} is not one of {list(SCHEDULES)}")
@@ -90,14 +86,10 @@ def parse_layout(text: str, global_batch_seqs: int) -> Layout:
                 raise ConfigError(f"--layout {key} = {value} must be >= {0 if key == 'zero' else 1}")
         values[key] = value
     lay = Layout(**values)
-    per_step = lay.dp * lay.mbs
-    if global_batch_seqs % per_step:
-        raise ConfigError(
-            f"--layout dp x mbs = {lay.dp} x {lay.mbs} = {per_step} does not divide the global batch of "
-            f"{global_batch_seqs} sequences; use a dp x mbs that divides it (e.g. mbs in "
-            f"{[d for d in range(1, 17) if global_batch_seqs % (lay.dp * d) == 0][:5]})"
-        )
-    return dataclasses.replace(lay, grad_acc=global_batch_seqs // per_step)
+    problem = batch_problem(lay, global_batch_seqs)
+    if problem is not None:
+        raise ConfigError(problem.message)
+    return dataclasses.replace(lay, grad_accum_steps=global_batch_seqs // (lay.dp * lay.micro_batch_size))
 
 
 @dataclass(frozen=True)

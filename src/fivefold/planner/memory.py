@@ -223,7 +223,7 @@ def rank_memory(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, in_fligh
     """Peak bytes of the first or last pipeline rank, with `in_flight` micro-batches of stage activations."""
     rp = rank_params(cfg, lay, rank)
     rep = MemoryReport(rank, dict(model_state_bytes(cfg, lay, fw, rank)))
-    tokens = lay.mbs * seq // lay.cp
+    tokens = lay.micro_batch_size * seq // lay.cp
     act = stage_activation_bytes(cfg, tokens, seq // lay.cp, lay, fw, rp, moe_imbalance)
     rep.parts["activations"] = act * in_flight
     copies = 0.0

@@ -24,8 +24,8 @@ from fivefold.planner.search import Estimate, estimate
 def layout_of(cfg: Config) -> Layout:
     """The planner's layout for a config (micro-batch and gradient accumulation resolved)."""
     la = cfg.layout
-    return Layout(dp=la.dp, tp=la.tp, pp=la.pp, cp=la.cp, ep=la.ep, zero=la.zero, mbs=cfg.micro_batch_size,
-                  grad_acc=cfg.grad_accum_steps, recompute=la.recompute, sp=la.sp and la.tp > 1,
+    return Layout(dp=la.dp, tp=la.tp, pp=la.pp, cp=la.cp, ep=la.ep, zero=la.zero, micro_batch_size=cfg.micro_batch_size,
+                  grad_accum_steps=cfg.grad_accum_steps, recompute=la.recompute, sp=la.sp and la.tp > 1,
                   schedule=la.schedule, vpp=la.vpp, fp32_grad_accum=la.fp32_grad_accum)
 
 
@@ -76,7 +76,7 @@ def predict_run(cfg: Config, hardware: Cluster, device_type: str | None = None) 
     e = estimate_run(cfg, hardware, device_type)
     parts = max(e.memory.values(), key=lambda p: sum(p.values()))
     return {
-        "step_time_s": e.step_time_s, "tokens_per_s_per_device": e.tokens_per_s_per_gpu, "mfu": e.mfu,
+        "step_time_s": e.step_time_s, "tokens_per_s_per_device": e.tokens_per_s_per_device, "mfu": e.mfu,
         "peak_memory_bytes": e.peak_bytes, "fits": e.fits, "time_s": dict(e.time_parts),
         "memory_bytes": dict(parts), "hardware": hardware.name,
         "layout": dataclasses.asdict(e.layout),

@@ -15,9 +15,9 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from fivefold.config import ConfigError, ModelConfig
+from fivefold.config import ConfigError, ModelConfig, batch_problem
 from fivefold.flops import training_flops_per_token
-from fivefold.parallel.schedules import min_micro_batches
+from fivefold.layout import layout_problem, pipeline_problem, sequence_length_problem, tensor_parallel_problem
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.layout import Framework, Layout
 from fivefold.planner.memory import GIB, rank_memory
@@ -48,7 +48,7 @@ class Estimate:
     peak_bytes: float
     step_time_s: float
     time_parts: dict[str, float]
-    tokens_per_s_per_gpu: float
+    tokens_per_s_per_device: float
     mfu: float
     notes: list[str] = field(default_factory=list)
 
@@ -59,7 +59,8 @@ class Estimate:
             "memory_bytes": {"peak": self.peak_bytes, **{k: dict(v, peak=sum(v.values()))
                                                           for k, v in self.memory.items()}},
             "step_time_s": self.step_time_s,
-            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "tokens_per_s_per_device": self.tokens_per_s_per_device,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_device,  # the previous name, for one release
             "mfu": self.mfu,
             "time_s": {"step": self.step_time_s, **self.time_parts},
         }
@@ -67,7 +68,7 @@ class Estimate:
 
 def memory_of(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, moe_imbalance: float = 1.0
               ) -> dict[str, dict[str, float]]:
-    first, last = in_flight(lay.schedule, lay.pp, lay.grad_acc, lay.vpp)
+    first, last = in_flight(lay.schedule, lay.pp, lay.grad_accum_steps, lay.vpp)
     out = {"first": rank_memory(cfg, seq, lay, fw, first, "first", moe_imbalance).parts}
     if lay.pp > 1:
         out["last"] = rank_memory(cfg, seq, lay, fw, last, "last", moe_imbalance).parts
@@ -80,7 +81,7 @@ def estimate(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster
     peak = max(sum(v.values()) for v in mem.values())
     limit = hw.memory_bytes * fw.usable_memory_fraction if memory_limit is None else memory_limit
     t = step_time(cfg, seq, lay, fw, hw, exact)
-    tokens = lay.dp * lay.mbs * lay.grad_acc * seq
+    tokens = lay.dp * lay.micro_batch_size * lay.grad_accum_steps * seq
     n = lay.world_size
     tps = tokens / t.step_time / n
     mfu = tps * training_flops_per_token(cfg, seq) / hw.peak_flops(fw.compute_dtype)
@@ -97,16 +98,9 @@ def _divisors(n: int) -> list[int]:
 
 
 def tp_valid(cfg: ModelConfig, tp: int) -> str | None:
-    """Why tensor parallel degree `tp` cannot shard this model, or None."""
-    if cfg.n_heads % tp:
-        return f"tp={tp} does not divide the {cfg.n_heads} attention heads"
-    if cfg.n_kv_heads % tp:
-        return f"tp={tp} does not divide the {cfg.n_kv_heads} kv heads"
-    if cfg.expert_ffn % tp or cfg.ffn % tp:
-        return f"tp={tp} does not divide the MLP width {cfg.ffn}"
-    if cfg.vocab_size % tp:
-        return f"tp={tp} does not divide the vocabulary {cfg.vocab_size}"
-    return None
+    """Why tensor parallel degree `tp` cannot shard this model (the engine's rule), or None."""
+    problem = tensor_parallel_problem(cfg, tp)
+    return problem.message if problem else None
 
 
 @dataclass
@@ -158,69 +152,70 @@ def search(cfg: ModelConfig, seq: int, global_batch_seqs: int, n_gpus: int, fw: 
                 reject("does not fit in memory without (more) recompute", lay.short())
                 continue
             fitting.append(estimate(cfg, seq, lay, fw, hw, False, moe_imbalance=moe_imbalance))
-    fitting.sort(key=lambda e: -e.tokens_per_s_per_gpu)
+    fitting.sort(key=lambda e: -e.tokens_per_s_per_device)
     best = [estimate(cfg, seq, e.layout, fw, hw, True, moe_imbalance=moe_imbalance) for e in fitting[:SIMULATED_TOP]]
-    best.sort(key=lambda e: -e.tokens_per_s_per_gpu)
+    best.sort(key=lambda e: -e.tokens_per_s_per_device)
     return SearchResult(best[:max(top, 1)] if top else best, rejected, examples, evaluated, closest)
 
 
 def _bases(cfg: ModelConfig, seq: int, batch: int, n_gpus: int, hw: Cluster, space: SearchSpace,
            reject: Callable[..., None]) -> Iterator[Layout]:
-    """Every layout that divides the model and reaches the batch exactly, with full recompute (the variants
-    with less recompute are tried by the caller); `reject(reason, example)` counts the rest."""
+    """Every layout that the rule book (`fivefold.layout`) accepts for this model, world and batch, with full
+    recompute (the variants with less recompute are tried by the caller); `reject(reason, example)` counts the
+    rest by the rule they break. Each rule is checked as soon as its degrees are chosen, to prune early."""
     max_tp = space.max_tp or hw.gpus_per_node
     for tp in _divisors(n_gpus):
-        why = f"tp above the {max_tp} GPUs of a node" if tp > max_tp else tp_valid(cfg, tp)
-        if why:
-            reject("tp above a node, or not dividing the model's heads, MLP or vocabulary", why)
+        if tp > max_tp:
+            reject("tp above the GPUs of a node", f"tp={tp} > {max_tp}")
+            continue
+        problem = tensor_parallel_problem(cfg, tp)
+        if problem:
+            reject(problem.rule, f"tp={tp}")
             continue
         for cp in _divisors(n_gpus // tp) if space.cp else [1]:
-            if seq % (2 * cp) and cp > 1:
-                reject("cp does not split the sequence into 2 x cp chunks", f"cp={cp}, seq={seq}")
+            problem = sequence_length_problem(seq, cp) if cp > 1 else None
+            if problem:
+                reject(problem.rule, f"cp={cp}, seq={seq}")
                 continue
             for pp in _divisors(n_gpus // (tp * cp)):
                 dp = n_gpus // (tp * cp * pp)
-                if pp > cfg.n_layers:
-                    reject("pp above the number of layers", f"pp={pp}")
-                elif batch % dp:
-                    reject("dp does not divide the global batch", f"dp={dp}, batch={batch} sequences")
+                # the pp and dp rules alone: a probe with one-sequence micro-batches under 1F1B
+                probe = Layout(dp=dp, pp=pp)
+                problem = batch_problem(probe, batch) or pipeline_problem(cfg, probe, seq, batch)
+                if problem:
+                    reject(problem.rule, f"pp={pp}, dp={dp}, batch={batch} sequences")
                 else:
-                    yield from _inner(cfg, seq, dp, tp, pp, cp, batch, space, reject)
+                    yield from _inner(cfg, seq, dp, tp, pp, cp, batch, n_gpus, space, reject)
 
 
-def _inner(cfg: ModelConfig, seq: int, dp: int, tp: int, pp: int, cp: int, batch: int, space: SearchSpace,
-           reject: Callable[..., None]) -> Iterator[Layout]:
+def _inner(cfg: ModelConfig, seq: int, dp: int, tp: int, pp: int, cp: int, batch: int, n_gpus: int,
+           space: SearchSpace, reject: Callable[..., None]) -> Iterator[Layout]:
     eps = [e for e in _divisors(cfg.n_experts) if (dp * cp) % e == 0] if cfg.is_moe else [1]
     mbs_list = [m for m in _divisors(batch // dp) if m <= space.max_mbs]
     for ep, mbs in itertools.product(eps, mbs_list):
         ga = batch // (dp * mbs)
-        for (sched, v), zero in itertools.product(_schedules(pp, ga, cfg.n_layers, space), space.zero):
+        for (sched, v), zero in itertools.product(_schedules(pp, space), space.zero):
             if zero and dp * cp == 1:
-                continue
-            if zero == 3 and pp > 1:
-                reject("ZeRO-3 with pipeline parallel (weights would be gathered per micro-batch)", f"pp={pp} zero=3")
-                continue
-            if zero == 3 and ep > 1:
-                reject("ZeRO-3 with expert parallel (refused by the engine)", f"ep={ep} zero=3")
-                continue
+                continue  # ZeRO has nothing to shard: the same layout as zero = 0
             for sp in space.sp if tp > 1 else (False,):
-                if sp and seq % (tp * cp):
-                    reject("sequence parallel with seq not divisible by tp x cp", f"seq={seq} tp={tp} cp={cp}")
+                lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, micro_batch_size=mbs, recompute="full",
+                             sp=sp, schedule=sched, vpp=v, fp32_grad_accum=space.fp32_grad_accum,
+                             grad_accum_steps=ga)
+                problem = layout_problem(cfg, lay, world_size=n_gpus, seq_len=seq, global_batch_size=batch)
+                if problem:
+                    reject(problem.rule, lay.short())
                     continue
-                yield Layout(dp, tp, pp, cp, ep, zero, mbs, ga, "full", sp, sched, v, space.fp32_grad_accum)
+                yield lay
 
 
-def _schedules(pp: int, ga: int, n_layers: int, space: SearchSpace):
+def _schedules(pp: int, space: SearchSpace) -> Iterator[tuple[str, int]]:
+    """The (schedule, vpp) pairs to try; the rule book refuses those that this pp, batch and model cannot run."""
     if pp == 1:
         yield "1f1b", 1
         return
     for name in space.schedules:
-        if name == "interleaved":
-            for v in space.vpp:
-                if ga % pp == 0 and ga >= pp and n_layers >= pp * v:
-                    yield name, v
-        elif ga >= min_micro_batches(name, pp) and (name != "dualpipev" or n_layers >= 2 * pp):
-            yield name, 1
+        for v in space.vpp if name == "interleaved" else (1,):
+            yield name, v
 
 
 def _fits(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, moe_imbalance: float

@@ -77,7 +77,7 @@ def _linear_shapes(cfg: ModelConfig, tokens: float, tp: int, fused: bool) -> lis
 def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster) -> StageTimes:
     h, d, tp = cfg.hidden, cfg.head_dim, lay.tp
     ab = fw.act_bytes
-    tokens = lay.mbs * seq / lay.cp
+    tokens = lay.micro_batch_size * seq / lay.cp
     peak = hw.peak_flops(fw.compute_dtype)
     # FLOPs from the one formula: per layer and the output layer, forward only (one third of training)
     per_token = training_flops_per_token(cfg, seq)
@@ -94,7 +94,7 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     # forward (f) and backward (b) seconds of a block's linears, attention core, element-wise work, fixed costs
     measured = [hw.linear_time(*shape) for shape in _linear_shapes(cfg, tokens, tp, fw.fused_projections)]
     if all(measured) and measured:  # a calibrated profile: measured per shape
-        attn = hw.attention_time(lay.mbs * cfg.n_heads / tp, seq / lay.cp, d) or (0.0, 0.0)
+        attn = hw.attention_time(lay.micro_batch_size * cfg.n_heads / tp, seq / lay.cp, d) or (0.0, 0.0)
         lin_f, lin_b = sum(t[0] for t in measured), sum(t[1] for t in measured)
         attn_f, attn_b = attn
         elementwise = 2 * act_bytes / hw.elementwise_bandwidth(tokens * h * ab / (tp if lay.sp else 1))
@@ -203,7 +203,7 @@ def _simulated(schedule: str, p: int, m: int, v: int, f: tuple, b: tuple, w: tup
 def pipeline_makespan(lay: Layout, times: StageTimes, p2p: float, exact: bool) -> float:
     """Forward/backward time of all micro-batches: simulated with the schedule's action list when `exact`,
     else the closed form (used to rank thousands of candidates before simulating the best)."""
-    m = lay.grad_acc
+    m = lay.grad_accum_steps
     if lay.pp == 1:
         return m * (times.f[0] + times.b[0] + times.w[0])
     if exact and m * len(times.f) <= EXACT_MAX_ACTIONS:
@@ -235,7 +235,7 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
 
     hw = hw.on_node(min(lay.world_size, hw.gpus_per_node))
     times = stage_times(cfg, seq, lay, fw, hw)
-    tokens = lay.mbs * seq / lay.cp
+    tokens = lay.micro_batch_size * seq / lay.cp
     # the residual stream crosses stages (fivefold's engine keeps and sends it in fp32 under autocast)
     send = tokens * cfg.hidden * fw.residual_bytes / (lay.tp if lay.sp else 1)
     p2p = comm.p2p(send, lay, hw) if lay.pp > 1 else 0.0
@@ -243,7 +243,7 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     per_rank = [0.0] * lay.pp
     for s in range(len(times.f)):
         per_rank[_rank_of(s, lay)] += times.f[s] + times.b[s] + times.w[s]
-    ideal = lay.grad_acc * max(per_rank)
+    ideal = lay.grad_accum_steps * max(per_rank)
     st = comm.strides(lay)
     states = model_state_bytes(cfg, lay, fw, "first")
     # gradient reduction, bucketed, launched during the last micro-batch's backward: dense gradients over
@@ -257,7 +257,7 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
 
     def reduce_time(nbytes: float, size: int, stride: int) -> float:
         if lay.zero >= 2:  # ZeRO-2/3 keep only a gradient shard, so every micro-batch reduce-scatters
-            return comm.reduce_scatter(nbytes, size, stride, hw, bucket) * lay.grad_acc
+            return comm.reduce_scatter(nbytes, size, stride, hw, bucket) * lay.grad_accum_steps
         return comm.all_reduce(nbytes, size, stride, hw, bucket)
 
     t_dp = 0.0
@@ -284,9 +284,9 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
         block = param_full / n_layers
         ag = comm.all_gather(block, dpc, st["dpcp"], hw)
         per_block = (times.f[0] + times.b[0] + times.w[0]) / n_layers
-        t_gather = lay.grad_acc * n_layers * 2 * exposed(ag, per_block / 3, overlap)
+        t_gather = lay.grad_accum_steps * n_layers * 2 * exposed(ag, per_block / 3, overlap)
         # what each unit (the blocks and the root) costs per micro-batch beyond its collectives, as measured
-        t_gather += lay.grad_acc * (n_layers + 1) * hw.zero3_unit_us * 1e-6
+        t_gather += lay.grad_accum_steps * (n_layers + 1) * hw.zero3_unit_us * 1e-6
     # the optimizer step streams parameters, gradients and states once, plus a fixed cost per tensor
     opt_bandwidth = (hw.optimizer_gbps * 1e9 if hw.optimizer_gbps else hw.hbm_gbps * 1e9 / 2) / hw.compute_scale
     t_opt = (states["parameters"] + states["gradients"] + states["optimizer"]) / opt_bandwidth \
@@ -294,9 +294,9 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     total = makespan + t_dp_exposed + t_gather + t_opt
     busiest = max(range(lay.pp), key=lambda r: per_rank[r])
     blocks = sum(n for s, n in enumerate(times.counts) if _rank_of(s, lay) == busiest)
-    parts = {k: v * blocks * lay.grad_acc for k, v in times.comm_per_layer.items()}
+    parts = {k: v * blocks * lay.grad_accum_steps for k, v in times.comm_per_layer.items()}
     for k, v in times.comm_per_micro_batch.items():
-        parts[k] += v * lay.grad_acc
+        parts[k] += v * lay.grad_accum_steps
     parts = {"compute": ideal - sum(parts.values()), **parts}
     parts.update({"pipeline_bubble": max(0.0, makespan - ideal), "dp_comm_exposed": t_dp_exposed,
                   "zero_gather": t_gather, "optimizer": t_opt})

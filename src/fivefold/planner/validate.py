@@ -38,8 +38,21 @@ from fivefold.planner.layout import FRAMEWORKS, Framework, Layout
 from fivefold.planner.score import spearman
 from fivefold.planner.search import estimate, gib, memory_of
 
-REPO = Path(__file__).resolve().parents[3]
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "playbook_benchmark_runs.csv"
+DATA_NAME = "playbook_benchmark_runs.csv"
+
+
+def _checkout_data() -> Path | None:
+    """The runs CSV that a clone of the repository finds: `../shared/data/playbook_benchmark_runs.csv` beside the
+    checkout (the directory that holds pyproject.toml and src/fivefold). None when the package is installed
+    outside a checkout (the data is not shipped with it): then `--data FILE` says where it is."""
+    package = Path(__file__).resolve().parents[1]  # .../fivefold
+    for root in package.parents:
+        if (root / "pyproject.toml").is_file() and (root / "src" / "fivefold").resolve() == package:
+            return root.parent / "shared" / "data" / DATA_NAME
+    return None
+
+
+DEFAULT_DATA = _checkout_data()
 DEFAULT_PROFILE = Path(__file__).resolve().parent / "profiles" / "nanotron-h100-efa.toml"
 FIT_NODES = (1, 2)
 
@@ -62,14 +75,15 @@ class Row:
     def measured_step_time(self) -> float:
         if self.step_time_s:
             return self.step_time_s
-        tokens = self.layout.dp * self.layout.mbs * self.layout.grad_acc * self.seq
+        tokens = self.layout.dp * self.layout.micro_batch_size * self.layout.grad_accum_steps * self.seq
         return tokens / (self.tok_s_gpu * self.layout.world_size) if self.tok_s_gpu else 0.0
 
 
 def read_rows(path: Path) -> list[Row]:
     if not path.is_file():
-        raise ConfigError(f"--data {str(path)!r} does not exist; give the runs CSV (e.g. "
-                          "../shared/data/playbook_benchmark_runs.csv)")
+        raise ConfigError(f"--data {str(path)!r} does not exist; give the runs CSV: the playbook's benchmark runs "
+                          f"({DATA_NAME}, which a clone finds in ../shared/data beside the repository), or a CSV "
+                          "of runs in its columns (docs/planner.md)")
     rows = []
     with path.open() as f:
         for r in csv.DictReader(f):
@@ -80,7 +94,7 @@ def read_rows(path: Path) -> list[Row]:
             framework = r.get("framework") or "nanotron"
             tp = int(r["tp"])
             lay = Layout(dp=int(r["dp"]), tp=tp, pp=int(r["pp"]), cp=int(r.get("cp") or 1), ep=int(r.get("ep") or 1),
-                         zero=int(r["zero"]), mbs=int(r["mbs"]), grad_acc=int(r["grad_acc"]),
+                         zero=int(r["zero"]), micro_batch_size=int(r["mbs"]), grad_accum_steps=int(r["grad_acc"]),
                          recompute=r.get("recompute") or "none",
                          sp=(r.get("sp", "").lower() in ("true", "on", "1")) if framework != "nanotron" else tp > 1,
                          schedule=r.get("schedule") or "1f1b", vpp=int(r.get("vpp") or 1),
@@ -192,7 +206,7 @@ def fit_time(rows: list[Row], fw: Framework, hw: Cluster) -> tuple[Framework, Cl
             for ov in (0.0, 0.25, 0.5):
                 f2 = dataclasses.replace(fw, tp_overlap=ov)
                 h2 = dataclasses.replace(hw, matmul_efficiency=eff, kernel_overhead_us=kern)
-                errs = [abs(math.log(estimate(r.model, r.seq, r.layout, f2, h2, False).tokens_per_s_per_gpu
+                errs = [abs(math.log(estimate(r.model, r.seq, r.layout, f2, h2, False).tokens_per_s_per_device
                                      / r.tok_s_gpu)) for r in ok]
                 score = statistics.median(errs)
                 if score < best[0]:
@@ -217,19 +231,19 @@ def metrics(rows: list[Row], preds: list) -> dict:
         ok = [i for i in idx if rows[i].ok]
         entry: dict = {"rows": len(idx), "finished": len(ok)}
         if len(ok) >= 3:
-            rho = spearman([preds[i].tokens_per_s_per_gpu for i in ok], [rows[i].tok_s_gpu for i in ok])
+            rho = spearman([preds[i].tokens_per_s_per_device for i in ok], [rows[i].tok_s_gpu for i in ok])
             rhos.append(rho)
             entry["spearman"] = round(rho, 3)
         if ok:
             best = max(rows[i].tok_s_gpu for i in ok)
             fit = [i for i in idx if preds[i].fits]
             if fit:
-                pick = max(fit, key=lambda i: preds[i].tokens_per_s_per_gpu)
+                pick = max(fit, key=lambda i: preds[i].tokens_per_s_per_device)
                 regret = 1 - rows[pick].tok_s_gpu / best if rows[pick].ok else 1.0
                 regrets.append(regret)
                 entry["regret"] = round(regret, 4)
                 entry["pick"] = rows[pick].layout.short()
-            pick_ok = max(ok, key=lambda i: preds[i].tokens_per_s_per_gpu)
+            pick_ok = max(ok, key=lambda i: preds[i].tokens_per_s_per_device)
             regrets_ok.append(1 - rows[pick_ok].tok_s_gpu / best)
             entry["regret_among_finished"] = round(regrets_ok[-1], 4)
         per_group[f"{g[0]}/{g[1]}n" if isinstance(g[1], int) else f"{g[0]}/{g[1]}"] = entry
@@ -299,6 +313,10 @@ def run_validate(args: argparse.Namespace) -> int:
         if args.data or args.fit:
             raise ConfigError("--results reads a sweep's store; it does not combine with --data or --fit")
         return run_validate_results(args)
+    if not args.data and DEFAULT_DATA is None:
+        raise ConfigError(f"fivefold plan validate needs the runs CSV: give --data FILE (the playbook's benchmark "
+                          f"runs, {DATA_NAME}; a clone of the repository finds it in ../shared/data beside the "
+                          "checkout, an installed package has no default)")
     path = Path(args.data) if args.data else DEFAULT_DATA
     rows = read_rows(path)
     fw, hw = load_profile(Path(args.profile) if args.profile else None)

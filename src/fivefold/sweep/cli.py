@@ -96,7 +96,7 @@ def make_row(plan: PlannedRun, sweep: str, steps: int, warmup: int, outcome: Out
         "key": plan.key, "sweep": sweep, "label": plan.label, "model": plan.model, "status": outcome.status,
         "error": outcome.error, "error_tail": outcome.error_tail, "n_devices": plan.n_devices, "nodes": nodes,
         "dp": la.dp, "tp": la.tp, "pp": la.pp, "cp": la.cp, "ep": la.ep, "zero": la.zero,
-        "micro_batch_size": plan.micro_batch_size, "grad_accum": plan.grad_accum, "recompute": la.recompute,
+        "micro_batch_size": plan.micro_batch_size, "grad_accum_steps": plan.grad_accum_steps, "recompute": la.recompute,
         "sp": int(la.sp), "schedule": la.schedule, "vpp": la.vpp, "seq_len": cfg.train.seq_len,
         "global_batch_size": cfg.train.global_batch_size, "config": config_json(cfg), "steps": steps,
         "warmup": warmup, "host": hostname(), "started_at": outcome.started_at, "finished_at": outcome.finished_at,

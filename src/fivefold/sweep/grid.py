@@ -71,7 +71,7 @@ class PlannedRun:
         return self.cfg.micro_batch_size
 
     @property
-    def grad_accum(self) -> int:
+    def grad_accum_steps(self) -> int:
         return self.cfg.grad_accum_steps
 
 
@@ -166,7 +166,7 @@ def layout_label(cfg: Config) -> str:
 def expand(grid: Grid) -> tuple[list[PlannedRun], dict[str, int]]:
     """Every run of the grid (deduplicated by key, in grid order) and the count of combinations dropped
     because their layout does not fill a device count, by reason."""
-    from fivefold.parallel.mesh import validate_layout
+    from fivefold.layout import check_layout
 
     runs: dict[str, PlannedRun] = {}
     dropped: dict[str, int] = {}
@@ -199,7 +199,7 @@ def expand(grid: Grid) -> tuple[list[PlannedRun], dict[str, int]]:
                     if cfg.train.seq_len > cfg.model.max_seq_len:
                         cfg.model.max_seq_len = cfg.train.seq_len  # the run's own context, as bench does
                     cfg.validate()
-                    validate_layout(cfg, cfg.layout.world_size)
+                    check_layout(cfg, cfg.layout.world_size)
                 except ConfigError as e:
                     invalid = str(e)
                 model = cfg.model.name + "".join(f" {k.split('.', 1)[1]}={overrides[k]}" for k in varying)

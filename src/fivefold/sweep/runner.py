@@ -52,7 +52,7 @@ def run_dir(runs: Path, plan: PlannedRun) -> Path:
 def bench_argv(plan: PlannedRun, folder: Path, steps: int, warmup: int) -> list[str]:
     """`fivefold bench` arguments of this run (the process count is the launcher's business)."""
     return ["--config", str(folder / "config.toml"), "--micro-batch", str(plan.micro_batch_size),
-            "--grad-accum", str(plan.grad_accum), "--steps", str(steps), "--warmup", str(warmup),
+            "--grad-accum", str(plan.grad_accum_steps), "--steps", str(steps), "--warmup", str(warmup),
             "--out", str(folder / "result.json")]
 
 

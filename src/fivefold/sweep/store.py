@@ -11,7 +11,7 @@ Columns (one row per run; JSON columns hold text):
     sweep, label, model        the grid's name, "model | layout" and the model's label
     status                     ok, oom, crash, timeout or invalid
     error, error_tail          the error's message (one line) and the last lines of the run's output
-    n_devices, nodes, dp, tp, pp, cp, ep, zero, micro_batch_size, grad_accum, recompute, sp, schedule, vpp,
+    n_devices, nodes, dp, tp, pp, cp, ep, zero, micro_batch_size, grad_accum_steps, recompute, sp, schedule, vpp,
     seq_len, global_batch_size  the layout and batch, also inside config
     config                     the full Config as JSON
     steps, warmup              the measurement protocol
@@ -21,6 +21,9 @@ Columns (one row per run; JSON columns hold text):
     predicted_step_time_s, predicted_tokens_per_s_per_device, predicted_mfu, predicted_peak_memory_bytes,
     predicted_fits, prediction (JSON: time and memory by part), hardware (the profile's name)
     device, device_name, torch, host, started_at, finished_at, wall_s
+
+A store written by the previous release has `grad_accum` where this one has `grad_accum_steps`: opening it adds
+the new column (nothing is removed or rewritten), and rows read from it carry both names for one release.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ COLUMNS: dict[str, str] = {
     "key": "TEXT PRIMARY KEY", "sweep": "TEXT", "label": "TEXT", "model": "TEXT", "status": "TEXT NOT NULL",
     "error": "TEXT", "error_tail": "TEXT", "n_devices": "INTEGER", "nodes": "INTEGER",
     "dp": "INTEGER", "tp": "INTEGER", "pp": "INTEGER", "cp": "INTEGER", "ep": "INTEGER", "zero": "INTEGER",
-    "micro_batch_size": "INTEGER", "grad_accum": "INTEGER", "recompute": "TEXT", "sp": "INTEGER",
+    "micro_batch_size": "INTEGER", "grad_accum_steps": "INTEGER", "recompute": "TEXT", "sp": "INTEGER",
     "schedule": "TEXT", "vpp": "INTEGER", "seq_len": "INTEGER", "global_batch_size": "INTEGER",
     "config": "TEXT NOT NULL", "steps": "INTEGER", "warmup": "INTEGER",
     "step_time_s": "REAL", "tokens_per_s": "REAL", "tokens_per_s_per_device": "REAL", "tflops_per_device": "REAL",
@@ -46,6 +49,8 @@ COLUMNS: dict[str, str] = {
     "device": "TEXT", "device_name": "TEXT", "torch": "TEXT", "host": "TEXT", "started_at": "TEXT",
     "finished_at": "TEXT", "wall_s": "REAL",
 }
+# columns renamed since the previous release: old name -> new name (rows carry both for one release)
+RENAMED = {"grad_accum": "grad_accum_steps"}
 STATUSES = ("ok", "oom", "crash", "timeout", "invalid")
 JSON_COLUMNS = ("config", "peak_memory_per_rank", "prediction")
 
@@ -73,6 +78,10 @@ class Store:
                 raise StoreError(f"{self.path} is an SQLite file but not a fivefold results store (no runs table)")
             columns = ", ".join(f"{k} {v}" for k, v in COLUMNS.items())
             self.db.execute(f"CREATE TABLE IF NOT EXISTS runs ({columns})")
+            have = {r[1] for r in self.db.execute("PRAGMA table_info(runs)")}
+            for old, new in RENAMED.items():
+                if old in have and new not in have:  # a previous release's store: add the new column beside it
+                    self.db.execute(f"ALTER TABLE runs ADD COLUMN {new} {COLUMNS[new]}")
             self.db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             self.db.execute("COMMIT")
         except BaseException:
@@ -135,6 +144,9 @@ class Store:
 
 def _decode(names: list[str], values: tuple) -> dict[str, Any]:
     row = dict(zip(names, values, strict=True))
+    for old, new in RENAMED.items():  # both names, whichever release wrote the row
+        value = row.get(new) if row.get(new) is not None else row.get(old)
+        row[old] = row[new] = value
     for k in JSON_COLUMNS:
         if row.get(k) is not None:
             row[k] = json.loads(row[k])

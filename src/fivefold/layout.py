@@ -1,0 +1,292 @@
+"""The rule book of layouts: whether a layout can run a model on a world of devices, and why not.
+
+One function decides, for `fivefold train` (through `parallel.mesh.validate_layout`, before any process group
+exists), for `fivefold plan --layout` and for the planner's search alike: `layout_problem` returns the first
+rule a layout breaks (None when it can run) and `check_layout` raises it as a `ConfigError`. Each rule is also a
+function of its own (`tensor_parallel_problem`, `pipeline_problem`, ...), which the search calls early to prune
+whole families of layouts; every layout it proposes passes `layout_problem` (tests/test_layout_rules.py).
+
+A `LayoutProblem` has a short `rule` (what the search counts rejected layouts by) and a `message` that names
+the field, the value, the rule and values that would work.
+
+This module sits just above `config` and imports nothing from `parallel`, `train` or `planner`; the few facts
+of pipeline schedules that the rules need (how many stages a schedule places, how many micro-batches it needs)
+live here and `parallel.schedules` uses them.
+"""
+
+from __future__ import annotations
+
+import math
+
+from fivefold.config import (
+    Config,
+    ConfigError,
+    LayoutConfig,
+    LayoutProblem,
+    ModelConfig,
+    batch_problem,
+    nearest_divisors,
+    nearest_multiples,
+)
+from fivefold.flops import balanced_stage_layers
+
+__all__ = ["SCHEDULES", "LayoutProblem", "batch_problem", "check_layout", "context_parallel_problem",
+           "expert_parallel_problem", "layout_problem", "min_micro_batches", "n_stages", "pipeline_problem",
+           "sequence_length_problem", "stage_count", "tensor_parallel_problem"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Facts of the pipeline schedules that the rules need
+
+SCHEDULES = ("afab", "1f1b", "interleaved", "zero-bubble", "dualpipev")
+
+
+def min_micro_batches(name: str, p: int, v: int = 1) -> int:
+    """The fewest micro-batches the schedule accepts (and, for interleaved, m must be a multiple of p)."""
+    if name == "dualpipev":
+        return 2 * p
+    if name == "interleaved":
+        return p
+    return 1
+
+
+def stage_count(schedule: str, pp: int, vpp: int = 1) -> int:
+    """Global pipeline stages: pp, pp x vpp (interleaved) or 2 pp (the V of DualPipeV); 1 without a pipeline."""
+    if pp == 1:
+        return 1
+    if schedule == "dualpipev":
+        return 2 * pp
+    return pp * (vpp if schedule == "interleaved" else 1)
+
+
+def n_stages(layout: LayoutConfig) -> int:
+    return stage_count(layout.schedule, layout.pp, layout.vpp)
+
+
+# ---------------------------------------------------------------------------------------------
+# The rules, one function each
+
+
+def world_problem(layout: LayoutConfig, world_size: int) -> LayoutProblem | None:
+    product = layout.dp * layout.tp * layout.pp * layout.cp
+    if product == world_size:
+        return None
+    rest = layout.tp * layout.pp * layout.cp
+    nearest_dp = world_size // rest if world_size % rest == 0 else None
+    hint = (f"with these tp, pp and cp use layout.dp = {nearest_dp}" if nearest_dp
+            else f"tp x pp x cp = {rest} must divide the world size; "
+                 f"valid tp for {world_size} ranks: {nearest_divisors(world_size, layout.tp)}")
+    return LayoutProblem(
+        "dp x tp x pp x cp differs from the world size",
+        f"layout dp x tp x pp x cp = {layout.dp} x {layout.tp} x {layout.pp} x {layout.cp} = {product} does not "
+        f"equal the world size {world_size} (number of processes); {hint}, or start {product} processes "
+        f"(--nproc {product})")
+
+
+def tensor_parallel_problem(model: ModelConfig, tp: int, field: str = "layout.tp") -> LayoutProblem | None:
+    """tp must divide every dimension it splits: heads, kv heads, the vocabulary and the (expert) MLP width."""
+    checks = [("model.n_heads", model.n_heads), ("model.n_kv_heads", model.n_kv_heads),
+              ("model.vocab_size", model.vocab_size)]
+    if model.is_moe:  # the shared experts are n_shared_experts x expert_ffn wide, so expert_ffn is what splits
+        checks.append(("model.moe_ffn" if model.moe_ffn else "model.ffn (the expert ffn)", model.expert_ffn))
+    else:
+        checks.append(("model.ffn", model.ffn))
+    for name, value in checks:
+        if value % tp:
+            return LayoutProblem(
+                "tp does not divide the model's heads, kv heads, MLP or vocabulary",
+                f"{field} = {tp} does not divide {name} = {value}: tensor parallelism splits it evenly over the "
+                f"tp ranks (kv heads are not replicated); valid tp for this model: {_valid_tp(model, tp)}")
+    return None
+
+
+def _valid_tp(model: ModelConfig, tp: int) -> list[int]:
+    dims = [model.n_heads, model.n_kv_heads, model.vocab_size, model.expert_ffn if model.is_moe else model.ffn]
+    candidates = [d for d in nearest_divisors(model.n_kv_heads, tp, 8) if all(x % d == 0 for x in dims)]
+    return sorted(candidates, key=lambda d: (abs(d - tp), d))[:3] or [1]
+
+
+def sequence_length_problem(seq_len: int, cp: int, field: str = "train.seq_len") -> LayoutProblem | None:
+    """Context parallel cuts every sequence into 2*cp equal zig-zag chunks (see `fivefold.parallel.context`)."""
+    chunks = 2 * cp
+    if seq_len >= chunks and seq_len % chunks == 0:
+        return None
+    lower = seq_len // chunks * chunks
+    nearest = [n for n in (lower, lower + chunks) if n > 0]
+    return LayoutProblem(
+        "cp does not split the sequence into 2 x cp chunks",
+        f"{field} = {seq_len} cannot be split for context parallel with cp = {cp}: the sequence is cut into "
+        f"2*cp = {chunks} equal chunks (rank r keeps chunks r and {chunks - 1}-r), so the length must be a "
+        f"multiple of {chunks}; nearest valid lengths: {', '.join(map(str, nearest))}")
+
+
+def context_parallel_problem(layout: LayoutConfig, seq_len: int) -> LayoutProblem | None:
+    return sequence_length_problem(seq_len, layout.cp) if layout.cp > 1 else None
+
+
+def sequence_parallel_problem(layout: LayoutConfig, seq_len: int) -> LayoutProblem | None:
+    if layout.sp and layout.tp == 1:
+        return LayoutProblem(
+            "sequence parallel without tensor parallel",
+            "layout.sp = true needs tensor parallel: sequence parallel shards the norm and residual regions over "
+            "the tp ranks; use layout.tp >= 2 or layout.sp = false")
+    if layout.sp and seq_len % (layout.tp * layout.cp):
+        local = "" if layout.cp == 1 else \
+            f" (the cp-local length train.seq_len / layout.cp = {seq_len // layout.cp})"
+        multiple = math.lcm(layout.tp * layout.cp, 2 * layout.cp if layout.cp > 1 else 1)
+        return LayoutProblem(
+            "sequence parallel with seq not divisible by tp x cp",
+            f"train.seq_len = {seq_len}{local} is not divisible by layout.tp = {layout.tp}, which sequence "
+            f"parallel (layout.sp = true) needs; nearest valid seq_len: {nearest_multiples(seq_len, multiple)}")
+    return None
+
+
+def expert_parallel_problem(model: ModelConfig, layout: LayoutConfig) -> LayoutProblem | None:
+    """ep shards whole experts of an MoE model over blocks of ep ranks of each dp x cp group."""
+    ep = layout.ep
+    if ep == 1:
+        return None
+    if not model.is_moe:
+        return LayoutProblem(
+            "ep on a dense model",
+            f"layout.ep = {ep} on a dense model (model.n_experts = 0): expert parallel shards the experts of "
+            "mixture-of-experts layers; use layout.ep = 1, or an MoE model (model.n_experts >= 2, e.g. "
+            "--preset tiny-moe)")
+    if model.n_experts % ep:
+        return LayoutProblem(
+            "ep does not divide the experts",
+            f"layout.ep = {ep} does not divide model.n_experts = {model.n_experts}: each ep rank holds "
+            f"n_experts / ep whole experts; valid ep for this model: {nearest_divisors(model.n_experts, ep)}")
+    group = layout.dp * layout.cp
+    if group % ep:
+        valid = [d for d in nearest_divisors(group, ep, 8) if model.n_experts % d == 0][:3]
+        return LayoutProblem(
+            "ep does not divide dp x cp",
+            f"layout.ep = {ep} does not divide layout.dp x layout.cp = {layout.dp} x {layout.cp} = {group}: "
+            f"expert parallel folds over the dp x cp ranks (it adds no ranks), so each dp x cp group must split "
+            f"into blocks of ep ranks; valid ep for this layout and model: {valid}, or raise layout.dp")
+    if layout.zero == 3:
+        return LayoutProblem(
+            "ZeRO-3 with expert parallel",
+            f"layout.zero = 3 with layout.ep = {ep}: ZeRO-3 shards parameters with one fully_shard mesh over "
+            "dp x cp, while expert weights are reduced over the smaller expert-data-parallel groups; use "
+            "layout.zero = 1 or 2 with expert parallel, or layout.ep = 1")
+    return None
+
+
+def zero_problem(layout: LayoutConfig) -> LayoutProblem | None:
+    if layout.zero > 0 and layout.dp * layout.cp == 1:
+        return LayoutProblem(
+            "ZeRO without data or context parallel",
+            f"layout.zero = {layout.zero} with layout.dp = 1 and layout.cp = 1: ZeRO shards over the "
+            "data-parallel x context-parallel ranks (those that reduce gradients), so there is nothing to shard; "
+            "use layout.zero = 0, or layout.dp >= 2 (or layout.cp >= 2)")
+    return None
+
+
+def _micro_batch_sizes_for(per_rank: int, need: int, multiple: int = 1) -> list[int]:
+    """The largest micro-batch sizes that give at least `need` micro-batches (a multiple of `multiple`)."""
+    sizes = [d for d in range(per_rank, 0, -1) if per_rank % d == 0 and per_rank // d >= need
+             and (per_rank // d) % multiple == 0]
+    return sizes[:3]
+
+
+def pipeline_problem(model: ModelConfig, layout: LayoutConfig, seq_len: int, global_batch_size: int
+                     ) -> LayoutProblem | None:
+    """The stages, the schedule and its micro-batches (the batch rules are assumed to hold)."""
+    la = layout
+    if la.pp == 1:
+        if la.vpp > 1:
+            return LayoutProblem("vpp without pipeline parallel",
+                                 f"layout.vpp = {la.vpp} needs pipeline parallel (layout.pp > 1) and the interleaved "
+                                 "schedule; use layout.vpp = 1")
+        if la.stage_layers:
+            return LayoutProblem("stage_layers without pipeline parallel",
+                                 f"layout.stage_layers = {la.stage_layers} splits the blocks over pipeline stages, "
+                                 "but layout.pp = 1; leave it empty or use layout.pp >= 2")
+        return None
+    if la.pp > model.n_layers:
+        return LayoutProblem("pp above the number of layers",
+                             f"layout.pp = {la.pp} exceeds model.n_layers = {model.n_layers}: every pipeline stage "
+                             f"holds at least one block; use layout.pp <= {model.n_layers}")
+    if la.vpp > 1 and la.schedule != "interleaved":
+        return LayoutProblem("vpp with a schedule other than interleaved",
+                             f"layout.vpp = {la.vpp} (stages per rank) applies to the interleaved schedule only, "
+                             f"not layout.schedule = {la.schedule}; use layout.vpp = 1 or layout.schedule = "
+                             "interleaved")
+    if la.zero == 3:
+        return LayoutProblem("ZeRO-3 with pipeline parallel (weights would be gathered per micro-batch)",
+                             "layout.zero = 3 with layout.pp > 1 is refused: ZeRO-3 gathers a block's weights for "
+                             "every forward and backward, and a pipeline rank runs its micro-batches' passes "
+                             "interleaved, so the weights would be gathered 2 x micro-batches times per step (and "
+                             "fully_shard's root unit expects one forward and backward around the whole model); "
+                             "use layout.zero = 1 or 2 with pipeline parallel")
+    stages = n_stages(la)
+    if stages > model.n_layers:
+        what = f"layout.pp x layout.vpp = {la.pp} x {la.vpp}" if la.schedule == "interleaved" else \
+            f"the V of dualpipev, 2 x layout.pp = 2 x {la.pp}"
+        valid = list(range(1, model.n_layers // la.pp + 1)) if la.schedule == "interleaved" else None
+        hint = f"use layout.vpp in {valid[-3:]}" if valid else f"use layout.pp <= {model.n_layers // 2}"
+        return LayoutProblem("more pipeline stages than layers",
+                             f"{what} = {stages} stages exceed model.n_layers = {model.n_layers}: every stage holds "
+                             f"at least one block; {hint}")
+    per_rank = global_batch_size // la.dp
+    mbs = la.micro_batch_size or per_rank
+    m = per_rank // mbs
+    need = min_micro_batches(la.schedule, la.pp, la.vpp)
+    multiple = la.pp if la.schedule == "interleaved" else 1
+    if m < need or m % multiple:
+        rule = f"at least {need} micro-batches per step" + (f", a multiple of layout.pp = {la.pp}" if multiple > 1
+                                                              else "")
+        sizes = _micro_batch_sizes_for(per_rank, need, multiple)
+        smallest = -(-need // multiple) * multiple  # the fewest micro-batches that the schedule accepts
+        hint = (f"use layout.micro_batch_size in {sizes}" if sizes else
+                f"raise train.global_batch_size to {smallest * la.dp} or more")
+        return LayoutProblem("too few micro-batches for the schedule",
+                             f"layout.schedule = {la.schedule} with layout.pp = {la.pp} needs {rule}, but "
+                             f"train.global_batch_size / (layout.dp x layout.micro_batch_size) = "
+                             f"{global_batch_size} / ({la.dp} x {mbs}) = {m}; {hint}, or another schedule")
+    if la.stage_layers:
+        counts = la.stage_layers
+        if len(counts) != stages or min(counts) < 1 or sum(counts) != model.n_layers:
+            balanced = balanced_stage_layers(model, stages, seq_len)
+            return LayoutProblem("stage_layers do not split the layers over the stages",
+                                 f"layout.stage_layers = {counts} must give each of the {stages} pipeline stages at "
+                                 f"least one block, {model.n_layers} blocks in all (model.n_layers); the compute-"
+                                 f"balanced split is {balanced} (leave layout.stage_layers empty to use it)")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole layout
+
+
+def layout_problem(model: ModelConfig, layout: LayoutConfig, *, world_size: int, seq_len: int,
+                   global_batch_size: int) -> LayoutProblem | None:
+    """The first rule `layout` breaks for `model` on `world_size` devices with this sequence length and global
+    batch (in sequences), or None when it can run. The order is the engine's: the first problem is the one
+    `fivefold train` reports."""
+    checks = (
+        lambda: world_problem(layout, world_size),
+        lambda: tensor_parallel_problem(model, layout.tp) if layout.tp > 1 else None,
+        lambda: sequence_parallel_problem(layout, seq_len) if layout.sp and layout.tp == 1 else None,
+        lambda: context_parallel_problem(layout, seq_len),
+        lambda: sequence_parallel_problem(layout, seq_len),
+        lambda: expert_parallel_problem(model, layout),
+        lambda: zero_problem(layout),
+        lambda: batch_problem(layout, global_batch_size),
+        lambda: pipeline_problem(model, layout, seq_len, global_batch_size),
+    )
+    for check in checks:
+        problem = check()
+        if problem is not None:
+            return problem
+    return None
+
+
+def check_layout(cfg: Config, world_size: int) -> None:
+    """Raise `ConfigError` for the first rule the config's layout breaks on `world_size` devices."""
+    problem = layout_problem(cfg.model, cfg.layout, world_size=world_size, seq_len=cfg.train.seq_len,
+                             global_batch_size=cfg.train.global_batch_size)
+    if problem is not None:
+        raise ConfigError(problem.message)

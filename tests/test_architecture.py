@@ -17,9 +17,9 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # parts of one layer may import each other in one direction only.
 LAYERS: list[tuple[str, list[str | tuple[str, ...]], list[str] | None]] = [
     # config (with the preset table it resolves `model.preset` from) and the user-error types, device helpers,
-    # the shared FLOPs formulas and the accelerator table
+    # the shared FLOPs formulas, the accelerator table and the layout rule book
     ("base", ["fivefold", ("fivefold.config", "fivefold.presets"), "fivefold.errors", "fivefold.device",
-              "fivefold.flops", "fivefold.hardware"], None),
+              "fivefold.flops", "fivefold.hardware", "fivefold.layout"], None),
     # plain PyTorch Llama (dense and MoE), presets, Hugging Face conversion, the fused chunked loss
     ("models", ["fivefold.models"], None),
     ("data", ["fivefold.data"], None),

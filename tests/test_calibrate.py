@@ -325,3 +325,20 @@ def test_tied_embedding_gradient_sum_across_pipeline_ends_is_timed():
     assert step_time(untied, 128, lay, FIVEFOLD_CPU, hw).parts["dp_comm_exposed"] == 0.0
     dualpipe = dataclasses.replace(lay, schedule="dualpipev", vpp=2)
     assert step_time(TINY, 128, dualpipe, FIVEFOLD_CPU, hw).parts["dp_comm_exposed"] == 0.0
+
+
+def test_plan_and_result_reach_the_started_processes_unchanged():
+    """The plan travels to each started process, and rank 0's figures back, as JSON: what arrives equals what
+    was sent (shapes as tuples, the model's config, group sizes as numbers)."""
+    import argparse
+    import json
+
+    from fivefold.planner.calibrate import Plan, make_plan
+
+    args = argparse.Namespace(model="tiny,llama-3.2-1b", seq_len=0, nproc_max=2, quick=True, threads=1)
+    plan, levels = make_plan(args, "cpu")
+    assert levels == [1, 2] and plan.model == TINY and plan.linear and isinstance(plan.linear[0], tuple)
+    assert Plan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+    result = Result(2, linear=[[128, 256, 128, 0.03, 0.02]], comm_overlap=0.5,
+                    collectives={"all_reduce": {2: [[4096, 1.5e-4]]}})
+    assert Result.from_json(json.loads(json.dumps(result.to_json()))) == result

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import fivefold
+from fivefold.parallel import init_distributed, launch, local_device  # the project's launcher
 from fivefold.planner.calibrate.harness import Clock, RankGroups, two_passes
 from fivefold.planner.calibrate.measure_comm import (
     measure_collective_wait,
@@ -88,8 +89,6 @@ def run_ranks(plan: Plan, device: torch.device, groups: RankGroups) -> Result:
 def worker(path: str) -> int:
     """`fivefold calibrate --worker FILE` in each started process: FILE holds the plan and where rank 0 writes
     the figures."""
-    from fivefold.parallel import init_distributed, local_device
-
     start = time.perf_counter()
     job = json.loads(Path(path).read_text())
     plan = Plan.from_json(job["plan"])
@@ -121,8 +120,6 @@ def measure_group(plan: Plan, world: int) -> Result:
                              torch.device(plan.device_type, 0), RankGroups.single())
         finally:
             torch.set_num_threads(threads)
-    from fivefold.parallel import launch
-
     with tempfile.TemporaryDirectory() as tmp:
         job, out = Path(tmp, "plan.json"), Path(tmp, "result.json")
         job.write_text(json.dumps({"plan": plan.to_json(), "out": str(out)}))

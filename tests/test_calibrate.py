@@ -18,7 +18,7 @@ from fivefold.planner.calibrate import Result, fit_link, monotone, profile_table
 from fivefold.planner.hardware import Cluster, get_cluster, interpolate
 from fivefold.planner.layout import FIVEFOLD_CPU, Layout
 from fivefold.planner.memory import layer_activation_bytes, model_state_bytes
-from fivefold.planner.time import _linear_shapes, optimizer_tensors, stage_times, step_time
+from fivefold.planner.time import linear_shapes, optimizer_tensors, stage_times, step_time
 from fivefold.presets import get_preset
 
 TINY = get_preset("tiny")
@@ -116,7 +116,7 @@ def _profile(**extra) -> Cluster:
     """A CPU profile whose tables hold exactly the tiny model's shapes at micro-batch 4, tp 1 and 2."""
     linear, attention = [], []
     for tp in (1, 2):
-        for i, (m, n, k) in enumerate(_linear_shapes(TINY, 512, tp, fused=False)):
+        for i, (m, n, k) in enumerate(linear_shapes(TINY, 512, tp, fused=False)):
             linear.append((m, n, k, 0.01 * (i + 1), 0.004 * (i + 2)))
         linear.append((512, TINY.vocab_size / tp, TINY.hidden, 0.02, 0.015))
         attention.append((4 * TINY.n_heads / tp, 128, TINY.head_dim, 0.003, 0.002))
@@ -137,7 +137,7 @@ def test_block_time_is_flops_over_measured_throughput_plus_fixed_costs(tp, loss_
     times = stage_times(TINY, 128, lay, FIVEFOLD_CPU, hw)
     tokens = 4 * 128
     lin_f = lin_b = 0.0
-    for m, n, k in _linear_shapes(TINY, tokens, tp, fused=False):
+    for m, n, k in linear_shapes(TINY, tokens, tp, fused=False):
         row = next(r for r in hw.linear if r[:3] == (m, n, k))
         lin_f += 2 * m * n * k / (row[3] * 1e12)
         lin_b += 4 * m * n * k / (row[4] * 1e12)
@@ -294,7 +294,7 @@ def test_cpu_operator_counts_are_the_blocks():
 def test_timed_operands_rotate_through_sets_beyond_the_caches():
     """Each timed call of a compute figure finds its operands uncached: the sets rotated through span at least
     `COLD_SPAN_BYTES` (up to `MAX_SETS` copies), and successive calls use different sets."""
-    from fivefold.planner.calibrate import COLD_SPAN_BYTES, MAX_SETS, Clock, _forward_backward, operand_sets
+    from fivefold.planner.calibrate import COLD_SPAN_BYTES, MAX_SETS, Clock, forward_backward, operand_sets
 
     assert operand_sets(3 * 2**20) == math.ceil(COLD_SPAN_BYTES / (3 * 2**20)) <= MAX_SETS
     assert operand_sets(1024) == MAX_SETS and operand_sets(10 * COLD_SPAN_BYTES) == 1
@@ -305,7 +305,7 @@ def test_timed_operands_rotate_through_sets_beyond_the_caches():
         made.append(x)
         return (lambda: (used.append(x), x * 2)[1]), [x], torch.ones(4, 4)
 
-    fwd, bwd = _forward_backward(Clock(torch.device("cpu"), 1, 0.0), make, 8 * 2**20)
+    fwd, bwd = forward_backward(Clock(torch.device("cpu"), 1, 0.0), make, 8 * 2**20)
     assert len(made) == operand_sets(8 * 2**20) == 12 and fwd > 0 and bwd > 0
     assert len(used) >= 5 and all(a is not b for a, b in itertools.pairwise(used))  # one set per call, in turn
     assert [id(t) for t in used] == [id(made[i % len(made)]) for i in range(len(used))]
@@ -325,3 +325,20 @@ def test_tied_embedding_gradient_sum_across_pipeline_ends_is_timed():
     assert step_time(untied, 128, lay, FIVEFOLD_CPU, hw).parts["dp_comm_exposed"] == 0.0
     dualpipe = dataclasses.replace(lay, schedule="dualpipev", vpp=2)
     assert step_time(TINY, 128, dualpipe, FIVEFOLD_CPU, hw).parts["dp_comm_exposed"] == 0.0
+
+
+def test_plan_and_result_reach_the_started_processes_unchanged():
+    """The plan travels to each started process, and rank 0's figures back, as JSON: what arrives equals what
+    was sent (shapes as tuples, the model's config, group sizes as numbers)."""
+    import argparse
+    import json
+
+    from fivefold.planner.calibrate import Plan, make_plan
+
+    args = argparse.Namespace(model="tiny,llama-3.2-1b", seq_len=0, nproc_max=2, quick=True, threads=1)
+    plan, levels = make_plan(args, "cpu")
+    assert levels == [1, 2] and plan.model == TINY and plan.linear and isinstance(plan.linear[0], tuple)
+    assert Plan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+    result = Result(2, linear=[[128, 256, 128, 0.03, 0.02]], comm_overlap=0.5,
+                    collectives={"all_reduce": {2: [[4096, 1.5e-4]]}})
+    assert Result.from_json(json.loads(json.dumps(result.to_json()))) == result

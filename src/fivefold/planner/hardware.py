@@ -142,7 +142,7 @@ class Cluster(Hardware):
         if not self.elementwise:
             return self.hbm_gbps * 1e9
         pts = tuple((x, y) for x, y in self.elementwise)
-        return _loglog(pts, tensor_bytes, extrapolate=False) * 1e9 / self.compute_scale
+        return loglog(pts, tensor_bytes, extrapolate=False) * 1e9 / self.compute_scale
 
     def collective_time(self, kind: str, nbytes: float, size: int) -> float | None:
         """Measured seconds of one collective of `nbytes` over `size` ranks of this node, or None."""
@@ -151,7 +151,7 @@ class Cluster(Hardware):
             return None
         near = min(table, key=lambda s: (abs(s - size), -s))
         points = table[near]
-        seconds = _loglog(points, nbytes)
+        seconds = loglog(points, nbytes)
         # a group size that was not measured: scale by its ring steps (n - 1)
         seconds = seconds * (size - 1) / (near - 1) if near != size and near > 1 else seconds
         if self.collective_wait:  # in a step the peers are computing, not waiting at the collective
@@ -159,7 +159,7 @@ class Cluster(Hardware):
         return seconds
 
 
-def _loglog(points: tuple[tuple[float, float], ...], x: float, extrapolate: bool = True) -> float:
+def loglog(points: tuple[tuple[float, float], ...], x: float, extrapolate: bool = True) -> float:
     """Piecewise log-log interpolation of (x, y) points; below the first: its y (a latency); above the last:
     linear in x (bandwidth bound) when `extrapolate`, else the last y."""
     pts = sorted(points)

@@ -54,7 +54,7 @@ class StageTimes:
     comm_per_micro_batch: dict[str, float] = field(default_factory=dict)  # outside the blocks (embedding, loss)
 
 
-def _linear_shapes(cfg: ModelConfig, tokens: float, tp: int, fused: bool) -> list[tuple[float, float, float]]:
+def linear_shapes(cfg: ModelConfig, tokens: float, tp: int, fused: bool) -> list[tuple[float, float, float]]:
     """(m, n, k) of each linear layer of a block on one tp rank: q, k, v, o, gate, up, down (the fused
     q|k|v and gate|up of frameworks that fuse them); MoE experts as their share of the routed tokens."""
     h, d = cfg.hidden, cfg.head_dim
@@ -92,7 +92,7 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     # tokens per chunk of the fused output layer + loss (the whole micro-batch for unfused logits), as memory.py
     chunk = min(fw.tp_loss_chunk if tp > 1 else fw.fused_loss_chunk, tokens) if fw.fused_loss_chunk else tokens
     # forward (f) and backward (b) seconds of a block's linears, attention core, element-wise work, fixed costs
-    measured = [hw.linear_time(*shape) for shape in _linear_shapes(cfg, tokens, tp, fw.fused_projections)]
+    measured = [hw.linear_time(*shape) for shape in linear_shapes(cfg, tokens, tp, fw.fused_projections)]
     if all(measured) and measured:  # a calibrated profile: measured per shape
         attn = hw.attention_time(lay.micro_batch_size * cfg.n_heads / tp, seq / lay.cp, d) or (0.0, 0.0)
         lin_f, lin_b = sum(t[0] for t in measured), sum(t[1] for t in measured)

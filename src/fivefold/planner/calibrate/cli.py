@@ -1,0 +1,80 @@
+"""`fivefold calibrate`'s command line: its arguments, the run over 1..N ranks, the profile written and the
+summary printed."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from fivefold.planner.calibrate.harness import size_text
+from fivefold.planner.calibrate.plan import Result, for_group, make_plan
+from fivefold.planner.calibrate.profile import profile_header, profile_name, profile_tables, write_profile
+from fivefold.planner.calibrate.ranks import measure_group, worker
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", help="profile to write (default: calibrated-DEVICE.toml)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, xpu, ... (default: the accelerator if any, else cpu)")
+    p.add_argument("--nproc-max", type=int, default=0,
+                   help="most ranks to run at once (default: 4 on CPU, the device count on accelerators)")
+    p.add_argument("--model", default="",
+                   help="comma-separated presets whose shapes to measure (default: tiny on CPU, llama-3.2-1b on GPU)")
+    p.add_argument("--seq-len", type=int, default=0, help="sequence length of those shapes (default: 128 on CPU, "
+                                                          "4096 on GPU)")
+    p.add_argument("--threads", type=int, default=1, help="CPU: intra-op threads per rank (1, as torchrun sets)")
+    p.add_argument("--quick", action="store_true",
+                   help="a coarse profile in seconds (2 ranks, few shapes and sizes, short timings): for tests")
+    # each process that the launcher starts for N ranks: the plan to measure, written by `measure_group`
+    p.add_argument("--worker", default="", help=argparse.SUPPRESS)
+
+
+def calibrate(args: argparse.Namespace) -> tuple[Path, dict[int, Result], float]:
+    """Measure with 1..N ranks and write the profile: its path, the figures by rank count, the seconds taken."""
+    from fivefold.device import resolve_device
+
+    device_type = resolve_device(args.device).type
+    plan, levels = make_plan(args, device_type)
+    out = Path(args.out or f"calibrated-{device_type}.toml")
+    print(f"calibrate: {device_type}, ranks {levels[0]}..{levels[-1]}, {len(plan.linear)} linear, "
+          f"{len(plan.attention)} attention and {len(plan.loss)} loss shapes, {len(plan.message_bytes)} message sizes"
+          f"{' (quick)' if args.quick else ''}", flush=True)
+    start = time.perf_counter()
+    load_before = _load_note()
+    results: dict[int, Result] = {}
+    for n in levels:
+        results[n] = measure_group(for_group(plan, n), n)
+        print(f"calibrate: {n} rank{'s' if n > 1 else ''} done in {results[n].seconds:.0f} s", flush=True)
+    seconds = time.perf_counter() - start
+    load = f"load average {load_before} before, {_load_note()} after (cores: {os.cpu_count()})"
+    print(f"calibrate: {load}", flush=True)
+    text_header = profile_header(args.quick, socket.gethostname(), device_type, seconds,
+                                 time.strftime('%Y-%m-%d %H:%M'), load)
+    tables = profile_tables(results, device_type, args.threads, levels[-1], profile_name(out))
+    write_profile(out, tables, text_header)
+    return out, results, seconds
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.worker:
+        return worker(args.worker)
+    out, results, seconds = calibrate(args)
+    one = results[1]
+    print(f"wrote {out} in {seconds:.0f} s: best linear {max(r[3] for r in one.linear):.3g} TFLOP/s, operator "
+          f"{one.kernel_overhead_us:.1f} + {one.backward_overhead_us:.1f} us (forward + backward), optimizer "
+          f"{one.optimizer_gbps:.3g} GB/s")
+    for n, r in sorted(results.items()):
+        ar = r.collectives.get("all_reduce", {}).get(n)
+        if ar:
+            print(f"  {n} ranks: all-reduce of {size_text(int(ar[0][0]))} {1e6 * ar[0][1]:.0f} us, of "
+                  f"{size_text(int(ar[-1][0]))} {1e3 * ar[-1][1]:.1f} ms; overlap {r.comm_overlap:.2f}")
+    print(f"use it with: fivefold plan --hardware {out} ...", file=sys.stdout)
+    return 0
+
+
+def _load_note() -> str:
+    """The 1-minute load average: above the core count, other work shared the machine with the timings."""
+    return f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "n/a"

@@ -102,3 +102,9 @@ def test_slurm_script_takes_time_partition_account_and_setup(tmp_path, capsys):
     assert main(["train", "--slurm", str(tmp_path / "b.sh"), "--nodes", "2", "--nproc", "4", "--layout.dp", "8",
                  "--setup", str(tmp_path / "nope.sh")]) == 2
     assert "--setup" in capsys.readouterr().err and not (tmp_path / "b.sh").exists()
+
+
+def test_plan_validate_names_the_data_it_needs_and_where_it_comes_from(tmp_path, capsys):
+    assert main(["plan", "validate", "--data", str(tmp_path / "runs.csv")]) == 2
+    err = capsys.readouterr().err
+    assert "playbook_benchmark_runs.csv" in err and "Ultra-Scale Playbook" in err and "--data FILE" in err

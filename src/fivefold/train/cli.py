@@ -135,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = resolve_config(args)
     cfg.validate()  # every config error before any process starts
+    from fivefold.train.metrics import check_logging_backends
+
+    check_logging_backends(cfg.log)
     if args.dry_run:
         return dry_run(cfg, args)
     check_layout(cfg, args.nodes * args.nproc if args.slurm else local_world_size(args.nproc))

@@ -176,7 +176,7 @@ def test_progress_shows_elapsed_and_eta_and_the_run_ends_with_a_summary(tmp_path
                                                       "train.warmup_steps": "10"})
     result = train(cfg, stream=out)
     lines = out.getvalue().splitlines()
-    assert any("warning: train.warmup_steps = 10 is not below train.max_steps = 6" in line for line in lines)
+    assert any("warning: train.warmup_steps = 10 exceeds train.max_steps = 6" in line for line in lines)
     step_lines = [line for line in lines if line.startswith("step ") and " loss " in line]
     assert len(step_lines) == 6 and all("elapsed " in line and " eta " in line for line in step_lines)
     assert step_lines[-1].endswith("eta 0:00")

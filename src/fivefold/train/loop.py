@@ -276,7 +276,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
             + (f", resuming at step {start}" if loaded else "")
         )
         if t.warmup_steps > t.max_steps:
-            writer.print(f"warning: train.warmup_steps = {t.warmup_steps} is not below train.max_steps = "
+            writer.print(f"warning: train.warmup_steps = {t.warmup_steps} exceeds train.max_steps = "
                          f"{t.max_steps}: the learning rate never reaches train.lr = {t.lr:g}; use fewer warm-up "
                          f"steps (e.g. {max(1, t.max_steps // 10)}) or more steps")
     if start == 0:

@@ -20,9 +20,11 @@ LAYERS: list[tuple[str, list[str | tuple[str, ...]], list[str] | None]] = [
     # the shared FLOPs formulas, the accelerator table and the layout rule book
     ("base", ["fivefold", ("fivefold.config", "fivefold.presets"), "fivefold.errors", "fivefold.device",
               "fivefold.flops", "fivefold.hardware", "fivefold.layout"], None),
-    # plain PyTorch Llama (dense and MoE), presets, Hugging Face conversion, the fused chunked loss
-    ("models", ["fivefold.models"], None),
+    # tokenizers, shards, the dataset and sampler: no model code
     ("data", ["fivefold.data"], None),
+    # plain PyTorch Llama (dense and MoE), presets, Hugging Face conversion (with the tokenizer files), the fused
+    # chunked loss, sampling
+    ("models", ["fivefold.models"], None),
     # mechanisms only: the process grid, the wrappers, communication, pipeline schedules and executor
     ("parallel", ["fivefold.parallel"], None),
     # starting and joining processes: local launcher, SLURM script, the layout check before any process
@@ -34,8 +36,8 @@ LAYERS: list[tuple[str, list[str | tuple[str, ...]], list[str] | None]] = [
     # tools that run or score the trainer: sweeps and their report, bench, calibrate (it times the training step,
     # so it sits above train and the planner it writes profiles for), the planner's validation against a sweep
     ("tools", ["fivefold.sweep", "fivefold.bench", "fivefold.planner.calibrate", "fivefold.planner.validate"], None),
-    # the command line: `fivefold VERB`; `plan` also runs the planner's validation
-    ("cli", ["fivefold.cli", "fivefold.__main__", "fivefold.planner.cli"], None),
+    # the command line: `fivefold VERB`; `plan` also runs the planner's validation, `train --dry-run` the planner
+    ("cli", ["fivefold.cli", "fivefold.__main__", "fivefold.planner.cli", "fivefold.train.cli"], None),
 ]
 
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fivefold.config import Config, ConfigError, build_config, dump_toml
-from fivefold.train.cli import parse_overrides
+from fivefold.config import Config, ConfigError, build_config, dump_toml, parse_overrides
 from fivefold.train.optim import lr_at
 
 

@@ -671,3 +671,31 @@ def test_builtin_dataset_prepared_by_several_processes_at_once(tmp_path):
     assert len(set(paths)) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shakespeare-v1-bpe2048"]  # no staging left
     TokenDataset(paths[0], "val").verify()
+
+
+def test_tokenizer_from_a_hf_model_directory_and_its_fingerprint(tmp_path):
+    from fivefold.data.format import tokenizer_fingerprint
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    word_level_tokenizer(model_dir / "tokenizer.json", 50, eos="w7")  # eos named by the model's config only
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w7"}))
+    (tmp_path / "0.txt").write_text("w1 w2 w3")
+    out = prepare_dataset([tmp_path / "0.txt"], tmp_path / "out", tokenizer=model_dir, val_fraction=0.0)
+    index = json.loads((out / "index.json").read_text())
+    assert (index["eos_token"], index["eos_id"]) == ("w7", 9)
+    # the canonical content: the same tokenizer written with other formatting has the same fingerprint
+    canonical = hashlib.sha256(json.dumps(json.loads((model_dir / "tokenizer.json").read_text()), sort_keys=True,
+                                          separators=(",", ":"), ensure_ascii=False).encode()).hexdigest()
+    assert index["tokenizer"]["fingerprint"] == canonical == TokenDataset(out, "train").tokenizer_fingerprint
+    (tmp_path / "pretty.json").write_text(json.dumps(json.loads((model_dir / "tokenizer.json").read_text()),
+                                                     indent=4))
+    assert tokenizer_fingerprint(tmp_path / "pretty.json") == canonical
+    # an index written before fingerprints were recorded still loads; the fingerprint comes from its tokenizer.json
+    del index["tokenizer"]["fingerprint"]
+    (out / "index.json").write_text(json.dumps(index))
+    assert TokenDataset(out, "train").tokenizer_fingerprint == canonical
+    # a directory without a tokenizer.json is named
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="a directory without tokenizer.json"):
+        prepare_dataset([tmp_path / "0.txt"], tmp_path / "out2", tokenizer=tmp_path / "empty")

@@ -166,3 +166,84 @@ def test_single_device_engine_recomputes(mode):
     assert bytes_ < plain_bytes
     for a, b in zip(grads, plain_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_progress_shows_elapsed_and_eta_and_the_run_ends_with_a_summary(tmp_path, dataset):
+    import io
+
+    out = io.StringIO()
+    cfg = small_config(tmp_path / "run", dataset, **{"log.progress": "plain", "log.peak_tflops": "0.25",
+                                                      "train.warmup_steps": "10"})
+    result = train(cfg, stream=out)
+    lines = out.getvalue().splitlines()
+    assert any("warning: train.warmup_steps = 10 exceeds train.max_steps = 6" in line for line in lines)
+    step_lines = [line for line in lines if line.startswith("step ") and " loss " in line]
+    assert len(step_lines) == 6 and all("elapsed " in line and " eta " in line for line in step_lines)
+    assert step_lines[-1].endswith("eta 0:00")
+    summary = next(line for line in lines if line.startswith("summary:"))
+    assert f"tokens seen {6 * 8 * 32:,}" in summary  # steps x global batch x sequence length
+    assert "wall time " in summary and "tokens/s per device" in summary and "MFU " in summary
+    assert "peak memory " in summary
+    assert lines[-1].startswith("done: 6 steps") and f"final train loss {result.losses[-1]:.4f}" in lines[-1]
+    assert f"val loss {result.val_losses[6]:.4f}" in lines[-1]
+
+
+def test_default_threads_divide_the_cores_among_local_processes():
+    import os
+
+    from fivefold.train.loop import default_threads
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert default_threads(1) == cores and default_threads(cores * 2) == 1
+    assert default_threads(2) == max(1, cores // 2)
+
+
+def test_tensorboard_and_wandb_offline_write_their_files(tmp_path, dataset, monkeypatch):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for var in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
+    run = tmp_path / "run"
+    train(small_config(run, dataset, **{"train.max_steps": "3", "log.tensorboard": "true", "log.wandb": "true"}))
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3]
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx(losses, rel=1e-6)
+    wandb_runs = list((run / "wandb").glob("offline-run-*"))
+    assert len(wandb_runs) == 1
+    assert [p for p in wandb_runs[0].glob("run-*.wandb") if p.stat().st_size > 0]
+
+
+def test_missing_logging_package_is_refused_before_anything_is_written(tmp_path, dataset, monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb"
+                        else real_find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"log.wandb = true needs the wandb package.*fivefold\[wandb\]"):
+        train(small_config(tmp_path / "run", dataset, **{"log.wandb": "true"}))
+    assert not (tmp_path / "run").exists()
+
+
+def test_hf_init_refuses_data_prepared_with_another_tokenizer(tmp_path, dataset):
+    from fivefold.data import DataError
+    from fivefold.data.format import tokenizer_fingerprint
+
+    run = tmp_path / "run"
+    train(small_config(run, dataset, **{"train.max_steps": "1"}))
+    assert tokenizer_fingerprint(run / "tokenizer" / "tokenizer.json") == tokenizer_fingerprint(
+        dataset / "tokenizer.json")
+    assert main(["export", "--checkpoint", str(run), "--hf", str(tmp_path / "hf")]) == 0
+    # the same tokenizer: accepted, and the run keeps the model's tokenizer files
+    train(small_config(tmp_path / "same", dataset, **{"train.max_steps": "1"}), hf_init=tmp_path / "hf")
+    assert (tmp_path / "same" / "tokenizer" / "tokenizer_config.json").is_file()
+    # another tokenizer (trained on other text): refused before the run directory is written
+    (tmp_path / "other.txt").write_text("a completely different corpus of words and more words " * 400)
+    other = prepare_dataset([tmp_path / "other.txt"], tmp_path / "other", vocab_size=300, val_fraction=0.1)
+    with pytest.raises(DataError, match="prepared with another tokenizer than the model's"):
+        train(small_config(tmp_path / "r", other, **{"train.max_steps": "1"}), hf_init=tmp_path / "hf")
+    assert not (tmp_path / "r").exists()

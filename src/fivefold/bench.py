@@ -27,11 +27,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fivefold.config import Config, ConfigError, build_config, write_text_atomic
+from fivefold.config import Config, ConfigError, build_config, parse_overrides, write_text_atomic
 from fivefold.device import resolve_device
 from fivefold.flops import training_flops_per_token
 from fivefold.launch import check_layout, local_world_size, start_or_join
-from fivefold.train.cli import parse_overrides
 from fivefold.train.engine import Engine, create_engine
 from fivefold.train.metrics import gather_ints, peak_memory_bytes, resolve_peak_tflops, synchronize
 

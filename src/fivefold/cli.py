@@ -15,6 +15,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "data": ("fivefold.data.cli", "prepare token shards from text, JSONL or Parquet files"),
     "models": ("fivefold.models.cli", "list the model presets with their parameter counts"),
     "export": ("fivefold.models.hf_cli", "export a checkpoint as a Hugging Face Llama directory"),
+    "generate": ("fivefold.models.generate", "sample text from a checkpoint or a Hugging Face directory"),
     "plan": ("fivefold.planner.cli", "search the parallel layouts of a model on a cluster: memory, step time, MFU"),
     "calibrate": ("fivefold.planner.calibrate", "measure this machine's compute and collectives; write a hardware "
                   "profile for the planner"),

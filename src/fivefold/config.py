@@ -158,7 +158,7 @@ class TrainConfig:
     eval_batches: int = 8
     checkpoint_every: int = 0  # 0 = only at the end
     keep_checkpoints: int = 2
-    threads: int = 0  # CPU intra-op threads; 0 = PyTorch's choice
+    threads: int = 0  # CPU intra-op threads per process; 0 = the cores divided by the local processes
 
 
 @dataclass
@@ -171,7 +171,10 @@ class DataConfig:
 class LogConfig:
     log_every: int = 10
     progress: Literal["auto", "bar", "plain", "none"] = "auto"
-    tensorboard: bool = False
+    tensorboard: bool = False  # scalars to RUN_DIR/tensorboard (pip install 'fivefold[tensorboard]')
+    wandb: bool = False  # Weights & Biases run in RUN_DIR/wandb (pip install 'fivefold[wandb]')
+    wandb_project: str = "fivefold"
+    wandb_mode: Literal["offline", "online"] = "offline"  # offline: files only, `wandb sync` uploads them later
     peak_tflops: float = 0.0  # dense bf16 peak per device for MFU; 0 = look the device up
     profile: bool = False
     profile_steps: int = 3
@@ -456,3 +459,25 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, dict):
         return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
     return json.dumps(str(v))
+
+
+def parse_overrides(extra: list[str]) -> dict[str, str]:
+    """`["--layout.dp", "2", "--train.lr=1e-3"]` -> `{"layout.dp": "2", "train.lr": "1e-3"}`."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(extra):
+        arg = extra[i]
+        if not arg.startswith("--") or "." not in arg.split("=")[0]:
+            raise ConfigError(
+                f"unrecognized argument {arg!r}; config fields are given as --section.field VALUE "
+                "(e.g. --layout.dp 2); see `fivefold train --help`"
+            )
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(extra):
+                raise ConfigError(f"{arg} needs a value")
+            value = extra[i + 1]
+            i += 1
+        out[key] = value
+        i += 1
+    return out

@@ -83,12 +83,17 @@ def launch(nproc: int, argv: list[str], verb: str = "train") -> int:
 
 def write_slurm_script(path: str | Path, argv: list[str], nodes: int, gpus_per_node: int,
                        job_name: str = "fivefold", time_limit: str = "01:00:00", port: int = 29500,
-                       verb: str = "train", output: str = "%x-%j.out", on_exit: str = "") -> Path:
+                       verb: str = "train", output: str = "%x-%j.out", on_exit: str = "",
+                       partition: str | None = None, account: str | None = None, setup: str | None = None) -> Path:
     """Write a SLURM batch script that runs `fivefold VERB ARGV` on `nodes` x `gpus_per_node` processes: one
     `torchrun` per node (started by `srun`), meeting at the first node through the c10d rendezvous. `on_exit`
-    is a shell command run when the script ends, whatever its exit status (`$status` holds it)."""
+    is a shell command run when the script ends, whatever its exit status (`$status` holds it); `setup` a shell
+    file sourced first (modules, environment, NCCL settings)."""
     command = " ".join(shlex.quote(a) for a in argv)
     trap = f"trap 'status=$?; {on_exit}' EXIT\n" if on_exit else ""
+    options = "".join(f"#SBATCH --{k}={v}\n" for k, v in (("partition", partition), ("account", account)) if v)
+    # sourced before `set -u`: set-up files often read unset variables; srun passes the environment to the nodes
+    source = f"source {shlex.quote(setup)}\n" if setup else ""
     text = f"""#!/bin/bash
 #SBATCH --job-name={job_name}
 #SBATCH --nodes={nodes}
@@ -97,8 +102,8 @@ def write_slurm_script(path: str | Path, argv: list[str], nodes: int, gpus_per_n
 #SBATCH --exclusive
 #SBATCH --time={time_limit}
 #SBATCH --output={output}
-# Written by fivefold: `fivefold {verb}` under one torchrun per node, each starting {gpus_per_node} ranks.
-set -euo pipefail
+{options}# Written by fivefold: `fivefold {verb}` under one torchrun per node, each starting {gpus_per_node} ranks.
+{source}set -euo pipefail
 {trap}head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 srun torchrun \\
   --nnodes "$SLURM_NNODES" --nproc-per-node {gpus_per_node} \\

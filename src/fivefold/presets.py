@@ -90,6 +90,11 @@ PRESETS: dict[str, tuple[ModelConfig, int | None, str]] = {
                     n_experts=8, top_k=2),
         None, "small Mixtral-style MoE: 8 experts, top-2",
     ),
+    "olmoe-1b-7b": (
+        ModelConfig(name="olmoe-1b-7b", n_layers=16, hidden=2048, n_heads=16, n_kv_heads=16, ffn=1024,
+                    vocab_size=50304, max_seq_len=4096, tied_embeddings=False, n_experts=64, top_k=8),
+        None, "allenai/OLMoE-1B-7B's shape (64 experts, top-8; without its QK-norm)",
+    ),
 }
 
 _ALIASES = {"llama3.2-1b": "llama-3.2-1b", "llama3.2-3b": "llama-3.2-3b", "llama3-8b": "llama-3.1-8b",

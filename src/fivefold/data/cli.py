@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prepare.add_argument(
         "--tokenizer",
         metavar="PATH",
-        help="a Hugging Face tokenizer.json to use as-is (default: train a byte-level BPE tokenizer)",
+        help="a Hugging Face tokenizer.json, or a Hugging Face model directory holding one, to use as-is "
+        "(default: train a byte-level BPE tokenizer)",
     )
     prepare.add_argument(
         "--vocab-size",

@@ -25,6 +25,7 @@ from fivefold.data.format import (
     TOKENIZER_FILE,
     DataError,
     dtype_from_name,
+    tokenizer_fingerprint,
 )
 
 HASH_CHUNK_BYTES = 1 << 24
@@ -106,6 +107,13 @@ class TokenDataset:
     @property
     def tokenizer_path(self) -> Path:
         return self.path / self.index.get("tokenizer", {}).get("file", TOKENIZER_FILE)
+
+    @property
+    def tokenizer_fingerprint(self) -> str:
+        """The fingerprint of the tokenizer that produced the tokens: from the index, or for indexes written
+        before it was recorded, computed from the directory's tokenizer.json."""
+        stored = self.index.get("tokenizer", {}).get("fingerprint")
+        return stored if stored else tokenizer_fingerprint(self.tokenizer_path)
 
     def __repr__(self) -> str:
         return (

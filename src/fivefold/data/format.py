@@ -9,7 +9,10 @@ A prepared directory holds:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+from pathlib import Path
 
 import numpy as np
 
@@ -49,3 +52,42 @@ def dtype_name(dtype: np.dtype) -> str:
 def dtype_from_name(name: str) -> np.dtype:
     """The little-endian dtype for a name in index.json."""
     return {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}[name]
+
+
+def tokenizer_fingerprint(tokenizer_json: str | Path) -> str:
+    """sha256 of a tokenizer.json's canonical content (keys sorted, no whitespace): two files that describe the
+    same tokenizer get the same fingerprint whatever their formatting."""
+    text = Path(tokenizer_json).read_text(encoding="utf-8")
+    try:
+        canonical = json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    except json.JSONDecodeError as e:
+        raise DataError(f"tokenizer {tokenizer_json}: not valid JSON ({e})") from None
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def resolve_tokenizer_file(path: str | Path) -> Path:
+    """A tokenizer.json given directly or inside a Hugging Face model directory."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        inner = path / TOKENIZER_FILE
+        if not inner.is_file():
+            raise DataError(
+                f"tokenizer {path}: a directory without {TOKENIZER_FILE}; give a Hugging Face model directory "
+                f"that holds one (a fast tokenizer), or the path of a {TOKENIZER_FILE}"
+            )
+        return inner
+    return path
+
+
+def hf_eos_token(model_dir: str | Path) -> str | None:
+    """The eos_token named by a Hugging Face directory's tokenizer_config.json, if any."""
+    config = Path(model_dir) / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    try:
+        eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    if isinstance(eos, dict):  # an AddedToken written out
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) else None

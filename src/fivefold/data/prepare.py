@@ -35,7 +35,10 @@ from fivefold.data.format import (
     TOKENIZER_FILE,
     DataError,
     dtype_name,
+    hf_eos_token,
+    resolve_tokenizer_file,
     token_dtype,
+    tokenizer_fingerprint,
 )
 from fivefold.data.shards import (  # noqa: F401  (re-exported: the prepare step's public names)
     OutputExistsError,
@@ -290,6 +293,7 @@ def prepare_documents(
                 "source": str(Path(tokenizer_path).resolve()) if tokenizer_path is not None else None,
                 "trained_vocab_size": None if tokenizer_path is not None else vocab_size,
                 "sha256": hashlib.sha256((staging / TOKENIZER_FILE).read_bytes()).hexdigest(),
+                "fingerprint": tokenizer_fingerprint(staging / TOKENIZER_FILE),
             },
             "split": {"method": plan.method, "val_fraction": val_fraction},
             "splits": splits,
@@ -339,11 +343,12 @@ def prepare_dataset(
         [source.describe(field) for source in found],
         len(found),
         Path(out),
-        tokenizer_path=Path(tokenizer).expanduser() if tokenizer is not None else None,
+        tokenizer_path=resolve_tokenizer_file(tokenizer) if tokenizer is not None else None,
         vocab_size=vocab_size,
         val_fraction=val_fraction,
         shard_tokens=shard_tokens,
         overwrite=overwrite,
-        eos_token=eos_token,
+        eos_token=eos_token or (hf_eos_token(tokenizer) if tokenizer is not None and Path(tokenizer).is_dir()
+                                else None),
         progress=progress,
     )

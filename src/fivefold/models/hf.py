@@ -346,11 +346,14 @@ def export_hf(
     cfg: ModelConfig,
     out_dir: str | Path,
     overwrite: bool = False,
+    tokenizer_dir: Path | None = None,
 ) -> Path:
     """Write `config.json` and `model.safetensors` that `transformers` loads as LlamaForCausalLM
-    (MixtralForCausalLM for MoE). Files are written to a temporary directory beside `out_dir`, then
-    moved into place. A non-empty `out_dir` is refused unless `overwrite`, which replaces those two
-    files, removes a stale `model.safetensors.index.json` and keeps any others (a tokenizer, say)."""
+    (MixtralForCausalLM for MoE), and with `tokenizer_dir` (a directory holding tokenizer.json) the tokenizer
+    files and generation_config.json, so that AutoTokenizer and `generate` work on it. Files are written to a
+    temporary directory beside `out_dir`, then moved into place. A non-empty `out_dir` is refused unless
+    `overwrite`, which replaces the files written here, removes a stale `model.safetensors.index.json` and keeps
+    any others."""
     out = check_output_dir(out_dir, overwrite)
     from safetensors.torch import save_file
 
@@ -362,13 +365,15 @@ def export_hf(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
+        if tokenizer_dir is not None:
+            hf_config.update(write_tokenizer_files(tokenizer_dir, tmp, cfg))
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         save_file(hf_sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if not out.exists():
             os.rename(tmp, out)
             return out
-        for name in ("model.safetensors", "config.json"):
-            os.replace(tmp / name, out / name)
+        for path in tmp.iterdir():
+            os.replace(path, out / path.name)
         # a stale shard index would point loaders at the old weights
         stale_index = out / "model.safetensors.index.json"
         if stale_index.exists():
@@ -377,6 +382,52 @@ def export_hf(
         if tmp.exists():
             shutil.rmtree(tmp)
     return out
+
+
+# the files of a Hugging Face tokenizer that an export carries over from the run (others are written)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def tokenizer_special_tokens(tokenizer_dir: Path) -> dict[str, str]:
+    """bos/eos/pad token texts of a tokenizer directory: those its tokenizer_config.json names, else its
+    end-of-text token (fivefold's data puts one after every document) for all three."""
+    from fivefold.data.prepare import find_eos, load_tokenizer
+
+    named: dict[str, str] = {}
+    config = tokenizer_dir / "tokenizer_config.json"
+    if config.is_file():
+        data = json.loads(config.read_text())
+        for key in ("bos_token", "eos_token", "pad_token"):
+            value = data.get(key)
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                named[key] = value
+    eos = named.get("eos_token") or find_eos(load_tokenizer(tokenizer_dir / "tokenizer.json"),
+                                             str(tokenizer_dir))[1]
+    return {"bos_token": named.get("bos_token", eos), "eos_token": eos, "pad_token": named.get("pad_token", eos)}
+
+
+def write_tokenizer_files(tokenizer_dir: Path, out: Path, cfg: ModelConfig) -> dict[str, int]:
+    """Copy the tokenizer of `tokenizer_dir` into the Hugging Face directory `out` with a tokenizer_config.json and
+    special_tokens_map.json that name bos/eos/pad (kept when the directory has its own), and write
+    generation_config.json. Returns the special token ids."""
+    from fivefold.data.prepare import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir / "tokenizer.json")
+    special = tokenizer_special_tokens(tokenizer_dir)
+    ids = {k.removesuffix("_token") + "_token_id": tokenizer.token_to_id(v) for k, v in special.items()}
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copyfile(tokenizer_dir / name, out / name)
+    if not (tokenizer_dir / "tokenizer_config.json").is_file():
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "model_max_length": cfg.max_seq_len,
+                  "clean_up_tokenization_spaces": False}
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if not (tokenizer_dir / "special_tokens_map.json").is_file():
+        (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    generation = {**ids, "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return ids
 
 
 def _safetensors_files(hf_dir: Path) -> list[Path]:

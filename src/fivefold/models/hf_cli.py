@@ -2,7 +2,8 @@
 
 PATH is one checkpoint directory (`model.safetensors` + `config.toml`) or a run directory whose
 `checkpoints/step_XXXXXXXX/` holds several; then the newest complete one (with its `COMPLETE`
-marker) is exported.
+marker) is exported. The tokenizer comes from the run (`RUN_DIR/tokenizer/`, which training writes) or
+from `--tokenizer`; with it the directory is complete: AutoTokenizer and `generate` work on it.
 """
 
 from __future__ import annotations
@@ -23,8 +24,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a checkpoint directory, or a run directory (its newest complete checkpoint)")
     parser.add_argument("--hf", required=True, metavar="OUT_DIR", help="the Hugging Face directory to write")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace config.json and model.safetensors in a non-empty OUT_DIR; "
-                        "other files stay")
+                        help="replace config.json, model.safetensors and the tokenizer files in a non-empty "
+                        "OUT_DIR; other files stay")
+    parser.add_argument("--tokenizer", metavar="PATH",
+                        help="a tokenizer.json or a directory holding one (default: the run's RUN_DIR/tokenizer/)")
+
+
+RUN_TOKENIZER_DIR = "tokenizer"
+
+
+def find_tokenizer_dir(ckpt: Path, given: str | None) -> Path | None:
+    """The directory holding the tokenizer.json of checkpoint `ckpt`: `given` (a file or directory), else the
+    run's `tokenizer/` directory (beside `checkpoints/`), else None."""
+    if given:
+        path = Path(given).expanduser()
+        directory = path.parent if path.is_file() else path
+        if not (directory / "tokenizer.json").is_file():
+            raise CliError(f"--tokenizer {given!r}: no tokenizer.json there; give a tokenizer.json or a Hugging "
+                           "Face model directory that holds one")
+        return directory
+    for candidate in (ckpt / RUN_TOKENIZER_DIR, ckpt.parent.parent / RUN_TOKENIZER_DIR):
+        if (candidate / "tokenizer.json").is_file() and (candidate == ckpt / RUN_TOKENIZER_DIR
+                                                          or ckpt.parent.name == "checkpoints"):
+            return candidate
+    return None
 
 
 def resolve_checkpoint(path: Path) -> tuple[Path, str | None]:
@@ -84,11 +107,17 @@ def run(args: argparse.Namespace) -> int:
         if cfg.tied_embeddings:
             found.pop("lm_head.weight", None)
         check_tensors(found, expected_shapes(cfg), f"{weights}")
-        export_hf(state_dict, cfg, out_dir, overwrite=args.overwrite)
+        tokenizer_dir = find_tokenizer_dir(ckpt, args.tokenizer)
+        export_hf(state_dict, cfg, out_dir, overwrite=args.overwrite, tokenizer_dir=tokenizer_dir)
     except CheckpointError as e:
         raise CliError(str(e)) from None
     arch = "MixtralForCausalLM" if cfg.is_moe else "LlamaForCausalLM"
     print(f"wrote {arch} ({count_params(cfg):,} parameters, model {cfg.name!r}) to {out_dir}")
+    if tokenizer_dir is None:
+        print("warning: no tokenizer found (the run has no tokenizer/ directory); AutoTokenizer cannot load "
+              f"{out_dir}; export again with --tokenizer PATH (the prepared data's tokenizer.json)")
+    else:
+        print(f"tokenizer from {tokenizer_dir}; generation_config.json written")
     if cfg.is_moe and cfg.capacity_factor > 0:
         print(f"note: model.capacity_factor = {cfg.capacity_factor} drops overflow tokens in fivefold; "
               f"{arch} routes without dropping, so outputs differ where fivefold would drop")

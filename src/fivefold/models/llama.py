@@ -92,6 +92,26 @@ class Attention(nn.Module):
         out = self.core(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
+    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       cache: list[torch.Tensor]) -> torch.Tensor:
+        """Inference on new tokens `x` [batch, new, hidden] whose positions follow the cached ones: their keys and
+        values are appended to `cache` ([k, v] of [batch, kv_heads, past, head_dim], empty at first)."""
+        q, k, v = self.project_qkv(x)
+        b, s, _ = q.shape
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache:
+            k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+        cache[:] = [k, v]
+        past = k.shape[2] - s
+        # new token i sees the cached keys and the new ones up to itself
+        mask = None
+        if s > 1:
+            mask = torch.arange(k.shape[2], device=x.device)[None, :] <= torch.arange(past, past + s,
+                                                                                       device=x.device)[:, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The q, k, v projections [batch, seq, heads * head_dim]; tensor parallelism fuses their input."""
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -226,6 +246,11 @@ class Block(nn.Module):
         x = x + self.attn(self.attn_norm(x), cos, sin)
         return x + self.mlp(self.mlp_norm(x))
 
+    def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       cache: list[torch.Tensor]) -> torch.Tensor:
+        x = x + self.attn.forward_cached(self.attn_norm(x), cos, sin, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
 
 class Llama(nn.Module):
     """Decoder-only transformer. `forward(tokens)` returns logits; `forward_hidden` stops before the head."""
@@ -282,6 +307,22 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         x = self.forward_hidden(tokens, positions)
         return self.lm_head(x) if self.lm_head is not None else x
+
+    def new_cache(self) -> list[list[torch.Tensor]]:
+        """An empty key/value cache for `forward_cached`: one [k, v] pair per block, filled as tokens arrive."""
+        return [[] for _ in self.layers]
+
+    @torch.no_grad()
+    def forward_cached(self, tokens: torch.Tensor, cache: list[list[torch.Tensor]]) -> torch.Tensor:
+        """Inference: logits [batch, new, vocab] of the new `tokens` [batch, new], which follow the tokens already
+        in `cache` (from `new_cache`); their keys and values are added to it. A whole model only (not a stage)."""
+        past = cache[0][0].shape[2] if cache and cache[0] else 0
+        x = self.embed(tokens)
+        cos, sin = rope_cos_sin(self.cfg, torch.arange(past, past + tokens.shape[1], device=tokens.device))
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        for block, layer_cache in zip(self.layers.values(), cache, strict=True):
+            x = block.forward_cached(x, cos, sin, layer_cache)
+        return self.lm_head(self.norm(x))
 
     def moe_drop_fraction(self) -> torch.Tensor | None:
         """Mean over the MoE layers of the fraction of routed slots dropped by capacity in the last forward."""

@@ -35,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--write-config", help="write the best layout as a `fivefold train` TOML config")
+    p.add_argument("--train-tokens", help="--write-config: the run's token budget, e.g. 40G (default: 20 tokens "
+                   "per parameter)")
     p.add_argument("--layout", help="estimate one layout, e.g. 'dp=4,tp=2,pp=1,micro_batch_size=1,zero=1,"
                                     "recompute=none' (mbs is short for micro_batch_size)")
     p.add_argument("--explain", action="store_true", help="say why the best layout wins")
@@ -110,25 +112,41 @@ def _cluster(args: argparse.Namespace):
     return hw
 
 
-def train_config(cfg: ModelConfig, lay: Layout, seq: int, batch_seqs: int, dtype: str) -> Config:
-    """The `fivefold train` config of `lay` for `cfg`, computing in `dtype` (the framework's precision), checked
-    by the same rules as `fivefold train` (`Config.validate`, then the layout rule book on the layout's world)."""
+def train_config(cfg: ModelConfig, lay: Layout, seq: int, batch_seqs: int, dtype: str, accelerator: bool = True,
+                 train_tokens: int | None = None) -> tuple[Config, str]:
+    """The `fivefold train` config of `lay` for `cfg`, computing in `dtype` (the framework's precision), with the
+    published hyperparameters of its size (`fivefold.train.recipes`) and a data path to fill in, checked by the same
+    rules as `fivefold train` (`Config.validate`, then the layout rule book on the layout's world); and the
+    recipe's source."""
+    from fivefold.train.recipes import apply_recipe
+
     conf = Config()
     conf.model = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, seq))
     conf.layout = lay.to_layout_config()
     conf.train.seq_len = seq
     conf.train.global_batch_size = batch_seqs
     conf.train.dtype = dtype
-    conf.run_dir = f"runs/{cfg.name}-plan"
+    recipe = apply_recipe(conf, accelerator, train_tokens)
+    conf.run_dir = f"runs/{cfg.name}"
     conf.validate()
     check_layout(conf, lay.world_size)
-    return conf
+    return conf, recipe.source
 
 
-def write_config(path: str, cfg: ModelConfig, lay: Layout, seq: int, batch_seqs: int, dtype: str) -> Config:
-    """A `fivefold train` config of `lay` for `cfg`, computing in `dtype` (the framework's precision)."""
-    conf = train_config(cfg, lay, seq, batch_seqs, dtype)
-    write_text_atomic(path, f"# written by `fivefold plan` ({lay.short()})\n" + dump_toml(conf))
+def write_config(path: str, cfg: ModelConfig, lay: Layout, seq: int, batch_seqs: int, dtype: str,
+                 nodes: int = 1, gpus_per_node: int = 1, accelerator: bool = True, prediction: str = "",
+                 train_tokens: int | None = None) -> Config:
+    """A `fivefold train` config of `lay` for `cfg` (`train_config`), with the launch lines in its header."""
+    from fivefold.train.recipes import launch_lines
+
+    conf, source = train_config(cfg, lay, seq, batch_seqs, dtype, accelerator, train_tokens)
+    header = [f"# written by `fivefold plan`: {lay.short()} on {nodes} x {gpus_per_node} devices",
+              *([f"# predicted: {prediction}"] if prediction else []),
+              f"# hyperparameters: {source}; max_steps: "
+              + (f"{train_tokens:,} tokens" if train_tokens else "20 tokens per parameter"),
+              "# fill in data.path (`fivefold data prepare FILES --tokenizer MODEL_DIR --out DIR`); launch with:",
+              *(f"#   {line}" for line in launch_lines(path, conf.run_dir, nodes, gpus_per_node))]
+    write_text_atomic(path, "\n".join(header) + "\n" + dump_toml(conf))
     return conf
 
 
@@ -181,7 +199,12 @@ def run(args: argparse.Namespace) -> int:
         _no_candidates(result, cfg, hw, n_gpus, batch_seqs, args)
         return 2
     if args.write_config:
-        write_config(args.write_config, cfg, result.candidates[0].layout, seq, batch_seqs, fw.compute_dtype)
+        best = result.candidates[0]
+        write_config(args.write_config, cfg, best.layout, seq, batch_seqs, fw.compute_dtype, args.nodes,
+                     hw.gpus_per_node, accelerator=not (hw.cores or hw.name == "cpu"),
+                     prediction=f"{gib(best.peak_bytes):.1f} GiB peak per device, step {best.step_time_s:.2f} s, "
+                                f"{best.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {100 * best.mfu:.1f} %",
+                     train_tokens=parse_tokens(args.train_tokens) if args.train_tokens else None)
     if args.json:
         print(json.dumps({"model": cfg.name, "gpus": n_gpus, "hardware": hw.name, "seq_len": seq,
                           "global_batch_tokens": tokens, "evaluated": result.evaluated,
@@ -198,7 +221,12 @@ def run(args: argparse.Namespace) -> int:
         for reason, n in result.rejected.most_common():
             print(f"  {n:7,d}  {reason} (e.g. {result.examples[reason]})")
     if args.write_config:
-        print(f"wrote {args.write_config} (run it with: fivefold train --config {args.write_config})")
+        from fivefold.train.recipes import launch_lines
+
+        print(f"wrote {args.write_config}: fill in its data.path, check it with `fivefold train --config "
+              f"{args.write_config} --dry-run`, then start it with:")
+        for line in launch_lines(args.write_config, f"runs/{cfg.name}", args.nodes, hw.gpus_per_node):
+            print(f"  {line}")
     if args.explain:
         from fivefold.planner.explain import explain
 

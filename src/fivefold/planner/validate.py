@@ -81,9 +81,12 @@ class Row:
 
 def read_rows(path: Path) -> list[Row]:
     if not path.is_file():
-        raise ConfigError(f"--data {str(path)!r} does not exist; give the runs CSV: the playbook's benchmark runs "
-                          f"({DATA_NAME}, which a clone finds in ../shared/data beside the repository), or a CSV "
-                          "of runs in its columns (docs/planner.md)")
+        raise ConfigError(
+            f"--data {str(path)!r} does not exist. `plan validate` needs the 3,264 runs of the benchmark figure of "
+            "the Ultra-Scale Playbook (Hugging Face, 2025) as a CSV, playbook_benchmark_runs.csv, which this package "
+            "does not ship: it is extracted from the figure's embedded data (GitHub vinjn/nanotron-ultrascale-"
+            "playbook, assets/data/benchmarks/benchmarks_interactive.html) and kept in ../shared/data beside the "
+            "repository; give its path with --data FILE, or check the planner on your own runs with --results STORE")
     rows = []
     with path.open() as f:
         for r in csv.DictReader(f):

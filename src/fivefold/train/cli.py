@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import re
 import time
 from pathlib import Path
 
-from fivefold.config import ConfigError, build_config
+from fivefold.config import Config, build_config, load_file, parse_overrides
 from fivefold.errors import CliError
 
 ACCEPTS_OVERRIDES = True
@@ -24,31 +26,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true", help="record a profiler trace into RUN_DIR/profile")
     p.add_argument("--slurm", metavar="FILE", help="write a SLURM batch script for this run (torchrun on --nodes "
                    "nodes x --nproc processes each) to FILE instead of training")
-    p.add_argument("--nodes", type=int, default=1, help="nodes of the --slurm script")
+    p.add_argument("--nodes", type=int, default=1, help="nodes of the --slurm script (and of --dry-run's plan)")
+    p.add_argument("--time", default="24:00:00", help="--slurm: the job's time limit, HH:MM:SS or D-HH:MM:SS "
+                   "(default 24:00:00)")
+    p.add_argument("--partition", help="--slurm: the partition to submit to")
+    p.add_argument("--account", help="--slurm: the account to charge")
+    p.add_argument("--setup", metavar="FILE", help="--slurm: a shell file sourced on every node before training "
+                   "(modules, virtual environment, NCCL settings)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate the config and the layout and print the run and the planner's prediction for "
+                   "it, without starting any process")
+    p.add_argument("--gpu", help="--dry-run: the planner's hardware preset for the prediction (default h100, cpu "
+                   "when train.device = cpu); see `fivefold plan --help`")
     p.epilog = ("Any config field can be set as --section.field VALUE, e.g. --layout.dp 2 --train.lr 1e-3; "
                 "sections: model, layout, train, data, log.")
-
-
-def parse_overrides(extra: list[str]) -> dict[str, str]:
-    """`["--layout.dp", "2", "--train.lr=1e-3"]` -> `{"layout.dp": "2", "train.lr": "1e-3"}`."""
-    out: dict[str, str] = {}
-    i = 0
-    while i < len(extra):
-        arg = extra[i]
-        if not arg.startswith("--") or "." not in arg.split("=")[0]:
-            raise ConfigError(
-                f"unrecognized argument {arg!r}; config fields are given as --section.field VALUE "
-                "(e.g. --layout.dp 2); see `fivefold train --help`"
-            )
-        key, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(extra):
-                raise ConfigError(f"{arg} needs a value")
-            value = extra[i + 1]
-            i += 1
-        out[key] = value
-        i += 1
-    return out
 
 
 def resolve_config(args: argparse.Namespace):
@@ -68,7 +59,11 @@ def resolve_config(args: argparse.Namespace):
             raise CliError("--resume needs --run-dir: the run to continue")
         if "model.preset" in overrides:
             raise CliError("--resume continues the run's own model; drop --preset/--model.preset")
-        cfg = load_run_config(Path(args.run_dir), overrides, args.config)
+        if args.slurm and not (Path(args.run_dir) / "config.toml").is_file():
+            # a script to resume a run that an earlier job will start: checked against the given config
+            cfg = build_config(args.config, overrides)
+        else:
+            cfg = load_run_config(Path(args.run_dir), overrides, args.config)
     else:
         cfg = build_config(args.config, overrides)
         if args.hf:
@@ -77,7 +72,7 @@ def resolve_config(args: argparse.Namespace):
             cfg.model = model_config_from_hf(Path(args.hf) / "config.json")
     if args.run_dir:
         cfg.run_dir = args.run_dir
-    elif not args.resume and "run_dir" not in overrides:
+    elif not args.resume and "run_dir" not in overrides and not (args.config and "run_dir" in load_file(args.config)):
         cfg.run_dir = f"runs/{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     return cfg
 
@@ -88,14 +83,26 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = resolve_config(args)
     cfg.validate()  # every config error before any process starts
+    from fivefold.train.metrics import check_logging_backends
+
+    check_logging_backends(cfg.log)
+    if args.dry_run:
+        return dry_run(cfg, args)
     check_layout(cfg, args.nodes * args.nproc if args.slurm else local_world_size(args.nproc))
     if args.slurm:
         from fivefold.launch import write_slurm_script
 
         if args.nodes < 1 or args.nproc < 1:
             raise CliError(f"--nodes = {args.nodes} and --nproc = {args.nproc} must both be >= 1")
-        path = write_slurm_script(args.slurm, forwarded_argv(args, cfg.run_dir), args.nodes, args.nproc)
-        print(f"wrote {path}: {args.nodes} node(s) x {args.nproc} processes; submit it with `sbatch {path}`")
+        check_slurm_time(args.time)
+        if args.setup and not Path(args.setup).is_file():
+            raise CliError(f"--setup {args.setup!r} is not a file; give the shell file to source on every node "
+                           "(module loads, `source venv/bin/activate`, NCCL settings)")
+        path = write_slurm_script(args.slurm, forwarded_argv(args, cfg.run_dir), args.nodes, args.nproc,
+                                  time_limit=args.time, partition=args.partition, account=args.account,
+                                  setup=str(Path(args.setup).resolve()) if args.setup else None)
+        print(f"wrote {path}: {args.nodes} node(s) x {args.nproc} processes, time limit {args.time}; submit it "
+              f"with `sbatch {path}`")
         return 0
     # every process must agree on the run directory
     status = start_or_join(cfg, args.nproc, forwarded_argv(args, cfg.run_dir), "train")
@@ -108,6 +115,60 @@ def run(args: argparse.Namespace) -> int:
     except (RunDirError, CheckpointError) as e:
         raise CliError(str(e)) from None
     return 0
+
+
+_SLURM_TIME = re.compile(r"^(\d+-)?\d{1,3}:\d{2}:\d{2}$")
+
+
+def check_slurm_time(value: str) -> None:
+    if not _SLURM_TIME.match(value):
+        raise CliError(f"--time {value!r} is not a SLURM time limit; use HH:MM:SS or D-HH:MM:SS, e.g. 48:00:00 or "
+                       "2-00:00:00")
+
+
+def dry_run(cfg: Config, args: argparse.Namespace) -> int:
+    """Validate `cfg` for its layout's world size and print what the run would do and the planner's prediction."""
+    from fivefold.flops import count_params
+    from fivefold.launch import check_layout
+    from fivefold.planner.hardware import get_cluster
+    from fivefold.planner.layout import FRAMEWORKS, Layout
+    from fivefold.planner.search import estimate, gib
+
+    la, t = cfg.layout, cfg.train
+    world = la.world_size
+    check_layout(cfg, world)
+    print(f"config OK: {cfg.model.name} ({count_params(cfg.model):,} parameters), layout dp {la.dp} x tp {la.tp} x "
+          f"pp {la.pp} x cp {la.cp} (ep {la.ep}, zero {la.zero}) = {world} processes; global batch "
+          f"{t.global_batch_size} x {t.seq_len} = {t.global_batch_size * t.seq_len:,} tokens per step, micro-batch "
+          f"{cfg.micro_batch_size}, accumulation {cfg.grad_accum_steps}; {t.max_steps:,} steps = "
+          f"{t.max_steps * t.global_batch_size * t.seq_len:,} tokens; lr {t.lr:g} ({t.lr_schedule}, warm-up "
+          f"{t.warmup_steps} steps); run dir {cfg.run_dir}")
+    if cfg.data.path and not Path(cfg.data.path).is_dir():
+        print(f"note: data.path = {cfg.data.path!r} does not exist yet; prepare it with `fivefold data prepare FILES "
+              "--tokenizer MODEL_DIR --out DIR` before training")
+    gpu = args.gpu or ("cpu" if t.device == "cpu" else "h100")
+    hw = get_cluster(gpu)
+    fw = FRAMEWORKS["fivefold-cpu" if hw.cores or hw.name == "cpu" else "fivefold"]
+    lay = Layout(**{f.name: getattr(la, f.name) for f in dataclasses.fields(la)},
+                 micro_batch_size=cfg.micro_batch_size, grad_accum_steps=cfg.grad_accum_steps)
+    e = estimate(cfg.model, t.seq_len, lay, fw, hw, True)
+    step_s = e.step_time_s
+    print(f"planner ({hw.name}, {fw.name} engine): {'fits' if e.fits else 'does NOT fit'}, peak "
+          f"{gib(e.peak_bytes):.1f} GiB of {hw.memory_gib} GiB per device; step {step_s:.2f} s, "
+          f"{e.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {100 * e.mfu:.1f} %; {t.max_steps:,} steps "
+          f"take about {format_hours(step_s * t.max_steps)}")
+    nodes = max(1, world // hw.gpus_per_node) if world > hw.gpus_per_node else 1
+    from fivefold.train.recipes import launch_lines
+
+    config = args.config or "CONFIG.toml"
+    print("launch:")
+    for line in launch_lines(config, cfg.run_dir, nodes, min(world, hw.gpus_per_node)):
+        print(f"  {line}")
+    return 0 if e.fits else 1
+
+
+def format_hours(seconds: float) -> str:
+    return f"{seconds / 3600:,.1f} h" if seconds < 2 * 86400 else f"{seconds / 86400:,.1f} days"
 
 
 def forwarded_argv(args: argparse.Namespace, run_dir: str) -> list[str]:

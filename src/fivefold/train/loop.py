@@ -6,6 +6,8 @@ Every check that can fail (config, data, run directory, checkpoint) runs before 
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +32,8 @@ from fivefold.train.engine import Engine, create_engine
 from fivefold.train.metrics import (
     MetricsWriter,
     Throughput,
+    check_logging_backends,
+    format_duration,
     gather_ints,
     peak_memory_bytes,
     resolve_peak_tflops,
@@ -98,6 +102,47 @@ def load_run_config(run_dir: Path, overrides: dict[str, str], file: str | None) 
     return cfg
 
 
+def default_threads(local_processes: int) -> int:
+    """CPU intra-op threads per process when train.threads = 0: this process's cores divided by the processes on
+    this machine (PyTorch's default of every core per process oversubscribes them)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_processes))
+
+
+RUN_TOKENIZER_DIR = "tokenizer"  # RUN_DIR/tokenizer/: the run's tokenizer, which `fivefold export` writes out
+HF_TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+def check_hf_tokenizer(hf_dir: Path, dataset) -> None:
+    """Refuse data prepared with another tokenizer than the Hugging Face model's own (fingerprints differ)."""
+    from fivefold.data.format import DataError, tokenizer_fingerprint
+
+    hf_tokenizer = hf_dir / "tokenizer.json"
+    if not hf_tokenizer.is_file():
+        return  # nothing to compare: the model directory carries no tokenizer
+    if tokenizer_fingerprint(hf_tokenizer) != dataset.tokenizer_fingerprint:
+        raise DataError(
+            f"the data in {dataset.path} was prepared with another tokenizer than the model's {hf_tokenizer} "
+            f"(fingerprints {dataset.tokenizer_fingerprint[:12]} and {tokenizer_fingerprint(hf_tokenizer)[:12]}); "
+            f"prepare it with the model's: `fivefold data prepare FILES --tokenizer {hf_dir} --out DIR`"
+        )
+
+
+def save_run_tokenizer(run_dir: Path, dataset, hf_dir: Path | None) -> None:
+    """Keep the data's tokenizer.json (and the model's tokenizer_config.json etc. with --hf) in RUN_DIR/tokenizer/."""
+    out = run_dir / RUN_TOKENIZER_DIR
+    if (out / "tokenizer.json").is_file():
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    if hf_dir is not None:
+        for name in HF_TOKENIZER_FILES:
+            if (hf_dir / name).is_file():
+                shutil.copyfile(hf_dir / name, out / name)
+    tmp = out / "tokenizer.json.tmp"
+    shutil.copyfile(dataset.tokenizer_path, tmp)
+    os.replace(tmp, out / "tokenizer.json")
+
+
 def split_micro_batches(inputs: torch.Tensor, targets: torch.Tensor, mbs: int, device: torch.device) -> list[
     tuple[torch.Tensor, torch.Tensor]
 ]:
@@ -132,18 +177,24 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
     from fivefold.data import BatchSampler, TokenDataset, val_batches
 
     cfg.validate()
+    check_logging_backends(cfg.log)
+    wall_start = time.perf_counter()
     t = cfg.train
     run_dir = Path(cfg.run_dir)
     resume_from = check_run_dir(run_dir, resume)
     device = resolve_device(t.device)
     if t.threads:
         torch.set_num_threads(t.threads)
+    elif device.type == "cpu":
+        torch.set_num_threads(default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
     is_first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     barrier = torch.distributed.barrier if torch.distributed.is_initialized() else (lambda: None)
     data_dir = resolve_data(cfg, is_first, barrier)
     train_set, val_set = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
     train_set.check_model_vocab(cfg.model.vocab_size)
+    if hf_init is not None:
+        check_hf_tokenizer(hf_init, train_set)
     sampler = BatchSampler(train_set, t.seq_len, t.global_batch_size, t.seed)
     val_rows = max(cfg.layout.dp, min(t.global_batch_size, 16) // cfg.layout.dp * cfg.layout.dp)
     val_data = list(val_batches(val_set, t.seq_len, val_rows, t.eval_batches))
@@ -178,10 +229,13 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
     if engine.is_logging_rank:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(run_dir / "config.toml", config_toml)
+        save_run_tokenizer(run_dir, train_set, hf_init)
         if loaded:
             truncate_metrics(run_dir, start)
-    writer = MetricsWriter(run_dir, t.max_steps, cfg.log.progress if engine.is_logging_rank else "none",
-                           cfg.log.tensorboard and engine.is_logging_rank) if engine.is_logging_rank else None
+    wandb_run = ({"project": cfg.log.wandb_project, "mode": cfg.log.wandb_mode, "name": run_dir.name,
+                  "config": cfg.to_dict()} if cfg.log.wandb else None)
+    writer = MetricsWriter(run_dir, t.max_steps, cfg.log.progress, cfg.log.tensorboard, stream=stream,
+                           wandb_run=wandb_run, start_step=start) if engine.is_logging_rank else None
 
     result = TrainResult(run_dir=run_dir, steps=start)
     mbs, global_tokens = cfg.micro_batch_size, t.global_batch_size * t.seq_len
@@ -219,13 +273,19 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
             f"fivefold: {cfg.model.name} ({sum(p.numel() for p in engine.parameters()):,} parameters on this "
             f"rank) on {engine.n_devices} x {device.type}, data {data_dir}, run dir {run_dir}, "
             f"global batch {t.global_batch_size} x {t.seq_len} tokens, micro-batch {mbs}, "
-            f"accumulation {cfg.grad_accum_steps}" + (f", resuming at step {start}" if loaded else "")
+            f"accumulation {cfg.grad_accum_steps}, {torch.get_num_threads()} CPU thread(s) per process"
+            + (f", resuming at step {start}" if loaded else "")
         )
+        if t.warmup_steps > t.max_steps:
+            writer.print(f"warning: train.warmup_steps = {t.warmup_steps} exceeds train.max_steps = "
+                         f"{t.max_steps}: the learning rate never reaches train.lr = {t.lr:g}; use fewer warm-up "
+                         f"steps (e.g. {max(1, t.max_steps // 10)}) or more steps")
     if start == 0:
         validate_now(0)
 
     profiler = _profiler(cfg, run_dir) if cfg.log.profile and engine.is_logging_rank else None
     throughput = Throughput()
+    loop_start, tokens_at_start, peak_seen = time.perf_counter(), tokens_seen, 0
     with profiler or contextlib.nullcontext():
         for step in range(start, t.max_steps):
             lr = engine.set_lr(step)
@@ -243,6 +303,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
                 drop = engine.moe_drop_fraction()  # None but under capacity-based MoE routing
                 synchronize(device)
                 memory = per_rank_peak_memory(device)
+                peak_seen = max(peak_seen, *memory)
                 record = step_record(done, loss, lr, float(grad_norm), throughput.report(), engine.n_devices,
                                      flops_per_token, peak, max(memory))
                 if drop is not None:
@@ -262,7 +323,18 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
                 save(done)
             if stop_after is not None and done >= stop_after:
                 break
+    loop_seconds = time.perf_counter() - loop_start
     if writer is not None:
+        tokens_run = tokens_seen - tokens_at_start
+        per_device = tokens_run / max(loop_seconds, 1e-9) / engine.n_devices
+        mfu = per_device * flops_per_token / 1e12 / peak if peak else None
+        writer.print(
+            f"summary: wall time {format_duration(time.perf_counter() - wall_start)} "
+            f"({format_duration(loop_seconds)} in {result.steps - start} steps); tokens seen {tokens_seen:,}"
+            f" ({tokens_run:,} in this run); mean {per_device:,.0f} tokens/s per device on {engine.n_devices} "
+            f"device(s); MFU {f'{100 * mfu:.1f} %' if mfu is not None else 'n/a (unknown device peak)'}; "
+            f"peak memory {peak_seen / 2**20:,.0f} MiB"
+        )
         if result.steps == t.max_steps and 0 in result.val_losses:
             first, last = result.val_losses[0], result.val_losses[t.max_steps]
             writer.print(f"done: {t.max_steps} steps; final train loss {_last_finite(result.losses):.4f}; "

@@ -9,6 +9,7 @@ validations append `{"step", "val_loss"}`. FLOPs per token come from `fivefold.f
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import resource
@@ -19,7 +20,7 @@ from typing import Any, TextIO
 
 import torch
 
-from fivefold.config import write_text_atomic
+from fivefold.config import ConfigError, LogConfig, write_text_atomic
 from fivefold.hardware import device_peak_tflops
 
 
@@ -85,35 +86,69 @@ def step_record(
     }
 
 
+def check_logging_backends(log: LogConfig) -> None:
+    """Raise ConfigError when log.tensorboard or log.wandb is on but its package is missing (before anything
+    is written)."""
+    for enabled, field, module, extra in ((log.tensorboard, "log.tensorboard", "tensorboard", "tensorboard"),
+                                          (log.wandb, "log.wandb", "wandb", "wandb")):
+        if enabled and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"{field} = true needs the {module} package, which is not installed: "
+                              f"pip install 'fivefold[{extra}]' (or set {field} = false)")
+
+
+def format_duration(seconds: float) -> str:
+    """3725.2 -> '1:02:05'; 65 -> '1:05'."""
+    s = int(round(seconds))
+    h, m = divmod(s // 60, 60)
+    return f"{h}:{m:02d}:{s % 60:02d}" if h else f"{m}:{s % 60:02d}"
+
+
 class MetricsWriter:
-    """Appends JSON lines to `metrics.jsonl`, prints progress, and mirrors scalars to TensorBoard."""
+    """Appends JSON lines to `metrics.jsonl`, prints progress with elapsed time and ETA, and mirrors scalars to
+    TensorBoard and Weights & Biases when configured."""
 
     def __init__(self, run_dir: Path, max_steps: int, progress: str, tensorboard: bool,
-                 stream: TextIO | None = None) -> None:
+                 stream: TextIO | None = None, wandb_run: dict[str, Any] | None = None,
+                 start_step: int = 0) -> None:
         self.path = run_dir / "metrics.jsonl"
         self.max_steps = max_steps
         self.stream = stream or sys.stdout
         is_tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.mode = ("bar" if is_tty else "plain") if progress == "auto" else progress
+        self.start_step, self.start_time = start_step, time.perf_counter()
         self.file = open(self.path, "a")
         self.tb = None
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise RuntimeError("log.tensorboard = true needs the tensorboard package: "
-                                   "pip install 'fivefold[tensorboard]'") from None
+            from torch.utils.tensorboard import SummaryWriter
+
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self.wandb = None
+        if wandb_run is not None:  # {"project", "mode", "name", "config"}
+            import wandb
+
+            (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
+            self.wandb = wandb.init(project=wandb_run["project"], mode=wandb_run["mode"], name=wandb_run["name"],
+                                    config=wandb_run["config"], dir=str(run_dir))
         self._bar_open = False
+
+    def timing(self, step: int) -> str:
+        """'elapsed 1:05 eta 3:10' for `step` of max_steps (the ETA from this call's mean step time)."""
+        elapsed = time.perf_counter() - self.start_time
+        done = step - self.start_step
+        if done <= 0:
+            return f"elapsed {format_duration(elapsed)}"
+        return f"elapsed {format_duration(elapsed)} eta {format_duration(elapsed / done * (self.max_steps - step))}"
 
     def write(self, record: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self.file.write(json.dumps(clean) + "\n")
         self.file.flush()
+        scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, int | float)}
         if self.tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, int | float):
-                    self.tb.add_scalar(k, v, record["step"])
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, record["step"])
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=record["step"])
         self._show(record)
 
     def _show(self, r: dict[str, Any]) -> None:
@@ -125,7 +160,7 @@ class MetricsWriter:
             mfu = f"  mfu {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else ""
             line = (f"step {r['step']:>6}/{self.max_steps}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  "
                     f"gnorm {r['grad_norm']:.3f}  {r['tokens_per_s']:,.0f} tok/s{mfu}  "
-                    f"mem {r['peak_memory_bytes'] / 2**20:,.0f} MiB")
+                    f"mem {r['peak_memory_bytes'] / 2**20:,.0f} MiB  {self.timing(r['step'])}")
         if self.mode == "bar" and "val_loss" not in r:
             done = int(30 * r["step"] / self.max_steps)
             self.stream.write(f"\r[{'#' * done}{'.' * (30 - done)}] {line}")
@@ -152,6 +187,8 @@ class MetricsWriter:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 def truncate_metrics(run_dir: Path, after_step: int) -> None:

@@ -149,8 +149,8 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
     gpu = args.gpu or ("cpu" if t.device == "cpu" else "h100")
     hw = get_cluster(gpu)
     fw = FRAMEWORKS["fivefold-cpu" if hw.cores or hw.name == "cpu" else "fivefold"]
-    lay = Layout(**{f.name: getattr(la, f.name) for f in dataclasses.fields(la)},
-                 micro_batch_size=cfg.micro_batch_size, grad_accum_steps=cfg.grad_accum_steps)
+    fields = {f.name: getattr(la, f.name) for f in dataclasses.fields(la)}
+    lay = Layout(**{**fields, "micro_batch_size": cfg.micro_batch_size, "grad_accum_steps": cfg.grad_accum_steps})
     e = estimate(cfg.model, t.seq_len, lay, fw, hw, True)
     step_s = e.step_time_s
     print(f"planner ({hw.name}, {fw.name} engine): {'fits' if e.fits else 'does NOT fit'}, peak "

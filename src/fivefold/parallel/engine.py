@@ -108,13 +108,18 @@ class ParallelEngine(Engine):
                         grad.mul_(coef)
         return norm
 
-    def optimizer_step(self) -> torch.Tensor:
+    def optimizer_step(self, loss_sum: torch.Tensor | None = None, stop: bool = False) -> torch.Tensor:
         norm = self.clip_grad_norm(self.cfg.train.grad_clip)
-        self.optimizer.step()
+        self.step_guarded(norm, loss_sum, stop)
         for dp in self.data_parallels:
             dp.after_step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+    def agree(self, flags: torch.Tensor) -> torch.Tensor:
+        """The maximum of `flags` over every rank (one all-reduce, no host sync)."""
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return flags
 
     def reduce_for_logging(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over the data- and context-parallel ranks, which hold different tokens (tp ranks hold the same
@@ -220,7 +225,10 @@ class ParallelEngine(Engine):
     def _shard_layout(self) -> dict[str, int]:
         la = self.cfg.layout
         extra = {name: getattr(la, name) for name in ("cp", "ep") if getattr(la, name) > 1}
-        return {"dp": la.dp, "tp": la.tp, **extra, "zero": la.zero, "rank": self.grid.rank}
+        # the rank matters only when every rank holds other states; a replicated state (plain dp or cp under
+        # ZeRO-0) is written once and loaded by every rank
+        rank = {"rank": self.grid.rank} if self.optimizer_state_is_sharded else {}
+        return {"dp": la.dp, "tp": la.tp, **extra, "zero": la.zero, **rank}
 
     def barrier(self) -> None:
         dist.barrier()

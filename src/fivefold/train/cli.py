@@ -117,7 +117,10 @@ def start_or_join(cfg: Config, nproc: int, argv: list[str], verb: str) -> int | 
 def run(args: argparse.Namespace) -> int:
     from fivefold.train.loop import RunDirError, train
 
-    cfg = resolve_config(args)
+    try:
+        cfg = resolve_config(args)
+    except RunDirError as e:
+        raise CliError(str(e)) from None
     cfg.validate()  # every config error before any process starts
     check_layout(cfg, args.nodes * args.nproc if args.slurm else local_world_size(args.nproc))
     if args.slurm:
@@ -135,10 +138,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         from fivefold.train.checkpoint import CheckpointError
 
-        train(cfg, resume=args.resume, hf_init=Path(args.hf) if args.hf else None)
+        result = train(cfg, resume=args.resume, hf_init=Path(args.hf) if args.hf else None)
     except (RunDirError, CheckpointError) as e:
         raise CliError(str(e)) from None
-    return 0
+    return result.exit_code  # 3 after a streak of non-finite steps, 128 + N when signal N stopped it
 
 
 def forwarded_argv(args: argparse.Namespace, run_dir: str) -> list[str]:

@@ -120,3 +120,12 @@ def test_resume_under_expert_parallel_and_zero2_is_exact(tmp_path, dataset):  # 
     check_resume(tmp_path, dataset, 2, {"layout.dp": "2", "layout.ep": "2", "layout.zero": "2", **moe})
     model = load_file(str(latest_checkpoint(tmp_path / "full") / "model.safetensors"))
     assert model["layers.0.mlp.w_gate"].shape[0] == 4
+
+
+def test_resume_under_plain_data_parallel_is_exact(tmp_path, dataset):  # noqa: F811
+    # ZeRO-0: rank 0 writes the replicated optimizer state once and every rank loads it
+    check_resume(tmp_path, dataset, 2, {"layout.dp": "2", "layout.zero": "0"})
+
+
+def test_resume_under_context_parallel_and_zero0_is_exact(tmp_path, dataset):  # noqa: F811
+    check_resume(tmp_path, dataset, 2, {"layout.cp": "2", "layout.zero": "0"})

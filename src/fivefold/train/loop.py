@@ -260,7 +260,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
             micro_batches = split_micro_batches(inputs, targets, mbs, device)
             loss_sum = engine.forward_backward(micro_batches, global_tokens)
             grad_norm = engine.optimizer_step(loss_sum, signals.asked)
-            guard.update(step + 1, engine.step_flags)
+            guard.update(step + 1, engine.step_flags, loss_sum)
             tokens_seen += global_tokens
             throughput.add(global_tokens)
             done = step + 1
@@ -283,8 +283,6 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
                     record["skipped_steps"] = now.skipped
                 log(record)
                 result.losses.append(loss)
-                if loss == loss and abs(loss) != float("inf"):
-                    result.last_finite_loss = (done, loss)
             else:
                 result.losses.append(float("nan"))
             result.steps = done
@@ -294,6 +292,8 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
             if seen is not None and seen.bad_run >= t.max_bad_steps:
                 now = guard.read(current=True)
                 result.skipped_steps, result.stopped, result.exit_code = now.skipped, "non-finite", EXIT_NON_FINITE
+                result.last_finite_loss = last_finite_loss(engine, guard, global_tokens)
+                save(done, now)  # the weights of the last update (finite), past the bad batches; prunes nothing
                 if engine.is_logging_rank:
                     print(non_finite_message(seen, done, t.max_bad_steps, result, run_dir), file=sys.stderr)
                 break
@@ -321,11 +321,14 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
                         print(non_finite_message(now, done, t.max_bad_steps, result, run_dir), file=sys.stderr)
             if stop_after is not None and done >= stop_after:
                 break
+    if result.steps > start and result.stopped != "non-finite":  # collective
+        result.last_finite_loss = last_finite_loss(engine, guard, global_tokens)
     if writer is not None:
         if result.skipped_steps:
             last = result.last_finite_loss
             writer.print(f"{result.skipped_steps} steps skipped for a non-finite loss or gradient norm; last finite "
-                         f"train loss " + (f"{last[1]:.4f} at step {last[0]}" if last else "none logged"))
+                         "train loss of an updating step " + (f"{last[1]:.4f} at step {last[0]}" if last else
+                                                              "none"))
         if result.steps == t.max_steps and not result.stopped and 0 in result.val_losses:
             first, last = result.val_losses[0], result.val_losses[t.max_steps]
             writer.print(f"done: {t.max_steps} steps; final train loss {_last_finite(result.losses):.4f}; "
@@ -381,15 +384,23 @@ def all_finite(engine: Engine, model_state: dict[str, torch.Tensor], optimizer_s
     return not engine.agree((~ok).float().reshape(1)).item()
 
 
+def last_finite_loss(engine: Engine, guard: StepGuard, global_tokens: int) -> tuple[int, float] | None:
+    """(step, train loss) of the last step that updated the weights in this call (collective), or None."""
+    loss = engine.reduce_for_logging(guard.last_loss_sum).item() / global_tokens
+    step = int(guard.last_step)
+    return (step, loss) if step else None
+
+
 def non_finite_message(seen: GuardState, done: int, max_bad: int, result: TrainResult, run_dir: Path) -> str:
     first = seen.step - seen.bad_run + 1
     newest = ckpt.latest_checkpoint(run_dir)
     last = result.last_finite_loss
     return (f"fivefold: error: steps {first} to {seen.step} had a non-finite loss or gradient norm ({seen.bad_run} in "
-            f"a row, train.max_bad_steps = {max_bad}; their updates were skipped); stopped after step {done}. "
-            f"Last finite train loss: " + (f"{last[1]:.4f} at step {last[0]}" if last else "none logged")
-            + f"; newest checkpoint: {newest if newest else 'none'}. Lower train.lr or set train.grad_clip, and "
-            "resume with --resume")
+            f"a row, train.max_bad_steps = {max_bad}; their updates were skipped); stopped at step {done}. "
+            f"Last finite train loss of an updating step: " + (f"{last[1]:.4f} at step {last[0]}" if last else
+                                                               "none")
+            + f"; newest checkpoint: {newest if newest else 'none'} (older ones are kept). Lower train.lr or set "
+            "train.grad_clip, and continue with --resume")
 
 
 def per_rank_peak_memory(device: torch.device) -> list[int]:

@@ -199,3 +199,28 @@ def test_kill_9_during_saves_fast(tmp_path, dataset):  # noqa: F811
 @pytest.mark.slow
 def test_kill_9_during_saves_ten_tries(tmp_path, dataset):  # noqa: F811
     kill_during_saves(tmp_path, dataset, tries=10, seed=2)
+
+
+def test_pruning_killed_half_way_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
+    """Pruning renames a checkpoint before deleting it: a kill during the deletion leaves a `*.deleting` directory,
+    which no reader takes for a checkpoint and the next pruning removes."""
+    from tests.test_checkpoint import _save, _trained_state
+
+    cfg, model, opt = _trained_state(0)
+    for step in (1, 2, 3):
+        _save(tmp_path, step, model, opt, cfg)
+    real_rmtree = ckpt.shutil.rmtree
+
+    def dying_rmtree(path, *a, **k):
+        (Path(path) / "optimizer.json").unlink()  # one file gone, then killed
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", dying_rmtree)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.prune_checkpoints(tmp_path, 2)
+    monkeypatch.setattr(ckpt.shutil, "rmtree", real_rmtree)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
+    for path in ckpt.list_checkpoints(tmp_path):
+        ckpt.verify_files(path)
+    ckpt.prune_checkpoints(tmp_path, 2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002", "step_00000003"]

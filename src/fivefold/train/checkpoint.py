@@ -244,9 +244,16 @@ def save_checkpoint(
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> None:
-    """Delete all but the `keep` newest complete checkpoints (only directories this module wrote)."""
+    """Delete all but the `keep` newest complete checkpoints (only directories this module wrote). Each is first
+    renamed to `NAME.deleting`, so a kill during the deletion never leaves a marked but partial checkpoint; such
+    leftovers are deleted by the next call."""
     for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old)
+        doomed = old.with_name(old.name + ".deleting")
+        if doomed.exists():
+            shutil.rmtree(doomed)
+        os.replace(old, doomed)
+    for doomed in (run_dir / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*.deleting"):
+        shutil.rmtree(doomed)
 
 
 @dataclass

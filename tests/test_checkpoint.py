@@ -105,7 +105,11 @@ def test_pickles_are_never_loaded(tmp_path):
     torch.save({"x": torch.zeros(1)}, path / "model.safetensors")
     with pytest.raises(ckpt.CheckpointError, match="model.safetensors is corrupted"):
         ckpt.load_checkpoint(path)
+    ckpt.write_manifest(path)  # even with matching checksums the pickle is refused, not unpickled
+    with pytest.raises(ckpt.CheckpointError, match="model.safetensors is corrupted"):
+        ckpt.load_checkpoint(path)
     save_file({"x": torch.zeros(1)}, str(path / "model.safetensors"))  # valid file, wrong names
+    ckpt.write_manifest(path)
     loaded = ckpt.load_checkpoint(path)
     with pytest.raises(ckpt.CheckpointError, match="missing embed.weight"):
         ckpt.check_model_state(loaded.model_state, dict(model.state_dict()), path)

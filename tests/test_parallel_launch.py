@@ -71,6 +71,8 @@ def test_slurm_script_runs_torchrun_on_every_node(tmp_path, capsys):
     text = script.read_text()
     assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=4" in text
     assert "srun torchrun" in text and "--nproc-per-node 4" in text and "--rdzv-backend c10d" in text
+    # SIGTERM 120 s before the time limit, forwarded to srun (which passes it on to torchrun and the ranks)
+    assert "#SBATCH --signal=B:TERM@120" in text and "kill -TERM \"$job\"" in text
     assert "--module fivefold train --max-steps 50 --run-dir runs/big --layout.dp 4 --layout.tp 2" in text
     # the layout is checked against nodes x processes before the script is written
     assert main(["train", "--slurm", str(tmp_path / "bad.sh"), "--nodes", "2", "--nproc", "4",
@@ -120,3 +122,12 @@ def test_resume_under_expert_parallel_and_zero2_is_exact(tmp_path, dataset):  # 
     check_resume(tmp_path, dataset, 2, {"layout.dp": "2", "layout.ep": "2", "layout.zero": "2", **moe})
     model = load_file(str(latest_checkpoint(tmp_path / "full") / "model.safetensors"))
     assert model["layers.0.mlp.w_gate"].shape[0] == 4
+
+
+def test_resume_under_plain_data_parallel_is_exact(tmp_path, dataset):  # noqa: F811
+    # ZeRO-0: rank 0 writes the replicated optimizer state once and every rank loads it
+    check_resume(tmp_path, dataset, 2, {"layout.dp": "2", "layout.zero": "0"})
+
+
+def test_resume_under_context_parallel_and_zero0_is_exact(tmp_path, dataset):  # noqa: F811
+    check_resume(tmp_path, dataset, 2, {"layout.cp": "2", "layout.zero": "0"})

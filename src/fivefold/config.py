@@ -158,6 +158,7 @@ class TrainConfig:
     eval_batches: int = 8
     checkpoint_every: int = 0  # 0 = only at the end
     keep_checkpoints: int = 2
+    max_bad_steps: int = 5  # stop after this many steps in a row with a non-finite loss or gradient norm (skipped)
     threads: int = 0  # CPU intra-op threads per process; 0 = the cores divided by the local processes
 
 
@@ -195,7 +196,8 @@ class Config:
     def validate(self) -> None:
         self.model.validate()
         t, la = self.train, self.layout
-        for name in ("seq_len", "global_batch_size", "max_steps", "eval_batches", "keep_checkpoints"):
+        for name in ("seq_len", "global_batch_size", "max_steps", "eval_batches", "keep_checkpoints",
+                     "max_bad_steps"):
             _require(getattr(t, name) >= 1, f"train.{name}", getattr(t, name), "must be >= 1")
         _require(t.lr > 0, "train.lr", t.lr, "must be > 0")
         _require(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")

@@ -77,7 +77,8 @@ def launch(nproc: int, argv: list[str], verb: str = "train") -> int:
     except ChildFailedError as e:
         print(f"fivefold: {len(e.failures)} of {nproc} processes failed; see their messages above",
               file=sys.stderr)
-        return 1
+        code = e.get_first_failure()[1].exitcode  # e.g. 3 after non-finite steps, 143 after SIGTERM: kept
+        return code if code > 0 else 1
     return 0
 
 
@@ -88,7 +89,12 @@ def write_slurm_script(path: str | Path, argv: list[str], nodes: int, gpus_per_n
     """Write a SLURM batch script that runs `fivefold VERB ARGV` on `nodes` x `gpus_per_node` processes: one
     `torchrun` per node (started by `srun`), meeting at the first node through the c10d rendezvous. `on_exit`
     is a shell command run when the script ends, whatever its exit status (`$status` holds it); `setup` a shell
-    file sourced first (modules, environment, NCCL settings)."""
+    file sourced first (modules, environment, NCCL settings).
+
+    SLURM sends SIGTERM to the script 120 s before the time limit (`--signal=B:TERM@120`); the script forwards it
+    to `srun`, which passes it to each `torchrun`, which passes it to its ranks: they finish their step, write a
+    checkpoint and exit with 143 (`fivefold train --resume` continues). torchrun kills ranks that have not
+    exited 30 s after forwarding the signal, so a checkpoint must take less than that."""
     command = " ".join(shlex.quote(a) for a in argv)
     trap = f"trap 'status=$?; {on_exit}' EXIT\n" if on_exit else ""
     options = "".join(f"#SBATCH --{k}={v}\n" for k, v in (("partition", partition), ("account", account)) if v)
@@ -102,13 +108,21 @@ def write_slurm_script(path: str | Path, argv: list[str], nodes: int, gpus_per_n
 #SBATCH --exclusive
 #SBATCH --time={time_limit}
 #SBATCH --output={output}
+#SBATCH --signal=B:TERM@120
 {options}# Written by fivefold: `fivefold {verb}` under one torchrun per node, each starting {gpus_per_node} ranks.
 {source}set -euo pipefail
 {trap}head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 srun torchrun \\
   --nnodes "$SLURM_NNODES" --nproc-per-node {gpus_per_node} \\
   --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$head_node:{port}" \\
-  --module fivefold {verb} {command}
+  --module fivefold {verb} {command} &
+job=$!
+# SIGTERM ahead of the time limit (or scancel --signal=TERM -b): the ranks checkpoint and exit (code 143)
+trap 'echo "fivefold: SIGTERM, asking the ranks to write a checkpoint and stop" >&2; kill -TERM "$job"' TERM
+code=0
+wait "$job" || code=$?
+while kill -0 "$job" 2>/dev/null; do wait "$job" || code=$?; done  # a trapped signal ends the first wait early
+exit "$code"
 """
     path = Path(path)
     path.write_text(text)

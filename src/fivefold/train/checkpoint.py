@@ -5,15 +5,18 @@ Layout of `RUN_DIR/checkpoints/step_XXXXXXXX/`:
     optimizer.safetensors  optimizer state tensors, and optimizer.json its hyper-parameters
                            (`optimizer-rankN.*` per rank when the engine shards the optimizer state)
     rng.safetensors        CPU and accelerator RNG states (`rng-rankN.safetensors` likewise)
-    trainer_state.json     step, tokens seen, number of optimizer shards, format version
+    trainer_state.json     step, tokens seen, steps skipped as non-finite, number of optimizer shards, format version
     config.toml            the run's resolved config
+    manifest.json          size and sha256 of every file above; a reader verifies the files it reads against it
     COMPLETE               written last, before the rename: a directory without it is not a checkpoint
 
-A killed writer leaves at most a `*.tmp` directory, which is ignored and cleaned up by the next writer.
+A killed writer leaves at most a `*.tmp` directory, which is ignored and cleaned up by the next writer. Nothing is
+unpickled: tensors are safetensors, everything else JSON or TOML.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -25,7 +28,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: manifest.json with the sha256 of every file
+MANIFEST = "manifest.json"
 CHECKPOINT_PREFIX = "step_"
 
 
@@ -37,6 +41,7 @@ class CheckpointError(Exception):
 class TrainerState:
     step: int  # optimizer steps completed
     tokens_seen: int
+    skipped_steps: int = 0  # steps whose update was skipped for a non-finite loss or gradient norm
     format_version: int = FORMAT_VERSION
 
 
@@ -44,14 +49,30 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"{CHECKPOINT_PREFIX}{step:08d}"
 
 
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """Every `step_XXXXXXXX` directory of a run, complete or not, oldest first (not `*.tmp` or set-aside ones)."""
     root = run_dir / "checkpoints"
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
-             and not p.name.endswith(".tmp") and (p / "COMPLETE").is_file()]
+             and p.name[len(CHECKPOINT_PREFIX):].isdigit()]
     return sorted(found, key=lambda p: p.name)
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run (with their COMPLETE marker, not yet verified), oldest first."""
+    return [p for p in checkpoint_dirs(run_dir) if (p / "COMPLETE").is_file()]
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a checkpoint directory that cannot be used to `NAME.bad` (`NAME.bad2`, ... if taken): kept for
+    inspection, ignored by every reader and writer."""
+    for n in range(1, 1000):
+        target = path.with_name(f"{path.name}.bad{n if n > 1 else ''}")
+        if not target.exists():
+            os.replace(path, target)
+            return target
+    raise CheckpointError(f"cannot set {path} aside: {path.name}.bad ... .bad999 all exist")
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -122,8 +143,11 @@ def _write_json(path: Path, data: Any) -> None:
 def begin_checkpoint(run_dir: Path, step: int) -> Path:
     """Create the temporary directory of step `step`'s checkpoint (one writer, before the others write).
 
-    Refuses to replace an existing complete checkpoint of the same step."""
+    Refuses to replace an existing complete checkpoint of the same step; a directory of that step without its
+    COMPLETE marker (left by an older writer or a damaged copy) is set aside as `NAME.bad`."""
     final = checkpoint_dir(run_dir, step)
+    if final.exists() and not (final / "COMPLETE").is_file():
+        set_aside(final)
     if final.exists():
         raise CheckpointError(f"checkpoint {final} already exists; refusing to overwrite it")
     tmp = final.with_name(final.name + ".tmp")
@@ -147,18 +171,62 @@ def finish_checkpoint(tmp: Path, state: TrainerState, model_state: dict[str, tor
     save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
     _write_json(tmp / "trainer_state.json", {
         "format_version": state.format_version, "step": state.step, "tokens_seen": state.tokens_seen,
-        "optimizer_shards": optimizer_shards,
+        "skipped_steps": state.skipped_steps, "optimizer_shards": optimizer_shards,
     })
     (tmp / "config.toml").write_text(config_toml)
     for f in tmp.iterdir():
         with open(f, "rb+") as fh:
             os.fsync(fh.fileno())
+    write_manifest(tmp)
     (tmp / "COMPLETE").write_text(f"{state.step}\n")
     _fsync_dir(tmp)
     final = tmp.with_name(tmp.name.removesuffix(".tmp"))
     os.replace(tmp, final)
     _fsync_dir(final.parent)
     return final
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(directory: Path) -> None:
+    """Record the size and sha256 of every file of a checkpoint directory in its manifest."""
+    files = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in sorted(directory.iterdir())
+             if f.is_file() and f.name not in (MANIFEST, "COMPLETE")}
+    _write_json(directory / MANIFEST, {"format_version": FORMAT_VERSION, "files": files})
+
+
+def verify_files(path: Path, names: list[str] | None = None) -> None:
+    """Check the files `names` (default: every file the manifest lists) against the manifest: each must be listed,
+    present, and of the recorded size and sha256. Raises a CheckpointError naming the first file that is not."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        listed = manifest["files"]
+        if not isinstance(listed, dict):
+            raise TypeError("'files' is not a table")
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {path / MANIFEST} is missing") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint file {path / MANIFEST} is corrupted: {e}") from None
+    for name in listed if names is None else names:
+        f = path / name
+        if name not in listed:
+            raise CheckpointError(f"checkpoint file {f} is not in the manifest, so it cannot be verified")
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint file {f} is missing")
+        size, want = f.stat().st_size, listed[name].get("sha256")
+        if size != listed[name].get("bytes"):
+            raise CheckpointError(f"checkpoint file {f} is corrupted: {size} bytes, the manifest says "
+                                  f"{listed[name].get('bytes')} (an incomplete copy?)")
+        got = _sha256(f)
+        if got != want:
+            raise CheckpointError(f"checkpoint file {f} is corrupted: its sha256 is {got[:16]}..., the manifest "
+                                  f"says {str(want)[:16]}...")
 
 
 def save_checkpoint(
@@ -176,9 +244,16 @@ def save_checkpoint(
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> None:
-    """Delete all but the `keep` newest complete checkpoints (only directories this module wrote)."""
+    """Delete all but the `keep` newest complete checkpoints (only directories this module wrote). Each is first
+    renamed to `NAME.deleting`, so a kill during the deletion never leaves a marked but partial checkpoint; such
+    leftovers are deleted by the next call."""
     for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old)
+        doomed = old.with_name(old.name + ".deleting")
+        if doomed.exists():
+            shutil.rmtree(doomed)
+        os.replace(old, doomed)
+    for doomed in (run_dir / "checkpoints").glob(f"{CHECKPOINT_PREFIX}*.deleting"):
+        shutil.rmtree(doomed)
 
 
 @dataclass
@@ -195,6 +270,15 @@ def load_checkpoint(path: Path, rank_suffix: str = "") -> LoadedCheckpoint:
     """Read a checkpoint directory; every failure is a CheckpointError naming the file."""
     if not (path / "COMPLETE").is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint (no COMPLETE marker)")
+    if not (path / MANIFEST).is_file() and (path / "trainer_state.json").is_file():
+        try:
+            version = json.loads((path / "trainer_state.json").read_text()).get("format_version")
+        except (OSError, ValueError, AttributeError):
+            version = None
+        if version is not None and version != FORMAT_VERSION:
+            raise CheckpointError(f"{path} has checkpoint format {version}; this fivefold reads format "
+                                  f"{FORMAT_VERSION} (with a manifest of checksums)")
+    verify_files(path, ["trainer_state.json"])
 
     def tensors(name: str) -> dict[str, torch.Tensor]:
         f = path / name
@@ -217,6 +301,7 @@ def load_checkpoint(path: Path, rank_suffix: str = "") -> LoadedCheckpoint:
     meta = json_file("trainer_state.json")
     try:
         state = TrainerState(step=int(meta["step"]), tokens_seen=int(meta["tokens_seen"]),
+                             skipped_steps=int(meta.get("skipped_steps", 0)),
                              format_version=int(meta["format_version"]))
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint file {path / 'trainer_state.json'} is corrupted: {e}") from None
@@ -231,6 +316,8 @@ def load_checkpoint(path: Path, rank_suffix: str = "") -> LoadedCheckpoint:
             f"but this run {'shards' if rank_suffix else 'does not shard'} it; resume with the layout it was "
             "written under (see its config.toml)"
         )
+    verify_files(path, ["config.toml", "model.safetensors", f"optimizer{rank_suffix}.json",
+                        f"optimizer{rank_suffix}.safetensors", f"rng{rank_suffix}.safetensors"])
     optimizer = unflatten_optimizer_state(tensors(f"optimizer{rank_suffix}.safetensors"),
                                           json_file(f"optimizer{rank_suffix}.json"))
     return LoadedCheckpoint(

@@ -81,7 +81,10 @@ def run(args: argparse.Namespace) -> int:
     from fivefold.launch import check_layout, local_world_size, start_or_join
     from fivefold.train.loop import RunDirError, train
 
-    cfg = resolve_config(args)
+    try:
+        cfg = resolve_config(args)
+    except RunDirError as e:
+        raise CliError(str(e)) from None
     cfg.validate()  # every config error before any process starts
     from fivefold.train.metrics import check_logging_backends
 
@@ -111,10 +114,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         from fivefold.train.checkpoint import CheckpointError
 
-        train(cfg, resume=args.resume, hf_init=Path(args.hf) if args.hf else None)
+        result = train(cfg, resume=args.resume, hf_init=Path(args.hf) if args.hf else None)
     except (RunDirError, CheckpointError) as e:
         raise CliError(str(e)) from None
-    return 0
+    return result.exit_code  # 3 after a streak of non-finite steps, 128 + N when signal N stopped it
 
 
 _SLURM_TIME = re.compile(r"^(\d+-)?\d{1,3}:\d{2}:\d{2}$")

@@ -11,7 +11,9 @@ summed over shards, and how state is gathered for checkpoints; the step itself (
   global batch; each micro-batch's summed token loss is divided by the number of target tokens in the
   *global* batch before backward, so gradients summed over micro-batches (and over data-parallel ranks)
   are the gradient of the global mean loss, whatever the layout. It returns this rank's summed token loss.
-* `optimizer_step()` clips the global gradient norm, steps and zeroes the gradients, and returns the norm.
+* `optimizer_step(loss_sum, stop)` clips the global gradient norm, steps and zeroes the gradients, and returns the
+  norm. It skips the update (on the device, without a host sync) when the loss or the norm is not finite on any
+  rank, and leaves `step_flags` = [skipped, stop asked on any rank] (0 or 1, the same on every rank).
 """
 
 from __future__ import annotations
@@ -143,15 +145,35 @@ class Engine:
             group["lr"] = lr
         return lr
 
-    def optimizer_step(self) -> torch.Tensor:
+    def optimizer_step(self, loss_sum: torch.Tensor | None = None, stop: bool = False) -> torch.Tensor:
         norm = self.clip_grad_norm(self.cfg.train.grad_clip)
-        self.optimizer.step()
+        self.step_guarded(norm, loss_sum, stop)
         self.after_optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
     def after_optimizer_step(self) -> None:
         """Work after the optimizer stepped and before the gradients are cleared (none on one device)."""
+
+    def step_guarded(self, norm: torch.Tensor, loss_sum: torch.Tensor | None, stop: bool) -> None:
+        """Step the optimizer unless the loss or the gradient norm is non-finite on some rank: the flag goes to the
+        fused AdamW kernel as `found_inf` (the protocol `torch.amp.GradScaler` uses), which then leaves the
+        parameters, moments and step count as they were, decided on the device."""
+        bad = ~torch.isfinite(norm.detach().float())
+        if loss_sum is not None:
+            bad = bad | ~torch.isfinite(loss_sum.detach().float())
+        asked = torch.ones if stop else torch.zeros
+        flags = torch.stack([bad.float(), asked((), device=bad.device)])
+        self.step_flags = self.agree(flags)
+        self.optimizer.found_inf = self.step_flags[0].clone()
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf
+
+    def agree(self, flags: torch.Tensor) -> torch.Tensor:
+        """The maximum of `flags` over every rank (identity on one device)."""
+        return flags
 
     def reduce_for_logging(self, value: torch.Tensor) -> torch.Tensor:
         """Sum a per-rank scalar over the ranks that hold different data (identity on one device)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from fivefold.device import resolve_device
 from fivefold.flops import training_flops_per_token
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.engine import Engine, create_engine
+from fivefold.train.guard import GuardState, StepGuard, StopSignals
 from fivefold.train.metrics import (
     MetricsWriter,
     Throughput,
@@ -54,6 +56,13 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # train loss of every step run in this call
     val_losses: dict[int, float] = field(default_factory=dict)  # step -> validation loss
     checkpoint: Path | None = None
+    skipped_steps: int = 0  # updates skipped for a non-finite loss or gradient norm (the whole run's)
+    last_finite_loss: tuple[int, float] | None = None  # (step, loss) of the last finite logged train loss
+    stopped: str = ""  # why the run stopped before train.max_steps: "non-finite", or the signal's name
+    exit_code: int = 0  # for the command line: 3 after non-finite steps, 128 + the signal's number after a signal
+
+
+EXIT_NON_FINITE = 3
 
 
 def resolve_data(cfg: Config, is_first_rank: bool, barrier) -> Path:
@@ -74,27 +83,37 @@ def resolve_data(cfg: Config, is_first_rank: bool, barrier) -> Path:
     return ensure_builtin_dataset(default_cache_dir(), val_fraction=cfg.data.val_fraction)
 
 
-def check_run_dir(run_dir: Path, resume: bool) -> Path | None:
-    """For a new run the directory must be absent or empty; for a resume it must hold a checkpoint.
-    Returns the checkpoint to resume from."""
+def check_run_dir(run_dir: Path, resume: bool) -> list[Path]:
+    """For a new run the directory must be absent or empty; for a resume it must hold a checkpoint, or be a run
+    stopped before its first one (its config.toml and no checkpoint: it starts again at step 0). Returns the
+    checkpoint directories to try, newest first (verified later; incomplete ones included, to be reported)."""
     if resume:
-        latest = ckpt.latest_checkpoint(run_dir)
-        if latest is None:
+        found = ckpt.checkpoint_dirs(run_dir)[::-1]
+        if not found and not (run_dir / "config.toml").is_file():
             raise RunDirError(f"--resume: run directory {run_dir} holds no complete checkpoint to resume from")
-        return latest
+        return found
     if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+        started = (run_dir / "config.toml").is_file() and not ckpt.checkpoint_dirs(run_dir)
         raise RunDirError(
             f"run directory {run_dir} already holds another run (or other files); pass --resume to continue "
-            "it, or choose a new --run-dir"
+            "it" + (" (it stopped before its first checkpoint: --resume starts it again in place)" if started else "")
+            + ", or choose a new --run-dir"
         )
-    return None
+    return []
 
 
 def load_run_config(run_dir: Path, overrides: dict[str, str], file: str | None) -> Config:
-    """For --resume: the run's own config, then the given file and overrides on top."""
+    """For --resume: the run's own config (or, if RUN_DIR/config.toml is gone, the newest checkpoint's), then the
+    given file and overrides on top."""
     base = run_dir / "config.toml"
     if not base.is_file():
-        raise RunDirError(f"--resume: {base} is missing, so the run's config is unknown")
+        saved = [p / "config.toml" for p in ckpt.list_checkpoints(run_dir) if (p / "config.toml").is_file()]
+        if not saved:
+            raise RunDirError(f"--resume: {base} is missing and {run_dir} holds no checkpoint with its own "
+                              "config.toml, so the run's config is unknown; start a new run with --run-dir")
+        print(f"fivefold: {base} is missing; using the config saved with checkpoint {saved[-1].parent.name}",
+              file=sys.stderr)
+        base = saved[-1]
     cfg = build_config(base, {})
     if file:
         apply_dict(cfg, load_file(file))
@@ -181,7 +200,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
     wall_start = time.perf_counter()
     t = cfg.train
     run_dir = Path(cfg.run_dir)
-    resume_from = check_run_dir(run_dir, resume)
+    candidates = check_run_dir(run_dir, resume)
     device = resolve_device(t.device)
     if t.threads:
         torch.set_num_threads(t.threads)
@@ -202,14 +221,15 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     engine = create_engine(cfg, device)
     rank_suffix = f"-rank{rank}" if engine.optimizer_state_is_sharded else ""
-    loaded = None
-    if resume_from is not None:
-        loaded = ckpt.load_checkpoint(resume_from, rank_suffix)
-        if loaded.state.step >= t.max_steps:
-            raise RunDirError(
-                f"--resume: the newest checkpoint {resume_from} is at step {loaded.state.step}, which is not "
-                f"before train.max_steps = {t.max_steps}; raise --max-steps to train further"
-            )
+    loaded = choose_checkpoint(candidates, engine, rank_suffix, is_first) if resume else None
+    if loaded is not None and loaded.state.step >= t.max_steps:
+        raise RunDirError(
+            f"--resume: the newest checkpoint {loaded.path} is at step {loaded.state.step}, which is not "
+            f"before train.max_steps = {t.max_steps}; raise --max-steps to train further"
+        )
+    if resume and loaded is None and is_first:
+        print(f"fivefold: {run_dir} holds no checkpoint yet (the run stopped before its first one); starting it "
+              "again at step 0", file=sys.stderr)
 
     if loaded is not None:
         ckpt.check_model_state(loaded.model_state, engine.model_state(), loaded.path)
@@ -230,8 +250,8 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
         run_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(run_dir / "config.toml", config_toml)
         save_run_tokenizer(run_dir, train_set, hf_init)
-        if loaded:
-            truncate_metrics(run_dir, start)
+        if resume:  # a run started again from step 0 logs its step-0 validation anew
+            truncate_metrics(run_dir, start if loaded else -1)
     wandb_run = ({"project": cfg.log.wandb_project, "mode": cfg.log.wandb_mode, "name": run_dir.name,
                   "config": cfg.to_dict()} if cfg.log.wandb else None)
     writer = MetricsWriter(run_dir, t.max_steps, cfg.log.progress, cfg.log.tensorboard, stream=stream,
@@ -251,10 +271,15 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
         result.val_losses[step] = val
         log({"step": step, "val_loss": val})
 
-    def save(step: int) -> None:
+    def save(step: int, guard_state: GuardState) -> None:
         # every rank: gather the full model state (collective) and write its optimizer shard if sharded
-        state = ckpt.TrainerState(step=step, tokens_seen=tokens_seen)
+        state = ckpt.TrainerState(step=step, tokens_seen=tokens_seen, skipped_steps=guard_state.skipped)
         model_state, optimizer_state = engine.model_state(), engine.optimizer_state()
+        if not all_finite(engine, model_state, optimizer_state):
+            if engine.is_logging_rank:
+                print(f"fivefold: not writing the checkpoint of step {step}: the weights or optimizer state hold "
+                      "NaN or inf; the older checkpoints are kept", file=sys.stderr)
+            return
         if engine.is_logging_rank:
             ckpt.begin_checkpoint(run_dir, step)
         engine.barrier()
@@ -265,7 +290,8 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
         if engine.is_logging_rank:
             result.checkpoint = ckpt.finish_checkpoint(tmp, state, model_state, config_toml,
                                                        engine.n_devices if rank_suffix else 0)
-            ckpt.prune_checkpoints(run_dir, t.keep_checkpoints)
+            if guard_state.bad_run == 0:  # written amid skipped steps: keep the older ones too
+                ckpt.prune_checkpoints(run_dir, t.keep_checkpoints)
         engine.barrier()
 
     if writer is not None:
@@ -286,19 +312,23 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
     profiler = _profiler(cfg, run_dir) if cfg.log.profile and engine.is_logging_rank else None
     throughput = Throughput()
     loop_start, tokens_at_start, peak_seen = time.perf_counter(), tokens_seen, 0
-    with profiler or contextlib.nullcontext():
+    guard = StepGuard(device, loaded.state.skipped_steps if loaded else 0)
+    result.skipped_steps = loaded.state.skipped_steps if loaded else 0
+    with profiler or contextlib.nullcontext(), StopSignals() as signals:
         for step in range(start, t.max_steps):
             lr = engine.set_lr(step)
             inputs, targets = sampler.rank_batch(step, engine.dp_rank, engine.dp_size)
             micro_batches = split_micro_batches(inputs, targets, mbs, device)
             loss_sum = engine.forward_backward(micro_batches, global_tokens)
-            grad_norm = engine.optimizer_step()
+            grad_norm = engine.optimizer_step(loss_sum, signals.asked)
+            guard.update(step + 1, engine.step_flags, loss_sum)
             tokens_seen += global_tokens
             throughput.add(global_tokens)
             done = step + 1
             if profiler is not None:
                 profiler.step()
-            if done % cfg.log.log_every == 0 or done == t.max_steps or done == stop_after:
+            logged = done % cfg.log.log_every == 0 or done == t.max_steps or done == stop_after
+            if logged:
                 loss = engine.reduce_for_logging(loss_sum).item() / global_tokens
                 drop = engine.moe_drop_fraction()  # None but under capacity-based MoE routing
                 synchronize(device)
@@ -310,20 +340,52 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
                     record["moe_drop_fraction"] = drop
                 if len(memory) > 1:
                     record["peak_memory_bytes_per_rank"] = memory
+                now = guard.read(current=True)
+                if now.skipped:
+                    record["skipped_steps"] = now.skipped
                 log(record)
                 result.losses.append(loss)
             else:
                 result.losses.append(float("nan"))
             result.steps = done
+            scheduled = (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.max_steps
+            # the counts after this step where the host waits anyway, else those of the step before
+            seen = guard.read(current=logged or scheduled or done == stop_after)
+            if seen is not None and seen.bad_run >= t.max_bad_steps:
+                now = guard.read(current=True)
+                result.skipped_steps, result.stopped, result.exit_code = now.skipped, "non-finite", EXIT_NON_FINITE
+                result.last_finite_loss = last_finite_loss(engine, guard, global_tokens)
+                save(done, now)  # the weights of the last update (finite), past the bad batches; prunes nothing
+                if engine.is_logging_rank:
+                    print(non_finite_message(seen, done, t.max_bad_steps, result, run_dir), file=sys.stderr)
+                break
+            if seen is not None and seen.stop_asked:
+                now = guard.read(current=True)
+                result.skipped_steps = now.skipped
+                save(done, now)
+                result.stopped, result.exit_code = signals.name, 128 + signals.number
+                if engine.is_logging_rank:
+                    print(f"fivefold: stopped by {signals.name or 'a signal on another rank'} after step {done} "
+                          f"with a checkpoint at {ckpt.checkpoint_dir(run_dir, done)}; continue with `fivefold "
+                          f"train --resume --run-dir {run_dir}` (exit code {result.exit_code})", file=sys.stderr)
+                break
             if t.eval_every and done % t.eval_every == 0 and done != t.max_steps:
                 validate_now(done)
-            if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.max_steps:
+            if scheduled:
                 if done == t.max_steps:
                     validate_now(done)
-                save(done)
+                now = guard.read(current=True)
+                result.skipped_steps = now.skipped
+                save(done, now)
+                if done == t.max_steps and now.bad_run:  # ended amid skipped steps: not a success
+                    result.stopped, result.exit_code = "non-finite", EXIT_NON_FINITE
+                    if engine.is_logging_rank:
+                        print(non_finite_message(now, done, t.max_bad_steps, result, run_dir), file=sys.stderr)
             if stop_after is not None and done >= stop_after:
                 break
     loop_seconds = time.perf_counter() - loop_start
+    if result.steps > start and result.stopped != "non-finite":  # collective
+        result.last_finite_loss = last_finite_loss(engine, guard, global_tokens)
     if writer is not None:
         tokens_run = tokens_seen - tokens_at_start
         per_device = tokens_run / max(loop_seconds, 1e-9) / engine.n_devices
@@ -335,16 +397,83 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
             f"device(s); MFU {f'{100 * mfu:.1f} %' if mfu is not None else 'n/a (unknown device peak)'}; "
             f"peak memory {peak_seen / 2**20:,.0f} MiB"
         )
-        if result.steps == t.max_steps and 0 in result.val_losses:
+        if result.skipped_steps:
+            last = result.last_finite_loss
+            writer.print(f"{result.skipped_steps} steps skipped for a non-finite loss or gradient norm; last finite "
+                         "train loss of an updating step " + (f"{last[1]:.4f} at step {last[0]}" if last else
+                                                              "none"))
+        if result.steps == t.max_steps and not result.stopped and 0 in result.val_losses:
             first, last = result.val_losses[0], result.val_losses[t.max_steps]
             writer.print(f"done: {t.max_steps} steps; final train loss {_last_finite(result.losses):.4f}; "
                          f"val loss {last:.4f} (step 0: {first:.4f}, {100 * last / first:.1f} % of it); "
                          f"checkpoint {result.checkpoint}")
-        elif result.steps == t.max_steps:
+        elif result.steps == t.max_steps and not result.stopped:
             writer.print(f"done: {t.max_steps} steps; final train loss {_last_finite(result.losses):.4f}; val loss "
                          f"{result.val_losses.get(t.max_steps, float('nan')):.4f}; checkpoint {result.checkpoint}")
         writer.close()
     return result
+
+
+def choose_checkpoint(candidates: list[Path], engine: Engine, rank_suffix: str,
+                      is_first: bool) -> ckpt.LoadedCheckpoint | None:
+    """The newest checkpoint that every rank reads and verifies (the first rank verifies every file, the other ranks'
+    shards included); newer ones that fail are reported and set aside as `NAME.bad`. None when there is none at
+    all; a CheckpointError listing the reasons when every one fails."""
+    rejected: list[tuple[Path, str]] = []
+    for path in candidates:
+        try:
+            if not (path / "COMPLETE").is_file():
+                raise ckpt.CheckpointError(f"{path} has no COMPLETE marker (its save was interrupted)")
+            loaded = ckpt.load_checkpoint(path, rank_suffix)
+            if is_first:
+                ckpt.verify_files(path)
+            reason = ""
+        except ckpt.CheckpointError as e:
+            loaded, reason = None, str(e)
+        failed = engine.agree(torch.tensor([float(bool(reason))], device=engine.device))
+        if not failed.item():
+            break
+        rejected.append((path, reason or "a file that another rank reads failed its verification"))
+    else:
+        if rejected:
+            raise ckpt.CheckpointError("--resume: no usable checkpoint: " + "; ".join(r for _, r in rejected))
+        return None
+    if is_first:
+        for path, reason in rejected:
+            moved = ckpt.set_aside(path)
+            print(f"fivefold: checkpoint {path.name} cannot be used ({reason}); set aside as {moved.name}",
+                  file=sys.stderr)
+        if rejected:
+            print(f"fivefold: resuming from the newest good checkpoint, {loaded.path.name}", file=sys.stderr)
+    engine.barrier()
+    return loaded
+
+
+def all_finite(engine: Engine, model_state: dict[str, torch.Tensor], optimizer_state: dict) -> bool:
+    """Whether the weights and this rank's optimizer state are finite on every rank (one reduction)."""
+    tensors = list(model_state.values()) + [v for s in optimizer_state["state"].values() for v in s.values()
+                                            if isinstance(v, torch.Tensor)]
+    ok = torch.stack([torch.isfinite(v).all() for v in tensors]).all()
+    return not engine.agree((~ok).float().reshape(1)).item()
+
+
+def last_finite_loss(engine: Engine, guard: StepGuard, global_tokens: int) -> tuple[int, float] | None:
+    """(step, train loss) of the last step that updated the weights in this call (collective), or None."""
+    loss = engine.reduce_for_logging(guard.last_loss_sum).item() / global_tokens
+    step = int(guard.last_step)
+    return (step, loss) if step else None
+
+
+def non_finite_message(seen: GuardState, done: int, max_bad: int, result: TrainResult, run_dir: Path) -> str:
+    first = seen.step - seen.bad_run + 1
+    newest = ckpt.latest_checkpoint(run_dir)
+    last = result.last_finite_loss
+    return (f"fivefold: error: steps {first} to {seen.step} had a non-finite loss or gradient norm ({seen.bad_run} in "
+            f"a row, train.max_bad_steps = {max_bad}; their updates were skipped); stopped at step {done}. "
+            f"Last finite train loss of an updating step: " + (f"{last[1]:.4f} at step {last[0]}" if last else
+                                                               "none")
+            + f"; newest checkpoint: {newest if newest else 'none'} (older ones are kept). Lower train.lr or set "
+            "train.grad_clip, and continue with --resume")
 
 
 def per_rank_peak_memory(device: torch.device) -> list[int]:

@@ -111,6 +111,11 @@ class ParallelEngine(Engine):
         for dp in self.data_parallels:
             dp.after_step()
 
+    def agree(self, flags: torch.Tensor) -> torch.Tensor:
+        """The maximum of `flags` over every rank (one all-reduce, no host sync)."""
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return flags
+
     def reduce_for_logging(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over the data- and context-parallel ranks, which hold different tokens (tp ranks hold the same
         value)."""
@@ -210,7 +215,10 @@ class ParallelEngine(Engine):
     def _shard_layout(self) -> dict[str, int]:
         la = self.cfg.layout
         extra = {name: getattr(la, name) for name in ("cp", "ep") if getattr(la, name) > 1}
-        return {"dp": la.dp, "tp": la.tp, **extra, "zero": la.zero, "rank": self.grid.rank}
+        # the rank matters only when every rank holds other states; a replicated state (plain dp or cp under
+        # ZeRO-0) is written once and loaded by every rank
+        rank = {"rank": self.grid.rank} if self.optimizer_state_is_sharded else {}
+        return {"dp": la.dp, "tp": la.tp, **extra, "zero": la.zero, **rank}
 
     def barrier(self) -> None:
         dist.barrier()

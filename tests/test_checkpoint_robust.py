@@ -1,0 +1,226 @@
+"""Checkpoints that survive: corrupt or incomplete newest checkpoints, leftovers of interrupted saves, a run killed
+before its first checkpoint or with kill -9 during a save, a deleted config.toml, non-finite steps, SIGTERM. Every
+resume is checked against the uninterrupted run's losses."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tests.test_train import dataset, small_config  # noqa: F401  (dataset is a fixture)
+
+from fivefold.cli import main
+from fivefold.train import checkpoint as ckpt
+from fivefold.train.loop import EXIT_NON_FINITE, RunDirError, train
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+EVERY_2 = {"train.checkpoint_every": "2", "train.keep_checkpoints": "3", "train.threads": "1"}
+
+
+def logged_losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_path, dataset, capsys):  # noqa: F811
+    full = train(small_config(tmp_path / "full", dataset, **EVERY_2))
+    train(small_config(tmp_path / "cut", dataset, **EVERY_2), stop_after=4)
+    newest = ckpt.latest_checkpoint(tmp_path / "cut")
+    assert newest.name == "step_00000004"
+    weights = newest / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = random.Random(0).randbytes(64)  # same size: only the checksum can tell
+    weights.write_bytes(bytes(data))
+    capsys.readouterr()
+    rest = train(small_config(tmp_path / "cut", dataset, **EVERY_2), resume=True)
+    err = capsys.readouterr().err
+    assert "checkpoint step_00000004 cannot be used" in err and "model.safetensors is corrupted" in err
+    assert "resuming from the newest good checkpoint, step_00000002" in err
+    assert rest.losses == full.losses[2:]  # steps 3-6 again, bit for bit
+    assert (tmp_path / "cut" / "checkpoints" / "step_00000004.bad").is_dir()  # kept for inspection, ignored
+    assert logged_losses(tmp_path / "cut") == logged_losses(tmp_path / "full")
+
+
+def test_incomplete_newest_and_leftovers_never_block(tmp_path, dataset):  # noqa: F811
+    full = train(small_config(tmp_path / "full", dataset, **EVERY_2))
+    train(small_config(tmp_path / "cut", dataset, **EVERY_2), stop_after=4)
+    root = tmp_path / "cut" / "checkpoints"
+    (root / "step_00000004" / "COMPLETE").unlink()  # a directory without its completion marker
+    (root / "step_00000006.tmp").mkdir()  # a save killed half-way
+    (root / "step_00000006.tmp" / "model.safetensors").write_bytes(b"\0" * 10)
+    rest = train(small_config(tmp_path / "cut", dataset, **EVERY_2), resume=True)
+    assert rest.losses == full.losses[2:]
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000004", "step_00000004.bad",
+                                                      "step_00000006"]
+    # the same leftover handled by the writer itself: no "already exists"
+    (root / "step_00000006" / "COMPLETE").unlink()
+    tmp = ckpt.begin_checkpoint(tmp_path / "cut", 6)
+    assert tmp.name == "step_00000006.tmp" and (root / "step_00000006.bad").is_dir()
+
+
+def test_only_bad_checkpoints_is_an_error_naming_each(tmp_path, dataset):  # noqa: F811
+    train(small_config(tmp_path / "run", dataset, **EVERY_2), stop_after=4)
+    for path in ckpt.list_checkpoints(tmp_path / "run"):
+        (path / "rng.safetensors").write_bytes(b"x")
+    with pytest.raises(ckpt.CheckpointError, match=r"no usable checkpoint: .*step_00000004/rng.safetensors is "
+                                                   r"corrupted.*step_00000002/rng.safetensors is corrupted"):
+        train(small_config(tmp_path / "run", dataset, **EVERY_2), resume=True)
+    assert not list((tmp_path / "run" / "checkpoints").glob("*.bad"))  # nothing moved on failure
+
+
+def test_run_killed_before_its_first_checkpoint_restarts_in_place(tmp_path, dataset, capsys):  # noqa: F811
+    full = train(small_config(tmp_path / "full", dataset))
+    train(small_config(tmp_path / "cut", dataset), stop_after=1)  # first checkpoint would be at step 3
+    assert not ckpt.checkpoint_dirs(tmp_path / "cut")
+    with pytest.raises(RunDirError, match="--resume starts it again in place"):
+        train(small_config(tmp_path / "cut", dataset))
+    again = train(small_config(tmp_path / "cut", dataset), resume=True)
+    assert "starting it again at step 0" in capsys.readouterr().err
+    assert again.losses == full.losses
+    assert logged_losses(tmp_path / "cut") == logged_losses(tmp_path / "full")
+
+
+def test_deleted_config_toml(tmp_path, dataset, capsys):  # noqa: F811
+    run = tmp_path / "run"
+    cfg = small_config(run, dataset)
+    train(cfg, stop_after=3)
+    (run / "config.toml").unlink()
+    assert main(["train", "--run-dir", str(run), "--resume", "--max-steps", "4"]) == 0
+    assert "config.toml is missing; using the config saved with checkpoint step_00000003" in capsys.readouterr().err
+    (run / "config.toml").unlink()
+    for path in ckpt.checkpoint_dirs(run):
+        (path / "config.toml").unlink()
+        (path / "COMPLETE").unlink()
+    assert main(["train", "--run-dir", str(run), "--resume", "--max-steps", "5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "config.toml is missing" in err and "Traceback" not in err
+
+
+def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, dataset, capsys):  # noqa: F811
+    bad = {"train.lr": "10000", "train.grad_clip": "0", "train.warmup_steps": "2", "train.max_steps": "30",
+           "train.lr_schedule": "constant",  # so that the reference run below, shorter, steps with the same rates
+           "train.checkpoint_every": "10", "log.log_every": "10"}
+    result = train(small_config(tmp_path / "nan", dataset, **bad))
+    err = capsys.readouterr().err
+    assert result.stopped == "non-finite" and result.exit_code == EXIT_NON_FINITE and result.steps < 30
+    assert f"stopped at step {result.steps}" in err and "train.max_bad_steps = 5" in err
+    assert result.skipped_steps >= 5
+    updated, _ = result.last_finite_loss
+    # the kept checkpoint holds the weights of the last update: those of a run that stopped there
+    ref = train(small_config(tmp_path / "ref", dataset, **{**bad, "train.max_steps": str(updated)}))
+    kept = ckpt.latest_checkpoint(tmp_path / "nan")
+    assert kept.name == f"step_{result.steps:08d}"
+    a = load_file(str(kept / "model.safetensors"))
+    b = load_file(str(ckpt.latest_checkpoint(tmp_path / "ref") / "model.safetensors"))
+    assert all(torch.isfinite(v).all() for v in a.values()) and all(torch.equal(a[k], b[k]) for k in a)
+    assert ref.last_finite_loss == result.last_finite_loss
+    assert json.loads((kept / "trainer_state.json").read_text())["skipped_steps"] == result.skipped_steps
+    cli = run_cli(tmp_path / "cli", dataset, 30, "--train.lr", "10000", "--train.grad_clip", "0",
+                  "--train.checkpoint_every", "10")
+    _, err = cli.communicate(timeout=300)
+    # logging every step, the host reads each step's flags at once: it stops one step earlier than above
+    assert cli.returncode == EXIT_NON_FINITE and "stopped at step 11" in err, err[-2000:]
+
+
+def run_cli(run_dir: Path, data: Path, steps: int, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "fivefold", "train", "--data", str(data), "--run-dir", str(run_dir), "--max-steps",
+           str(steps), "--model.n_layers", "2", "--model.hidden", "64", "--model.n_heads", "4", "--model.n_kv_heads",
+           "2", "--model.ffn", "128", "--model.vocab_size", "512", "--train.seq_len", "32", "--train.global_batch_size",
+           "8", "--layout.micro_batch_size", "4", "--train.warmup_steps", "2", "--train.eval_every", "0",
+           "--train.eval_batches", "2", "--log.log_every", "1", "--log.progress", "none", "--train.threads", "1",
+           "--train.checkpoint_every", "1", *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(SRC)})
+
+
+def test_sigterm_checkpoints_and_resume_continues(tmp_path, dataset):  # noqa: F811
+    steps = 150
+    full = train(small_config(tmp_path / "full", dataset, **{"train.max_steps": str(steps), "train.threads": "1"}))
+    run = tmp_path / "cut"
+    proc = run_cli(run, dataset, steps, "--train.checkpoint_every", "0")
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((run / "metrics.jsonl").is_file() and logged_losses(run)):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    stopped = ckpt.latest_checkpoint(run)
+    step = int(stopped.name.removeprefix("step_"))
+    assert 1 <= step < steps and f"stopped by SIGTERM after step {step}" in err
+    resumed = run_cli(run, dataset, steps, "--resume", "--train.checkpoint_every", "0")
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-2000:]
+    assert list(logged_losses(run).values()) == full.losses  # bit for bit
+
+
+def kill_during_saves(tmp_path: Path, data: Path, tries: int, seed: int) -> None:
+    """Kill -9 the run at random moments (it saves after every step), resume after each kill; every resume must start
+    from a complete checkpoint and the losses must be the uninterrupted run's."""
+    steps = 12
+    full = train(small_config(tmp_path / "full", data, **{"train.max_steps": str(steps), "train.threads": "1",
+                                                          "train.checkpoint_every": "1"}))
+    run, rng = tmp_path / "cut", random.Random(seed)
+    for attempt in range(tries):
+        proc = run_cli(run, data, steps, *(["--resume"] if attempt else []))
+        started = time.time()
+        while time.time() - started < 120 and not (run / "metrics.jsonl").is_file():
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 1.5))
+        proc.kill()
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode in (-signal.SIGKILL, 0), err[-2000:]
+        assert "cannot be used" not in err  # never a half-written checkpoint taken for a complete one
+        if proc.returncode == 0:
+            break
+    done = run_cli(run, data, steps, "--resume")
+    _, err = done.communicate(timeout=300)
+    if done.returncode != 0:  # the last try had finished the run already
+        assert "not before train.max_steps" in err, err[-2000:]
+    assert "cannot be used" not in err
+    assert list(logged_losses(run).values()) == full.losses  # bit for bit
+    for path in ckpt.list_checkpoints(run):
+        ckpt.verify_files(path)
+
+
+def test_kill_9_during_saves_fast(tmp_path, dataset):  # noqa: F811
+    kill_during_saves(tmp_path, dataset, tries=2, seed=1)
+
+
+@pytest.mark.slow
+def test_kill_9_during_saves_ten_tries(tmp_path, dataset):  # noqa: F811
+    kill_during_saves(tmp_path, dataset, tries=10, seed=2)
+
+
+def test_pruning_killed_half_way_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
+    """Pruning renames a checkpoint before deleting it: a kill during the deletion leaves a `*.deleting` directory,
+    which no reader takes for a checkpoint and the next pruning removes."""
+    from tests.test_checkpoint import _save, _trained_state
+
+    cfg, model, opt = _trained_state(0)
+    for step in (1, 2, 3):
+        _save(tmp_path, step, model, opt, cfg)
+    real_rmtree = ckpt.shutil.rmtree
+
+    def dying_rmtree(path, *a, **k):
+        (Path(path) / "optimizer.json").unlink()  # one file gone, then killed
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", dying_rmtree)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.prune_checkpoints(tmp_path, 2)
+    monkeypatch.setattr(ckpt.shutil, "rmtree", real_rmtree)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000002", "step_00000003"]
+    for path in ckpt.list_checkpoints(tmp_path):
+        ckpt.verify_files(path)
+    ckpt.prune_checkpoints(tmp_path, 2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002", "step_00000003"]

@@ -60,6 +60,9 @@ class Cluster:
     comm_overlap: float = 1.0  # share of a collective's time that can hide behind compute running at once
     zero3_unit_us: float = 0.0  # per ZeRO-3 unit and micro-batch: hooks, copies and frees beyond its collectives
     posted_p2p_wait_us: float = 0.0  # a send/recv posted before compute and waited after: cost beyond both
+    # per micro-batch of a pipeline that leaves the node, per node of the job: the blocking stage hand-overs wait
+    # for the slowest rank of the job, and that wait grows with the nodes (fitted on 2-node runs, docs/planner.md)
+    pp_sync_us_per_node: float = 0.0
     # (group size, seconds): what a blocking collective costs beyond its own time when ranks compute in between
     collective_wait: tuple[tuple[float, ...], ...] = ()
     compute_scale: float = 1.0  # multiplies compute times (more ranks on a node than were measured)
@@ -272,7 +275,7 @@ def _parse_fields(data: dict, where: str) -> dict:
             value = float(value)
             if value < 0 or (value == 0 and key not in ("backward_overhead_us", "optimizer_gbps",
                                                          "optimizer_tensor_us", "comm_overlap", "zero3_unit_us",
-                                                         "posted_p2p_wait_us")):
+                                                         "posted_p2p_wait_us", "pp_sync_us_per_node")):
                 raise ConfigError(f"{where} {key} = {value} must be > 0")
         values[key] = value
     return values

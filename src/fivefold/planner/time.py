@@ -9,6 +9,7 @@ element-wise work and a per-kernel launch cost.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -233,7 +234,7 @@ class TimeReport:
 def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, exact: bool = True) -> TimeReport:
     from fivefold.planner.memory import model_state_bytes, rank_params
 
-    hw = hw.on_node(min(lay.world_size, hw.gpus_per_node))
+    hw = comm.in_job(hw.on_node(min(lay.world_size, hw.gpus_per_node)), lay.world_size)
     times = stage_times(cfg, seq, lay, fw, hw)
     tokens = lay.mbs * seq / lay.cp
     # the residual stream crosses stages (fivefold's engine keeps and sends it in fp32 under autocast)
@@ -291,6 +292,10 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     opt_bandwidth = (hw.optimizer_gbps * 1e9 if hw.optimizer_gbps else hw.hbm_gbps * 1e9 / 2) / hw.compute_scale
     t_opt = (states["parameters"] + states["gradients"] + states["optimizer"]) / opt_bandwidth \
         + optimizer_tensors(cfg, lay, fw) * hw.optimizer_tensor_us * 1e-6 * hw.compute_scale
+    # blocking stage hand-overs across nodes: each micro-batch waits for the slowest rank of the job
+    job_nodes = math.ceil(lay.world_size / hw.gpus_per_node)
+    t_sync = lay.grad_acc * hw.pp_sync_us_per_node * 1e-6 * job_nodes if lay.pp > 1 and job_nodes > 1 else 0.0
+    makespan += t_sync
     total = makespan + t_dp_exposed + t_gather + t_opt
     busiest = max(range(lay.pp), key=lambda r: per_rank[r])
     blocks = sum(n for s, n in enumerate(times.counts) if _rank_of(s, lay) == busiest)

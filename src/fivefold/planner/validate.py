@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import itertools
 import json
 import math
 import statistics
@@ -186,11 +187,13 @@ def fit_time(rows: list[Row], fw: Framework, hw: Cluster) -> tuple[Framework, Cl
     absolute log error of tokens/s per GPU."""
     ok = [r for r in rows if r.ok]
     best = (math.inf, fw, hw)
-    for eff in (0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8):
-        for kern in (5.0, 10.0, 20.0, 40.0, 80.0):
-            for ov in (0.0, 0.25, 0.5):
+    for eff, kern, ov, sync in itertools.product((0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8),
+                                                 (5.0, 10.0, 20.0, 40.0, 80.0), (0.0, 0.25, 0.5),
+                                                 (0.0, 1000.0, 2000.0, 4000.0, 8000.0)):
+        if True:
+            if True:
                 f2 = dataclasses.replace(fw, tp_overlap=ov)
-                h2 = dataclasses.replace(hw, matmul_efficiency=eff, kernel_overhead_us=kern)
+                h2 = dataclasses.replace(hw, matmul_efficiency=eff, kernel_overhead_us=kern, pp_sync_us_per_node=sync)
                 errs = [abs(math.log(estimate(r.model, r.seq, r.layout, f2, h2, False).tokens_per_s_per_gpu
                                      / r.tok_s_gpu)) for r in ok]
                 score = statistics.median(errs)
@@ -329,7 +332,8 @@ def run_validate(args: argparse.Namespace) -> int:
         print(f"fitted on {len(train)} rows of 1-2 nodes: activation_scale = {fw.activation_scale}, logits_bytes = "
               f"{fw.logits_bytes}, fixed_overhead_gib = {fw.fixed_overhead_gib}, usable_memory_fraction = "
               f"{fw.usable_memory_fraction}, tp_overlap = {fw.tp_overlap}, "
-              f"matmul_efficiency = {hw.matmul_efficiency}, kernel_overhead_us = {hw.kernel_overhead_us}")
+              f"matmul_efficiency = {hw.matmul_efficiency}, kernel_overhead_us = {hw.kernel_overhead_us}, "
+              f"pp_sync_us_per_node = {hw.pp_sync_us_per_node}")
     result = validate(rows, fw, hw)
     if args.json:
         print(json.dumps(result, indent=2))

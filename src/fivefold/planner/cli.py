@@ -53,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                      "--hardware FILE for the profile to predict with)")
     p.add_argument("--profile", help="validate: TOML of fitted constants (default: the packaged profile)")
     p.add_argument("--fit", action="store_true", help="validate: refit the constants on the 1- and 2-node rows")
+    p.add_argument("--out", help="validate --fit: write the fitted profile here (readable by plan --hardware)")
 
 
 def load_model(spec: str) -> ModelConfig:
@@ -100,12 +101,24 @@ def _space(args: argparse.Namespace) -> SearchSpace:
 
 
 def _cluster(args: argparse.Namespace):
+    from fivefold.planner import profile
     from fivefold.planner.hardware import get_cluster
 
-    hw = get_cluster(args.gpu, args.hardware)
+    hw = get_cluster(args.gpu, args.hardware) if not args.hardware else profile.load(args.hardware, None, args.gpu)[1]
     if args.gpus_per_node:
         hw = dataclasses.replace(hw, gpus_per_node=args.gpus_per_node)
     return hw
+
+
+def _framework(args: argparse.Namespace, hw) -> Framework:
+    """--framework, else the [framework] of the --hardware profile, else fivefold (fivefold-cpu on a CPU)."""
+    from fivefold.planner import profile
+
+    if args.hardware:
+        fw = profile.load(args.hardware, args.framework, args.gpu)[0]
+        if fw is not None:
+            return fw
+    return FRAMEWORKS[args.framework or ("fivefold-cpu" if hw.cores or hw.name == "cpu" else "fivefold")]
 
 
 def write_config(path: str, cfg: ModelConfig, lay: Layout, seq: int, batch_seqs: int, dtype: str) -> Config:
@@ -134,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         return run_validate(args)
     cfg = load_model(args.model)
     hw = _cluster(args)
-    fw: Framework = FRAMEWORKS[args.framework or ("fivefold-cpu" if hw.cores or hw.name == "cpu" else "fivefold")]
+    fw = _framework(args, hw)
     if args.nodes < 1:
         raise ConfigError(f"--nodes = {args.nodes} must be >= 1")
     n_gpus = args.nodes * hw.gpus_per_node

@@ -231,6 +231,7 @@ def get_cluster(name: str | None = None, file: str | Path | None = None) -> Clus
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--hardware {str(path)!r} is not valid TOML: {e}") from None
+    data = hardware_table(data, str(path))
     base = get_cluster(str(data.pop("base", name or "h100")))
     ranks = data.pop("ranks", {})
     values = _parse_fields(data, "--hardware")
@@ -245,6 +246,23 @@ def get_cluster(name: str | None = None, file: str | Path | None = None) -> Clus
         values["by_ranks"] = by_ranks
     values.setdefault("name", path.stem)
     return dataclasses.replace(base, **values)
+
+
+def hardware_table(data: dict, where: str) -> dict:
+    """The hardware fields of a profile (one format for `plan`, `validate` and `calibrate`): top-level fields,
+    or a [hardware] table (what `plan validate --fit` writes); a [framework] table is the framework's
+    (`fivefold.planner.profile`)."""
+    data = {k: v for k, v in data.items() if k != "framework"}
+    nested = data.pop("hardware", None)
+    if nested is not None:
+        if not isinstance(nested, dict):
+            raise ConfigError(f"--hardware {where!r}: [hardware] must be a table of hardware fields")
+        clash = sorted(set(nested) & set(data))
+        if clash:
+            raise ConfigError(f"--hardware {where!r}: {', '.join(clash)} given both at the top level and under "
+                              "[hardware]; keep one")
+        data = {**nested, **data}
+    return data
 
 
 _TABLE_WIDTH = {"linear": 5, "attention": 5, "loss": 5, "elementwise": 2, "collective_wait": 2}

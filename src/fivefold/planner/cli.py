@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from fivefold.config import Config, ConfigError, ModelConfig, dump_toml, write_text_atomic
-from fivefold.planner.layout import FRAMEWORKS, Framework, Layout, parse_layout
+from fivefold.planner.layout import Framework, Layout, parse_layout
 from fivefold.planner.search import SearchSpace, estimate, gib, parse_tokens, search
 
 _SHAPE_KEYS = {"layers": "n_layers", "hidden": "hidden", "heads": "n_heads", "kv_heads": "n_kv_heads",
@@ -18,16 +18,25 @@ _SHAPE_KEYS = {"layers": "n_layers", "hidden": "hidden", "heads": "n_heads", "kv
                "tied": "tied_embeddings", "moe_ffn": "moe_ffn", "shared_experts": "n_shared_experts"}
 
 
+def _framework_names() -> list[str]:
+    from fivefold.planner.profile import all_frameworks
+
+    return list(all_frameworks())
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", nargs="?", choices=["search", "validate"], default="search",
-                   help="search (default) or validate against published runs")
+    p.add_argument("action", nargs="?", choices=["search", "validate", "scaling"], default="search",
+                   help="search (default), validate against published runs, or scaling over node counts")
     p.add_argument("--model", default="llama3-8b",
                    help="a preset, a shape 'layers=..,hidden=..,heads=..,kv_heads=..,ffn=..,vocab=..' "
                         "(optional experts=..,top_k=..,tied=..), or a Hugging Face config.json")
     p.add_argument("--gpu", default="h100", help="h100, h100-pcie, h200, b200, a100-40gb, a100-80gb, mi300x, "
                                                   "max1550, cpu, h100-efa")
     p.add_argument("--hardware", help="TOML file describing the hardware (optionally base = PRESET)")
-    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--nodes", default="1", help="nodes (scaling: a comma-separated list, e.g. 1,2,4,8)")
+    p.add_argument("--weak", action="store_true", help="scaling: the global batch grows with the nodes")
+    p.add_argument("--strong", action="store_true", help="scaling: the global batch stays")
+    p.add_argument("--png", help="scaling: also plot the efficiency to this PNG (needs matplotlib)")
     p.add_argument("--gpus-per-node", type=int, default=0, help="default: the hardware's")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--global-batch", default="1M", help="tokens per step; K/M/G are powers of two (1M = 1048576)")
@@ -36,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--write-config", help="write the best layout as a `fivefold train` TOML config")
     p.add_argument("--layout", help="estimate one layout, e.g. 'dp=4,tp=2,pp=1,mbs=1,zero=1,recompute=none'")
     p.add_argument("--explain", action="store_true", help="say why the best layout wins")
-    p.add_argument("--framework", choices=sorted(FRAMEWORKS),
+    p.add_argument("--framework", choices=sorted(_framework_names()),
                    help="whose implementation to model (default: fivefold-cpu on a CPU profile, else fivefold; "
                         "nanotron: the playbook's benchmark settings)")
     p.add_argument("--fp32-grad-accum", choices=["on", "off"], default="off")
@@ -118,7 +127,8 @@ def _framework(args: argparse.Namespace, hw) -> Framework:
         fw = profile.load(args.hardware, args.framework, args.gpu)[0]
         if fw is not None:
             return fw
-    return FRAMEWORKS[args.framework or ("fivefold-cpu" if hw.cores or hw.name == "cpu" else "fivefold")]
+    return profile.all_frameworks()[args.framework or ("fivefold-cpu" if hw.cores or hw.name == "cpu"
+                                                       else "fivefold")]
 
 
 def write_config(path: str, cfg: ModelConfig, lay: Layout, seq: int, batch_seqs: int, dtype: str) -> Config:
@@ -148,6 +158,15 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_model(args.model)
     hw = _cluster(args)
     fw = _framework(args, hw)
+    if args.action == "scaling":
+        args.nodes_list = args.nodes
+        args.nodes = int(args.nodes.split(",")[0]) if args.nodes.split(",")[0].strip().isdigit() else 1
+    else:
+        try:
+            args.nodes = int(args.nodes)
+        except ValueError:
+            raise ConfigError(f"--nodes = {args.nodes!r} must be a number of nodes (a list only for "
+                              "`plan scaling`)") from None
     if args.nodes < 1:
         raise ConfigError(f"--nodes = {args.nodes} must be >= 1")
     n_gpus = args.nodes * hw.gpus_per_node
@@ -157,6 +176,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--global-batch = {tokens} tokens is not a whole number of --seq-len = {seq} sequences; "
                           f"nearest valid batches: {tokens // seq * seq} or {(tokens // seq + 1) * seq} tokens")
     batch_seqs = tokens // seq
+    if args.action == "scaling":
+        from fivefold.planner.scaling import run_scaling
+
+        return run_scaling(args, cfg, fw, hw, _space(args), seq, batch_seqs)
     if args.layout:
         lay = parse_layout(args.layout, batch_seqs)
         lay = dataclasses.replace(lay, fp32_grad_accum=lay.fp32_grad_accum or args.fp32_grad_accum == "on")

@@ -53,6 +53,10 @@ def _time(kind: str, nbytes: float, size: int, stride: int, hw: Cluster, bucket:
     if measured is not None:
         return buckets * measured
     bw = hw.bus_bandwidth(nodes)
+    if nodes > 1 and not hw.busbw_gbps and kind != "p2p":
+        # no measured table: NCCL runs one ring per NIC (rail), so the group's members on a node send over as
+        # many NICs at once; the node's NVLink bounds it
+        bw = min(hw.intra_node_gbps, hw.inter_node_gbps * max(1, size // nodes)) * 1e9
     # latency steps per bucket: a ring inside a node (n - 1); across nodes NCCL's all-reduce runs a tree
     # between nodes (log2 of the nodes up and down) after a ring inside each node, not a ring of every rank
     if kind == "all_reduce" and nodes > 1:

@@ -257,7 +257,10 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     overlap = hw.comm_overlap  # share of a collective that compute running at once can hide
 
     def reduce_time(nbytes: float, size: int, stride: int) -> float:
-        if lay.zero >= 2:  # ZeRO-2/3 keep only a gradient shard, so every micro-batch reduce-scatters
+        if lay.zero >= 3:  # ZeRO-3 reduce-scatters each unit's (block's) gradients as its backward ends
+            unit = max(bucket, nbytes / max(1, -(-cfg.n_layers // lay.pp)))
+            return comm.reduce_scatter(nbytes, size, stride, hw, unit) * lay.grad_acc
+        if lay.zero >= 2:  # ZeRO-2 keeps only a gradient shard, so every micro-batch reduce-scatters
             return comm.reduce_scatter(nbytes, size, stride, hw, bucket) * lay.grad_acc
         return comm.all_reduce(nbytes, size, stride, hw, bucket)
 
@@ -282,7 +285,7 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
         t_gather = comm.all_gather(param_full / fw.param_bytes * min(fw.param_bytes, 2), dpc, st["dpcp"], hw)
     if dpc > 1 and lay.zero >= 3:  # gathered one block ahead: exposed where a block's gather outlasts its compute
         n_layers = max(1, -(-cfg.n_layers // lay.pp))
-        block = param_full / n_layers
+        block = param_full / fw.param_bytes * (fw.gather_bytes or fw.param_bytes) / n_layers  # as gathered
         ag = comm.all_gather(block, dpc, st["dpcp"], hw)
         per_block = (times.f[0] + times.b[0] + times.w[0]) / n_layers
         t_gather = lay.grad_acc * n_layers * 2 * exposed(ag, per_block / 3, overlap)

@@ -153,3 +153,32 @@ def test_scaling_reproduces_torchtitan_fsdp(capsys):
                  "--layout", "dp=8,mbs=1,zero=3,recompute=selective"]) == 0
     points = json.loads(capsys.readouterr().out)["points"]
     assert abs(100 * points[-1]["efficiency"] - 100 * 5605 / 5762) <= 5
+
+
+def test_json_top_families_and_explain(capsys):
+    import json
+
+    from fivefold.cli import main
+    from fivefold.planner.search import SIMULATED_TOP
+
+    base = ["plan", "--model", "llama3-8b", "--nodes", "1", "--global-batch", "1M"]
+    assert main([*base, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    cands = data["candidates"]
+    assert len(cands) > SIMULATED_TOP and all(c["fits"] for c in cands)  # every candidate, not the top few
+    assert main([*base, "--top", "6", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert f"{len(cands):,} fit" in out
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("layout"))
+    rows = lines[header + 1:header + 7]
+    families = [r[59:89].replace("(tie)", "").strip() for r in rows]
+    assert len(set(families)) == len(families) == 6  # one row per family
+    assert "baseline FSDP" in out or any(f.startswith("FSDP") for f in families)
+    # full recompute is counted as recompute, not as useful compute: about the forward's share of the compute
+    assert main([*base, "--recompute", "full", "--layout", "dp=8,mbs=1,zero=1,recompute=full", "--json"]) == 0
+    parts = json.loads(capsys.readouterr().out)["time_s"]
+    assert 0.2 < parts["recompute"] / parts["compute"] < 0.45
+    assert main([*base, "--recompute", "full", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "recompute (full)" in out and "almost all useful compute" not in out

@@ -145,8 +145,8 @@ def write_config(path: str, cfg: ModelConfig, lay: Layout, seq: int, batch_seqs:
     return conf
 
 
-def _fmt_row(e) -> str:
-    return (f"{e.layout.short():58s} {gib(e.peak_bytes):8.1f} {e.step_time_s:9.3f} "
+def _fmt_row(e, family: str) -> str:
+    return (f"{e.layout.short():58s} {family:30s} {gib(e.peak_bytes):8.1f} {e.step_time_s:9.3f} "
             f"{e.tokens_per_s_per_gpu:12,.0f} {100 * e.mfu:6.1f}")
 
 
@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
             for k, v in e.time_parts.items():
                 print(f"    {k:20s} {v:9.4f} s")
         return 0
-    result = search(cfg, seq, batch_seqs, n_gpus, fw, hw, _space(args), args.top, args.moe_imbalance)
+    result = search(cfg, seq, batch_seqs, n_gpus, fw, hw, _space(args), 0, args.moe_imbalance)  # every candidate
     if not result.candidates:
         _no_candidates(result, cfg, hw, n_gpus, batch_seqs, args)
         return 2
@@ -212,11 +212,34 @@ def run(args: argparse.Namespace) -> int:
                           "rejected": dict(result.rejected),
                           "candidates": [e.to_json() for e in result.candidates]}, indent=2))
         return 0
+    from fivefold.planner.explain import TIE, family, family_name
+
     print(f"{cfg.name} on {args.nodes} x {hw.gpus_per_node} {hw.name}, seq {seq}, global batch {tokens:,} tokens "
-          f"({batch_seqs} sequences), {fw.name} engine: {result.evaluated:,} layouts evaluated")
-    print(f"{'layout':58s} {'peak GiB':>8s} {'step s':>9s} {'tok/s/GPU':>12s} {'MFU %':>6s}")
+          f"({batch_seqs} sequences), {fw.name} engine: {result.evaluated:,} layouts tried, "
+          f"{len(result.candidates):,} fit (counting their recompute variants)")
+    print(f"the best of each layout family (tp/pp/cp/ep grid, FSDP or not), best first; 'tie': within "
+          f"{100 * TIE:.0f} % of the best, the model's own uncertainty")
+    print(f"{'layout':58s} {'family':30s} {'peak GiB':>8s} {'step s':>9s} {'tok/s/GPU':>12s} {'MFU %':>6s}")
+    best = result.candidates[0]
+    shown: dict = {}
     for e in result.candidates:
-        print(_fmt_row(e))
+        if family(e) not in shown:
+            shown[family(e)] = e
+    rows = list(shown.values())[:max(args.top, 1)]
+    for e in rows:
+        tie = " (tie)" if e is not best and 1 - e.tokens_per_s_per_gpu / best.tokens_per_s_per_gpu < TIE else ""
+        print(_fmt_row(e, f"{family_name(e)}{tie}"))
+    # the baselines users start from, with their gap, when they are not shown already
+    baselines = {"FSDP": lambda e: e.layout.zero >= 3 and family(e)[:4] == (1, 1, 1, 1),
+                 "dp x tp": lambda e: e.layout.zero < 3 and e.layout.tp > 1 and family(e)[1:4] == (1, 1, 1)}
+    for name, test in baselines.items():
+        base = next((e for e in result.candidates if test(e)), None)
+        if base is None:
+            print(f"baseline {name}: no layout of that family fits")
+        elif base not in rows:
+            gap = 100 * (1 - base.tokens_per_s_per_gpu / best.tokens_per_s_per_gpu)
+            print(f"baseline {name}: {base.layout.short()}, {base.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
+                  f"{gap:.1f} % slower than the best")
     if result.rejected:
         print("rejected:")
         for reason, n in result.rejected.most_common():

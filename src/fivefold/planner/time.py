@@ -191,7 +191,9 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     again = 1 if lay.recompute == "full" else 0  # full recompute repeats the forward's communication
     again_cp = 1 if lay.recompute != "none" else 0  # selective recompute too (the ring is the recomputed core)
     per_layer = {"tp_comm": (2 + again) * t_tp + t_tp_b_extra, "cp_comm": (1 + again_cp) * t_cp_f + t_cp_b,
-                 "ep_comm": (2 + again) * t_ep}
+                 "ep_comm": (2 + again) * t_ep,
+                 # the recomputed forward's own compute (its communication is counted above)
+                 "recompute": {"none": 0.0, "selective": attn_f, "full": t_layer}[lay.recompute]}
     return StageTimes(f, b, w, per_layer, counts, {"tp_comm": head_tp + loss_tp})
 
 
@@ -306,7 +308,8 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     for k, v in times.comm_per_micro_batch.items():
         parts[k] += v * lay.grad_acc
     parts = {"compute": ideal - sum(parts.values()), **parts}
-    parts.update({"pipeline_bubble": max(0.0, makespan - ideal), "dp_comm_exposed": t_dp_exposed,
+    parts.update({"pipeline_bubble": max(0.0, makespan - t_sync - ideal), "pipeline_wait": t_sync,
+                  "dp_comm_exposed": t_dp_exposed,
                   "zero_gather": t_gather, "optimizer": t_opt})
     return TimeReport(total, parts)
 

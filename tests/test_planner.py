@@ -213,7 +213,8 @@ def test_packaged_profile_is_the_fit_on_one_and_two_nodes():
     fitted_fw, fitted_hw = fit_time(rows, fitted_fw, hw)
     for name in ("activation_scale", "logits_bytes", "fixed_overhead_gib", "usable_memory_fraction", "tp_overlap"):
         assert getattr(fitted_fw, name) == pytest.approx(getattr(fw, name), abs=1e-3), name
-    assert (fitted_hw.matmul_efficiency, fitted_hw.kernel_overhead_us) == (hw.matmul_efficiency, hw.kernel_overhead_us)
+    assert (fitted_hw.matmul_efficiency, fitted_hw.kernel_overhead_us, fitted_hw.pp_sync_us_per_node) == (
+        hw.matmul_efficiency, hw.kernel_overhead_us, hw.pp_sync_us_per_node)
 
 
 def test_validate_reads_fivefold_rows(capsys, tmp_path):

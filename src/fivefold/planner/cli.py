@@ -11,7 +11,7 @@ from pathlib import Path
 
 from fivefold.config import Config, ConfigError, ModelConfig, dump_toml, write_text_atomic
 from fivefold.layout import check_layout
-from fivefold.planner.layout import FRAMEWORKS, Framework, Layout, parse_layout
+from fivefold.planner.layout import Framework, Layout, parse_layout
 from fivefold.planner.search import SearchSpace, estimate, gib, parse_tokens, search
 
 _SHAPE_KEYS = {"layers": "n_layers", "hidden": "hidden", "heads": "n_heads", "kv_heads": "n_kv_heads",
@@ -19,16 +19,25 @@ _SHAPE_KEYS = {"layers": "n_layers", "hidden": "hidden", "heads": "n_heads", "kv
                "tied": "tied_embeddings", "moe_ffn": "moe_ffn", "shared_experts": "n_shared_experts"}
 
 
+def _framework_names() -> list[str]:
+    from fivefold.planner.profile import all_frameworks
+
+    return list(all_frameworks())
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", nargs="?", choices=["search", "validate"], default="search",
-                   help="search (default) or validate against published runs")
+    p.add_argument("action", nargs="?", choices=["search", "validate", "scaling"], default="search",
+                   help="search (default), validate against published runs, or scaling over node counts")
     p.add_argument("--model", default="llama3-8b",
                    help="a preset, a shape 'layers=..,hidden=..,heads=..,kv_heads=..,ffn=..,vocab=..' "
                         "(optional experts=..,top_k=..,tied=..), or a Hugging Face config.json")
     p.add_argument("--gpu", default="h100", help="h100, h100-pcie, h200, b200, a100-40gb, a100-80gb, mi300x, "
                                                   "max1550, cpu, h100-efa")
     p.add_argument("--hardware", help="TOML file describing the hardware (optionally base = PRESET)")
-    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--nodes", default="1", help="nodes (scaling: a comma-separated list, e.g. 1,2,4,8)")
+    p.add_argument("--weak", action="store_true", help="scaling: the global batch grows with the nodes")
+    p.add_argument("--strong", action="store_true", help="scaling: the global batch stays")
+    p.add_argument("--png", help="scaling: also plot the efficiency to this PNG (needs matplotlib)")
     p.add_argument("--gpus-per-node", type=int, default=0, help="default: the hardware's")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--global-batch", default="1M", help="tokens per step; K/M/G are powers of two (1M = 1048576)")
@@ -40,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout", help="estimate one layout, e.g. 'dp=4,tp=2,pp=1,micro_batch_size=1,zero=1,"
                                     "recompute=none' (mbs is short for micro_batch_size)")
     p.add_argument("--explain", action="store_true", help="say why the best layout wins")
-    p.add_argument("--framework", choices=sorted(FRAMEWORKS),
+    p.add_argument("--framework", choices=sorted(_framework_names()),
                    help="whose implementation to model (default: fivefold-cpu on a CPU profile, else fivefold; "
                         "nanotron: the playbook's benchmark settings)")
     p.add_argument("--fp32-grad-accum", choices=["on", "off"], default="off")
@@ -57,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                      "--hardware FILE for the profile to predict with)")
     p.add_argument("--profile", help="validate: TOML of fitted constants (default: the packaged profile)")
     p.add_argument("--fit", action="store_true", help="validate: refit the constants on the 1- and 2-node rows")
+    p.add_argument("--out", help="validate --fit: write the fitted profile here (readable by plan --hardware)")
 
 
 def load_model(spec: str) -> ModelConfig:
@@ -104,12 +114,25 @@ def _space(args: argparse.Namespace) -> SearchSpace:
 
 
 def _cluster(args: argparse.Namespace):
+    from fivefold.planner import profile
     from fivefold.planner.hardware import get_cluster
 
-    hw = get_cluster(args.gpu, args.hardware)
+    hw = get_cluster(args.gpu, args.hardware) if not args.hardware else profile.load(args.hardware, None, args.gpu)[1]
     if args.gpus_per_node:
         hw = dataclasses.replace(hw, gpus_per_node=args.gpus_per_node)
     return hw
+
+
+def _framework(args: argparse.Namespace, hw) -> Framework:
+    """--framework, else the [framework] of the --hardware profile, else fivefold (fivefold-cpu on a CPU)."""
+    from fivefold.planner import profile
+
+    if args.hardware:
+        fw = profile.load(args.hardware, args.framework, args.gpu)[0]
+        if fw is not None:
+            return fw
+    return profile.all_frameworks()[args.framework or ("fivefold-cpu" if hw.cores or hw.name == "cpu"
+                                                       else "fivefold")]
 
 
 def train_config(cfg: ModelConfig, lay: Layout, seq: int, batch_seqs: int, dtype: str, accelerator: bool = True,
@@ -150,8 +173,8 @@ def write_config(path: str, cfg: ModelConfig, lay: Layout, seq: int, batch_seqs:
     return conf
 
 
-def _fmt_row(e) -> str:
-    return (f"{e.layout.short():58s} {gib(e.peak_bytes):8.1f} {e.step_time_s:9.3f} "
+def _fmt_row(e, family: str) -> str:
+    return (f"{e.layout.short():58s} {family:30s} {gib(e.peak_bytes):8.1f} {e.step_time_s:9.3f} "
             f"{e.tokens_per_s_per_device:12,.0f} {100 * e.mfu:6.1f}")
 
 
@@ -162,7 +185,16 @@ def run(args: argparse.Namespace) -> int:
         return run_validate(args)
     cfg = load_model(args.model)
     hw = _cluster(args)
-    fw: Framework = FRAMEWORKS[args.framework or ("fivefold-cpu" if hw.cores or hw.name == "cpu" else "fivefold")]
+    fw = _framework(args, hw)
+    if args.action == "scaling":
+        args.nodes_list = args.nodes
+        args.nodes = int(args.nodes.split(",")[0]) if args.nodes.split(",")[0].strip().isdigit() else 1
+    else:
+        try:
+            args.nodes = int(args.nodes)
+        except ValueError:
+            raise ConfigError(f"--nodes = {args.nodes!r} must be a number of nodes (a list only for "
+                              "`plan scaling`)") from None
     if args.nodes < 1:
         raise ConfigError(f"--nodes = {args.nodes} must be >= 1")
     n_gpus = args.nodes * hw.gpus_per_node
@@ -172,6 +204,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--global-batch = {tokens} tokens is not a whole number of --seq-len = {seq} sequences; "
                           f"nearest valid batches: {tokens // seq * seq} or {(tokens // seq + 1) * seq} tokens")
     batch_seqs = tokens // seq
+    if args.action == "scaling":
+        from fivefold.planner.scaling import run_scaling
+
+        return run_scaling(args, cfg, fw, hw, _space(args), seq, batch_seqs)
     if args.layout:
         lay = parse_layout(args.layout, batch_seqs)
         lay = dataclasses.replace(lay, fp32_grad_accum=lay.fp32_grad_accum or args.fp32_grad_accum == "on")
@@ -194,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
             for k, v in e.time_parts.items():
                 print(f"    {k:20s} {v:9.4f} s")
         return 0
-    result = search(cfg, seq, batch_seqs, n_gpus, fw, hw, _space(args), args.top, args.moe_imbalance)
+    result = search(cfg, seq, batch_seqs, n_gpus, fw, hw, _space(args), 0, args.moe_imbalance)  # every candidate
     if not result.candidates:
         _no_candidates(result, cfg, hw, n_gpus, batch_seqs, args)
         return 2
@@ -211,11 +247,34 @@ def run(args: argparse.Namespace) -> int:
                           "rejected": dict(result.rejected),
                           "candidates": [e.to_json() for e in result.candidates]}, indent=2))
         return 0
+    from fivefold.planner.explain import TIE, family, family_name
+
     print(f"{cfg.name} on {args.nodes} x {hw.gpus_per_node} {hw.name}, seq {seq}, global batch {tokens:,} tokens "
-          f"({batch_seqs} sequences), {fw.name} engine: {result.evaluated:,} layouts evaluated")
-    print(f"{'layout':58s} {'peak GiB':>8s} {'step s':>9s} {'tok/s/GPU':>12s} {'MFU %':>6s}")
+          f"({batch_seqs} sequences), {fw.name} engine: {result.evaluated:,} layouts tried, "
+          f"{len(result.candidates):,} fit (counting their recompute variants)")
+    print(f"the best of each layout family (tp/pp/cp/ep grid, FSDP or not), best first; 'tie': within "
+          f"{100 * TIE:.0f} % of the best, the model's own uncertainty")
+    print(f"{'layout':58s} {'family':30s} {'peak GiB':>8s} {'step s':>9s} {'tok/s/GPU':>12s} {'MFU %':>6s}")
+    best = result.candidates[0]
+    shown: dict = {}
     for e in result.candidates:
-        print(_fmt_row(e))
+        if family(e) not in shown:
+            shown[family(e)] = e
+    rows = list(shown.values())[:max(args.top, 1)]
+    for e in rows:
+        tie = " (tie)" if e is not best and 1 - e.tokens_per_s_per_device / best.tokens_per_s_per_device < TIE else ""
+        print(_fmt_row(e, f"{family_name(e)}{tie}"))
+    # the baselines users start from, with their gap, when they are not shown already
+    baselines = {"FSDP": lambda e: e.layout.zero >= 3 and family(e)[:4] == (1, 1, 1, 1),
+                 "dp x tp": lambda e: e.layout.zero < 3 and e.layout.tp > 1 and family(e)[1:4] == (1, 1, 1)}
+    for name, test in baselines.items():
+        base = next((e for e in result.candidates if test(e)), None)
+        if base is None:
+            print(f"baseline {name}: no layout of that family fits")
+        elif base not in rows:
+            gap = 100 * (1 - base.tokens_per_s_per_device / best.tokens_per_s_per_device)
+            print(f"baseline {name}: {base.layout.short()}, {base.tokens_per_s_per_device:,.0f} tokens/s/GPU, "
+                  f"{gap:.1f} % slower than the best")
     if result.rejected:
         print("rejected:")
         for reason, n in result.rejected.most_common():

@@ -5,7 +5,10 @@ inside a node). A group of `size` ranks whose neighbours are `stride` ranks apar
 ceil(size * stride / gpus_per_node) nodes when it leaves the node; ring collectives then move their bytes at
 the bus bandwidth of that many nodes (measured, when the hardware profile has it, else the per-device network
 bandwidth). Ring algorithms pay one latency per step: 2 (n - 1) steps for an all-reduce, n - 1 for an
-all-gather or reduce-scatter; a buffer sent in buckets pays them once per bucket.
+all-gather or reduce-scatter; across nodes an all-reduce pays a ring inside the node and a tree between the
+nodes (2 (local - 1 + log2 nodes) steps), as NCCL runs it; a buffer sent in buckets pays them once per bucket.
+A job of many nodes shares its fabric: `in_job` caps every inter-node bus bandwidth at the one measured across
+all the job's nodes.
 
 Inside a node, a profile from `fivefold calibrate` replaces the formula with what it measured: seconds per call
 by kind, group size and message bytes (`Cluster.collective_time`), once per bucket.
@@ -13,10 +16,24 @@ by kind, group size and message bytes (`Cluster.collective_time`), once per buck
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.layout import Layout
+
+
+def in_job(hw: Cluster, world_size: int) -> Cluster:
+    """The cluster as a job of `world_size` devices sees it: every inter-node collective shares the fabric with
+    the job's other groups, so a group that spans k nodes moves its bytes at no more than the bus bandwidth
+    measured across all the job's nodes (the measured table falls with the node count: the spine, not the
+    NIC, limits a large job). Without a measured table the per-device network bandwidth stands."""
+    nodes = math.ceil(world_size / hw.gpus_per_node)
+    if not hw.busbw_gbps or nodes <= 1:
+        return hw
+    job = hw.bus_bandwidth(nodes) / 1e9
+    table = {k: (v if k <= 1 else min(v, job)) for k, v in hw.busbw_gbps.items()}
+    return dataclasses.replace(hw, busbw_gbps=table)
 
 
 def nodes_spanned(size: int, stride: int, gpus_per_node: int) -> int:
@@ -36,7 +53,17 @@ def _time(kind: str, nbytes: float, size: int, stride: int, hw: Cluster, bucket:
     if measured is not None:
         return buckets * measured
     bw = hw.bus_bandwidth(nodes)
-    steps = (size - 1) * buckets
+    if nodes > 1 and not hw.busbw_gbps and kind != "p2p":
+        # no measured table: NCCL runs one ring per NIC (rail), so the group's members on a node send over as
+        # many NICs at once; the node's NVLink bounds it
+        bw = min(hw.intra_node_gbps, hw.inter_node_gbps * max(1, size // nodes)) * 1e9
+    # latency steps per bucket: a ring inside a node (n - 1); across nodes NCCL's all-reduce runs a tree
+    # between nodes (log2 of the nodes up and down) after a ring inside each node, not a ring of every rank
+    if kind == "all_reduce" and nodes > 1:
+        local = max(1, size // nodes)
+        steps = ((local - 1) + math.ceil(math.log2(nodes))) * buckets
+    else:
+        steps = (size - 1) * buckets
     frac = (size - 1) / size
     if kind == "all_reduce":
         return 2 * frac * nbytes / bw + 2 * steps * hw.latency(nodes)

@@ -5,16 +5,41 @@ from __future__ import annotations
 from fivefold.planner.search import Estimate, SearchResult, gib
 
 _PART_WORDS = {
-    "compute": "compute (incl. recomputation)", "tp_comm": "tensor-parallel communication",
+    "compute": "compute", "recompute": "recomputation", "tp_comm": "tensor-parallel communication",
     "cp_comm": "context-parallel communication", "ep_comm": "expert all-to-all",
-    "pipeline_bubble": "pipeline bubble", "dp_comm_exposed": "exposed data-parallel gradient reduction",
+    "pipeline_bubble": "pipeline bubble", "pipeline_wait": "pipeline waits across nodes",
+    "dp_comm_exposed": "exposed data-parallel gradient reduction",
     "zero_gather": "ZeRO parameter gathers", "optimizer": "optimizer step",
 }
 
 
-def _family(e: Estimate) -> tuple:
+# candidates closer than this to the best are ties: the step-time model's median error on the rows it was
+# fitted on (the playbook's 1-2-node runs, docs/planner.md) is about 7 %; held out it is worse
+TIE = 0.07
+
+
+def family(e: Estimate) -> tuple:
+    """The layout family a user starts from: the model-parallel grid and whether the weights are sharded
+    (FSDP / ZeRO-3); ZeRO 0-2, the micro-batch, the schedule and recompute are variants inside it."""
     la = e.layout
-    return la.tp, la.pp, la.cp, la.ep
+    return la.tp, la.pp, la.cp, la.ep, la.zero >= 3
+
+
+def family_name(e: Estimate) -> str:
+    la = e.layout
+    grid = [f"{k}{v}" for k, v in (("tp", la.tp), ("pp", la.pp), ("cp", la.cp), ("ep", la.ep)) if v > 1]
+    if la.zero >= 3:
+        return "FSDP (ZeRO-3)" + (" x " + " x ".join(grid) if grid else "")
+    return "dp" + (" x " + " x ".join(grid) if grid else " only")
+
+
+def slower(best: Estimate, e: Estimate) -> str:
+    loss = 1 - e.tokens_per_s_per_device / best.tokens_per_s_per_device
+    if loss < TIE:
+        return f"a tie ({100 * loss:.1f} % slower, within the model's {100 * TIE:.0f} % uncertainty)"
+    return f"{100 * loss:.1f} % slower"
+
+
 
 
 def _biggest_difference(best: Estimate, other: Estimate) -> str:
@@ -49,25 +74,31 @@ def explain(result: SearchResult, memory_limit: float, global_batch_seqs: int, n
     bubble = best.time_parts.get("pipeline_bubble", 0.0)
     if bubble > 0.1 * total:
         binds.append(f"pipeline bubble: {100 * bubble / total:.0f} % of the step")
+    recompute = best.time_parts.get("recompute", 0.0)
+    if recompute > 0.02 * total:
+        binds.append(f"recompute ({la.recompute}): {100 * recompute / total:.0f} % of the step re-runs forward "
+                     "work, the price of fitting in memory")
+    cp = best.time_parts.get("cp_comm", 0.0)
+    if la.cp > 1:
+        binds.append(f"context parallel: its K/V ring costs {100 * cp / total:.1f} % of the step exposed"
+                     + (" (hidden behind the attention it overlaps)" if cp < 0.005 * total else ""))
     if not binds:
         binds.append("compute: the step is almost all useful compute; nothing else binds")
     lines.append("What binds: " + "; ".join(binds) + ".")
-    seen = {_family(best)}
+    seen = {family(best)}
     close = []
     for e in result.candidates[1:]:
-        if _family(e) in seen:
+        if family(e) in seen:
             continue
-        seen.add(_family(e))
+        seen.add(family(e))
         close.append(e)
         if len(close) >= n_close:
             break
     if close:
-        lines.append("Closest alternatives with another tp/pp/cp/ep:")
+        lines.append("Closest alternatives of another family (tp/pp/cp/ep grid, FSDP or not):")
         for e in close:
-            loss = 100 * (1 - e.tokens_per_s_per_device / best.tokens_per_s_per_device)
-            lines.append(f"  {e.layout.short()}: {loss:.1f} % slower, {_biggest_difference(best, e)}")
-    same = [e for e in result.candidates[1:] if _family(e) == _family(best)][:2]
+            lines.append(f"  {e.layout.short()}: {slower(best, e)}, {_biggest_difference(best, e)}")
+    same = [e for e in result.candidates[1:] if family(e) == family(best)][:2]
     for e in same:
-        loss = 100 * (1 - e.tokens_per_s_per_device / best.tokens_per_s_per_device)
-        lines.append(f"  same grid, {e.layout.short()}: {loss:.1f} % slower, {_biggest_difference(best, e)}")
+        lines.append(f"  same grid, {e.layout.short()}: {slower(best, e)}, {_biggest_difference(best, e)}")
     return "\n".join(lines)

@@ -56,6 +56,9 @@ class Cluster(Hardware):
     comm_overlap: float = 1.0  # share of a collective's time that can hide behind compute running at once
     zero3_unit_us: float = 0.0  # per ZeRO-3 unit and micro-batch: hooks, copies and frees beyond its collectives
     posted_p2p_wait_us: float = 0.0  # a send/recv posted before compute and waited after: cost beyond both
+    # per micro-batch of a pipeline that leaves the node, per node of the job: the blocking stage hand-overs wait
+    # for the slowest rank of the job, and that wait grows with the nodes (fitted on 2-node runs, docs/planner.md)
+    pp_sync_us_per_node: float = 0.0
     # (group size, seconds): what a blocking collective costs beyond its own time when ranks compute in between
     collective_wait: tuple[tuple[float, ...], ...] = ()
     compute_scale: float = 1.0  # multiplies compute times (more ranks on a node than were measured)
@@ -223,6 +226,7 @@ def get_cluster(name: str | None = None, file: str | Path | None = None) -> Clus
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--hardware {str(path)!r} is not valid TOML: {e}") from None
+    data = hardware_table(data, str(path))
     base = get_cluster(str(data.pop("base", name or "h100")))
     ranks = data.pop("ranks", {})
     values = _parse_fields(data, "--hardware")
@@ -237,6 +241,23 @@ def get_cluster(name: str | None = None, file: str | Path | None = None) -> Clus
         values["by_ranks"] = by_ranks
     values.setdefault("name", path.stem)
     return dataclasses.replace(base, **values)
+
+
+def hardware_table(data: dict, where: str) -> dict:
+    """The hardware fields of a profile (one format for `plan`, `validate` and `calibrate`): top-level fields,
+    or a [hardware] table (what `plan validate --fit` writes); a [framework] table is the framework's
+    (`fivefold.planner.profile`)."""
+    data = {k: v for k, v in data.items() if k != "framework"}
+    nested = data.pop("hardware", None)
+    if nested is not None:
+        if not isinstance(nested, dict):
+            raise ConfigError(f"--hardware {where!r}: [hardware] must be a table of hardware fields")
+        clash = sorted(set(nested) & set(data))
+        if clash:
+            raise ConfigError(f"--hardware {where!r}: {', '.join(clash)} given both at the top level and under "
+                              "[hardware]; keep one")
+        data = {**nested, **data}
+    return data
 
 
 _TABLE_WIDTH = {"linear": 5, "attention": 5, "loss": 5, "elementwise": 2, "collective_wait": 2}
@@ -267,7 +288,7 @@ def _parse_fields(data: dict, where: str) -> dict:
             value = float(value)
             if value < 0 or (value == 0 and key not in ("backward_overhead_us", "optimizer_gbps",
                                                          "optimizer_tensor_us", "comm_overlap", "zero3_unit_us",
-                                                         "posted_p2p_wait_us")):
+                                                         "posted_p2p_wait_us", "pp_sync_us_per_node")):
                 raise ConfigError(f"{where} {key} = {value} must be > 0")
         values[key] = value
     return values

@@ -126,6 +126,8 @@ class Framework:
     # adds, casts, views), and per micro-batch outside the blocks (embedding, rotary tables, final norm, loss)
     kernels_per_layer: int = 19
     kernels_per_micro_batch: int = 0
+    # bytes per parameter that ZeRO-3 / FSDP gathers (0: as stored, fivefold's fp32; FSDP2 mixed precision: 2)
+    gather_bytes: int = 0
 
     @property
     def act_bytes(self) -> int:

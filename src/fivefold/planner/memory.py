@@ -249,9 +249,10 @@ def rank_memory(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, in_fligh
         comm += 2 * fw.dp_bucket_mib * 2**20  # a bucket being reduced while the next one fills
     if lay.zero >= 3:
         block = lp["sharded"] + lp["replicated"] + lp["expert"]
-        comm += 2 * block * fw.param_bytes + block * fw.grad_bytes  # current + prefetched block, unsharded grads
+        gathered = fw.gather_bytes or fw.param_bytes
+        comm += 2 * block * gathered + block * fw.grad_bytes  # current + prefetched block, unsharded grads
         # the root unit (embedding, final norm, output layer) stays gathered for the whole micro-batch
-        comm += (rp.dense - rp.layers * (lp["sharded"] + lp["replicated"])) * fw.param_bytes
+        comm += (rp.dense - rp.layers * (lp["sharded"] + lp["replicated"])) * gathered
     rep.parts["comm_buffers"] = comm
     rep.parts["fixed_overhead"] = fw.fixed_overhead_gib * GIB
     return rep

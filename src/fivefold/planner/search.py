@@ -155,7 +155,9 @@ def search(cfg: ModelConfig, seq: int, global_batch_seqs: int, n_gpus: int, fw: 
     fitting.sort(key=lambda e: -e.tokens_per_s_per_device)
     best = [estimate(cfg, seq, e.layout, fw, hw, True, moe_imbalance=moe_imbalance) for e in fitting[:SIMULATED_TOP]]
     best.sort(key=lambda e: -e.tokens_per_s_per_device)
-    return SearchResult(best[:max(top, 1)] if top else best, rejected, examples, evaluated, closest)
+    # top = 0: every fitting candidate, the best SIMULATED_TOP simulated and the rest with the closed form
+    candidates = best[:top] if top else best + fitting[SIMULATED_TOP:]
+    return SearchResult(candidates, rejected, examples, evaluated, closest)
 
 
 def _bases(cfg: ModelConfig, seq: int, batch: int, n_gpus: int, hw: Cluster, space: SearchSpace,

@@ -9,6 +9,7 @@ element-wise work and a per-kernel launch cost.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -190,7 +191,9 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     again = 1 if lay.recompute == "full" else 0  # full recompute repeats the forward's communication
     again_cp = 1 if lay.recompute != "none" else 0  # selective recompute too (the ring is the recomputed core)
     per_layer = {"tp_comm": (2 + again) * t_tp + t_tp_b_extra, "cp_comm": (1 + again_cp) * t_cp_f + t_cp_b,
-                 "ep_comm": (2 + again) * t_ep}
+                 "ep_comm": (2 + again) * t_ep,
+                 # the recomputed forward's own compute (its communication is counted above)
+                 "recompute": {"none": 0.0, "selective": attn_f, "full": t_layer}[lay.recompute]}
     return StageTimes(f, b, w, per_layer, counts, {"tp_comm": head_tp + loss_tp})
 
 
@@ -233,7 +236,7 @@ class TimeReport:
 def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, exact: bool = True) -> TimeReport:
     from fivefold.planner.memory import model_state_bytes, rank_params
 
-    hw = hw.on_node(min(lay.world_size, hw.gpus_per_node))
+    hw = comm.in_job(hw.on_node(min(lay.world_size, hw.gpus_per_node)), lay.world_size)
     times = stage_times(cfg, seq, lay, fw, hw)
     tokens = lay.micro_batch_size * seq / lay.cp
     # the residual stream crosses stages (fivefold's engine keeps and sends it in fp32 under autocast)
@@ -256,7 +259,10 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     overlap = hw.comm_overlap  # share of a collective that compute running at once can hide
 
     def reduce_time(nbytes: float, size: int, stride: int) -> float:
-        if lay.zero >= 2:  # ZeRO-2/3 keep only a gradient shard, so every micro-batch reduce-scatters
+        if lay.zero >= 3:  # ZeRO-3 reduce-scatters each unit's (block's) gradients as its backward ends
+            unit = max(bucket, nbytes / max(1, -(-cfg.n_layers // lay.pp)))
+            return comm.reduce_scatter(nbytes, size, stride, hw, unit) * lay.grad_accum_steps
+        if lay.zero >= 2:  # ZeRO-2 keeps only a gradient shard, so every micro-batch reduce-scatters
             return comm.reduce_scatter(nbytes, size, stride, hw, bucket) * lay.grad_accum_steps
         return comm.all_reduce(nbytes, size, stride, hw, bucket)
 
@@ -281,7 +287,7 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
         t_gather = comm.all_gather(param_full / fw.param_bytes * min(fw.param_bytes, 2), dpc, st["dpcp"], hw)
     if dpc > 1 and lay.zero >= 3:  # gathered one block ahead: exposed where a block's gather outlasts its compute
         n_layers = max(1, -(-cfg.n_layers // lay.pp))
-        block = param_full / n_layers
+        block = param_full / fw.param_bytes * (fw.gather_bytes or fw.param_bytes) / n_layers  # as gathered
         ag = comm.all_gather(block, dpc, st["dpcp"], hw)
         per_block = (times.f[0] + times.b[0] + times.w[0]) / n_layers
         t_gather = lay.grad_accum_steps * n_layers * 2 * exposed(ag, per_block / 3, overlap)
@@ -291,6 +297,10 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     opt_bandwidth = (hw.optimizer_gbps * 1e9 if hw.optimizer_gbps else hw.hbm_gbps * 1e9 / 2) / hw.compute_scale
     t_opt = (states["parameters"] + states["gradients"] + states["optimizer"]) / opt_bandwidth \
         + optimizer_tensors(cfg, lay, fw) * hw.optimizer_tensor_us * 1e-6 * hw.compute_scale
+    # blocking stage hand-overs across nodes: each micro-batch waits for the slowest rank of the job
+    job_nodes = math.ceil(lay.world_size / hw.gpus_per_node)
+    t_sync = lay.grad_accum_steps * hw.pp_sync_us_per_node * 1e-6 * job_nodes if lay.pp > 1 and job_nodes > 1 else 0.0
+    makespan += t_sync
     total = makespan + t_dp_exposed + t_gather + t_opt
     busiest = max(range(lay.pp), key=lambda r: per_rank[r])
     blocks = sum(n for s, n in enumerate(times.counts) if _rank_of(s, lay) == busiest)
@@ -298,7 +308,8 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     for k, v in times.comm_per_micro_batch.items():
         parts[k] += v * lay.grad_accum_steps
     parts = {"compute": ideal - sum(parts.values()), **parts}
-    parts.update({"pipeline_bubble": max(0.0, makespan - ideal), "dp_comm_exposed": t_dp_exposed,
+    parts.update({"pipeline_bubble": max(0.0, makespan - t_sync - ideal), "pipeline_wait": t_sync,
+                  "dp_comm_exposed": t_dp_exposed,
                   "zero_gather": t_gather, "optimizer": t_opt})
     return TimeReport(total, parts)
 

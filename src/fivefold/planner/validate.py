@@ -25,10 +25,10 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import itertools
 import json
 import math
 import statistics
-import tomllib
 from collections import defaultdict
 from pathlib import Path
 
@@ -150,14 +150,12 @@ def read_results(path: Path, hardware_file: str | None) -> tuple[list[Row], list
 
 
 def load_profile(path: Path | None) -> tuple[Framework, Cluster]:
-    """The fitted constants: framework fields under [framework], hardware fields under [hardware]."""
-    path = path or DEFAULT_PROFILE
-    data = tomllib.loads(path.read_text())
-    fw = dataclasses.replace(FRAMEWORKS[data.get("framework", {}).get("name", "nanotron")],
-                             **{k: v for k, v in data.get("framework", {}).items() if k != "name"})
-    hw_data = dict(data.get("hardware", {}))
-    base = get_cluster(hw_data.pop("base", "h100-efa"))
-    return fw, dataclasses.replace(base, **hw_data)
+    """The fitted constants: a profile (`fivefold.planner.profile`; framework fields under [framework],
+    hardware fields at the top level or under [hardware]), nanotron on `h100-efa` where it names neither."""
+    from fivefold.planner import profile
+
+    fw, hw = profile.load(path or DEFAULT_PROFILE, None, "h100-efa")
+    return fw or FRAMEWORKS["nanotron"], hw
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,20 +198,20 @@ def fit_memory(rows: list[Row], fw: Framework) -> Framework:
 
 
 def fit_time(rows: list[Row], fw: Framework, hw: Cluster) -> tuple[Framework, Cluster]:
-    """Grid search of the matmul efficiency, the per-kernel cost and the TP overlap that minimise the median
-    absolute log error of tokens/s per GPU."""
+    """Grid search of the matmul efficiency, the per-kernel cost, the TP overlap and the per-node pipeline
+    wait that minimise the median absolute log error of tokens/s per GPU."""
     ok = [r for r in rows if r.ok]
     best = (math.inf, fw, hw)
-    for eff in (0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8):
-        for kern in (5.0, 10.0, 20.0, 40.0, 80.0):
-            for ov in (0.0, 0.25, 0.5):
-                f2 = dataclasses.replace(fw, tp_overlap=ov)
-                h2 = dataclasses.replace(hw, matmul_efficiency=eff, kernel_overhead_us=kern)
-                errs = [abs(math.log(estimate(r.model, r.seq, r.layout, f2, h2, False).tokens_per_s_per_device
-                                     / r.tok_s_gpu)) for r in ok]
-                score = statistics.median(errs)
-                if score < best[0]:
-                    best = (score, f2, h2)
+    for eff, kern, ov, sync in itertools.product((0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8),
+                                                 (5.0, 10.0, 20.0, 40.0, 80.0), (0.0, 0.25, 0.5),
+                                                 (0.0, 1000.0, 2000.0, 4000.0, 8000.0)):
+        f2 = dataclasses.replace(fw, tp_overlap=ov)
+        h2 = dataclasses.replace(hw, matmul_efficiency=eff, kernel_overhead_us=kern, pp_sync_us_per_node=sync)
+        errs = [abs(math.log(estimate(r.model, r.seq, r.layout, f2, h2, False).tokens_per_s_per_device
+                             / r.tok_s_gpu)) for r in ok]
+        score = statistics.median(errs)
+        if score < best[0]:
+            best = (score, f2, h2)
     return best[1], best[2]
 
 
@@ -330,7 +328,14 @@ def run_validate(args: argparse.Namespace) -> int:
         print(f"fitted on {len(train)} rows of 1-2 nodes: activation_scale = {fw.activation_scale}, logits_bytes = "
               f"{fw.logits_bytes}, fixed_overhead_gib = {fw.fixed_overhead_gib}, usable_memory_fraction = "
               f"{fw.usable_memory_fraction}, tp_overlap = {fw.tp_overlap}, "
-              f"matmul_efficiency = {hw.matmul_efficiency}, kernel_overhead_us = {hw.kernel_overhead_us}")
+              f"matmul_efficiency = {hw.matmul_efficiency}, kernel_overhead_us = {hw.kernel_overhead_us}, "
+              f"pp_sync_us_per_node = {hw.pp_sync_us_per_node}")
+    if args.fit and getattr(args, "out", None):
+        from fivefold.planner import profile
+
+        profile.write(args.out, fw, hw, "h100-efa", f"fitted by `fivefold plan validate --fit` on the {len(train)} "
+                      f"rows of 1-2 nodes of {path.name}")
+        print(f"wrote {args.out} (use it with: fivefold plan --hardware {args.out} ...)")
     result = validate(rows, fw, hw)
     if args.json:
         print(json.dumps(result, indent=2))

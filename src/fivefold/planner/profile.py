@@ -1,0 +1,124 @@
+"""One profile format for `fivefold plan`, `plan validate` and `fivefold calibrate`.
+
+A profile is a TOML file of hardware fields (`fivefold.planner.hardware.Cluster`, at the top level as
+`calibrate` writes them, or under a `[hardware]` table as `plan validate --fit --out` writes them; `base` names
+the preset they override) and optionally a `[framework]` table: `name` (a framework the planner knows) plus any
+field of `fivefold.planner.layout.Framework` to override (the fitted memory and overlap constants). Every
+command reads every profile: the hardware part with `get_cluster`, the framework part with `framework_of`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+
+from fivefold.config import ConfigError
+from fivefold.planner.hardware import Cluster, get_cluster
+from fivefold.planner.layout import FRAMEWORKS, Framework
+
+
+def _read(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--hardware {str(p)!r} does not exist or is not a file")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--hardware {str(p)!r} is not valid TOML: {e}") from None
+
+
+FRAMEWORK_DIR = Path(__file__).resolve().parent / "frameworks"
+
+
+def all_frameworks() -> dict[str, Framework]:
+    """Every framework the planner knows: the ones in code (`layout.FRAMEWORKS`) and the data files of
+    `planner/frameworks/` (each a profile with only a [framework] table)."""
+    known = dict(FRAMEWORKS)
+    for path in sorted(FRAMEWORK_DIR.glob("*.toml")):
+        fw = _framework_table(_read(path).get("framework"), str(path), known)
+        if fw is not None:
+            known[fw.name] = fw
+    return known
+
+
+def framework_of(path: str | Path, default: str | None = None) -> Framework | None:
+    """The profile's [framework] table as a `Framework` (its `name`, else `default`, with the table's fields),
+    or None when the profile has no such table."""
+    return _framework_table(_read(path).get("framework"), str(path), all_frameworks(), default)
+
+
+def _framework_table(table, where: str, known: dict[str, Framework], default: str | None = None
+                     ) -> Framework | None:
+    """`name` (a known framework, or a new one with `base` = the known framework it starts from) plus
+    fields of `Framework` to override, each checked."""
+    if table is None:
+        return None
+    if not isinstance(table, dict):
+        raise ConfigError(f"--hardware {where!r}: [framework] must be a table")
+    table = dict(table)
+    name = str(table.pop("name", default or "fivefold"))
+    base_name = str(table.pop("base", name))
+    if base_name not in known:
+        raise ConfigError(f"--hardware {where!r}: [framework] {'base' if base_name != name else 'name'} = "
+                          f"{base_name!r} is not known; choose one of: {', '.join(sorted(known))}")
+    base = known[base_name]
+    fields = {f.name for f in dataclasses.fields(Framework)} - {"name"}
+    for key, value in table.items():
+        if key not in fields:
+            raise ConfigError(f"--hardware {where!r}: [framework] field {key!r} is not known; known fields: "
+                              f"{', '.join(sorted(fields))}")
+        current = getattr(base, key)
+        kind = bool if isinstance(current, bool) else (int, float) if isinstance(current, int | float) else str
+        if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
+            raise ConfigError(f"--hardware {where!r}: [framework] {key} = {value!r} must be of the type of "
+                              f"its default, {current!r}")
+        if isinstance(current, int) and not isinstance(current, bool) and value != int(value):
+            raise ConfigError(f"--hardware {where!r}: [framework] {key} = {value!r} must be a whole number "
+                              f"(default {current!r})")
+        table[key] = type(current)(value)
+    return dataclasses.replace(base, name=name, **table)
+
+
+def load(path: str | Path | None, framework: str | None = None, default_hardware: str = "h100"
+         ) -> tuple[Framework | None, Cluster]:
+    """The framework (None when the profile names none and `framework` is None) and the cluster of a
+    profile; `framework` given on the command line chooses the framework, the profile's table then overrides
+    its fields only when it names the same framework."""
+    known = all_frameworks()
+    if framework is not None and framework not in known:
+        raise ConfigError(f"--framework {framework!r} is not known; choose one of: {', '.join(sorted(known))}")
+    if path is None:
+        return (known[framework] if framework else None), get_cluster(default_hardware)
+    fw = framework_of(path, framework)
+    if framework and (fw is None or fw.name != framework):
+        fw = known[framework]
+    return fw, get_cluster(default_hardware, path)
+
+
+def write(path: str | Path, fw: Framework, hw: Cluster, base_hw: str, header: str = "") -> None:
+    """A profile of `fw` and `hw`: the fields that differ from the framework's defaults and from the preset
+    `base_hw` (only scalar fields; the measured tables are `calibrate`'s)."""
+    from fivefold.config import write_text_atomic
+
+    base_fw = all_frameworks().get(fw.name, Framework())
+    lines = [f"# {line}" for line in header.splitlines()] + ["[framework]", f'name = "{fw.name}"']
+    for f in dataclasses.fields(Framework):
+        value = getattr(fw, f.name)
+        if f.name != "name" and value != getattr(base_fw, f.name):
+            lines.append(f"{f.name} = {_toml(value)}")
+    lines += ["", "[hardware]", f'base = "{base_hw}"']
+    preset = get_cluster(base_hw)
+    for f in dataclasses.fields(Cluster):
+        value = getattr(hw, f.name)
+        if f.name != "name" and isinstance(value, int | float) and value != getattr(preset, f.name):
+            lines.append(f"{f.name} = {_toml(value)}")
+    write_text_atomic(path, "\n".join(lines) + "\n")
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f'"{value}"'
+    return repr(value)

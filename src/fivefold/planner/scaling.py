@@ -1,0 +1,159 @@
+"""`fivefold plan scaling`: predicted throughput, MFU and scaling efficiency of a model over a series of node
+counts, for the best layout at each size (or one fixed layout whose data-parallel degree grows with the nodes).
+
+* `--weak`: the global batch grows with the nodes (the given `--global-batch` is the batch of the first size);
+* `--strong`: the global batch stays as given.
+
+Efficiency at N nodes is the throughput per GPU at N over the throughput per GPU at the first size: for weak
+scaling the usual definition (time per step at the first size over time per step at N), for strong scaling
+speed-up over the ideal speed-up (N / N0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from fivefold.config import ConfigError, ModelConfig
+from fivefold.planner.hardware import Cluster
+from fivefold.planner.layout import Framework, Layout, parse_layout
+from fivefold.planner.search import Estimate, SearchSpace, estimate, search
+
+
+@dataclasses.dataclass
+class Point:
+    nodes: int
+    gpus: int
+    global_batch_seqs: int
+    best: Estimate | None  # None: no layout fits or reaches the batch at this size
+    reason: str = ""
+
+    def to_json(self, base_tps: float | None) -> dict:
+        out: dict = {"nodes": self.nodes, "gpus": self.gpus, "global_batch_seqs": self.global_batch_seqs}
+        if self.best is None:
+            out["error"] = self.reason
+            return out
+        e = self.best
+        out.update({"layout": e.layout.short(), "layout_knobs": e.layout.to_dict(), "step_time_s": e.step_time_s,
+                    "tokens_per_s": e.tokens_per_s_per_device * self.gpus,
+                    "tokens_per_s_per_gpu": e.tokens_per_s_per_device, "mfu": e.mfu,
+                    "efficiency": e.tokens_per_s_per_device / base_tps if base_tps else None})
+        return out
+
+
+def parse_nodes(text: str) -> list[int]:
+    try:
+        nodes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--nodes {text!r} must be a comma-separated list of node counts, e.g. 1,2,4,8") from None
+    if not nodes or any(n < 1 for n in nodes) or nodes != sorted(set(nodes)):
+        raise ConfigError(f"--nodes {text!r} must be increasing node counts >= 1, e.g. 1,2,4,8,16")
+    return nodes
+
+
+def scale_layout(lay: Layout, gpus: int, batch_seqs: int) -> Layout:
+    """`lay` on `gpus` devices: tp, pp, cp, ep and the micro-batch kept, dp = the rest, grad_acc from the batch."""
+    model_parallel = lay.tp * lay.pp * lay.cp
+    if gpus % model_parallel:
+        raise ConfigError(f"--layout tp x pp x cp = {model_parallel} does not divide {gpus} GPUs; choose node "
+                          "counts whose GPUs it divides")
+    dp = gpus // model_parallel
+    if batch_seqs % (dp * lay.micro_batch_size):
+        raise ConfigError(f"--layout on {gpus} GPUs: dp x micro_batch_size = {dp} x {lay.micro_batch_size} does not "
+                          f"divide the global batch of {batch_seqs} sequences; use a smaller mbs or a batch that is a multiple of "
+                          f"{dp * lay.micro_batch_size} sequences")
+    return dataclasses.replace(lay, dp=dp, grad_accum_steps=batch_seqs // (dp * lay.micro_batch_size))
+
+
+def scaling(cfg: ModelConfig, seq: int, batch_seqs: int, nodes: list[int], weak: bool, fw: Framework, hw: Cluster,
+            space: SearchSpace, layout: str | None = None) -> list[Point]:
+    points = []
+    for n in nodes:
+        gpus = n * hw.gpus_per_node
+        batch = batch_seqs * n // nodes[0] if weak else batch_seqs
+        if weak and batch_seqs * n % nodes[0]:
+            raise ConfigError(f"--weak: the batch of {batch_seqs} sequences at {nodes[0]} nodes does not scale to a "
+                              f"whole number of sequences at {n} nodes; choose node counts that are multiples of "
+                              f"{nodes[0]}")
+        if layout:
+            lay = scale_layout(parse_layout(layout, batch), gpus, batch)
+            e = estimate(cfg, seq, lay, fw, hw, True)
+            points.append(Point(n, gpus, batch, e if e.fits else None,
+                                "" if e.fits else f"{lay.short()} does not fit ({e.peak_bytes / 2**30:.1f} GiB)"))
+            continue
+        result = search(cfg, seq, batch, gpus, fw, hw, space, 1)
+        if result.candidates:
+            points.append(Point(n, gpus, batch, result.candidates[0]))
+        else:
+            reason = result.rejected.most_common(1)[0][0] if result.rejected else "no layout reaches the batch"
+            points.append(Point(n, gpus, batch, None, reason))
+    return points
+
+
+def report(points: list[Point]) -> tuple[float | None, list[str]]:
+    base = next((p.best.tokens_per_s_per_device for p in points if p.best is not None), None)
+    lines = [f"{'nodes':>5s} {'GPUs':>6s} {'batch':>7s} {'layout':50s} {'step s':>8s} {'tokens/s':>12s} "
+             f"{'tok/s/GPU':>10s} {'MFU %':>6s} {'eff %':>6s}"]
+    for p in points:
+        if p.best is None:
+            lines.append(f"{p.nodes:5d} {p.gpus:6d} {p.global_batch_seqs:7d} {'(none: ' + p.reason + ')'}")
+            continue
+        e = p.best
+        eff = 100 * e.tokens_per_s_per_device / base if base else float("nan")
+        lines.append(f"{p.nodes:5d} {p.gpus:6d} {p.global_batch_seqs:7d} {e.layout.short():50s} "
+                     f"{e.step_time_s:8.3f} {e.tokens_per_s_per_device * p.gpus:12,.0f} "
+                     f"{e.tokens_per_s_per_device:10,.0f} "
+                     f"{100 * e.mfu:6.1f} {eff:6.1f}")
+    return base, lines
+
+
+def plot(points: list[Point], base: float, path: str, title: str) -> bool:
+    """A PNG of efficiency by nodes, when matplotlib is installed (False when it is not)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    xs = [p.nodes for p in points if p.best is not None]
+    ys = [100 * p.best.tokens_per_s_per_device / base for p in points if p.best is not None]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(xs, ys, marker="o")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("nodes")
+    ax.set_ylabel("scaling efficiency (%)")
+    ax.set_ylim(0, 105)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def run_scaling(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, hw: Cluster, space: SearchSpace,
+                seq: int, batch_seqs: int) -> int:
+    if args.weak == args.strong:
+        raise ConfigError("plan scaling needs exactly one of --weak (the batch grows with the nodes) or --strong "
+                          "(the batch stays)")
+    nodes = parse_nodes(args.nodes_list)
+    points = scaling(cfg, seq, batch_seqs, nodes, args.weak, fw, hw, space, args.layout)
+    base, lines = report(points)
+    mode = "weak" if args.weak else "strong"
+    if args.json:
+        print(json.dumps({"model": cfg.name, "hardware": hw.name, "framework": fw.name, "mode": mode, "seq_len": seq,
+                          "points": [p.to_json(base) for p in points]}, indent=2))
+    else:
+        print(f"{cfg.name}, {mode} scaling on {hw.name} ({hw.gpus_per_node} GPUs per node), {fw.name} engine, "
+              f"seq {seq}; efficiency = tokens/s per GPU over the first size's")
+        print("\n".join(lines))
+    if args.png and base:
+        if plot(points, base, args.png, f"{cfg.name} {mode} scaling ({fw.name}, {hw.name})"):
+            print(f"wrote {args.png}")
+        else:
+            print("--png: matplotlib is not installed; no plot written")
+    return 0

@@ -5,8 +5,8 @@ What is measured: the distinct storages that the forward leaves alive for backwa
 input and output excluded. Autograd's saved tensors are seen with `torch.autograd.graph.saved_tensors_hooks`;
 checkpoint's saved inputs go through autograd and are seen there too, but selective recompute keeps the outputs
 it saves in the checkpoint's own cache, out of autograd's sight, so the tensors that the forward created and
-that are still alive afterwards (found with `gc`) are added. Measured at two token counts, per token = the
-difference / the tokens' difference, which removes constants (the checkpoint's saved RNG state).
+that are still alive afterwards (found with `gc`) are added, except the checkpoint's saved generator state (a
+constant per block). Measured at two token counts, per token = the difference / the tokens' difference.
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ def held_bytes(run: Callable[[], torch.Tensor], exclude: set[int]) -> tuple[int,
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = run()
+    rng = torch.get_rng_state().nbytes  # the checkpoint's saved CPU generator state: 5 KB per block, not counted
     for ptr, nbytes in live_storages().items():
-        if ptr not in before:
+        if ptr not in before and nbytes != rng:
             seen.setdefault(ptr, nbytes)
     skip = exclude | {out.untyped_storage().data_ptr()}
     return sum(n for ptr, n in seen.items() if ptr not in skip), out

@@ -76,29 +76,35 @@ def assert_pipeline_equivalent(layouts: list[dict[str, str]], world_size: int) -
 
 
 class RoutingStage:
-    """A synthetic stage that records what it ran and checks that each input is the one its action needs: F(i, s)
-    outputs 1000 i + s, B(i, s) outputs -(1000 i + s)."""
+    """A synthetic stage that records what it ran and checks that each input is the one its action needs, in
+    `dtype`: F(i, s) outputs 1000 i + s, B(i, s) outputs -(1000 i + s)."""
 
-    def __init__(self, stage: int, n_stages: int, calls: list) -> None:
-        self.stage, self.last, self.calls = stage, stage == n_stages - 1, calls
+    def __init__(self, stage: int, n_stages: int, calls: list, dtype: torch.dtype = torch.float32) -> None:
+        self.stage, self.last, self.calls, self.dtype = stage, stage == n_stages - 1, calls, dtype
+
+    def full(self, value: float) -> torch.Tensor:
+        return torch.full((2, 3), value, dtype=self.dtype)
 
     def forward(self, mb, x):
         self.calls.append(("F", mb, self.stage))
         if self.stage > 0:
-            assert torch.all(x == 1000 * mb + self.stage - 1), (mb, self.stage, x)
-        return None if self.last else torch.full((2, 3), 1000.0 * mb + self.stage)
+            assert x.dtype == self.dtype and torch.equal(x, self.full(1000 * mb + self.stage - 1)), (mb, self.stage, x)
+        return None if self.last else self.full(1000.0 * mb + self.stage)
 
     def backward_input(self, mb, grad):
         self.calls.append(("B", mb, self.stage))
         if not self.last:
-            assert torch.all(grad == -(1000 * mb + self.stage + 1)), (mb, self.stage, grad)
-        return None if self.stage == 0 else torch.full((2, 3), -(1000.0 * mb + self.stage))
+            assert grad.dtype == self.dtype and torch.equal(grad, self.full(-(1000 * mb + self.stage + 1))), \
+                (mb, self.stage, grad)
+        return None if self.stage == 0 else self.full(-(1000.0 * mb + self.stage))
 
     def backward_weight(self, mb):
         self.calls.append(("W", mb, self.stage))
 
 
 def executor_on_ranks(rank: int, world_size: int) -> None:
+    import itertools
+
     import torch.distributed as dist
 
     from fivefold.parallel.pipeline import PipelineExecutor
@@ -106,12 +112,12 @@ def executor_on_ranks(rank: int, world_size: int) -> None:
 
     group = dist.new_group(list(range(world_size)))
     cases = [("afab", 4, 1), ("1f1b", 5, 1), ("interleaved", 6, 2), ("zero-bubble", 5, 1), ("dualpipev", 7, 1)]
-    for name, m, v in cases:
+    for (name, m, v), dtype in itertools.product(cases, (torch.float32, torch.bfloat16)):
         for schedule in (build_schedule(name, world_size, m, v), forward_schedule(name, world_size, m, v)):
             calls: list = []
-            stages = {s: RoutingStage(s, schedule.n_stages, calls) for s, r in enumerate(schedule.stage_rank)
+            stages = {s: RoutingStage(s, schedule.n_stages, calls, dtype) for s, r in enumerate(schedule.stage_rank)
                       if r == rank}
-            trace = PipelineExecutor(group, rank, (2, 3), torch.float32, torch.device("cpu")).run(schedule, stages)
+            trace = PipelineExecutor(group, rank, (2, 3), dtype, torch.device("cpu")).run(schedule, stages)
             expected = []
             for a in schedule.actions[rank]:
                 expected.append(tuple(a))
@@ -122,9 +128,24 @@ def executor_on_ranks(rank: int, world_size: int) -> None:
 
 
 def test_executor_runs_each_rank_s_actions_in_order_and_routes_every_message():
-    """Three ranks, every schedule and its forward-only variant: each stage is called in exactly the order of its
-    rank's action list, and every activation and gradient reaches the action that needs it."""
+    """Three ranks, every schedule and its forward-only variant, in fp32 and bf16: each stage is called in exactly
+    the order of its rank's action list, and every activation and gradient reaches the action that needs it, in
+    the dtype the stages produce."""
     run_ranks(3, executor_on_ranks)
+
+
+def test_a_message_in_another_dtype_is_refused():
+    """The stages send what they produce in the executor's dtype; a tensor of another dtype is an error, not a
+    silent cast (checked before anything is posted, so no process group is needed)."""
+    from fivefold.parallel.pipeline_comm import PointToPoint
+    from fivefold.parallel.schedules import build_schedule
+
+    schedule = build_schedule("1f1b", 2, 2)
+    p2p = PointToPoint(schedule, 0, None, (2, 3), torch.bfloat16, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="torch.float32 .* but the stages communicate torch.bfloat16"):
+        p2p.post(1, {("F", 0, 0): torch.zeros(2, 3)})
+    with pytest.raises(RuntimeError, match="sends"):
+        p2p.post(1, {})
 
 
 def test_stage_split_is_the_most_balanced_by_compute():

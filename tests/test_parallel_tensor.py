@@ -259,12 +259,22 @@ def saved_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> tupl
     return sum(storages.values()), hidden
 
 
-def saved_bytes_and_grads(mode: str, rows: int, seq: int) -> tuple[int, dict[str, torch.Tensor]]:
+def saved_bytes_and_grads(mode: str, rows: int, seq: int, held: bool = False) -> tuple[
+    int, dict[str, torch.Tensor]
+]:
+    """Saved activation bytes (autograd's saved tensors; with `held`, also what selective recompute's cache
+    keeps, see tests/test_recompute.py) and the gradients of one step."""
+    from tests.test_recompute import held_bytes
+
     cfg = get_preset("tiny")
     model = build_model(cfg, "cpu", seed=0)
     apply_recompute(model, mode)
     tokens, targets = batch(cfg.vocab_size, rows, seq)
-    saved, hidden = saved_activation_bytes(model, tokens)
+    if held:
+        exclude = {t.untyped_storage().data_ptr() for t in [tokens, *model.parameters()]}
+        saved, hidden = held_bytes(lambda: model.forward_hidden(tokens), exclude)
+    else:
+        saved, hidden = saved_activation_bytes(model, tokens)
     F.cross_entropy(model.lm_head(hidden).flatten(0, 1), targets.flatten(), ignore_index=-100).backward()
     return saved, {n: p.grad for n, p in model.named_parameters()}
 
@@ -295,14 +305,17 @@ def test_recompute_same_grads_and_fewer_saved_bytes():
     cfg = get_preset("tiny")
     rows, seq = 2, 64
     none_bytes, none_grads = saved_bytes_and_grads("none", rows, seq)
-    sel_bytes, sel_grads = saved_bytes_and_grads("selective", rows, seq)
+    none_held, _ = saved_bytes_and_grads("none", rows, seq, held=True)
+    sel_bytes, sel_grads = saved_bytes_and_grads("selective", rows, seq, held=True)
     full_bytes, full_grads = saved_bytes_and_grads("full", rows, seq)
     for grads in (sel_grads, full_grads):
         for name, g in grads.items():
             assert torch.allclose(g, none_grads[name], rtol=0, atol=0), name
-    # CPU flash attention keeps q, k, v (recompute keeps them too), its output (also the input o_proj keeps)
-    # and the fp32 log-sum-exp [rows, heads, seq]: selective recompute frees exactly the latter per layer
-    assert none_bytes - sel_bytes == cfg.n_layers * rows * cfg.n_heads * seq * 4
+    # selective recompute keeps the block input and the matmul and attention outputs (q, k, v, attention, o,
+    # gate, up, down) instead of the norms' inputs, 1/rms, normalised and scaled copies and the four SwiGLU
+    # tensors: 3 h + 2 + 2 f fp32 values fewer per token and layer (docs/parallelism.md)
+    h, f = cfg.hidden, cfg.ffn
+    assert none_held - sel_bytes == cfg.n_layers * rows * seq * 4 * (3 * h + 2 + 2 * f)
     # full keeps one hidden state per block (its input) plus the final norm's input and output, the tokens,
     # cos/sin and the norm's per-row statistic
     hidden_bytes = rows * seq * cfg.hidden * 4
@@ -314,8 +327,8 @@ def test_selective_recompute_frees_attention_matrix_with_math_kernel():
     cfg = get_preset("tiny")
     rows, seq = 2, 64
     with sdpa_kernel(SDPBackend.MATH):
-        none_bytes, none_grads = saved_bytes_and_grads("none", rows, seq)
-        sel_bytes, sel_grads = saved_bytes_and_grads("selective", rows, seq)
+        none_bytes, none_grads = saved_bytes_and_grads("none", rows, seq, held=True)
+        sel_bytes, sel_grads = saved_bytes_and_grads("selective", rows, seq, held=True)
     # the math kernel keeps the softmax matrix [rows, heads, seq, seq] (at least) per layer
     assert none_bytes - sel_bytes >= cfg.n_layers * rows * cfg.n_heads * seq * seq * 4
     for name, g in sel_grads.items():

@@ -5,8 +5,9 @@ engine issues specify (tp splits projections, the vocabulary and the experts' ML
 are replicated; ZeRO shards a flat buffer over dp), and against a real AdamW step on one device.
 Activations: the planner's count against the bytes autograd really saves during a forward pass, measured
 with `torch.autograd.graph.saved_tensors_hooks` (distinct storages, parameters excluded), for several
-(batch, seq) shapes, dense and MoE, with recompute none / selective (attention core) / full (block) applied
-with `torch.utils.checkpoint` as the engine applies them.
+(batch, seq) shapes, dense and MoE, with recompute none / selective (op-level policy, `parallel/recompute.py`; the
+outputs it keeps out of autograd's sight counted too, see tests/test_recompute.py) / full (block) applied with
+`torch.utils.checkpoint` as the engine applies them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fivefold.models.llama import build_model
 from fivefold.models.loss import linear_cross_entropy_sum
+from fivefold.parallel.recompute import apply_recompute
 from fivefold.planner.layout import FIVEFOLD, FIVEFOLD_CPU, Layout
 from fivefold.planner.memory import forward_saved_bytes, model_state_bytes, rank_memory
 from fivefold.presets import get_preset
@@ -118,10 +120,15 @@ def measure_saved_bytes(cfg, batch: int, seq: int, recompute: str = "none", bf16
     if recompute == "full":
         for block in model.layers.values():
             block.forward = (lambda f: lambda x, c, s: checkpoint(f, x, c, s, use_reentrant=False))(block.forward)
-    elif recompute == "selective":
-        for block in model.layers.values():
-            core = block.attn.core
-            block.attn.core = (lambda f: lambda q, k, v: checkpoint(f, q, k, v, use_reentrant=False))(core)
+    elif recompute == "selective":  # the engine's op-level policy; its kept outputs are counted as well
+        from tests.test_recompute import held_bytes
+
+        apply_recompute(model, "selective")
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
+        exclude = {t.untyped_storage().data_ptr() for t in [x, *model.parameters()]}
+        return held_bytes(lambda: linear_cross_entropy_sum(model.forward_hidden(x), model.lm_head.weight, x, 8192,
+                                                           torch.float32), exclude)[0]
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 

@@ -102,6 +102,14 @@ def build_stages(cfg: ModelConfig, counts: list[int], placement: tuple[int, ...]
     return {s: stage_module(full, ranges[s], s == 0, s == last) for s, r in enumerate(placement) if r == pp_rank}
 
 
+def activation_dtype(stages: list[nn.Module], bf16: bool) -> torch.dtype:
+    """The dtype of the hidden states that `stages` produce, and so of what they send: the residual stream starts
+    as the embedding's output, in the parameters' dtype, and the blocks add their outputs (computed in bf16 under
+    autocast) into it, which keeps the wider of the two."""
+    param = next(p for stage in stages for p in stage.parameters())
+    return torch.promote_types(param.dtype, torch.bfloat16) if bf16 else param.dtype
+
+
 # ---------------------------------------------------------------------------------------------
 # The B / W split: linear layers that leave their weight gradient for later
 
@@ -223,8 +231,8 @@ class Ran:
 
 class PipelineExecutor:
     """Runs pp rank `rank`'s action list of a schedule over its stages, with point-to-point transfers of tensors
-    of `shape` and `dtype` on `group` (the pp group; ranks are pp ranks). `trace` holds what the last `run`
-    executed, in order."""
+    of `shape` and `dtype` (the dtype of the activations the stages produce) on `group` (the pp group; ranks are pp
+    ranks), one batch per action (`pipeline_comm`). `trace` holds what the last `run` executed, in order."""
 
     def __init__(self, group: ProcessGroup, rank: int, shape: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -244,19 +252,19 @@ class PipelineExecutor:
 
         def take(kind: str, mb: int, producer: int) -> torch.Tensor:
             key = (kind, mb, producer)
-            return local.pop(key) if where[producer] == self.rank else p2p.receive(key, where[producer])
+            return local.pop(key) if where[producer] == self.rank else p2p.receive(key)
 
         def give(kind: str, mb: int, producer: int, tensor: torch.Tensor) -> None:
-            consumer = where[consumer_stage(kind, producer)]
-            if consumer == self.rank:
+            if where[consumer_stage(kind, producer)] == self.rank:
                 local[(kind, mb, producer)] = tensor.detach()
             else:
-                p2p.send((kind, mb, producer), tensor, consumer)
+                sent[(kind, mb, producer)] = tensor
 
-        for action in schedule.actions[self.rank]:
-            p2p.post_receives()
+        p2p.post(0, {})
+        for index, action in enumerate(schedule.actions[self.rank]):
             kind, mb, s = action
             stage = stages[s]
+            sent: dict[tuple[str, int, int], torch.Tensor] = {}
             if kind == "F":
                 x = None if s == 0 else take("F", mb, s - 1)
                 start = time.perf_counter()
@@ -275,6 +283,7 @@ class PipelineExecutor:
                 start = time.perf_counter()
                 stage.backward_weight(mb)
             self.trace.append(Ran(action, start, time.perf_counter()))
+            p2p.post(index + 1, sent)  # this action's send with the receives that follow it, as one batch
         p2p.finish()
         if local:
             raise RuntimeError(f"pipeline step ended with local hand-overs unused: {sorted(local)}")

@@ -3,19 +3,37 @@
 What is communicated: the forward pass F(i, s) sends its output activations (this rank's [micro-batch, local
 sequence, hidden]) to the rank of stage s + 1; the backward pass B(i, s) sends the gradient with respect to its
 input to the rank of stage s - 1. Nothing else: weights never move. Between two stages on the same rank (the
-turn of the V in DualPipeV) the tensor is handed over locally by the executor, not sent.
+turn of the V in DualPipeV) the tensor is handed over locally by the executor, not sent. Tensors travel in the
+compute dtype, the dtype of the activations the stages produce (the executor's `dtype`; a tensor of another dtype
+is refused, never cast silently).
 
 Ordering. Every rank knows every rank's action list (they come from `schedules.build_schedule`), so it knows
 every message of the step, who sends it and when, before the step starts; shapes are known too, so receive
-buffers are allocated up front. The messages of each pair of ranks are put in one global order, the order in
-which the schedule's simulation (`schedules.simulate`) produces them, ties broken by the sending rank. Both ranks
-of a pair issue their sends and receives in that order, with the message's position in it as the tag. This
-matters on NCCL, where the sends and receives of a pair of ranks run in issue order on one stream: if one rank
-issued "send x, receive y" and its neighbour "send y, receive x", both streams would wait forever. The order is
-causal (a message a rank needs before it can produce another comes first in the simulation too), so a rank never
-has to issue a send it has not produced yet. Receives are posted as early as that order allows: before every
-action, each pair's receives are posted up to the next send of that pair, so transfers overlap with compute.
-Sends are asynchronous and waited for at the end of the step.
+buffers are allocated up front. All the messages of the step are put in one global order, the order in which the
+schedule's simulation (`schedules.simulate`) produces them, ties broken by the sending rank (`message_plan`).
+Each rank posts its own sends and receives, to and from every peer, in that global order, as one
+`batch_isend_irecv` per action (`posting_plan`): before the first action, the receives that come before its first
+send; after each action that sends, its send together with the receives that follow it in the order, up to the
+next send (usually including the next action's input, as Megatron's send-forward-receive-backward does). An
+action that sends nothing posts nothing. A receive is waited for (its whole batch, as a backend with one stream
+per rank would) just before the action that needs it; sends are waited for at the end of the step.
+
+Why this cannot deadlock on a backend that runs a rank's point-to-point operations in issue order on one stream
+(NCCL on one communicator: a group of sends and receives launches as one unit, its operations progress
+independently, and it completes when all of them have; each send completes only when the peer's matching
+receive is running, and the operations between one pair in one direction match in issue order, tags ignored).
+Take the earliest message in the global order that has not completed. Both its ranks have posted it: a rank posts
+everything up to the receive it waits for, and a send is posted right after the action that produces it; the
+order is causal (a message that an action needs is produced before any message that the action, or a later
+action of the same rank, produces), so a rank is never stuck before posting an earlier message. Every batch
+ahead of it in either rank's stream holds only earlier messages, which have completed, so both batches are at the
+heads of their streams, the message matches, and the step moves on. The old posting (receives per pair of ranks
+up to that pair's next send, each operation alone) lets rank 0 of the interleaved schedule with pp >= 3 queue a
+receive from the last rank ahead of its first send to rank 1, and every rank waits forever.
+tests/test_pipeline_p2p_replay.py replays every schedule under a model of such a backend, for both postings.
+
+NCCL needs the first call on a group to involve every rank of it unless its communicator is initialised eagerly
+(`init_process_group(device_id=...)`); the first batch of a step involves only some ranks.
 """
 
 from __future__ import annotations
@@ -68,68 +86,121 @@ def message_plan(schedule: Schedule) -> tuple[Message, ...]:
     return tuple(sorted(messages, key=lambda m: (sim.end[m.key], m.src, m.kind, m.micro_batch, m.stage)))
 
 
+@dataclass(frozen=True)
+class Op:
+    """One side of a message: this rank sends it (`send`) or receives it; `tag` is its place in the global order
+    (backends that match by tag, like gloo, use it; NCCL matches by issue order, which the plan keeps)."""
+
+    send: bool
+    message: Message
+    tag: int
+
+    def peer(self) -> int:
+        return self.message.dst if self.send else self.message.src
+
+
+@lru_cache(maxsize=256)
+def posting_plan(schedule: Schedule, rank: int) -> tuple[tuple[Op, ...], ...]:
+    """What pp rank `rank` posts as one batch before its first action (item 0) and after each of its actions
+    (item k + 1 after action k); an empty batch posts nothing. Raises if the order is not causal (a send would have
+    to be posted before the action producing it ran, or an action's input would not be posted before it)."""
+    ops = [Op(m.src == rank, m, tag) for tag, m in enumerate(message_plan(schedule)) if rank in (m.src, m.dst)]
+    pos = 0
+
+    def receives() -> list[Op]:
+        nonlocal pos
+        out = []
+        while pos < len(ops) and not ops[pos].send:
+            out.append(ops[pos])
+            pos += 1
+        return out
+
+    batches = [tuple(receives())]
+    posted = {op.message.key for op in batches[0]}
+    where, last = schedule.stage_rank, schedule.n_stages - 1
+    for action in schedule.actions[rank]:
+        kind, mb, s = action
+        if kind != "W" and not (kind == "F" and s == 0) and not (kind == "B" and s == last):
+            producer = s - 1 if kind == "F" else s + 1
+            if where[producer] != rank and (kind, mb, producer) not in posted:
+                raise RuntimeError(f"pipeline schedule {schedule.name}: rank {rank}'s action {tuple(action)} needs "
+                                   f"message {(kind, mb, producer)} before the global order lets it be posted")
+        batch: list[Op] = []
+        if kind != "W" and not (kind == "F" and s == last) and not (kind == "B" and s == 0) \
+                and where[consumer_stage(kind, s)] != rank:
+            if pos >= len(ops) or ops[pos].message.key != tuple(action):
+                raise RuntimeError(f"pipeline schedule {schedule.name}: rank {rank}'s send of {tuple(action)} is "
+                                   f"out of the global order (next planned: "
+                                   f"{ops[pos].message.key if pos < len(ops) else None})")
+            batch.append(ops[pos])
+            pos += 1
+            batch += receives()
+        posted.update(op.message.key for op in batch)
+        batches.append(tuple(batch))
+    if pos != len(ops):
+        raise RuntimeError(f"pipeline schedule {schedule.name}: rank {rank} never posts {ops[pos].message}")
+    return tuple(batches)
+
+
 class PointToPoint:
     """The sends and receives of one pp rank for one step of `schedule`; every tensor has `shape` and `dtype`.
 
-    `send(key, tensor)` and `receive(key)` take the producing action's (kind, micro-batch, stage)."""
+    The executor calls `post(k, sent)` before its first action (k = 0, nothing sent) and after each action
+    (k = index + 1, with what that action sends, keyed by the producing action (kind, micro-batch, stage)), and
+    `receive(key)` for an action's input."""
 
     def __init__(self, schedule: Schedule, rank: int, group: ProcessGroup, shape: tuple[int, ...],
                  dtype: torch.dtype, device: torch.device) -> None:
         self.group, self.rank, self.shape, self.dtype, self.device = group, rank, shape, dtype, device
-        self.ops: dict[int, list[Message]] = {}  # peer -> this pair's messages in the global order
-        for msg in message_plan(schedule):
-            if self.rank in (msg.src, msg.dst):
-                self.ops.setdefault(msg.dst if msg.src == self.rank else msg.src, []).append(msg)
-        self.position = dict.fromkeys(self.ops, 0)
-        self.tags = {(peer, msg.key): tag for peer, msgs in self.ops.items() for tag, msg in enumerate(msgs)}
-        self.pending: dict[tuple[str, int, int], tuple[dist.Work, torch.Tensor]] = {}
-        self.sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self.plan = posting_plan(schedule, rank)
+        self.batches: dict[int, tuple[list[dist.Work], list[torch.Tensor]]] = {}  # in flight: works, sent tensors
+        self.received: dict[tuple[str, int, int], tuple[int, torch.Tensor]] = {}  # key -> (batch, buffer)
 
-    def _post_until(self, peer: int, stop: tuple[str, int, int] | None) -> None:
-        """Post this pair's receives in order, up to the next send (or up to and including the send `stop`)."""
-        msgs, pos = self.ops[peer], self.position[peer]
-        while pos < len(msgs) and msgs[pos].dst == self.rank:
-            msg = msgs[pos]
-            buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            work = dist.irecv(buffer, group=self.group, group_src=peer, tag=pos)
-            self.pending[msg.key] = (work, buffer)
-            pos += 1
-        self.position[peer] = pos
-        if stop is not None:
-            if pos >= len(msgs) or msgs[pos].key != stop:
-                raise RuntimeError(f"pipeline send {stop} to rank {peer} is out of the planned order "
-                                   f"(next planned: {msgs[pos].key if pos < len(msgs) else None})")
-            self.position[peer] = pos + 1
+    def post(self, index: int, sent: dict[tuple[str, int, int], torch.Tensor]) -> None:
+        ops = self.plan[index]
+        planned = {op.message.key for op in ops if op.send}
+        if set(sent) != planned:
+            raise RuntimeError(f"pipeline rank {self.rank}, batch {index}: sends {sorted(sent)} but the plan has "
+                               f"{sorted(planned)}")
+        self._release()
+        p2p, tensors = [], []
+        for op in ops:
+            if op.send:
+                tensor = sent[op.message.key].detach()
+                if tensor.dtype != self.dtype or tuple(tensor.shape) != tuple(self.shape):
+                    raise RuntimeError(f"pipeline message {op.message.key} is {tensor.dtype} {tuple(tensor.shape)}, "
+                                       f"but the stages communicate {self.dtype} {tuple(self.shape)} (the dtype of "
+                                       "the activations the stages produce)")
+                tensor = tensor.contiguous()
+                tensors.append(tensor)
+                p2p.append(dist.P2POp(dist.isend, tensor, group=self.group, tag=op.tag, group_peer=op.peer()))
+            else:
+                buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                self.received[op.message.key] = (index, buffer)
+                p2p.append(dist.P2POp(dist.irecv, buffer, group=self.group, tag=op.tag, group_peer=op.peer()))
+        if p2p:
+            self.batches[index] = (list(dist.batch_isend_irecv(p2p)), tensors)
 
-    def post_receives(self) -> None:
-        """Post every receive that the order allows now, and let go of the sends that have completed (called before
-        each action, so that a sent tensor is not held to the end of the step)."""
-        self.sends = [(work, tensor) for work, tensor in self.sends if not work.is_completed()]
-        for peer in self.ops:
-            self._post_until(peer, None)
+    def _release(self) -> None:
+        """Let go of the sent tensors of batches that have completed."""
+        for index in [i for i, (works, _) in self.batches.items() if all(w.is_completed() for w in works)]:
+            self._wait(index)
 
-    def send(self, key: tuple[str, int, int], tensor: torch.Tensor, peer: int) -> None:
-        self._post_until(peer, key)
-        tensor = tensor.detach().contiguous()
-        self.sends.append((dist.isend(tensor, group=self.group, group_dst=peer, tag=self.tags[(peer, key)]), tensor))
-        self._post_until(peer, None)
+    def _wait(self, index: int) -> None:
+        works, _ = self.batches.pop(index, ((), ()))
+        for work in works:
+            work.wait()
 
-    def receive(self, key: tuple[str, int, int], peer: int) -> torch.Tensor:
-        if key not in self.pending:
-            self._post_until(peer, None)
-        if key not in self.pending:
-            raise RuntimeError(f"pipeline message {key} from rank {peer} is needed before the planned order "
-                               "allows its receive: the schedule is not causal")
-        work, buffer = self.pending.pop(key)
-        work.wait()
+    def receive(self, key: tuple[str, int, int]) -> torch.Tensor:
+        if key not in self.received:
+            raise RuntimeError(f"pipeline message {key} is needed before its receive was posted")
+        index, buffer = self.received.pop(key)
+        self._wait(index)
         return buffer
 
     def finish(self) -> None:
-        """Wait for the outstanding sends; every planned message must have been exchanged."""
-        for work, _ in self.sends:
-            work.wait()
-        self.sends.clear()
-        left = [peer for peer, msgs in self.ops.items() if self.position[peer] != len(msgs)]
-        if left or self.pending:
-            raise RuntimeError(f"pipeline step ended with messages not exchanged (peers {left}, "
-                               f"received but unused {sorted(self.pending)})")
+        """Wait for the batches still in flight; every planned message must have been exchanged and used."""
+        for index in list(self.batches):
+            self._wait(index)
+        if self.received:
+            raise RuntimeError(f"pipeline step ended with messages received but unused: {sorted(self.received)}")

@@ -2,26 +2,48 @@
 `Llama` in place:
 
 - `none`: every activation that backward needs is kept.
-- `selective`: only the attention core (`Attention.core`, the SDPA call) is recomputed in backward; its
-  inputs q, k, v are kept, its output and softmax statistics (or the attention matrix with the math kernel)
-  are not. Cheap to recompute relative to the memory it frees, as in Korthikanti et al.
-- `full`: each block is recomputed in backward from its input; only the block inputs are kept. Under tensor
-  / sequence parallelism the recompute repeats the block's forward communication (all-reduce or
-  all-gather) in backward, the same on every tp rank.
+- `selective`: each block is checkpointed with an op-level policy (`create_selective_checkpoint_contexts`):
+  the outputs of the matmuls that carry weights (`aten::mm`, `aten::addmm`: the q/k/v, o, gate/up and down
+  projections) and of the fused attention kernels (output and log-sum-exp) are kept; the cheap element-wise work
+  (the RMSNorms, rotary, SiLU and the SwiGLU product, the residual adds, autocast's casts) is recomputed in
+  backward from the block input and those outputs. Batched matmuls (the math attention kernel's scores, the MoE
+  experts) and collectives are recomputed too. Per token and layer this keeps
+  h + 2 h + (2 H + 2 Hkv) d + 2 f values (input, o and down outputs, q k v and attention output, gate and up)
+  plus the fp32 log-sum-exp, instead of the norms' inputs, statistics, normalised and scaled copies, the rotated
+  q and k and the four f-sized SwiGLU tensors (docs/parallelism.md).
+- `full`: each block is recomputed in backward from its input; only the block inputs are kept.
 
-Apply after tensor parallelism. The recomputed forward is the same code on the same inputs, so gradients
-are unchanged.
+Under tensor / sequence parallelism the recompute (selective or full) repeats the block's forward communication
+(all-reduce or all-gather) in backward, the same on every tp rank. Apply after tensor parallelism. The
+recomputed forward is the same code on the same inputs, so gradients are unchanged.
 """
 
 from __future__ import annotations
 
 import functools
 
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fivefold.models.llama import Llama
 
 RECOMPUTE_MODES = ("none", "selective", "full")
+
+# kept under selective recompute: the weight matmuls and the fused attention kernels (by operator name, so that
+# no private operator handle is needed; the names are those of torch 2.11 to 2.13 on CPU and GPU)
+SAVED_OPS = ("aten::mm", "aten::addmm", "aten::_scaled_dot_product_flash_attention",
+             "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_efficient_attention",
+             "aten::_scaled_dot_product_cudnn_attention", "aten::_flash_attention_forward",
+             "aten::_efficient_attention_forward")
+
+
+def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Keep the matmul and attention outputs, recompute everything else."""
+    name = op.name().split(".")[0]
+    return CheckpointPolicy.MUST_SAVE if name in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_contexts():
+    return create_selective_checkpoint_contexts(selective_policy)
 
 
 def apply_recompute(model: Llama, mode: str) -> None:
@@ -33,7 +55,7 @@ def apply_recompute(model: Llama, mode: str) -> None:
     model.recompute_mode = mode
     for block in model.layers.values():
         if mode == "selective":
-            # instance attribute: `Attention.forward` calls `self.core`, which now checkpoints the kernel
-            block.attn.core = functools.partial(checkpoint, block.attn.core, use_reentrant=False)
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False,
+                                              context_fn=selective_contexts)
         elif mode == "full":
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)

@@ -14,6 +14,9 @@ them (checked against `torch.autograd.graph.saved_tensors_hooks` on the real mod
   casts the fp32 norm output separately for q, k and v, and for gate and up);
 * rotary embedding saves nothing per token beyond the cos/sin tables (once per micro-batch);
 * the attention kernel saves q, k, v, its output (also the output projection's input) and the log-sum-exp;
+* under selective recompute a block keeps only its input and the outputs of its weight matmuls and of the
+  attention kernel (q, k, v, attention output and log-sum-exp, o, gate, up, down; for MoE the router logits and
+  the shared experts'), see `parallel/recompute.py`;
 * SwiGLU saves gate and up outputs, the SiLU output and the product;
 * the fused output layer + cross-entropy saves the gradient of the hidden states and of the output weight
   (computed in forward).
@@ -152,12 +155,22 @@ def layer_activation_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Frame
     norm = t_seq * (h * rb + 4 + (h * 4 if fw.norm_saves_normalized else 0))  # input, 1/rms, normalised input
     if lay.recompute == "full":
         return {"block_input": t_seq * h * rb, "total": t_seq * h * rb}
+    if lay.recompute == "selective":  # the block input and the outputs of the weight matmuls and attention kernel
+        heads, kv = cfg.n_heads // tp, max(cfg.n_kv_heads // tp, 1)
+        attn = tokens * ((2 * heads + 2 * kv) * d + h) * ab + tokens * heads * 4  # q k v, output, o; fp32 lse
+        if cfg.is_moe:  # router logits and the shared experts' gate, up, down (the routed experts' bmm recompute)
+            fs = cfg.n_shared_experts * cfg.expert_ffn // tp
+            mlp = tokens * (cfg.n_experts + (2 * fs + h if fs else 0)) * ab
+        else:
+            mlp = tokens * (2 * (cfg.ffn // tp) + h) * ab  # gate, up, down
+        total = (t_seq * h * rb + attn + mlp) * fw.activation_scale
+        return {"block_input": t_seq * h * rb, "attention": attn, "mlp": mlp, "total": total}
     per_op = ab == 2 and fw.autocast_weight_copies  # autocast casts the norm output once per linear reading it
     casts = 3 if per_op else 1
     heads = cfg.n_heads // tp
     kv = max(cfg.n_kv_heads // tp, 1)
     attn = tokens * (2 * heads * d + 2 * kv * d) * ab
-    lse = 0.0 if lay.recompute == "selective" else tokens * heads * 4
+    lse = tokens * heads * 4
     attn_total = norm + casts * t_in * h * ab + attn + lse
     mlp_in = (2 if per_op else 1) * (tokens if cfg.is_moe else t_in) * h * ab  # MoE gathers before routing
     if cfg.is_moe:
@@ -227,7 +240,7 @@ def rank_memory(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, in_fligh
     act = stage_activation_bytes(cfg, tokens, seq // lay.cp, lay, fw, rp, moe_imbalance)
     rep.parts["activations"] = act * in_flight
     copies = 0.0
-    if fw.autocast_weight_copies and lay.recompute != "full":
+    if fw.autocast_weight_copies and lay.recompute == "none":  # selective recomputes the casts too
         copies = 2 * rp.matmul * in_flight
     rep.parts["bf16_weight_copies"] = copies
     # transient: the loss chunk on the last stage, or one recomputed block during backward
@@ -239,9 +252,10 @@ def rank_memory(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, in_fligh
         transient = chunk * v_local * fw.logits_bytes
         if fw.fused_loss_chunk and fw.compute_dtype == "bf16":
             transient += v_local * cfg.hidden * 2  # the bf16 cast of the output weight
-    if lay.recompute == "full":
-        full = dataclasses.replace(lay, recompute="none")
-        transient = max(transient, layer_activation_bytes(cfg, tokens, full, fw, moe_imbalance)["total"])
+    if lay.recompute != "none":  # what one block's recompute rebuilds during its backward
+        none = layer_activation_bytes(cfg, tokens, dataclasses.replace(lay, recompute="none"), fw, moe_imbalance)
+        kept = layer_activation_bytes(cfg, tokens, lay, fw, moe_imbalance)
+        transient = max(transient, none["total"] - (kept["total"] if lay.recompute == "selective" else 0))
     rep.parts["transient"] = transient
     lp = layer_params(cfg, lay.tp, lay.ep)
     comm = 0.0

@@ -62,9 +62,8 @@ def scale_layout(lay: Layout, gpus: int, batch_seqs: int) -> Layout:
     dp = gpus // model_parallel
     if batch_seqs % (dp * lay.micro_batch_size):
         raise ConfigError(f"--layout on {gpus} GPUs: dp x micro_batch_size = {dp} x {lay.micro_batch_size} does not "
-                          f"divide the global batch of {batch_seqs} sequences; use a smaller micro_batch_size or a batch that is "
-                          f"a multiple of "
-                          f"{dp * lay.micro_batch_size} sequences")
+                          f"divide the global batch of {batch_seqs} sequences; use a smaller micro_batch_size or a "
+                          f"batch that is a multiple of {dp * lay.micro_batch_size} sequences")
     return dataclasses.replace(lay, dp=dp, grad_accum_steps=batch_seqs // (dp * lay.micro_batch_size))
 
 

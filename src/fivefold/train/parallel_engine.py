@@ -32,6 +32,7 @@ from fivefold.parallel.parallelize import DataParallel, LossModel, parallelize, 
 from fivefold.parallel.pipeline import (
     PipelineExecutor,
     WeightGradQueue,
+    activation_dtype,
     build_stages,
     layer_ranges,
     stage_layer_counts,
@@ -353,7 +354,8 @@ class PipelineEngine(ParallelEngine):
         shape = (rows, local_seq // self.tp_size if self.cfg.layout.sp else local_seq, self.cfg.model.hidden)
         for runner in self.runners.values():
             runner.begin(prepared, global_tokens, training)
-        executor = PipelineExecutor(self.pp_group, self.pp_rank, shape, torch.float32, self.device)
+        dtype = activation_dtype([runner.module for runner in self.runners.values()], self.bf16)
+        executor = PipelineExecutor(self.pp_group, self.pp_rank, shape, dtype, self.device)
         executor.run(self.schedule(len(micro_batches), training), self.runners)
         self.traces[training] = executor.trace
         if training and self.cfg.model.capacity_factor > 0:  # this rank's layers' share of the mean over all MoE layers

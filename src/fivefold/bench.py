@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fivefold import faults
 from fivefold.config import Config, ConfigError, build_config, write_text_atomic
 from fivefold.flops import training_flops_per_token
-from fivefold.train.cli import check_layout, local_world_size, parse_overrides, start_or_join
+from fivefold.train.cli import check_layout, check_start, local_world_size, parse_overrides, start_or_join
 from fivefold.train.engine import Engine, create_engine, resolve_device
 from fivefold.train.metrics import gather_ints, peak_memory_bytes, resolve_peak_tflops, synchronize
 
@@ -139,8 +140,11 @@ def run_bench(args: argparse.Namespace, cfg: Config) -> dict:
     barrier = dist.barrier if dist.is_initialized() else (lambda: None)
     # the split times micro-batches one by one, which only engines with the plain micro-batch loop allow
     can_split = type(engine).forward_backward is Engine.forward_backward
+    steps = [0]
 
     def step(split: dict[str, float] | None) -> None:
+        steps[0] += 1
+        faults.note(step=steps[0], micro_batch=None, action="forward-backward")
         if split is None:
             engine.forward_backward(micro, global_tokens)
             engine.optimizer_step()
@@ -257,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nproc = {args.nproc} must be >= 1")
     cfg = bench_config(args)  # every config error before any process starts
     check_layout(cfg, local_world_size(args.nproc))
+    check_start(cfg, args.nproc, run_dir=False, warn=False)
     status = start_or_join(cfg, args.nproc, forwarded_argv(args), "bench")
     if status is not None:
         return status

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 import types
 import typing
@@ -159,6 +160,9 @@ class TrainConfig:
     checkpoint_every: int = 0  # 0 = only at the end
     keep_checkpoints: int = 2
     threads: int = 0  # CPU intra-op threads; 0 = PyTorch's choice
+    # longest wait of a collective (and of the watchdog for a stalled rank) before the job ends; see
+    # docs/operations.md
+    collective_timeout_s: float = 600.0
 
 
 @dataclass
@@ -191,6 +195,7 @@ class Config:
 
     def validate(self) -> None:
         self.model.validate()
+        _require_finite(self)
         t, la = self.train, self.layout
         for name in ("seq_len", "global_batch_size", "max_steps", "eval_batches", "keep_checkpoints"):
             _require(getattr(t, name) >= 1, f"train.{name}", getattr(t, name), "must be >= 1")
@@ -207,6 +212,9 @@ class Config:
         _require(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every,
                  "must be >= 0 (0 = only at the end)")
         _require(t.threads >= 0, "train.threads", t.threads, "must be >= 0")
+        _require(t.collective_timeout_s >= 1, "train.collective_timeout_s", t.collective_timeout_s,
+                 "must be >= 1 second (default 600)")
+        _check_device_name(t.device)
         if t.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {self.model.max_seq_len}; "
@@ -248,6 +256,32 @@ class Config:
 def _nearest_multiples(value: int, base: int) -> list[int]:
     lo = max(base, value // base * base)
     return sorted({lo, lo + base})
+
+
+def _require_finite(cfg: Config) -> None:
+    """Every float field a finite number: inf and nan pass the comparisons of `validate` and train to NaN."""
+    for section in ("model", "train", "data", "log"):
+        part = getattr(cfg, section)
+        for f in dataclasses.fields(part):
+            value = getattr(part, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section}.{f.name} = {value!r} must be a finite number")
+        for key, value in (part.rope_scaling.items() if section == "model" else ()):
+            if not math.isfinite(value):
+                raise ConfigError(f"model.rope_scaling.{key} = {value!r} must be a finite number")
+
+
+def _check_device_name(name: str) -> None:
+    """`train.device` names a device PyTorch knows (whether this machine has it is checked when training starts)."""
+    import torch
+
+    if name == "auto":
+        return
+    try:
+        torch.device(name)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"train.device = {name!r} is not a device PyTorch knows; use auto, cpu, or an accelerator "
+                          "type such as cuda, cuda:1 or xpu") from None
 
 
 def _require(ok: bool, name: str, value: Any, rule: str) -> None:
@@ -349,7 +383,11 @@ def load_file(path: str | Path, what: str = "config file") -> dict[str, Any]:
                 raise ConfigError(f"{what} {str(path)!r} must hold a mapping at the top level")
             return data
         if path.suffix == ".json":
-            return json.loads(text)
+            data = json.loads(text)
+            if not isinstance(data, dict):
+                raise ConfigError(f"{what} {str(path)!r} must hold a JSON object (sections and fields) at the top "
+                                  f"level, not a {type(data).__name__}")
+            return data
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{what} {str(path)!r} is not valid: {e}") from None
     except Exception as e:  # yaml.YAMLError without importing yaml at module level

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from fivefold import faults
 from fivefold.config import Config, ConfigError, LayoutConfig, ModelConfig
 from fivefold.flops import balanced_stage_layers
 from fivefold.models.llama import Llama, build_model
@@ -315,6 +316,7 @@ class PipelineExecutor:
         for action in schedule.actions[self.rank]:
             p2p.post_receives()
             kind, mb, s = action
+            faults.note(micro_batch=mb, action=f"{kind} of stage {s}")
             stage = stages[s]
             if kind == "F":
                 x = None if s == 0 else take("F", mb, s - 1)

@@ -110,24 +110,32 @@ def start_or_join(cfg: Config, nproc: int, argv: list[str], verb: str) -> int | 
         from fivefold.parallel import init_distributed
         from fivefold.train.engine import resolve_device
 
-        init_distributed(resolve_device(cfg.train.device).type)
+        init_distributed(resolve_device(cfg.train.device).type, cfg.train.collective_timeout_s)
     return None
 
 
 def run(args: argparse.Namespace) -> int:
+    from fivefold.train import preflight
     from fivefold.train.loop import RunDirError, train
 
-    cfg = resolve_config(args)
+    preflight.check_nproc(args.nproc, args.nodes)
+    if args.hf:
+        preflight.check_hf_dir(args.hf)
+    if args.resume and args.run_dir:
+        preflight.check_run_dir_writable(Path(args.run_dir), resume=True)
+    try:
+        cfg = resolve_config(args)
+    except RunDirError as e:
+        raise CliError(str(e)) from None
     cfg.validate()  # every config error before any process starts
     check_layout(cfg, args.nodes * args.nproc if args.slurm else local_world_size(args.nproc))
     if args.slurm:
         from fivefold.parallel import write_slurm_script
 
-        if args.nodes < 1 or args.nproc < 1:
-            raise CliError(f"--nodes = {args.nodes} and --nproc = {args.nproc} must both be >= 1")
         path = write_slurm_script(args.slurm, forwarded_argv(args, cfg.run_dir), args.nodes, args.nproc)
         print(f"wrote {path}: {args.nodes} node(s) x {args.nproc} processes; submit it with `sbatch {path}`")
         return 0
+    check_start(cfg, args.nproc, resume=args.resume)
     # every process must agree on the run directory
     status = start_or_join(cfg, args.nproc, forwarded_argv(args, cfg.run_dir), "train")
     if status is not None:
@@ -139,6 +147,25 @@ def run(args: argparse.Namespace) -> int:
     except (RunDirError, CheckpointError) as e:
         raise CliError(str(e)) from None
     return 0
+
+
+def check_start(cfg: Config, nproc: int, resume: bool = False, run_dir: bool = True, warn: bool = True) -> None:
+    """What this machine must offer the run (the device, its memory, the optional packages, a writable run
+    directory), checked once by the process the user started, before anything is written; then warnings for
+    settings that work but were probably not meant."""
+    import sys
+
+    from fivefold.train import preflight
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a started worker: its launcher checked
+        return
+    device = preflight.check_device(cfg.train.device)
+    preflight.check_extras(cfg)
+    preflight.check_memory(cfg, device, nproc)
+    if run_dir:
+        preflight.check_run_dir_writable(Path(cfg.run_dir), resume)
+    for line in preflight.warnings(cfg, device) if warn else []:
+        print(f"fivefold: warning: {line}", file=sys.stderr)
 
 
 def forwarded_argv(args: argparse.Namespace, run_dir: str) -> list[str]:

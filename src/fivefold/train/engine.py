@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fivefold import faults
 from fivefold.config import Config
 from fivefold.models.llama import Llama
 from fivefold.train.loss import linear_cross_entropy_sum
@@ -119,6 +120,7 @@ class Engine:
         drops = []
         capacity = self.cfg.model.capacity_factor > 0  # only capacity-based routing drops, so only it is logged
         for i, (inputs, targets) in enumerate(micro_batches):
+            faults.note(micro_batch=i, action="forward-backward")
             with self.micro_batch_context(i, len(micro_batches)):
                 loss, loss_sum = self.micro_batch_loss(inputs, targets, global_tokens)
                 loss.backward()

@@ -13,6 +13,7 @@ from typing import TextIO
 
 import torch
 
+from fivefold import faults
 from fivefold.config import (
     Config,
     ConfigError,
@@ -115,6 +116,7 @@ def evaluate(engine: Engine, batches: list[tuple[torch.Tensor, torch.Tensor]], m
     total = torch.zeros((), device=engine.device, dtype=torch.float64)
     tokens = 0
     for inputs, targets in batches:
+        faults.note(micro_batch=None, action="evaluation")
         rows = inputs.shape[0] // engine.dp_size
         lo = engine.dp_rank * rows
         total += engine.eval_micro_batches(split_micro_batches(inputs[lo:lo + rows], targets[lo:lo + rows], mbs,
@@ -143,6 +145,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
     data_dir = resolve_data(cfg, is_first, barrier)
     train_set, val_set = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
     train_set.check_model_vocab(cfg.model.vocab_size)
+    val_set.check_model_vocab(cfg.model.vocab_size)
     sampler = BatchSampler(train_set, t.seq_len, t.global_batch_size, t.seed)
     val_rows = max(cfg.layout.dp, min(t.global_batch_size, 16) // cfg.layout.dp * cfg.layout.dp)
     val_data = list(val_batches(val_set, t.seq_len, val_rows, t.eval_batches))
@@ -192,12 +195,14 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
             writer.write(record)
 
     def validate_now(step: int) -> None:
+        faults.note(step=step, micro_batch=None, action="evaluation")
         val = evaluate(engine, val_data, mbs)
         result.val_losses[step] = val
         log({"step": step, "val_loss": val})
 
     def save(step: int) -> None:
         # every rank: gather the full model state (collective) and write its optimizer shard if sharded
+        faults.note(step=step, micro_batch=None, action="checkpoint")
         state = ckpt.TrainerState(step=step, tokens_seen=tokens_seen)
         model_state, optimizer_state = engine.model_state(), engine.optimizer_state()
         if engine.is_logging_rank:
@@ -227,10 +232,12 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
     throughput = Throughput()
     with profiler or contextlib.nullcontext():
         for step in range(start, t.max_steps):
+            faults.note(step=step + 1, micro_batch=None, action="data")
             lr = engine.set_lr(step)
             inputs, targets = sampler.rank_batch(step, engine.dp_rank, engine.dp_size)
             micro_batches = split_micro_batches(inputs, targets, mbs, device)
             loss_sum = engine.forward_backward(micro_batches, global_tokens)
+            faults.note(micro_batch=None, action="optimizer step")
             grad_norm = engine.optimizer_step()
             tokens_seen += global_tokens
             throughput.add(global_tokens)

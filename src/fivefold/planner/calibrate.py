@@ -42,6 +42,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -49,6 +50,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fivefold.config import ConfigError, write_text_atomic
+from fivefold.faults import DEFAULT_COLLECTIVE_TIMEOUT_S, die_with_parent
 from fivefold.parallel.tensor_comm import all_gather_into, reduce_scatter_into
 from fivefold.planner.hardware import COLLECTIVES
 
@@ -673,8 +675,10 @@ def run_ranks(rank: int, world: int, plan: Plan, port: int, out_path: str) -> No
     else:
         torch.accelerator.set_device_index(rank)
     if world > 1:
+        die_with_parent()  # a killed `fivefold calibrate` leaves no rank behind
         backend = "gloo" if plan.device_type == "cpu" else dist.get_default_backend_for_device(device)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=DEFAULT_COLLECTIVE_TIMEOUT_S))
     prefix = f"[{world} rank{'s' if world > 1 else ''}]"
 
     def say(text: str) -> None:

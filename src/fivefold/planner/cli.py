@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -132,6 +133,22 @@ def run(args: argparse.Namespace) -> int:
         from fivefold.planner.validate import run_validate
 
         return run_validate(args)
+    if args.seq_len < 1:
+        raise ConfigError(f"--seq-len = {args.seq_len} must be >= 1 (tokens per sequence, e.g. 4096)")
+    if args.top < 1:
+        raise ConfigError(f"--top = {args.top} must be >= 1")
+    if args.gpus_per_node < 0:
+        raise ConfigError(f"--gpus-per-node = {args.gpus_per_node} must be >= 1 (or 0 for the hardware's)")
+    if not math.isfinite(args.moe_imbalance) or args.moe_imbalance <= 0:
+        raise ConfigError(f"--moe-imbalance = {args.moe_imbalance} must be a finite number > 0 (1 = balanced)")
+    if args.write_config:
+        target = Path(args.write_config)
+        if not target.parent.is_dir():
+            raise ConfigError(f"--write-config {args.write_config!r}: directory {str(target.parent)!r} does not "
+                              "exist; create it first or write into an existing one")
+        if target.is_dir():
+            raise ConfigError(f"--write-config {args.write_config!r} is a directory; give a file name such as "
+                              "best.toml")
     cfg = load_model(args.model)
     hw = _cluster(args)
     fw: Framework = FRAMEWORKS[args.framework or ("fivefold-cpu" if hw.cores or hw.name == "cpu" else "fivefold")]

@@ -60,21 +60,32 @@ def device_memory_bytes(device: torch.device, local_ranks: int) -> int:
 
 
 def check_memory(cfg: Config, device: torch.device, local_ranks: int) -> None:
-    """Refuse a model whose weights, gradients and optimizer state alone cannot fit, even spread over every
-    rank: a lower bound, so it never refuses a model that would fit."""
+    """Refuse a run whose weights, gradients and optimizer state (spread over every rank) plus one micro-batch's
+    fp32 logits cannot fit in a rank's memory: a lower bound, so it never refuses a run that would fit."""
     from fivefold.flops import count_params
 
     params = count_params(cfg.model)
-    world = max(cfg.layout.world_size, 1)
-    need = BYTES_PER_PARAM * params / world
+    la, t = cfg.layout, cfg.train
+    world = max(la.world_size, 1)
+    states = BYTES_PER_PARAM * params / world
+    logits = 4 * cfg.micro_batch_size * (t.seq_len // la.cp) * cfg.model.vocab_size / la.tp
     have = device_memory_bytes(device, local_ranks)
-    if have and need > have:
+    if not have or states + logits <= have:
+        return
+    gib = 2**30
+    if states >= logits:
         raise ConfigError(
             f"model.hidden = {cfg.model.hidden}, model.n_layers = {cfg.model.n_layers}, model.ffn = {cfg.model.ffn}, "
-            f"model.vocab_size = {cfg.model.vocab_size}: {params:,} parameters need at least {need / 2**30:,.1f} GiB "
+            f"model.vocab_size = {cfg.model.vocab_size}: {params:,} parameters need at least {states / gib:,.1f} GiB "
             f"per rank for weights, gradients and Adam state ({BYTES_PER_PARAM} bytes each over {world} rank(s)), "
-            f"but a rank has {have / 2**30:,.1f} GiB of {device.type} memory; use a smaller model (see `fivefold "
+            f"but a rank has {have / gib:,.1f} GiB of {device.type} memory; use a smaller model (see `fivefold "
             "models`) or more ranks (`fivefold plan` finds a layout that fits)")
+    raise ConfigError(
+        f"layout.micro_batch_size = {cfg.micro_batch_size} sequences (train.global_batch_size = "
+        f"{t.global_batch_size} / layout.dp = {la.dp}, when micro_batch_size is 0) x train.seq_len = {t.seq_len}: "
+        f"the logits alone take {logits / gib:,.1f} GiB per rank, but a rank has {have / gib:,.1f} GiB of "
+        f"{device.type} memory; set a smaller --layout.micro_batch_size (gradient accumulation keeps the global "
+        "batch) or a smaller train.global_batch_size")
 
 
 def check_run_dir_writable(run_dir: Path, resume: bool) -> None:
@@ -145,17 +156,19 @@ def warnings(cfg: Config, device: torch.device) -> list[str]:
                    "the learning rate never reaches train.lr")
     tokens = t.global_batch_size * t.seq_len
     flops = training_flops_per_token(cfg.model, t.seq_len) * tokens
-    # a generous rate: 100 TFLOP/s per accelerator, 1 TFLOP/s per CPU process
-    rate = (100e12 if device.type != "cpu" else 1e12) * max(cfg.layout.world_size, 1)
+    # rough rates: 100 TFLOP/s per accelerator, 0.2 TFLOP/s per CPU process
+    rate = (100e12 if device.type != "cpu" else 0.2e12) * max(cfg.layout.world_size, 1)
     step_s = flops / rate
     run_s = step_s * t.max_steps
     eval_s = flops / 3 / t.global_batch_size * 16 * t.eval_batches / rate  # forward of eval_batches x <= 16 rows
     if run_s > 24 * 3600 or step_s > 600:
         out.append(f"train.global_batch_size = {t.global_batch_size} x train.seq_len = {t.seq_len} = {tokens:,} "
-                   f"tokens per step: at least ~{_duration(step_s)} per step and ~{_duration(run_s)} for "
-                   f"{t.max_steps} steps on {max(cfg.layout.world_size, 1)} {device.type} rank(s)")
+                   f"tokens per step: ~{_duration(step_s)} per step and ~{_duration(run_s)} for {t.max_steps} steps on "
+                   f"{max(cfg.layout.world_size, 1)} {device.type} rank(s) (at {rate / 1e12:g} TFLOP/s)")
     if eval_s > 600:
-        out.append(f"train.eval_batches = {t.eval_batches}: each evaluation takes at least ~{_duration(eval_s)}")
+        out.append(f"train.eval_batches = {t.eval_batches}: each evaluation takes ~{_duration(eval_s)} (at "
+                   f"{rate / 1e12:g} TFLOP/s); evaluations run at step 0, every train.eval_every = {t.eval_every} "
+                   "steps and at the end")
     return out
 
 

@@ -63,7 +63,7 @@ class Watchdog:
         self.rank, self.world, self.timeout_s, self.store = rank, world, timeout_s, store
         self.interval_s = interval_s or min(5.0, timeout_s / 10)
         self.stall_s = 0.8 * timeout_s  # report before the process group's own timeout raises in a collective
-        self.fields: dict[str, object] = {"phase": "starting"}
+        self.fields: dict[str, object] = {}
         self.changed = time.monotonic()
         self.beats = 0
         self.host = socket.gethostname()
@@ -92,7 +92,7 @@ class Watchdog:
 
     def describe(self, fields: dict | None = None) -> str:
         f = self.fields if fields is None else fields
-        return ", ".join(f"{k.replace('_', '-')} {v}" for k, v in f.items() if v is not None)
+        return ", ".join(f"{k.replace('_', '-')} {v}" for k, v in f.items() if v is not None) or "start-up"
 
     def _publish(self) -> None:
         self.beats += 1
@@ -134,9 +134,11 @@ class Watchdog:
                 else self.rank
             if reporter != self.rank:
                 continue
-            doing = hb["doing"] if hb else "starting"
+            doing = hb["doing"] if hb else "start-up (no heartbeat yet)"
             others = "; ".join(f"rank {q}: {b['doing'] if b and 'doing' in b else ('done' if b else 'unknown')}"
                                for q, b in sorted(beats.items()) if q != r)
+            if r != self.rank:
+                others = "; ".join(x for x in (f"rank {self.rank}: {self.describe()}", others) if x)
             print(f"fivefold: error: rank {r} {why}, while at {doing if r != self.rank else self.describe()} "
                   f"(train.collective_timeout_s = {self.timeout_s:g}); ending the job. Other ranks: "
                   f"{others or 'none'}", file=sys.stderr, flush=True)

@@ -91,6 +91,8 @@ def bench_config(args: argparse.Namespace) -> Config:
     cfg.train.global_batch_size = args.micro_batch * args.grad_accum * cfg.layout.dp
     cfg.train.max_steps = max(cfg.train.max_steps, args.steps + args.warmup)
     cfg.train.warmup_steps = 0
+    if args.seq_len is not None and args.seq_len < 1:
+        raise ConfigError(f"--seq-len = {args.seq_len} must be >= 1 (tokens per sequence)")
     if args.steps < 1 or args.warmup < 0:
         raise ConfigError(f"--steps = {args.steps} must be >= 1 and --warmup = {args.warmup} >= 0")
     if args.micro_batch < 1 or args.grad_accum < 1:

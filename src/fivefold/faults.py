@@ -59,8 +59,10 @@ class Watchdog:
     """One rank's heartbeat thread; see the module's docstring. `store` is a torch.distributed Store shared by
     the ranks (`connect_store()` opens the launcher's)."""
 
-    def __init__(self, rank: int, world: int, timeout_s: float, store, interval_s: float | None = None) -> None:
+    def __init__(self, rank: int, world: int, timeout_s: float, store, interval_s: float | None = None,
+                 on_stall=None) -> None:
         self.rank, self.world, self.timeout_s, self.store = rank, world, timeout_s, store
+        self.on_stall = on_stall or _end_job  # (message, the stalled rank's heartbeat or None, this host)
         self.interval_s = interval_s or min(5.0, timeout_s / 10)
         self.stall_s = 0.8 * timeout_s  # report before the process group's own timeout raises in a collective
         self.fields: dict[str, object] = {}
@@ -139,13 +141,21 @@ class Watchdog:
                                for q, b in sorted(beats.items()) if q != r)
             if r != self.rank:
                 others = "; ".join(x for x in (f"rank {self.rank}: {self.describe()}", others) if x)
-            print(f"fivefold: error: rank {r} {why}, while at {doing if r != self.rank else self.describe()} "
-                  f"(train.collective_timeout_s = {self.timeout_s:g}); ending the job. Other ranks: "
-                  f"{others or 'none'}", file=sys.stderr, flush=True)
-            if r != self.rank and hb and hb.get("host") == self.host:
-                with contextlib.suppress(OSError):
-                    os.kill(int(hb["pid"]), signal.SIGKILL)
-            os._exit(WATCHDOG_EXIT)
+            message = (f"rank {r} {why}, while at {doing if r != self.rank else self.describe()} "
+                       f"(train.collective_timeout_s = {self.timeout_s:g}); ending the job. Other ranks: "
+                       f"{others or 'none'}")
+            self.on_stall(message, hb if r != self.rank else None, self.host)
+            return
+
+
+def _end_job(message: str, stalled: dict | None, host: str) -> None:
+    """Print the message, kill the stalled rank when it runs on this host (SIGKILL works on a stopped one), and
+    exit at once with `WATCHDOG_EXIT`: the launcher then stops every other rank."""
+    print(f"fivefold: error: {message}", file=sys.stderr, flush=True)
+    if stalled and stalled.get("host") == host:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            os.kill(int(stalled["pid"]), signal.SIGKILL)
+    os._exit(WATCHDOG_EXIT)
 
 
 def connect_store(timeout_s: float):

@@ -91,6 +91,8 @@ def _space(args: argparse.Namespace) -> SearchSpace:
         zero = tuple(int(z) for z in args.zero.split(","))
     except ValueError:
         raise ConfigError(f"--zero {args.zero!r} must be a comma-separated list of 0..3") from None
+    if not zero or any(z not in (0, 1, 2, 3) for z in zero):
+        raise ConfigError(f"--zero {args.zero!r} must be a comma-separated list of 0..3, e.g. 0,1")
     rc = tuple(args.recompute.split(","))
     for r in rc:
         if r not in ("none", "selective", "full"):

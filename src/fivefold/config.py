@@ -214,7 +214,7 @@ class Config:
         _require(t.threads >= 0, "train.threads", t.threads, "must be >= 0")
         _require(t.collective_timeout_s >= 1, "train.collective_timeout_s", t.collective_timeout_s,
                  "must be >= 1 second (default 600)")
-        _check_device_name(t.device)
+        check_device_name(t.device)
         if t.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {self.model.max_seq_len}; "
@@ -271,7 +271,7 @@ def _require_finite(cfg: Config) -> None:
                 raise ConfigError(f"model.rope_scaling.{key} = {value!r} must be a finite number")
 
 
-def _check_device_name(name: str) -> None:
+def check_device_name(name: str) -> None:
     """`train.device` names a device PyTorch knows (whether this machine has it is checked when training starts)."""
     import torch
 

@@ -27,8 +27,10 @@ def check_nproc(nproc: int, nodes: int = 1) -> None:
 
 def check_device(name: str) -> torch.device:
     """The device `train.device` names, present on this machine."""
+    from fivefold.config import check_device_name
     from fivefold.train.engine import resolve_device
 
+    check_device_name(name)
     device = resolve_device(name)
     if device.type == "cpu":
         return device

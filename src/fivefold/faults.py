@@ -178,7 +178,13 @@ def start_watchdog(rank: int, world: int, timeout_s: float) -> Watchdog | None:
     """Start this rank's watchdog (multi-process jobs only); later `note(...)` calls feed it."""
     if world <= 1 or _Current.watchdog is not None:
         return _Current.watchdog
-    _Current.watchdog = Watchdog(rank, world, timeout_s, connect_store(timeout_s)).start()
+    try:
+        store = connect_store(timeout_s)
+    except (KeyError, ValueError, RuntimeError) as e:  # no launcher's store to meet in: the group's timeout only
+        print(f"fivefold: warning: rank {rank}: no watchdog ({e}); a stalled rank ends the job through the process "
+              f"group's timeout (train.collective_timeout_s = {timeout_s:g})", file=sys.stderr)
+        return None
+    _Current.watchdog = Watchdog(rank, world, timeout_s, store).start()
     return _Current.watchdog
 
 

@@ -214,7 +214,6 @@ class Config:
         _require(t.threads >= 0, "train.threads", t.threads, "must be >= 0")
         _require(t.collective_timeout_s >= 1, "train.collective_timeout_s", t.collective_timeout_s,
                  "must be >= 1 second (default 600)")
-        check_device_name(t.device)
         if t.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {self.model.max_seq_len}; "
@@ -272,16 +271,17 @@ def _require_finite(cfg: Config) -> None:
 
 
 def check_device_name(name: str) -> None:
-    """`train.device` names a device PyTorch knows (whether this machine has it is checked when training starts)."""
+    """`train.device` names a device PyTorch knows (checked, with whether this machine has it, when a run starts
+    on it: a config may name a device of another machine, e.g. a sweep's SLURM jobs)."""
     import torch
 
     if name == "auto":
         return
     try:
         torch.device(name)
-    except (RuntimeError, TypeError, ValueError):
-        raise ConfigError(f"train.device = {name!r} is not a device PyTorch knows; use auto, cpu, or an accelerator "
-                          "type such as cuda, cuda:1 or xpu") from None
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ConfigError(f"train.device = {name!r} is not a device PyTorch knows ({type(e).__name__}: {e}); use "
+                          "auto, cpu, or an accelerator type such as cuda, cuda:1 or xpu") from None
 
 
 def _require(ok: bool, name: str, value: Any, rule: str) -> None:

@@ -63,8 +63,11 @@ class Watchdog:
                  on_stall=None) -> None:
         self.rank, self.world, self.timeout_s, self.store = rank, world, timeout_s, store
         self.on_stall = on_stall or _end_job  # (message, the stalled rank's heartbeat or None, this host)
-        self.interval_s = interval_s or min(5.0, timeout_s / 10)
-        self.stall_s = 0.8 * timeout_s  # report before the process group's own timeout raises in a collective
+        self.interval_s = interval_s or min(5.0, timeout_s / 20)
+        # a silent rank is named after 0.8 x the timeout (found by 0.9 x), before the process group's own timeout
+        # raises in a collective and before a rank waiting on it counts as making no progress itself (1 x)
+        self.stall_s = 0.8 * timeout_s
+        self.progress_s = timeout_s
         self.fields: dict[str, object] = {}
         self.changed = time.monotonic()
         self.beats = 0
@@ -127,7 +130,7 @@ class Watchdog:
                     self.seen[r] = (count, now if last is not None or hb is not None else start)
                 elif now - last[1] > self.stall_s and stalled is None:
                     stalled = (r, hb, f"sent no heartbeat for {now - last[1]:.0f} s (stopped, killed or hung)")
-            if stalled is None and "step" in self.fields and now - self.changed > self.stall_s:
+            if stalled is None and "step" in self.fields and now - self.changed > self.progress_s:
                 stalled = (self.rank, None, f"made no progress for {now - self.changed:.0f} s")
             if stalled is None:
                 continue

@@ -17,9 +17,10 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # parts of one layer may import each other in one direction only.
 LAYERS: list[tuple[str, list[str | tuple[str, ...]], list[str] | None]] = [
     # config (with the preset table it resolves `model.preset` from) and the user-error types, device helpers,
-    # the shared FLOPs formulas, the accelerator table and the layout rule book
+    # the shared FLOPs formulas, the accelerator table, the layout rule book and the fault helpers (watchdog,
+    # parent-death signal)
     ("base", ["fivefold", ("fivefold.config", "fivefold.presets"), "fivefold.errors", "fivefold.device",
-              "fivefold.flops", "fivefold.hardware", "fivefold.layout"], None),
+              "fivefold.flops", "fivefold.hardware", "fivefold.layout", "fivefold.faults"], None),
     # tokenizers, shards, the dataset and sampler: no model code
     ("data", ["fivefold.data"], None),
     # plain PyTorch Llama (dense and MoE), presets, Hugging Face conversion (with the tokenizer files), the fused

@@ -104,7 +104,7 @@ def test_framework_data_files_load():
 
 
 def test_fsdp_gathers_in_bf16():
-    from fivefold.models.presets import get_preset
+    from fivefold.presets import get_preset
     from fivefold.planner.layout import Layout
     from fivefold.planner.memory import layer_params, rank_memory, rank_params
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from fivefold.models.llama import Block, rope_cos_sin
-from fivefold.models.presets import get_preset
+from fivefold.presets import get_preset
 from fivefold.parallel.recompute import apply_recompute
 
 

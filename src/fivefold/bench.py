@@ -27,12 +27,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fivefold import faults
 from fivefold.config import Config, ConfigError, build_config, parse_overrides, write_text_atomic
 from fivefold.device import resolve_device
 from fivefold.flops import training_flops_per_token
 from fivefold.launch import check_layout, local_world_size, start_or_join
 from fivefold.train.engine import Engine, create_engine
 from fivefold.train.metrics import gather_ints, peak_memory_bytes, resolve_peak_tflops, synchronize
+from fivefold.train.preflight import check_start
 
 ACCEPTS_OVERRIDES = True
 
@@ -91,6 +93,8 @@ def bench_config(args: argparse.Namespace) -> Config:
     cfg.train.global_batch_size = args.micro_batch * args.grad_accum * cfg.layout.dp
     cfg.train.max_steps = max(cfg.train.max_steps, args.steps + args.warmup)
     cfg.train.warmup_steps = 0
+    if args.seq_len is not None and args.seq_len < 1:
+        raise ConfigError(f"--seq-len = {args.seq_len} must be >= 1 (tokens per sequence)")
     if args.steps < 1 or args.warmup < 0:
         raise ConfigError(f"--steps = {args.steps} must be >= 1 and --warmup = {args.warmup} >= 0")
     if args.micro_batch < 1 or args.grad_accum < 1:
@@ -140,8 +144,11 @@ def run_bench(args: argparse.Namespace, cfg: Config) -> dict:
     barrier = dist.barrier if dist.is_initialized() else (lambda: None)
     # the split times micro-batches one by one, which only engines with the plain micro-batch loop allow
     can_split = type(engine).forward_backward is Engine.forward_backward
+    steps = [0]
 
     def step(split: dict[str, float] | None) -> None:
+        steps[0] += 1
+        faults.note(step=steps[0], micro_batch=None, action="forward-backward")
         if split is None:
             engine.forward_backward(micro, global_tokens)
             engine.optimizer_step()
@@ -260,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nproc = {args.nproc} must be >= 1")
     cfg = bench_config(args)  # every config error before any process starts
     check_layout(cfg, local_world_size(args.nproc))
+    check_start(cfg, args.nproc, run_dir=False, warn=False)
     status = start_or_join(cfg, args.nproc, forwarded_argv(args), "bench")
     if status is not None:
         return status

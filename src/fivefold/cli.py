@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CliError) as e:
         print(f"fivefold {args.verb}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM turned into it): stop without a traceback
+        print(f"fivefold {args.verb}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # output piped into a reader that stopped early (`| head`): not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141

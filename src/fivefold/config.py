@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 import types
 import typing
@@ -160,6 +161,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     max_bad_steps: int = 5  # stop after this many steps in a row with a non-finite loss or gradient norm (skipped)
     threads: int = 0  # CPU intra-op threads per process; 0 = the cores divided by the local processes
+    # longest wait of a collective (and of the watchdog for a stalled rank) before the job ends; see
+    # docs/operations.md
+    collective_timeout_s: float = 600.0
 
 
 @dataclass
@@ -195,6 +199,7 @@ class Config:
 
     def validate(self) -> None:
         self.model.validate()
+        _require_finite(self)
         t, la = self.train, self.layout
         for name in ("seq_len", "global_batch_size", "max_steps", "eval_batches", "keep_checkpoints",
                      "max_bad_steps"):
@@ -212,6 +217,8 @@ class Config:
         _require(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every,
                  "must be >= 0 (0 = only at the end)")
         _require(t.threads >= 0, "train.threads", t.threads, "must be >= 0")
+        _require(t.collective_timeout_s >= 1, "train.collective_timeout_s", t.collective_timeout_s,
+                 "must be >= 1 second (default 600)")
         if t.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {self.model.max_seq_len}; "
@@ -272,6 +279,31 @@ def batch_problem(layout: LayoutConfig, global_batch_size: int) -> LayoutProblem
             f"layout.micro_batch_size = {mbs} does not divide the per-rank batch train.global_batch_size / "
             f"layout.dp = {per_rank}; valid micro-batch sizes: {nearest_divisors(per_rank, mbs, 5)}")
     return None
+def _require_finite(cfg: Config) -> None:
+    """Every float field a finite number: inf and nan pass the comparisons of `validate` and train to NaN."""
+    for section in ("model", "train", "data", "log"):
+        part = getattr(cfg, section)
+        for f in dataclasses.fields(part):
+            value = getattr(part, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section}.{f.name} = {value!r} must be a finite number")
+        for key, value in (part.rope_scaling.items() if section == "model" else ()):
+            if not math.isfinite(value):
+                raise ConfigError(f"model.rope_scaling.{key} = {value!r} must be a finite number")
+
+
+def check_device_name(name: str) -> None:
+    """`train.device` names a device PyTorch knows (checked, with whether this machine has it, when a run starts
+    on it: a config may name a device of another machine, e.g. a sweep's SLURM jobs)."""
+    import torch
+
+    if name == "auto":
+        return
+    try:
+        torch.device(name)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise ConfigError(f"train.device = {name!r} is not a device PyTorch knows ({type(e).__name__}: {e}); use "
+                          "auto, cpu, or an accelerator type such as cuda, cuda:1 or xpu") from None
 
 
 def _require(ok: bool, name: str, value: Any, rule: str) -> None:
@@ -373,7 +405,11 @@ def load_file(path: str | Path, what: str = "config file") -> dict[str, Any]:
                 raise ConfigError(f"{what} {str(path)!r} must hold a mapping at the top level")
             return data
         if path.suffix == ".json":
-            return json.loads(text)
+            data = json.loads(text)
+            if not isinstance(data, dict):
+                raise ConfigError(f"{what} {str(path)!r} must hold a JSON object (sections and fields) at the top "
+                                  f"level, not a {type(data).__name__}")
+            return data
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{what} {str(path)!r} is not valid: {e}") from None
     except Exception as e:  # yaml.YAMLError without importing yaml at module level

@@ -11,15 +11,19 @@ processes or joins the launcher's group from inside one of them.
 from __future__ import annotations
 
 import os
+import re
 import shlex
+import signal
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from fivefold.config import Config
+from fivefold.config import Config, ConfigError
 from fivefold.device import local_device, resolve_device
+from fivefold.faults import DEFAULT_COLLECTIVE_TIMEOUT_S, die_with_parent, start_watchdog
 
 __all__ = ["check_layout", "init_distributed", "launch", "local_world_size", "start_or_join", "write_slurm_script"]
 
@@ -46,26 +50,32 @@ def start_or_join(cfg: Config, nproc: int, argv: list[str], verb: str) -> int | 
     if nproc > 1 and not launched:
         return launch(nproc, argv, verb=verb)
     if launched:
-        init_distributed(resolve_device(cfg.train.device).type)
+        init_distributed(resolve_device(cfg.train.device).type, cfg.train.collective_timeout_s)
     return None
 
 
-def init_distributed(device_type: str) -> None:
+def init_distributed(device_type: str, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> None:
     """Join the process group that the launcher described in the environment (RANK, WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT): gloo on CPU, the accelerator's default backend (nccl on CUDA) otherwise."""
+    MASTER_PORT): gloo on CPU, the accelerator's default backend (nccl on CUDA) otherwise. This process dies
+    with its launcher, a collective waits at most `timeout_s`, and a watchdog ends the job when a rank stalls
+    (see `fivefold.faults`)."""
     if dist.is_initialized():
         return
+    die_with_parent()
+    timeout = timedelta(seconds=timeout_s)
     if device_type == "cpu":
-        dist.init_process_group("gloo")
-        return
-    device = local_device(device_type)
-    torch.accelerator.set_device_index(device.index)
-    dist.init_process_group(dist.get_default_backend_for_device(device), device_id=device)
+        dist.init_process_group("gloo", timeout=timeout)
+    else:
+        device = local_device(device_type)
+        torch.accelerator.set_device_index(device.index)
+        dist.init_process_group(dist.get_default_backend_for_device(device), device_id=device, timeout=timeout)
+    start_watchdog(dist.get_rank(), dist.get_world_size(), timeout_s)
 
 
 def launch(nproc: int, argv: list[str], verb: str = "train") -> int:
     """Run `fivefold VERB ARGV` (train or bench) on `nproc` local processes (single node, a free rendezvous
     port); returns the exit status (non-zero when any process failed)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -79,7 +89,18 @@ def launch(nproc: int, argv: list[str], verb: str = "train") -> int:
               file=sys.stderr)
         code = e.get_first_failure()[1].exitcode  # e.g. 3 after non-finite steps, 143 after SIGTERM: kept
         return code if code > 0 else 1
+    except SignalException as e:  # SIGTERM/SIGINT/SIGHUP of the launcher: the agent stopped the workers
+        print(f"fivefold: stopped by {signal.Signals(e.sigval).name}; the {nproc} processes were stopped",
+              file=sys.stderr)
+        return 128 + int(e.sigval)
+    except KeyboardInterrupt:
+        print(f"fivefold: interrupted; the {nproc} processes were stopped", file=sys.stderr)
+        return 130
     return 0
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_SBATCH_SAFE = re.compile(r"[A-Za-z0-9._:/%+=@-]+")
 
 
 def write_slurm_script(path: str | Path, argv: list[str], nodes: int, gpus_per_node: int,
@@ -95,16 +116,24 @@ def write_slurm_script(path: str | Path, argv: list[str], nodes: int, gpus_per_n
     to `srun`, which passes it to each `torchrun`, which passes it to its ranks: they finish their step, write a
     checkpoint and exit with 143 (`fivefold train --resume` continues). torchrun kills ranks that have not
     exited 30 s after forwarding the signal, so a checkpoint must take less than that."""
+    sbatch = (("job name", job_name), ("time limit", time_limit), ("output", output), ("partition", partition or ""),
+              ("account", account or ""))
+    for what, value in (*sbatch, ("verb", verb), ("set-up file", setup or ""), *(("argument", a) for a in argv)):
+        if _CONTROL.search(str(value)):
+            raise ConfigError(f"SLURM script {what} {str(value)!r} holds a control character (newline, ...)")
+    for what, value in sbatch:
+        if value and not _SBATCH_SAFE.fullmatch(value):  # #SBATCH lines are not shell: no quoting exists there
+            raise ConfigError(f"SLURM script {what} {value!r} may hold only letters, digits and . _ - : / % + = @")
     command = " ".join(shlex.quote(a) for a in argv)
-    trap = f"trap 'status=$?; {on_exit}' EXIT\n" if on_exit else ""
+    trap = f"trap {shlex.quote(f'status=$?; {on_exit}')} EXIT\n" if on_exit else ""
     options = "".join(f"#SBATCH --{k}={v}\n" for k, v in (("partition", partition), ("account", account)) if v)
     # sourced before `set -u`: set-up files often read unset variables; srun passes the environment to the nodes
     source = f"source {shlex.quote(setup)}\n" if setup else ""
     text = f"""#!/bin/bash
 #SBATCH --job-name={job_name}
-#SBATCH --nodes={nodes}
+#SBATCH --nodes={int(nodes)}
 #SBATCH --ntasks-per-node=1
-#SBATCH --gpus-per-node={gpus_per_node}
+#SBATCH --gpus-per-node={int(gpus_per_node)}
 #SBATCH --exclusive
 #SBATCH --time={time_limit}
 #SBATCH --output={output}
@@ -114,8 +143,8 @@ def write_slurm_script(path: str | Path, argv: list[str], nodes: int, gpus_per_n
 {trap}head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 srun torchrun \\
   --nnodes "$SLURM_NNODES" --nproc-per-node {gpus_per_node} \\
-  --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$head_node:{port}" \\
-  --module fivefold {verb} {command} &
+  --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$head_node:{int(port)}" \\
+  --module fivefold {shlex.quote(verb)} {command} &
 job=$!
 # SIGTERM ahead of the time limit (or scancel --signal=TERM -b): the ranks checkpoint and exit (code 143)
 trap 'echo "fivefold: SIGTERM, asking the ranks to write a checkpoint and stop" >&2; kill -TERM "$job"' TERM

@@ -122,13 +122,23 @@ class TokenDataset:
         )
 
     def check_model_vocab(self, model_vocab_size: int) -> None:
-        """Raise a DataError unless a model with `model_vocab_size` embeddings can take every token id."""
+        """Raise a DataError unless a model with `model_vocab_size` embeddings can take every token id: the
+        index's vocabulary, and the largest id of every shard (each read once)."""
         if model_vocab_size < self.vocab_size:
             raise DataError(
                 f"model.vocab_size {model_vocab_size} is smaller than the vocabulary of {self.path} "
                 f"({self.vocab_size} ids, {self.tokenizer_path.name}); "
                 f"set model.vocab_size >= {self.vocab_size}"
             )
+        limit = min(model_vocab_size, self.vocab_size)
+        for entry, shard in zip(self.shard_entries, self.shards, strict=True):
+            top = max(int(shard[i:i + (1 << 24)].max()) for i in range(0, shard.size, 1 << 24))
+            if top >= limit:
+                raise DataError(
+                    f"{self.path / entry['file']}: holds token id {top}, but ids must be below {limit} "
+                    f"(model.vocab_size = {model_vocab_size}, the dataset's vocabulary {self.vocab_size}); the shard "
+                    "is damaged or from another tokenizer: prepare the data again"
+                )
 
     def verify(self) -> None:
         """Check every shard's sha256 against the index (reads all the shards)."""

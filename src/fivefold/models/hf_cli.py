@@ -54,6 +54,9 @@ def resolve_checkpoint(path: Path) -> tuple[Path, str | None]:
     """The checkpoint directory to export and, when it was picked from a run, a note saying which."""
     if not path.exists():
         raise CliError(f"--checkpoint {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise CliError(f"--checkpoint {str(path)!r} is a file; give a checkpoint directory (step_XXXXXXXX) or a run "
+                       "directory")
     if (path / "model.safetensors").is_file():
         return path, None
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path

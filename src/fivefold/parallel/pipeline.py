@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from fivefold import faults
 from fivefold.config import Config, ConfigError, ModelConfig
 from fivefold.flops import balanced_stage_layers
 from fivefold.layout import n_stages, pipeline_problem
@@ -263,6 +264,7 @@ class PipelineExecutor:
         p2p.post(0, {})
         for index, action in enumerate(schedule.actions[self.rank]):
             kind, mb, s = action
+            faults.note(micro_batch=mb, action=f"{kind} of stage {s}")
             stage = stages[s]
             sent: dict[tuple[str, int, int], torch.Tensor] = {}
             if kind == "F":

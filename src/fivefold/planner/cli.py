@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -71,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def load_model(spec: str) -> ModelConfig:
     """A preset name, a `key=value,...` shape, or a config.json path."""
-    from fivefold.models.presets import get_preset
+    from fivefold.presets import get_preset
 
     if "=" in spec:
         values: dict = {"name": "custom"}
@@ -104,6 +105,8 @@ def _space(args: argparse.Namespace) -> SearchSpace:
         zero = tuple(int(z) for z in args.zero.split(","))
     except ValueError:
         raise ConfigError(f"--zero {args.zero!r} must be a comma-separated list of 0..3") from None
+    if not zero or any(z not in (0, 1, 2, 3) for z in zero):
+        raise ConfigError(f"--zero {args.zero!r} must be a comma-separated list of 0..3, e.g. 0,1")
     rc = tuple(args.recompute.split(","))
     for r in rc:
         if r not in ("none", "selective", "full"):
@@ -183,6 +186,22 @@ def run(args: argparse.Namespace) -> int:
         from fivefold.planner.validate import run_validate
 
         return run_validate(args)
+    if args.seq_len < 1:
+        raise ConfigError(f"--seq-len = {args.seq_len} must be >= 1 (tokens per sequence, e.g. 4096)")
+    if args.top < 1:
+        raise ConfigError(f"--top = {args.top} must be >= 1")
+    if args.gpus_per_node < 0:
+        raise ConfigError(f"--gpus-per-node = {args.gpus_per_node} must be >= 1 (or 0 for the hardware's)")
+    if not math.isfinite(args.moe_imbalance) or args.moe_imbalance <= 0:
+        raise ConfigError(f"--moe-imbalance = {args.moe_imbalance} must be a finite number > 0 (1 = balanced)")
+    if args.write_config:
+        target = Path(args.write_config)
+        if not target.parent.is_dir():
+            raise ConfigError(f"--write-config {args.write_config!r}: directory {str(target.parent)!r} does not "
+                              "exist; create it first or write into an existing one")
+        if target.is_dir():
+            raise ConfigError(f"--write-config {args.write_config!r} is a directory; give a file name such as "
+                              "best.toml")
     cfg = load_model(args.model)
     hw = _cluster(args)
     fw = _framework(args, hw)

@@ -13,7 +13,7 @@ from typing import TextIO
 from fivefold.config import ConfigError
 from fivefold.errors import CliError
 from fivefold.sweep.grid import PlannedRun, config_json, expand, load_grid
-from fivefold.sweep.runner import Outcome, hostname, run_local, slurm_outcome, slurm_shape, submit, write_job
+from fivefold.sweep.runner import KeyLock, Outcome, hostname, run_local, slurm_outcome, slurm_shape, submit, write_job
 from fivefold.sweep.store import STATUSES, Store, StoreError
 
 RETRYABLE = ("oom", "crash", "timeout")
@@ -170,15 +170,24 @@ def run(args: argparse.Namespace) -> int:
         results = Path(":memory:")  # list the plan without creating the store
     try:
         store = Store(results)
-    except StoreError as e:
+    except (StoreError, OSError) as e:
         raise CliError(str(e)) from None
     with store:
         return _sweep(args, grid, plans, dropped, store, runs, timeout, retry, hardware, device_type, slurm)
 
 
+_REPLACEABLE = ("invalid", "interrupted")  # statuses a sweep always runs again
+
+
+def _interrupted() -> Outcome:
+    from fivefold.sweep.runner import _now
+
+    return Outcome("interrupted", None, "the sweep stopped before this run ended", None, float("nan"), _now(), "")
+
+
 def _recorded(status: str | None, retry: tuple[str, ...]) -> bool:
     """A run that the store holds and that is not to be run again."""
-    return status is not None and status != "invalid" and status not in retry
+    return status is not None and status not in _REPLACEABLE and status not in retry
 
 
 def _sweep(args, grid, plans: list[PlannedRun], dropped: dict[str, int], store: Store, runs: Path, timeout: float,
@@ -223,26 +232,44 @@ def _sweep(args, grid, plans: list[PlannedRun], dropped: dict[str, int], store: 
     if slurm:
         return _slurm(args, grid, todo, store, runs, timeout, retry, hardware, device_type)
     progress = Progress(len(todo), out)
+    locks = Path(args.results).with_name(Path(args.results).name + ".locks")
     # SIGTERM and SIGHUP stop the run in flight like Ctrl-C does, instead of orphaning its processes
     previous = {sig: signal.signal(sig, _sigterm_as_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    lock: KeyLock | None = None
+    flight: PlannedRun | None = None
     try:
         for plan in todo:
+            lock = KeyLock(locks, plan.key)
+            if not lock.acquire():
+                progress.total -= 1
+                print(f"  running in another sweep now, skipped: {plan.label}", file=out)
+                continue
             # another sweep on the same file may have finished it meanwhile
             if _recorded(store.status(plan.key), retry):
+                lock.release()
                 progress.total -= 1
                 print(f"  already recorded by another sweep: {plan.label}", file=out)
                 continue
             prediction = _predict(plan, hardware, device_type)
             progress.start(plan)
+            # recorded as interrupted until it ends: a sweep killed meanwhile (even by SIGKILL) leaves it so
+            flight = plan
+            store.record(make_row(plan, grid.name, grid.steps, grid.warmup, _interrupted(), prediction, hardware,
+                                  1), replace_statuses=_REPLACEABLE + retry)
             outcome = run_local(plan, runs, grid.steps, grid.warmup, timeout, progress.tick)
             row = make_row(plan, grid.name, grid.steps, grid.warmup, outcome, prediction, hardware, 1)
-            store.record(row, replace_statuses=("invalid", *retry))
+            store.record(row, replace_statuses=_REPLACEABLE + retry)
+            flight = None
+            lock.release()
             progress.finish(plan, row, outcome.wall_s)
     except KeyboardInterrupt:
-        print(f"\nfivefold sweep: interrupted; {progress.done} runs recorded in {args.results}, the run in flight "
-              "is lost; run the same command to finish the rest", file=sys.stderr)
+        lost = f"; {flight.label} is recorded as interrupted" if flight is not None else ""
+        print(f"\nfivefold sweep: interrupted; {progress.done} runs recorded in {args.results}{lost}; run the "
+              "same command to finish the rest", file=sys.stderr)
         return 130
     finally:
+        if lock is not None:
+            lock.release()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     _summary(store, grid.name, args.results, out)

@@ -32,6 +32,8 @@ import copy
 import hashlib
 import itertools
 import json
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,11 +91,15 @@ def load_grid(path: str | Path) -> Grid:
                               f"{', '.join(SECTIONS)}, and [[grid]] tables")
         elif not isinstance(value, TOP_KEYS[key]) or isinstance(value, bool):
             raise ConfigError(f"grid {key} = {value!r} has the wrong type")
+    name = str(top.get("name", path.stem))
+    if not name or re.search(r"[\x00-\x1f\x7f]", name):
+        raise ConfigError(f"grid name = {name!r} must be non-empty and hold no control characters (newline, tab, "
+                          "...): it names SLURM jobs and reports; e.g. name = \"cpu-sweep\"")
     steps, warmup = int(top.get("steps", 5)), int(top.get("warmup", 2))
     if steps < 1 or warmup < 0:
         raise ConfigError(f"grid steps = {steps} must be >= 1 and warmup = {warmup} >= 0")
     timeout = float(top.get("timeout", 600))
-    if timeout <= 0:
+    if not math.isfinite(timeout) or timeout <= 0:
         raise ConfigError(f"grid timeout = {timeout} must be > 0 seconds")
     base = {k: v for k, v in top.items() if k in SECTIONS or k == "devices"}
     extra = data.get("grid", [])
@@ -112,7 +118,7 @@ def load_grid(path: str | Path) -> Grid:
             values = devices if isinstance(devices, list) else [devices]
             if not values or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in values):
                 raise ConfigError(f"grid devices = {devices!r} must be a positive integer or a list of them")
-    return Grid(str(top.get("name", path.stem)), steps, warmup, timeout, products)
+    return Grid(name, steps, warmup, timeout, products)
 
 
 def _merge(base: dict, over: dict) -> dict:

@@ -35,7 +35,8 @@ AXES = {"dp": "data parallel (dp)", "tp": "tensor parallel (tp)", "pp": "pipelin
         "zero": "ZeRO stage", "recompute": "activation recompute"}
 SHORT = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "micro_batch_size": "micro-batch size", "zero": "ZeRO stage",
          "recompute": "recompute"}
-STATUS_COLORS = {"ok": "#2a9d4b", "oom": "#d1495b", "crash": "#8c2f39", "timeout": "#edae49", "invalid": "#7d7d7d"}
+STATUS_COLORS = {"ok": "#2a9d4b", "oom": "#d1495b", "crash": "#8c2f39", "timeout": "#edae49", "invalid": "#7d7d7d",
+                 "interrupted": "#5b8cc0"}
 MIB = 2**20
 
 
@@ -339,7 +340,9 @@ def _mem(x: float | None) -> str:
 
 def write_page(out: Path, source: str, rows: list[dict], figures: list[tuple[str, str]], acc: dict,
                notes: list[str]) -> Path:
-    e = html.escape
+    def e(value: object) -> str:  # every value from the store reaches the page escaped, whatever its type
+        return html.escape(str(value))
+
     ok = [r for r in rows if r["status"] == "ok"]
     failed = [r for r in rows if r["status"] != "ok"]
     counts = Counter(r["status"] for r in rows)
@@ -348,7 +351,7 @@ def write_page(out: Path, source: str, rows: list[dict], figures: list[tuple[str
              f"{e(', '.join(sweeps))}</title><style>{CSS}</style></head><body>",
              f"<h1>fivefold sweep report: {e(', '.join(sweeps) or source)}</h1>",
              f"<p>{len(rows)} runs from <code>{e(source)}</code>: "
-             + ", ".join(f"<span class='{'ok' if s == 'ok' else 'bad'}'>{n} {s}</span>" for s, n in counts.items())
+             + ", ".join(f"<span class='{'ok' if s == 'ok' else 'bad'}'>{n} {e(s)}</span>" for s, n in counts.items())
              + f". Written {time.strftime('%Y-%m-%d %H:%M')}.</p>"]
     if not ok:
         parts.append("<p class='bad'>No run finished, so there is nothing to plot but the statuses; why each run "
@@ -364,7 +367,7 @@ def write_page(out: Path, source: str, rows: list[dict], figures: list[tuple[str
         parts.append("<h2>Best layout per model and device count</h2>")
         parts.append(_table(["model", "devices", "layout", "tokens/s per device", "MFU", "step time (s)",
                              "peak memory (MiB)"],
-                            [[e(g[0]), str(g[1]), e(layout_of_label(r["label"])),
+                            [[e(g[0]), e(g[1]), e(layout_of_label(r["label"])),
                               f"{r['tokens_per_s_per_device']:,.0f}", _pct(r.get("mfu")), f"{r['step_time_s']:.4f}",
                               _mem(r["peak_memory_bytes"])] for g, r in best.items()], left=3))
     parts.append("<h2>Plots</h2>")
@@ -383,7 +386,7 @@ def write_page(out: Path, source: str, rows: list[dict], figures: list[tuple[str
             split = ("n/a" if r.get("forward_s") is None else
                      " / ".join(f"{1e3 * r[k]:.1f}" for k in ("forward_s", "backward_s", "optimizer_s")))
             ranks = ", ".join(_mem(x) for x in (r.get("peak_memory_per_rank") or []))
-            body.append([e(r["label"]), f"<code>{r['key']}</code>", str(r["n_devices"]), f"{r['step_time_s']:.4f}",
+            body.append([e(r["label"]), f"<code>{e(r['key'])}</code>", e(r["n_devices"]), f"{r['step_time_s']:.4f}",
                          _num(pred, "{:.4f}"), _pct(pred / r["step_time_s"] - 1) if pred else "n/a",
                          f"{r['tokens_per_s_per_device']:,.0f}", _pct(r.get("mfu")), split, ranks,
                          _mem(r.get("predicted_peak_memory_bytes"))])
@@ -395,7 +398,7 @@ def write_page(out: Path, source: str, rows: list[dict], figures: list[tuple[str
         body = []
         for r in sorted(failed, key=lambda r: (r["status"], r["label"])):
             tail = f"<pre>{e(r['error_tail'])}</pre>" if r.get("error_tail") else ""
-            body.append([e(r["label"]), f"<span class='bad'>{e(r['status'])}</span>", str(r["n_devices"]),
+            body.append([e(r["label"]), f"<span class='bad'>{e(r['status'])}</span>", e(r["n_devices"]),
                          f"{e(r.get('error') or '')}{tail}"])
         parts.append(_table(["run", "status", "devices", "why (the error, then the last lines of the output)"], body,
                             left=4))
@@ -415,9 +418,11 @@ def make_report(results: str | Path, out: str | Path) -> dict:
         raise CliError(str(e)) from None
     if not rows:
         raise CliError(f"{results} holds no runs yet; run `fivefold sweep GRID.toml --results {results}` first")
+    plt = _pyplot()  # the optional extra before anything is written
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--out {str(out)!r} is a file, not a folder; give a folder for the report")
     out.mkdir(parents=True, exist_ok=True)
-    plt = _pyplot()
     ok = [r for r in rows if r["status"] == "ok"]
     figures: list[tuple[str, str]] = []
     notes: list[str] = []

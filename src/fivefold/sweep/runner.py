@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import fivefold
 from fivefold.config import dump_toml
+from fivefold.faults import preexec_die_with_parent
 from fivefold.sweep.grid import PlannedRun, config_json
 
 TERM_GRACE_S = 20.0
@@ -43,6 +45,33 @@ class Outcome:
     wall_s: float
     started_at: str
     finished_at: str
+
+
+class KeyLock:
+    """An exclusive lock on one run key (fcntl on `LOCKS/KEY.lock`, released when the process ends, however
+    it ends), so two sweeps on the same store never run the same key at once."""
+
+    def __init__(self, locks: Path, key: str) -> None:
+        self.path = locks / f"{key}.lock"
+        self.fd: int | None = None
+
+    def acquire(self) -> bool:
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self.fd = fd
+        return True
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def run_dir(runs: Path, plan: PlannedRun) -> Path:
@@ -126,7 +155,8 @@ def run_local(plan: PlannedRun, runs: Path, steps: int, warmup: int, timeout: fl
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=subprocess_env(), start_new_session=True)
+                                env=subprocess_env(), start_new_session=True,
+                                preexec_fn=preexec_die_with_parent)  # a killed sweep takes its run down
         try:
             while proc.poll() is None:
                 elapsed = time.monotonic() - t0
@@ -190,8 +220,9 @@ def write_job(plan: PlannedRun, runs: Path, steps: int, warmup: int, timeout: fl
     port = 29500 + int(plan.key[:4], 16) % 2000  # distinct jobs sharing a node get distinct ports
     return write_slurm_script(
         folder / "job.sh", bench_argv(plan, folder, steps, warmup), nodes, per_node,
-        job_name=f"{sweep}-{plan.key[:8]}", time_limit=f"{minutes // 60:02d}:{minutes % 60:02d}:00", port=port,
-        verb="bench", output=str(folder / "output.log"), on_exit=f'echo $status > "{folder / "exit_status"}"')
+        job_name=re.sub(r"[^A-Za-z0-9._-]", "_", f"{sweep}-{plan.key[:8]}"),
+        time_limit=f"{minutes // 60:02d}:{minutes % 60:02d}:00", port=port, verb="bench",
+        output=str(folder / "output.log"), on_exit=f"echo $status > {shlex.quote(str(folder / 'exit_status'))}")
 
 
 def submit(job: Path) -> str:

@@ -9,7 +9,8 @@ Columns (one row per run; JSON columns hold text):
 
     key TEXT PRIMARY KEY       hash of the normalised config and the protocol (fivefold.sweep.grid.run_key)
     sweep, label, model        the grid's name, "model | layout" and the model's label
-    status                     ok, oom, crash, timeout or invalid
+    status                     ok, oom, crash, timeout, invalid, or interrupted (started, and the sweep was
+                               stopped or killed before it ended; run again by the next sweep)
     error, error_tail          the error's message (one line) and the last lines of the run's output
     n_devices, nodes, dp, tp, pp, cp, ep, zero, micro_batch_size, grad_accum_steps, recompute, sp, schedule, vpp,
     seq_len, global_batch_size  the layout and batch, also inside config
@@ -51,7 +52,7 @@ COLUMNS: dict[str, str] = {
 }
 # columns renamed since the previous release: old name -> new name (rows carry both for one release)
 RENAMED = {"grad_accum": "grad_accum_steps"}
-STATUSES = ("ok", "oom", "crash", "timeout", "invalid")
+STATUSES = ("ok", "oom", "crash", "timeout", "invalid", "interrupted")
 JSON_COLUMNS = ("config", "peak_memory_per_rank", "prediction")
 
 
@@ -66,8 +67,13 @@ class Store:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         # autocommit mode: transactions are opened explicitly, one per written row
         self.db = sqlite3.connect(str(self.path), timeout=60.0, isolation_level=None)
-        self.db.execute("PRAGMA busy_timeout = 60000")
-        self.db.execute("PRAGMA journal_mode = WAL")
+        try:
+            self.db.execute("PRAGMA busy_timeout = 60000")
+            self.db.execute("PRAGMA journal_mode = WAL")
+        except sqlite3.DatabaseError as e:
+            self.db.close()
+            raise StoreError(f"{self.path} is not an SQLite results store ({e}); give a new file name or an "
+                             "existing store written by `fivefold sweep`") from None
         self.db.execute("BEGIN IMMEDIATE")
         try:
             version = self.db.execute("PRAGMA user_version").fetchone()[0]

@@ -79,8 +79,14 @@ def resolve_config(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from fivefold.launch import check_layout, local_world_size, start_or_join
+    from fivefold.train import preflight
     from fivefold.train.loop import RunDirError, train
 
+    preflight.check_nproc(args.nproc, args.nodes)
+    if args.hf:
+        preflight.check_hf_dir(args.hf)
+    if args.resume and args.run_dir:
+        preflight.check_run_dir_writable(Path(args.run_dir), resume=True)
     try:
         cfg = resolve_config(args)
     except RunDirError as e:
@@ -107,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {path}: {args.nodes} node(s) x {args.nproc} processes, time limit {args.time}; submit it "
               f"with `sbatch {path}`")
         return 0
+    preflight.check_start(cfg, args.nproc, resume=args.resume)
     # every process must agree on the run directory
     status = start_or_join(cfg, args.nproc, forwarded_argv(args, cfg.run_dir), "train")
     if status is not None:

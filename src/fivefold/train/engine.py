@@ -24,6 +24,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from fivefold import faults
 from fivefold.config import Config
 from fivefold.device import autocast, use_bf16
 from fivefold.models.loss import model_loss_sum
@@ -105,6 +106,7 @@ class Engine:
         drops = []
         capacity = self.cfg.model.capacity_factor > 0  # only capacity-based routing drops, so only it is logged
         for i, (inputs, targets) in enumerate(micro_batches):
+            faults.note(micro_batch=i, action="forward-backward")
             with self.micro_batch_context(i, len(micro_batches)):
                 loss, loss_sum = self.micro_batch_loss(inputs, targets, global_tokens)
                 loss.backward()

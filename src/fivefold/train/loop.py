@@ -16,6 +16,7 @@ from typing import TextIO
 
 import torch
 
+from fivefold import faults
 from fivefold.config import (
     Config,
     ConfigError,
@@ -180,6 +181,7 @@ def evaluate(engine: Engine, batches: list[tuple[torch.Tensor, torch.Tensor]], m
     total = torch.zeros((), device=engine.device, dtype=torch.float64)
     tokens = 0
     for inputs, targets in batches:
+        faults.note(micro_batch=None, action="evaluation")
         rows = inputs.shape[0] // engine.dp_size
         lo = engine.dp_rank * rows
         total += engine.eval_micro_batches(split_micro_batches(inputs[lo:lo + rows], targets[lo:lo + rows], mbs,
@@ -214,6 +216,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
     train_set.check_model_vocab(cfg.model.vocab_size)
     if hf_init is not None:
         check_hf_tokenizer(hf_init, train_set)
+    val_set.check_model_vocab(cfg.model.vocab_size)
     sampler = BatchSampler(train_set, t.seq_len, t.global_batch_size, t.seed)
     val_rows = max(cfg.layout.dp, min(t.global_batch_size, 16) // cfg.layout.dp * cfg.layout.dp)
     val_data = list(val_batches(val_set, t.seq_len, val_rows, t.eval_batches))
@@ -267,12 +270,14 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
             writer.write(record)
 
     def validate_now(step: int) -> None:
+        faults.note(step=step, micro_batch=None, action="evaluation")
         val = evaluate(engine, val_data, mbs)
         result.val_losses[step] = val
         log({"step": step, "val_loss": val})
 
     def save(step: int, guard_state: GuardState) -> None:
         # every rank: gather the full model state (collective) and write its optimizer shard if sharded
+        faults.note(step=step, micro_batch=None, action="checkpoint")
         state = ckpt.TrainerState(step=step, tokens_seen=tokens_seen, skipped_steps=guard_state.skipped)
         model_state, optimizer_state = engine.model_state(), engine.optimizer_state()
         if not all_finite(engine, model_state, optimizer_state):
@@ -316,10 +321,12 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
     result.skipped_steps = loaded.state.skipped_steps if loaded else 0
     with profiler or contextlib.nullcontext(), StopSignals() as signals:
         for step in range(start, t.max_steps):
+            faults.note(step=step + 1, micro_batch=None, action="data")
             lr = engine.set_lr(step)
             inputs, targets = sampler.rank_batch(step, engine.dp_rank, engine.dp_size)
             micro_batches = split_micro_batches(inputs, targets, mbs, device)
             loss_sum = engine.forward_backward(micro_batches, global_tokens)
+            faults.note(micro_batch=None, action="optimizer step")
             grad_norm = engine.optimizer_step(loss_sum, signals.asked)
             guard.update(step + 1, engine.step_flags, loss_sum)
             tokens_seen += global_tokens

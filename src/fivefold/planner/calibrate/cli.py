@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from fivefold.config import ConfigError
 from fivefold.planner.calibrate.harness import size_text
 from fivefold.planner.calibrate.plan import Result, for_group, make_plan
 from fivefold.planner.calibrate.profile import profile_header, profile_name, profile_tables, write_profile
@@ -34,11 +35,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def calibrate(args: argparse.Namespace) -> tuple[Path, dict[int, Result], float]:
     """Measure with 1..N ranks and write the profile: its path, the figures by rank count, the seconds taken."""
-    from fivefold.device import resolve_device
+    from fivefold.train.preflight import check_device
 
-    device_type = resolve_device(args.device).type
+    if args.seq_len < 0:
+        raise ConfigError(f"--seq-len = {args.seq_len} must be >= 1 (or 0 for the default)")
+    if args.nproc_max < 0:
+        raise ConfigError(f"--nproc-max = {args.nproc_max} must be >= 1 (or 0 for the default)")
+    try:
+        device_type = check_device(args.device).type
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("train.device", "--device")) from None
     plan, levels = make_plan(args, device_type)
     out = Path(args.out or f"calibrated-{device_type}.toml")
+    if not out.parent.is_dir() or out.is_dir():  # before the minutes of measuring, not after
+        why = "is a directory" if out.is_dir() else "its directory does not exist"
+        raise ConfigError(f"--out {str(out)!r}: {why}; "
+                          "give a file name in an existing directory, e.g. calibrated-cpu.toml")
     print(f"calibrate: {device_type}, ranks {levels[0]}..{levels[-1]}, {len(plan.linear)} linear, "
           f"{len(plan.attention)} attention and {len(plan.loss)} loss shapes, {len(plan.message_bytes)} message sizes"
           f"{' (quick)' if args.quick else ''}", flush=True)

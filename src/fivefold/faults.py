@@ -1,0 +1,197 @@
+"""Faults: processes that die with the one that started them, and a watchdog that ends a job whose rank stalls.
+
+`die_with_parent()` asks Linux to signal this process when its parent exits (prctl PR_SET_PDEATHSIG): a worker
+of `fivefold train --nproc N`, `bench`, `calibrate` or a run of `fivefold sweep` calls it first thing, so a
+`kill -9` of the launcher leaves no worker behind. (`preexec_die_with_parent` does the same for a child started
+with `subprocess.Popen`.)
+
+`Watchdog` runs a thread in every rank of a multi-process job. Each rank records what it is doing (`note`:
+step, micro-batch, schedule action) and publishes a heartbeat into the launcher's key-value store every few
+seconds. A rank whose heartbeat stops (stopped with SIGSTOP, killed, or hung holding the interpreter) or that
+makes no progress for `train.collective_timeout_s` ends the job: the lowest-numbered healthy rank prints which
+rank stalled and what it was doing, kills that rank when it runs on the same host, and exits with status
+`WATCHDOG_EXIT`; the launcher then stops the remaining ranks. The process group's own timeout (the same
+`train.collective_timeout_s`, given to `init_process_group`) is the backstop.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+WATCHDOG_EXIT = 4  # exit status of the rank that reports a stalled job
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+    """Have the kernel send `sig` to this process when its parent exits (Linux; a no-op elsewhere). Returns
+    whether the request took. When the parent is already gone (adopted by init), sends `sig` now."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() == 1:  # the parent died before the request: nobody will signal us
+        os.kill(os.getpid(), sig)
+    return True
+
+
+def preexec_die_with_parent() -> None:
+    """`subprocess.Popen(preexec_fn=...)`: the child gets SIGTERM when the process that started it exits (its
+    own launcher then stops its workers, which die with it in any case)."""
+    die_with_parent(signal.SIGTERM)
+
+
+class Watchdog:
+    """One rank's heartbeat thread; see the module's docstring. `store` is a torch.distributed Store shared by
+    the ranks (`connect_store()` opens the launcher's)."""
+
+    def __init__(self, rank: int, world: int, timeout_s: float, store, interval_s: float | None = None,
+                 on_stall=None) -> None:
+        self.rank, self.world, self.timeout_s, self.store = rank, world, timeout_s, store
+        self.on_stall = on_stall or _end_job  # (message, the stalled rank's heartbeat or None, this host)
+        self.interval_s = interval_s or min(5.0, timeout_s / 20)
+        # a silent rank is named after 0.8 x the timeout (found by 0.9 x), before the process group's own timeout
+        # raises in a collective and before a rank waiting on it counts as making no progress itself (1 x)
+        self.stall_s = 0.8 * timeout_s
+        self.progress_s = timeout_s
+        self.fields: dict[str, object] = {}
+        self.changed = time.monotonic()
+        self.beats = 0
+        self.host = socket.gethostname()
+        self.seen: dict[int, tuple[int, float]] = {}  # rank -> (its beat count, our clock when it changed)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fivefold-watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        self._publish()
+        self._thread.start()
+        atexit.register(self.stop)
+        return self
+
+    def stop(self) -> None:
+        """Stop watching and tell the other ranks this one has finished (not stalled)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        with contextlib.suppress(Exception):
+            self.store.set(f"hb/{self.rank}", json.dumps({"done": True}))
+
+    def note(self, **fields: object) -> None:
+        """Record what this rank is doing now (e.g. step=3, micro_batch=1, action="F1 stage 0")."""
+        self.fields.update(fields)
+        self.changed = time.monotonic()
+
+    def describe(self, fields: dict | None = None) -> str:
+        f = self.fields if fields is None else fields
+        return ", ".join(f"{k.replace('_', '-')} {v}" for k, v in f.items() if v is not None) or "start-up"
+
+    def _publish(self) -> None:
+        self.beats += 1
+        self.store.set(f"hb/{self.rank}", json.dumps({
+            "beat": self.beats, "pid": os.getpid(), "host": self.host, "doing": self.describe(),
+            "idle_s": time.monotonic() - self.changed}))
+
+    def _read(self, rank: int) -> dict | None:
+        key = f"hb/{rank}"
+        if not self.store.check([key]):
+            return None
+        return json.loads(self.store.get(key))
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._publish()
+                now = time.monotonic()
+                beats = {r: self._read(r) for r in range(self.world) if r != self.rank}
+            except Exception:  # the store went away: the launcher is ending the job
+                return
+            stalled = None
+            for r, hb in beats.items():
+                if hb is not None and hb.get("done"):
+                    continue
+                count = hb["beat"] if hb else 0
+                last = self.seen.get(r)
+                if last is None or last[0] != count:
+                    self.seen[r] = (count, now if last is not None or hb is not None else start)
+                elif now - last[1] > self.stall_s and stalled is None:
+                    stalled = (r, hb, f"sent no heartbeat for {now - last[1]:.0f} s (stopped, killed or hung)")
+            if stalled is None and "step" in self.fields and now - self.changed > self.progress_s:
+                stalled = (self.rank, None, f"made no progress for {now - self.changed:.0f} s")
+            if stalled is None:
+                continue
+            r, hb, why = stalled
+            reporter = min((q for q in range(self.world) if q != r), default=self.rank) if r != self.rank \
+                else self.rank
+            if reporter != self.rank:
+                continue
+            doing = hb["doing"] if hb else "start-up (no heartbeat yet)"
+            others = "; ".join(f"rank {q}: {b['doing'] if b and 'doing' in b else ('done' if b else 'unknown')}"
+                               for q, b in sorted(beats.items()) if q != r)
+            if r != self.rank:
+                others = "; ".join(x for x in (f"rank {self.rank}: {self.describe()}", others) if x)
+            message = (f"rank {r} {why}, while at {doing if r != self.rank else self.describe()} "
+                       f"(train.collective_timeout_s = {self.timeout_s:g}); ending the job. Other ranks: "
+                       f"{others or 'none'}")
+            self.on_stall(message, hb if r != self.rank else None, self.host)
+            return
+
+
+def _end_job(message: str, stalled: dict | None, host: str) -> None:
+    """Print the message, kill the stalled rank when it runs on this host (SIGKILL works on a stopped one), and
+    exit at once with `WATCHDOG_EXIT`: the launcher then stops every other rank."""
+    print(f"fivefold: error: {message}", file=sys.stderr, flush=True)
+    if stalled and stalled.get("host") == host:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            os.kill(int(stalled["pid"]), signal.SIGKILL)
+    os._exit(WATCHDOG_EXIT)
+
+
+def connect_store(timeout_s: float):
+    """A client of the key-value store the launcher set up (MASTER_ADDR, MASTER_PORT), keys under a prefix of
+    our own."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=max(timeout_s, 30.0)))
+    return dist.PrefixStore("fivefold-watchdog/", store)
+
+
+class _Current:
+    """The watchdog of this process, if one runs (at most one per process; `note` is a no-op otherwise)."""
+
+    watchdog: Watchdog | None = None
+
+
+def start_watchdog(rank: int, world: int, timeout_s: float) -> Watchdog | None:
+    """Start this rank's watchdog (multi-process jobs only); later `note(...)` calls feed it."""
+    if world <= 1 or _Current.watchdog is not None:
+        return _Current.watchdog
+    try:
+        store = connect_store(timeout_s)
+    except (KeyError, ValueError, RuntimeError) as e:  # no launcher's store to meet in: the group's timeout only
+        print(f"fivefold: warning: rank {rank}: no watchdog ({e}); a stalled rank ends the job through the process "
+              f"group's timeout (train.collective_timeout_s = {timeout_s:g})", file=sys.stderr)
+        return None
+    _Current.watchdog = Watchdog(rank, world, timeout_s, store).start()
+    return _Current.watchdog
+
+
+def note(**fields: object) -> None:
+    """Record what this rank is doing for the watchdog (cheap; nothing happens without one)."""
+    if _Current.watchdog is not None:
+        _Current.watchdog.note(**fields)

@@ -35,11 +35,11 @@ def local_world_size(nproc: int) -> int:
 
 
 def check_layout(cfg: Config, world: int) -> None:
-    """Every layout error before any process or process group exists (parallel code imported only when needed)."""
-    if world > 1 or cfg.layout.world_size > 1:
-        from fivefold.parallel.mesh import validate_layout
+    """Every layout error before any process or process group exists, by the rule book that `fivefold plan
+    --layout` uses too (one process included: a ZeRO stage with nothing to shard is refused there as well)."""
+    from fivefold.parallel.mesh import validate_layout
 
-        validate_layout(cfg, world)
+    validate_layout(cfg, world)
 
 
 def start_or_join(cfg: Config, nproc: int, argv: list[str], verb: str) -> int | None:

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     preflight.check_nproc(args.nproc, args.nodes)
     if args.hf:
         preflight.check_hf_dir(args.hf)
-    if args.resume and args.run_dir:
+    if args.resume and args.run_dir and not args.slurm:  # a SLURM chain's resume script may precede the run
         preflight.check_run_dir_writable(Path(args.run_dir), resume=True)
     try:
         cfg = resolve_config(args)

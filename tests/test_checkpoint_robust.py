@@ -205,13 +205,13 @@ def test_pruning_killed_half_way_leaves_no_partial_checkpoint(tmp_path, monkeypa
     which no reader takes for a checkpoint and the next pruning removes."""
     from tests.test_checkpoint import _save, _trained_state
 
-    cfg, model, opt = _trained_state(0)
+    cfg, engine = _trained_state(0)
     for step in (1, 2, 3):
-        _save(tmp_path, step, model, opt, cfg)
+        _save(tmp_path, step, engine, cfg)
     real_rmtree = ckpt.shutil.rmtree
 
     def dying_rmtree(path, *a, **k):
-        (Path(path) / "optimizer.json").unlink()  # one file gone, then killed
+        (Path(path) / "rank0.json").unlink()  # one file gone, then killed
         raise KeyboardInterrupt("killed")
 
     monkeypatch.setattr(ckpt.shutil, "rmtree", dying_rmtree)

@@ -29,7 +29,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from fivefold.models.pieces import PieceReader, write_safetensors
+from fivefold.models.pieces import PieceError, PieceReader, write_safetensors
 
 FORMAT_VERSION = 3  # 2: manifest.json with the sha256 of every file; 3: sharded pieces
 MANIFEST = "manifest.json"
@@ -328,8 +328,11 @@ def read_model_state(path: Path) -> dict[str, torch.Tensor]:
     pieces; verifies the files it reads."""
     loaded = load_checkpoint(path)
     verify_files(path)
-    return {name.removeprefix("model."): loaded.reader.read(name) for name in loaded.reader.names()
-            if name.startswith("model.")}
+    try:
+        return {name.removeprefix("model."): loaded.reader.read(name) for name in loaded.reader.names()
+                if name.startswith("model.")}
+    except PieceError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def check_model_shapes(saved: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], path: Path) -> None:

@@ -220,6 +220,12 @@ class ParallelEngine(Engine):
         named = self.named_plain_parameters()
         segments = []
         if isinstance(self.data_parallel, FullyShardedDataParallel):
+            from torch.distributed.fsdp import FSDPModule
+
+            for module in self.data_parallel.root.modules():  # an evaluation forward leaves the root unsharded
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+            named = self.named_plain_parameters()
             group = self.data_parallel.group
             size, rank = dist.get_world_size(group), dist.get_rank(group)
             for name, p in named:

@@ -4,8 +4,8 @@ clipping and the optimizer step, on one device.
 `Engine` is the one base of every engine: the parallel engine (`fivefold.train.parallel_engine.ParallelEngine`)
 and the pipeline engine (`PipelineEngine`, beside it) extend it. They override what the optimizer steps, how a
 micro-batch is cut and its loss computed (context and tensor parallel), how gradients are reduced and their norm
-summed over shards, and how state is gathered for checkpoints; the step itself (`forward_backward`, clipping,
-`optimizer_step`) is written here once. The contract that every engine keeps:
+summed over shards, and which pieces of the state a rank holds for checkpoints (`state_segments`); the step itself
+(`forward_backward`, clipping, `optimizer_step`) is written here once. The contract that every engine keeps:
 
 * `forward_backward(micro_batches, global_tokens)` runs every micro-batch of this rank's share of the
   global batch; each micro-batch's summed token loss is divided by the number of target tokens in the
@@ -226,12 +226,6 @@ class Engine:
     def load_full_model_state(self, state: dict[str, torch.Tensor]) -> None:
         """Load a plain-named state with every parameter of the model (this rank's part of it, in place)."""
         self.model.load_state_dict(state, strict=True)
-
-    def optimizer_state(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def load_optimizer_state(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
 
     # --- sharded checkpoints: this rank's pieces of the named fp32 state ---------------------------
     def state_segments(self) -> list[Segment]:

@@ -6,8 +6,8 @@ a context-parallel rank's zig-zag chunks of each sequence with their rotary posi
 (vocabulary parallel under tp); each micro-batch tells the data-parallel states whether to reduce gradients
 (dense ones over dp x cp, expert ones over the ranks holding the same experts); the gradient norm is summed
 over shards (tp-sharded parameters over tp, ZeRO slices over their group, experts over ep, replicated ones
-counted once); logged values are summed over dp x cp; and checkpoints gather the full plain-named state
-(collective) or shard a loaded one.
+counted once); logged values are summed over dp x cp; and for checkpoints each rank names the pieces of the
+plain-model state it holds (`state_segments`), so that it writes only its own and loads them under any layout.
 
 With pipeline parallel, `PipelineEngine` runs the schedule's actions over this rank's stages (`LlamaStage`, one
 per stage, for `pipeline.PipelineExecutor`) instead of the micro-batch loop; see its docstring and
@@ -179,12 +179,6 @@ class ParallelEngine(Engine):
                 param.to_local().copy_(state[name].chunk(size, 0)[rank])
             return
         self.model.load_state_dict(state, strict=True)  # copies in place: bucket views stay views
-
-    def optimizer_state(self) -> dict:
-        state = self.optimizer.state_dict()
-        state["state"] = {idx: {k: v.to_local() if hasattr(v, "to_local") else v for k, v in s.items()}
-                          for idx, s in state["state"].items()}
-        return state
 
     # --- sharded checkpoints ---------------------------------------------------------------------
     def named_plain_parameters(self) -> list[tuple[str, nn.Parameter]]:

@@ -100,7 +100,7 @@ LAYOUT_CHANGES = {
     "ep2-zero1 -> one process and tp2": ((2, {"layout.dp": "2", "layout.ep": "2", "layout.zero": "1"}),
                                          [(1, {}), (2, {"layout.tp": "2"})], MOE),
     "cp2-zero3 -> dualpipev": ((2, {"layout.cp": "2", "layout.zero": "3"}),
-                               [(2, {"layout.pp": "2", "layout.schedule": "dualpipev"})], None),
+                               [(2, {"layout.pp": "2", "layout.schedule": "dualpipev"})], {"model.n_layers": "4"}),
 }
 
 
@@ -123,7 +123,7 @@ SAME_LAYOUT_SLOW = {
     "pp2-1f1b": (2, {"layout.pp": "2", "layout.schedule": "1f1b"}),
     "pp2-interleaved": (2, {"layout.pp": "2", "layout.schedule": "interleaved", "layout.vpp": "2",
                             "model.n_layers": "4"}),
-    "pp2-dualpipev": (2, {"layout.pp": "2", "layout.schedule": "dualpipev"}),
+    "pp2-dualpipev": (2, {"layout.pp": "2", "layout.schedule": "dualpipev", "model.n_layers": "4"}),
     "ep2-zero0": (2, {"layout.dp": "2", "layout.ep": "2", **MOE}),
     "pp2-zero1-dp2": (4, {"layout.pp": "2", "layout.dp": "2", "layout.zero": "1"}),
 }

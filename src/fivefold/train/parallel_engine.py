@@ -37,7 +37,7 @@ from fivefold.parallel.pipeline import (
     stage_layer_counts,
 )
 from fivefold.parallel.schedules import Schedule, build_schedule, forward_schedule, stage_placement
-from fivefold.train.engine import Engine
+from fivefold.train.engine import Engine, Segment
 
 
 class ParallelEngine(Engine):
@@ -208,9 +208,9 @@ class ParallelEngine(Engine):
                 tp_split = True
         return shape, tuple(offsets), tp_split or self.tp_rank == 0
 
-    def state_segments(self) -> list:
-        from fivefold.train.engine import Segment
-
+    def state_segments(self) -> list[Segment]:
+        """This rank's tp/ep parts of the parameters, cut as its ZeRO stage holds them: whole (ZeRO-0, written by
+        the first dp x cp rank), the flat slices of each bucket (ZeRO-1/2) or dim-0 shards (ZeRO-3)."""
         named = self.named_plain_parameters()
         segments = []
         if isinstance(self.data_parallel, FullyShardedDataParallel):

@@ -173,11 +173,8 @@ def read_checkpoint_weights(directory: Path) -> dict[str, torch.Tensor]:
     (no model is built; each tensor reads only its pieces' bytes), or a plain `model.safetensors`."""
     single = directory / "model.safetensors"
     if single.is_file():
-        from safetensors.torch import load_file
+        from fivefold.models.hf import read_safetensors
 
-        try:
-            return load_file(str(single))
-        except Exception as e:  # safetensors raises its own error type for damaged files
-            raise PieceError(f"checkpoint file {single} is corrupted or unreadable: {e}") from None
+        return read_safetensors(single)
     reader = PieceReader(directory, checkpoint_index(directory))
     return {name.removeprefix("model."): reader.read(name) for name in reader.names() if name.startswith("model.")}

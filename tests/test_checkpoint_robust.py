@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from tests.test_train import dataset, small_config  # noqa: F401  (dataset is a fixture)
 
 from fivefold.cli import main
@@ -36,7 +35,7 @@ def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_pat
     train(small_config(tmp_path / "cut", dataset, **EVERY_2), stop_after=4)
     newest = ckpt.latest_checkpoint(tmp_path / "cut")
     assert newest.name == "step_00000004"
-    weights = newest / "model.safetensors"
+    weights = newest / "rank0.safetensors"
     data = bytearray(weights.read_bytes())
     middle = len(data) // 2
     data[middle:middle + 64] = random.Random(0).randbytes(64)  # same size: only the checksum can tell
@@ -44,7 +43,7 @@ def test_corrupt_newest_checkpoint_is_reported_and_the_previous_one_used(tmp_pat
     capsys.readouterr()
     rest = train(small_config(tmp_path / "cut", dataset, **EVERY_2), resume=True)
     err = capsys.readouterr().err
-    assert "checkpoint step_00000004 cannot be used" in err and "model.safetensors is corrupted" in err
+    assert "checkpoint step_00000004 cannot be used" in err and "rank0.safetensors is corrupted" in err
     assert "resuming from the newest good checkpoint, step_00000002" in err
     assert rest.losses == full.losses[2:]  # steps 3-6 again, bit for bit
     assert (tmp_path / "cut" / "checkpoints" / "step_00000004.bad").is_dir()  # kept for inspection, ignored
@@ -57,7 +56,7 @@ def test_incomplete_newest_and_leftovers_never_block(tmp_path, dataset):  # noqa
     root = tmp_path / "cut" / "checkpoints"
     (root / "step_00000004" / "COMPLETE").unlink()  # a directory without its completion marker
     (root / "step_00000006.tmp").mkdir()  # a save killed half-way
-    (root / "step_00000006.tmp" / "model.safetensors").write_bytes(b"\0" * 10)
+    (root / "step_00000006.tmp" / "rank0.safetensors").write_bytes(b"\0" * 10)
     rest = train(small_config(tmp_path / "cut", dataset, **EVERY_2), resume=True)
     assert rest.losses == full.losses[2:]
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000004", "step_00000004.bad",
@@ -71,9 +70,9 @@ def test_incomplete_newest_and_leftovers_never_block(tmp_path, dataset):  # noqa
 def test_only_bad_checkpoints_is_an_error_naming_each(tmp_path, dataset):  # noqa: F811
     train(small_config(tmp_path / "run", dataset, **EVERY_2), stop_after=4)
     for path in ckpt.list_checkpoints(tmp_path / "run"):
-        (path / "rng.safetensors").write_bytes(b"x")
-    with pytest.raises(ckpt.CheckpointError, match=r"no usable checkpoint: .*step_00000004/rng.safetensors is "
-                                                   r"corrupted.*step_00000002/rng.safetensors is corrupted"):
+        (path / "rng-rank0.safetensors").write_bytes(b"x")
+    with pytest.raises(ckpt.CheckpointError, match=r"no usable checkpoint: .*step_00000004/rng-rank0.safetensors is "
+                                                   r"corrupted.*step_00000002/rng-rank0.safetensors is corrupted"):
         train(small_config(tmp_path / "run", dataset, **EVERY_2), resume=True)
     assert not list((tmp_path / "run" / "checkpoints").glob("*.bad"))  # nothing moved on failure
 
@@ -120,8 +119,8 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, dataset, capsy
     ref = train(small_config(tmp_path / "ref", dataset, **{**bad, "train.max_steps": str(updated)}))
     kept = ckpt.latest_checkpoint(tmp_path / "nan")
     assert kept.name == f"step_{result.steps:08d}"
-    a = load_file(str(kept / "model.safetensors"))
-    b = load_file(str(ckpt.latest_checkpoint(tmp_path / "ref") / "model.safetensors"))
+    a = ckpt.read_model_state(kept)
+    b = ckpt.read_model_state(ckpt.latest_checkpoint(tmp_path / "ref"))
     assert all(torch.isfinite(v).all() for v in a.values()) and all(torch.equal(a[k], b[k]) for k in a)
     assert ref.last_finite_loss == result.last_finite_loss
     assert json.loads((kept / "trainer_state.json").read_text())["skipped_steps"] == result.skipped_steps
@@ -206,13 +205,13 @@ def test_pruning_killed_half_way_leaves_no_partial_checkpoint(tmp_path, monkeypa
     which no reader takes for a checkpoint and the next pruning removes."""
     from tests.test_checkpoint import _save, _trained_state
 
-    cfg, model, opt = _trained_state(0)
+    cfg, engine = _trained_state(0)
     for step in (1, 2, 3):
-        _save(tmp_path, step, model, opt, cfg)
+        _save(tmp_path, step, engine, cfg)
     real_rmtree = ckpt.shutil.rmtree
 
     def dying_rmtree(path, *a, **k):
-        (Path(path) / "optimizer.json").unlink()  # one file gone, then killed
+        (Path(path) / "rank0.json").unlink()  # one file gone, then killed
         raise KeyboardInterrupt("killed")
 
     monkeypatch.setattr(ckpt.shutil, "rmtree", dying_rmtree)

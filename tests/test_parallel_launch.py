@@ -10,12 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 from tests.distributed import run_ranks
 from tests.test_train import dataset, small_config  # noqa: F401  (dataset is a fixture)
 
 from fivefold.cli import main
-from fivefold.train.checkpoint import latest_checkpoint
+from fivefold.train.checkpoint import latest_checkpoint, read_model_state
 from fivefold.train.loop import train
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -55,11 +54,11 @@ def assert_cli_run_matches(cmd: list[str], run_dir: Path, single) -> list[dict]:
     # the checkpoint holds the full plain-named model, equal to the one-process run's, and one optimizer shard
     # per rank
     two, one = latest_checkpoint(run_dir), latest_checkpoint(single.run_dir)
-    a, b = load_file(str(two / "model.safetensors")), load_file(str(one / "model.safetensors"))
+    a, b = read_model_state(two), read_model_state(one)
     assert a.keys() == b.keys()
     assert all((a[k] - b[k]).abs().max() <= 1e-4 * b[k].abs().max() for k in a)
-    assert sorted(p.name for p in two.glob("optimizer-rank*.safetensors")) == [
-        "optimizer-rank0.safetensors", "optimizer-rank1.safetensors"]
+    assert sorted(p.name for p in two.glob("rank*.safetensors")) == [
+        "rank0.safetensors", "rank1.safetensors"]
     return records
 
 
@@ -92,8 +91,8 @@ def resume_on_ranks(rank: int, world_size: int, data_dir: Path, tmp: Path, layou
 def check_resume(tmp_path: Path, data_dir: Path, world_size: int, layout: dict[str, str]) -> None:
     full, resumed, val_full, val_resumed = run_ranks(world_size, resume_on_ranks, data_dir, tmp_path, layout)[0]
     assert full == resumed and val_full == val_resumed  # bit for bit
-    a = load_file(str(latest_checkpoint(tmp_path / "full") / "model.safetensors"))
-    b = load_file(str(latest_checkpoint(tmp_path / "cut") / "model.safetensors"))
+    a = read_model_state(latest_checkpoint(tmp_path / "full"))
+    b = read_model_state(latest_checkpoint(tmp_path / "cut"))
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
@@ -120,7 +119,7 @@ def test_resume_under_expert_parallel_and_zero2_is_exact(tmp_path, dataset):  # 
     # every rank saves its own experts' optimizer states; the model file holds every expert
     moe = {"model.n_experts": "4", "model.top_k": "2", "model.capacity_factor": "1.0"}
     check_resume(tmp_path, dataset, 2, {"layout.dp": "2", "layout.ep": "2", "layout.zero": "2", **moe})
-    model = load_file(str(latest_checkpoint(tmp_path / "full") / "model.safetensors"))
+    model = read_model_state(latest_checkpoint(tmp_path / "full"))
     assert model["layers.0.mlp.w_gate"].shape[0] == 4
 
 

@@ -104,9 +104,9 @@ def test_framework_data_files_load():
 
 
 def test_fsdp_gathers_in_bf16():
-    from fivefold.presets import get_preset
     from fivefold.planner.layout import Layout
     from fivefold.planner.memory import layer_params, rank_memory, rank_params
+    from fivefold.presets import get_preset
 
     cfg = get_preset("llama3-8b")
     lay = Layout(dp=8, zero=3, micro_batch_size=1, grad_accum_steps=1)

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from fivefold.models.llama import Block, rope_cos_sin
-from fivefold.presets import get_preset
 from fivefold.parallel.recompute import apply_recompute
+from fivefold.presets import get_preset
 
 
 def live_storages() -> dict[int, int]:

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from fivefold.cli import main
 from fivefold.config import ConfigError, build_config
 from fivefold.data import prepare_dataset
-from fivefold.train.checkpoint import CheckpointError, latest_checkpoint
+from fivefold.train.checkpoint import CheckpointError, latest_checkpoint, read_model_state
 from fivefold.train.loop import RunDirError, train
 
 CORPUS = Path(__file__).resolve().parents[1] / "src" / "fivefold" / "data" / "corpus"
@@ -52,8 +51,8 @@ def test_resume_reproduces_uninterrupted_run_exactly(tmp_path, dataset, preset_o
     rest = train(small_config(tmp_path / "cut", dataset, **preset_overrides), resume=True)
     assert full.losses == first.losses + rest.losses  # bit for bit
     assert full.val_losses[6] == rest.val_losses[6]
-    a = load_file(str(latest_checkpoint(tmp_path / "full") / "model.safetensors"))
-    b = load_file(str(latest_checkpoint(tmp_path / "cut") / "model.safetensors"))
+    a = read_model_state(latest_checkpoint(tmp_path / "full"))
+    b = read_model_state(latest_checkpoint(tmp_path / "cut"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # the resumed run's log has each step once
     steps = [r["step"] for r in map(json.loads, (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines())
@@ -101,8 +100,8 @@ def test_resume_with_another_model_is_refused(tmp_path, dataset):
         train(small_config(run, dataset, **{"train.max_steps": "2", "model.hidden": "128"}), resume=True)
     # a corrupted checkpoint is named
     ckpt_dir = latest_checkpoint(run)
-    (ckpt_dir / "model.safetensors").write_bytes(b"\x01\x02")
-    with pytest.raises(CheckpointError, match="model.safetensors is corrupted"):
+    (ckpt_dir / "rank0.safetensors").write_bytes(b"\x01\x02")
+    with pytest.raises(CheckpointError, match="rank0.safetensors is corrupted"):
         train(small_config(run, dataset, **{"train.max_steps": "2"}), resume=True)
 
 

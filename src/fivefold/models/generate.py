@@ -79,9 +79,10 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: flo
 def _load(args: argparse.Namespace, device: torch.device):
     """(model, tokenizer directory or None) from --checkpoint or --hf."""
     from fivefold.config import build_config
-    from fivefold.models.hf import CheckpointError, load_state_dict_into, model_from_hf, read_safetensors
+    from fivefold.models.hf import CheckpointError, load_state_dict_into, model_from_hf
     from fivefold.models.hf_cli import find_tokenizer_dir, resolve_checkpoint
     from fivefold.models.llama import build_model
+    from fivefold.models.pieces import PieceError, read_checkpoint_weights
 
     try:
         if args.hf:
@@ -100,7 +101,11 @@ def _load(args: argparse.Namespace, device: torch.device):
         model.to_empty(device=device)
         if cfg.tied_embeddings:
             model.lm_head.weight = model.embed.weight
-        load_state_dict_into(model, read_safetensors(ckpt / "model.safetensors"))
+        try:
+            weights = read_checkpoint_weights(ckpt)
+        except PieceError as e:
+            raise CliError(str(e)) from None
+        load_state_dict_into(model, weights)
         return model, find_tokenizer_dir(ckpt, args.tokenizer)
     except CheckpointError as e:
         raise CliError(str(e)) from None

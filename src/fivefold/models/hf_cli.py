@@ -57,7 +57,7 @@ def resolve_checkpoint(path: Path) -> tuple[Path, str | None]:
     if not path.is_dir():
         raise CliError(f"--checkpoint {str(path)!r} is a file; give a checkpoint directory (step_XXXXXXXX) or a run "
                        "directory")
-    if (path / "model.safetensors").is_file():
+    if (path / "model.safetensors").is_file() or (path / "rank0.json").is_file():
         return path, None
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     steps = sorted((int(m.group(1)), p) for p in root.iterdir()
@@ -85,8 +85,8 @@ def run(args: argparse.Namespace) -> int:
         check_tensors,
         expected_shapes,
         export_hf,
-        read_safetensors,
     )
+    from fivefold.models.pieces import PieceError, read_checkpoint_weights
 
     out_dir = Path(args.hf)
     try:
@@ -101,18 +101,16 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"checkpoint {str(ckpt)!r} has no config.toml (the run's resolved config)")
     cfg = build_config(config_file).model
     cfg.validate()
-    weights = ckpt / "model.safetensors"
-    if not weights.is_file():
-        raise CliError(f"checkpoint {str(ckpt)!r} has no model.safetensors")
+    weights = ckpt / "model.safetensors" if (ckpt / "model.safetensors").is_file() else ckpt
     try:
-        state_dict = read_safetensors(weights)
+        state_dict = read_checkpoint_weights(ckpt)
         found = {k: tuple(v.shape) for k, v in state_dict.items()}
         if cfg.tied_embeddings:
             found.pop("lm_head.weight", None)
         check_tensors(found, expected_shapes(cfg), f"{weights}")
         tokenizer_dir = find_tokenizer_dir(ckpt, args.tokenizer)
         export_hf(state_dict, cfg, out_dir, overwrite=args.overwrite, tokenizer_dir=tokenizer_dir)
-    except CheckpointError as e:
+    except (CheckpointError, PieceError) as e:
         raise CliError(str(e)) from None
     arch = "MixtralForCausalLM" if cfg.is_moe else "LlamaForCausalLM"
     print(f"wrote {arch} ({count_params(cfg):,} parameters, model {cfg.name!r}) to {out_dir}")

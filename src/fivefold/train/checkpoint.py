@@ -1,11 +1,12 @@
 """Checkpoints: written to a temporary directory and renamed, loaded without unpickling.
 
-Layout of `RUN_DIR/checkpoints/step_XXXXXXXX/`:
-    model.safetensors      the plain model's weights (tied embedding stored once)
-    optimizer.safetensors  optimizer state tensors, and optimizer.json its hyper-parameters
-                           (`optimizer-rankN.*` per rank when the engine shards the optimizer state)
-    rng.safetensors        CPU and accelerator RNG states (`rng-rankN.safetensors` likewise)
-    trainer_state.json     step, tokens seen, steps skipped as non-finite, number of optimizer shards, format version
+Layout of `RUN_DIR/checkpoints/step_XXXXXXXX/` (format 3, sharded; see docs/training.md):
+    rankN.safetensors      rank N's pieces: rectangles of the plain-named global tensors `model.<param>`,
+                           `exp_avg.<param>`, `exp_avg_sq.<param>` that rank N owns (one copy in all)
+    rankN.json             their index (global shape and offsets of each piece), the sha256 of rankN.safetensors
+                           and AdamW's step of each parameter
+    rng-rankN.safetensors  rank N's CPU and accelerator RNG states
+    trainer_state.json     step, tokens seen, steps skipped as non-finite, world size, global batch, seq length
     config.toml            the run's resolved config
     manifest.json          size and sha256 of every file above; a reader verifies the files it reads against it
     COMPLETE               written last, before the rename: a directory without it is not a checkpoint
@@ -28,7 +29,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-FORMAT_VERSION = 2  # 2: manifest.json with the sha256 of every file
+from fivefold.models.pieces import PieceError, PieceReader, write_safetensors
+
+FORMAT_VERSION = 3  # 2: manifest.json with the sha256 of every file; 3: sharded pieces
 MANIFEST = "manifest.json"
 CHECKPOINT_PREFIX = "step_"
 
@@ -80,35 +83,6 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-# --- optimizer state <-> flat tensors + JSON ---------------------------------------------------------
-
-
-def flatten_optimizer_state(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Split a torch optimizer state_dict into tensors (for safetensors) and JSON-able metadata."""
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict[str, Any]] = {}
-    for idx, per_param in state["state"].items():
-        for name, value in per_param.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"state.{idx}.{name}"] = value.detach().contiguous().cpu()
-            else:
-                scalars.setdefault(str(idx), {})[name] = value
-    extra = {k: v for k, v in state.items() if k not in ("state", "param_groups")}  # e.g. the layout of a shard
-    return tensors, {"param_groups": state["param_groups"], "scalars": scalars, "extra": extra}
-
-
-def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
-    state: dict[int, dict[str, Any]] = {}
-    for key, value in tensors.items():
-        _, idx, name = key.split(".", 2)
-        state.setdefault(int(idx), {})[name] = value
-    for idx, values in meta.get("scalars", {}).items():
-        state.setdefault(int(idx), {}).update(values)
-    # JSON turns tuples (Adam's betas) into lists
-    groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in meta["param_groups"]]
-    return {**meta.get("extra", {}), "state": state, "param_groups": groups}
-
-
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     state = {"cpu": torch.random.get_rng_state()}
     if device.type != "cpu":
@@ -157,27 +131,52 @@ def begin_checkpoint(run_dir: Path, step: int) -> Path:
     return tmp
 
 
-def write_rank_files(tmp: Path, optimizer_state: dict[str, Any], device: torch.device, rank_suffix: str = "") -> None:
-    """The optimizer state and RNG state of one rank (`rank_suffix` "" when one rank holds it all)."""
-    opt_tensors, opt_meta = flatten_optimizer_state(optimizer_state)
-    save_file(opt_tensors, str(tmp / f"optimizer{rank_suffix}.safetensors"))
-    _write_json(tmp / f"optimizer{rank_suffix}.json", opt_meta)
-    save_file(_rng_state(device), str(tmp / f"rng{rank_suffix}.safetensors"))
+@dataclass
+class Piece:
+    """A rectangle of a named global tensor that one rank writes: `name` is `model.<parameter>` or
+    `exp_avg.<parameter>` / `exp_avg_sq.<parameter>` (AdamW's moments), with the plain single-process name."""
+
+    name: str
+    shape: tuple[int, ...]  # of the global tensor
+    offsets: tuple[int, ...]  # of this piece in it
+    tensor: torch.Tensor
 
 
-def finish_checkpoint(tmp: Path, state: TrainerState, model_state: dict[str, torch.Tensor], config_toml: str,
-                      optimizer_shards: int = 0) -> Path:
-    """Write the model and trainer state, mark the directory complete and rename it into place."""
-    save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
+def rank_files(rank: int) -> list[str]:
+    return [f"rank{rank}.safetensors", f"rank{rank}.json", f"rng-rank{rank}.safetensors"]
+
+
+def write_rank_files(tmp: Path, rank: int, pieces: list[Piece], steps: dict[str, float], device: torch.device) -> None:
+    """One rank's pieces (`rankN.safetensors`, streamed), their index with the sha256 of that file and the AdamW
+    step of each parameter (`rankN.json`), and the rank's RNG state (`rng-rankN.safetensors`)."""
+    name = f"rank{rank}.safetensors"
+    sha = write_safetensors(tmp / name, [(str(i), p.tensor) for i, p in enumerate(pieces)])
+    _write_json(tmp / f"rank{rank}.json", {
+        "format_version": FORMAT_VERSION, "rank": rank, "file": name, "sha256": sha, "steps": steps,
+        "pieces": [{"name": p.name, "shape": list(p.shape), "offsets": list(p.offsets),
+                    "piece_shape": list(p.tensor.shape), "key": str(i)} for i, p in enumerate(pieces)],
+    })
+    save_file(_rng_state(device), str(tmp / f"rng-rank{rank}.safetensors"))
+
+
+def finish_checkpoint(tmp: Path, state: TrainerState, config_toml: str, world_size: int,
+                      data: dict[str, int]) -> Path:
+    """After every rank wrote its files: the trainer state and config, the manifest (the piece files' checksums
+    as their writers computed them), the COMPLETE marker, then the rename into place."""
     _write_json(tmp / "trainer_state.json", {
         "format_version": state.format_version, "step": state.step, "tokens_seen": state.tokens_seen,
-        "skipped_steps": state.skipped_steps, "optimizer_shards": optimizer_shards,
+        "skipped_steps": state.skipped_steps, "world_size": world_size, **data,
     })
     (tmp / "config.toml").write_text(config_toml)
     for f in tmp.iterdir():
-        with open(f, "rb+") as fh:
-            os.fsync(fh.fileno())
-    write_manifest(tmp)
+        if not f.name.endswith(".safetensors") or f.name.startswith("rng-"):
+            with open(f, "rb+") as fh:
+                os.fsync(fh.fileno())
+    known = {}
+    for r in range(world_size):
+        index = json.loads((tmp / f"rank{r}.json").read_text())
+        known[index["file"]] = index["sha256"]
+    write_manifest(tmp, known)
     (tmp / "COMPLETE").write_text(f"{state.step}\n")
     _fsync_dir(tmp)
     final = tmp.with_name(tmp.name.removesuffix(".tmp"))
@@ -194,10 +193,12 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(directory: Path) -> None:
-    """Record the size and sha256 of every file of a checkpoint directory in its manifest."""
-    files = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in sorted(directory.iterdir())
-             if f.is_file() and f.name not in (MANIFEST, "COMPLETE")}
+def write_manifest(directory: Path, known: dict[str, str] | None = None) -> None:
+    """Record the size and sha256 of every file of a checkpoint directory in its manifest (`known`: sha256s
+    computed by the ranks as they wrote their files)."""
+    known = known or {}
+    files = {f.name: {"bytes": f.stat().st_size, "sha256": known.get(f.name) or _sha256(f)}
+             for f in sorted(directory.iterdir()) if f.is_file() and f.name not in (MANIFEST, "COMPLETE")}
     _write_json(directory / MANIFEST, {"format_version": FORMAT_VERSION, "files": files})
 
 
@@ -229,18 +230,13 @@ def verify_files(path: Path, names: list[str] | None = None) -> None:
                                   f"says {str(want)[:16]}...")
 
 
-def save_checkpoint(
-    run_dir: Path,
-    state: TrainerState,
-    model_state: dict[str, torch.Tensor],
-    optimizer_state: dict[str, Any],
-    config_toml: str,
-    device: torch.device,
-) -> Path:
-    """Write a complete single-writer checkpoint for `state.step` atomically and return its directory."""
+def save_checkpoint(run_dir: Path, state: TrainerState, engine: Any, config_toml: str,
+                    data: dict[str, int] | None = None) -> Path:
+    """Write a complete checkpoint of a single-process engine for `state.step` atomically; its directory."""
     tmp = begin_checkpoint(run_dir, state.step)
-    write_rank_files(tmp, optimizer_state, device)
-    return finish_checkpoint(tmp, state, model_state, config_toml)
+    pieces, steps = engine.state_pieces()
+    write_rank_files(tmp, 0, pieces, steps, engine.device)
+    return finish_checkpoint(tmp, state, config_toml, 1, data or {})
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> None:
@@ -260,80 +256,91 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
 class LoadedCheckpoint:
     path: Path
     state: TrainerState
-    model_state: dict[str, torch.Tensor]
-    optimizer_state: dict[str, Any]
-    rng_state: dict[str, torch.Tensor]
+    reader: PieceReader  # every rank's pieces, read lazily
+    steps: dict[str, float]  # AdamW's step of each parameter
+    rng_state: dict[str, torch.Tensor] | None  # this rank's, when the checkpoint has as many ranks as the run
     config_toml: str
+    world_size: int
+    data: dict[str, int]  # the global batch and sequence length it was written with
 
 
-def load_checkpoint(path: Path, rank_suffix: str = "") -> LoadedCheckpoint:
-    """Read a checkpoint directory; every failure is a CheckpointError naming the file."""
+def _json_file(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {path} is missing") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint file {path} is corrupted: {e}") from None
+
+
+def load_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> LoadedCheckpoint:
+    """Open a checkpoint directory for a rank of a run of `world_size` ranks: the trainer state, the index of
+    every rank's pieces and config (each checked against the manifest). Piece files are read lazily; the caller
+    verifies them (`verify_files`). Every failure is a CheckpointError naming the file."""
     if not (path / "COMPLETE").is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint (no COMPLETE marker)")
-    if not (path / MANIFEST).is_file() and (path / "trainer_state.json").is_file():
+    if (path / "trainer_state.json").is_file():
         try:
             version = json.loads((path / "trainer_state.json").read_text()).get("format_version")
         except (OSError, ValueError, AttributeError):
             version = None
         if version is not None and version != FORMAT_VERSION:
             raise CheckpointError(f"{path} has checkpoint format {version}; this fivefold reads format "
-                                  f"{FORMAT_VERSION} (with a manifest of checksums)")
+                                  f"{FORMAT_VERSION} (sharded pieces with a manifest of checksums)")
     verify_files(path, ["trainer_state.json"])
-
-    def tensors(name: str) -> dict[str, torch.Tensor]:
-        f = path / name
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint file {f} is missing")
-        try:
-            return load_file(str(f))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"checkpoint file {f} is corrupted or unreadable: {e}") from None
-
-    def json_file(name: str) -> dict[str, Any]:
-        f = path / name
-        try:
-            return json.loads(f.read_text())
-        except FileNotFoundError:
-            raise CheckpointError(f"checkpoint file {f} is missing") from None
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"checkpoint file {f} is corrupted: {e}") from None
-
-    meta = json_file("trainer_state.json")
+    meta = _json_file(path / "trainer_state.json")
     try:
         state = TrainerState(step=int(meta["step"]), tokens_seen=int(meta["tokens_seen"]),
                              skipped_steps=int(meta.get("skipped_steps", 0)),
                              format_version=int(meta["format_version"]))
+        saved_world = int(meta["world_size"])
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint file {path / 'trainer_state.json'} is corrupted: {e}") from None
-    if state.format_version != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path} has checkpoint format {state.format_version}; this fivefold reads format {FORMAT_VERSION}"
-        )
-    shards = int(meta.get("optimizer_shards", 0))
-    if bool(shards) != bool(rank_suffix):
-        raise CheckpointError(
-            f"{path} holds the optimizer state {f'in {shards} per-rank shards' if shards else 'of a single rank'}, "
-            f"but this run {'shards' if rank_suffix else 'does not shard'} it; resume with the layout it was "
-            "written under (see its config.toml)"
-        )
-    verify_files(path, ["config.toml", "model.safetensors", f"optimizer{rank_suffix}.json",
-                        f"optimizer{rank_suffix}.safetensors", f"rng{rank_suffix}.safetensors"])
-    optimizer = unflatten_optimizer_state(tensors(f"optimizer{rank_suffix}.safetensors"),
-                                          json_file(f"optimizer{rank_suffix}.json"))
-    return LoadedCheckpoint(
-        path=path, state=state, model_state=tensors("model.safetensors"), optimizer_state=optimizer,
-        rng_state=tensors(f"rng{rank_suffix}.safetensors"), config_toml=(path / "config.toml").read_text(),
-    )
+    data = {k: int(meta[k]) for k in ("global_batch_size", "seq_len") if k in meta}
+    indexes = [f"rank{r}.json" for r in range(saved_world)]
+    own_rng = f"rng-rank{rank}.safetensors" if saved_world == world_size else None
+    verify_files(path, ["config.toml", *indexes] + ([own_rng] if own_rng else []))
+    index: dict[str, dict[str, Any]] = {}
+    steps: dict[str, float] = {}
+    for name in indexes:
+        part = _json_file(path / name)
+        try:
+            for p in part["pieces"]:
+                entry = index.setdefault(p["name"], {"shape": p["shape"], "pieces": []})
+                entry["pieces"].append({"file": part["file"], "key": p["key"], "offsets": p["offsets"],
+                                        "shape": p["piece_shape"]})
+            for k, v in part["steps"].items():
+                steps[k] = max(steps.get(k, 0.0), float(v))
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"checkpoint file {path / name} is corrupted: {e}") from None
+    rng = None
+    if own_rng:
+        try:
+            rng = load_file(str(path / own_rng))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"checkpoint file {path / own_rng} is corrupted or unreadable: {e}") from None
+    return LoadedCheckpoint(path=path, state=state, reader=PieceReader(path, index), steps=steps, rng_state=rng,
+                            config_toml=(path / "config.toml").read_text(), world_size=saved_world, data=data)
 
 
-def check_model_state(loaded: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], path: Path) -> None:
-    """Refuse a checkpoint whose tensor names or shapes differ from the model's, listing the differences."""
-    problems = [f"missing {k}" for k in expected if k not in loaded]
-    problems += [f"unexpected {k}" for k in loaded if k not in expected]
-    problems += [
-        f"{k}: checkpoint {tuple(loaded[k].shape)} vs model {tuple(v.shape)}"
-        for k, v in expected.items() if k in loaded and loaded[k].shape != v.shape
-    ]
+def read_model_state(path: Path) -> dict[str, torch.Tensor]:
+    """The whole plain-named model state of a checkpoint (tied output layer left out), assembled from its
+    pieces; verifies the files it reads."""
+    loaded = load_checkpoint(path)
+    verify_files(path)
+    try:
+        return {name.removeprefix("model."): loaded.reader.read(name) for name in loaded.reader.names()
+                if name.startswith("model.")}
+    except PieceError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def check_model_shapes(saved: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], path: Path) -> None:
+    """Refuse a checkpoint whose tensor names or global shapes differ from the model's, listing the differences."""
+    problems = [f"missing {k}" for k in expected if k not in saved]
+    problems += [f"unexpected {k}" for k in saved if k not in expected]
+    problems += [f"{k}: checkpoint {tuple(saved[k])} vs model {tuple(v)}"
+                 for k, v in expected.items() if k in saved and tuple(saved[k]) != tuple(v)]
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise CheckpointError(
@@ -341,5 +348,12 @@ def check_model_state(loaded: dict[str, torch.Tensor], expected: dict[str, torch
         )
 
 
+def check_model_state(loaded: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], path: Path) -> None:
+    """Refuse a state whose tensor names or shapes differ from the model's, listing the differences."""
+    check_model_shapes({k: tuple(v.shape) for k, v in loaded.items()},
+                       {k: tuple(v.shape) for k, v in expected.items()}, path)
+
+
 def restore_rng(loaded: LoadedCheckpoint, device: torch.device) -> None:
-    _set_rng_state(loaded.rng_state, device)
+    if loaded.rng_state is not None:
+        _set_rng_state(loaded.rng_state, device)

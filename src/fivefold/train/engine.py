@@ -4,8 +4,8 @@ clipping and the optimizer step, on one device.
 `Engine` is the one base of every engine: the parallel engine (`fivefold.train.parallel_engine.ParallelEngine`)
 and the pipeline engine (`PipelineEngine`, beside it) extend it. They override what the optimizer steps, how a
 micro-batch is cut and its loss computed (context and tensor parallel), how gradients are reduced and their norm
-summed over shards, and how state is gathered for checkpoints; the step itself (`forward_backward`, clipping,
-`optimizer_step`) is written here once. The contract that every engine keeps:
+summed over shards, and which pieces of the state a rank holds for checkpoints (`state_segments`); the step itself
+(`forward_backward`, clipping, `optimizer_step`) is written here once. The contract that every engine keeps:
 
 * `forward_backward(micro_batches, global_tokens)` runs every micro-batch of this rank's share of the
   global batch; each micro-batch's summed token loss is divided by the number of target tokens in the
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -28,7 +29,33 @@ from fivefold import faults
 from fivefold.config import Config
 from fivefold.device import autocast, use_bf16
 from fivefold.models.loss import model_loss_sum
+from fivefold.models.pieces import flat_rects
+from fivefold.train.checkpoint import Piece
 from fivefold.train.optim import build_adamw, lr_at
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class Segment:
+    """Elements of one plain-model parameter that this rank holds, and where AdamW keeps their moments: the flat
+    range [start, end) (row-major) of this rank's local tensor, a rectangle of the global tensor at `offsets`
+    (its tp slice, ep experts or ZeRO-3 shard; the whole tensor on one device)."""
+
+    name: str
+    shape: tuple[int, ...]  # of the global tensor
+    offsets: tuple[int, ...]  # of the local tensor in it
+    local_shape: tuple[int, ...]
+    start: int
+    end: int
+    weight: torch.Tensor  # 1-D view of the (fp32 master) weights of those elements
+    opt_param: torch.Tensor  # the parameter whose AdamW state holds their moments
+    opt_start: int  # at this offset of its flattened state
+    write: bool  # this rank writes them (one owner per element: the first of the replicas)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class Engine:
@@ -39,8 +66,6 @@ class Engine:
     drop_fraction: torch.Tensor | None = None
     is_logging_rank = True
     n_devices = 1
-    # True when ranks hold different optimizer states, so that every rank writes its own optimizer file
-    optimizer_state_is_sharded = False
 
     def __init__(self, model: nn.Module, cfg: Config, device: torch.device) -> None:
         self.model, self.cfg, self.device = model, cfg, device
@@ -204,11 +229,70 @@ class Engine:
         """Load a plain-named state with every parameter of the model (this rank's part of it, in place)."""
         self.model.load_state_dict(state, strict=True)
 
-    def optimizer_state(self) -> dict:
-        return self.optimizer.state_dict()
+    # --- sharded checkpoints: this rank's pieces of the named fp32 state ---------------------------
+    def state_segments(self) -> list[Segment]:
+        """Every element of the training state this rank holds, by plain parameter name (see `Segment`)."""
+        return [Segment(name, tuple(p.shape), (0,) * p.ndim, tuple(p.shape), 0, p.numel(), p.detach().view(-1), p,
+                        0, True) for name, p in self.model.named_parameters()]
 
-    def load_optimizer_state(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
+    def _source(self, name: str) -> str:
+        """The checkpoint's name for parameter `name` (a tied output layer is stored as the embedding)."""
+        return "embed.weight" if name == "lm_head.weight" and self.cfg.model.tied_embeddings else name
+
+    def state_pieces(self) -> tuple[list[Piece], dict[str, float]]:
+        """The pieces this rank writes (views of its weights and AdamW moments, no copies) and AdamW's step of
+        each parameter it writes. Together over the ranks, each element of each tensor once."""
+        pieces: list[Piece] = []
+        steps: dict[str, float] = {}
+        for seg in self.state_segments():
+            if not seg.write or self._source(seg.name) != seg.name:
+                continue
+            state = self.optimizer.state.get(seg.opt_param, {})
+            if "step" in state:
+                steps[seg.name] = max(steps.get(seg.name, 0.0), float(state["step"]))
+            for off, shape, lo, hi in flat_rects(seg.local_shape, seg.start, seg.end):
+                where = tuple(a + b for a, b in zip(seg.offsets, off, strict=True))
+                pieces.append(Piece(f"model.{seg.name}", seg.shape, where,
+                                    seg.weight[lo - seg.start:hi - seg.start].view(shape)))
+                for key in MOMENTS:
+                    if key in state:
+                        flat = _local(state[key]).view(-1)
+                        begin = seg.opt_start + lo - seg.start
+                        pieces.append(Piece(f"{key}.{seg.name}", seg.shape, where,
+                                            flat[begin:begin + hi - lo].view(shape)))
+        return pieces, steps
+
+    @torch.no_grad()
+    def load_state_pieces(self, reader, steps: dict[str, float]) -> None:
+        """Load this rank's weights and AdamW state from a checkpoint's pieces (`models.pieces.PieceReader`),
+        whatever layout wrote them: each segment reads the rectangles it covers, only those bytes."""
+        segments = self.state_segments()
+        with_moments = {}
+        for seg in segments:
+            src = self._source(seg.name)
+            if all(f"{k}.{src}" in reader.index for k in MOMENTS):
+                step = steps.get(src, 0.0)
+                with_moments[seg.opt_param] = max(with_moments.get(seg.opt_param, 0.0), step)
+        index = {p: i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        fresh = {index[p]: {"step": torch.tensor(step, dtype=torch.float32), "exp_avg": torch.zeros_like(p),
+                            "exp_avg_sq": torch.zeros_like(p)} for p, step in with_moments.items()}
+        self.optimizer.load_state_dict({"state": fresh, "param_groups": self.optimizer.state_dict()["param_groups"]})
+        for seg in segments:
+            src = self._source(seg.name)
+            state = self.optimizer.state.get(seg.opt_param, {})
+            for off, shape, lo, hi in flat_rects(seg.local_shape, seg.start, seg.end):
+                where = tuple(a + b for a, b in zip(seg.offsets, off, strict=True))
+                seg.weight[lo - seg.start:hi - seg.start].copy_(reader.read(f"model.{src}", where, shape).view(-1))
+                if seg.opt_param not in with_moments:
+                    continue
+                for key in MOMENTS:
+                    begin = seg.opt_start + lo - seg.start
+                    _local(state[key]).view(-1)[begin:begin + hi - lo].copy_(
+                        reader.read(f"{key}.{src}", where, shape).view(-1))
+        self.after_state_load()
+
+    def after_state_load(self) -> None:
+        """Work after the pieces were loaded (none on one device)."""
 
     def barrier(self) -> None:
         """Wait for every rank (no-op on one device)."""

@@ -29,6 +29,8 @@ from fivefold.config import (
 )
 from fivefold.device import resolve_device
 from fivefold.flops import training_flops_per_token
+from fivefold.models.llama import build_model
+from fivefold.models.pieces import PieceError
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.engine import Engine, create_engine
 from fivefold.train.guard import GuardState, StepGuard, StopSignals
@@ -223,8 +225,8 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     engine = create_engine(cfg, device)
-    rank_suffix = f"-rank{rank}" if engine.optimizer_state_is_sharded else ""
-    loaded = choose_checkpoint(candidates, engine, rank_suffix, is_first) if resume else None
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    loaded = choose_checkpoint(candidates, engine, rank, world, is_first) if resume else None
     if loaded is not None and loaded.state.step >= t.max_steps:
         raise RunDirError(
             f"--resume: the newest checkpoint {loaded.path} is at step {loaded.state.step}, which is not "
@@ -235,9 +237,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
               "again at step 0", file=sys.stderr)
 
     if loaded is not None:
-        ckpt.check_model_state(loaded.model_state, engine.model_state(), loaded.path)
-        engine.load_model_state(loaded.model_state)
-        engine.load_optimizer_state(loaded.optimizer_state)
+        load_pieces(engine, loaded, cfg)
         ckpt.restore_rng(loaded, device)
     elif hf_init is not None:
         from fivefold.models.hf import load_hf
@@ -276,11 +276,11 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
         log({"step": step, "val_loss": val})
 
     def save(step: int, guard_state: GuardState) -> None:
-        # every rank: gather the full model state (collective) and write its optimizer shard if sharded
+        # every rank writes its own pieces of the weights and AdamW state (views, nothing gathered)
         faults.note(step=step, micro_batch=None, action="checkpoint")
         state = ckpt.TrainerState(step=step, tokens_seen=tokens_seen, skipped_steps=guard_state.skipped)
-        model_state, optimizer_state = engine.model_state(), engine.optimizer_state()
-        if not all_finite(engine, model_state, optimizer_state):
+        pieces, steps = engine.state_pieces()
+        if not all_finite(engine, [p.tensor for p in pieces]):
             if engine.is_logging_rank:
                 print(f"fivefold: not writing the checkpoint of step {step}: the weights or optimizer state hold "
                       "NaN or inf; the older checkpoints are kept", file=sys.stderr)
@@ -289,12 +289,12 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
             ckpt.begin_checkpoint(run_dir, step)
         engine.barrier()
         tmp = ckpt.checkpoint_dir(run_dir, step).with_name(ckpt.checkpoint_dir(run_dir, step).name + ".tmp")
-        if rank_suffix or engine.is_logging_rank:
-            ckpt.write_rank_files(tmp, optimizer_state, device, rank_suffix)
+        ckpt.write_rank_files(tmp, rank, pieces, steps, device)
+        del pieces
         engine.barrier()
         if engine.is_logging_rank:
-            result.checkpoint = ckpt.finish_checkpoint(tmp, state, model_state, config_toml,
-                                                       engine.n_devices if rank_suffix else 0)
+            result.checkpoint = ckpt.finish_checkpoint(tmp, state, config_toml, world,
+                                                       {"global_batch_size": t.global_batch_size, "seq_len": t.seq_len})
             if guard_state.bad_run == 0:  # written amid skipped steps: keep the older ones too
                 ckpt.prune_checkpoints(run_dir, t.keep_checkpoints)
         engine.barrier()
@@ -421,7 +421,30 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
     return result
 
 
-def choose_checkpoint(candidates: list[Path], engine: Engine, rank_suffix: str,
+def load_pieces(engine: Engine, loaded: ckpt.LoadedCheckpoint, cfg: Config) -> None:
+    """Load a checkpoint written under any layout into this rank's part of the engine: the names and global shapes
+    must match the model, and the data position (a step of `train.global_batch_size` rows of `train.seq_len`
+    tokens) must mean the same tokens."""
+    t = cfg.train
+    for key, now in (("global_batch_size", t.global_batch_size), ("seq_len", t.seq_len)):
+        saved = loaded.data.get(key, now)
+        if saved != now:
+            raise ckpt.CheckpointError(
+                f"--resume: checkpoint {loaded.path.name} was written with train.{key} = {saved}, this run has "
+                f"{now}; the data position and the schedule are counted in steps of that batch, so resume with "
+                f"train.{key} = {saved} (the layout, world size and micro-batch size may change)")
+    meta = build_model(cfg.model, device="meta").state_dict()
+    expected = {k: tuple(v.shape) for k, v in meta.items()
+                if not (k == "lm_head.weight" and cfg.model.tied_embeddings)}
+    saved = {k.removeprefix("model."): loaded.reader.shape(k) for k in loaded.reader.names() if k.startswith("model.")}
+    ckpt.check_model_shapes(saved, expected, loaded.path)
+    try:
+        engine.load_state_pieces(loaded.reader, loaded.steps)
+    except PieceError as e:
+        raise ckpt.CheckpointError(f"checkpoint {loaded.path}: {e}") from None
+
+
+def choose_checkpoint(candidates: list[Path], engine: Engine, rank: int, world: int,
                       is_first: bool) -> ckpt.LoadedCheckpoint | None:
     """The newest checkpoint that every rank reads and verifies (the first rank verifies every file, the other ranks'
     shards included); newer ones that fail are reported and set aside as `NAME.bad`. None when there is none at
@@ -431,7 +454,7 @@ def choose_checkpoint(candidates: list[Path], engine: Engine, rank_suffix: str,
         try:
             if not (path / "COMPLETE").is_file():
                 raise ckpt.CheckpointError(f"{path} has no COMPLETE marker (its save was interrupted)")
-            loaded = ckpt.load_checkpoint(path, rank_suffix)
+            loaded = ckpt.load_checkpoint(path, rank, world)
             if is_first:
                 ckpt.verify_files(path)
             reason = ""
@@ -456,11 +479,11 @@ def choose_checkpoint(candidates: list[Path], engine: Engine, rank_suffix: str,
     return loaded
 
 
-def all_finite(engine: Engine, model_state: dict[str, torch.Tensor], optimizer_state: dict) -> bool:
-    """Whether the weights and this rank's optimizer state are finite on every rank (one reduction)."""
-    tensors = list(model_state.values()) + [v for s in optimizer_state["state"].values() for v in s.values()
-                                            if isinstance(v, torch.Tensor)]
-    ok = torch.stack([torch.isfinite(v).all() for v in tensors]).all()
+def all_finite(engine: Engine, tensors: list[torch.Tensor]) -> bool:
+    """Whether the weights and optimizer state that every rank writes are finite (one reduction)."""
+    ok = torch.tensor(True, device=engine.device)
+    if tensors:
+        ok = torch.stack([torch.isfinite(v).all() for v in tensors]).all()
     return not engine.agree((~ok).float().reshape(1)).item()
 
 

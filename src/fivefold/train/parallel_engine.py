@@ -6,8 +6,8 @@ a context-parallel rank's zig-zag chunks of each sequence with their rotary posi
 (vocabulary parallel under tp); each micro-batch tells the data-parallel states whether to reduce gradients
 (dense ones over dp x cp, expert ones over the ranks holding the same experts); the gradient norm is summed
 over shards (tp-sharded parameters over tp, ZeRO slices over their group, experts over ep, replicated ones
-counted once); logged values are summed over dp x cp; and checkpoints gather the full plain-named state
-(collective) or shard a loaded one.
+counted once); logged values are summed over dp x cp; and for checkpoints each rank names the pieces of the
+plain-model state it holds (`state_segments`), so that it writes only its own and loads them under any layout.
 
 With pipeline parallel, `PipelineEngine` runs the schedule's actions over this rank's stages (`LlamaStage`, one
 per stage, for `pipeline.PipelineExecutor`) instead of the micro-batch loop; see its docstring and
@@ -38,7 +38,7 @@ from fivefold.parallel.pipeline import (
     stage_layer_counts,
 )
 from fivefold.parallel.schedules import Schedule, build_schedule, forward_schedule, stage_placement
-from fivefold.train.engine import Engine
+from fivefold.train.engine import Engine, Segment
 
 
 class ParallelEngine(Engine):
@@ -57,8 +57,6 @@ class ParallelEngine(Engine):
         self.ep_rank, self.ep_size = grid.group_ranks["ep"].index(grid.rank), grid.size("ep")
         self.is_logging_rank = grid.rank == 0
         self.n_devices = grid.world_size
-        # every rank writes its own optimizer file when the states differ between ranks
-        self.optimizer_state_is_sharded = cfg.layout.zero >= 1 or self.tp_size > 1 or self.ep_size > 1
 
     def optimized_parameters(self) -> nn.Module:
         """This rank's share of the parameters as the data-parallel states hand them to the optimizer (ZeRO
@@ -183,43 +181,79 @@ class ParallelEngine(Engine):
             return
         self.model.load_state_dict(state, strict=True)  # copies in place: bucket views stay views
 
-    def optimizer_state(self) -> dict:
-        state = self.optimizer.state_dict()
-        state["state"] = {idx: {k: v.to_local() if hasattr(v, "to_local") else v for k, v in s.items()}
-                          for idx, s in state["state"].items()}
-        state["shard_layout"] = self._shard_layout()
-        return state
+    # --- sharded checkpoints ---------------------------------------------------------------------
+    def named_plain_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters with their plain-model names (tp, ep or ZeRO-3 local parts)."""
+        return list(self.model.named_parameters())
 
-    def load_optimizer_state(self, state: dict) -> None:
-        state = dict(state)
-        saved = state.pop("shard_layout", None)
-        if saved is not None and saved != self._shard_layout():
-            raise ValueError(f"the optimizer state was saved under layout {saved}, not {self._shard_layout()}; "
-                             "resume with the same layout")
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        restored = {}
-        for idx, values in state["state"].items():
-            p = params[int(idx)]
-            restored[idx] = {k: self._like_param(v, p) if isinstance(v, torch.Tensor) and v.ndim else v
-                             for k, v in values.items()}
-        self.optimizer.load_state_dict({**state, "state": restored})
+    def _global_shapes(self) -> dict[str, tuple[int, ...]]:
+        if not hasattr(self, "_shapes"):
+            meta = build_model(self.cfg.model, device="meta").state_dict()
+            self._shapes = {n: tuple(t.shape) for n, t in meta.items()}
+        return self._shapes
 
-    @staticmethod
-    def _like_param(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-        if hasattr(param, "device_mesh"):  # a ZeRO-3 shard: rebuild the sharded tensor around the local slice
-            from torch.distributed.tensor import DTensor
+    def _placed(self, name: str, local_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+        """(global shape, offsets of this rank's tp/ep part in it, whether this rank is its first tp replica):
+        a dim smaller than the global one is split over ep (dim 0 of an expert weight) or tp."""
+        from fivefold.parallel.expert import is_expert_param
 
-            return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements,
-                                      shape=param.shape, stride=param.stride())
-        return value
+        shape = self._global_shapes()[name]
+        offsets, tp_split = [], False
+        for d, (local, full) in enumerate(zip(local_shape, shape, strict=True)):
+            if local == full:
+                offsets.append(0)
+            elif d == 0 and is_expert_param(name) and self.ep_size > 1 and local * self.ep_size == full:
+                offsets.append(self.ep_rank * local)
+            else:
+                offsets.append(self.tp_rank * local)
+                tp_split = True
+        return shape, tuple(offsets), tp_split or self.tp_rank == 0
 
-    def _shard_layout(self) -> dict[str, int]:
-        la = self.cfg.layout
-        extra = {name: getattr(la, name) for name in ("cp", "ep") if getattr(la, name) > 1}
-        # the rank matters only when every rank holds other states; a replicated state (plain dp or cp under
-        # ZeRO-0) is written once and loaded by every rank
-        rank = {"rank": self.grid.rank} if self.optimizer_state_is_sharded else {}
-        return {"dp": la.dp, "tp": la.tp, **extra, "zero": la.zero, **rank}
+    def state_segments(self) -> list[Segment]:
+        """This rank's tp/ep parts of the parameters, cut as its ZeRO stage holds them: whole (ZeRO-0, written by
+        the first dp x cp rank), the flat slices of each bucket (ZeRO-1/2) or dim-0 shards (ZeRO-3)."""
+        named = self.named_plain_parameters()
+        segments = []
+        if isinstance(self.data_parallel, FullyShardedDataParallel):
+            from torch.distributed.fsdp import FSDPModule
+
+            for module in self.data_parallel.root.modules():  # an evaluation forward leaves the root unsharded
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+            named = self.named_plain_parameters()
+            group = self.data_parallel.group
+            size, rank = dist.get_world_size(group), dist.get_rank(group)
+            for name, p in named:
+                shape, offsets, first = self._placed(name, tuple(p.shape))
+                local = p.to_local()
+                rows = -(-p.shape[0] // size)  # fully_shard splits dim 0 as torch.chunk does
+                offsets = (offsets[0] + min(rank * rows, p.shape[0]), *offsets[1:])
+                segments.append(Segment(name, shape, offsets, tuple(local.shape), 0, local.numel(),
+                                        local.detach().view(-1), p, 0, first))
+            return segments
+        names = {id(p): n for n, p in named}
+        for dp in self.data_parallels:
+            for bucket in dp.buckets:
+                lo, hi = dp.shard_range(bucket) if dp.zero >= 1 else (0, bucket.numel)
+                for p, off in zip(bucket.params, bucket.offsets, strict=True):
+                    name = names[id(p)]
+                    shape, offsets, first = self._placed(name, tuple(p.shape))
+                    if dp.zero == 0:
+                        segments.append(Segment(name, shape, offsets, tuple(p.shape), 0, p.numel(),
+                                                p.detach().view(-1), p, 0, first and dp.dp_rank == 0))
+                        continue
+                    a, b = max(lo, off) - off, min(hi, off + p.numel()) - off
+                    if a < b:
+                        segments.append(Segment(name, shape, offsets, tuple(p.shape), a, b,
+                                                bucket.flat_params[off + a:off + b], bucket.shard, off + a - lo,
+                                                first))
+        return segments
+
+    def after_state_load(self) -> None:
+        """ZeRO-1/2: each rank loaded its slice of the flat weights; all-gather the rest as after a step."""
+        for dp in self.data_parallels:
+            if getattr(dp, "zero", 0) in (1, 2):
+                dp.after_step()
 
     def barrier(self) -> None:
         dist.barrier()
@@ -317,7 +351,6 @@ class PipelineEngine(ParallelEngine):
         self.stages, self.counts, self.queue = stages, counts, queue
         self.pp_rank, self.pp_size = grid.ranks["pp"], grid.size("pp")
         self.pp_group = grid.groups["pp"]
-        self.optimizer_state_is_sharded = True  # every pp rank steps other parameters
         self.placement = stage_placement(la.schedule, la.pp, la.vpp)
         self.n_stages = len(self.placement)
         self.runners = {s: LlamaStage(m, loss_model if s == self.n_stages - 1 else None, s, self.n_stages, queue,
@@ -439,10 +472,13 @@ class PipelineEngine(ParallelEngine):
         for m in self.stages.values():  # copies in place: bucket views stay views
             m.load_state_dict({name: state[name] for name in m.state_dict()}, strict=True)
 
-    def _shard_layout(self) -> dict:
-        la = self.cfg.layout
-        return {**super()._shard_layout(), "pp": la.pp, "schedule": la.schedule, "vpp": la.vpp,
-                "stage_layers": list(self.counts)}
+    def named_plain_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        named: dict[int, tuple[str, nn.Parameter]] = {}
+        for m in self.stages.values():
+            for name, p in m.named_parameters():
+                if id(p) not in named or name == "embed.weight":  # a weight tied on one rank: the embedding's name
+                    named[id(p)] = (name, p)
+        return list(named.values())
 
 
 def create_pipeline_engine(cfg: Config, grid: ProcessGrid, device: torch.device,

@@ -1,0 +1,180 @@
+"""Tensors stored as rectangular pieces: the sharded checkpoint format's reading and writing side.
+
+A named global tensor (a plain-model parameter, or one of its AdamW moments) is stored as one or more pieces;
+each piece is a rectangle of the global tensor, recorded in an index with the global shape and the piece's
+offsets along every dim. A tp slice, an ep rank's experts, a pipeline stage's layers and a ZeRO-3 shard are
+rectangles; a ZeRO-1/2 flat slice of a bucket covers a row-major range of each parameter, which
+`flat_rects` cuts into at most 2 x ndim rectangles. Any rectangle of any tensor can then be read back from the
+pieces that intersect it (`PieceReader.read`), reading only those bytes (`safe_open(...).get_slice`), whatever
+layout wrote them.
+
+Files are plain safetensors (`write_safetensors` streams them tensor by tensor, hashing as it writes, so a writer
+never holds a second copy of its state).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.bfloat16: "BF16", torch.float16: "F16",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL"}
+
+
+class PieceError(Exception):
+    """A piece file or index that is missing, damaged or does not cover what is asked of it."""
+
+
+Rect = tuple[tuple[int, ...], tuple[int, ...], int, int]  # offsets, shape, flat start, flat end
+
+
+def flat_rects(shape: tuple[int, ...], start: int, end: int) -> list[Rect]:
+    """The row-major range [start, end) of a tensor of `shape` as rectangles (offsets, shape, flat start, flat
+    end), each contiguous in memory, in order."""
+    if start >= end:
+        return []
+    shape = tuple(shape)
+    if len(shape) <= 1:
+        return [((start,), (end - start,), start, end)] if shape else [((), (), 0, 1)]
+    row = math.prod(shape[1:])
+    first, last = start // row, (end - 1) // row
+    if first == last:
+        return [((first, *o), (1, *s), lo + first * row, hi + first * row)
+                for o, s, lo, hi in flat_rects(shape[1:], start - first * row, end - first * row)]
+    out: list[Rect] = []
+    if start % row:
+        out += flat_rects(shape, start, (first + 1) * row)
+        first += 1
+    full_end = end // row
+    if full_end > first:
+        out.append(((first,) + (0,) * (len(shape) - 1), (full_end - first, *shape[1:]), first * row, full_end * row))
+    if end % row:
+        out += flat_rects(shape, full_end * row, end)
+    return out
+
+
+def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """Write `tensors` as a safetensors file, one tensor at a time (each copied to the CPU alone), fsync it and
+    return its sha256."""
+    tensors = list(tensors)
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, t in tensors:
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for chunk in (struct.pack("<Q", len(raw)), raw):
+            digest.update(chunk)
+            f.write(chunk)
+        for _, t in tensors:
+            data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+            digest.update(data)
+            f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return digest.hexdigest()
+
+
+class PieceReader:
+    """Reads rectangles of named global tensors from the pieces of an index:
+    `{name: {"shape": [...], "pieces": [{"file", "key", "offsets", "shape"}, ...]}}` (files relative to `root`).
+    `opened(path)` is called once before a file is first read (a checksum check)."""
+
+    def __init__(self, root: Path, index: dict[str, dict[str, Any]], opened=None) -> None:
+        self.root, self.index, self.opened = root, index, opened
+        self._files: dict[str, Any] = {}
+
+    def names(self) -> list[str]:
+        return list(self.index)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.index[name]["shape"])
+
+    def _file(self, name: str) -> Any:
+        if name not in self._files:
+            from safetensors import safe_open
+
+            if self.opened is not None:
+                self.opened(name)
+            try:
+                self._files[name] = safe_open(str(self.root / name), framework="pt")
+            except Exception as e:  # safetensors raises its own error type for damaged files
+                raise PieceError(f"checkpoint file {self.root / name} is corrupted or unreadable: {e}") from None
+        return self._files[name]
+
+    def read(self, name: str, offsets: tuple[int, ...] | None = None, shape: tuple[int, ...] | None = None,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The rectangle at `offsets` of `shape` (default: all) of global tensor `name`, from every piece that
+        intersects it; a PieceError when the pieces do not cover it."""
+        if name not in self.index:
+            raise PieceError(f"the checkpoint has no tensor {name!r}")
+        full = self.shape(name)
+        offsets = tuple(offsets) if offsets is not None else (0,) * len(full)
+        shape = tuple(shape) if shape is not None else full
+        out: torch.Tensor | None = None
+        covered = 0
+        for piece in self.index[name]["pieces"]:
+            po, ps = piece["offsets"], piece["shape"]
+            lo = [max(o, p) for o, p in zip(offsets, po, strict=True)]
+            hi = [min(o + s, p + q) for o, s, p, q in zip(offsets, shape, po, ps, strict=True)]
+            if any(a >= b for a, b in zip(lo, hi, strict=True)):
+                continue
+            try:
+                part = self._file(piece["file"]).get_slice(piece["key"])[
+                    tuple(slice(a - p, b - p) for a, b, p in zip(lo, hi, po, strict=True))]
+            except PieceError:
+                raise
+            except Exception as e:
+                raise PieceError(f"checkpoint file {self.root / piece['file']} is corrupted or unreadable: "
+                                 f"{e}") from None
+            if out is None:
+                out = torch.empty(shape, dtype=part.dtype)
+            out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets, strict=True))] = part
+            covered += part.numel()
+        if covered != math.prod(shape) or out is None:
+            raise PieceError(f"the checkpoint's pieces of {name!r} cover {covered} of the {math.prod(shape)} "
+                             f"elements asked for at {offsets} {shape}")
+        return out if dtype is None else out.to(dtype)
+
+
+def checkpoint_index(directory: Path) -> dict[str, dict[str, Any]]:
+    """The merged index of every `rankN.json` of a sharded checkpoint directory."""
+    index: dict[str, dict[str, Any]] = {}
+    ranks = sorted(directory.glob("rank*.json"))
+    if not ranks:
+        raise PieceError(f"checkpoint {str(directory)!r} has no model.safetensors and no rankN.json piece index")
+    for f in ranks:
+        try:
+            part = json.loads(f.read_text())
+            for p in part["pieces"]:
+                entry = index.setdefault(p["name"], {"shape": p["shape"], "pieces": []})
+                entry["pieces"].append({"file": part["file"], "key": p["key"], "offsets": p["offsets"],
+                                        "shape": p["piece_shape"]})
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise PieceError(f"checkpoint file {f} is corrupted: {e}") from None
+    return index
+
+
+def read_checkpoint_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The plain-named model weights of a checkpoint directory: a sharded one's pieces assembled tensor by tensor
+    (no model is built; each tensor reads only its pieces' bytes), or a plain `model.safetensors`."""
+    single = directory / "model.safetensors"
+    if single.is_file():
+        from fivefold.models.hf import read_safetensors
+
+        return read_safetensors(single)
+    reader = PieceReader(directory, checkpoint_index(directory))
+    return {name.removeprefix("model."): reader.read(name) for name in reader.names() if name.startswith("model.")}

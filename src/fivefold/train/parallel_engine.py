@@ -450,7 +450,8 @@ def create_pipeline_engine(cfg: Config, grid: ProcessGrid, device: torch.device,
     counts = stage_layer_counts(cfg)
     placement = stage_placement(la.schedule, la.pp, la.vpp)
     pp_rank = grid.ranks["pp"]
-    stages = build_stages(cfg.model, counts, placement, pp_rank, device, cfg.train.seed)
+    # on the meta device: parallelize_stages allocates only this rank's shards of its stages
+    stages = build_stages(cfg.model, counts, placement, pp_rank, torch.device("meta"), cfg.train.seed)
     split = build_schedule(la.schedule, la.pp, cfg.grad_accum_steps, la.vpp).split_backward
     queue = WeightGradQueue() if split else None
     tied_names: frozenset[str] = frozenset()
@@ -458,18 +459,19 @@ def create_pipeline_engine(cfg: Config, grid: ProcessGrid, device: torch.device,
         tied_names = frozenset({"embed.weight"} if pp_rank == placement[0] else
                                {"lm_head.weight"} if pp_rank == placement[-1] else set())
     loss_model, data_parallel, expert_data_parallel = parallelize_stages(stages, cfg, grid, queue, tied_names,
-                                                                         bucket_bytes)
+                                                                         bucket_bytes, device)
     return PipelineEngine(stages, loss_model, data_parallel, expert_data_parallel, grid, cfg, device, counts, queue,
                           tied_names)
 
 
 def create_parallel_engine(cfg: Config, device: torch.device,
                            bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ParallelEngine:
-    """Validate the layout against the initialised world, build the grid, the plain model (same seed on every
-    rank), apply the layout and return the engine (the pipeline engine when layout.pp > 1)."""
+    """Validate the layout against the initialised world, build the grid, the plain model on the meta device,
+    apply the layout (allocating only this rank's shards, initialised from the seed as one process would) and return the engine (the pipeline engine when layout.pp > 1)."""
     grid = ProcessGrid.build(cfg)
     if cfg.layout.pp > 1:
         return create_pipeline_engine(cfg, grid, device, bucket_bytes)
-    model = build_model(cfg.model, device=device, seed=cfg.train.seed)
+    # on the meta device: parallelize allocates only this rank's shards (no rank holds the full model)
+    model = build_model(cfg.model, device="meta")
     loss_model, data_parallel, expert_data_parallel = parallelize(model, cfg, grid, device, bucket_bytes)
     return ParallelEngine(model, loss_model, data_parallel, grid, cfg, device, expert_data_parallel)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from fivefold.config import Config
+from fivefold.device import use_bf16
 from fivefold.models.llama import Llama, full_parameter_shapes, materialize
 from fivefold.models.loss import model_loss_sum
 from fivefold.parallel.data import DEFAULT_BUCKET_BYTES, BucketedDataParallel, FullyShardedDataParallel
@@ -160,32 +161,43 @@ def parallelize(model: Llama, cfg: Config, grid: ProcessGrid, device: torch.devi
     loss_model = LossModel(model, grid, la.sp, cfg.train.compile)
     tp_sharded = tp_sharded_names(model, grid.size("tp"))
     if la.zero == 3:  # 6. data parallel (ep with ZeRO-3 is refused by the layout check)
-        fsdp = FullyShardedDataParallel(loss_model, model, tp_sharded, grid.grad_group, device.type)
+        fsdp = FullyShardedDataParallel(loss_model, model, tp_sharded, grid.grad_group, device.type,
+                                        working_dtype(cfg, device))
         if is_meta(model):
             materialize_shards(model, grid, device, cfg.train.seed, root=loss_model)
         return loss_model, fsdp, None
     if is_meta(model):
         materialize_shards(model, grid, device, cfg.train.seed)
-    dense, experts = bucketed_data_parallel(list(model.named_parameters()), tp_sharded, cfg, grid, bucket_bytes)
+    dense, experts = bucketed_data_parallel(list(model.named_parameters()), tp_sharded, cfg, grid, bucket_bytes,
+                                            param_dtype=working_dtype(cfg, device))
     return loss_model, dense, experts
 
 
+def working_dtype(cfg: Config, device: torch.device | None) -> torch.dtype | None:
+    """The dtype of the working weights under lean mixed precision (bf16 when the engine computes in bf16: the
+    default on accelerators, `train.dtype = "bf16"` anywhere); None keeps fp32 parameters (the CPU default)."""
+    return torch.bfloat16 if device is not None and use_bf16(cfg, device) else None
+
+
 def bucketed_data_parallel(named: list[tuple[str, nn.Parameter]], tp_sharded: set[str], cfg: Config,
-                           grid: ProcessGrid, bucket_bytes: int, own_bucket: frozenset[str] = frozenset()) -> (
+                           grid: ProcessGrid, bucket_bytes: int, own_bucket: frozenset[str] = frozenset(),
+                           param_dtype: torch.dtype | None = None) -> (
     tuple[BucketedDataParallel, BucketedDataParallel | None]
 ):
     """Step 6 for ZeRO-0/1/2: the dense parameters' state over dp x cp and, under ep, the experts' over the ranks
-    that hold the same experts."""
+    that hold the same experts; with `param_dtype` (bf16) the lean mixed precision of `parallel.data` (bf16
+    working weights, fp32 master slices)."""
     la = cfg.layout
     experts = None
     if la.ep > 1:
         from fivefold.parallel.expert import is_expert_param
 
         experts = BucketedDataParallel([(n, p) for n, p in named if is_expert_param(n)], tp_sharded,
-                                       grid.groups["edp"], la.zero, bucket_bytes, la.fp32_grad_accum)
+                                       grid.groups["edp"], la.zero, bucket_bytes, la.fp32_grad_accum,
+                                       param_dtype=param_dtype)
         named = [(n, p) for n, p in named if not is_expert_param(n)]
     dense = BucketedDataParallel(named, tp_sharded, grid.grad_group, la.zero, bucket_bytes, la.fp32_grad_accum,
-                                 own_bucket)
+                                 own_bucket, param_dtype)
     return dense, experts
 
 
@@ -214,6 +226,7 @@ def parallelize_stages(stages: dict[int, Llama], cfg: Config, grid: ProcessGrid,
                 seen.add(id(p))
                 named.append((name, p))
     tp_sharded = set().union(*(tp_sharded_names(stage, grid.size("tp")) for stage in stages.values()))
-    dense, experts = bucketed_data_parallel(named, tp_sharded, cfg, grid, bucket_bytes, own_bucket)
+    dense, experts = bucketed_data_parallel(named, tp_sharded, cfg, grid, bucket_bytes, own_bucket,
+                                            working_dtype(cfg, device))
     loss_model = LossModel(last, grid, cfg.layout.sp, cfg.train.compile) if last is not None else None
     return loss_model, dense, experts

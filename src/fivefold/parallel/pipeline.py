@@ -10,11 +10,11 @@ FLOPs (`flops.balanced_stage_layers`, the planner's split too: the last stage's 
 fraction of a block, the embedding lookup as none), or given explicitly as `layout.stage_layers`. Every rank
 describes the full model on the meta device and keeps only its stages, which it allocates (after tensor and expert
 parallel have shrunk them to its shards) with the one-process model's initial values (`models.llama.initial_values`
-depends on the seed and the parameter name, not the layout): each stage is the plain `Llama` with the other blocks removed (blocks keep their global index, so
-parameter names are the plain model's) and the embedding, norm and output layer None where not held. With tied
-embeddings and the first and last stages on different ranks, both ranks hold a copy of the weight and their
-gradients are summed between the two once per step (the engine does it); on one rank (DualPipeV) it stays one
-parameter.
+depends on the seed and the parameter name, not the layout): each stage is the plain `Llama` with the other blocks
+removed (blocks keep their global index, so parameter names are the plain model's) and the embedding, norm and
+output layer None where not held. With tied embeddings and the first and last stages on different ranks, both
+ranks hold a copy of the weight and their gradients are summed between the two once per step (the engine does
+it); on one rank (DualPipeV) it stays one parameter.
 
 What is communicated: activations forward and their gradients backward between neighbouring stages, point to
 point on the pp group (`pipeline_comm`), one [micro-batch, local sequence, hidden] tensor per action; the

@@ -131,11 +131,33 @@ class ParallelEngine(Engine):
 
     # --- state -----------------------------------------------------------------------------------
     def _local_state(self) -> dict[str, torch.Tensor]:
-        """This tp rank's parameters with plain names, unsharded over dp."""
+        """This tp rank's parameters with plain names, unsharded over dp (the fp32 master values under lean mixed
+        precision; collective then)."""
         state = self.model.state_dict()
         if isinstance(self.data_parallel, FullyShardedDataParallel):
             state = {name: t.full_tensor() for name, t in state.items()}
-        return state
+        return {**state, **self.master_state()}
+
+    def master_state(self) -> dict[str, torch.Tensor]:
+        """Under lean mixed precision, {plain name: this rank's whole tp/ep-local parameter in fp32} from the
+        master slices (collective over the data-parallel groups); empty otherwise."""
+        out = {}
+        for dp in self.data_parallels:
+            if isinstance(dp, BucketedDataParallel):
+                out.update(dp.full_master_state())
+        return out
+
+    def master_pieces(self) -> list[tuple[str, int, torch.Tensor]]:
+        """Under lean mixed precision, this rank's pieces of the fp32 master weights: (plain name, offset in the
+        flattened tp/ep-local parameter, 1-D fp32 tensor); no communication. Empty otherwise."""
+        return [piece for dp in self.data_parallels if isinstance(dp, BucketedDataParallel)
+                for piece in dp.master_pieces()]
+
+    def load_master_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the fp32 master slices from a plain-named state of this rank's tp/ep-local parameters."""
+        for dp in self.data_parallels:
+            if isinstance(dp, BucketedDataParallel):
+                dp.load_master(state)
 
     def _gathered_state(self) -> dict[str, torch.Tensor]:
         """This rank's parameters with plain names, whole over tp and ep (collective over those groups)."""
@@ -181,6 +203,7 @@ class ParallelEngine(Engine):
                 param.to_local().copy_(state[name].chunk(size, 0)[rank])
             return
         self.model.load_state_dict(state, strict=True)  # copies in place: bucket views stay views
+        self.load_master_state(state)
 
     def optimizer_state(self) -> dict:
         state = self.optimizer.state_dict()
@@ -224,11 +247,13 @@ class ParallelEngine(Engine):
         dist.barrier()
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for parameters, gradients and optimizer states (Adam's two moments)."""
+        """Bytes this rank holds for parameters, gradients and optimizer states (Adam's two moments, and the fp32
+        master slices under lean mixed precision)."""
         held = self.data_parallel.state_bytes()
         if self.expert_data_parallel is not None:
             held = {k: v + self.expert_data_parallel.state_bytes()[k] for k, v in held.items()}
-        optimizer = 0
+        # the fp32 master slices of lean mixed precision count with the optimizer (the playbook's k = 12)
+        optimizer = sum(dp.master_bytes() for dp in self.data_parallels if isinstance(dp, BucketedDataParallel))
         for s in self.optimizer.state.values():
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in s:
@@ -353,7 +378,9 @@ class PipelineEngine(ParallelEngine):
         shape = (rows, local_seq // self.tp_size if self.cfg.layout.sp else local_seq, self.cfg.model.hidden)
         for runner in self.runners.values():
             runner.begin(prepared, global_tokens, training)
-        executor = PipelineExecutor(self.pp_group, self.pp_rank, shape, torch.float32, self.device)
+        # the residual stream between stages is in the working weights' dtype (bf16 under lean mixed precision)
+        dtype = next(p.dtype for m in self.stages.values() for p in m.parameters())
+        executor = PipelineExecutor(self.pp_group, self.pp_rank, shape, dtype, self.device)
         executor.run(self.schedule(len(micro_batches), training), self.runners)
         self.traces[training] = executor.trace
         if training and self.cfg.model.capacity_factor > 0:  # this rank's layers' share of the mean over all MoE layers
@@ -398,7 +425,9 @@ class PipelineEngine(ParallelEngine):
 
     # --- state -----------------------------------------------------------------------------------
     def _local_state(self) -> dict[str, torch.Tensor]:
-        return {name: t for m in self.stages.values() for name, t in m.state_dict().items()}
+        state = {name: t for m in self.stages.values() for name, t in m.state_dict().items()}
+        master = self.master_state()
+        return {**state, **{name: t for name, t in master.items() if name in state}}
 
     def _owner(self, name: str) -> int:
         """The pp rank that holds plain-model parameter `name`."""
@@ -436,6 +465,7 @@ class PipelineEngine(ParallelEngine):
         state = self._sharded_state({name: state[name] for name in own})
         for m in self.stages.values():  # copies in place: bucket views stay views
             m.load_state_dict({name: state[name] for name in m.state_dict()}, strict=True)
+        self.load_master_state(state)
 
     def _shard_layout(self) -> dict:
         la = self.cfg.layout
@@ -467,7 +497,8 @@ def create_pipeline_engine(cfg: Config, grid: ProcessGrid, device: torch.device,
 def create_parallel_engine(cfg: Config, device: torch.device,
                            bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ParallelEngine:
     """Validate the layout against the initialised world, build the grid, the plain model on the meta device,
-    apply the layout (allocating only this rank's shards, initialised from the seed as one process would) and return the engine (the pipeline engine when layout.pp > 1)."""
+    apply the layout (allocating only this rank's shards, initialised from the seed as one process would) and
+    return the engine (the pipeline engine when layout.pp > 1)."""
     grid = ProcessGrid.build(cfg)
     if cfg.layout.pp > 1:
         return create_pipeline_engine(cfg, grid, device, bucket_bytes)

@@ -104,12 +104,18 @@ def lean_bytes_on_ranks(rank: int, world_size: int, fp32_grads: bool) -> dict[st
 def check_lean(dp: int, fp32_grads: bool) -> None:
     """Per parameter per rank: 2 (bf16 weights) + 2 or 4 (bf16 or fp32 gradients) + 12 / dp (fp32 master and
     Adam's two moments, sharded by ZeRO-1): the playbook's ZeRO-1 row, Megatron's distributed optimizer."""
-    psi = params_per_tp_rank(build_config(None, MODEL).model, 1)
+    from fivefold.planner.layout import FIVEFOLD_LEAN, Layout
+    from fivefold.planner.memory import model_state_bytes
+
+    model = build_config(None, MODEL).model
+    psi = params_per_tp_rank(model, 1)
     assert psi % dp == 0  # no padding, so the bytes are exact
+    predicted = model_state_bytes(model, Layout(dp=dp, zero=1, fp32_grad_accum=fp32_grads), FIVEFOLD_LEAN)
     for held in run_ranks(dp, lean_bytes_on_ranks, fp32_grads):
         assert held == {"parameters": 2 * psi, "gradients": (4 if fp32_grads else 2) * psi,
                         "optimizer": 12 * psi // dp}
         assert sum(held.values()) == (2 + (4 if fp32_grads else 2)) * psi + 12 * psi // dp
+        assert sum(predicted.values()) == sum(held.values())  # the planner's state bytes follow the engine
 
 
 def test_lean_mixed_precision_zero1_bytes_per_parameter():

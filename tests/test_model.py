@@ -225,3 +225,26 @@ def test_rope_frequencies_equal_transformers(scaling: dict | None) -> None:
 def test_bad_shapes_raise_config_error_naming_the_field(changes: dict, field: str) -> None:
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         small_config(**changes).validate()
+
+
+def test_initial_values_of_any_slice_equal_the_full_tensors_slice():
+    """The layout-free init: a slice drawn alone (a tp column block, an ep expert, a ZeRO-3 row chunk, rows that
+    straddle generator blocks) is exactly that slice of the whole tensor, and the whole model built in one process
+    holds the whole tensors."""
+    from fivefold.models.llama import INIT_BLOCK_ELEMENTS, full_parameter_shapes, initial_values
+
+    cfg = dataclasses.replace(get_preset("tiny"), n_experts=4, top_k=2, moe_ffn=32, n_shared_experts=1)
+    model = build_model(cfg, seed=7)
+    shapes = full_parameter_shapes(cfg)
+    for name, param in model.named_parameters():
+        full = initial_values(cfg, name, shapes[name], seed=7)
+        assert torch.equal(full, param.detach()), name
+    shape = (3 * INIT_BLOCK_ELEMENTS // 64 + 5, 64)  # several generator blocks of rows
+    full = initial_values(cfg, "layers.0.attn.q_proj.weight", shape, seed=3)
+    assert full.std().item() == pytest.approx(cfg.init_std, rel=0.01)
+    for region in [((0, shape[0]), (32, 64)), ((INIT_BLOCK_ELEMENTS // 64 - 3, shape[0] - 2), (0, 64)),
+                   ((17, 18), (5, 9))]:
+        part = initial_values(cfg, "layers.0.attn.q_proj.weight", shape, seed=3, region=region)
+        assert torch.equal(part, full[region[0][0]:region[0][1], region[1][0]:region[1][1]]), region
+    other = initial_values(cfg, "layers.1.attn.q_proj.weight", shape, seed=3)
+    assert not torch.equal(other, full)  # each parameter draws its own values

@@ -80,3 +80,49 @@ def test_tensor_parallel_holds_the_closed_form_bytes():
 @pytest.mark.parametrize("tp", [2, 3, 4])
 def test_zero_stages_under_tensor_parallel_hold_the_closed_form_bytes(tp):
     check(tp=tp, dp=2, stages=[0, 1, 2, 3])
+
+
+# --- lean mixed precision: bf16 working weights, fp32 master slices (the distributed optimizer) ---------------
+
+
+def lean_bytes_on_ranks(rank: int, world_size: int, fp32_grads: bool) -> dict[str, int]:
+    from fivefold.train.parallel_engine import create_parallel_engine
+
+    cfg = build_config(None, {**MODEL, "layout.dp": str(world_size), "layout.zero": "1",
+                              "layout.fp32_grad_accum": str(fp32_grads).lower(), "train.seq_len": "8",
+                              "train.global_batch_size": "4", "train.device": "cpu", "train.dtype": "bf16"})
+    engine = create_parallel_engine(cfg, torch.device("cpu"))
+    assert all(p.dtype == torch.bfloat16 for p in engine.model.parameters())
+    tokens = torch.randint(0, 384, (4 // world_size, 9), generator=torch.Generator().manual_seed(0))
+    batch = [(tokens[:, :-1], tokens[:, 1:])]
+    engine.forward_backward(batch, 32)
+    engine.optimizer_step()
+    engine.forward_backward(batch, 32)
+    return engine.state_bytes()
+
+
+def check_lean(dp: int, fp32_grads: bool) -> None:
+    """Per parameter per rank: 2 (bf16 weights) + 2 or 4 (bf16 or fp32 gradients) + 12 / dp (fp32 master and
+    Adam's two moments, sharded by ZeRO-1): the playbook's ZeRO-1 row, Megatron's distributed optimizer."""
+    from fivefold.planner.layout import FIVEFOLD_LEAN, Layout
+    from fivefold.planner.memory import model_state_bytes
+
+    model = build_config(None, MODEL).model
+    psi = params_per_tp_rank(model, 1)
+    assert psi % dp == 0  # no padding, so the bytes are exact
+    predicted = model_state_bytes(model, Layout(dp=dp, zero=1, fp32_grad_accum=fp32_grads), FIVEFOLD_LEAN)
+    for held in run_ranks(dp, lean_bytes_on_ranks, fp32_grads):
+        assert held == {"parameters": 2 * psi, "gradients": (4 if fp32_grads else 2) * psi,
+                        "optimizer": 12 * psi // dp}
+        assert sum(held.values()) == (2 + (4 if fp32_grads else 2)) * psi + 12 * psi // dp
+        assert sum(predicted.values()) == sum(held.values())  # the planner's state bytes follow the engine
+
+
+def test_lean_mixed_precision_zero1_bytes_per_parameter():
+    check_lean(dp=2, fp32_grads=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fp32_grads", [False, True])
+def test_lean_mixed_precision_zero1_dp4_bytes_per_parameter(fp32_grads):
+    check_lean(dp=4, fp32_grads=fp32_grads)

@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from fivefold.flops import count_params
 from fivefold.models.llama import build_model
 from fivefold.models.loss import linear_cross_entropy_sum
 from fivefold.parallel.recompute import apply_recompute
@@ -180,3 +181,22 @@ def test_activation_bytes_bf16_autocast(batch, seq):
     rep = rank_memory(dataclasses.replace(cfg), seq, lay, FIVEFOLD, in_flight=1.0)
     predicted = rep.parts["activations"] + rep.parts["bf16_weight_copies"]
     assert predicted == pytest.approx(measured, rel=TOL)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("fp32_grads", [False, True])
+def test_lean_state_bytes_follow_the_distributed_optimizer(zero, fp32_grads):
+    """fivefold's parallel engine under lean mixed precision, by the playbook's ZeRO table (k = 12): ZeRO-0
+    2 + g + 12, ZeRO-1 2 + g + 12/N_d, ZeRO-2 2 + (g + 12)/N_d, ZeRO-3 16/N_d (fully_shard's fp32 shards and
+    gradients, 4 + 4 + 8), with g = 2 (bf16 gradients) or 4 (fp32 gradient buckets); tests/test_parallel_memory.py
+    measures the engine's ZeRO-1 bytes against the same numbers."""
+    from fivefold.planner.layout import FIVEFOLD_LEAN
+
+    cfg = get_preset("tiny")
+    dp = 4
+    n = count_params(cfg)
+    assert n % dp == 0
+    g = 4 if fp32_grads else 2
+    want = {0: (2 + g + 12) * n, 1: (2 + g) * n + 12 * n // dp, 2: 2 * n + (g + 12) * n // dp, 3: 16 * n // dp}[zero]
+    got = model_state_bytes(cfg, Layout(dp=dp, zero=zero, fp32_grad_accum=fp32_grads), FIVEFOLD_LEAN)
+    assert sum(got.values()) == want

@@ -8,6 +8,7 @@ layer may be `None`, so that a pipeline stage is this same class with some parts
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -266,24 +267,23 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed.weight
 
     @torch.no_grad()
-    def init_weights(self, seed: int | None = None) -> None:
-        """Initialise every parameter (after `to_empty` from the meta device, or to re-seed)."""
-        gen_state = torch.random.get_rng_state()
-        if seed is not None:
-            torch.manual_seed(seed)
-        std = self.cfg.init_std
-        # residual-branch outputs are scaled down with depth, as in GPT-2
-        out_std = std / math.sqrt(2 * self.cfg.n_layers)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                is_out = name.endswith(("o_proj", "down_proj"))
-                nn.init.normal_(module.weight, std=out_std if is_out else std)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, std=std)
-            elif isinstance(module, RMSNorm | MoE):
-                module.reset_parameters()
-        if seed is not None:
-            torch.random.set_rng_state(gen_state)
+    def init_weights(self, seed: int | None = None,
+                     regions: dict[str, tuple[tuple[int, int], ...]] | None = None) -> None:
+        """Initialise every parameter (after `to_empty` from the meta device, or to re-seed) by the layout-free
+        scheme of `initial_values`: each parameter's values depend only on (seed, plain name, index in the full
+        tensor). `regions` maps a parameter name to the part of the full plain tensor that this module holds
+        ((start, stop) per dim; a tensor- or expert-parallel shard, a pipeline stage's parameter, a ZeRO-3
+        slice, whose local tensor is `to_local()`); a name not in it holds the whole tensor. Without a seed one
+        is drawn from the global generator."""
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)))
+        shapes = full_parameter_shapes(self.cfg)
+        for name, param in self.named_parameters():
+            local = param.to_local() if hasattr(param, "to_local") else param
+            region = (regions or {}).get(name)
+            if local.numel() == 0:
+                continue
+            local.copy_(initial_values(self.cfg, name, shapes[name], seed, region).to(local.dtype))
 
     def rope(self, seq_len: int, device: torch.device, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(offset, offset + seq_len, device=device)
@@ -336,17 +336,80 @@ class Llama(nn.Module):
         return torch.stack(losses).sum() if losses else None
 
 
+# Rows of a parameter drawn from one generator: the values depend on the full shape only, never on the layout.
+INIT_BLOCK_ELEMENTS = 1 << 20
+
+
+def full_parameter_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
+    """The shape of every parameter of the whole plain model by plain name (tied weights under both names)."""
+    with torch.device("meta"):
+        model = Llama(cfg)
+    return {name: p.shape for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def init_rule(cfg: ModelConfig, name: str) -> tuple[str, float]:
+    """(the name whose values parameter `name` takes, its std; 0.0 for the norms' ones). Residual-branch outputs
+    (o_proj, down_proj) are scaled down with depth, as in GPT-2; a tied output layer is the embedding."""
+    if cfg.tied_embeddings and name == "lm_head.weight":
+        name = "embed.weight"
+    if name.endswith("norm.weight"):
+        return name, 0.0
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return name, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    return name, cfg.init_std
+
+
+def block_seed(seed: int, name: str, block: int) -> int:
+    digest = hashlib.sha256(f"{seed}/{name}/{block}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def initial_values(cfg: ModelConfig, name: str, shape: torch.Size | tuple[int, ...], seed: int,
+                   region: tuple[tuple[int, int], ...] | None = None) -> torch.Tensor:
+    """full[region] (fp32, on the CPU) of the initial value of plain parameter `name` whose full shape is `shape`.
+
+    The full tensor is defined in blocks of rows (dim 0) of about `INIT_BLOCK_ELEMENTS` elements; block i is
+    `normal_(0, std)` from a generator seeded with (seed, name, i). So any slice is exact whatever the layout, and
+    only the blocks that hold rows of the region are drawn, one at a time: a rank never allocates more than its
+    slice plus one block (a slice along another dim draws every block of its rows and keeps its columns)."""
+    region = tuple(region) if region is not None else tuple((0, n) for n in shape)
+    out_shape = [stop - start for start, stop in region]
+    source, std = init_rule(cfg, name)
+    if std == 0.0:
+        return torch.ones(out_shape)
+    out = torch.empty(out_shape)
+    (row_start, row_stop), rest = region[0], tuple(slice(a, b) for a, b in region[1:])
+    rows_per_block = max(1, INIT_BLOCK_ELEMENTS // max(1, math.prod(shape[1:])))
+    for block in range(row_start // rows_per_block, -(-row_stop // rows_per_block)):
+        lo, hi = block * rows_per_block, min((block + 1) * rows_per_block, shape[0])
+        generator = torch.Generator().manual_seed(block_seed(seed, source, block))
+        values = torch.empty(hi - lo, *shape[1:]).normal_(0.0, std, generator=generator)
+        keep_lo, keep_hi = max(lo, row_start), min(hi, row_stop)
+        out[keep_lo - row_start:keep_hi - row_start] = values[(slice(keep_lo - lo, keep_hi - lo), *rest)]
+    return out
+
+
 def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int | None = None) -> Llama:
     """Build on the meta device (no memory), then materialise on `device` and initialise.
 
-    With `device="meta"` the model stays a description: shapes and parameter counts only.
+    With `device="meta"` the model stays a description: shapes and parameter counts only. The parallel engines
+    keep it on the meta device, shard it, and materialise only each rank's part (`materialize` with regions):
+    the initial values are the same whatever the layout (`initial_values`).
     """
     with torch.device("meta"):
         model = Llama(cfg)
     if str(device) == "meta":
         return model
-    model.to_empty(device=device)
-    if cfg.tied_embeddings:
-        model.lm_head.weight = model.embed.weight
-    model.init_weights(seed)
+    materialize(model, device, seed)
     return model
+
+
+def materialize(model: Llama, device: torch.device | str, seed: int | None,
+                regions: dict[str, tuple[tuple[int, int], ...]] | None = None, root: nn.Module | None = None) -> None:
+    """Allocate `model`'s (meta) parameters on `device` (from `root`, a module that holds it, when given) and
+    initialise them (`Llama.init_weights`); a tied output layer held with its embedding stays one parameter."""
+    (root or model).to_empty(device=device)
+    tied = model.cfg.tied_embeddings and model.embed is not None and model.lm_head is not None
+    if tied and model.lm_head.weight is not model.embed.weight:
+        model.lm_head.weight = model.embed.weight
+    model.init_weights(seed, regions)

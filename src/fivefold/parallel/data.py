@@ -21,7 +21,16 @@ What is sharded and what is communicated (Ψ = this tp rank's parameters, N_d = 
 
 Gradients are summed, not averaged: the loss is already divided by the global batch's token count (see
 `fivefold.train.engine`). With `fp32_grad_accum` the buckets hold fp32 gradients whatever the parameter
-dtype; the engine keeps fp32 master parameters, so buckets are fp32 either way today.
+dtype.
+
+**Lean mixed precision (`param_dtype=torch.bfloat16`, the distributed optimizer).** The flat buckets, hence the
+model's parameters, hold bf16 working weights (2Ψ); the gradient buckets hold bf16 (2Ψ) or, with
+`fp32_grad_accum`, fp32 (4Ψ) gradients, accumulated over the micro-batches and reduced in that dtype; AdamW steps
+an fp32 master copy of this rank's slice only (4Ψ/N_d under ZeRO-1/2, the whole flat under ZeRO-0) with its
+moments (8Ψ/N_d): 2 + (2 or 4) + 12/N_d bytes per parameter under ZeRO-1, Megatron's distributed optimizer.
+After the step the master slice is cast to bf16 once and all-gathered (Ψ bf16), so the working weights are cast
+once per optimizer step, not per micro-batch. ZeRO-3 uses `fully_shard`'s `MixedPrecisionPolicy` instead (bf16
+all-gathers of the sharded fp32 parameters, fp32 reduce-scatters).
 """
 
 from __future__ import annotations
@@ -58,6 +67,8 @@ class Bucket:
     count_in_norm: bool = True  # False for a copy whose gradient another rank also counts (tied embeddings)
     launched: bool = False
     work: list = field(default_factory=list)  # (async handle, output to fold into shard_grad or None)
+    master_source: torch.Tensor | None = None  # lean mixed precision: the fp32 values until the master is cut
+    names: list[str] = field(default_factory=list)  # the parameters' plain names
 
     def grad_view(self, index: int) -> torch.Tensor:
         p = self.params[index]
@@ -65,11 +76,13 @@ class Bucket:
 
 
 def make_buckets(named_params: list[tuple[str, nn.Parameter]], tp_sharded: set[str], dp_size: int,
-                 bucket_bytes: int, fp32_grad_accum: bool, own_bucket: frozenset[str] = frozenset()) -> list[Bucket]:
+                 bucket_bytes: int, fp32_grad_accum: bool, own_bucket: frozenset[str] = frozenset(),
+                 param_dtype: torch.dtype | None = None) -> list[Bucket]:
     """Flat buckets of parameters that share a weight-decay class, a tp-sharding class and a dtype (so that
     one slice of a bucket is one optimizer group, and the gradient norm can tell sharded from replicated).
     Parameters named in `own_bucket` get a bucket each (a tied weight whose gradient is summed with another
-    rank's). The parameters become views into their bucket's flat storage."""
+    rank's). The parameters become views into their bucket's flat storage, in `param_dtype` when given (their
+    values before the cast stay in `Bucket.master_source` for the master copy)."""
     classes: dict[tuple, list[list[tuple[str, nn.Parameter]]]] = {}
     sizes: dict[tuple, int] = {}
     for name, p in reversed(named_params):
@@ -92,9 +105,14 @@ def make_buckets(named_params: list[tuple[str, nn.Parameter]], tp_sharded: set[s
             params = [p for _, p in members]
             for p, off in zip(params, offsets, strict=True):
                 flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+            source = None
+            if param_dtype is not None and param_dtype != dtype:
+                source, flat = flat, flat.to(param_dtype)
+            for p, off in zip(params, offsets, strict=True):
                 p.data = flat[off:off + p.numel()].view_as(p)
-            buckets.append(Bucket(params, offsets, numel, flat, torch.float32 if fp32_grad_accum else dtype,
-                                  decay, sharded, expected=len(params)))
+            buckets.append(Bucket(params, offsets, numel, flat, torch.float32 if fp32_grad_accum else flat.dtype,
+                                  decay, sharded, expected=len(params), master_source=source,
+                                  names=[name for name, _ in members]))
     return buckets
 
 
@@ -103,19 +121,24 @@ class BucketedDataParallel:
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], tp_sharded: set[str], group: ProcessGroup,
                  zero: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, fp32_grad_accum: bool = False,
-                 own_bucket: frozenset[str] = frozenset()) -> None:
+                 own_bucket: frozenset[str] = frozenset(), param_dtype: torch.dtype | None = None) -> None:
         self.group, self.zero = group, zero
         self.dp_size, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
         self.buckets = make_buckets(named_params, tp_sharded, self.dp_size, bucket_bytes, fp32_grad_accum,
-                                    own_bucket)
+                                    own_bucket, param_dtype)
+        # lean mixed precision: AdamW steps an fp32 master copy of this rank's slice, not the working weights
+        self.master = any(b.master_source is not None for b in self.buckets)
         self.sync = True  # reduce on this micro-batch (the last of the accumulation)
         self.launched_in_backward = 0  # buckets whose reduction started from a gradient hook (overlap)
         for bucket in self.buckets:
             if zero == 0 or zero == 1:
                 bucket.grad = torch.zeros(bucket.numel, dtype=bucket.grad_dtype, device=bucket.flat_params.device)
-            if zero >= 1:
+            if zero >= 1 or self.master:
                 lo, hi = self.shard_range(bucket)
                 view = bucket.flat_params[lo:hi]
+                if self.master:  # a copy of its own in fp32, from the values before the bf16 cast
+                    view = bucket.master_source[lo:hi].clone()
+                    bucket.master_source = None
                 # the shape carries the weight-decay class to `param_groups` (decay on ndim >= 2)
                 bucket.shard = nn.Parameter(view.view(1, -1) if bucket.decay else view)
             if zero == 2:
@@ -125,12 +148,15 @@ class BucketedDataParallel:
                 p.register_post_accumulate_grad_hook(self._hook(bucket, index))
 
     def shard_range(self, bucket: Bucket) -> tuple[int, int]:
+        if self.zero == 0:  # the master copy of ZeRO-0 is the whole bucket
+            return 0, bucket.numel
         size = bucket.numel // self.dp_size
         return self.dp_rank * size, (self.dp_rank + 1) * size
 
     def optimizer_params(self) -> list[nn.Parameter]:
-        """What AdamW steps: the model's parameters (ZeRO-0) or this rank's slices (ZeRO-1/2)."""
-        if self.zero == 0:
+        """What AdamW steps: the model's parameters (ZeRO-0) or this rank's slices (ZeRO-1/2); under lean mixed
+        precision the fp32 master copy of those."""
+        if self.zero == 0 and not self.master:
             return [p for b in self.buckets for p in b.params]
         return [b.shard for b in self.buckets]
 
@@ -207,17 +233,22 @@ class BucketedDataParallel:
     def attach_grads(self) -> None:
         """Point what AdamW steps at the reduced gradients (views, cast if the buffer is fp32)."""
         for bucket in self.buckets:
-            if self.zero == 0:
+            if self.zero == 0 and not self.master:
                 for index, p in enumerate(bucket.params):
                     p.grad = bucket.grad_view(index).to(p.dtype)
                 continue
             bucket.shard.grad = self.reduced_grad(bucket).to(bucket.shard.dtype).view_as(bucket.shard)
 
     def after_step(self) -> None:
-        """ZeRO-1/2: all-gather the updated slices into every rank's full parameters; zero the gradients."""
+        """ZeRO-1/2: all-gather the updated slices into every rank's full parameters (cast once to the working
+        dtype under lean mixed precision); zero the gradients."""
         for bucket in self.buckets:
             if self.zero >= 1:
-                all_gather_into(bucket.flat_params, bucket.shard.detach().reshape(-1).clone(), group=self.group)
+                updated = bucket.shard.detach().reshape(-1).to(bucket.flat_params.dtype, copy=True)
+                all_gather_into(bucket.flat_params, updated, group=self.group)
+                bucket.shard.grad = None
+            elif self.master:
+                bucket.flat_params.copy_(bucket.shard.detach().reshape(-1))
                 bucket.shard.grad = None
             else:
                 for p in bucket.params:
@@ -243,6 +274,53 @@ class BucketedDataParallel:
             dist.all_reduce(sums, group=self.group)
         return sums[0], sums[1]
 
+    def master_pieces(self) -> list[tuple[str, int, torch.Tensor]]:
+        """Under lean mixed precision, the fp32 master values this rank holds: (plain name, offset in the flattened
+        local parameter, 1-D fp32 tensor) for every parameter overlapping this rank's slice; what a sharded
+        checkpoint saves instead of the bf16 working weights. Empty without master weights."""
+        out = []
+        if not self.master:
+            return out
+        for bucket in self.buckets:
+            lo, hi = self.shard_range(bucket)
+            master = bucket.shard.detach().reshape(-1)
+            for name, p, off in zip(bucket.names, bucket.params, bucket.offsets, strict=True):
+                a, b = max(lo, off), min(hi, off + p.numel())
+                if a < b:
+                    out.append((name, a - off, master[a - lo:b - lo]))
+        return out
+
+    @torch.no_grad()
+    def full_master_state(self) -> dict[str, torch.Tensor]:
+        """{plain name: this rank's whole (tp/ep-local) parameter in fp32} from the master slices, all-gathered over
+        the group (collective); empty without master weights."""
+        if not self.master:
+            return {}
+        out = {}
+        for bucket in self.buckets:
+            flat = bucket.shard.detach().reshape(-1)
+            if self.zero >= 1:
+                full = torch.empty(bucket.numel, dtype=flat.dtype, device=flat.device)
+                all_gather_into(full, flat.clone(), group=self.group)
+                flat = full
+            for name, p, off in zip(bucket.names, bucket.params, bucket.offsets, strict=True):
+                out[name] = flat[off:off + p.numel()].view(p.shape).clone()
+        return out
+
+    @torch.no_grad()
+    def load_master(self, values: dict[str, torch.Tensor]) -> None:
+        """Set the master slices from {plain name: whole local parameter} (full precision, e.g. a loaded
+        checkpoint); parameters not named keep their master values."""
+        for name, offset, piece in self.master_pieces():
+            if name in values:
+                piece.copy_(values[name].detach().reshape(-1)[offset:offset + piece.numel()])
+
+    def master_bytes(self) -> int:
+        """Bytes of the fp32 master slices that AdamW steps under lean mixed precision (0 otherwise)."""
+        if not self.master:
+            return 0
+        return sum(b.shard.numel() * b.shard.element_size() for b in self.buckets)
+
     def state_bytes(self) -> dict[str, int]:
         """Bytes of parameters and gradient buffers this rank keeps between steps (padding included)."""
         params = sum(b.flat_params.numel() * b.flat_params.element_size() for b in self.buckets)
@@ -259,14 +337,17 @@ class FullyShardedDataParallel:
     hooks run around the whole micro-batch."""
 
     def __init__(self, root: nn.Module, model: nn.Module, tp_sharded: set[str], group: ProcessGroup,
-                 device_type: str) -> None:
+                 device_type: str, param_dtype: torch.dtype | None = None) -> None:
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self.group, self.zero, self.sync = group, 3, True
         self.tp_sharded = tp_sharded
         mesh = DeviceMesh.from_group(group, device_type)
-        units = [fully_shard(block, mesh=mesh) for block in model.layers.values()] + [fully_shard(root, mesh=mesh)]
+        # lean mixed precision: the fp32 shards are gathered in bf16 and the gradients reduce-scattered in fp32
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+        units = [fully_shard(block, mesh=mesh, mp_policy=policy) for block in model.layers.values()]
+        units.append(fully_shard(root, mesh=mesh, mp_policy=policy))
         for unit in units:
             unit.set_gradient_divide_factor(1.0)  # the loss is already normalised over the global batch
             unit.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied sum)

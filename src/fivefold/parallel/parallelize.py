@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from fivefold.config import Config
-from fivefold.models.llama import Llama
+from fivefold.device import use_bf16
+from fivefold.models.llama import Llama, full_parameter_shapes, materialize
 from fivefold.models.loss import model_loss_sum
 from fivefold.parallel.data import DEFAULT_BUCKET_BYTES, BucketedDataParallel, FullyShardedDataParallel
 from fivefold.parallel.mesh import ProcessGrid
@@ -63,6 +64,10 @@ class LossModel(nn.Module):
         hidden = self.model.forward_hidden(inputs, positions)
         return vocab_parallel_loss_sum(self.model, hidden, targets, self.grid.tp_group, self.sequence_parallel,
                                        compute_dtype=dtype)
+
+
+def is_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
 
 
 def tp_sharded_names(model: nn.Module, tp: int) -> set[str]:
@@ -106,6 +111,45 @@ def apply_model_parallel(model: Llama, cfg: Config, grid: ProcessGrid,
             block.compile()
 
 
+def shard_regions(model: Llama, grid: ProcessGrid) -> dict[str, tuple[tuple[int, int], ...]]:
+    """The part of the full plain tensor that each of `model`'s parameters holds on this rank, (start, stop) per
+    dim: the tp slice along its `tp_shard_dim`, the ep rank's experts along dim 0, and under ZeRO-3 (a
+    `fully_shard` DTensor) this rank's chunk of dim 0 of that."""
+    from fivefold.parallel.expert import is_expert_param
+    from fivefold.parallel.tensor import tp_shard_dim
+
+    shapes = full_parameter_shapes(model.cfg)
+    tp, tp_rank = grid.size("tp"), grid.ranks["tp"]
+    ep = grid.size("ep")
+    ep_rank = grid.group_ranks["ep"].index(grid.rank) if ep > 1 else 0
+    regions = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        region = [(0, n) for n in shapes[name]]
+        dim = tp_shard_dim(name) if tp > 1 else None
+        if dim is not None:
+            size = shapes[name][dim] // tp
+            region[dim] = (tp_rank * size, (tp_rank + 1) * size)
+        if ep > 1 and is_expert_param(name):
+            size = shapes[name][0] // ep
+            region[0] = (ep_rank * size, (ep_rank + 1) * size)
+        if hasattr(param, "device_mesh"):  # fully_shard: torch.chunk's split of dim 0 over the mesh
+            start, stop = region[0]
+            rows = stop - start
+            chunk = -(-rows // param.device_mesh.size())
+            lo = min(rows, param.device_mesh.get_local_rank() * chunk)
+            region[0] = (start + lo, start + min(rows, lo + chunk))
+        regions[name] = tuple(region)
+    return regions
+
+
+def materialize_shards(model: Llama, grid: ProcessGrid, device: torch.device, seed: int,
+                       root: nn.Module | None = None) -> None:
+    """Allocate this rank's shards of a model built and sharded on the meta device, initialised to the same
+    values as the one-process model's slices (`models.llama.initial_values`): no rank allocates a full tensor.
+    `root`: the outermost module to allocate from (ZeRO-3's root unit, which holds the model)."""
+    materialize(model, device, seed, shard_regions(model, grid), root)
+
+
 def parallelize(model: Llama, cfg: Config, grid: ProcessGrid, device: torch.device,
                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[LossModel, DataParallel,
                                                                    BucketedDataParallel | None]:
@@ -117,34 +161,51 @@ def parallelize(model: Llama, cfg: Config, grid: ProcessGrid, device: torch.devi
     loss_model = LossModel(model, grid, la.sp, cfg.train.compile)
     tp_sharded = tp_sharded_names(model, grid.size("tp"))
     if la.zero == 3:  # 6. data parallel (ep with ZeRO-3 is refused by the layout check)
-        return loss_model, FullyShardedDataParallel(loss_model, model, tp_sharded, grid.grad_group, device.type), None
-    dense, experts = bucketed_data_parallel(list(model.named_parameters()), tp_sharded, cfg, grid, bucket_bytes)
+        fsdp = FullyShardedDataParallel(loss_model, model, tp_sharded, grid.grad_group, device.type,
+                                        working_dtype(cfg, device))
+        if is_meta(model):
+            materialize_shards(model, grid, device, cfg.train.seed, root=loss_model)
+        return loss_model, fsdp, None
+    if is_meta(model):
+        materialize_shards(model, grid, device, cfg.train.seed)
+    dense, experts = bucketed_data_parallel(list(model.named_parameters()), tp_sharded, cfg, grid, bucket_bytes,
+                                            param_dtype=working_dtype(cfg, device))
     return loss_model, dense, experts
 
 
+def working_dtype(cfg: Config, device: torch.device | None) -> torch.dtype | None:
+    """The dtype of the working weights under lean mixed precision (bf16 when the engine computes in bf16: the
+    default on accelerators, `train.dtype = "bf16"` anywhere); None keeps fp32 parameters (the CPU default)."""
+    return torch.bfloat16 if device is not None and use_bf16(cfg, device) else None
+
+
 def bucketed_data_parallel(named: list[tuple[str, nn.Parameter]], tp_sharded: set[str], cfg: Config,
-                           grid: ProcessGrid, bucket_bytes: int, own_bucket: frozenset[str] = frozenset()) -> (
+                           grid: ProcessGrid, bucket_bytes: int, own_bucket: frozenset[str] = frozenset(),
+                           param_dtype: torch.dtype | None = None) -> (
     tuple[BucketedDataParallel, BucketedDataParallel | None]
 ):
     """Step 6 for ZeRO-0/1/2: the dense parameters' state over dp x cp and, under ep, the experts' over the ranks
-    that hold the same experts."""
+    that hold the same experts; with `param_dtype` (bf16) the lean mixed precision of `parallel.data` (bf16
+    working weights, fp32 master slices)."""
     la = cfg.layout
     experts = None
     if la.ep > 1:
         from fivefold.parallel.expert import is_expert_param
 
         experts = BucketedDataParallel([(n, p) for n, p in named if is_expert_param(n)], tp_sharded,
-                                       grid.groups["edp"], la.zero, bucket_bytes, la.fp32_grad_accum)
+                                       grid.groups["edp"], la.zero, bucket_bytes, la.fp32_grad_accum,
+                                       param_dtype=param_dtype)
         named = [(n, p) for n, p in named if not is_expert_param(n)]
     dense = BucketedDataParallel(named, tp_sharded, grid.grad_group, la.zero, bucket_bytes, la.fp32_grad_accum,
-                                 own_bucket)
+                                 own_bucket, param_dtype)
     return dense, experts
 
 
 def parallelize_stages(stages: dict[int, Llama], cfg: Config, grid: ProcessGrid,
                        weight_grad_queue: WeightGradQueue | None, own_bucket: frozenset[str],
-                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[LossModel | None, BucketedDataParallel,
-                                                                          BucketedDataParallel | None]:
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: torch.device | None = None) -> (
+    tuple[LossModel | None, BucketedDataParallel, BucketedDataParallel | None]
+):
     """The same order for this pipeline rank's stages: steps 1 to 5 on each, then the data-parallel states over
     all of their parameters (ZeRO-0/1/2; `own_bucket` names a tied weight that needs a bucket of its own).
     Returns the last stage's loss module (None when this rank does not hold it) and the two states."""
@@ -153,6 +214,9 @@ def parallelize_stages(stages: dict[int, Llama], cfg: Config, grid: ProcessGrid,
     for stage in stages.values():
         apply_model_parallel(stage, cfg, grid, weight_grad_queue)
     first, last = stages.get(0), stages.get(n_stages(cfg.layout) - 1)
+    for stage in stages.values():  # each rank allocates only its stages' shards
+        if is_meta(stage):
+            materialize_shards(stage, grid, device, cfg.train.seed)
     if cfg.model.tied_embeddings and first is not None and last is not None:
         last.lm_head.weight = first.embed.weight  # both on this rank (DualPipeV): one parameter again after tp
     named, seen = [], set()
@@ -162,6 +226,7 @@ def parallelize_stages(stages: dict[int, Llama], cfg: Config, grid: ProcessGrid,
                 seen.add(id(p))
                 named.append((name, p))
     tp_sharded = set().union(*(tp_sharded_names(stage, grid.size("tp")) for stage in stages.values()))
-    dense, experts = bucketed_data_parallel(named, tp_sharded, cfg, grid, bucket_bytes, own_bucket)
+    dense, experts = bucketed_data_parallel(named, tp_sharded, cfg, grid, bucket_bytes, own_bucket,
+                                            working_dtype(cfg, device))
     loss_model = LossModel(last, grid, cfg.layout.sp, cfg.train.compile) if last is not None else None
     return loss_model, dense, experts

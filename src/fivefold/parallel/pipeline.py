@@ -8,12 +8,13 @@ each is `schedules.stage_placement` (rank r holds r, r + pp, ... when interleave
 DualPipeV, so that rank 0 holds the first and the last stage). The blocks per stage are balanced by training
 FLOPs (`flops.balanced_stage_layers`, the planner's split too: the last stage's output layer and loss count as a
 fraction of a block, the embedding lookup as none), or given explicitly as `layout.stage_layers`. Every rank
-builds the full model from the seed, so that initialisation equals the one-process model exactly, and keeps only
-its stages: each stage is the plain `Llama` with the other blocks removed (blocks keep their global index, so
-parameter names are the plain model's) and the embedding, norm and output layer None where not held. With tied
-embeddings and the first and last stages on different ranks, both ranks hold a copy of the weight and their
-gradients are summed between the two once per step (the engine does it); on one rank (DualPipeV) it stays one
-parameter.
+describes the full model on the meta device and keeps only its stages, which it allocates (after tensor and expert
+parallel have shrunk them to its shards) with the one-process model's initial values (`models.llama.initial_values`
+depends on the seed and the parameter name, not the layout): each stage is the plain `Llama` with the other blocks
+removed (blocks keep their global index, so parameter names are the plain model's) and the embedding, norm and
+output layer None where not held. With tied embeddings and the first and last stages on different ranks, both
+ranks hold a copy of the weight and their gradients are summed between the two once per step (the engine does
+it); on one rank (DualPipeV) it stays one parameter.
 
 What is communicated: activations forward and their gradients backward between neighbouring stages, point to
 point on the pp group (`pipeline_comm`), one [micro-batch, local sequence, hidden] tensor per action; the
@@ -49,7 +50,7 @@ from fivefold import faults
 from fivefold.config import Config, ConfigError, ModelConfig
 from fivefold.flops import balanced_stage_layers
 from fivefold.layout import n_stages, pipeline_problem
-from fivefold.models.llama import Llama, build_model
+from fivefold.models.llama import Llama, build_model, materialize
 from fivefold.parallel.pipeline_comm import PointToPoint, consumer_stage
 from fivefold.parallel.schedules import Action, Schedule
 
@@ -96,11 +97,19 @@ def stage_module(full: Llama, layers: range, first: bool, last: bool) -> Llama:
 
 def build_stages(cfg: ModelConfig, counts: list[int], placement: tuple[int, ...], pp_rank: int,
                  device: torch.device, seed: int) -> dict[int, Llama]:
-    """This rank's stages {global stage: Llama}: the full model is built from the seed (the same on every rank)
-    and the parts of other ranks' stages are dropped."""
-    full = build_model(cfg, device=device, seed=seed)
+    """This rank's stages {global stage: Llama}: the full model is described on the meta device and only this
+    rank's stages are kept; on `device` they are then allocated and initialised from the seed (the values of the
+    one-process model, `models.llama.initial_values`). With `device="meta"` they stay descriptions, for the
+    engine to shard first (`parallelize.parallelize_stages`)."""
+    full = build_model(cfg, device="meta")
     ranges, last = layer_ranges(counts), len(counts) - 1
-    return {s: stage_module(full, ranges[s], s == 0, s == last) for s, r in enumerate(placement) if r == pp_rank}
+    stages = {s: stage_module(full, ranges[s], s == 0, s == last) for s, r in enumerate(placement) if r == pp_rank}
+    if str(device) != "meta":
+        for stage in stages.values():
+            materialize(stage, device, seed)
+        if cfg.tied_embeddings and 0 in stages and last in stages:
+            stages[last].lm_head.weight = stages[0].embed.weight
+    return stages
 
 
 def activation_dtype(stages: list[nn.Module], bf16: bool) -> torch.dtype:

@@ -147,4 +147,11 @@ NANOTRON = Framework(name="nanotron", param_bytes=2, grad_bytes=2, master_bytes=
                      fixed_overhead_gib=1.0, residual_bytes=2, norm_saves_normalized=False,
                      sp_saves_gathered_input=False, fused_projections=True, sp_norm_grad_allreduces=0,
                      sp_regather_exposed=False)
-FRAMEWORKS = {"fivefold": FIVEFOLD, "fivefold-cpu": FIVEFOLD_CPU, "nanotron": NANOTRON}
+# fivefold's parallel engine under lean mixed precision (`train.dtype` bf16, the default on accelerators): bf16
+# working weights and gradients, fp32 master slices sharded with Adam's moments (2 + 2 + 12/N_d bytes per
+# parameter under ZeRO-1); with `layout.fp32_grad_accum` the gradient buckets are fp32 (the 2 extra bytes here).
+# Under ZeRO-3 fully_shard keeps the fp32 shards as the master: the same 16/N_d in all (planner/memory.py).
+FIVEFOLD_LEAN = dataclasses.replace(FIVEFOLD, name="fivefold-lean", param_bytes=2, grad_bytes=2, master_bytes=4,
+                                    accum_bytes=2)
+FRAMEWORKS = {"fivefold": FIVEFOLD, "fivefold-cpu": FIVEFOLD_CPU, "fivefold-lean": FIVEFOLD_LEAN,
+              "nanotron": NANOTRON}

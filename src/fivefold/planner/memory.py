@@ -129,6 +129,10 @@ def model_state_bytes(cfg: ModelConfig, lay: Layout, fw: Framework, rank: str = 
     if not fw.zero_shards_master:
         out["optimizer"] += fw.master_bytes * rp.total
     out["grad_accum_buffer"] = sharded(fw.accum_bytes, lay.zero >= 2) if lay.fp32_grad_accum else 0
+    if lay.zero >= 3 and fw.master_bytes and fw.accum_bytes < 4:
+        # fivefold's ZeRO-3 (fully_shard with a bf16 MixedPrecisionPolicy) keeps fp32 shards (the master) and fp32
+        # gradient shards whatever fp32_grad_accum says: 4 + 4 + 8 = the same 16/N_d as 2 + 2 + 12
+        out["grad_accum_buffer"] = 0
     return out
 
 

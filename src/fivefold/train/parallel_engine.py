@@ -130,11 +130,33 @@ class ParallelEngine(Engine):
 
     # --- state -----------------------------------------------------------------------------------
     def _local_state(self) -> dict[str, torch.Tensor]:
-        """This tp rank's parameters with plain names, unsharded over dp."""
+        """This tp rank's parameters with plain names, unsharded over dp (the fp32 master values under lean mixed
+        precision; collective then)."""
         state = self.model.state_dict()
         if isinstance(self.data_parallel, FullyShardedDataParallel):
             state = {name: t.full_tensor() for name, t in state.items()}
-        return state
+        return {**state, **self.master_state()}
+
+    def master_state(self) -> dict[str, torch.Tensor]:
+        """Under lean mixed precision, {plain name: this rank's whole tp/ep-local parameter in fp32} from the
+        master slices (collective over the data-parallel groups); empty otherwise."""
+        out = {}
+        for dp in self.data_parallels:
+            if isinstance(dp, BucketedDataParallel):
+                out.update(dp.full_master_state())
+        return out
+
+    def master_pieces(self) -> list[tuple[str, int, torch.Tensor]]:
+        """Under lean mixed precision, this rank's pieces of the fp32 master weights: (plain name, offset in the
+        flattened tp/ep-local parameter, 1-D fp32 tensor); no communication. Empty otherwise."""
+        return [piece for dp in self.data_parallels if isinstance(dp, BucketedDataParallel)
+                for piece in dp.master_pieces()]
+
+    def load_master_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the fp32 master slices from a plain-named state of this rank's tp/ep-local parameters."""
+        for dp in self.data_parallels:
+            if isinstance(dp, BucketedDataParallel):
+                dp.load_master(state)
 
     def _gathered_state(self) -> dict[str, torch.Tensor]:
         """This rank's parameters with plain names, whole over tp and ep (collective over those groups)."""
@@ -180,6 +202,7 @@ class ParallelEngine(Engine):
                 param.to_local().copy_(state[name].chunk(size, 0)[rank])
             return
         self.model.load_state_dict(state, strict=True)  # copies in place: bucket views stay views
+        self.load_master_state(state)
 
     # --- sharded checkpoints ---------------------------------------------------------------------
     def named_plain_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -259,11 +282,13 @@ class ParallelEngine(Engine):
         dist.barrier()
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for parameters, gradients and optimizer states (Adam's two moments)."""
+        """Bytes this rank holds for parameters, gradients and optimizer states (Adam's two moments, and the fp32
+        master slices under lean mixed precision)."""
         held = self.data_parallel.state_bytes()
         if self.expert_data_parallel is not None:
             held = {k: v + self.expert_data_parallel.state_bytes()[k] for k, v in held.items()}
-        optimizer = 0
+        # the fp32 master slices of lean mixed precision count with the optimizer (the playbook's k = 12)
+        optimizer = sum(dp.master_bytes() for dp in self.data_parallels if isinstance(dp, BucketedDataParallel))
         for s in self.optimizer.state.values():
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in s:
@@ -433,7 +458,9 @@ class PipelineEngine(ParallelEngine):
 
     # --- state -----------------------------------------------------------------------------------
     def _local_state(self) -> dict[str, torch.Tensor]:
-        return {name: t for m in self.stages.values() for name, t in m.state_dict().items()}
+        state = {name: t for m in self.stages.values() for name, t in m.state_dict().items()}
+        master = self.master_state()
+        return {**state, **{name: t for name, t in master.items() if name in state}}
 
     def _owner(self, name: str) -> int:
         """The pp rank that holds plain-model parameter `name`."""
@@ -471,6 +498,7 @@ class PipelineEngine(ParallelEngine):
         state = self._sharded_state({name: state[name] for name in own})
         for m in self.stages.values():  # copies in place: bucket views stay views
             m.load_state_dict({name: state[name] for name in m.state_dict()}, strict=True)
+        self.load_master_state(state)
 
     def named_plain_parameters(self) -> list[tuple[str, nn.Parameter]]:
         named: dict[int, tuple[str, nn.Parameter]] = {}
@@ -488,7 +516,8 @@ def create_pipeline_engine(cfg: Config, grid: ProcessGrid, device: torch.device,
     counts = stage_layer_counts(cfg)
     placement = stage_placement(la.schedule, la.pp, la.vpp)
     pp_rank = grid.ranks["pp"]
-    stages = build_stages(cfg.model, counts, placement, pp_rank, device, cfg.train.seed)
+    # on the meta device: parallelize_stages allocates only this rank's shards of its stages
+    stages = build_stages(cfg.model, counts, placement, pp_rank, torch.device("meta"), cfg.train.seed)
     split = build_schedule(la.schedule, la.pp, cfg.grad_accum_steps, la.vpp).split_backward
     queue = WeightGradQueue() if split else None
     tied_names: frozenset[str] = frozenset()
@@ -496,18 +525,20 @@ def create_pipeline_engine(cfg: Config, grid: ProcessGrid, device: torch.device,
         tied_names = frozenset({"embed.weight"} if pp_rank == placement[0] else
                                {"lm_head.weight"} if pp_rank == placement[-1] else set())
     loss_model, data_parallel, expert_data_parallel = parallelize_stages(stages, cfg, grid, queue, tied_names,
-                                                                         bucket_bytes)
+                                                                         bucket_bytes, device)
     return PipelineEngine(stages, loss_model, data_parallel, expert_data_parallel, grid, cfg, device, counts, queue,
                           tied_names)
 
 
 def create_parallel_engine(cfg: Config, device: torch.device,
                            bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ParallelEngine:
-    """Validate the layout against the initialised world, build the grid, the plain model (same seed on every
-    rank), apply the layout and return the engine (the pipeline engine when layout.pp > 1)."""
+    """Validate the layout against the initialised world, build the grid, the plain model on the meta device,
+    apply the layout (allocating only this rank's shards, initialised from the seed as one process would) and
+    return the engine (the pipeline engine when layout.pp > 1)."""
     grid = ProcessGrid.build(cfg)
     if cfg.layout.pp > 1:
         return create_pipeline_engine(cfg, grid, device, bucket_bytes)
-    model = build_model(cfg.model, device=device, seed=cfg.train.seed)
+    # on the meta device: parallelize allocates only this rank's shards (no rank holds the full model)
+    model = build_model(cfg.model, device="meta")
     loss_model, data_parallel, expert_data_parallel = parallelize(model, cfg, grid, device, bucket_bytes)
     return ParallelEngine(model, loss_model, data_parallel, grid, cfg, device, expert_data_parallel)

@@ -1,0 +1,88 @@
+"""Largest resident memory of any process of a command, sampled from outside.
+
+Runs the command, and every `--interval` seconds reads VmRSS from /proc/PID/status of the command and of every
+descendant (the launcher's ranks included). Prints the largest VmRSS any one process reached over the whole run, and
+the same per phase of `fivefold train`, read from its output: "construction" until the first `step` line, "steps"
+until the last step's validation line, then "save" (that validation and the final checkpoint).
+Linux only (reads /proc).
+
+    python benchmarks/peak_rss.py -- PYTHONPATH=src python -m fivefold train ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    todo, seen = [pid], []
+    while todo:
+        p = todo.pop()
+        seen.append(p)
+        todo += children(p)
+    return seen
+
+
+def rss_kib(pid: int) -> int:
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    match = re.search(r"^VmRSS:\s+(\d+) kB", text, re.M)
+    return int(match.group(1)) if match else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--interval", type=float, default=0.1)
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
+    args = parser.parse_args()
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    proc = subprocess.Popen(" ".join(command), shell=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, bufsize=1)
+    phase = ["construction"]
+    peaks: dict[str, int] = {}
+    overall = [0]
+
+    def reader() -> None:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            if phase[0] == "construction" and re.match(r"step\s+\d+/", line):
+                phase[0] = "steps"
+            final = re.match(r"step\s+(\d+)/(\d+)\s+val_loss", line)
+            if final and final.group(1) == final.group(2):  # the last validation, then the final checkpoint
+                phase[0] = "save"
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    while proc.poll() is None:
+        largest = max((rss_kib(p) for p in descendants(proc.pid)), default=0)
+        overall[0] = max(overall[0], largest)
+        peaks[phase[0]] = max(peaks.get(phase[0], 0), largest)
+        time.sleep(args.interval)
+    thread.join()
+    print(f"peak VmRSS of any process: {overall[0] / 1024:.1f} MiB "
+          + " ".join(f"({name}: {kib / 1024:.1f} MiB)" for name, kib in peaks.items()), flush=True)
+    return proc.returncode
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -256,26 +256,29 @@ class ParallelEngine(Engine):
             return segments
         names = {id(p): n for n, p in named}
         for dp in self.data_parallels:
+            master = getattr(dp, "master", False)  # lean mixed precision: the fp32 masters are the weights saved
             for bucket in dp.buckets:
-                lo, hi = dp.shard_range(bucket) if dp.zero >= 1 else (0, bucket.numel)
+                lo, hi = dp.shard_range(bucket)
                 for p, off in zip(bucket.params, bucket.offsets, strict=True):
                     name = names[id(p)]
                     shape, offsets, first = self._placed(name, tuple(p.shape))
-                    if dp.zero == 0:
+                    if dp.zero == 0 and not master:
                         segments.append(Segment(name, shape, offsets, tuple(p.shape), 0, p.numel(),
                                                 p.detach().view(-1), p, 0, first and dp.dp_rank == 0))
                         continue
                     a, b = max(lo, off) - off, min(hi, off + p.numel()) - off
                     if a < b:
-                        segments.append(Segment(name, shape, offsets, tuple(p.shape), a, b,
-                                                bucket.flat_params[off + a:off + b], bucket.shard, off + a - lo,
-                                                first))
+                        weight = (bucket.shard.detach().view(-1)[off + a - lo:off + b - lo] if master
+                                  else bucket.flat_params[off + a:off + b])
+                        segments.append(Segment(name, shape, offsets, tuple(p.shape), a, b, weight, bucket.shard,
+                                                off + a - lo, first and (dp.zero >= 1 or dp.dp_rank == 0)))
         return segments
 
     def after_state_load(self) -> None:
-        """ZeRO-1/2: each rank loaded its slice of the flat weights; all-gather the rest as after a step."""
+        """ZeRO-1/2: each rank loaded its slice of the flat weights; all-gather the rest as after a step. Under lean
+        mixed precision the loaded values are the fp32 masters: cast them to the working weights likewise."""
         for dp in self.data_parallels:
-            if getattr(dp, "zero", 0) in (1, 2):
+            if getattr(dp, "zero", 0) in (1, 2) or getattr(dp, "master", False):  # masters cast to the weights
                 dp.after_step()
 
     def barrier(self) -> None:

@@ -3,7 +3,9 @@
 Runs the command, and every `--interval` seconds reads VmRSS from /proc/PID/status of the command and of every
 descendant (the launcher's ranks included). Prints the largest VmRSS any one process reached over the whole run, and
 the same per phase of `fivefold train`, read from its output: "construction" until the first `step` line, "steps"
-until the last step's validation line, then "save" (that validation and the final checkpoint).
+until the last step's validation line, then "save" (that validation and the final checkpoint). With `--run-dir`,
+the samples taken while a checkpoint is being written (a `step_*.tmp` directory under RUN_DIR/checkpoints) are
+also counted apart, as "writing a checkpoint".
 Linux only (reads /proc).
 
     python benchmarks/peak_rss.py -- PYTHONPATH=src python -m fivefold train ...
@@ -52,6 +54,7 @@ def rss_kib(pid: int) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--interval", type=float, default=0.1)
+    parser.add_argument("--run-dir", help="the run directory whose checkpoints/ is watched for a save in progress")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -76,6 +79,9 @@ def main() -> int:
         largest = max((rss_kib(p) for p in descendants(proc.pid)), default=0)
         overall[0] = max(overall[0], largest)
         peaks[phase[0]] = max(peaks.get(phase[0], 0), largest)
+        checkpoints = Path(args.run_dir or "", "checkpoints")
+        if args.run_dir and checkpoints.is_dir() and any(checkpoints.glob("step_*.tmp")):
+            peaks["writing a checkpoint"] = max(peaks.get("writing a checkpoint", 0), largest)
         time.sleep(args.interval)
     thread.join()
     print(f"peak VmRSS of any process: {overall[0] / 1024:.1f} MiB "

@@ -7,7 +7,6 @@ meant (a warm-up longer than the run, a step that reads the dataset many times o
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -142,9 +141,9 @@ def check_hf_dir(path: str) -> None:
 
 def check_extras(cfg: Config) -> None:
     """The optional packages that the config asks for, before anything is written."""
-    if cfg.log.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("log.tensorboard = true needs the tensorboard package: pip install 'fivefold[tensorboard]' "
-                          "(or set log.tensorboard = false)")
+    from fivefold.train.metrics import check_logging_backends
+
+    check_logging_backends(cfg.log)
 
 
 def warnings(cfg: Config, device: torch.device) -> list[str]:

@@ -81,10 +81,63 @@ def test_one_process_checkpoint_loads_into_zero2_and_back(tmp_path, dataset):  #
     check_change(tmp_path / "b", dataset, (2, {"layout.dp": "2", "layout.zero": "2"}), [(1, {})])
 
 
-def test_a_changed_global_batch_is_refused_with_the_field(tmp_path, dataset):  # noqa: F811
+def uninterrupted_sampler(data_dir: Path, batch: int):
+    from fivefold.data import BatchSampler, TokenDataset
+
+    seed = small_config(Path("unused"), data_dir).train.seed
+    return BatchSampler(TokenDataset(data_dir, "train"), 32, batch, seed)
+
+
+@pytest.mark.parametrize("new_batch", [16, 12, 4])
+def test_a_changed_global_batch_continues_at_the_same_sample(dataset, new_batch):  # noqa: F811
+    """The data position is samples consumed: after 3 steps of 8 (samples 0-23), a batch of 16, 12 or 4 reads
+    samples 24, 25, ... of the uninterrupted order, none repeated or skipped. Reference: the windows of the
+    uninterrupted sampler of batch 8, concatenated."""
+    from types import SimpleNamespace
+
+    from fivefold.train.loop import resumed_sampler
+
+    old = uninterrupted_sampler(dataset, 8)
+    order = [int(w) for step in range(12) for w in old.window_indices(step)]
+    cfg = small_config(Path("unused"), dataset, **{"train.global_batch_size": str(new_batch)})
+    loaded = SimpleNamespace(state=ckpt.TrainerState(step=3, tokens_seen=3 * 8 * 32), path=Path("step_00000003"),
+                             data={"global_batch_size": 8, "seq_len": 32, "samples_consumed": 24})
+    new = resumed_sampler(uninterrupted_sampler(dataset, new_batch), loaded, cfg, is_first=False)
+    read = [int(w) for step in range(3, 6) for w in new.window_indices(step)]
+    assert read == order[24:24 + 3 * new_batch]
+    assert new.samples_before(6) == 24 + 3 * new_batch
+    # a checkpoint without the count (written before it existed) consumed `step` batches of its own size
+    del loaded.data["samples_consumed"]
+    again = resumed_sampler(uninterrupted_sampler(dataset, new_batch), loaded, cfg, is_first=False)
+    assert [int(w) for w in again.window_indices(3)] == order[24:24 + new_batch]
+
+
+def test_resume_with_a_doubled_global_batch(tmp_path, dataset, capsys):  # noqa: F811
+    """End to end: a batch-8 run stopped at its step-3 checkpoint resumes with batch 16. Its first step's loss is the
+    loss of the step-3 weights on samples 24-39 of the uninterrupted order (computed here by a fresh engine
+    loaded from that checkpoint), and its checkpoint records 3 x 8 + 2 x 16 samples consumed."""
+    from fivefold.train.engine import create_engine
+    from fivefold.train.loop import load_pieces
+
     train(small_config(tmp_path / "run", dataset, **FP32), stop_after=3)
-    with pytest.raises(ckpt.CheckpointError, match=r"train.global_batch_size = 8, this run has 16"):
-        train(small_config(tmp_path / "run", dataset, **{**FP32, "train.global_batch_size": "16"}), resume=True)
+    cfg = small_config(tmp_path / "run", dataset, **{**FP32, "train.global_batch_size": "16", "train.max_steps": "5"})
+    engine = create_engine(cfg, torch.device("cpu"))
+    load_pieces(engine, ckpt.load_checkpoint(ckpt.checkpoint_dir(tmp_path / "run", 3)), cfg)
+    old = uninterrupted_sampler(dataset, 8)
+    inputs, targets = (torch.cat(parts) for parts in zip(old.global_batch(3), old.global_batch(4), strict=True))
+    want = engine.eval_loss_sum(inputs, targets).item() / targets.numel()
+    capsys.readouterr()
+    resumed = train(cfg, resume=True)
+    assert "continues at sample 24" in capsys.readouterr().err
+    assert abs(resumed.losses[0] - want) <= 1e-5 * want, (resumed.losses[0], want)
+    state = json.loads((ckpt.checkpoint_dir(tmp_path / "run", 5) / "trainer_state.json").read_text())
+    assert state["samples_consumed"] == 3 * 8 + 2 * 16 and state["tokens_seen"] == (3 * 8 + 2 * 16) * 32
+
+
+def test_a_changed_sequence_length_is_refused_with_the_field(tmp_path, dataset):  # noqa: F811
+    train(small_config(tmp_path / "run", dataset, **FP32), stop_after=3)
+    with pytest.raises(ckpt.CheckpointError, match=r"train.seq_len = 32, this run has 16"):
+        train(small_config(tmp_path / "run", dataset, **{**FP32, "train.seq_len": "16"}), resume=True)
 
 
 LAYOUT_CHANGES = {

@@ -6,6 +6,10 @@ window once in a seeded random order. A batch is therefore a pure function of (s
 rank `r` of `dp` reads rows `[r * B / dp, (r + 1) * B / dp)` of the global batch, so ranks read disjoint
 rows whose union is the global batch, the global batch of a step is the same for any `dp`, and a run
 resumed at step `k` reads exactly what it would have read at step `k`.
+
+The data position is counted in samples (windows) consumed, not in steps: a run resumed at step `k` after
+`n` samples with another global batch size `B'` reads samples `n + (step - k) * B' + row`, so it continues at the
+sample where the checkpoint stopped, without repeating or skipping any (`start_step`, `start_sample`).
 """
 
 from __future__ import annotations
@@ -55,7 +59,8 @@ def _rank_rows(batch_size: int, dp_rank: int, dp_size: int) -> range:
 class BatchSampler:
     """Global batches of `global_batch_size` windows of `seq_len` tokens, a function of (seed, step)."""
 
-    def __init__(self, dataset: TokenDataset, seq_len: int, global_batch_size: int, seed: int = 0):
+    def __init__(self, dataset: TokenDataset, seq_len: int, global_batch_size: int, seed: int = 0,
+                 start_step: int = 0, start_sample: int | None = None):
         self.dataset = dataset
         self.seq_len = _positive_int("seq_len", seq_len)
         self.global_batch_size = _positive_int("global_batch_size", global_batch_size)
@@ -64,6 +69,19 @@ class BatchSampler:
         self.seed = int(seed)
         self.num_windows = dataset.require_windows(self.seq_len)
         self._permutations: dict[int, np.ndarray] = {}
+        for name, value in (("start_step", start_step), ("start_sample", start_sample)):
+            if value is not None and (not isinstance(value, int | np.integer) or value < 0):
+                raise DataError(f"{name} {value!r}: must be a non-negative integer")
+        self.start_step = int(start_step)
+        # samples consumed before start_step; by default as many steps of this batch size
+        self.start_sample = self.start_step * self.global_batch_size if start_sample is None else int(start_sample)
+
+    def samples_before(self, step: int) -> int:
+        """Samples (windows) consumed by the steps before `step`: the data position a checkpoint records."""
+        if not isinstance(step, int | np.integer) or step < self.start_step:
+            raise DataError(f"step {step!r}: must be an integer >= {self.start_step} (the step this run's data "
+                            "position starts at)")
+        return self.start_sample + (int(step) - self.start_step) * self.global_batch_size
 
     def epoch_permutation(self, epoch: int) -> np.ndarray:
         """The order in which epoch `epoch` visits the windows (cached for the latest epochs)."""
@@ -77,14 +95,12 @@ class BatchSampler:
 
     def epoch(self, step: int) -> float:
         """How many epochs have been read before `step` (fractional)."""
-        return step * self.global_batch_size / self.num_windows
+        return self.samples_before(step) / self.num_windows
 
     def window_indices(self, step: int, rows: range | None = None) -> np.ndarray:
         """The window index of each of `rows` (default: all) of the global batch of `step`."""
-        if not isinstance(step, int | np.integer) or step < 0:
-            raise DataError(f"step {step!r}: must be a non-negative integer")
         rows = range(self.global_batch_size) if rows is None else rows
-        samples = int(step) * self.global_batch_size + np.arange(rows.start, rows.stop, dtype=np.int64)
+        samples = self.samples_before(step) + np.arange(rows.start, rows.stop, dtype=np.int64)
         epochs, positions = np.divmod(samples, self.num_windows)
         indices = np.empty(len(samples), dtype=np.int64)
         for epoch in np.unique(epochs):

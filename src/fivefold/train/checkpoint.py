@@ -261,7 +261,7 @@ class LoadedCheckpoint:
     rng_state: dict[str, torch.Tensor] | None  # this rank's, when the checkpoint has as many ranks as the run
     config_toml: str
     world_size: int
-    data: dict[str, int]  # the global batch and sequence length it was written with
+    data: dict[str, int]  # the global batch, sequence length and samples consumed it was written with
 
 
 def _json_file(path: Path) -> dict[str, Any]:
@@ -296,7 +296,7 @@ def load_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> LoadedChe
         saved_world = int(meta["world_size"])
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint file {path / 'trainer_state.json'} is corrupted: {e}") from None
-    data = {k: int(meta[k]) for k in ("global_batch_size", "seq_len") if k in meta}
+    data = {k: int(meta[k]) for k in ("global_batch_size", "seq_len", "samples_consumed") if k in meta}
     indexes = [f"rank{r}.json" for r in range(saved_world)]
     own_rng = f"rng-rank{rank}.safetensors" if saved_world == world_size else None
     verify_files(path, ["config.toml", *indexes] + ([own_rng] if own_rng else []))

@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import torch
 
@@ -51,6 +51,9 @@ from fivefold.train.metrics import (
 class RunDirError(Exception):
     """The run directory cannot be used as asked (holds another run, or has nothing to resume)."""
 
+
+if TYPE_CHECKING:
+    from fivefold.data import BatchSampler
 
 @dataclass
 class TrainResult:
@@ -239,6 +242,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
     if loaded is not None:
         load_pieces(engine, loaded, cfg)
         ckpt.restore_rng(loaded, device)
+        sampler = resumed_sampler(sampler, loaded, cfg, is_first)
     elif hf_init is not None:
         from fivefold.models.hf import load_hf
 
@@ -293,8 +297,9 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
         del pieces
         engine.barrier()
         if engine.is_logging_rank:
-            result.checkpoint = ckpt.finish_checkpoint(tmp, state, config_toml, world,
-                                                       {"global_batch_size": t.global_batch_size, "seq_len": t.seq_len})
+            result.checkpoint = ckpt.finish_checkpoint(tmp, state, config_toml, world, {
+                "global_batch_size": t.global_batch_size, "seq_len": t.seq_len,
+                "samples_consumed": sampler.samples_before(step)})
             if guard_state.bad_run == 0:  # written amid skipped steps: keep the older ones too
                 ckpt.prune_checkpoints(run_dir, t.keep_checkpoints)
         engine.barrier()
@@ -423,16 +428,15 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
 
 def load_pieces(engine: Engine, loaded: ckpt.LoadedCheckpoint, cfg: Config) -> None:
     """Load a checkpoint written under any layout into this rank's part of the engine: the names and global shapes
-    must match the model, and the data position (a step of `train.global_batch_size` rows of `train.seq_len`
-    tokens) must mean the same tokens."""
+    must match the model, and the data position (samples of `train.seq_len` tokens) must mean the same windows."""
     t = cfg.train
-    for key, now in (("global_batch_size", t.global_batch_size), ("seq_len", t.seq_len)):
-        saved = loaded.data.get(key, now)
-        if saved != now:
-            raise ckpt.CheckpointError(
-                f"--resume: checkpoint {loaded.path.name} was written with train.{key} = {saved}, this run has "
-                f"{now}; the data position and the schedule are counted in steps of that batch, so resume with "
-                f"train.{key} = {saved} (the layout, world size and micro-batch size may change)")
+    saved = loaded.data.get("seq_len", t.seq_len)
+    if saved != t.seq_len:
+        raise ckpt.CheckpointError(
+            f"--resume: checkpoint {loaded.path.name} was written with train.seq_len = {saved}, this run has "
+            f"{t.seq_len}; the data position counts windows of {saved} tokens in an order drawn over those windows, "
+            f"which another length does not continue without repeating or skipping tokens, so resume with "
+            f"train.seq_len = {saved} (the global batch, layout, world size and micro-batch size may change)")
     meta = build_model(cfg.model, device="meta").state_dict()
     expected = {k: tuple(v.shape) for k, v in meta.items()
                 if not (k == "lm_head.weight" and cfg.model.tied_embeddings)}
@@ -477,6 +481,26 @@ def choose_checkpoint(candidates: list[Path], engine: Engine, rank: int, world: 
             print(f"fivefold: resuming from the newest good checkpoint, {loaded.path.name}", file=sys.stderr)
     engine.barrier()
     return loaded
+
+
+def resumed_sampler(sampler: BatchSampler, loaded: ckpt.LoadedCheckpoint, cfg: Config,
+                    is_first: bool) -> BatchSampler:
+    """The sampler that continues at the checkpoint's data position: the sample after the last one its steps
+    consumed, whatever the global batch size now (a checkpoint without that count consumed `step` batches of the
+    size it was written with)."""
+    t = cfg.train
+    step = loaded.state.step
+    saved_batch = loaded.data.get("global_batch_size", t.global_batch_size)
+    samples = loaded.data.get("samples_consumed", step * saved_batch)
+    if saved_batch != t.global_batch_size and is_first:
+        print(f"fivefold: resuming at step {step} with train.global_batch_size = {t.global_batch_size} (the "
+              f"checkpoint's run had {saved_batch}): the data continues at sample {samples:,} of the run's order, "
+              f"so no sample is repeated or skipped; the learning-rate schedule goes on counting optimizer steps "
+              f"(train.max_steps, warm-up and decay are in steps of the new batch)", file=sys.stderr)
+    from fivefold.data import BatchSampler
+
+    return BatchSampler(sampler.dataset, t.seq_len, t.global_batch_size, t.seed, start_step=step,
+                        start_sample=samples)
 
 
 def all_finite(engine: Engine, tensors: list[torch.Tensor]) -> bool:

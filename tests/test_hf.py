@@ -311,6 +311,37 @@ def test_export_cli_corrupt_safetensors(tmp_path: Path, capsys: pytest.CaptureFi
     assert not (tmp_path / "hf").exists()
 
 
+def test_export_and_generate_verify_a_sharded_checkpoints_checksums(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    """A checkpoint as the trainer writes it (pieces, manifest of sha256s): exported as is; with bytes changed in the
+    middle of its piece file, `export` and `generate` refuse it naming the file, and nothing is written."""
+    import torch
+
+    from fivefold.train.checkpoint import TrainerState, save_checkpoint
+    from fivefold.train.engine import Engine
+
+    cfg = small_config()
+    config = Config(model=cfg)
+    engine = Engine(build_model(cfg, seed=0), config, torch.device("cpu"))
+    path = save_checkpoint(tmp_path / "run", TrainerState(step=1, tokens_seen=0), engine, dump_toml(config))
+    assert cli_main(["export", "--checkpoint", str(path), "--hf", str(tmp_path / "hf")]) == 0
+    toks = tokens()
+    diff = hf_logits(load_transformers(tmp_path / "hf", "LlamaForCausalLM"), toks) - ff_logits(engine.model, toks)
+    assert diff.abs().max().item() < ATOL
+    piece = path / "rank0.safetensors"
+    data = bytearray(piece.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 16] = bytes(b ^ 0xFF for b in data[middle:middle + 16])
+    piece.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert cli_main(["export", "--checkpoint", str(path), "--hf", str(tmp_path / "hf2")]) == 2
+    err = capsys.readouterr().err
+    assert f"{piece} is corrupted: its sha256" in err, err
+    assert not (tmp_path / "hf2").exists()
+    assert cli_main(["generate", "--checkpoint", str(path), "--max-new-tokens", "2"]) == 2
+    assert f"{piece} is corrupted" in capsys.readouterr().err
+
+
 def test_export_cli_mismatched_shapes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     cfg = small_config()
     write_checkpoint(tmp_path / "ckpt", cfg, build_model(dataclasses.replace(cfg, ffn=128), seed=0))

@@ -150,6 +150,46 @@ class PieceReader:
         return out if dtype is None else out.to(dtype)
 
 
+MANIFEST = "manifest.json"  # of a checkpoint directory: the size and sha256 of every other file
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_manifest(path: Path, names: list[str] | None = None) -> None:
+    """Check the files `names` (default: every file the manifest lists) of a checkpoint directory against its
+    manifest: each must be listed, present, and of the recorded size and sha256. Raises a PieceError naming the
+    first file that is not."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        listed = manifest["files"]
+        if not isinstance(listed, dict):
+            raise TypeError("'files' is not a table")
+    except FileNotFoundError:
+        raise PieceError(f"checkpoint file {path / MANIFEST} is missing") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise PieceError(f"checkpoint file {path / MANIFEST} is corrupted: {e}") from None
+    for name in listed if names is None else names:
+        f = path / name
+        if name not in listed:
+            raise PieceError(f"checkpoint file {f} is not in the manifest, so it cannot be verified")
+        if not f.is_file():
+            raise PieceError(f"checkpoint file {f} is missing")
+        size, want = f.stat().st_size, listed[name].get("sha256")
+        if size != listed[name].get("bytes"):
+            raise PieceError(f"checkpoint file {f} is corrupted: {size} bytes, the manifest says "
+                             f"{listed[name].get('bytes')} (an incomplete copy?)")
+        got = file_sha256(f)
+        if got != want:
+            raise PieceError(f"checkpoint file {f} is corrupted: its sha256 is {got[:16]}..., the manifest "
+                             f"says {str(want)[:16]}...")
+
+
 def checkpoint_index(directory: Path) -> dict[str, dict[str, Any]]:
     """The merged index of every `rankN.json` of a sharded checkpoint directory."""
     index: dict[str, dict[str, Any]] = {}
@@ -170,11 +210,15 @@ def checkpoint_index(directory: Path) -> dict[str, dict[str, Any]]:
 
 def read_checkpoint_weights(directory: Path) -> dict[str, torch.Tensor]:
     """The plain-named model weights of a checkpoint directory: a sharded one's pieces assembled tensor by tensor
-    (no model is built; each tensor reads only its pieces' bytes), or a plain `model.safetensors`."""
+    (no model is built; each tensor reads only its pieces' bytes) after its config, piece indexes and piece files
+    were checked against the manifest (sha256), or a plain `model.safetensors`."""
     single = directory / "model.safetensors"
     if single.is_file():
         from fivefold.models.hf import read_safetensors
 
         return read_safetensors(single)
-    reader = PieceReader(directory, checkpoint_index(directory))
+    index = checkpoint_index(directory)
+    files = sorted({piece["file"] for entry in index.values() for piece in entry["pieces"]})
+    verify_manifest(directory, ["config.toml", *(f.name for f in sorted(directory.glob("rank*.json"))), *files])
+    reader = PieceReader(directory, index)
     return {name.removeprefix("model."): reader.read(name) for name in reader.names() if name.startswith("model.")}

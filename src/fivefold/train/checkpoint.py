@@ -17,7 +17,6 @@ unpickled: tensors are safetensors, everything else JSON or TOML.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -29,10 +28,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from fivefold.models.pieces import PieceError, PieceReader, write_safetensors
+from fivefold.models.pieces import MANIFEST, PieceError, PieceReader, file_sha256, verify_manifest, write_safetensors
 
 FORMAT_VERSION = 3  # 2: manifest.json with the sha256 of every file; 3: sharded pieces
-MANIFEST = "manifest.json"
 CHECKPOINT_PREFIX = "step_"
 
 
@@ -185,19 +183,11 @@ def finish_checkpoint(tmp: Path, state: TrainerState, config_toml: str, world_si
     return final
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def write_manifest(directory: Path, known: dict[str, str] | None = None) -> None:
     """Record the size and sha256 of every file of a checkpoint directory in its manifest (`known`: sha256s
     computed by the ranks as they wrote their files)."""
     known = known or {}
-    files = {f.name: {"bytes": f.stat().st_size, "sha256": known.get(f.name) or _sha256(f)}
+    files = {f.name: {"bytes": f.stat().st_size, "sha256": known.get(f.name) or file_sha256(f)}
              for f in sorted(directory.iterdir()) if f.is_file() and f.name not in (MANIFEST, "COMPLETE")}
     _write_json(directory / MANIFEST, {"format_version": FORMAT_VERSION, "files": files})
 
@@ -206,28 +196,9 @@ def verify_files(path: Path, names: list[str] | None = None) -> None:
     """Check the files `names` (default: every file the manifest lists) against the manifest: each must be listed,
     present, and of the recorded size and sha256. Raises a CheckpointError naming the first file that is not."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
-        listed = manifest["files"]
-        if not isinstance(listed, dict):
-            raise TypeError("'files' is not a table")
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint file {path / MANIFEST} is missing") from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint file {path / MANIFEST} is corrupted: {e}") from None
-    for name in listed if names is None else names:
-        f = path / name
-        if name not in listed:
-            raise CheckpointError(f"checkpoint file {f} is not in the manifest, so it cannot be verified")
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint file {f} is missing")
-        size, want = f.stat().st_size, listed[name].get("sha256")
-        if size != listed[name].get("bytes"):
-            raise CheckpointError(f"checkpoint file {f} is corrupted: {size} bytes, the manifest says "
-                                  f"{listed[name].get('bytes')} (an incomplete copy?)")
-        got = _sha256(f)
-        if got != want:
-            raise CheckpointError(f"checkpoint file {f} is corrupted: its sha256 is {got[:16]}..., the manifest "
-                                  f"says {str(want)[:16]}...")
+        verify_manifest(path, names)
+    except PieceError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def save_checkpoint(run_dir: Path, state: TrainerState, engine: Any, config_toml: str,

@@ -79,8 +79,8 @@ def closed_form(cfg, mode: str) -> int:
     h, f, d, heads, kv = cfg.hidden, cfg.ffn, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
     attn = 2 * heads * d + 2 * kv * d  # q (rotated), k (rotated), v, the attention output
     lse = 4 * heads  # fp32 log-sum-exp of the flash kernel
-    if mode == "none":  # 2 norms x (input, normalised, scaled output, 1/rms); o_proj reads the kernel's output
-        return 4 * (2 * (3 * h + 1) + attn + 4 * f) + lse  # SwiGLU: gate, up, silu(gate), silu(gate) * up
+    if mode == "none":  # 2 norms x (input, output, 1/rms); o_proj reads the kernel's output
+        return 4 * (2 * (2 * h + 1) + attn + 4 * f) + lse  # SwiGLU: gate, up, silu(gate), silu(gate) * up
     if mode == "selective":  # block input; q, k, v, attention, o, gate, up, down outputs
         return 4 * (h + attn + h + 2 * f + h) + lse
     return 4 * h  # full: the block input only (excluded from the measurement: it is the previous block's output)

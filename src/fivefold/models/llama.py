@@ -18,6 +18,31 @@ from torch import nn
 from fivefold.config import ModelConfig
 
 
+class RMSNormFunction(torch.autograd.Function):
+    """weight * (x / rms(x)), the division in fp32 whatever x's dtype (as Llama does), saving for backward only
+    what it needs: its input x (in x's dtype) and the reciprocal RMS (fp32, one per token). Autograd over the
+    composed ops would also keep the fp32 copy of x and the normalised x, 3 (bf16) or 2 (fp32) more bytes per
+    element; backward recomputes the normalised x from x and 1/rms instead (element-wise, cheap)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        x, weight, rstd = ctx.saved_tensors
+        normed = x.float() * rstd
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad * normed.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        grad_normed = (grad * weight).to(x.dtype).float()
+        grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -25,13 +50,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * self.normalize(x)
+        return RMSNormFunction.apply(x, self.forward_weight(), self.eps)
 
-    def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        """x / rms(x), before the weight; in fp32 whatever the activation dtype, as Llama does."""
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.to(x.dtype)
+    def forward_weight(self) -> torch.Tensor:
+        """The weight as the forward uses it (sequence parallel passes it through a tp collective)."""
+        return self.weight
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

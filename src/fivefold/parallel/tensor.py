@@ -188,8 +188,8 @@ class SequenceParallelRMSNorm(RMSNorm):
     tp_group: ProcessGroup
     sequence_parallel: bool
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return copy_to_tp(self.weight, self.tp_group) * self.normalize(x)
+    def forward_weight(self) -> torch.Tensor:
+        return copy_to_tp(self.weight, self.tp_group)
 
 
 def _shard_param(module: nn.Module, attr: str, dim: int, tp_rank: int, tp_size: int) -> None:

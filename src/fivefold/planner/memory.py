@@ -8,8 +8,8 @@ the gradients; expert weights over those ranks divided by ep).
 Activations are what autograd saves for backward, counted tensor by tensor as fivefold's Llama block saves
 them (checked against `torch.autograd.graph.saved_tensors_hooks` on the real model in tests/test_planner_memory.py):
 
-* RMSNorm saves its input, the reciprocal RMS and the normalised input (all fp32: the residual stream and
-  the norms stay fp32 under autocast);
+* RMSNorm saves its input and the reciprocal RMS (`models.llama.RMSNormFunction`; frameworks whose norm also
+  keeps the normalised input set `norm_saves_normalized`);
 * a linear saves its input: once per tensor in fp32, but once per linear under bf16 autocast (autocast
   casts the fp32 norm output separately for q, k and v, and for gate and up);
 * rotary embedding saves nothing per token beyond the cos/sin tables (once per micro-batch);

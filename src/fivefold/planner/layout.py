@@ -115,7 +115,7 @@ class Framework:
     usable_memory_fraction: float = 0.95  # a layout fits when its peak stays below this share of the device
     zero1_allgather_exposed: bool = True  # ZeRO-1/2 all-gather the parameters after the step, not overlapped
     residual_bytes: int = 4  # the residual stream (fivefold keeps it fp32 under autocast)
-    norm_saves_normalized: bool = False  # RMSNorm saves its normalised input too (an unfused norm; fivefold's saves x and 1/rms)
+    norm_saves_normalized: bool = False  # RMSNorm also keeps its normalised input (fivefold's keeps x and 1/rms)
     sp_saves_gathered_input: bool = False  # with sp, column-parallel linears save the gathered input (else the slice)
     # with sp the column linears keep only the sequence slice and all-gather it again in backward: fivefold waits
     # for it; nanotron overlaps it with the input-gradient matmul (asynchronous communication)

@@ -278,7 +278,9 @@ def test_cpu_operator_counts_are_the_blocks():
         engine.forward_backward(micro, 32)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             engine.forward_backward(micro, 32)
-        top = [e.name for e in prof.events() if e.cpu_parent is None and not e.name.startswith("autograd::")]
+        # RMSNorm is one autograd function: its forward's operators are its event's children
+        top = [name for e in prof.events() if e.cpu_parent is None and not e.name.startswith("autograd::")
+               for name in ([c.name for c in e.cpu_children] if e.name == "RMSNormFunction" else [e.name])]
         timed = sum(name in ("aten::linear", "aten::scaled_dot_product_attention") for name in top)
         return len(top) - timed, timed
 

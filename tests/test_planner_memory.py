@@ -103,7 +103,7 @@ def test_model_states_match_a_real_adamw_step():
 def test_playbook_zero_table():
     # playbook widget, 8B on dp=8: ZeRO-1 optimizer 60 -> 7.5 GiB, ZeRO-2 gradients 15 -> 1.875, ZeRO-3 params
     cfg = get_preset("llama-3.1-8b")
-    bf16 = dataclasses.replace(FIVEFOLD, param_bytes=2, grad_bytes=2, optim_bytes=8)
+    bf16 = dataclasses.replace(FIVEFOLD, param_bytes=2, grad_bytes=2, master_bytes=0, optim_bytes=8)
     z0 = model_state_bytes(cfg, Layout(dp=8, zero=0), bf16)
     for zero, key in [(1, "optimizer"), (2, "gradients"), (3, "parameters")]:
         z = model_state_bytes(cfg, Layout(dp=8, zero=zero), bf16)
@@ -115,9 +115,13 @@ def test_playbook_zero_table():
 # Activations
 
 
-def measure_saved_bytes(cfg, batch: int, seq: int, recompute: str = "none", bf16: bool = False) -> int:
-    """Bytes of the distinct storages autograd saves during one forward (the engine's fused loss included)."""
+def measure_saved_bytes(cfg, batch: int, seq: int, recompute: str = "none", bf16: bool = False,
+                        bf16_weights: bool = False) -> int:
+    """Bytes of the distinct storages autograd saves during one forward (the engine's fused loss included);
+    `bf16_weights`: on bf16 working weights (lean mixed precision) instead of fp32 ones."""
     model = build_model(cfg, "cpu", seed=0)
+    if bf16_weights:
+        model.to(torch.bfloat16)
     if recompute == "full":
         for block in model.layers.values():
             block.forward = (lambda f: lambda x, c, s: checkpoint(f, x, c, s, use_reentrant=False))(block.forward)
@@ -173,12 +177,23 @@ def test_recompute_orders_memory():
 
 
 @pytest.mark.parametrize("batch,seq", [(2, 64), (4, 128)])
-def test_activation_bytes_bf16_autocast(batch, seq):
-    # under autocast the saved bytes include the bf16 weight casts, which the planner counts separately
+def test_activation_bytes_bf16_lean(batch, seq):
+    """fivefold on an accelerator (the `fivefold` framework): bf16 working weights under autocast, no weight casts."""
+    cfg = get_preset("tiny")
+    measured = measure_saved_bytes(cfg, batch, seq, bf16=True, bf16_weights=True)
+    rep = rank_memory(cfg, seq, Layout(micro_batch_size=batch), FIVEFOLD, in_flight=1.0)
+    assert rep.parts["bf16_weight_copies"] == 0
+    assert rep.parts["activations"] == pytest.approx(measured, rel=TOL)
+
+
+@pytest.mark.parametrize("batch,seq", [(2, 64), (4, 128)])
+def test_activation_bytes_bf16_autocast_over_fp32_weights(batch, seq):
+    # autocast over fp32 weights (other frameworks' mixed precision): the saved bytes include the bf16 weight
+    # casts, which the planner counts separately, and the fp32 residual stream
     cfg = get_preset("tiny")
     measured = measure_saved_bytes(cfg, batch, seq, bf16=True)
-    lay = Layout(micro_batch_size=batch)
-    rep = rank_memory(dataclasses.replace(cfg), seq, lay, FIVEFOLD, in_flight=1.0)
+    autocast = dataclasses.replace(FIVEFOLD, param_bytes=4, autocast_weight_copies=True, residual_bytes=4)
+    rep = rank_memory(cfg, seq, Layout(micro_batch_size=batch), autocast, in_flight=1.0)
     predicted = rep.parts["activations"] + rep.parts["bf16_weight_copies"]
     assert predicted == pytest.approx(measured, rel=TOL)
 

@@ -134,10 +134,18 @@ class Framework:
         return 2 if self.compute_dtype == "bf16" else 4
 
 
-FIVEFOLD = Framework()
+# fivefold's engine on an accelerator: lean mixed precision (`train.dtype` bf16, the default there; one device
+# and every layout): bf16 working weights and gradients, an fp32 master copy stepped by AdamW with its moments,
+# sharded by ZeRO-1/2 (2 + 2 + 12/N_d bytes per parameter under ZeRO-1); with `layout.fp32_grad_accum` the
+# gradients are fp32 (the 2 extra bytes of `accum_bytes`). Under ZeRO-3 fully_shard keeps the fp32 shards as the
+# master and gathers bf16 (planner/memory.py). Activations in bf16, residual stream included.
+FIVEFOLD = Framework(param_bytes=2, grad_bytes=2, master_bytes=4, accum_bytes=2, autocast_weight_copies=False,
+                     residual_bytes=2, gather_bytes=2)
 # On CPU every operator runs eagerly on the host, so its fixed cost counts: the operators of fivefold's block
-# and of its embedding + loss as the profiler counts them (tests/test_calibrate.py checks the counts).
-FIVEFOLD_CPU = dataclasses.replace(FIVEFOLD, name="fivefold-cpu", compute_dtype="fp32", autocast_weight_copies=False,
+# and of its embedding + loss as the profiler counts them (tests/test_calibrate.py checks the counts). fp32
+# everything: the parameters are the master weights (4 + 4 + 8 bytes per parameter).
+FIVEFOLD_CPU = dataclasses.replace(FIVEFOLD, name="fivefold-cpu", compute_dtype="fp32", param_bytes=4, grad_bytes=4,
+                                   master_bytes=0, accum_bytes=4, residual_bytes=4, gather_bytes=0,
                                    logits_bytes=8.0, kernels_per_layer=42, kernels_per_micro_batch=33)
 # nanotron as the playbook's benchmark ran it: bf16 parameters and gradients, fp32 master weights sharded by
 # ZeRO-1, a fp32 gradient accumulation buffer, flash attention, TP always with sequence parallel and
@@ -147,11 +155,7 @@ NANOTRON = Framework(name="nanotron", param_bytes=2, grad_bytes=2, master_bytes=
                      fixed_overhead_gib=1.0, residual_bytes=2, norm_saves_normalized=False,
                      sp_saves_gathered_input=False, fused_projections=True, sp_norm_grad_allreduces=0,
                      sp_regather_exposed=False)
-# fivefold's parallel engine under lean mixed precision (`train.dtype` bf16, the default on accelerators): bf16
-# working weights and gradients, fp32 master slices sharded with Adam's moments (2 + 2 + 12/N_d bytes per
-# parameter under ZeRO-1); with `layout.fp32_grad_accum` the gradient buckets are fp32 (the 2 extra bytes here).
-# Under ZeRO-3 fully_shard keeps the fp32 shards as the master: the same 16/N_d in all (planner/memory.py).
-FIVEFOLD_LEAN = dataclasses.replace(FIVEFOLD, name="fivefold-lean", param_bytes=2, grad_bytes=2, master_bytes=4,
-                                    accum_bytes=2)
+# The name the lean engine had while fp32 weights under autocast were the default: the same as `fivefold` now.
+FIVEFOLD_LEAN = dataclasses.replace(FIVEFOLD, name="fivefold-lean")
 FRAMEWORKS = {"fivefold": FIVEFOLD, "fivefold-cpu": FIVEFOLD_CPU, "fivefold-lean": FIVEFOLD_LEAN,
               "nanotron": NANOTRON}

@@ -197,15 +197,16 @@ def stage_activation_bytes(cfg: ModelConfig, tokens: int, seq_local: int, lay: L
                            rp: RankParams, moe_imbalance: float = 1.0) -> float:
     """Saved bytes of one micro-batch on a rank holding `rp` (all its layers, embedding and loss parts)."""
     per_layer = layer_activation_bytes(cfg, tokens, lay, fw, moe_imbalance)["total"]
-    total = rp.layers * per_layer + 2 * seq_local * cfg.head_dim * 4  # rotary cos/sin tables
+    total = rp.layers * per_layer + 2 * seq_local * cfg.head_dim * fw.residual_bytes  # rotary cos/sin tables
     t_seq = tokens / lay.tp if (lay.sp and lay.tp > 1) else tokens
     if rp.first:
         # token ids saved by the embedding lookup (vocabulary-parallel: the local ids and the out-of-range mask)
         total += tokens * (8 + (1 if lay.tp > 1 else 0))
     if rp.last:
         total += t_seq * (cfg.hidden * fw.residual_bytes + 4 + (cfg.hidden * 4 if fw.norm_saves_normalized else 0))
-        if fw.fused_loss_chunk:  # fused output layer + loss: gradients of the hidden states and of the weight
-            total += tokens * cfg.hidden * 4 + cfg.vocab_size // lay.tp * cfg.hidden * 4
+        if fw.fused_loss_chunk:  # fused output layer + loss: gradients of the hidden states and of the weight,
+            # computed in forward and kept in the hidden states' and the weight's dtypes
+            total += tokens * cfg.hidden * fw.residual_bytes + cfg.vocab_size // lay.tp * cfg.hidden * fw.param_bytes
         else:
             total += tokens * cfg.hidden * fw.act_bytes
     return total

@@ -301,10 +301,89 @@ class Engine:
         return self.model.parameters()
 
 
+class LeanEngine(Engine):
+    """Single-device engine under bf16 (the default on accelerators): lean mixed precision as the parallel engines
+    do it (`fivefold.parallel.data`), without the sharding. The model holds bf16 working weights, so activations
+    and the residual stream are bf16 and no weight is cast per micro-batch; its gradients accumulate in bf16 over
+    the micro-batches (or, with `layout.fp32_grad_accum`, are added into fp32 buffers as backward produces them);
+    AdamW steps an fp32 master copy of every parameter, which is cast to the working weights once after each step.
+    State: 2 + (2 or 4) + 12 bytes per parameter (weights, gradients, master and moments), where autocast over fp32
+    weights holds 4 + 4 + 8 plus a bf16 copy of every weight per micro-batch in flight. The master copy is the
+    model state that checkpoints save and load."""
+
+    def __init__(self, model: nn.Module, cfg: Config, device: torch.device) -> None:
+        self.names: list[str] = []
+        self.working: list[nn.Parameter] = []
+        masters = []
+        for name, p in model.named_parameters():  # a tied weight once
+            masters.append(nn.Parameter(p.detach().clone()))
+            p.data = p.data.to(torch.bfloat16)
+            self.names.append(name)
+            self.working.append(p)
+        self.master = nn.ParameterList(masters)
+        self.fp32_grads = cfg.layout.fp32_grad_accum
+        if self.fp32_grads:
+            for p, m in zip(self.working, self.master, strict=True):
+                p.register_post_accumulate_grad_hook(self._accumulate_into(m))
+        super().__init__(model, cfg, device)
+
+    @staticmethod
+    def _accumulate_into(master: nn.Parameter):
+        def hook(p: torch.Tensor) -> None:
+            if master.grad is None:
+                master.grad = p.grad.float()
+            else:
+                master.grad.add_(p.grad)
+            p.grad = None
+        return hook
+
+    def optimized_parameters(self) -> nn.Module:
+        return self.master
+
+    def local_grads(self) -> list[torch.Tensor]:
+        return [m.grad for m in self.master if m.grad is not None]
+
+    def optimizer_step(self, loss_sum: torch.Tensor | None = None, stop: bool = False) -> torch.Tensor:
+        for p, m in zip(self.working, self.master, strict=True):  # bf16 gradients to fp32, one tensor at a time
+            if p.grad is not None:
+                m.grad = p.grad.float()
+                p.grad = None
+        return super().optimizer_step(loss_sum, stop)
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        self.cast_masters()
+
+    @torch.no_grad()
+    def cast_masters(self) -> None:
+        """The working weights from the fp32 masters (once per optimizer step, and after a load)."""
+        for p, m in zip(self.working, self.master, strict=True):
+            p.copy_(m)
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        masters = {id(p): m for p, m in zip(self.working, self.master, strict=True)}
+        return {name: (masters[id(t)] if id(t) in masters else t).detach()
+                for name, t in self.model.state_dict(keep_vars=True).items()}
+
+    @torch.no_grad()
+    def load_full_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state, strict=True)  # checks the names and shapes
+        for name, m in zip(self.names, self.master, strict=True):
+            m.copy_(state[name])
+        self.cast_masters()
+
+    def state_segments(self) -> list[Segment]:
+        return [Segment(name, tuple(m.shape), (0,) * m.ndim, tuple(m.shape), 0, m.numel(), m.detach().view(-1), m,
+                        0, True) for name, m in zip(self.names, self.master, strict=True)]
+
+    def after_state_load(self) -> None:
+        self.cast_masters()
+
+
 def create_engine(cfg: Config, device: torch.device) -> Engine:
     """Build the model for `cfg` (meta device, then materialised and initialised from the seed) and the
-    engine that trains it: the single-device engine when every parallel degree is 1, else the parallel
-    engine, which shards the model over the process grid."""
+    engine that trains it: the single-device engine when every parallel degree is 1 (`LeanEngine` under bf16),
+    else the parallel engine, which shards the model over the process grid."""
     la = cfg.layout
     if la.world_size > 1 or la.ep > 1:
         from fivefold.train.parallel_engine import create_parallel_engine
@@ -320,4 +399,4 @@ def create_engine(cfg: Config, device: torch.device) -> Engine:
     if cfg.train.compile:
         for block in model.layers.values():
             block.compile()
-    return Engine(model, cfg, device)
+    return LeanEngine(model, cfg, device) if use_bf16(cfg, device) else Engine(model, cfg, device)

@@ -68,6 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", help="validate: TOML of fitted constants (default: the packaged profile)")
     p.add_argument("--fit", action="store_true", help="validate: refit the constants on the 1- and 2-node rows")
     p.add_argument("--out", help="validate --fit: write the fitted profile here (readable by plan --hardware)")
+    p.add_argument("--per-row", action="store_true", help="validate: every row's prediction beside its measurement "
+                   "(a table, or a 'rows' list with --json)")
 
 
 def load_model(spec: str) -> ModelConfig:

@@ -70,6 +70,8 @@ class Row:
     group: tuple
     step_time_s: float = 0.0  # measured; 0 = derive it from tokens/s per GPU
     estimate: object = None  # the prediction when the reader makes it (store rows)
+    features: tuple[str, ...] = ()  # what the run used beyond the layout (`features` column: compile+float8, ...)
+    held_out: bool | None = None  # the `split` column (fit / held-out); None: by node count (FIT_NODES)
 
     @property
     def measured_step_time(self) -> float:
@@ -103,10 +105,16 @@ def read_rows(path: Path) -> list[Row]:
                          schedule=r.get("schedule") or "1f1b", vpp=int(r.get("vpp") or 1),
                          fp32_grad_accum=framework == "nanotron" or r.get("fp32_grad_accum", "").lower() == "true")
             ok = r["status"] == "ok"
+            split = (r.get("split") or "").strip()
+            if split not in ("", "fit", "held-out"):
+                raise ConfigError(f"--data {str(path)!r}, row {len(rows) + 2}: split = {split!r}; use 'fit' or "
+                                  "'held-out' (or leave it empty: rows of 1-2 nodes are fitted, the rest held out)")
             rows.append(Row(cfg, lay, int(r["nodes"]), int(r["seq_len"]), ok,
                             float(r["tok_s_gpu"]) if ok and r["tok_s_gpu"] else 0.0,
                             float(r["mem_gb"]) if ok and r["mem_gb"] else 0.0, framework,
-                            (r["model"], int(r["nodes"]))))
+                            (r["model"], int(r["nodes"])),
+                            features=tuple(f for f in (r.get("features") or "").split("+") if f),
+                            held_out=None if not split else split == "held-out"))
     return rows
 
 
@@ -266,13 +274,56 @@ def metrics(rows: list[Row], preds: list) -> dict:
     }
 
 
+# What a published run may have used that the planner's model has no term for: such rows are reported as
+# skipped, with the reason, instead of being compared with a prediction that leaves it out.
+UNMODELLED_FEATURES = {"compile": "torch.compile (fused element-wise kernels)", "float8": "float8 matmuls",
+                       "async-tp": "async tensor parallel"}
+
+
+def skipped_rows(rows: list[Row]) -> tuple[list[Row], dict[str, int]]:
+    """The rows the planner can model, and how many rows each unmodelled feature left out ("rows": in all)."""
+    kept, skipped = [], defaultdict(int)
+    for r in rows:
+        missing = [f for f in r.features if f in UNMODELLED_FEATURES]
+        unknown = [f for f in r.features if f not in UNMODELLED_FEATURES]
+        if unknown:
+            raise ConfigError(f"--data: row of {r.model.name} on {r.nodes} node(s) has features {'+'.join(unknown)!r}"
+                              f"; known features: {', '.join(UNMODELLED_FEATURES)} (joined with '+')")
+        for f in missing:
+            skipped[f] += 1
+        if missing:
+            skipped["rows"] += 1
+        else:
+            kept.append(r)
+    return kept, dict(skipped)
+
+
+def row_framework(r: Row, fw: Framework, known: dict[str, Framework]) -> Framework:
+    """The framework a row is modelled with: the profile's for the playbook's nanotron rows, else the row's own
+    (a built-in one or a file of `planner/frameworks/`)."""
+    if r.framework == "nanotron" or r.framework == fw.name:
+        return fw
+    if r.framework not in known:
+        raise ConfigError(f"--data: framework = {r.framework!r} (a row of {r.model.name} on {r.nodes} node(s)) is not "
+                          f"known; known frameworks: {', '.join(sorted(known))}")
+    return known[r.framework]
+
+
 def validate(rows: list[Row], fw: Framework, hw: Cluster, exact: bool = True) -> dict:
-    preds = [estimate(r.model, r.seq, r.layout, fw if r.framework == "nanotron" else FRAMEWORKS[r.framework], hw,
-                      exact) for r in rows]
-    fitted = [i for i, r in enumerate(rows) if r.nodes in FIT_NODES]
-    held = [i for i, r in enumerate(rows) if r.nodes not in FIT_NODES]
+    from fivefold.planner.profile import all_frameworks
+
+    known = all_frameworks()
+    preds = [estimate(r.model, r.seq, r.layout, row_framework(r, fw, known), hw, exact) for r in rows]
+    held_out = [r.held_out if r.held_out is not None else r.nodes not in FIT_NODES for r in rows]
+    fitted = [i for i, h in enumerate(held_out) if not h]
+    held = [i for i, h in enumerate(held_out) if h]
     return {"fitted": metrics([rows[i] for i in fitted], [preds[i] for i in fitted]),
-            "held_out": metrics([rows[i] for i in held], [preds[i] for i in held])}
+            "held_out": metrics([rows[i] for i in held], [preds[i] for i in held]),
+            "rows": [{"model": r.model.name, "nodes": r.nodes, "layout": r.layout.short(), "seq": r.seq,
+                      "held_out": h, "fits": p.fits, "ran": r.ok, "predicted_tok_s_gpu": round(
+                          p.tokens_per_s_per_device, 1), "measured_tok_s_gpu": r.tok_s_gpu,
+                      "predicted_memory_gib": round(gib(p.peak_bytes), 1), "measured_memory_gib": r.mem_gib}
+                     for r, p, h in zip(rows, preds, held_out, strict=True)]}
 
 
 _LABELS = [("rows (finished)", None), ("fits/OOM agreement", "fits_agreement"),
@@ -286,6 +337,8 @@ _LABELS = [("rows (finished)", None), ("fits/OOM agreement", "fits_agreement"),
 def _cell(m: dict, key: str | None) -> str:
     if key is None:
         return f"{m['rows']} ({m['finished']})"
+    if isinstance(m[key], float) and math.isnan(m[key]):
+        return "-"
     if key in ("median_spearman", "step_time_spearman"):
         return f"{m[key]:.3f}"
     return f"{100 * m[key]:.1f} %"
@@ -319,10 +372,11 @@ def run_validate(args: argparse.Namespace) -> int:
                           f"runs, {DATA_NAME}; a clone of the repository finds it in ../shared/data beside the "
                           "checkout, an installed package has no default)")
     path = Path(args.data) if args.data else DEFAULT_DATA
-    rows = read_rows(path)
+    rows, skipped = skipped_rows(read_rows(path))
     fw, hw = load_profile(Path(args.profile) if args.profile else None)
+    by_split = any(r.held_out is not None for r in rows)
     if args.fit:
-        train = [r for r in rows if r.nodes in FIT_NODES]
+        train = [r for r in rows if (not r.held_out if r.held_out is not None else r.nodes in FIT_NODES)]
         fw = fit_memory(train, fw)
         fw, hw = fit_time(train, fw, hw)
         print(f"fitted on {len(train)} rows of 1-2 nodes: activation_scale = {fw.activation_scale}, logits_bytes = "
@@ -337,13 +391,34 @@ def run_validate(args: argparse.Namespace) -> int:
                       f"rows of 1-2 nodes of {path.name}")
         print(f"wrote {args.out} (use it with: fivefold plan --hardware {args.out} ...)")
     result = validate(rows, fw, hw)
+    result["skipped"] = dict(skipped)
+    per_row = result.pop("rows")
+    if getattr(args, "per_row", False):
+        result["rows"] = per_row
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{path.name}: {len(rows)} rows, modelled as {fw.name} on {hw.name}; constants fitted on nodes "
-          f"{'/'.join(map(str, FIT_NODES))} only")
-    print(f"{'':34s} {'fitted (1-2 nodes)':>20s} {'held out (4+ nodes)':>20s}")
+    frameworks = sorted({fw.name if r.framework in ("nanotron", fw.name) else r.framework for r in rows})
+    nodes = "/".join(map(str, FIT_NODES))
+    split = "by the file's split column" if by_split else f"constants fitted on nodes {nodes} only"
+    print(f"{path.name}: {len(rows)} rows, modelled as {', '.join(frameworks)} on {hw.name}; {split}")
+    if skipped:
+        print(f"skipped {skipped.pop('rows')} row(s) that used what the planner has no term for: " + ", ".join(
+            f"{UNMODELLED_FEATURES[f]} ({n})" for f, n in sorted(skipped.items())))
+    heads = ("fitted", "held out") if by_split else ("fitted (1-2 nodes)", "held out (4+ nodes)")
+    print(f"{'':34s} {heads[0]:>20s} {heads[1]:>20s}")
     for label, key in _LABELS:
         cells = [_cell(m, key) for m in (result["fitted"], result["held_out"])]
         print(f"{label:34s} {cells[0]:>20s} {cells[1]:>20s}")
+    if getattr(args, "per_row", False):
+        print(f"\n{'model':14s} {'nodes':>5s} {'layout':38s} {'seq':>7s} {'split':>8s} {'tok/s/GPU pred':>14s} "
+              f"{'measured':>9s} {'error':>7s} {'GiB pred':>8s} {'measured':>8s}")
+        for r in per_row:
+            err = (f"{100 * (r['predicted_tok_s_gpu'] / r['measured_tok_s_gpu'] - 1):+.0f} %"
+                   if r["measured_tok_s_gpu"] else "-")
+            fits = "" if r["fits"] == r["ran"] else (" (predicted OOM)" if r["ran"] else " (predicted to fit)")
+            print(f"{r['model']:14s} {r['nodes']:5d} {r['layout']:38s} {r['seq']:7d} "
+                  f"{'held out' if r['held_out'] else 'fitted':>8s} {r['predicted_tok_s_gpu']:14,.0f} "
+                  f"{r['measured_tok_s_gpu']:9,.0f} {err:>7s} {r['predicted_memory_gib']:8.1f} "
+                  f"{r['measured_memory_gib']:8.1f}{fits}")
     return 0

@@ -37,8 +37,8 @@ def test_train_nproc_2_matches_one_process(tmp_path, dataset):  # noqa: F811
 
 def assert_cli_run_matches(cmd: list[str], run_dir: Path, single) -> list[dict]:
     """Run the `fivefold train --nproc N ...` command `cmd` (writing `run_dir`) and check its logged losses,
-    validation losses and checkpointed model against the one-process run `single` (losses to 1e-5, the model to
-    1e-4 of each tensor's largest value); the checkpoint holds one optimizer shard per rank. Returns the
+    validation losses and checkpointed model against the one-process run `single` (losses to 1e-5, each tensor of the
+    model to 1e-4 by norm); the checkpoint holds one optimizer shard per rank. Returns the
     metrics records."""
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)},
                           timeout=300)
@@ -56,7 +56,9 @@ def assert_cli_run_matches(cmd: list[str], run_dir: Path, single) -> list[dict]:
     two, one = latest_checkpoint(run_dir), latest_checkpoint(single.run_dir)
     a, b = read_model_state(two), read_model_state(one)
     assert a.keys() == b.keys()
-    assert all((a[k] - b[k]).abs().max() <= 1e-4 * b[k].abs().max() for k in a)
+    # per tensor by norm, as tests/test_parallel_equivalence.py argues (AdamW turns the fp32 rounding of a nearly
+    # cancelling gradient element into an update error of up to lr; measured 1e-5 to 1e-4 for single elements)
+    assert all((a[k] - b[k]).norm() <= 1e-4 * b[k].norm() for k in a)
     assert sorted(p.name for p in two.glob("rank*.safetensors")) == [
         "rank0.safetensors", "rank1.safetensors"]
     return records

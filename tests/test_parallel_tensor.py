@@ -291,12 +291,12 @@ def tp_saved_activation_bytes(rank: int, world_size: int, rows: int, seq: int) -
 
 
 def test_sequence_parallel_shards_norm_and_residual_activations():
-    """SP keeps 1/tp of what the norm regions save: per block norm its input, normalised input and output
-    (the input of the column-parallel linears, which under SP keep only their slice) and the per-row rsqrt;
-    for the final norm its input and normalised input and the rsqrt. Everything else is the same as TP."""
+    """SP keeps 1/tp of what the norm regions save: per block norm its input and output (the input of the
+    column-parallel linears, which under SP keep only their slice) and the per-row rsqrt; for the final norm its
+    input and the rsqrt. Everything else is the same as TP."""
     cfg, rows, seq, tp = get_preset("tiny"), 2, 64, 2
     hidden, row = rows * seq * cfg.hidden * 4, rows * seq * 4
-    norm_region_bytes = 2 * cfg.n_layers * (3 * hidden + row) + (2 * hidden + row)
+    norm_region_bytes = 2 * cfg.n_layers * (2 * hidden + row) + (hidden + row)
     for saved in run_ranks(tp, tp_saved_activation_bytes, rows, seq):
         assert saved[False] - saved[True] == norm_region_bytes * (tp - 1) // tp
 
@@ -312,14 +312,14 @@ def test_recompute_same_grads_and_fewer_saved_bytes():
         for name, g in grads.items():
             assert torch.allclose(g, none_grads[name], rtol=0, atol=0), name
     # selective recompute keeps the block input and the matmul and attention outputs (q, k, v, attention, o,
-    # gate, up, down) instead of the norms' inputs, 1/rms, normalised and scaled copies and the four SwiGLU
-    # tensors: 3 h + 2 + 2 f fp32 values fewer per token and layer (docs/parallelism.md)
+    # gate, up, down) instead of the norms' inputs, 1/rms and outputs and the four SwiGLU tensors: h + 2 + 2 f
+    # fp32 values fewer per token and layer (docs/parallelism.md)
     h, f = cfg.hidden, cfg.ffn
-    assert none_held - sel_bytes == cfg.n_layers * rows * seq * 4 * (3 * h + 2 + 2 * f)
-    # full keeps one hidden state per block (its input) plus the final norm's input and output, the tokens,
+    assert none_held - sel_bytes == cfg.n_layers * rows * seq * 4 * (h + 2 + 2 * f)
+    # full keeps one hidden state per block (its input) plus the final norm's input, the tokens,
     # cos/sin and the norm's per-row statistic
     hidden_bytes = rows * seq * cfg.hidden * 4
-    assert full_bytes == (cfg.n_layers + 2) * hidden_bytes + rows * seq * (8 + 4) + 2 * seq * cfg.head_dim * 4
+    assert full_bytes == (cfg.n_layers + 1) * hidden_bytes + rows * seq * (8 + 4) + 2 * seq * cfg.head_dim * 4
     assert full_bytes < none_bytes / 5
 
 

@@ -41,7 +41,7 @@ def lean_bytes_per_token(cfg, tp: int) -> float:
 
 def block_bytes(block: torch.nn.Module, cfg, seq: int, local_seq: int) -> int:
     x = torch.randn(ROWS, local_seq, cfg.hidden, generator=torch.Generator().manual_seed(1))
-    x = x.to(torch.bfloat16).requires_grad_()
+    x = x.to(torch.float32 if cfg.fp32_residual else torch.bfloat16).requires_grad_()
     cos, sin = (t.to(torch.bfloat16) for t in rope_cos_sin(cfg, torch.arange(seq)))
     exclude = {t.untyped_storage().data_ptr() for t in [cos, sin, *block.parameters()]}
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -87,3 +87,22 @@ def test_bf16_block_under_tp2_and_sp_saves_the_lean_count(preset):
     lean = lean_bytes_per_token(cfg, 2)
     for measured in run_ranks(2, tp_sp_bytes_on_ranks, preset):
         assert abs(measured / lean - 1) <= 0.05, (measured, lean)
+
+
+def test_an_fp32_residual_stream_costs_its_two_extra_bytes():
+    """`model.fp32_residual`: the norms' inputs (the stream) are fp32, everything else as before: the lean count
+    plus 2 x 2h bytes per token per layer; the block's output stays fp32 and the planner counts the same."""
+    from fivefold.planner.layout import FIVEFOLD, Layout
+    from fivefold.planner.memory import layer_activation_bytes
+
+    cfg = dataclasses.replace(config("llama-3.2-1b"), fp32_residual=True)
+    torch.manual_seed(0)
+    block = Block(cfg).to(torch.bfloat16)
+    measured = per_token(lambda seq: block_bytes(block, cfg, seq, seq))
+    assert measured == lean_bytes_per_token(cfg, 1) + 2 * 2 * cfg.hidden
+    x = torch.randn(1, 4, cfg.hidden).requires_grad_()
+    cos, sin = rope_cos_sin(cfg, torch.arange(4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert block(x, cos, sin).dtype == torch.float32
+    planned = layer_activation_bytes(cfg, 1000, Layout(), FIVEFOLD)["total"] / 1000
+    assert planned == pytest.approx(measured, rel=0.05)

@@ -108,3 +108,26 @@ def test_lean_single_device_resumes_bit_for_bit(tmp_path):
     assert got == want
     for name, value in whole.model_state().items():
         assert torch.equal(second.model_state()[name], value), name
+
+
+def test_fp32_residual_stream_option():
+    """`model.fp32_residual = true` on the lean path: the stream between blocks is fp32 (and so are a pipeline's
+    sends), the training the same within bf16 noise as the autocast engine's, whose stream is fp32 too."""
+    from fivefold.parallel.pipeline import activation_dtype
+
+    overrides = {**BF16, "model.fp32_residual": "true"}
+    cfg = tiny_config(overrides)
+    lean = create_engine(cfg, torch.device("cpu"))
+    seen = []
+    lean.model.layers["0"].register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    losses, norms, _ = train_steps(lean, cfg)
+    assert seen and set(seen) == {torch.float32}
+    assert activation_dtype([lean.model], True) == torch.float32
+    assert activation_dtype([create_engine(tiny_config(BF16), torch.device("cpu")).model], True) == torch.bfloat16
+    ref_cfg = tiny_config(BF16)
+    ref = Engine(build_model(ref_cfg.model, "cpu", ref_cfg.train.seed), ref_cfg, torch.device("cpu"))
+    ref_losses, ref_norms, _ = train_steps(ref, ref_cfg)
+    for a, b in zip(losses, ref_losses, strict=True):
+        assert abs(a - b) <= 5e-3 * abs(b), f"loss {a} vs {b}"
+    for a, b in zip(norms, ref_norms, strict=True):
+        assert abs(a - b) <= 3e-2 * abs(b), f"grad norm {a} vs {b}"

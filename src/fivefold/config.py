@@ -50,6 +50,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tied_embeddings: bool = True
     init_std: float = 0.02
+    # Keep the residual stream (the embedding output and the sum of the blocks' outputs) in fp32 when the weights
+    # are bf16 (lean mixed precision); the blocks still compute in bf16. Costs 2 bytes per element of the stream.
+    fp32_residual: bool = False
     # Mixture of experts (every block's MLP becomes an MoE layer when n_experts > 0).
     n_experts: int = 0
     top_k: int = 2

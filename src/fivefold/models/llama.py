@@ -29,7 +29,10 @@ class RMSNormFunction(torch.autograd.Function):
         xf = x.float()
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
-        return weight * (xf * rstd).to(x.dtype)
+        # in the wider of the two dtypes, but in the weight's when an fp32 residual stream meets bf16 weights (the
+        # blocks compute in bf16: their input is cast once, here)
+        out = weight * (xf * rstd).to(x.dtype)
+        return out.to(weight.dtype) if weight.dtype == torch.bfloat16 else out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
@@ -319,6 +322,8 @@ class Llama(nn.Module):
             positions = torch.arange(x.shape[1], device=x.device)
         if self.embed is not None:
             x = self.embed(x)
+            if self.cfg.fp32_residual:
+                x = x.float()
         cos, sin = rope_cos_sin(self.cfg, positions)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for block in self.layers.values():
@@ -341,6 +346,8 @@ class Llama(nn.Module):
         in `cache` (from `new_cache`); their keys and values are added to it. A whole model only (not a stage)."""
         past = cache[0][0].shape[2] if cache and cache[0] else 0
         x = self.embed(tokens)
+        if self.cfg.fp32_residual:
+            x = x.float()
         cos, sin = rope_cos_sin(self.cfg, torch.arange(past, past + tokens.shape[1], device=tokens.device))
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for block, layer_cache in zip(self.layers.values(), cache, strict=True):

@@ -117,6 +117,8 @@ def activation_dtype(stages: list[nn.Module], bf16: bool) -> torch.dtype:
     as the embedding's output, in the parameters' dtype, and the blocks add their outputs (computed in bf16 under
     autocast) into it, which keeps the wider of the two."""
     param = next(p for stage in stages for p in stage.parameters())
+    if stages[0].cfg.fp32_residual:  # `model.fp32_residual`: the stream stays fp32 whatever the weights
+        return torch.float32
     return torch.promote_types(param.dtype, torch.bfloat16) if bf16 else param.dtype
 
 

@@ -149,11 +149,16 @@ def moe_capacity(cfg: ModelConfig, tokens: int, imbalance: float = 1.0) -> int:
     return max(1, math.ceil(imbalance * even))
 
 
+def residual_bytes(cfg: ModelConfig, fw: Framework) -> int:
+    """Bytes per element of the residual stream: the framework's, or 4 with `model.fp32_residual`."""
+    return 4 if cfg.fp32_residual else fw.residual_bytes
+
+
 def layer_activation_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Framework,
                            moe_imbalance: float = 1.0) -> dict[str, float]:
     """Bytes one block saves for backward for one micro-batch of `tokens` tokens on this rank (after cp)."""
     h, d, tp = cfg.hidden, cfg.head_dim, lay.tp
-    ab, rb = fw.act_bytes, fw.residual_bytes
+    ab, rb = fw.act_bytes, residual_bytes(cfg, fw)
     t_seq = tokens / tp if (lay.sp and tp > 1) else tokens  # the sequence-sharded norm/residual regions
     t_in = tokens if (fw.sp_saves_gathered_input or not lay.sp) else t_seq  # what the column linears save
     norm = t_seq * (h * rb + 4 + (h * 4 if fw.norm_saves_normalized else 0))  # input, 1/rms, normalised input
@@ -197,13 +202,14 @@ def stage_activation_bytes(cfg: ModelConfig, tokens: int, seq_local: int, lay: L
                            rp: RankParams, moe_imbalance: float = 1.0) -> float:
     """Saved bytes of one micro-batch on a rank holding `rp` (all its layers, embedding and loss parts)."""
     per_layer = layer_activation_bytes(cfg, tokens, lay, fw, moe_imbalance)["total"]
-    total = rp.layers * per_layer + 2 * seq_local * cfg.head_dim * fw.residual_bytes  # rotary cos/sin tables
+    total = rp.layers * per_layer + 2 * seq_local * cfg.head_dim * residual_bytes(cfg, fw)  # rotary tables
     t_seq = tokens / lay.tp if (lay.sp and lay.tp > 1) else tokens
     if rp.first:
         # token ids saved by the embedding lookup (vocabulary-parallel: the local ids and the out-of-range mask)
         total += tokens * (8 + (1 if lay.tp > 1 else 0))
     if rp.last:
-        total += t_seq * (cfg.hidden * fw.residual_bytes + 4 + (cfg.hidden * 4 if fw.norm_saves_normalized else 0))
+        final_norm = cfg.hidden * residual_bytes(cfg, fw) + 4 + (cfg.hidden * 4 if fw.norm_saves_normalized else 0)
+        total += t_seq * final_norm
         if fw.fused_loss_chunk:  # fused output layer + loss: gradients of the hidden states and of the weight,
             # computed in forward and kept in the hidden states' and the weight's dtypes
             total += tokens * cfg.hidden * fw.residual_bytes + cfg.vocab_size // lay.tp * cfg.hidden * fw.param_bytes

@@ -128,6 +128,15 @@ class Framework:
     kernels_per_micro_batch: int = 0
     # bytes per parameter that ZeRO-3 / FSDP gathers (0: as stored, fivefold's fp32; FSDP2 mixed precision: 2)
     gather_bytes: int = 0
+    # host (CPU) time to issue one block's forward and backward per micro-batch, in µs: an eager framework's
+    # Python and kernel launches. The GPU runs behind the host, so a pipeline stage takes at least its blocks
+    # times this per micro-batch (0: not modelled, the GPU is never waiting for the host)
+    host_us_per_layer: float = 0.0
+    # what each block costs per micro-batch and tensor-parallel rank, beyond the above, when the pipeline's
+    # hand-overs cross nodes (0: nothing). nanotron's hand-overs are blocking (two metadata messages, each read
+    # on the host, before the data) and its async TP runs with CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue
+    # for compute and every collective), so across nodes a stage's TP collectives queue behind the transfers
+    cross_node_pp_us_per_layer_tp: float = 0.0
 
     @property
     def act_bytes(self) -> int:

@@ -53,6 +53,7 @@ class StageTimes:
     comm_per_layer: dict[str, float] = field(default_factory=dict)  # exposed, per block and micro-batch
     counts: list[int] = field(default_factory=list)  # blocks per stage
     comm_per_micro_batch: dict[str, float] = field(default_factory=dict)  # outside the blocks (embedding, loss)
+    host_wait: list[float] = field(default_factory=list)  # per stage and micro-batch: the GPU waiting for the host
 
 
 def linear_shapes(cfg: ModelConfig, tokens: float, tp: int, fused: bool) -> list[tuple[float, float, float]]:
@@ -188,13 +189,42 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     f[-1] += head_f + loss_tp
     b[-1] += head_b / 2
     w[-1] += head_b / 2
+    host = host_floor(cfg, lay, fw, hw, counts, f, b, w)
     again = 1 if lay.recompute == "full" else 0  # full recompute repeats the forward's communication
     again_cp = 1 if lay.recompute != "none" else 0  # selective recompute too (the ring is the recomputed core)
     per_layer = {"tp_comm": (2 + again) * t_tp + t_tp_b_extra, "cp_comm": (1 + again_cp) * t_cp_f + t_cp_b,
                  "ep_comm": (2 + again) * t_ep,
                  # the recomputed forward's own compute (its communication is counted above)
                  "recompute": {"none": 0.0, "selective": attn_f, "full": t_layer}[lay.recompute]}
-    return StageTimes(f, b, w, per_layer, counts, {"tp_comm": head_tp + loss_tp})
+    return StageTimes(f, b, w, per_layer, counts, {"tp_comm": head_tp + loss_tp}, host)
+
+
+def host_us_per_block(lay: Layout, fw: Framework, hw: Cluster) -> float:
+    """Host time (µs) that one block's forward and backward take per micro-batch: the framework's eager work
+    (`Framework.host_us_per_layer`), plus, when the pipeline's hand-overs cross nodes, what each tensor-parallel
+    rank adds per block (`Framework.cross_node_pp_us_per_layer_tp`)."""
+    us = fw.host_us_per_layer
+    if lay.pp > 1 and lay.world_size > hw.gpus_per_node:  # pp is the outermost axis: its hand-overs leave the node
+        us += fw.cross_node_pp_us_per_layer_tp * lay.tp
+    return us
+
+
+def host_floor(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster, counts: list[int], f: list[float],
+               b: list[float], w: list[float]) -> list[float]:
+    """Stretch each stage whose GPU work per micro-batch is shorter than the host time to issue it (the GPU
+    then waits for the host); returns the seconds added per stage and micro-batch."""
+    per_block = host_us_per_block(lay, fw, hw) * 1e-6
+    added = [0.0] * len(f)
+    if per_block <= 0:
+        return added
+    for s, n in enumerate(counts):
+        gpu = f[s] + b[s] + w[s]
+        host = n * per_block
+        if host > gpu > 0:
+            k = host / gpu
+            f[s], b[s], w[s] = f[s] * k, b[s] * k, w[s] * k
+            added[s] = host - gpu
+    return added
 
 
 @lru_cache(maxsize=4096)
@@ -236,7 +266,7 @@ class TimeReport:
 def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, exact: bool = True) -> TimeReport:
     from fivefold.planner.memory import model_state_bytes, rank_params
 
-    hw = comm.in_job(hw.on_node(min(lay.world_size, hw.gpus_per_node)), lay.world_size)
+    hw = hw.on_node(min(lay.world_size, hw.gpus_per_node))
     times = stage_times(cfg, seq, lay, fw, hw)
     tokens = lay.micro_batch_size * seq / lay.cp
     # the residual stream crosses stages (fivefold's engine keeps and sends it in fp32 under autocast)
@@ -307,6 +337,8 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     parts = {k: v * blocks * lay.grad_accum_steps for k, v in times.comm_per_layer.items()}
     for k, v in times.comm_per_micro_batch.items():
         parts[k] += v * lay.grad_accum_steps
+    host_wait = lay.grad_accum_steps * sum(w for s, w in enumerate(times.host_wait) if _rank_of(s, lay) == busiest)
+    parts["host_wait"] = host_wait
     parts = {"compute": ideal - sum(parts.values()), **parts}
     parts.update({"pipeline_bubble": max(0.0, makespan - t_sync - ideal), "pipeline_wait": t_sync,
                   "dp_comm_exposed": t_dp_exposed,

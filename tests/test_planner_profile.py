@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -70,12 +71,16 @@ def test_bad_profile_names_the_field(tmp_path, text, words):
 def test_group_bandwidth_is_its_own_nodes():
     hw = get_cluster("h100-efa")
     nbytes = 64e6
-    # a tp16 group spans 2 nodes: it runs at the 2-node bus bandwidth (all-gather at 0.57 of all-reduce's across
-    # nodes) with (n - 1) ring latencies, in a job of any size; a tp32 group at the 4-node one
+    # a tp16 group spans 2 nodes: it runs at the all-gather bus bandwidth the playbook measured across 2 nodes
+    # with (n - 1) ring latencies, in a job of any size; a tp32 group at the 4-node one
     for size, nodes in ((16, 2), (32, 4)):
-        bw = hw.busbw_gbps[nodes] * 1e9 * 0.57
+        bw = hw.gather_busbw_gbps[nodes] * 1e9
         expect = (size - 1) / size * nbytes / bw + (size - 1) * hw.inter_latency_us * 1e-6
         assert comm.all_gather(nbytes, size, 1, hw) == pytest.approx(expect)
+    # without a measured all-gather table: 0.57 of the all-reduce's across nodes
+    plain = dataclasses.replace(hw, gather_busbw_gbps={})
+    expect = 15 / 16 * nbytes / (hw.busbw_gbps[2] * 1e9 * 0.57) + 15 * hw.inter_latency_us * 1e-6
+    assert comm.all_gather(nbytes, 16, 1, plain) == pytest.approx(expect)
 
 
 def test_all_reduce_latency_is_a_tree_between_nodes():
@@ -87,6 +92,11 @@ def test_all_reduce_latency_is_a_tree_between_nodes():
     # inside a node: the ring, 2 (n - 1) steps
     expect_in = 2 * (7 / 8) * nbytes / (hw.intra_node_gbps * 1e9) + 2 * 7 * hw.intra_latency_us * 1e-6
     assert comm.all_reduce(nbytes, 8, 1, hw) == pytest.approx(expect_in)
+    # all 8 ranks of each of 32 nodes, in 10 buckets: per bucket a ring inside the node (7 steps at the NVLink
+    # latency) and a tree of log2(32) = 5 hops at the inter-node latency, up and down
+    bw = min(hw.intra_node_gbps, hw.inter_node_gbps * 8) * 1e9
+    expect_tree = 2 * (255 / 256) * 10e6 / bw + 2 * 10 * (7 * hw.intra_latency_us + 5 * hw.inter_latency_us) * 1e-6
+    assert comm.all_reduce(10e6, 256, 1, hw, bucket=1e6) == pytest.approx(expect_tree)
 
 
 def test_framework_data_files_load():

@@ -45,19 +45,23 @@ def _time(kind: str, nbytes: float, size: int, stride: int, hw: Cluster, bucket:
         # no measured table: NCCL runs one ring per NIC (rail), so the group's members on a node send over as
         # many NICs at once; the node's NVLink bounds it
         bw = min(hw.intra_node_gbps, hw.inter_node_gbps * max(1, size // nodes)) * 1e9
-    # latency steps per bucket: a ring inside a node (n - 1); across nodes NCCL's all-reduce runs a tree
-    # between nodes (log2 of the nodes up and down) after a ring inside each node, not a ring of every rank
-    if kind == "all_reduce" and nodes > 1:
-        local = max(1, size // nodes)
-        steps = ((local - 1) + math.ceil(math.log2(nodes))) * buckets
-    else:
-        steps = (size - 1) * buckets
+    # latency per bucket: a ring pays one step per member (n - 1), each as slow as the slowest link of the ring;
+    # across nodes NCCL's all-reduce runs a tree between nodes (log2 of the nodes, up and down) after a ring inside
+    # each node, so only the tree's hops pay the inter-node latency
+    steps = (size - 1) * buckets
     frac = (size - 1) / size
     if kind == "all_reduce":
-        return 2 * frac * nbytes / bw + 2 * steps * hw.latency(nodes)
+        if nodes > 1:
+            local = max(1, size // nodes)
+            latency = ((local - 1) * hw.latency(1) + math.ceil(math.log2(nodes)) * hw.latency(nodes)) * buckets
+        else:
+            latency = steps * hw.latency(nodes)
+        return 2 * frac * nbytes / bw + 2 * latency
     if kind in ("all_gather", "reduce_scatter"):
-        # the playbook's measurements: all-gather / reduce-scatter bus bandwidth is about 0.57 of all-reduce's
-        # across nodes (NCCL runs all-reduce as a tree there); inside a node they match
+        if hw.gather_busbw_gbps:  # measured for these collectives
+            return frac * nbytes / hw.bus_bandwidth(nodes, gather=True) + steps * hw.latency(nodes)
+        # without that table: about 0.57 of all-reduce's across nodes (the playbook's 64-node figures; NCCL runs
+        # all-reduce as a tree there); inside a node they match
         scale = 1.0 if nodes <= 1 or not hw.busbw_gbps else 0.57
         return frac * nbytes / (bw * scale) + steps * hw.latency(nodes)
     if kind == "all_to_all":

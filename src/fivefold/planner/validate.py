@@ -204,8 +204,11 @@ TIME_GRID = (
     ("framework", "tp_overlap", (0.0, 0.25, 0.5)),
     ("framework", "host_us_per_layer", (0.0, 3000.0, 3500.0, 4000.0, 4500.0, 5000.0, 5500.0)),
     ("framework", "cross_node_pp_us_per_layer_tp", (0.0, 1500.0, 1750.0, 2000.0, 2250.0, 2500.0, 2750.0, 3000.0)),
-    ("hardware", "inter_latency_us", (5.0, 15.0, 30.0, 50.0)),
 )
+# the latency of one ring step between nodes, fitted on the rows whose tensor-parallel group spans nodes (tp16 on
+# 2 nodes: eight collectives per block and micro-batch, latency bound at micro-batch 1; the mean |log| error over
+# these few rows); elsewhere it hardly moves the median, so the whole-row fit cannot identify it
+LATENCY_GRID = (5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 80.0, 100.0)
 
 
 # the coarse grid searched whole before the coordinate descent (every 2nd or 3rd value of TIME_GRID)
@@ -228,10 +231,19 @@ def fit_time(rows: list[Row], fw: Framework, hw: Cluster) -> tuple[Framework, Cl
     ok = [r for r in rows if r.ok]
     hw = dataclasses.replace(hw, pp_sync_us_per_node=0.0)
 
-    def score(f2: Framework, h2: Cluster) -> float:
-        return statistics.median(abs(math.log(estimate(r.model, r.seq, r.layout, f2, h2, False)
-                                              .tokens_per_s_per_device / r.tok_s_gpu)) for r in ok)
+    def score(f2: Framework, h2: Cluster, among: list[Row] = ok, average=statistics.median) -> float:
+        return average(abs(math.log(estimate(r.model, r.seq, r.layout, f2, h2, False).tokens_per_s_per_device
+                                    / r.tok_s_gpu)) for r in among)
 
+    cross_tp = [r for r in ok if r.layout.tp * r.layout.cp > hw.gpus_per_node]
+
+    def fit_latency(f2: Framework, h2: Cluster) -> Cluster:
+        if not cross_tp:
+            return h2
+        return min((dataclasses.replace(h2, inter_latency_us=v) for v in LATENCY_GRID),
+                   key=lambda h: score(f2, h, cross_tp, statistics.fmean))
+
+    hw = fit_latency(fw, hw)
     best = math.inf
     names = list(COARSE_GRID)
     for combo in itertools.product(*COARSE_GRID.values()):
@@ -249,6 +261,9 @@ def fit_time(rows: list[Row], fw: Framework, hw: Cluster) -> tuple[Framework, Cl
                 s = score(f2, h2)
                 if s < best - 1e-12:
                     best, fw, hw, changed = s, f2, h2, True
+        latency = fit_latency(fw, hw)
+        if latency.inter_latency_us != hw.inter_latency_us:
+            hw, best, changed = latency, score(fw, latency), True
         if not changed:
             break
     return fw, hw
@@ -368,7 +383,7 @@ def run_validate(args: argparse.Namespace) -> int:
               f"{fw.logits_bytes}, fixed_overhead_gib = {fw.fixed_overhead_gib}, usable_memory_fraction = "
               f"{fw.usable_memory_fraction}, "
               + ", ".join(f"{name} = {getattr(fw if table == 'framework' else hw, name)}"
-                          for table, name, _ in TIME_GRID))
+                          for table, name, _ in TIME_GRID) + f", inter_latency_us = {hw.inter_latency_us}")
     if args.fit and getattr(args, "out", None):
         from fivefold.planner import profile
 

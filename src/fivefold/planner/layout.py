@@ -137,6 +137,9 @@ class Framework:
     # on the host, before the data) and its async TP runs with CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue
     # for compute and every collective), so across nodes a stage's TP collectives queue behind the transfers
     cross_node_pp_us_per_layer_tp: float = 0.0
+    # bytes per parameter moved after every micro-batch's backward to accumulate gradients outside autograd, under
+    # `layout.fp32_grad_accum` (nanotron adds each bf16 gradient into its fp32 buffer: reads 2 + 4, writes 4)
+    grad_accum_copy_bytes: float = 0.0
 
     @property
     def act_bytes(self) -> int:
@@ -155,7 +158,7 @@ NANOTRON = Framework(name="nanotron", param_bytes=2, grad_bytes=2, master_bytes=
                      autocast_weight_copies=False, fused_loss_chunk=0, logits_bytes=10.0, tp_overlap=0.5,
                      fixed_overhead_gib=1.0, residual_bytes=2, norm_saves_normalized=False,
                      sp_saves_gathered_input=False, fused_projections=True, sp_norm_grad_allreduces=0,
-                     sp_regather_exposed=False)
+                     sp_regather_exposed=False, grad_accum_copy_bytes=10.0)
 # fivefold's parallel engine under lean mixed precision (`train.dtype` bf16, the default on accelerators): bf16
 # working weights and gradients, fp32 master slices sharded with Adam's moments (2 + 2 + 12/N_d bytes per
 # parameter under ZeRO-1); with `layout.fp32_grad_accum` the gradient buckets are fp32 (the 2 extra bytes here).

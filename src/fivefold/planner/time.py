@@ -19,7 +19,7 @@ from fivefold.parallel.schedules import build_schedule, simulate
 from fivefold.planner import comm
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.layout import Framework, Layout
-from fivefold.planner.memory import layer_activation_bytes, stage_layers
+from fivefold.planner.memory import layer_activation_bytes, layer_params, stage_layers
 
 # schedules with more F actions than this are timed with the closed form (simulating them takes seconds)
 EXACT_MAX_ACTIONS = 8192
@@ -189,6 +189,14 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     f[-1] += head_f + loss_tp
     b[-1] += head_b / 2
     w[-1] += head_b / 2
+    if fw.grad_accum_copy_bytes and lay.fp32_grad_accum:  # the accumulation after each micro-batch's backward
+        lp = layer_params(cfg, tp, lay.ep)
+        per_block = lp["sharded"] + lp["replicated"] + lp["expert"]
+        table = cfg.vocab_size // tp * h
+        for s, n in enumerate(counts):
+            params = n * per_block + (table if s == 0 else 0) + (table if s == len(counts) - 1
+                                                                   and not (cfg.tied_embeddings and s == 0) else 0)
+            w[s] += params * fw.grad_accum_copy_bytes / hbm
     host = host_floor(cfg, lay, fw, hw, counts, f, b, w)
     again = 1 if lay.recompute == "full" else 0  # full recompute repeats the forward's communication
     again_cp = 1 if lay.recompute != "none" else 0  # selective recompute too (the ring is the recomputed core)

@@ -251,6 +251,29 @@ def test_gradient_accumulation_copies_cost_their_bytes():
                     ).step_time_s == pytest.approx(estimate(cfg, 4096, no_buffer, FIVEFOLD, hw).step_time_s)
 
 
+def test_nanotron_stage_split_follows_its_build_model():
+    # nanotron's build_model: pipeline blocks in order (embedding, 16 blocks, final norm, output layer, cast, loss),
+    # each on the current rank, which hands over once the cumulative parameter cost passes (r + 1) / pp of the
+    # total. 1B-shaped model: a block costs 4 h^2 + 3 h ffn = 67.1 M, the output layer V h = 268.4 M (4 blocks).
+    from fivefold.config import ModelConfig
+    from fivefold.planner.layout import NANOTRON
+    from fivefold.planner.time import params_stage_split, stage_split_problem
+
+    cfg = ModelConfig(name="1B", n_layers=16, hidden=2048, n_heads=32, n_kv_heads=32, ffn=8192, vocab_size=131072,
+                      max_seq_len=4096, tied_embeddings=True)
+    # pp4: shares of 335.5 M; block 5 reaches 402.7 M > 335.5 M on rank 0 (blocks 0-5), blocks 6-10 on rank 1
+    # (738 M > 671 M), 11-15 on rank 2 (1073.7 M > 1006.6 M), the output layer, cast and loss on rank 3
+    assert params_stage_split(cfg, 4) == ([6, 5, 5, 0], 4)
+    # pp8: the output layer passes rank 6's share, cast and loss go to rank 7: every rank holds a pipeline block
+    assert params_stage_split(cfg, 8) == ([3, 3, 2, 3, 2, 3, 0, 0], 8)
+    # pp16: the 16 blocks fill ranks 0-11, the output layer, cast and loss ranks 12-14: rank 15 gets nothing
+    assert params_stage_split(cfg, 16)[1] == 15
+    assert stage_split_problem(cfg, parse_layout("pp=16", 256), NANOTRON) is not None
+    assert stage_split_problem(cfg, parse_layout("pp=8", 256), NANOTRON) is None
+    assert stage_split_problem(cfg, parse_layout("pp=16", 256), FIVEFOLD) is None  # fivefold splits by FLOPs
+    assert not estimate(cfg, 4096, parse_layout("pp=16", 256), NANOTRON, get_cluster("h100")).fits
+
+
 @pytest.mark.slow
 @needs_data
 def test_packaged_profile_is_the_fit_on_one_and_two_nodes():

@@ -140,6 +140,12 @@ class Framework:
     # bytes per parameter moved after every micro-batch's backward to accumulate gradients outside autograd, under
     # `layout.fp32_grad_accum` (nanotron adds each bf16 gradient into its fp32 buffer: reads 2 + 4, writes 4)
     grad_accum_copy_bytes: float = 0.0
+    # how the step-time model splits pipeline stages: "balanced" (by training FLOPs with the output layer, at
+    # least one block per stage: fivefold's `layout.stage_layers` default) or "params" (nanotron's `build_model`:
+    # the pipeline blocks in model order, each to the current rank, which hands over once the cumulative parameter
+    # cost, a block 4 h^2 + 3 h ffn and the output layer V h, passes its share; trailing ranks may get no block,
+    # and a rank left with no pipeline block at all cannot run). The memory model keeps the balanced split.
+    stage_split: str = "balanced"
 
     @property
     def act_bytes(self) -> int:
@@ -158,7 +164,8 @@ NANOTRON = Framework(name="nanotron", param_bytes=2, grad_bytes=2, master_bytes=
                      autocast_weight_copies=False, fused_loss_chunk=0, logits_bytes=10.0, tp_overlap=0.5,
                      fixed_overhead_gib=1.0, residual_bytes=2, norm_saves_normalized=False,
                      sp_saves_gathered_input=False, fused_projections=True, sp_norm_grad_allreduces=0,
-                     sp_regather_exposed=False, grad_accum_copy_bytes=10.0)
+                     sp_regather_exposed=False, grad_accum_copy_bytes=10.0,
+                     stage_split="params")
 # fivefold's parallel engine under lean mixed precision (`train.dtype` bf16, the default on accelerators): bf16
 # working weights and gradients, fp32 master slices sharded with Adam's moments (2 + 2 + 12/N_d bytes per
 # parameter under ZeRO-1); with `layout.fp32_grad_accum` the gradient buckets are fp32 (the 2 extra bytes here).

@@ -21,7 +21,7 @@ from fivefold.layout import layout_problem, pipeline_problem, sequence_length_pr
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.layout import Framework, Layout
 from fivefold.planner.memory import GIB, rank_memory
-from fivefold.planner.time import step_time
+from fivefold.planner.time import stage_split_problem, step_time
 
 SIMULATED_TOP = 64
 
@@ -86,6 +86,9 @@ def estimate(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster
     tps = tokens / t.step_time / n
     mfu = tps * training_flops_per_token(cfg, seq) / hw.peak_flops(fw.compute_dtype)
     notes = [f"pp = {lay.pp} exceeds the {cfg.n_layers} layers"] if lay.pp > cfg.n_layers else []
+    split = stage_split_problem(cfg, lay, fw)
+    if split:
+        notes.append(split)
     return Estimate(lay, peak <= limit and not notes, mem, peak, t.step_time, t.parts, tps, mfu, notes)
 
 

@@ -180,7 +180,7 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     # backward: the linears' input-gradient half in B, weight-gradient half in W; a third of the fixed costs in W
     b_layer = lin_b / 2 + attn_b + elementwise + oh_b * 2 / 3 + t_tp + t_tp_b_extra + t_cp_b + t_ep + recompute
     w_layer = lin_b / 2 + elementwise + oh_b / 3
-    counts = stage_layers(cfg, lay, seq)
+    counts = framework_stage_layers(cfg, lay, seq, fw)
     f = [n * f_layer for n in counts]
     b = [n * b_layer for n in counts]
     w = [n * w_layer for n in counts]
@@ -233,6 +233,51 @@ def host_floor(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster, counts
             f[s], b[s], w[s] = f[s] * k, b[s] * k, w[s] * k
             added[s] = host - gpu
     return added
+
+
+def framework_stage_layers(cfg: ModelConfig, lay: Layout, seq: int, fw: Framework) -> list[int]:
+    """Blocks per global pipeline stage as the framework splits them (`Framework.stage_split`): nanotron's own
+    split, or the balanced one of `memory.stage_layers` (which the memory model uses for every framework)."""
+    if fw.stage_split == "params" and lay.pp > 1 and lay.vpp == 1 and lay.schedule != "dualpipev":
+        split = params_stage_split(cfg, lay.pp)
+        if split is not None:
+            return split[0]
+    return stage_layers(cfg, lay, seq)
+
+
+def params_stage_split(cfg: ModelConfig, pp: int) -> tuple[list[int], int] | None:
+    """nanotron's split (`build_model`): the pipeline blocks (embedding, the blocks, final norm, output layer,
+    cast, loss) in model order, each placed on the current rank, which hands over to the next once the cumulative
+    parameter cost (a block 4 heads d h + 3 ffn h, the output layer V h, the rest 0) passes its share (rank r:
+    (r + 1) / pp of the total). Returns the blocks per rank and how many ranks hold some pipeline block, or None
+    when the blocks run past the last rank."""
+    block = 4 * cfg.n_heads * cfg.head_dim * cfg.hidden + 3 * cfg.ffn * cfg.hidden
+    costs = [0] + [block] * cfg.n_layers + [0, cfg.vocab_size * cfg.hidden, 0, 0]
+    total = sum(costs)
+    counts, used = [0] * pp, set()
+    rank, cumulative = 0, 0
+    for i, cost in enumerate(costs):
+        if rank >= pp:
+            return None
+        used.add(rank)
+        if 1 <= i <= cfg.n_layers:
+            counts[rank] += 1
+        cumulative += cost
+        if cumulative > total * (rank + 1) / pp:
+            rank += 1
+    return counts, len(used)
+
+
+def stage_split_problem(cfg: ModelConfig, lay: Layout, fw: Framework) -> str | None:
+    """Why the framework's own split cannot place this pipeline, or None: a rank that nanotron's split leaves
+    without any pipeline block has nothing to train and the run fails (all 65 such playbook runs but one)."""
+    if fw.stage_split != "params" or lay.pp <= 1 or lay.pp > cfg.n_layers:
+        return None
+    split = params_stage_split(cfg, lay.pp)
+    if split is None or split[1] < lay.pp:
+        return (f"pp = {lay.pp}: nanotron's split of the {cfg.n_layers} blocks and the output layer by parameter "
+                "cost leaves a pipeline rank without any block")
+    return None
 
 
 @lru_cache(maxsize=4096)

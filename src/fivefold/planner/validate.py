@@ -37,6 +37,7 @@ from fivefold.planner.hardware import Cluster, get_cluster
 from fivefold.planner.layout import FRAMEWORKS, Framework, Layout
 from fivefold.planner.score import spearman
 from fivefold.planner.search import estimate, gib, memory_of
+from fivefold.planner.time import stage_split_problem
 
 DATA_NAME = "playbook_benchmark_runs.csv"
 
@@ -187,7 +188,7 @@ def fit_memory(rows: list[Row], fw: Framework) -> Framework:
     # the share of the device a run may use before it fails: the best fits/OOM agreement on these rows
     peaks = [max(sum(p.values()) for p in memory_of(r.model, r.seq, r.layout, fw).values())
              for r in rows]
-    invalid = [r.layout.pp > r.model.n_layers for r in rows]
+    invalid = [r.layout.pp > r.model.n_layers or stage_split_problem(r.model, r.layout, fw) is not None for r in rows]
     hbm = get_cluster("h100-efa").memory_bytes
 
     def agreement(frac: float) -> int:

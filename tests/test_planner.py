@@ -274,6 +274,62 @@ def test_nanotron_stage_split_follows_its_build_model():
     assert not estimate(cfg, 4096, parse_layout("pp=16", 256), NANOTRON, get_cluster("h100")).fits
 
 
+def test_fix_restricts_the_search_to_the_fixed_values(capsys):
+    # the --fix search returns exactly the unrestricted search's candidates that have those values, best first
+    rc, out, _ = run_cli(capsys, "--model", "llama3-8b", "--nodes", "4", "--global-batch", "1M", "--fix",
+                         "tp=4,pp=2,zero=1", "--json")
+    fixed = json.loads(out)["candidates"]
+    rc_all, out_all, _ = run_cli(capsys, "--model", "llama3-8b", "--nodes", "4", "--global-batch", "1M", "--json")
+    assert rc == rc_all == 0
+    expect = [c for c in json.loads(out_all)["candidates"]
+              if (c["layout"]["tp"], c["layout"]["pp"], c["layout"]["zero"]) == (4, 2, 1)]
+    def layouts(candidates: list[dict]) -> list[str]:
+        return sorted(json.dumps(c["layout"], sort_keys=True) for c in candidates)
+
+    assert fixed and layouts(fixed) == layouts(expect)
+    # a fixed micro-batch above the default search range is searched
+    rc, out, _ = run_cli(capsys, "--model", "llama3-8b", "--nodes", "1", "--global-batch", "1M", "--fix",
+                         "tp=8,mbs=128,recompute=full", "--json")
+    assert rc == 0 and {c["layout"]["micro_batch_size"] for c in json.loads(out)["candidates"]} == {128}
+
+
+@pytest.mark.parametrize("fix, words", [
+    ("tp=3", ["tp = 3", "32 GPUs", "1, 2, 4, 8, 16, 32"]),
+    ("tp=16", ["tp = 16", "8 GPUs of a node", "1, 2, 4, 8"]),
+    ("tpp=2", ["tpp=2", "dp, tp, pp"]),
+    ("tp=8,pp=8,dp=4", ["256", "32 GPUs"]),
+    ("mbs=3", ["mbs = 3", "256 sequences", "1, 2, 4"]),
+    ("zero=4", ["zero = 4", "0, 1, 2 or 3"]),
+    ("schedule=gpipe", ["gpipe", "1f1b"]),
+    ("tp=two", ["tp", "'two'", "integer"]),
+])
+def test_fix_bad_values_say_what_works(capsys, fix, words):
+    rc, _, err = run_cli(capsys, "--model", "llama3-8b", "--nodes", "4", "--global-batch", "1M", "--fix", fix)
+    assert rc == 2
+    for w in words:
+        assert w in err, (w, err)
+    # a fixed value that the explicit options exclude
+    rc, _, err = run_cli(capsys, "--model", "llama3-8b", "--nodes", "4", "--zero", "0,1", "--fix", "zero=3")
+    assert rc == 2 and "--zero 0,1" in err
+
+
+def test_pad_vocab_lets_tp_split_an_odd_vocabulary(capsys, tmp_path):
+    import tomllib
+
+    shape = "layers=4,hidden=256,heads=8,ffn=1024,vocab=50257"  # 50,257 = 29 x 1,733: no tp > 1 divides it
+    args = ["--model", shape, "--nodes", "1", "--gpus-per-node", "4", "--seq-len", "512", "--global-batch", "64K",
+            "--no-cp", "--json"]
+    rc, out, _ = run_cli(capsys, *args)
+    assert rc == 0 and {c["layout"]["tp"] for c in json.loads(out)["candidates"]} == {1}
+    best = tmp_path / "best.toml"
+    rc, out, _ = run_cli(capsys, *args, "--pad-vocab", "128", "--fix", "tp=4", "--write-config", str(best))
+    assert rc == 0 and {c["layout"]["tp"] for c in json.loads(out)["candidates"]} == {4}
+    written = tomllib.loads(best.read_text())
+    assert written["model"]["vocab_size"] == 50304 and written["layout"]["tp"] == 4  # 128 x 393
+    rc, _, err = run_cli(capsys, "--model", shape, "--pad-vocab", "-8")
+    assert rc == 2 and "--pad-vocab = -8" in err and ">= 1" in err
+
+
 @pytest.mark.slow
 @needs_data
 def test_packaged_profile_is_the_fit_on_one_and_two_nodes():

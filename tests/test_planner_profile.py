@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -57,6 +58,7 @@ def test_flat_profile_with_framework_table(tmp_path, capsys):
     ('[framework]\nname = "nano"\n', ["nano", "nanotron"]),
     ('[framework]\nname = "nanotron"\nparam_bytes = 2.5\n', ["param_bytes", "whole"]),
     ('memory_gib = 40\n[hardware]\nmemory_gib = 30\n', ["memory_gib", "both"]),
+    ('[framework]\nname = "nanotron"\nstage_split = "flops"\n', ["stage_split", "flops", "balanced", "params"]),
 ])
 def test_bad_profile_names_the_field(tmp_path, text, words):
     path = tmp_path / "bad.toml"
@@ -67,18 +69,19 @@ def test_bad_profile_names_the_field(tmp_path, text, words):
         assert w in str(e.value)
 
 
-def test_job_shares_the_fabric():
+def test_group_bandwidth_is_its_own_nodes():
     hw = get_cluster("h100-efa")
     nbytes = 64e6
-    # a tp16 group spans 2 nodes; in a 2-node job it runs at the 2-node bus bandwidth, in a 64-node job at the
-    # 64-node one (all-gather at 0.57 of all-reduce's across nodes), ring latency (n - 1) steps
-    for job_nodes in (2, 64):
-        h = comm.in_job(hw, job_nodes * 8)
-        bw = hw.busbw_gbps[job_nodes] * 1e9 * 0.57
-        expect = 15 / 16 * nbytes / bw + 15 * hw.inter_latency_us * 1e-6
-        assert comm.all_gather(nbytes, 16, 1, h) == pytest.approx(expect)
-    # inside a node nothing changes
-    assert comm.all_gather(nbytes, 8, 1, comm.in_job(hw, 512)) == comm.all_gather(nbytes, 8, 1, hw)
+    # a tp16 group spans 2 nodes: it runs at the all-gather bus bandwidth the playbook measured across 2 nodes
+    # with (n - 1) ring latencies, in a job of any size; a tp32 group at the 4-node one
+    for size, nodes in ((16, 2), (32, 4)):
+        bw = hw.gather_busbw_gbps[nodes] * 1e9
+        expect = (size - 1) / size * nbytes / bw + (size - 1) * hw.inter_latency_us * 1e-6
+        assert comm.all_gather(nbytes, size, 1, hw) == pytest.approx(expect)
+    # without a measured all-gather table: 0.57 of the all-reduce's across nodes
+    plain = dataclasses.replace(hw, gather_busbw_gbps={})
+    expect = 15 / 16 * nbytes / (hw.busbw_gbps[2] * 1e9 * 0.57) + 15 * hw.inter_latency_us * 1e-6
+    assert comm.all_gather(nbytes, 16, 1, plain) == pytest.approx(expect)
 
 
 def test_all_reduce_latency_is_a_tree_between_nodes():
@@ -90,6 +93,11 @@ def test_all_reduce_latency_is_a_tree_between_nodes():
     # inside a node: the ring, 2 (n - 1) steps
     expect_in = 2 * (7 / 8) * nbytes / (hw.intra_node_gbps * 1e9) + 2 * 7 * hw.intra_latency_us * 1e-6
     assert comm.all_reduce(nbytes, 8, 1, hw) == pytest.approx(expect_in)
+    # all 8 ranks of each of 32 nodes, in 10 buckets: per bucket a ring inside the node (7 steps at the NVLink
+    # latency) and a tree of log2(32) = 5 hops at the inter-node latency, up and down
+    bw = min(hw.intra_node_gbps, hw.inter_node_gbps * 8) * 1e9
+    expect_tree = 2 * (255 / 256) * 10e6 / bw + 2 * 10 * (7 * hw.intra_latency_us + 5 * hw.inter_latency_us) * 1e-6
+    assert comm.all_reduce(10e6, 256, 1, hw, bucket=1e6) == pytest.approx(expect_tree)
 
 
 def test_framework_data_files_load():

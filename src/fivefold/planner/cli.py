@@ -59,6 +59,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sp", choices=["on", "off", "both"], default="both", help="sequence parallel with tp>1")
     p.add_argument("--schedules", default="afab,1f1b,interleaved,zero-bubble,dualpipev")
     p.add_argument("--no-cp", action="store_true", help="do not consider context parallel")
+    p.add_argument("--pad-vocab", type=int, default=0, metavar="MULTIPLE",
+                   help="round the vocabulary up to a multiple of this (e.g. 128: 50,257 -> 50,304), as Megatron's "
+                        "make-vocab-size-divisible-by does, so that tp can split it; the written config keeps it")
+    p.add_argument("--fix", help="search only layouts with these values, e.g. 'tp=8,pp=4' (keys: dp, tp, pp, cp, "
+                                 "ep, mbs, zero, schedule, vpp, sp, recompute)")
     p.add_argument("--moe-imbalance", type=float, default=1.0,
                    help="busiest expert's load over the even share (dropless MoE memory)")
     p.add_argument("--data", help="validate: CSV of runs (default in a clone: ../shared/data/"
@@ -102,6 +107,17 @@ def load_model(spec: str) -> ModelConfig:
     return get_preset(spec)
 
 
+def pad_vocab(cfg: ModelConfig, multiple: int) -> ModelConfig:
+    """The model with its vocabulary rounded up to a multiple of `multiple` (0: unchanged). The extra rows are
+    never looked up; their logits take part in the softmax and learn to stay low, as in Megatron-LM."""
+    if multiple == 0:
+        return cfg
+    if multiple < 0:
+        raise ConfigError(f"--pad-vocab = {multiple} must be >= 1 (a multiple such as 64 or 128), or 0 for none")
+    padded = -(-cfg.vocab_size // multiple) * multiple
+    return dataclasses.replace(cfg, vocab_size=padded)
+
+
 def _space(args: argparse.Namespace) -> SearchSpace:
     try:
         zero = tuple(int(z) for z in args.zero.split(","))
@@ -116,6 +132,90 @@ def _space(args: argparse.Namespace) -> SearchSpace:
     sp = {"on": (True,), "off": (False,), "both": (False, True)}[args.sp]
     return SearchSpace(zero=zero, recompute=rc, sp=sp, schedules=tuple(args.schedules.split(",")),
                        cp=not args.no_cp, fp32_grad_accum=args.fp32_grad_accum == "on")
+
+
+_FIX_DEGREES = ("dp", "tp", "pp", "cp", "ep", "micro_batch_size")
+_FIX_KEYS = ("dp", "tp", "pp", "cp", "ep", "mbs", "micro_batch_size", "zero", "schedule", "vpp", "sp", "recompute")
+
+
+def apply_fix(text: str, space: SearchSpace, n_gpus: int, gpus_per_node: int, batch_seqs: int,
+              explicit: dict[str, str]) -> SearchSpace:
+    """`--fix KEY=VALUE,...`: the search space restricted to these values, each checked against the cluster and
+    the batch (`explicit`: the --zero/--recompute/--schedules/--sp options the user gave, which must allow it)."""
+    from fivefold.layout import SCHEDULES
+
+    def divisors(n: int) -> str:
+        return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+    fixed: dict[str, int] = {}
+    updates: dict = {}
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        key, eq, value = (x.strip() for x in part.partition("="))
+        if not eq or key not in _FIX_KEYS:
+            raise ConfigError(f"--fix item {part!r} is not KEY=VALUE with KEY one of: {', '.join(_FIX_KEYS)}")
+        key = "micro_batch_size" if key == "mbs" else key
+        if key in fixed or key in updates:
+            raise ConfigError(f"--fix gives {key} twice; keep one value")
+        if key == "schedule":
+            if value not in SCHEDULES:
+                raise ConfigError(f"--fix schedule = {value!r} is not one of {', '.join(SCHEDULES)}")
+            updates["schedules"] = (value,)
+            continue
+        if key == "recompute":
+            if value not in ("none", "selective", "full"):
+                raise ConfigError(f"--fix recompute = {value!r} is not one of none, selective, full")
+            updates["recompute"] = (value,)
+            continue
+        if key == "sp":
+            if value.lower() not in ("on", "off", "true", "false", "1", "0"):
+                raise ConfigError(f"--fix sp = {value!r} must be on or off")
+            updates["sp"] = (value.lower() in ("on", "true", "1"),)
+            continue
+        try:
+            number = int(value)
+        except ValueError:
+            raise ConfigError(f"--fix {key} = {value!r} is not an integer") from None
+        if key == "zero":
+            if number not in (0, 1, 2, 3):
+                raise ConfigError(f"--fix zero = {number} is not a ZeRO stage; use 0, 1, 2 or 3")
+            updates["zero"] = (number,)
+        elif key == "vpp":
+            if number < 1:
+                raise ConfigError(f"--fix vpp = {number} must be >= 1 (model chunks per pipeline rank)")
+            updates["vpp"] = (number,)
+            if number > 1:
+                updates.setdefault("schedules", ("interleaved",))
+        else:
+            if number < 1:
+                raise ConfigError(f"--fix {key} = {number} must be >= 1")
+            if key in ("dp", "tp", "pp", "cp") and n_gpus % number:
+                raise ConfigError(f"--fix {key} = {number} does not divide the {n_gpus} GPUs; values that do: "
+                                  f"{divisors(n_gpus)}")
+            if key == "tp" and number > gpus_per_node:
+                raise ConfigError(f"--fix tp = {number} is above the {gpus_per_node} GPUs of a node (tensor parallel "
+                                  f"stays inside a node); use one of {divisors(gpus_per_node)}")
+            if key == "micro_batch_size" and batch_seqs % number:
+                raise ConfigError(f"--fix mbs = {number} does not divide the global batch of {batch_seqs} sequences; "
+                                  f"values that do: {divisors(batch_seqs)}")
+            fixed[key] = number
+    product = math.prod(fixed.get(k, 1) for k in ("dp", "tp", "pp", "cp"))
+    if n_gpus % product or (all(k in fixed for k in ("dp", "tp", "pp", "cp")) and product != n_gpus):
+        raise ConfigError(f"--fix: dp x tp x pp x cp = {product} with the fixed degrees, which does not fit the "
+                          f"{n_gpus} GPUs (the product must divide them, and equal them when all four are fixed)")
+    if fixed.get("dp", 1) * fixed.get("micro_batch_size", 1) > batch_seqs or \
+            batch_seqs % (fixed.get("dp", 1) * fixed.get("micro_batch_size", 1)):
+        raise ConfigError(f"--fix: dp x mbs = {fixed.get('dp', 1) * fixed.get('micro_batch_size', 1)} must divide "
+                          f"the global batch of {batch_seqs} sequences")
+    for field, option in (("zero", "--zero"), ("recompute", "--recompute"), ("schedules", "--schedules"),
+                          ("sp", "--sp")):
+        if field in updates and field in explicit and not set(updates[field]) <= set(getattr(space, field)):
+            raise ConfigError(f"--fix {field.rstrip('s')} = {updates[field][0]} is excluded by {option} "
+                              f"{explicit[field]}; drop one of them")
+    if "micro_batch_size" in fixed:
+        updates["max_mbs"] = max(space.max_mbs, fixed["micro_batch_size"])
+    if "cp" in fixed and fixed["cp"] > 1:
+        updates["cp"] = True
+    return dataclasses.replace(space, fixed=tuple(fixed.items()), **updates)
 
 
 def _cluster(args: argparse.Namespace):
@@ -204,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
         if target.is_dir():
             raise ConfigError(f"--write-config {args.write_config!r} is a directory; give a file name such as "
                               "best.toml")
-    cfg = load_model(args.model)
+    cfg = pad_vocab(load_model(args.model), args.pad_vocab)
     hw = _cluster(args)
     fw = _framework(args, hw)
     if args.action == "scaling":
@@ -225,10 +325,18 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--global-batch = {tokens} tokens is not a whole number of --seq-len = {seq} sequences; "
                           f"nearest valid batches: {tokens // seq * seq} or {(tokens // seq + 1) * seq} tokens")
     batch_seqs = tokens // seq
+    space = _space(args)
+    if args.fix:
+        if args.layout:
+            raise ConfigError("--fix restricts the search; --layout estimates one layout: give one of them")
+        defaults = {"zero": "0,1,2,3", "recompute": "none,selective,full", "sp": "both",
+                    "schedules": "afab,1f1b,interleaved,zero-bubble,dualpipev"}
+        explicit = {k: getattr(args, k) for k, v in defaults.items() if getattr(args, k) != v}
+        space = apply_fix(args.fix, space, n_gpus, hw.gpus_per_node, batch_seqs, explicit)
     if args.action == "scaling":
         from fivefold.planner.scaling import run_scaling
 
-        return run_scaling(args, cfg, fw, hw, _space(args), seq, batch_seqs)
+        return run_scaling(args, cfg, fw, hw, space, seq, batch_seqs)
     if args.layout:
         lay = parse_layout(args.layout, batch_seqs)
         lay = dataclasses.replace(lay, fp32_grad_accum=lay.fp32_grad_accum or args.fp32_grad_accum == "on")
@@ -251,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
             for k, v in e.time_parts.items():
                 print(f"    {k:20s} {v:9.4f} s")
         return 0
-    result = search(cfg, seq, batch_seqs, n_gpus, fw, hw, _space(args), 0, args.moe_imbalance)  # every candidate
+    result = search(cfg, seq, batch_seqs, n_gpus, fw, hw, space, 0, args.moe_imbalance)  # every candidate
     if not result.candidates:
         _no_candidates(result, cfg, hw, n_gpus, batch_seqs, args)
         return 2
@@ -273,6 +381,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{cfg.name} on {args.nodes} x {hw.gpus_per_node} {hw.name}, seq {seq}, global batch {tokens:,} tokens "
           f"({batch_seqs} sequences), {fw.name} engine: {result.evaluated:,} layouts tried, "
           f"{len(result.candidates):,} fit (counting their recompute variants)")
+    if args.pad_vocab:
+        print(f"vocabulary padded to {cfg.vocab_size:,} (a multiple of {args.pad_vocab}, --pad-vocab)")
     print(f"the best of each layout family (tp/pp/cp/ep grid, FSDP or not), best first; 'tie': within "
           f"{100 * TIE:.0f} % of the best, the model's own uncertainty")
     print(f"{'layout':58s} {'family':30s} {'peak GiB':>8s} {'step s':>9s} {'tok/s/GPU':>12s} {'MFU %':>6s}")
@@ -291,7 +401,7 @@ def run(args: argparse.Namespace) -> int:
     for name, test in baselines.items():
         base = next((e for e in result.candidates if test(e)), None)
         if base is None:
-            print(f"baseline {name}: no layout of that family fits")
+            print(f"baseline {name}: " + ("none in the --fix search" if args.fix else "no layout of that family fits"))
         elif base not in rows:
             gap = 100 * (1 - base.tokens_per_s_per_device / best.tokens_per_s_per_device)
             print(f"baseline {name}: {base.layout.short()}, {base.tokens_per_s_per_device:,.0f} tokens/s/GPU, "
@@ -324,6 +434,8 @@ def _no_candidates(result, cfg: ModelConfig, hw, n_gpus: int, batch_seqs: int, a
         msg.append(f"The smallest layout needs {gib(e.peak_bytes):.1f} GiB per GPU ({e.layout.short()}) but the "
                    f"device has {hw.memory_gib} GiB: use more nodes (--nodes), a GPU with more memory, a shorter "
                    "--seq-len, or allow ZeRO-3 and full recompute (--zero, --recompute).")
+    elif result.evaluated == 0 and args.fix:
+        msg.append(f"No layout with --fix {args.fix} passes the rules above: change or drop a fixed value.")
     elif result.evaluated == 0:
         msg.append(f"No dp divides the global batch of {batch_seqs} sequences on {n_gpus} GPUs: choose a global "
                    f"batch that is a multiple of a power of two sequences (e.g. {max(n_gpus, batch_seqs)} x "

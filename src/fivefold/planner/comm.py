@@ -7,8 +7,10 @@ the bus bandwidth of that many nodes (measured, when the hardware profile has it
 bandwidth). Ring algorithms pay one latency per step: 2 (n - 1) steps for an all-reduce, n - 1 for an
 all-gather or reduce-scatter; across nodes an all-reduce pays a ring inside the node and a tree between the
 nodes (2 (local - 1 + log2 nodes) steps), as NCCL runs it; a buffer sent in buckets pays them once per bucket.
-A job of many nodes shares its fabric: `in_job` caps every inter-node bus bandwidth at the one measured across
-all the job's nodes.
+A group moves its bytes at the bus bandwidth measured across the nodes it spans, whatever the size of the job
+around it (the measured table falls with the node count because one collective spans more nodes, not because
+other groups share the fabric: capping a 2-node TP group of a 64-node job at the 64-node figure made large
+cross-node TP runs twice too slow, docs/planner.md).
 
 Inside a node, a profile from `fivefold calibrate` replaces the formula with what it measured: seconds per call
 by kind, group size and message bytes (`Cluster.collective_time`), once per bucket.
@@ -16,24 +18,10 @@ by kind, group size and message bytes (`Cluster.collective_time`), once per buck
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.layout import Layout
-
-
-def in_job(hw: Cluster, world_size: int) -> Cluster:
-    """The cluster as a job of `world_size` devices sees it: every inter-node collective shares the fabric with
-    the job's other groups, so a group that spans k nodes moves its bytes at no more than the bus bandwidth
-    measured across all the job's nodes (the measured table falls with the node count: the spine, not the
-    NIC, limits a large job). Without a measured table the per-device network bandwidth stands."""
-    nodes = math.ceil(world_size / hw.gpus_per_node)
-    if not hw.busbw_gbps or nodes <= 1:
-        return hw
-    job = hw.bus_bandwidth(nodes) / 1e9
-    table = {k: (v if k <= 1 else min(v, job)) for k, v in hw.busbw_gbps.items()}
-    return dataclasses.replace(hw, busbw_gbps=table)
 
 
 def nodes_spanned(size: int, stride: int, gpus_per_node: int) -> int:
@@ -57,19 +45,23 @@ def _time(kind: str, nbytes: float, size: int, stride: int, hw: Cluster, bucket:
         # no measured table: NCCL runs one ring per NIC (rail), so the group's members on a node send over as
         # many NICs at once; the node's NVLink bounds it
         bw = min(hw.intra_node_gbps, hw.inter_node_gbps * max(1, size // nodes)) * 1e9
-    # latency steps per bucket: a ring inside a node (n - 1); across nodes NCCL's all-reduce runs a tree
-    # between nodes (log2 of the nodes up and down) after a ring inside each node, not a ring of every rank
-    if kind == "all_reduce" and nodes > 1:
-        local = max(1, size // nodes)
-        steps = ((local - 1) + math.ceil(math.log2(nodes))) * buckets
-    else:
-        steps = (size - 1) * buckets
+    # latency per bucket: a ring pays one step per member (n - 1), each as slow as the slowest link of the ring;
+    # across nodes NCCL's all-reduce runs a tree between nodes (log2 of the nodes, up and down) after a ring inside
+    # each node, so only the tree's hops pay the inter-node latency
+    steps = (size - 1) * buckets
     frac = (size - 1) / size
     if kind == "all_reduce":
-        return 2 * frac * nbytes / bw + 2 * steps * hw.latency(nodes)
+        if nodes > 1:
+            local = max(1, size // nodes)
+            latency = ((local - 1) * hw.latency(1) + math.ceil(math.log2(nodes)) * hw.latency(nodes)) * buckets
+        else:
+            latency = steps * hw.latency(nodes)
+        return 2 * frac * nbytes / bw + 2 * latency
     if kind in ("all_gather", "reduce_scatter"):
-        # the playbook's measurements: all-gather / reduce-scatter bus bandwidth is about 0.57 of all-reduce's
-        # across nodes (NCCL runs all-reduce as a tree there); inside a node they match
+        if hw.gather_busbw_gbps:  # measured for these collectives
+            return frac * nbytes / hw.bus_bandwidth(nodes, gather=True) + steps * hw.latency(nodes)
+        # without that table: about 0.57 of all-reduce's across nodes (the playbook's 64-node figures; NCCL runs
+        # all-reduce as a tree there); inside a node they match
         scale = 1.0 if nodes <= 1 or not hw.busbw_gbps else 0.57
         return frac * nbytes / (bw * scale) + steps * hw.latency(nodes)
     if kind == "all_to_all":

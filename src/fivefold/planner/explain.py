@@ -10,6 +10,7 @@ _PART_WORDS = {
     "pipeline_bubble": "pipeline bubble", "pipeline_wait": "pipeline waits across nodes",
     "dp_comm_exposed": "exposed data-parallel gradient reduction",
     "zero_gather": "ZeRO parameter gathers", "optimizer": "optimizer step",
+    "host_wait": "GPU waiting for the host (kernel issue)",
 }
 
 

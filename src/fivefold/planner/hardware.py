@@ -47,6 +47,9 @@ class Cluster(Hardware):
     kernel_overhead_us: float = 4.0  # per launched kernel (small shapes are latency bound)
     # measured all-reduce bus bandwidth by nodes spanned (GB/s); empty = derive from the link bandwidths
     busbw_gbps: dict[int, float] = field(default_factory=dict)
+    # measured all-gather / reduce-scatter bus bandwidth by nodes spanned (GB/s); empty = 0.57 x busbw_gbps
+    # across nodes (the ratio of the playbook's 64-node figures), busbw_gbps inside a node
+    gather_busbw_gbps: dict[int, float] = field(default_factory=dict)
     # --- what `fivefold calibrate` measures (defaults: the closed forms above) ---
     cores: int = 0  # CPU cores that the ranks of a node share (0: every rank has its own device)
     threads_per_rank: int = 0  # intra-op threads per rank the measurements used (CPU)
@@ -76,19 +79,21 @@ class Cluster(Hardware):
     def memory_bytes(self) -> float:
         return self.memory_gib * 2**30
 
-    def bus_bandwidth(self, nodes_spanned: int) -> float:
-        """Bytes/s a ring collective moves per device over a group that spans this many nodes."""
-        if self.busbw_gbps:
-            keys = sorted(self.busbw_gbps)
-            if nodes_spanned in self.busbw_gbps:
-                return self.busbw_gbps[nodes_spanned] * 1e9
+    def bus_bandwidth(self, nodes_spanned: int, gather: bool = False) -> float:
+        """Bytes/s a ring collective moves per device over a group that spans this many nodes (`gather`: an
+        all-gather or reduce-scatter, from `gather_busbw_gbps` when it is measured)."""
+        table = self.gather_busbw_gbps if gather and self.gather_busbw_gbps else self.busbw_gbps
+        if table:
+            keys = sorted(table)
+            if nodes_spanned in table:
+                return table[nodes_spanned] * 1e9
             # log-linear interpolation between measured node counts, clamped at the ends
             lo = max([k for k in keys if k <= nodes_spanned], default=keys[0])
             hi = min([k for k in keys if k >= nodes_spanned], default=keys[-1])
             if lo == hi:
-                return self.busbw_gbps[lo] * 1e9
+                return table[lo] * 1e9
             w = (math.log(nodes_spanned) - math.log(lo)) / (math.log(hi) - math.log(lo))
-            return math.exp((1 - w) * math.log(self.busbw_gbps[lo]) + w * math.log(self.busbw_gbps[hi])) * 1e9
+            return math.exp((1 - w) * math.log(table[lo]) + w * math.log(table[hi])) * 1e9
         return (self.intra_node_gbps if nodes_spanned <= 1 else self.inter_node_gbps) * 1e9
 
     def latency(self, nodes_spanned: int) -> float:
@@ -204,10 +209,13 @@ def _from_base(name: str) -> Cluster:
 
 PRESETS: dict[str, Cluster] = {name: _from_base(name) for name in HARDWARE}
 # The playbook's cluster (H100 80GB, NVLink inside nodes, AWS EFA between): the all-reduce bus bandwidth it
-# measured at 256 MB (GB/s, by nodes). A calibrated profile of the kind `fivefold calibrate` produces.
+# measured at 256 MB (GB/s, by nodes), and the all-gather's. A calibrated profile of the kind `fivefold
+# calibrate` produces.
 PRESETS["h100-efa"] = dataclasses.replace(
     PRESETS["h100"], name="h100-efa",
     busbw_gbps={1: 436.0, 2: 361.7, 4: 160.1, 8: 99.6, 16: 84.7, 32: 64.9, 64: 32.9},
+    # and its all-gather (reduce-scatter within 3 %: 249.7/181.6/115.8/68.6/54.5/27.9/11.1)
+    gather_busbw_gbps={1: 249.8, 2: 184.6, 4: 119.0, 8: 69.0, 16: 55.0, 32: 28.0, 64: 11.0},
 )
 
 
@@ -272,7 +280,7 @@ def _parse_fields(data: dict, where: str) -> dict:
     for key, value in data.items():
         if key not in fields:
             raise ConfigError(f"{where} field {key!r} is not known; known fields: {', '.join(sorted(fields))}")
-        if key == "busbw_gbps":
+        if key in ("busbw_gbps", "gather_busbw_gbps"):
             value = {int(k): float(v) for k, v in value.items()}
         elif key == "name":
             value = str(value)

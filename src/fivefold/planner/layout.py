@@ -128,6 +128,24 @@ class Framework:
     kernels_per_micro_batch: int = 0
     # bytes per parameter that ZeRO-3 / FSDP gathers (0: as stored, fivefold's fp32; FSDP2 mixed precision: 2)
     gather_bytes: int = 0
+    # host (CPU) time to issue one block's forward and backward per micro-batch, in µs: an eager framework's
+    # Python and kernel launches. The GPU runs behind the host, so a pipeline stage takes at least its blocks
+    # times this per micro-batch (0: not modelled, the GPU is never waiting for the host)
+    host_us_per_layer: float = 0.0
+    # what each block costs per micro-batch and tensor-parallel rank, beyond the above, when the pipeline's
+    # hand-overs cross nodes (0: nothing). nanotron's hand-overs are blocking (two metadata messages, each read
+    # on the host, before the data) and its async TP runs with CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue
+    # for compute and every collective), so across nodes a stage's TP collectives queue behind the transfers
+    cross_node_pp_us_per_layer_tp: float = 0.0
+    # bytes per parameter moved after every micro-batch's backward to accumulate gradients outside autograd, under
+    # `layout.fp32_grad_accum` (nanotron adds each bf16 gradient into its fp32 buffer: reads 2 + 4, writes 4)
+    grad_accum_copy_bytes: float = 0.0
+    # how the step-time model splits pipeline stages: "balanced" (by training FLOPs with the output layer, at
+    # least one block per stage: fivefold's `layout.stage_layers` default) or "params" (nanotron's `build_model`:
+    # the pipeline blocks in model order, each to the current rank, which hands over once the cumulative parameter
+    # cost, a block 4 h^2 + 3 h ffn and the output layer V h, passes its share; trailing ranks may get no block,
+    # and a rank left with no pipeline block at all cannot run). The memory model keeps the balanced split.
+    stage_split: str = "balanced"
 
     @property
     def act_bytes(self) -> int:
@@ -154,7 +172,8 @@ NANOTRON = Framework(name="nanotron", param_bytes=2, grad_bytes=2, master_bytes=
                      autocast_weight_copies=False, fused_loss_chunk=0, logits_bytes=10.0, tp_overlap=0.5,
                      fixed_overhead_gib=1.0, residual_bytes=2, norm_saves_normalized=False,
                      sp_saves_gathered_input=False, fused_projections=True, sp_norm_grad_allreduces=0,
-                     sp_regather_exposed=False)
+                     sp_regather_exposed=False, grad_accum_copy_bytes=10.0,
+                     stage_split="params")
 # The name the lean engine had while fp32 weights under autocast were the default: the same as `fivefold` now.
 FIVEFOLD_LEAN = dataclasses.replace(FIVEFOLD, name="fivefold-lean")
 FRAMEWORKS = {"fivefold": FIVEFOLD, "fivefold-cpu": FIVEFOLD_CPU, "fivefold-lean": FIVEFOLD_LEAN,

@@ -29,6 +29,7 @@ def _read(path: str | Path) -> dict:
 
 
 FRAMEWORK_DIR = Path(__file__).resolve().parent / "frameworks"
+STAGE_SPLITS = ("balanced", "params")
 
 
 def all_frameworks() -> dict[str, Framework]:
@@ -76,6 +77,10 @@ def _framework_table(table, where: str, known: dict[str, Framework], default: st
         if isinstance(current, int) and not isinstance(current, bool) and value != int(value):
             raise ConfigError(f"--hardware {where!r}: [framework] {key} = {value!r} must be a whole number "
                               f"(default {current!r})")
+        if key == "stage_split" and value not in STAGE_SPLITS:
+            raise ConfigError(f"--hardware {where!r}: [framework] stage_split = {value!r} is not one of "
+                              f"{', '.join(STAGE_SPLITS)} (balanced: by FLOPs, at least one block per stage; "
+                              "params: nanotron's split by parameter cost)")
         table[key] = type(current)(value)
     return dataclasses.replace(base, name=name, **table)
 

@@ -21,7 +21,7 @@ from fivefold.layout import layout_problem, pipeline_problem, sequence_length_pr
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.layout import Framework, Layout
 from fivefold.planner.memory import GIB, rank_memory
-from fivefold.planner.time import step_time
+from fivefold.planner.time import stage_split_problem, step_time
 
 SIMULATED_TOP = 64
 
@@ -86,6 +86,9 @@ def estimate(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster
     tps = tokens / t.step_time / n
     mfu = tps * training_flops_per_token(cfg, seq) / hw.peak_flops(fw.compute_dtype)
     notes = [f"pp = {lay.pp} exceeds the {cfg.n_layers} layers"] if lay.pp > cfg.n_layers else []
+    split = stage_split_problem(cfg, lay, fw)
+    if split:
+        notes.append(split)
     return Estimate(lay, peak <= limit and not notes, mem, peak, t.step_time, t.parts, tps, mfu, notes)
 
 
@@ -114,6 +117,11 @@ class SearchSpace:
     max_tp: int = 0  # 0 = the GPUs per node
     cp: bool = True
     fp32_grad_accum: bool = False
+    # degrees held at one value (`plan --fix`): (name, value) for dp, tp, pp, cp, ep, micro_batch_size
+    fixed: tuple[tuple[str, int], ...] = ()
+
+    def allows(self, name: str, value: int) -> bool:
+        return all(v == value for k, v in self.fixed if k == name)
 
 
 @dataclass
@@ -167,6 +175,8 @@ def _bases(cfg: ModelConfig, seq: int, batch: int, n_gpus: int, hw: Cluster, spa
     rest by the rule they break. Each rule is checked as soon as its degrees are chosen, to prune early."""
     max_tp = space.max_tp or hw.gpus_per_node
     for tp in _divisors(n_gpus):
+        if not space.allows("tp", tp):
+            continue
         if tp > max_tp:
             reject("tp above the GPUs of a node", f"tp={tp} > {max_tp}")
             continue
@@ -174,13 +184,17 @@ def _bases(cfg: ModelConfig, seq: int, batch: int, n_gpus: int, hw: Cluster, spa
         if problem:
             reject(problem.rule, f"tp={tp}")
             continue
-        for cp in _divisors(n_gpus // tp) if space.cp else [1]:
+        for cp in _divisors(n_gpus // tp) if space.cp or not space.allows("cp", 1) else [1]:
+            if not space.allows("cp", cp):
+                continue
             problem = sequence_length_problem(seq, cp) if cp > 1 else None
             if problem:
                 reject(problem.rule, f"cp={cp}, seq={seq}")
                 continue
             for pp in _divisors(n_gpus // (tp * cp)):
                 dp = n_gpus // (tp * cp * pp)
+                if not (space.allows("pp", pp) and space.allows("dp", dp)):
+                    continue
                 # the pp and dp rules alone: a probe with one-sequence micro-batches under 1F1B
                 probe = Layout(dp=dp, pp=pp)
                 problem = batch_problem(probe, batch) or pipeline_problem(cfg, probe, seq, batch)
@@ -195,6 +209,8 @@ def _inner(cfg: ModelConfig, seq: int, dp: int, tp: int, pp: int, cp: int, batch
     eps = [e for e in _divisors(cfg.n_experts) if (dp * cp) % e == 0] if cfg.is_moe else [1]
     mbs_list = [m for m in _divisors(batch // dp) if m <= space.max_mbs]
     for ep, mbs in itertools.product(eps, mbs_list):
+        if not (space.allows("ep", ep) and space.allows("micro_batch_size", mbs)):
+            continue
         ga = batch // (dp * mbs)
         for (sched, v), zero in itertools.product(_schedules(pp, space), space.zero):
             if zero and dp * cp == 1:

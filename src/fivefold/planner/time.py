@@ -19,7 +19,7 @@ from fivefold.parallel.schedules import build_schedule, simulate
 from fivefold.planner import comm
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.layout import Framework, Layout
-from fivefold.planner.memory import layer_activation_bytes, stage_layers
+from fivefold.planner.memory import layer_activation_bytes, layer_params, stage_layers
 
 # schedules with more F actions than this are timed with the closed form (simulating them takes seconds)
 EXACT_MAX_ACTIONS = 8192
@@ -53,6 +53,7 @@ class StageTimes:
     comm_per_layer: dict[str, float] = field(default_factory=dict)  # exposed, per block and micro-batch
     counts: list[int] = field(default_factory=list)  # blocks per stage
     comm_per_micro_batch: dict[str, float] = field(default_factory=dict)  # outside the blocks (embedding, loss)
+    host_wait: list[float] = field(default_factory=list)  # per stage and micro-batch: the GPU waiting for the host
 
 
 def linear_shapes(cfg: ModelConfig, tokens: float, tp: int, fused: bool) -> list[tuple[float, float, float]]:
@@ -179,7 +180,7 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     # backward: the linears' input-gradient half in B, weight-gradient half in W; a third of the fixed costs in W
     b_layer = lin_b / 2 + attn_b + elementwise + oh_b * 2 / 3 + t_tp + t_tp_b_extra + t_cp_b + t_ep + recompute
     w_layer = lin_b / 2 + elementwise + oh_b / 3
-    counts = stage_layers(cfg, lay, seq)
+    counts = framework_stage_layers(cfg, lay, seq, fw)
     f = [n * f_layer for n in counts]
     b = [n * b_layer for n in counts]
     w = [n * w_layer for n in counts]
@@ -188,13 +189,95 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     f[-1] += head_f + loss_tp
     b[-1] += head_b / 2
     w[-1] += head_b / 2
+    if fw.grad_accum_copy_bytes and lay.fp32_grad_accum:  # the accumulation after each micro-batch's backward
+        lp = layer_params(cfg, tp, lay.ep)
+        per_block = lp["sharded"] + lp["replicated"] + lp["expert"]
+        table = cfg.vocab_size // tp * h
+        for s, n in enumerate(counts):
+            params = n * per_block + (table if s == 0 else 0) + (table if s == len(counts) - 1
+                                                                   and not (cfg.tied_embeddings and s == 0) else 0)
+            w[s] += params * fw.grad_accum_copy_bytes / hbm
+    host = host_floor(cfg, lay, fw, hw, counts, f, b, w)
     again = 1 if lay.recompute == "full" else 0  # full recompute repeats the forward's communication
     again_cp = 1 if lay.recompute != "none" else 0  # selective recompute too (the ring is the recomputed core)
     per_layer = {"tp_comm": (2 + again) * t_tp + t_tp_b_extra, "cp_comm": (1 + again_cp) * t_cp_f + t_cp_b,
                  "ep_comm": (2 + again) * t_ep,
                  # the recomputed forward's own compute (its communication is counted above)
                  "recompute": {"none": 0.0, "selective": attn_f, "full": t_layer}[lay.recompute]}
-    return StageTimes(f, b, w, per_layer, counts, {"tp_comm": head_tp + loss_tp})
+    return StageTimes(f, b, w, per_layer, counts, {"tp_comm": head_tp + loss_tp}, host)
+
+
+def host_us_per_block(lay: Layout, fw: Framework, hw: Cluster) -> float:
+    """Host time (µs) that one block's forward and backward take per micro-batch: the framework's eager work
+    (`Framework.host_us_per_layer`), plus, when the pipeline's hand-overs cross nodes, what each tensor-parallel
+    rank adds per block (`Framework.cross_node_pp_us_per_layer_tp`)."""
+    us = fw.host_us_per_layer
+    if lay.pp > 1 and lay.world_size > hw.gpus_per_node:  # pp is the outermost axis: its hand-overs leave the node
+        us += fw.cross_node_pp_us_per_layer_tp * lay.tp
+    return us
+
+
+def host_floor(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster, counts: list[int], f: list[float],
+               b: list[float], w: list[float]) -> list[float]:
+    """Stretch each stage whose GPU work per micro-batch is shorter than the host time to issue it (the GPU
+    then waits for the host); returns the seconds added per stage and micro-batch."""
+    per_block = host_us_per_block(lay, fw, hw) * 1e-6
+    added = [0.0] * len(f)
+    if per_block <= 0:
+        return added
+    for s, n in enumerate(counts):
+        gpu = f[s] + b[s] + w[s]
+        host = n * per_block
+        if host > gpu > 0:
+            k = host / gpu
+            f[s], b[s], w[s] = f[s] * k, b[s] * k, w[s] * k
+            added[s] = host - gpu
+    return added
+
+
+def framework_stage_layers(cfg: ModelConfig, lay: Layout, seq: int, fw: Framework) -> list[int]:
+    """Blocks per global pipeline stage as the framework splits them (`Framework.stage_split`): nanotron's own
+    split, or the balanced one of `memory.stage_layers` (which the memory model uses for every framework)."""
+    if fw.stage_split == "params" and lay.pp > 1 and lay.vpp == 1 and lay.schedule != "dualpipev":
+        split = params_stage_split(cfg, lay.pp)
+        if split is not None:
+            return split[0]
+    return stage_layers(cfg, lay, seq)
+
+
+def params_stage_split(cfg: ModelConfig, pp: int) -> tuple[list[int], int] | None:
+    """nanotron's split (`build_model`): the pipeline blocks (embedding, the blocks, final norm, output layer,
+    cast, loss) in model order, each placed on the current rank, which hands over to the next once the cumulative
+    parameter cost (a block 4 heads d h + 3 ffn h, the output layer V h, the rest 0) passes its share (rank r:
+    (r + 1) / pp of the total). Returns the blocks per rank and how many ranks hold some pipeline block, or None
+    when the blocks run past the last rank."""
+    block = 4 * cfg.n_heads * cfg.head_dim * cfg.hidden + 3 * cfg.ffn * cfg.hidden
+    costs = [0] + [block] * cfg.n_layers + [0, cfg.vocab_size * cfg.hidden, 0, 0]
+    total = sum(costs)
+    counts, used = [0] * pp, set()
+    rank, cumulative = 0, 0
+    for i, cost in enumerate(costs):
+        if rank >= pp:
+            return None
+        used.add(rank)
+        if 1 <= i <= cfg.n_layers:
+            counts[rank] += 1
+        cumulative += cost
+        if cumulative > total * (rank + 1) / pp:
+            rank += 1
+    return counts, len(used)
+
+
+def stage_split_problem(cfg: ModelConfig, lay: Layout, fw: Framework) -> str | None:
+    """Why the framework's own split cannot place this pipeline, or None: a rank that nanotron's split leaves
+    without any pipeline block has nothing to train and the run fails (all 65 such playbook runs but one)."""
+    if fw.stage_split != "params" or lay.pp <= 1 or lay.pp > cfg.n_layers:
+        return None
+    split = params_stage_split(cfg, lay.pp)
+    if split is None or split[1] < lay.pp:
+        return (f"pp = {lay.pp}: nanotron's split of the {cfg.n_layers} blocks and the output layer by parameter "
+                "cost leaves a pipeline rank without any block")
+    return None
 
 
 @lru_cache(maxsize=4096)
@@ -236,7 +319,7 @@ class TimeReport:
 def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, exact: bool = True) -> TimeReport:
     from fivefold.planner.memory import model_state_bytes, rank_params
 
-    hw = comm.in_job(hw.on_node(min(lay.world_size, hw.gpus_per_node)), lay.world_size)
+    hw = hw.on_node(min(lay.world_size, hw.gpus_per_node))
     times = stage_times(cfg, seq, lay, fw, hw)
     tokens = lay.micro_batch_size * seq / lay.cp
     # the residual stream crosses stages (fivefold's engine keeps and sends it in fp32 under autocast)
@@ -307,6 +390,8 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     parts = {k: v * blocks * lay.grad_accum_steps for k, v in times.comm_per_layer.items()}
     for k, v in times.comm_per_micro_batch.items():
         parts[k] += v * lay.grad_accum_steps
+    host_wait = lay.grad_accum_steps * sum(w for s, w in enumerate(times.host_wait) if _rank_of(s, lay) == busiest)
+    parts["host_wait"] = host_wait
     parts = {"compute": ideal - sum(parts.values()), **parts}
     parts.update({"pipeline_bubble": max(0.0, makespan - t_sync - ideal), "pipeline_wait": t_sync,
                   "dp_comm_exposed": t_dp_exposed,

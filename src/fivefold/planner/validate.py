@@ -37,6 +37,7 @@ from fivefold.planner.hardware import Cluster, get_cluster
 from fivefold.planner.layout import FRAMEWORKS, Framework, Layout
 from fivefold.planner.score import spearman
 from fivefold.planner.search import estimate, gib, memory_of
+from fivefold.planner.time import stage_split_problem
 
 DATA_NAME = "playbook_benchmark_runs.csv"
 
@@ -195,7 +196,7 @@ def fit_memory(rows: list[Row], fw: Framework) -> Framework:
     # the share of the device a run may use before it fails: the best fits/OOM agreement on these rows
     peaks = [max(sum(p.values()) for p in memory_of(r.model, r.seq, r.layout, fw).values())
              for r in rows]
-    invalid = [r.layout.pp > r.model.n_layers for r in rows]
+    invalid = [r.layout.pp > r.model.n_layers or stage_split_problem(r.model, r.layout, fw) is not None for r in rows]
     hbm = get_cluster("h100-efa").memory_bytes
 
     def agreement(frac: float) -> int:
@@ -205,22 +206,76 @@ def fit_memory(rows: list[Row], fw: Framework) -> Framework:
     return dataclasses.replace(fw, usable_memory_fraction=frac)
 
 
+# the time constants `fit_time` fits, each with the values it tries: (table, field, grid)
+TIME_GRID = (
+    ("hardware", "matmul_efficiency", (0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8)),
+    ("hardware", "kernel_overhead_us", (5.0, 10.0, 20.0, 40.0)),
+    ("framework", "tp_overlap", (0.0, 0.25, 0.5)),
+    ("framework", "host_us_per_layer", (0.0, 3000.0, 3500.0, 4000.0, 4500.0, 5000.0, 5500.0)),
+    ("framework", "cross_node_pp_us_per_layer_tp", (0.0, 1500.0, 1750.0, 2000.0, 2250.0, 2500.0, 2750.0, 3000.0)),
+)
+# the latency of one ring step between nodes, fitted on the rows whose tensor-parallel group spans nodes (tp16 on
+# 2 nodes: eight collectives per block and micro-batch, latency bound at micro-batch 1; the mean |log| error over
+# these few rows); elsewhere it hardly moves the median, so the whole-row fit cannot identify it
+LATENCY_GRID = (5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 80.0, 100.0)
+
+
+# the coarse grid searched whole before the coordinate descent (every 2nd or 3rd value of TIME_GRID)
+COARSE_GRID = {"matmul_efficiency": (0.45, 0.5, 0.55, 0.6), "kernel_overhead_us": (5.0, 10.0, 20.0),
+               "tp_overlap": (0.0, 0.25), "host_us_per_layer": (4000.0, 4500.0, 5000.0),
+               "cross_node_pp_us_per_layer_tp": (1750.0, 2000.0, 2250.0, 2500.0, 2750.0)}
+
+
+def _set(fw: Framework, hw: Cluster, values: dict) -> tuple[Framework, Cluster]:
+    tables = {name: table for table, name, _ in TIME_GRID}
+    return (dataclasses.replace(fw, **{k: v for k, v in values.items() if tables[k] == "framework"}),
+            dataclasses.replace(hw, **{k: v for k, v in values.items() if tables[k] == "hardware"}))
+
+
 def fit_time(rows: list[Row], fw: Framework, hw: Cluster) -> tuple[Framework, Cluster]:
-    """Grid search of the matmul efficiency, the per-kernel cost, the TP overlap and the per-node pipeline
-    wait that minimise the median absolute log error of tokens/s per GPU."""
+    """The time constants that minimise the median absolute log error of tokens/s per GPU: every combination
+    of `COARSE_GRID`, then coordinate descent over `TIME_GRID` from the best (each constant in turn set to its
+    best grid value, until a whole round changes nothing). The per-node pipeline wait of the previous model is
+    not fitted (set to 0): the host terms replace it."""
     ok = [r for r in rows if r.ok]
-    best = (math.inf, fw, hw)
-    for eff, kern, ov, sync in itertools.product((0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8),
-                                                 (5.0, 10.0, 20.0, 40.0, 80.0), (0.0, 0.25, 0.5),
-                                                 (0.0, 1000.0, 2000.0, 4000.0, 8000.0)):
-        f2 = dataclasses.replace(fw, tp_overlap=ov)
-        h2 = dataclasses.replace(hw, matmul_efficiency=eff, kernel_overhead_us=kern, pp_sync_us_per_node=sync)
-        errs = [abs(math.log(estimate(r.model, r.seq, r.layout, f2, h2, False).tokens_per_s_per_device
-                             / r.tok_s_gpu)) for r in ok]
-        score = statistics.median(errs)
-        if score < best[0]:
-            best = (score, f2, h2)
-    return best[1], best[2]
+    hw = dataclasses.replace(hw, pp_sync_us_per_node=0.0)
+
+    def score(f2: Framework, h2: Cluster, among: list[Row] = ok, average=statistics.median) -> float:
+        return average(abs(math.log(estimate(r.model, r.seq, r.layout, f2, h2, False).tokens_per_s_per_device
+                                    / r.tok_s_gpu)) for r in among)
+
+    cross_tp = [r for r in ok if r.layout.tp * r.layout.cp > hw.gpus_per_node]
+
+    def fit_latency(f2: Framework, h2: Cluster) -> Cluster:
+        if not cross_tp:
+            return h2
+        return min((dataclasses.replace(h2, inter_latency_us=v) for v in LATENCY_GRID),
+                   key=lambda h: score(f2, h, cross_tp, statistics.fmean))
+
+    hw = fit_latency(fw, hw)
+    best = math.inf
+    names = list(COARSE_GRID)
+    for combo in itertools.product(*COARSE_GRID.values()):
+        f2, h2 = _set(fw, hw, dict(zip(names, combo, strict=True)))
+        s = score(f2, h2)
+        if s < best - 1e-12:
+            best, best_fw, best_hw = s, f2, h2
+    fw, hw = best_fw, best_hw
+    for _ in range(10):
+        changed = False
+        for table, name, values in TIME_GRID:
+            for value in values:
+                f2 = dataclasses.replace(fw, **{name: value}) if table == "framework" else fw
+                h2 = dataclasses.replace(hw, **{name: value}) if table == "hardware" else hw
+                s = score(f2, h2)
+                if s < best - 1e-12:
+                    best, fw, hw, changed = s, f2, h2, True
+        latency = fit_latency(fw, hw)
+        if latency.inter_latency_us != hw.inter_latency_us:
+            hw, best, changed = latency, score(fw, latency), True
+        if not changed:
+            break
+    return fw, hw
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,9 +436,9 @@ def run_validate(args: argparse.Namespace) -> int:
         fw, hw = fit_time(train, fw, hw)
         print(f"fitted on {len(train)} rows of 1-2 nodes: activation_scale = {fw.activation_scale}, logits_bytes = "
               f"{fw.logits_bytes}, fixed_overhead_gib = {fw.fixed_overhead_gib}, usable_memory_fraction = "
-              f"{fw.usable_memory_fraction}, tp_overlap = {fw.tp_overlap}, "
-              f"matmul_efficiency = {hw.matmul_efficiency}, kernel_overhead_us = {hw.kernel_overhead_us}, "
-              f"pp_sync_us_per_node = {hw.pp_sync_us_per_node}")
+              f"{fw.usable_memory_fraction}, "
+              + ", ".join(f"{name} = {getattr(fw if table == 'framework' else hw, name)}"
+                          for table, name, _ in TIME_GRID) + f", inter_latency_us = {hw.inter_latency_us}")
     if args.fit and getattr(args, "out", None):
         from fivefold.planner import profile
 

@@ -379,8 +379,9 @@ def run(args: argparse.Namespace) -> int:
     from fivefold.planner.explain import TIE, family, family_name
 
     print(f"{cfg.name} on {args.nodes} x {hw.gpus_per_node} {hw.name}, seq {seq}, global batch {tokens:,} tokens "
-          f"({batch_seqs} sequences), {fw.name} engine: {result.evaluated:,} layouts tried, "
-          f"{len(result.candidates):,} fit (counting their recompute variants)")
+          f"({batch_seqs} sequences), {fw.name} engine: {result.evaluated:,} layouts tried with "
+          f"{len(space.recompute)} recompute mode(s) each, {result.evaluated * len(space.recompute):,} in all, "
+          f"{len(result.candidates):,} fit")
     if args.pad_vocab:
         print(f"vocabulary padded to {cfg.vocab_size:,} (a multiple of {args.pad_vocab}, --pad-vocab)")
     print(f"the best of each layout family (tp/pp/cp/ep grid, FSDP or not), best first; 'tie': within "

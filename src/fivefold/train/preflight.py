@@ -152,9 +152,7 @@ def warnings(cfg: Config, device: torch.device) -> list[str]:
 
     t = cfg.train
     out = []
-    if t.warmup_steps > t.max_steps:
-        out.append(f"train.warmup_steps = {t.warmup_steps} is longer than the run (train.max_steps = {t.max_steps}): "
-                   "the learning rate never reaches train.lr")
+    # a warm-up longer than the run is said once, by the loop (train.loop), on every path into training
     tokens = t.global_batch_size * t.seq_len
     flops = training_flops_per_token(cfg.model, t.seq_len) * tokens
     # rough rates: 100 TFLOP/s per accelerator, 0.2 TFLOP/s per CPU process

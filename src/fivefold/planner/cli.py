@@ -53,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--framework", choices=sorted(_framework_names()),
                    help="whose implementation to model (default: fivefold-cpu on a CPU profile, else fivefold; "
                         "nanotron: the playbook's benchmark settings)")
+    p.add_argument("--features", default="", help="what the runs use beyond the layout, comma-separated: compile "
+                   "(fused element-wise kernels), float8 (float8 linears), async-tp (micro-pipelined TP collectives)")
     p.add_argument("--fp32-grad-accum", choices=["on", "off"], default="off")
     p.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to consider")
     p.add_argument("--recompute", default="none,selective,full", help="recompute modes to consider")
@@ -73,6 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", help="validate: TOML of fitted constants (default: the packaged profile)")
     p.add_argument("--fit", action="store_true", help="validate: refit the constants on the 1- and 2-node rows")
     p.add_argument("--out", help="validate --fit: write the fitted profile here (readable by plan --hardware)")
+    p.add_argument("--fit-fields", default="", help="validate --fit: fit only these constants (comma-separated; "
+                   "matmul_efficiency alone is fitted on a fine grid, e.g. on one named row), default all")
     p.add_argument("--per-row", action="store_true", help="validate: every row's prediction beside its measurement "
                    "(a table, or a 'rows' list with --json)")
 
@@ -229,15 +233,18 @@ def _cluster(args: argparse.Namespace):
 
 
 def _framework(args: argparse.Namespace, hw) -> Framework:
-    """--framework, else the [framework] of the --hardware profile, else fivefold (fivefold-cpu on a CPU)."""
+    """--framework, else the [framework] of the --hardware profile, else fivefold (fivefold-cpu on a CPU); with
+    the run's --features (torch.compile, float8, async TP: `planner/features.py`)."""
     from fivefold.planner import profile
+    from fivefold.planner.features import parse_features, with_features
 
+    features = parse_features(getattr(args, "features", None) or "")
     if args.hardware:
         fw = profile.load(args.hardware, args.framework, args.gpu)[0]
         if fw is not None:
-            return fw
-    return profile.all_frameworks()[args.framework or ("fivefold-cpu" if hw.cores or hw.name == "cpu"
-                                                       else "fivefold")]
+            return with_features(fw, features)
+    return with_features(profile.all_frameworks()[args.framework or ("fivefold-cpu" if hw.cores or hw.name == "cpu"
+                                                                     else "fivefold")], features)
 
 
 def train_config(cfg: ModelConfig, lay: Layout, seq: int, batch_seqs: int, dtype: str, accelerator: bool = True,

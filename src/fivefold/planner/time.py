@@ -416,6 +416,8 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
         last_bucket = t_dp * min(1.0, bucket / max(red_bytes, 1.0))
         window = sum(times.b[s] + times.w[s] for s in range(len(times.f)) if _rank_of(s, lay) == 0) if lay.pp > 1 \
             else times.b[0] + times.w[0]
+        if lay.zero >= 2:  # every micro-batch reduce-scatters behind its own backward, not all behind the last one
+            window *= lay.grad_accum_steps
         t_dp_exposed = exposed(t_dp, window, overlap) + overlap * last_bucket
     else:
         t_dp_exposed = 0.0
@@ -432,7 +434,8 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
         n_layers = max(1, -(-cfg.n_layers // lay.pp))
         block = param_full / fw.param_bytes * (fw.gather_bytes or fw.param_bytes) / n_layers  # as gathered
         ag = comm.all_gather(block, dpc, st["dpcp"], hw)
-        per_block = (times.f[0] + times.b[0] + times.w[0]) / n_layers
+        # the compute of one block of the first stage (interleaved: a stage holds 1/v of the rank's blocks)
+        per_block = (times.f[0] + times.b[0] + times.w[0]) / max(1, times.counts[0])
         t_gather = lay.grad_accum_steps * n_layers * 2 * exposed(ag, per_block / 3, overlap)
         # what each unit (the blocks and the root) costs per micro-batch beyond its collectives, as measured
         t_gather += lay.grad_accum_steps * (n_layers + 1) * hw.zero3_unit_us * 1e-6

@@ -208,7 +208,7 @@ def fit_memory(rows: list[Row], fw: Framework) -> Framework:
 
 # the time constants `fit_time` fits, each with the values it tries: (table, field, grid)
 TIME_GRID = (
-    ("hardware", "matmul_efficiency", (0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8)),
+    ("hardware", "matmul_efficiency", tuple(round(0.4 + 0.025 * i, 3) for i in range(17))),
     ("hardware", "kernel_overhead_us", (5.0, 10.0, 20.0, 40.0)),
     ("framework", "tp_overlap", (0.0, 0.25, 0.5)),
     ("framework", "host_us_per_layer", (0.0, 3000.0, 3500.0, 4000.0, 4500.0, 5000.0, 5500.0)),

@@ -1,7 +1,7 @@
-"""The planner's compute model by kernel class (`planner/kernels.py`, `planner/devices/kernels.toml`, `planner/time.py`):
-attention costed from the published FlashAttention table apart from the GEMMs, the GEMM shape term, element-wise
-work by the bytes it streams, the run features as inputs, a named source for every figure of every device, and
-the validation figures on the held-out published rows."""
+"""The planner's compute model by kernel class (`planner/kernels.py`, `planner/devices/kernels.toml`,
+`planner/time.py`): attention costed from the published FlashAttention table apart from the GEMMs, the GEMM
+shape term, element-wise work by the bytes it streams, the run features as inputs, a named source for every
+figure of every device, and the validation figures on the held-out published rows."""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ from fivefold.planner.features import with_features
 from fivefold.planner.hardware import get_cluster
 from fivefold.planner.layout import FIVEFOLD, Layout
 from fivefold.planner.time import elementwise_bytes, stage_times
+from fivefold.presets import get_preset
 
 PLANNER = Path(kernels.__file__).parent
 PLAYBOOK = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "playbook_benchmark_runs.csv"
@@ -165,3 +166,25 @@ def test_playbook_held_out_rows_do_not_regress(capsys):
     assert held["median_spearman"] >= 0.80
     assert held["fits_agreement"] >= 0.95
     assert held["median_memory_error"] <= 0.09
+
+
+def test_mfu_conventions_reproduce_torchtitans_published_mfu(capsys):
+    """torchtitan's benchmark: the 8B on 8 GPUs "achieves 33% to 39% MFU" (without / with torch.compile, SXM
+    peak 989 TFLOP/s) at 5,762 and 6,667 tokens/s per GPU; its FLOPs per token 6 (N - N_emb) + 12 L s H d."""
+    from fivefold.planner.mfu import flops_per_token, mfu_scale
+
+    cfg = ModelConfig(name="llama3.1-8b", n_layers=32, hidden=4096, n_heads=32, n_kv_heads=8, ffn=14336,
+                      vocab_size=128256, max_seq_len=8192, tied_embeddings=False)
+    n_minus_embedding = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336) + 128256 * 4096
+    expect = 6 * n_minus_embedding + 12 * 32 * 8192 * 4096
+    assert flops_per_token(cfg, 8192, "torchtitan") == pytest.approx(expect)
+    assert int(100 * 5762 * expect / 989e12) == 33 and int(100 * 6667 * expect / 989e12) == 39
+    assert flops_per_token(cfg, 8192, "playbook") == pytest.approx(expect + 6 * 128256 * 4096)
+    args = ["plan", "--model", "llama3-8b", "--seq-len", "8192", "--global-batch", "64K", "--json",
+            "--layout", "dp=8,mbs=1,zero=3,recompute=selective"]
+    assert main(args) == 0
+    ours = json.loads(capsys.readouterr().out)["mfu"]
+    assert main([*args, "--mfu-convention", "torchtitan"]) == 0
+    theirs = json.loads(capsys.readouterr().out)["mfu"]
+    assert theirs == pytest.approx(ours * mfu_scale(get_preset("llama3-8b"), 8192, "torchtitan"))
+    assert theirs > ours

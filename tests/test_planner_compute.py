@@ -188,3 +188,18 @@ def test_mfu_conventions_reproduce_torchtitans_published_mfu(capsys):
     theirs = json.loads(capsys.readouterr().out)["mfu"]
     assert theirs == pytest.approx(ours * mfu_scale(get_preset("llama3-8b"), 8192, "torchtitan"))
     assert theirs > ours
+
+
+def test_a_framework_names_known_kernels(tmp_path):
+    from fivefold.planner import profile
+
+    for field, value, said in (("fused_elementwise", "norm,layernorm", "'layernorm' is not a kernel class"),
+                               ("attention_kernel", "fa9", "choose one of: fa2, fa3")):
+        bad = tmp_path / f"{field}.toml"
+        bad.write_text(f'[framework]\nname = "torchtitan"\n{field} = "{value}"\n')
+        with pytest.raises(ConfigError, match=said):
+            profile.framework_of(bad)
+    good = tmp_path / "good.toml"
+    good.write_text('[framework]\nname = "torchtitan"\nfused_elementwise = "norm, swiglu"\nattention_kernel = "fa3"\n')
+    fw = profile.framework_of(good)
+    assert (fw.fused_elementwise, fw.attention_kernel) == ("norm, swiglu", "fa3")

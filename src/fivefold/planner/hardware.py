@@ -13,6 +13,8 @@ file: `fivefold plan --hardware FILE` where FILE holds
     1 = 436.0
     2 = 361.7
 
+Without measured tables the time model costs compute by kernel class from the device's published figures
+(`planner/devices/kernels.toml`, by `device`: the preset a file's `base` names).
 `fivefold calibrate` writes such a file with measured tables instead of single constants: `linear` (forward
 and backward TFLOP/s of a linear layer by shape m x n x k), `attention` (causal attention TFLOP/s by
 batch x heads, sequence, head dim), `loss` (the fused output layer + cross-entropy by tokens, vocabulary,

@@ -233,17 +233,19 @@ def test_host_floor_bounds_each_stage():
 
 def test_gradient_accumulation_copies_cost_their_bytes():
     # nanotron adds every bf16 gradient into its fp32 buffer after each micro-batch: 10 bytes per parameter of the
-    # rank at the HBM bandwidth, per micro-batch (pp1: every parameter of the model over tp)
+    # rank at the achieved HBM bandwidth (the device's share, planner/devices/kernels.toml), per micro-batch (pp1:
+    # every parameter of the model over tp)
     import dataclasses
 
     from fivefold.flops import count_params
+    from fivefold.planner.kernels import device_kernels
 
     cfg, hw = get_preset("llama3-8b"), get_cluster("h100")
     lay = dataclasses.replace(parse_layout("dp=4,tp=2,mbs=1", 64), fp32_grad_accum=True)
     plain = estimate(cfg, 4096, lay, FIVEFOLD, hw)
     copies = estimate(cfg, 4096, lay, dataclasses.replace(FIVEFOLD, grad_accum_copy_bytes=10.0), hw)
     params = count_params(cfg) / 2  # tp2: every weight sharded in two but the norms (a rounding error here)
-    expect = lay.grad_accum_steps * params * 10.0 / (hw.hbm_gbps * 1e9)
+    expect = lay.grad_accum_steps * params * 10.0 / (hw.hbm_gbps * 1e9 * device_kernels("h100").hbm_efficiency)
     assert copies.step_time_s - plain.step_time_s == pytest.approx(expect, rel=0.01)
     # without the fp32 accumulation buffer nothing is copied
     no_buffer = dataclasses.replace(lay, fp32_grad_accum=False)

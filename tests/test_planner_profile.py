@@ -150,7 +150,7 @@ def test_scaling_weak_and_strong(capsys):
 def test_scaling_reproduces_torchtitan_fsdp(capsys):
     """torchtitan's Llama 3.1 8B FSDP rows (selective AC, no compile): 5,762 tokens/s per GPU on 8 GPUs and
     5,605 on 128 (benchmarks/llama3_h100_202412_torchtitan.md): weak-scaling efficiency 97.3 %. The profile of
-    that benchmark's machine predicts it within 5 points (docs/planner.md, "Scaling")."""
+    that benchmark's machine predicts it within 5 points (docs/planner.md, torchtitan's Llama 3.1 rows)."""
     import json
 
     from fivefold.cli import main

@@ -1,6 +1,6 @@
 """`fivefold plan validate --data FILE` on other engines' published runs: the torchtitan Llama 3.1 rows shipped in
-`planner/published/`, each modelled with its own framework (`framework` column) and split (`split` column), the rows
-that used what the planner has no term for (`features`: compile, float8, async TP) counted apart, never compared."""
+`planner/published/`, each modelled with its own framework (`framework` column), split (`split` column) and features
+(`features`: compile, float8, async TP, inputs of the compute model, `planner/features.py`)."""
 
 from __future__ import annotations
 
@@ -39,24 +39,27 @@ def test_published_rows_are_the_llama31_shapes():
         assert degrees[0] * degrees[1] * degrees[2] * degrees[3] == int(r["gpus"]) == 8 * int(r["nodes"]), r
 
 
-def test_validate_models_each_row_with_its_framework_and_counts_the_skipped(capsys):
+def test_validate_models_each_row_with_its_framework_and_features(capsys):
     rows = published()
     rc = main(["plan", "validate", "--data", str(ROWS), "--profile", str(TORCHTITAN), "--json", "--per-row"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     plain = [r for r in rows if not r["features"]]
     features = [f for r in rows for f in r["features"].split("+") if f]
-    assert out["skipped"] == {"rows": len(rows) - len(plain),
-                              **{f: features.count(f) for f in set(features)}}
-    assert out["held_out"]["rows"] == len(plain) and out["fitted"]["rows"] == 0  # the split column: all held out
+    assert out["features"] == {"rows": len(rows) - len(plain), **{f: features.count(f) for f in set(features)}}
+    fit = [r for r in rows if r["split"] == "fit"]
+    assert len(fit) == 1 and not fit[0]["features"]  # the one row matmul_efficiency is fitted on
+    assert out["held_out"]["rows"] == len(rows) - 1 and out["fitted"]["rows"] == 1
     assert [(r["model"], r["nodes"], r["measured_tok_s_gpu"]) for r in out["rows"]] == [
-        (r["model"], int(r["nodes"]), float(r["tok_s_gpu"])) for r in plain]
-    for r in out["rows"]:
-        assert r["held_out"] and r["ran"] and r["predicted_tok_s_gpu"] > 0 and r["predicted_memory_gib"] > 0
+        (r["model"], int(r["nodes"]), float(r["tok_s_gpu"])) for r in rows]
+    for r, source in zip(out["rows"], rows, strict=True):
+        assert r["held_out"] == (source["split"] == "held-out") and r["ran"]
+        assert r["predicted_tok_s_gpu"] > 0 and r["predicted_memory_gib"] > 0
     rc = main(["plan", "validate", "--data", str(ROWS), "--profile", str(TORCHTITAN), "--per-row"])
     text = capsys.readouterr().out
-    assert rc == 0 and f"skipped {len(rows) - len(plain)} row(s)" in text and "torch.compile" in text
-    assert text.count("llama3.1-8b ") == len(plain)  # one line per modelled row
+    assert rc == 0 and f"{len(rows) - len(plain)} row(s) modelled with their features" in text
+    assert "torch.compile" in text
+    assert text.count("llama3.1-8b ") == sum(r["model"] == "llama3.1-8b" for r in rows)  # one line per row
 
 
 def test_validate_names_an_unknown_framework_feature_or_split(tmp_path, capsys):

@@ -53,6 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--framework", choices=sorted(_framework_names()),
                    help="whose implementation to model (default: fivefold-cpu on a CPU profile, else fivefold; "
                         "nanotron: the playbook's benchmark settings)")
+    p.add_argument("--features", default="", help="what the runs use beyond the layout, comma-separated: compile "
+                   "(fused element-wise kernels), float8 (float8 linears), async-tp (micro-pipelined TP collectives)")
+    p.add_argument("--mfu-convention", choices=["fivefold", "torchtitan", "playbook"], default="fivefold",
+                   help="FLOPs per token of the MFU column: fivefold's (causal attention halved, the trainer's), "
+                   "torchtitan's or the playbook's (full attention; the playbook also counts the embedding)")
     p.add_argument("--fp32-grad-accum", choices=["on", "off"], default="off")
     p.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to consider")
     p.add_argument("--recompute", default="none,selective,full", help="recompute modes to consider")
@@ -73,6 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", help="validate: TOML of fitted constants (default: the packaged profile)")
     p.add_argument("--fit", action="store_true", help="validate: refit the constants on the 1- and 2-node rows")
     p.add_argument("--out", help="validate --fit: write the fitted profile here (readable by plan --hardware)")
+    p.add_argument("--fit-fields", default="", help="validate --fit: fit only these constants (comma-separated; "
+                   "matmul_efficiency alone is fitted on a fine grid, e.g. on one named row), default all")
     p.add_argument("--per-row", action="store_true", help="validate: every row's prediction beside its measurement "
                    "(a table, or a 'rows' list with --json)")
 
@@ -228,16 +235,26 @@ def _cluster(args: argparse.Namespace):
     return hw
 
 
-def _framework(args: argparse.Namespace, hw) -> Framework:
-    """--framework, else the [framework] of the --hardware profile, else fivefold (fivefold-cpu on a CPU)."""
-    from fivefold.planner import profile
+def _mfu_scale(args: argparse.Namespace, cfg: ModelConfig, seq: int) -> float:
+    """--mfu-convention: what multiplies fivefold's MFU (`planner/mfu.py`)."""
+    from fivefold.planner.mfu import mfu_scale
 
+    return mfu_scale(cfg, seq, getattr(args, "mfu_convention", None) or "fivefold")
+
+
+def _framework(args: argparse.Namespace, hw) -> Framework:
+    """--framework, else the [framework] of the --hardware profile, else fivefold (fivefold-cpu on a CPU); with
+    the run's --features (torch.compile, float8, async TP: `planner/features.py`)."""
+    from fivefold.planner import profile
+    from fivefold.planner.features import parse_features, with_features
+
+    features = parse_features(getattr(args, "features", None) or "")
     if args.hardware:
         fw = profile.load(args.hardware, args.framework, args.gpu)[0]
         if fw is not None:
-            return fw
-    return profile.all_frameworks()[args.framework or ("fivefold-cpu" if hw.cores or hw.name == "cpu"
-                                                       else "fivefold")]
+            return with_features(fw, features)
+    return with_features(profile.all_frameworks()[args.framework or ("fivefold-cpu" if hw.cores or hw.name == "cpu"
+                                                                     else "fivefold")], features)
 
 
 def train_config(cfg: ModelConfig, lay: Layout, seq: int, batch_seqs: int, dtype: str, accelerator: bool = True,
@@ -345,6 +362,7 @@ def run(args: argparse.Namespace) -> int:
                               f"({args.nodes} nodes x {hw.gpus_per_node}); change the degrees or --nodes")
         train_config(cfg, lay, seq, batch_seqs, fw.compute_dtype)  # refused as `fivefold train` refuses it
         e = estimate(cfg, seq, lay, fw, hw, True, moe_imbalance=args.moe_imbalance)
+        e.mfu *= _mfu_scale(args, cfg, seq)
         if args.json:
             print(json.dumps(e.to_json(), indent=2))
         else:
@@ -370,6 +388,8 @@ def run(args: argparse.Namespace) -> int:
                      prediction=f"{gib(best.peak_bytes):.1f} GiB peak per device, step {best.step_time_s:.2f} s, "
                                 f"{best.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {100 * best.mfu:.1f} %",
                      train_tokens=parse_tokens(args.train_tokens) if args.train_tokens else None)
+    for e in result.candidates:  # the written config's header keeps fivefold's MFU (what the trainer logs)
+        e.mfu *= _mfu_scale(args, cfg, seq)
     if args.json:
         print(json.dumps({"model": cfg.name, "gpus": n_gpus, "hardware": hw.name, "seq_len": seq,
                           "global_batch_tokens": tokens, "evaluated": result.evaluated,
@@ -386,6 +406,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"vocabulary padded to {cfg.vocab_size:,} (a multiple of {args.pad_vocab}, --pad-vocab)")
     print(f"the best of each layout family (tp/pp/cp/ep grid, FSDP or not), best first; 'tie': within "
           f"{100 * TIE:.0f} % of the best, the model's own uncertainty")
+    if getattr(args, "mfu_convention", "fivefold") != "fivefold":
+        from fivefold.planner.mfu import CONVENTIONS
+
+        print(f"MFU as {args.mfu_convention} counts it: {CONVENTIONS[args.mfu_convention]}")
     print(f"{'layout':58s} {'family':30s} {'peak GiB':>8s} {'step s':>9s} {'tok/s/GPU':>12s} {'MFU %':>6s}")
     best = result.candidates[0]
     shown: dict = {}

@@ -13,6 +13,8 @@ file: `fivefold plan --hardware FILE` where FILE holds
     1 = 436.0
     2 = 361.7
 
+Without measured tables the time model costs compute by kernel class from the device's published figures
+(`planner/devices/kernels.toml`, by `device`: the preset a file's `base` names).
 `fivefold calibrate` writes such a file with measured tables instead of single constants: `linear` (forward
 and backward TFLOP/s of a linear layer by shape m x n x k), `attention` (causal attention TFLOP/s by
 batch x heads, sequence, head dim), `loss` (the fused output layer + cross-entropy by tokens, vocabulary,
@@ -41,9 +43,12 @@ class Cluster(Hardware):
     """A device of `fivefold.hardware` (the one table of device facts: peaks, memory, links, devices per node),
     with what the time model adds. The device fields are inherited, so the two cannot drift apart."""
 
+    device: str = ""  # the preset whose kernel figures apply (`planner/devices/kernels.toml`); kept by `base = ...`
     intra_latency_us: float = 2.0  # one ring step of a collective inside a node
     inter_latency_us: float = 5.0  # one ring step across nodes
-    matmul_efficiency: float = 0.78  # best achievable share of the peak on large matmuls
+    # achieved share of the peak on a large (8192^3) matmul: the preset's from kernels.toml (gemm_efficiency), a
+    # profile's fitted value replaces it and scales the attention figures in proportion
+    matmul_efficiency: float = 0.78
     kernel_overhead_us: float = 4.0  # per launched kernel (small shapes are latency bound)
     # measured all-reduce bus bandwidth by nodes spanned (GB/s); empty = derive from the link bandwidths
     busbw_gbps: dict[int, float] = field(default_factory=dict)
@@ -203,8 +208,11 @@ def interpolate(points: tuple[tuple[float, ...], ...], key: tuple[float, ...]) -
 
 
 def _from_base(name: str) -> Cluster:
+    from fivefold.planner.kernels import device_kernels
+
     hw = HARDWARE[name]
-    return Cluster(**{f.name: getattr(hw, f.name) for f in dataclasses.fields(Hardware)})
+    return Cluster(**{f.name: getattr(hw, f.name) for f in dataclasses.fields(Hardware)}, device=name,
+                   matmul_efficiency=device_kernels(name).gemm_efficiency)
 
 
 PRESETS: dict[str, Cluster] = {name: _from_base(name) for name in HARDWARE}
@@ -282,7 +290,7 @@ def _parse_fields(data: dict, where: str) -> dict:
             raise ConfigError(f"{where} field {key!r} is not known; known fields: {', '.join(sorted(fields))}")
         if key in ("busbw_gbps", "gather_busbw_gbps"):
             value = {int(k): float(v) for k, v in value.items()}
-        elif key == "name":
+        elif key in ("name", "device"):
             value = str(value)
         elif key in _INT_FIELDS:
             value = int(value)

@@ -146,6 +146,15 @@ class Framework:
     # cost, a block 4 h^2 + 3 h ffn and the output layer V h, passes its share; trailing ranks may get no block,
     # and a rank left with no pipeline block at all cannot run). The memory model keeps the balanced split.
     stage_split: str = "balanced"
+    # --- the compute model by kernel class (`planner/time.py`, `planner/kernels.py`) ---
+    # element-wise kernel classes run as one fused kernel each (comma-separated: norm, residual, rotary, swiglu, or
+    # all; torch.compile fuses all), the rest as eager PyTorch ops
+    fused_elementwise: str = ""
+    attention_kernel: str = "fa2"  # the row set of kernels.toml (fa2: SDPA's flash backend and flash_attn 2)
+    float8_linears: bool = False  # the blocks' linears run float8 GEMMs (torchao tensorwise scaling)
+    # tensor-parallel collectives micro-pipelined with the matmuls (torch's async TP, symmetric memory): only the
+    # first of tp chunks is exposed
+    async_tp: bool = False
 
     @property
     def act_bytes(self) -> int:
@@ -173,7 +182,7 @@ NANOTRON = Framework(name="nanotron", param_bytes=2, grad_bytes=2, master_bytes=
                      fixed_overhead_gib=1.0, residual_bytes=2, norm_saves_normalized=False,
                      sp_saves_gathered_input=False, fused_projections=True, sp_norm_grad_allreduces=0,
                      sp_regather_exposed=False, grad_accum_copy_bytes=10.0,
-                     stage_split="params")
+                     stage_split="params", fused_elementwise="norm,rotary")
 # The name the lean engine had while fp32 weights under autocast were the default: the same as `fivefold` now.
 FIVEFOLD_LEAN = dataclasses.replace(FIVEFOLD, name="fivefold-lean")
 FRAMEWORKS = {"fivefold": FIVEFOLD, "fivefold-cpu": FIVEFOLD_CPU, "fivefold-lean": FIVEFOLD_LEAN,

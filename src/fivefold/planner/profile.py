@@ -81,6 +81,22 @@ def _framework_table(table, where: str, known: dict[str, Framework], default: st
             raise ConfigError(f"--hardware {where!r}: [framework] stage_split = {value!r} is not one of "
                               f"{', '.join(STAGE_SPLITS)} (balanced: by FLOPs, at least one block per stage; "
                               "params: nanotron's split by parameter cost)")
+        if key == "fused_elementwise":
+            from fivefold.planner.time import ELEMENTWISE_CLASSES
+
+            names = [c.strip() for c in str(value).split(",") if c.strip()]
+            bad = [c for c in names if c not in (*ELEMENTWISE_CLASSES, "all")]
+            if bad:
+                raise ConfigError(f"--hardware {where!r}: [framework] fused_elementwise = {value!r}: {bad[0]!r} is not "
+                                  f"a kernel class; use a comma-separated list of {', '.join(ELEMENTWISE_CLASSES)} "
+                                  "or all")
+        if key == "attention_kernel":
+            from fivefold.planner.kernels import all_devices
+
+            kernels = sorted({row[0] for dk in all_devices().values() for row in dk.attention})
+            if value not in kernels:
+                raise ConfigError(f"--hardware {where!r}: [framework] attention_kernel = {value!r} has no rows in "
+                                  f"planner/devices/kernels.toml; choose one of: {', '.join(kernels)}")
         table[key] = type(current)(value)
     return dataclasses.replace(base, name=name, **table)
 

@@ -1,10 +1,14 @@
-"""Step time of a layout: compute at a shape-dependent efficiency, communication with its overlap, and the
-pipeline schedule simulated action by action.
+"""Step time of a layout: compute by kernel class, communication with its overlap, and the pipeline schedule
+simulated action by action.
 
 Compute FLOPs come from `fivefold.flops.training_flops_per_token`, the function the trainer logs MFU with;
-only their speed depends on the shapes: each matmul of a block runs at `matmul_efficiency` of the peak scaled
-down by the roofline (arithmetic intensity against the device's FLOP/byte ridge), plus memory-bound
-element-wise work and a per-kernel launch cost.
+only their speed depends on the kernels. Without a calibrated profile each class has its own figure per device
+(`planner/kernels.py`, `planner/devices/kernels.toml`, every figure with its source): a block's GEMMs at the
+device's large-GEMM efficiency (`matmul_efficiency`) times a shape term (small dimensions run slower) and the
+roofline of their arithmetic intensity, float8 GEMMs faster by the device's FP8 figure; causal attention at the
+published FlashAttention speed for its head dim and sequence length; norms, rotary embedding, SwiGLU and residual
+adds by the bytes they stream (eager PyTorch ops, or fused kernels: `Framework.fused_elementwise`) at the device's
+achieved HBM bandwidth; plus a per-kernel launch cost. With a calibrated profile the measured tables replace them.
 """
 
 from __future__ import annotations
@@ -18,24 +22,74 @@ from fivefold.flops import training_flops_per_token
 from fivefold.parallel.schedules import build_schedule, simulate
 from fivefold.planner import comm
 from fivefold.planner.hardware import Cluster
+from fivefold.planner.kernels import ATTENTION_BACKWARD_FLOPS, DeviceKernels, device_kernels
 from fivefold.planner.layout import Framework, Layout
 from fivefold.planner.memory import layer_activation_bytes, layer_params, stage_layers
 
 # schedules with more F actions than this are timed with the closed form (simulating them takes seconds)
 EXACT_MAX_ACTIONS = 8192
 
+# bytes per element that each element-wise kernel class streams in a block's forward, with bf16 tensors: eager
+# PyTorch ops (each op reads its inputs and writes its output, fp32 inside the norm and the rotation) and one fused
+# kernel (torch.compile, Triton or Transformer Engine kernels). The backward streams twice the forward's.
+ELEMENTWISE_BYTES = {
+    "norm": (36.0, 4.0),  # RMSNorm: cast up 2+4, square 4+4, mean 4, scale 4+4, cast down 4+2, weight 2+2 | 2+2
+    "residual": (6.0, 2.0),  # x + y: 2+2+2 | fused into the next norm, which reads the sum anyway: its write
+    "rotary": (20.0, 4.0),  # q and k: cast up 2+4, complex multiply 4+4, cast down 4+2 | 2+2
+    "swiglu": (10.0, 6.0),  # silu(gate) 2+2, times up 2+2+2 | gate and up in, product out
+}
+ELEMENTWISE_CLASSES = tuple(ELEMENTWISE_BYTES)
+# bytes per element of a float8 linear's input (forward) and output gradient (backward) for the scale and cast
+# (amax read, cast read + write of one byte; torchao's dynamic tensorwise scaling)
+FLOAT8_CAST_BYTES = 5.0
 
-def _gemm_eff(m: float, n: float, k: float, ab: int, hw: Cluster) -> float:
+
+def fused_classes(fw: Framework) -> set[str]:
+    """The element-wise kernel classes a framework runs fused ("all" for every class)."""
+    names = {c.strip() for c in fw.fused_elementwise.split(",") if c.strip()}
+    return set(ELEMENTWISE_CLASSES) if "all" in names else names
+
+
+def elementwise_bytes(cfg: ModelConfig, tokens: float, tp: int, sp: bool, fw: Framework) -> float:
+    """Bytes that one block's element-wise kernels stream in the forward on one tensor-parallel rank: two norms
+    and two residual adds on the hidden states (a sequence slice under sp), the rotation of q and k, SwiGLU on
+    the rank's share of the MLP (the routed experts' share for MoE)."""
+    fused = fused_classes(fw)
+    per = {c: ELEMENTWISE_BYTES[c][1 if c in fused else 0] for c in ELEMENTWISE_CLASSES}
+    hidden = cfg.hidden / (tp if sp else 1)
+    rotated = (cfg.n_heads // tp + max(cfg.n_kv_heads // tp, 1)) * cfg.head_dim
+    mlp = (cfg.expert_ffn * (cfg.top_k + cfg.n_shared_experts) if cfg.is_moe else cfg.ffn) / tp
+    per_token = 2 * hidden * (per["norm"] + per["residual"]) + rotated * per["rotary"] + mlp * per["swiglu"]
+    return tokens * per_token * fw.act_bytes / 2
+
+
+def gemm_efficiency(m: float, n: float, k: float, ab: int, hw: Cluster, dk: DeviceKernels) -> float:
+    """Achieved share of the peak of one GEMM: the cluster's large-GEMM efficiency times the shape term and the
+    roofline of its arithmetic intensity against the device's FLOP/byte ridge."""
     intensity = 2 * m * n * k / (ab * (m * k + k * n + m * n))
     ridge = hw.peak_flops() / (hw.hbm_gbps * 1e9)
-    return hw.matmul_efficiency * min(1.0, intensity / ridge)
+    return min(0.99, hw.matmul_efficiency * dk.gemm_factor(m, n, k) * min(1.0, intensity / ridge))
 
 
-def _weighted_eff(gemms: list[tuple[float, float, float]], ab: int, hw: Cluster) -> float:
+def _weighted_eff(gemms: list[tuple[float, float, float]], ab: int, hw: Cluster, dk: DeviceKernels) -> float:
     """Efficiency of a set of matmuls, weighted by their FLOPs (harmonic: times add up)."""
     flops = [m * n * k for m, n, k in gemms]
-    time = sum(f / _gemm_eff(m, n, k, ab, hw) for f, (m, n, k) in zip(flops, gemms, strict=True))
+    time = sum(f / gemm_efficiency(m, n, k, ab, hw, dk) for f, (m, n, k) in zip(flops, gemms, strict=True))
     return sum(flops) / time
+
+
+def attention_seconds(fwd_flops: float, head_dim: float, seq: float, fw: Framework, hw: Cluster,
+                      dk: DeviceKernels, peak: float) -> tuple[float, float]:
+    """Forward and backward seconds of causal attention worth `fwd_flops` (the model's forward FLOPs, which equal
+    FlashAttention's causal count) with kernels over `seq` tokens: at the published speed of the framework's
+    kernel, scaled by the cluster's GEMM efficiency over the device's published one; as GEMMs (backward twice the
+    forward) on a device without attention figures."""
+    rates = dk.attention_tflops(fw.attention_kernel, head_dim, seq)
+    if rates is None or fw.compute_dtype != "bf16":
+        f = fwd_flops / (peak * hw.matmul_efficiency)
+        return f, 2 * f
+    scale = hw.matmul_efficiency / dk.gemm_efficiency * 1e12
+    return fwd_flops / (rates[0] * scale), ATTENTION_BACKWARD_FLOPS * fwd_flops / (rates[1] * scale)
 
 
 def exposed(comm_time: float, compute_time: float, overlap: float) -> float:
@@ -113,20 +167,26 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
         head_f = n_chunks * head[0] + logits + fw.kernels_per_micro_batch * hw.kernel_overhead_us * 1e-6 \
             * hw.compute_scale
         head_b = n_chunks * head[1] + fw.kernels_per_micro_batch * hw.backward_overhead() * hw.compute_scale
-    else:  # the roofline: matmuls at `matmul_efficiency` of the peak scaled by arithmetic intensity
+    else:  # by kernel class: GEMMs with the shape term, attention from the published table, element-wise by bytes
+        dk = device_kernels(hw.device)
+        mlp = (cfg.expert_ffn * (cfg.top_k + cfg.n_shared_experts) if cfg.is_moe else cfg.ffn) // tp
         gemms = [(tokens, (cfg.n_heads // tp + 2 * kv) * d, h), (tokens, h, cfg.n_heads * d // tp),
-                 (tokens, 2 * (cfg.expert_ffn * (cfg.top_k + cfg.n_shared_experts) if cfg.is_moe else cfg.ffn)
-                  // tp, h), (tokens, h, (cfg.expert_ffn * (cfg.top_k + cfg.n_shared_experts) if cfg.is_moe
-                                        else cfg.ffn) // tp)]
-        lin_f = layer_fwd / (peak * _weighted_eff(gemms, ab, hw))
+                 (tokens, 2 * mlp, h), (tokens, h, mlp)]
+        lin_f = layer_fwd / (peak * _weighted_eff(gemms, ab, hw, dk))
+        if fw.float8_linears:  # the block's linears in float8 (the output layer stays bf16), plus the scale casts
+            lin_f /= dk.fp8_gemm_speedup
         lin_b = 2 * lin_f
-        attn_f = attn_fwd / (peak * hw.matmul_efficiency)
-        attn_b = 2 * attn_f
-        elementwise = 2 * act_bytes / hbm
+        hbm = hw.hbm_gbps * 1e9 * dk.hbm_efficiency
+        if fw.float8_linears:
+            cast = FLOAT8_CAST_BYTES * sum(m * k for m, _, k in gemms) / hbm
+            lin_f += cast
+            lin_b += FLOAT8_CAST_BYTES * sum(m * n for m, n, _ in gemms) / hbm
+        attn_f, attn_b = attention_seconds(attn_fwd, d, seq / lay.cp, fw, hw, dk, peak)
+        elementwise = elementwise_bytes(cfg, tokens, tp, lay.sp, fw) / hbm
         kernels = fw.kernels_per_layer + len(gemms) + 1  # with the matmuls and the attention kernel
         oh_f = kernels * hw.kernel_overhead_us * 1e-6
         oh_b = kernels * hw.backward_overhead()
-        head_gemm = _weighted_eff([(chunk, cfg.vocab_size / tp, h)], ab, hw)
+        head_gemm = _weighted_eff([(chunk, cfg.vocab_size / tp, h)], ab, hw, dk)
         head_f = head_fwd / (peak * head_gemm) + tokens * cfg.vocab_size / tp * fw.logits_bytes * 2 / hbm
         head_b = 2 * head_f
     t_layer = lin_f + attn_f + elementwise + oh_f
@@ -146,8 +206,8 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
         else:
             t_tp = 2 * comm.all_reduce(act, tp, st["tp"], hw)
             head_tp = comm.all_reduce(act, tp, st["tp"], hw)  # the embedding's output; the loss's input grad
-        t_tp *= 1 - fw.tp_overlap
-        t_tp_b_extra *= 1 - fw.tp_overlap
+        t_tp *= (1 - fw.tp_overlap) / (tp if fw.async_tp else 1)
+        t_tp_b_extra *= (1 - fw.tp_overlap) / (tp if fw.async_tp else 1)
         head_tp *= 1 - fw.tp_overlap
         # the vocabulary-parallel loss: row maxima, then sum of exponentials and target logits, per chunk
         loss_tp = tokens / chunk * (comm.all_reduce(chunk * 4, tp, st["tp"], hw)
@@ -179,7 +239,7 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     f_layer = t_layer + t_tp + t_cp_f + t_ep
     # backward: the linears' input-gradient half in B, weight-gradient half in W; a third of the fixed costs in W
     b_layer = lin_b / 2 + attn_b + elementwise + oh_b * 2 / 3 + t_tp + t_tp_b_extra + t_cp_b + t_ep + recompute
-    w_layer = lin_b / 2 + elementwise + oh_b / 3
+    w_layer = lin_b / 2 + elementwise + oh_b / 3  # (by kernel class: the backward's element-wise is B's + W's share)
     counts = framework_stage_layers(cfg, lay, seq, fw)
     f = [n * f_layer for n in counts]
     b = [n * b_layer for n in counts]
@@ -356,6 +416,8 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
         last_bucket = t_dp * min(1.0, bucket / max(red_bytes, 1.0))
         window = sum(times.b[s] + times.w[s] for s in range(len(times.f)) if _rank_of(s, lay) == 0) if lay.pp > 1 \
             else times.b[0] + times.w[0]
+        if lay.zero >= 2:  # every micro-batch reduce-scatters behind its own backward, not all behind the last one
+            window *= lay.grad_accum_steps
         t_dp_exposed = exposed(t_dp, window, overlap) + overlap * last_bucket
     else:
         t_dp_exposed = 0.0
@@ -372,7 +434,8 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
         n_layers = max(1, -(-cfg.n_layers // lay.pp))
         block = param_full / fw.param_bytes * (fw.gather_bytes or fw.param_bytes) / n_layers  # as gathered
         ag = comm.all_gather(block, dpc, st["dpcp"], hw)
-        per_block = (times.f[0] + times.b[0] + times.w[0]) / n_layers
+        # the compute of one block of the first stage (interleaved: a stage holds 1/v of the rank's blocks)
+        per_block = (times.f[0] + times.b[0] + times.w[0]) / max(1, times.counts[0])
         t_gather = lay.grad_accum_steps * n_layers * 2 * exposed(ag, per_block / 3, overlap)
         # what each unit (the blocks and the root) costs per micro-batch beyond its collectives, as measured
         t_gather += lay.grad_accum_steps * (n_layers + 1) * hw.zero3_unit_us * 1e-6

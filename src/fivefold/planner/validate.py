@@ -208,7 +208,7 @@ def fit_memory(rows: list[Row], fw: Framework) -> Framework:
 
 # the time constants `fit_time` fits, each with the values it tries: (table, field, grid)
 TIME_GRID = (
-    ("hardware", "matmul_efficiency", (0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8)),
+    ("hardware", "matmul_efficiency", tuple(round(0.4 + 0.025 * i, 3) for i in range(17))),
     ("hardware", "kernel_overhead_us", (5.0, 10.0, 20.0, 40.0)),
     ("framework", "tp_overlap", (0.0, 0.25, 0.5)),
     ("framework", "host_us_per_layer", (0.0, 3000.0, 3500.0, 4000.0, 4500.0, 5000.0, 5500.0)),
@@ -278,6 +278,29 @@ def fit_time(rows: list[Row], fw: Framework, hw: Cluster) -> tuple[Framework, Cl
     return fw, hw
 
 
+def fit_matmul_efficiency(rows: list[Row], fw: Framework, hw: Cluster) -> Cluster:
+    """The large-GEMM efficiency alone (which also scales the attention figures, `planner/time.py`) that
+    minimises the median absolute log error of tokens/s per GPU on `rows` (e.g. one named row): a grid of 0.0025
+    from 0.20 to 0.99, each row modelled with its own framework and features."""
+    from fivefold.planner.profile import all_frameworks
+
+    known = all_frameworks()
+    ok = [r for r in rows if r.ok]
+    if not ok:
+        raise ConfigError("--fit --fit-fields matmul_efficiency: no finished row to fit on (the rows with split = fit)")
+
+    def score(value: float) -> float:
+        h2 = dataclasses.replace(hw, matmul_efficiency=value)
+        return statistics.median(abs(math.log(estimate(r.model, r.seq, r.layout, row_framework(r, fw, known), h2,
+                                                      False).tokens_per_s_per_device / r.tok_s_gpu)) for r in ok)
+
+    best = min((round(0.20 + 0.0025 * i, 4) for i in range(317)), key=score)
+    return dataclasses.replace(hw, matmul_efficiency=best)
+
+
+FIT_FIELDS = ("memory", *(name for _, name, _ in TIME_GRID))
+
+
 # ---------------------------------------------------------------------------------------------
 # Metrics
 
@@ -329,39 +352,34 @@ def metrics(rows: list[Row], preds: list) -> dict:
     }
 
 
-# What a published run may have used that the planner's model has no term for: such rows are reported as
-# skipped, with the reason, instead of being compared with a prediction that leaves it out.
-UNMODELLED_FEATURES = {"compile": "torch.compile (fused element-wise kernels)", "float8": "float8 matmuls",
-                       "async-tp": "async tensor parallel"}
+def check_features(rows: list[Row]) -> dict[str, int]:
+    """How many rows use each feature (`features` column; "rows": with any), every name checked: a feature is an
+    input of the compute model (`planner/features.py`), not a reason to leave a row out."""
+    from fivefold.planner.features import FEATURES
 
-
-def skipped_rows(rows: list[Row]) -> tuple[list[Row], dict[str, int]]:
-    """The rows the planner can model, and how many rows each unmodelled feature left out ("rows": in all)."""
-    kept, skipped = [], defaultdict(int)
+    counts: dict[str, int] = defaultdict(int)
     for r in rows:
-        missing = [f for f in r.features if f in UNMODELLED_FEATURES]
-        unknown = [f for f in r.features if f not in UNMODELLED_FEATURES]
+        unknown = [f for f in r.features if f not in FEATURES]
         if unknown:
             raise ConfigError(f"--data: row of {r.model.name} on {r.nodes} node(s) has features {'+'.join(unknown)!r}"
-                              f"; known features: {', '.join(UNMODELLED_FEATURES)} (joined with '+')")
-        for f in missing:
-            skipped[f] += 1
-        if missing:
-            skipped["rows"] += 1
-        else:
-            kept.append(r)
-    return kept, dict(skipped)
+                              f"; known features: {', '.join(FEATURES)} (joined with '+')")
+        for f in r.features:
+            counts[f] += 1
+        counts["rows"] += bool(r.features)
+    return dict(counts) if counts.get("rows") else {}
 
 
 def row_framework(r: Row, fw: Framework, known: dict[str, Framework]) -> Framework:
     """The framework a row is modelled with: the profile's for the playbook's nanotron rows, else the row's own
-    (a built-in one or a file of `planner/frameworks/`)."""
+    (a built-in one or a file of `planner/frameworks/`), with the row's features (`planner/features.py`)."""
+    from fivefold.planner.features import with_features
+
     if r.framework == "nanotron" or r.framework == fw.name:
-        return fw
+        return with_features(fw, r.features)
     if r.framework not in known:
         raise ConfigError(f"--data: framework = {r.framework!r} (a row of {r.model.name} on {r.nodes} node(s)) is not "
                           f"known; known frameworks: {', '.join(sorted(known))}")
-    return known[r.framework]
+    return with_features(known[r.framework], r.features)
 
 
 def validate(rows: list[Row], fw: Framework, hw: Cluster, exact: bool = True) -> dict:
@@ -427,14 +445,25 @@ def run_validate(args: argparse.Namespace) -> int:
                           f"runs, {DATA_NAME}; a clone of the repository finds it in ../shared/data beside the "
                           "checkout, an installed package has no default)")
     path = Path(args.data) if args.data else DEFAULT_DATA
-    rows, skipped = skipped_rows(read_rows(path))
+    rows = read_rows(path)
+    with_features = check_features(rows)
     fw, hw = load_profile(Path(args.profile) if args.profile else None)
     by_split = any(r.held_out is not None for r in rows)
-    if args.fit:
-        train = [r for r in rows if (not r.held_out if r.held_out is not None else r.nodes in FIT_NODES)]
+    fields = [f.strip() for f in (getattr(args, "fit_fields", "") or "").split(",") if f.strip()]
+    if fields and not args.fit:
+        raise ConfigError("--fit-fields chooses what --fit fits; add --fit")
+    if [f for f in fields if f not in FIT_FIELDS] or (fields and fields != ["matmul_efficiency"]):
+        raise ConfigError(f"--fit-fields {','.join(fields)!r}: fit either everything (leave it out) or "
+                          "matmul_efficiency alone (e.g. on one row marked split = fit)")
+    train = [r for r in rows if (not r.held_out if r.held_out is not None else r.nodes in FIT_NODES)]
+    where = "the rows with split = fit" if by_split else "rows of 1-2 nodes"
+    if args.fit and fields:
+        hw = fit_matmul_efficiency(train, fw, hw)
+        print(f"fitted on {len(train)} {where}: matmul_efficiency = {hw.matmul_efficiency}")
+    elif args.fit:
         fw = fit_memory(train, fw)
         fw, hw = fit_time(train, fw, hw)
-        print(f"fitted on {len(train)} rows of 1-2 nodes: activation_scale = {fw.activation_scale}, logits_bytes = "
+        print(f"fitted on {len(train)} {where}: activation_scale = {fw.activation_scale}, logits_bytes = "
               f"{fw.logits_bytes}, fixed_overhead_gib = {fw.fixed_overhead_gib}, usable_memory_fraction = "
               f"{fw.usable_memory_fraction}, "
               + ", ".join(f"{name} = {getattr(fw if table == 'framework' else hw, name)}"
@@ -442,11 +471,11 @@ def run_validate(args: argparse.Namespace) -> int:
     if args.fit and getattr(args, "out", None):
         from fivefold.planner import profile
 
-        profile.write(args.out, fw, hw, "h100-efa", f"fitted by `fivefold plan validate --fit` on the {len(train)} "
-                      f"rows of 1-2 nodes of {path.name}")
+        profile.write(args.out, fw, hw, hw.device if by_split else "h100-efa",
+                      f"fitted by `fivefold plan validate --fit` on the {len(train)} {where} of {path.name}")
         print(f"wrote {args.out} (use it with: fivefold plan --hardware {args.out} ...)")
     result = validate(rows, fw, hw)
-    result["skipped"] = dict(skipped)
+    result["features"] = with_features
     per_row = result.pop("rows")
     if getattr(args, "per_row", False):
         result["rows"] = per_row
@@ -457,9 +486,12 @@ def run_validate(args: argparse.Namespace) -> int:
     nodes = "/".join(map(str, FIT_NODES))
     split = "by the file's split column" if by_split else f"constants fitted on nodes {nodes} only"
     print(f"{path.name}: {len(rows)} rows, modelled as {', '.join(frameworks)} on {hw.name}; {split}")
-    if skipped:
-        print(f"skipped {skipped.pop('rows')} row(s) that used what the planner has no term for: " + ", ".join(
-            f"{UNMODELLED_FEATURES[f]} ({n})" for f, n in sorted(skipped.items())))
+    if with_features:
+        from fivefold.planner.features import FEATURES
+
+        counts = dict(with_features)
+        print(f"{counts.pop('rows')} row(s) modelled with their features: " + ", ".join(
+            f"{FEATURES[f]} ({n})" for f, n in sorted(counts.items())))
     heads = ("fitted", "held out") if by_split else ("fitted (1-2 nodes)", "held out (4+ nodes)")
     print(f"{'':34s} {heads[0]:>20s} {heads[1]:>20s}")
     for label, key in _LABELS:

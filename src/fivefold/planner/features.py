@@ -1,0 +1,46 @@
+"""What a run uses beyond its layout, as inputs of the compute model: `fivefold plan --features` and the
+`features` column of `plan validate --data` (joined with '+' there, with ',' on the command line).
+
+* `compile`: torch.compile fuses each block's element-wise ops (norms, residual adds, rotary, SwiGLU) into
+  kernels that read their inputs and write their outputs once (`Framework.fused_elementwise = "all"`).
+* `float8`: the blocks' linears run float8 GEMMs (torchao, dynamic tensorwise scaling) at the device's FP8
+  speed-up (`planner/devices/kernels.toml`), plus the scale and cast of each input and output gradient; the output
+  layer and attention stay bf16 (`Framework.float8_linears`).
+* `async-tp`: tensor-parallel all-gathers and reduce-scatters micro-pipelined with their matmuls (symmetric
+  memory), so only the first of tp chunks is exposed (`Framework.async_tp`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fivefold.config import ConfigError
+from fivefold.planner.layout import Framework
+
+FEATURES = {"compile": "torch.compile (fused element-wise kernels)", "float8": "float8 linears",
+            "async-tp": "async tensor parallel"}
+
+
+def parse_features(text: str, where: str = "--features", sep: str = ",") -> tuple[str, ...]:
+    """Feature names from `text`, each checked."""
+    names = tuple(f.strip() for f in text.split(sep) if f.strip())
+    unknown = [f for f in names if f not in FEATURES]
+    if unknown:
+        raise ConfigError(f"{where} {sep.join(unknown)!r} is not known; known features: {', '.join(FEATURES)} "
+                          f"(joined with {sep!r})")
+    return names
+
+
+def with_features(fw: Framework, features: tuple[str, ...] | list[str]) -> Framework:
+    """The framework as a run with these features runs it."""
+    changes: dict = {}
+    for f in features:
+        if f == "compile":
+            changes["fused_elementwise"] = "all"
+        elif f == "float8":
+            changes["float8_linears"] = True
+        elif f == "async-tp":
+            changes["async_tp"] = True
+        else:
+            raise ConfigError(f"feature {f!r} is not known; known features: {', '.join(FEATURES)}")
+    return dataclasses.replace(fw, **changes) if changes else fw

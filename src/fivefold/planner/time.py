@@ -344,7 +344,8 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     def reduce_time(nbytes: float, size: int, stride: int) -> float:
         if lay.zero >= 3:  # ZeRO-3 reduce-scatters each unit's (block's) gradients as its backward ends
             unit = max(bucket, nbytes / max(1, -(-cfg.n_layers // lay.pp)))
-            return comm.reduce_scatter(nbytes, size, stride, hw, unit) * lay.grad_accum_steps
+            # under pp only each stage's last backward of the step reduce-scatters (`parallel.pipeline_zero3`)
+            return comm.reduce_scatter(nbytes, size, stride, hw, unit) * (1 if lay.pp > 1 else lay.grad_accum_steps)
         if lay.zero >= 2:  # ZeRO-2 keeps only a gradient shard, so every micro-batch reduce-scatters
             return comm.reduce_scatter(nbytes, size, stride, hw, bucket) * lay.grad_accum_steps
         return comm.all_reduce(nbytes, size, stride, hw, bucket)
@@ -373,7 +374,9 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
         block = param_full / fw.param_bytes * (fw.gather_bytes or fw.param_bytes) / n_layers  # as gathered
         ag = comm.all_gather(block, dpc, st["dpcp"], hw)
         per_block = (times.f[0] + times.b[0] + times.w[0]) / n_layers
-        t_gather = lay.grad_accum_steps * n_layers * 2 * exposed(ag, per_block / 3, overlap)
+        # gathered for every forward and backward; under pp once per step (the weights stay gathered)
+        gathers = 1 if lay.pp > 1 else lay.grad_accum_steps * 2
+        t_gather = gathers * n_layers * exposed(ag, per_block / 3, overlap)
         # what each unit (the blocks and the root) costs per micro-batch beyond its collectives, as measured
         t_gather += lay.grad_accum_steps * (n_layers + 1) * hw.zero3_unit_us * 1e-6
     # the optimizer step streams parameters, gradients and states once, plus a fixed cost per tensor

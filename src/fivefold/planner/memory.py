@@ -103,8 +103,10 @@ def rank_params(cfg: ModelConfig, lay: Layout, rank: str = "first") -> RankParam
         dense += v_local * cfg.hidden
     if holds_last:
         dense += cfg.hidden  # final norm
-        if not (cfg.tied_embeddings and holds_first):
-            dense += v_local * cfg.hidden  # output layer (a copy of the embedding when tied across stages)
+        # the output layer: a copy of the embedding when tied across stages, or under ZeRO-3 over stages (one
+        # parameter cannot belong to two stages' fully_shard roots, `parallel.pipeline_zero3`)
+        if not (cfg.tied_embeddings and holds_first) or (lay.zero >= 3 and lay.pp > 1):
+            dense += v_local * cfg.hidden
     return RankParams(dense, n * lp["expert"], matmul, n, holds_first, holds_last)
 
 

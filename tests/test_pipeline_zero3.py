@@ -8,7 +8,8 @@ parameters, gradients and AdamW moments divided by dp.
 
 Fast (default run): 1F1B, AFAB and zero-bubble (whose W passes must all run before the reduce-scatter) with the
 counts and bytes; checkpoints from and to one process. Slow: interleaved (two stages per rank), DualPipeV (the
-tied embedding's two copies on one rank), the MoE model, bf16.
+tied embedding's two copies on one rank), the MoE model, cp2 x pp2 with full recompute, untied with selective
+recompute, dp2 x tp2+SP x pp2 (8 ranks), bf16.
 """
 
 from __future__ import annotations
@@ -114,6 +115,20 @@ def test_zero3_pipeline_interleaved_dualpipev_and_moe_match_one_process():
         {**Z3PP, "layout.schedule": "dualpipev", "model.n_layers": "4"},
         {**Z3PP, "layout.schedule": "1f1b", "model.n_experts": "4", "model.top_k": "2"},
     ])
+
+
+@pytest.mark.slow
+def test_zero3_pipeline_composes_with_cp_tp_sp_and_recompute():
+    """cp2 x pp2 (ZeRO-3 over dp x cp) zero-bubble with full recompute; dp2 x pp2 untied with selective recompute;
+    dp2 x tp2+SP x pp2 zero-bubble (8 ranks): against one process, with the pipeline test's checks."""
+    from tests.test_parallel_pipeline import assert_pipeline_equivalent
+
+    assert_pipeline_equivalent([
+        {"layout.pp": "2", "layout.cp": "2", "layout.zero": "3", "layout.schedule": "zero-bubble",
+         "layout.micro_batch_size": "2", "layout.recompute": "full"},
+        {**Z3PP, "model.tied_embeddings": "false", "layout.recompute": "selective"},
+    ], 4)
+    assert_pipeline_equivalent([{**Z3PP, "layout.tp": "2", "layout.sp": "true", "layout.schedule": "zero-bubble"}], 8)
 
 
 @pytest.mark.slow

@@ -344,3 +344,19 @@ def test_plan_and_result_reach_the_started_processes_unchanged():
     result = Result(2, linear=[[128, 256, 128, 0.03, 0.02]], comm_overlap=0.5,
                     collectives={"all_reduce": {2: [[4096, 1.5e-4]]}})
     assert Result.from_json(json.loads(json.dumps(result.to_json()))) == result
+
+
+def test_zero3_under_pipeline_gathers_once_per_step():
+    """Under pp the stages stay gathered for the step (`parallel.pipeline_zero3`): the gathers and reduce-scatters
+    are charged once per step, whatever the micro-batch count; without pp they grow with it."""
+    rows = ((4096, 1.0), (4194304, 2.0))  # slow enough that compute hides none of it
+    hw = _profile(collectives={"all_gather": {2: rows}, "reduce_scatter": {2: rows}})
+
+    def comm_parts(pp: int, m: int) -> tuple[float, float]:
+        lay = Layout(dp=2, pp=pp, zero=3, micro_batch_size=1, grad_accum_steps=m)
+        parts = step_time(TINY, 128, lay, FIVEFOLD_CPU, hw).parts
+        return parts["zero_gather"], parts["dp_comm_exposed"]
+
+    assert comm_parts(2, 4) == pytest.approx(comm_parts(2, 8))
+    assert comm_parts(2, 4)[0] > 0
+    assert comm_parts(1, 8)[0] > 1.5 * comm_parts(1, 4)[0]

@@ -172,9 +172,20 @@ def test_vpp_without_the_interleaved_schedule_is_refused():
     assert "layout.schedule = interleaved" in msg
 
 
-def test_zero3_with_pipeline_parallel_is_refused():
-    msg = refused(config(layout__pp="2", layout__dp="2", layout__zero="3"), 4)
-    assert "layout.zero = 3 with layout.pp > 1 is refused" in msg and "use layout.zero = 1 or 2" in msg
+def test_zero3_with_pipeline_parallel_is_accepted_but_not_with_expert_parallel_too():
+    cfg = config(layout__pp="2", layout__dp="2", layout__zero="3")
+    cfg.validate()
+    validate_layout(cfg, 4)
+    msg = refused(config(layout__pp="2", layout__dp="2", layout__ep="2", layout__zero="3", model__n_experts="4",
+                         model__top_k="2"), 4)
+    assert "layout.zero = 3 with layout.ep = 2" in msg and "use layout.zero = 1 or 2" in msg
+    # the pipeline rule itself, for when ZeRO-3 with ep alone is accepted
+    from fivefold.layout import pipeline_problem
+
+    cfg = config(layout__pp="2", layout__dp="4", layout__ep="2", layout__zero="3", model__n_experts="4",
+                 model__top_k="2")
+    problem = pipeline_problem(cfg.model, cfg.layout, cfg.train.seq_len, cfg.train.global_batch_size)
+    assert "layout.zero = 3 with layout.ep = 2 and layout.pp = 2 is refused" in problem.message
 
 
 def test_a_bad_explicit_stage_split_is_refused():

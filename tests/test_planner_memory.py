@@ -215,3 +215,25 @@ def test_lean_state_bytes_follow_the_distributed_optimizer(zero, fp32_grads):
     want = {0: (2 + g + 12) * n, 1: (2 + g) * n + 12 * n // dp, 2: 2 * n + (g + 12) * n // dp, 3: 16 * n // dp}[zero]
     got = model_state_bytes(cfg, Layout(dp=dp, zero=zero, fp32_grad_accum=fp32_grads), FIVEFOLD_LEAN)
     assert sum(got.values()) == want
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "dualpipev"])
+def test_zero3_under_pipeline_keeps_the_stages_gathered(schedule):
+    """ZeRO-3 with pp (`parallel.pipeline_zero3`): besides the dp-sharded states, the rank's whole stages stay
+    gathered for the step and their gradients unsharded until the last backward; against the parameters of the
+    real stages that the engine builds on the first pipeline rank (both tied-embedding copies under DualPipeV)."""
+    from fivefold.parallel.pipeline import build_stages
+    from fivefold.parallel.schedules import stage_placement
+    from fivefold.planner.memory import stage_layers
+
+    cfg = get_preset("tiny")
+    lay = Layout(dp=2, pp=2, zero=3, schedule=schedule, micro_batch_size=1, grad_accum_steps=4)
+    stages = build_stages(cfg, stage_layers(cfg, lay), stage_placement(schedule, 2, 1), 0, torch.device("meta"), 0)
+    held = sum(p.numel() for stage in stages.values() for p in stage.parameters())
+    bucket = 2 * FIVEFOLD_CPU.dp_bucket_mib * 2**20
+    fp32 = rank_memory(cfg, 128, lay, FIVEFOLD_CPU, in_flight=1).parts["comm_buffers"]
+    assert fp32 == bucket + held * (4 + 4)  # fp32 weights and gradients
+    bf16 = rank_memory(cfg, 128, lay, FIVEFOLD, in_flight=1).parts["comm_buffers"]
+    assert bf16 == bucket + held * (2 + 4)  # bf16 gathers, gradients accumulated in the fp32 reduce dtype
+    states = model_state_bytes(cfg, lay, FIVEFOLD_CPU)
+    assert states["parameters"] == 4 * held // 2 and states["gradients"] == 4 * held // 2

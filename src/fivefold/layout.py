@@ -214,13 +214,12 @@ def pipeline_problem(model: ModelConfig, layout: LayoutConfig, seq_len: int, glo
                              f"layout.vpp = {la.vpp} (stages per rank) applies to the interleaved schedule only, "
                              f"not layout.schedule = {la.schedule}; use layout.vpp = 1 or layout.schedule = "
                              "interleaved")
-    if la.zero == 3:
-        return LayoutProblem("ZeRO-3 with pipeline parallel (weights would be gathered per micro-batch)",
-                             "layout.zero = 3 with layout.pp > 1 is refused: ZeRO-3 gathers a block's weights for "
-                             "every forward and backward, and a pipeline rank runs its micro-batches' passes "
-                             "interleaved, so the weights would be gathered 2 x micro-batches times per step (and "
-                             "fully_shard's root unit expects one forward and backward around the whole model); "
-                             "use layout.zero = 1 or 2 with pipeline parallel")
+    if la.zero == 3 and la.ep > 1:
+        return LayoutProblem("ZeRO-3 with pipeline and expert parallel together",
+                             f"layout.zero = 3 with layout.ep = {la.ep} and layout.pp = {la.pp} is refused: ZeRO-3 "
+                             "over pipeline stages (`parallel.pipeline_zero3`) shards every stage parameter over dp x "
+                             "cp, and does not yet shard expert weights over their expert-data-parallel groups; use "
+                             "layout.zero = 1 or 2 with pipeline and expert parallel, or layout.ep = 1")
     stages = n_stages(la)
     if stages > model.n_layers:
         what = f"layout.pp x layout.vpp = {la.pp} x {la.vpp}" if la.schedule == "interleaved" else \

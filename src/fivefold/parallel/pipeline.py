@@ -136,6 +136,17 @@ class WeightGradQueue:
     def __init__(self) -> None:
         self.pending: dict[tuple[int, int], list[tuple[nn.Parameter, Callable[[], torch.Tensor]]]] = {}
         self._open: list | None = None
+        self._immediate = False
+
+    @contextlib.contextmanager
+    def immediately(self) -> Iterator[None]:
+        """Compute the weight gradients inside B instead of deferring them (ZeRO-3's last backward of a stage, whose
+        reduce-scatter must see them: `pipeline_zero3`)."""
+        self._immediate = True
+        try:
+            yield
+        finally:
+            self._immediate = False
 
     @contextlib.contextmanager
     def collect(self, key: tuple[int, int]) -> Iterator[None]:
@@ -146,6 +157,10 @@ class WeightGradQueue:
             self._open = None
 
     def defer(self, weight: nn.Parameter, compute: Callable[[], torch.Tensor]) -> None:
+        if self._immediate:  # inside backward already: accumulate as autograd would
+            grad = compute().to(weight.dtype)
+            weight.grad = grad if weight.grad is None else weight.grad.add_(grad)
+            return
         if self._open is None:
             raise RuntimeError("a deferred-gradient layer ran backward outside a pipeline B pass")
         self._open.append((weight, compute))

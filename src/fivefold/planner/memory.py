@@ -23,7 +23,8 @@ them (checked against `torch.autograd.graph.saved_tensors_hooks` on the real mod
 
 Then the peak adds the micro-batches in flight of the pipeline schedule (simulated), the bf16 weight copies
 that autocast keeps per micro-batch in flight, the loss temporaries of one chunk, ZeRO-3's gathered blocks
-and prefetch, communication buckets and a fixed per-device overhead.
+and prefetch (under pp: the rank's whole stages gathered and their gradients unsharded for the step),
+communication buckets and a fixed per-device overhead.
 """
 
 from __future__ import annotations
@@ -102,8 +103,10 @@ def rank_params(cfg: ModelConfig, lay: Layout, rank: str = "first") -> RankParam
         dense += v_local * cfg.hidden
     if holds_last:
         dense += cfg.hidden  # final norm
-        if not (cfg.tied_embeddings and holds_first):
-            dense += v_local * cfg.hidden  # output layer (a copy of the embedding when tied across stages)
+        # the output layer: a copy of the embedding when tied across stages, or under ZeRO-3 over stages (one
+        # parameter cannot belong to two stages' fully_shard roots, `parallel.pipeline_zero3`)
+        if not (cfg.tied_embeddings and holds_first) or (lay.zero >= 3 and lay.pp > 1):
+            dense += v_local * cfg.hidden
     return RankParams(dense, n * lp["expert"], matmul, n, holds_first, holds_last)
 
 
@@ -272,7 +275,14 @@ def rank_memory(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, in_fligh
     comm = 0.0
     if lay.dp * lay.cp > 1:
         comm += 2 * fw.dp_bucket_mib * 2**20  # a bucket being reduced while the next one fills
-    if lay.zero >= 3:
+    if lay.zero >= 3 and lay.pp > 1:
+        # ZeRO-3 over pipeline stages (`parallel.pipeline_zero3`): the rank's stages stay gathered for the whole
+        # step and their gradients unsharded until each stage's last backward (accumulated in fp32 under bf16
+        # gathers, fully_shard's reduce dtype)
+        held = rp.dense + rp.expert
+        gathered = fw.gather_bytes or fw.param_bytes
+        comm += held * gathered + held * (4 if fw.gather_bytes else fw.grad_bytes)
+    elif lay.zero >= 3:
         block = lp["sharded"] + lp["replicated"] + lp["expert"]
         gathered = fw.gather_bytes or fw.param_bytes
         comm += 2 * block * gathered + block * fw.grad_bytes  # current + prefetched block, unsharded grads

@@ -404,7 +404,8 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     def reduce_time(nbytes: float, size: int, stride: int) -> float:
         if lay.zero >= 3:  # ZeRO-3 reduce-scatters each unit's (block's) gradients as its backward ends
             unit = max(bucket, nbytes / max(1, -(-cfg.n_layers // lay.pp)))
-            return comm.reduce_scatter(nbytes, size, stride, hw, unit) * lay.grad_accum_steps
+            # under pp only each stage's last backward of the step reduce-scatters (`parallel.pipeline_zero3`)
+            return comm.reduce_scatter(nbytes, size, stride, hw, unit) * (1 if lay.pp > 1 else lay.grad_accum_steps)
         if lay.zero >= 2:  # ZeRO-2 keeps only a gradient shard, so every micro-batch reduce-scatters
             return comm.reduce_scatter(nbytes, size, stride, hw, bucket) * lay.grad_accum_steps
         return comm.all_reduce(nbytes, size, stride, hw, bucket)
@@ -416,7 +417,9 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
         last_bucket = t_dp * min(1.0, bucket / max(red_bytes, 1.0))
         window = sum(times.b[s] + times.w[s] for s in range(len(times.f)) if _rank_of(s, lay) == 0) if lay.pp > 1 \
             else times.b[0] + times.w[0]
-        if lay.zero >= 2:  # every micro-batch reduce-scatters behind its own backward, not all behind the last one
+        if lay.zero == 2 or (lay.zero >= 3 and lay.pp == 1):
+            # every micro-batch reduce-scatters behind its own backward, not all behind the last one (ZeRO-3 under
+            # pp reduce-scatters once, behind each stage's last backward of the step)
             window *= lay.grad_accum_steps
         t_dp_exposed = exposed(t_dp, window, overlap) + overlap * last_bucket
     else:
@@ -436,7 +439,9 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
         ag = comm.all_gather(block, dpc, st["dpcp"], hw)
         # the compute of one block of the first stage (interleaved: a stage holds 1/v of the rank's blocks)
         per_block = (times.f[0] + times.b[0] + times.w[0]) / max(1, times.counts[0])
-        t_gather = lay.grad_accum_steps * n_layers * 2 * exposed(ag, per_block / 3, overlap)
+        # gathered for every forward and backward; under pp once per step (the weights stay gathered)
+        gathers = 1 if lay.pp > 1 else lay.grad_accum_steps * 2
+        t_gather = gathers * n_layers * exposed(ag, per_block / 3, overlap)
         # what each unit (the blocks and the root) costs per micro-batch beyond its collectives, as measured
         t_gather += lay.grad_accum_steps * (n_layers + 1) * hw.zero3_unit_us * 1e-6
     # the optimizer step streams parameters, gradients and states once, plus a fixed cost per tensor

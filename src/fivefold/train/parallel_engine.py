@@ -37,6 +37,7 @@ from fivefold.parallel.pipeline import (
     layer_ranges,
     stage_layer_counts,
 )
+from fivefold.parallel.pipeline_zero3 import PipelineFullyShardedDataParallel, ShardedStage, shard_stages
 from fivefold.parallel.schedules import Schedule, build_schedule, forward_schedule, stage_placement
 from fivefold.train.engine import Engine, Segment
 
@@ -237,7 +238,7 @@ class ParallelEngine(Engine):
         the first dp x cp rank), the flat slices of each bucket (ZeRO-1/2) or dim-0 shards (ZeRO-3)."""
         named = self.named_plain_parameters()
         segments = []
-        if isinstance(self.data_parallel, FullyShardedDataParallel):
+        if self.data_parallel.zero == 3:  # fully_shard, alone or over pipeline stages (`pipeline_zero3`)
             from torch.distributed.fsdp import FSDPModule
 
             for module in self.data_parallel.root.modules():  # an evaluation forward leaves the root unsharded
@@ -512,6 +513,49 @@ class PipelineEngine(ParallelEngine):
         return list(named.values())
 
 
+class ShardedPipelineEngine(PipelineEngine):
+    """The pipeline engine under ZeRO-3 (`parallel.pipeline_zero3`): each stage's runner is wrapped so that only its
+    last backward of the step reduce-scatters; the tied embedding's copies are summed as gradient shards; states
+    are gathered from (and loaded into) the dim-0 shards of `fully_shard`."""
+
+    def __init__(self, stages: dict[int, Llama], loss_model: LossModel | None,
+                 data_parallel: PipelineFullyShardedDataParallel, grid: ProcessGrid, cfg: Config, device: torch.device,
+                 counts: list[int], queue: WeightGradQueue | None) -> None:
+        super().__init__(stages, loss_model, data_parallel, None, grid, cfg, device, counts, queue, frozenset())
+        wire = activation_dtype(list(stages.values()), self.bf16)
+        self.runners = {s: ShardedStage(runner, s, data_parallel, queue, wire) for s, runner in self.runners.items()}
+
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], global_tokens: int) -> (
+        torch.Tensor
+    ):
+        total = self._run(micro_batches, global_tokens, training=True)
+        self.data_parallel.sum_tied_grads()
+        return total
+
+    @torch.no_grad()
+    def eval_micro_batches(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        loss = self._run(micro_batches, 1, training=False)
+        self.data_parallel.reshard()  # the weights stay gathered after a forward: free them
+        return loss
+
+    def _local_state(self) -> dict[str, torch.Tensor]:
+        self.data_parallel.reshard()
+        return {name: t.full_tensor() for m in self.stages.values() for name, t in m.state_dict().items()}
+
+    @torch.no_grad()
+    def load_full_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.data_parallel.reshard()  # the gathered copies would be stale
+        own = {name: t for m in self.stages.values() for name, t in m.state_dict().items()}
+        missing = set(own) - set(state)
+        if missing:
+            raise KeyError(f"model state lacks {sorted(missing)}")
+        state = self._sharded_state({name: state[name] for name in own})
+        group = self.data_parallel.group  # fully_shard splits dim 0 as torch.chunk does
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        for name, t in own.items():
+            t.to_local().copy_(state[name].chunk(size, 0)[rank])
+
+
 def create_pipeline_engine(cfg: Config, grid: ProcessGrid, device: torch.device,
                            bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> PipelineEngine:
     """This rank's stages of the full model (built from the seed), the layout applied to each, and the engine."""
@@ -523,6 +567,9 @@ def create_pipeline_engine(cfg: Config, grid: ProcessGrid, device: torch.device,
     stages = build_stages(cfg.model, counts, placement, pp_rank, torch.device("meta"), cfg.train.seed)
     split = build_schedule(la.schedule, la.pp, cfg.grad_accum_steps, la.vpp).split_backward
     queue = WeightGradQueue() if split else None
+    if la.zero == 3:
+        loss_model, sharded = shard_stages(stages, cfg, grid, queue, device)
+        return ShardedPipelineEngine(stages, loss_model, sharded, grid, cfg, device, counts, queue)
     tied_names: frozenset[str] = frozenset()
     if cfg.model.tied_embeddings and placement[0] != placement[-1]:
         tied_names = frozenset({"embed.weight"} if pp_rank == placement[0] else

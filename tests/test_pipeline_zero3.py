@@ -1,0 +1,159 @@
+"""ZeRO-3 composed with pipeline parallel (`parallel.pipeline_zero3`), dp2 x pp2 on 4 gloo ranks, against one
+process: the method and tolerances of tests/test_parallel_equivalence.py (K = 3 steps of a tiny Llama in fp32;
+losses and the evaluation loss to 1e-5 relative, gradient norms to 1e-4, parameters to 5e-4 relative by norm),
+with the pipeline checks of tests/test_parallel_pipeline.py (each rank ran exactly its action list, no deferred
+weight gradient left). On top, closed forms on every rank: each `fully_shard` unit all-gathers once per optimizer
+step and reduce-scatters once per step (not once per micro-batch), and the rank holds exactly its stages'
+parameters, gradients and AdamW moments divided by dp.
+
+Fast (default run): 1F1B, AFAB and zero-bubble (whose W passes must all run before the reduce-scatter) with the
+counts and bytes; checkpoints from and to one process. Slow: interleaved (two stages per rank), DualPipeV (the
+tied embedding's two copies on one rank), the MoE model, cp2 x pp2 with full recompute, untied with selective
+recompute, dp2 x tp2+SP x pp2 (8 ranks), bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.distributed import run_ranks
+from tests.test_checkpoint_reshard import check_change
+from tests.test_parallel_equivalence import (
+    STEPS,
+    assert_matches_one_process,
+    global_batches,
+    reference_run,
+    tiny_config,
+    train_steps,
+)
+from tests.test_train import dataset  # noqa: F401  (a fixture)
+
+Z3PP = {"layout.pp": "2", "layout.dp": "2", "layout.zero": "3", "layout.micro_batch_size": "1"}  # 4 micro-batches
+
+
+def counted(name: str, counts: dict[str, int]):
+    """`torch.distributed.<name>` (what fully_shard calls for its all-gathers and reduce-scatters) with a counter."""
+    import torch.distributed as dist
+
+    original = getattr(dist, name)
+
+    def wrapper(*args, **kwargs):
+        counts[name] += 1
+        return original(*args, **kwargs)
+
+    setattr(dist, name, wrapper)
+    return original
+
+
+def zero3_pipeline_on_ranks(rank: int, world_size: int, layouts: list[dict[str, str]]) -> list:
+    """Train each layout; check the collective counts and the state bytes against their closed forms; rank 0
+    returns (losses, norms, drops, state) of each."""
+    import torch.distributed as dist
+
+    from fivefold.train.parallel_engine import ShardedPipelineEngine, create_parallel_engine
+
+    results = []
+    for overrides in layouts:
+        cfg = tiny_config(overrides)
+        engine = create_parallel_engine(cfg, torch.device("cpu"))
+        assert isinstance(engine, ShardedPipelineEngine)
+        counts = {"all_gather_single": 0, "reduce_scatter_single": 0}
+        originals = {name: counted(name, counts) for name in counts}
+        try:
+            losses, norms, drops = train_steps(engine, cfg)  # STEPS steps, then one evaluation forward
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+        units = engine.data_parallel.n_units()
+        blocks = sum(len(stage.layers) for stage in engine.stages.values())
+        assert units == blocks + len(engine.stages)  # one unit per block and one per stage root
+        # a root communicates when it holds parameters of its own: the embedding, or the final norm and output layer
+        talking = blocks + sum(1 for stage in engine.stages.values() if stage.embed is not None or
+                               stage.norm is not None)
+        assert counts["all_gather_single"] == (STEPS + 1) * talking, (counts, talking)  # + the evaluation forward
+        assert counts["reduce_scatter_single"] == STEPS * talking, (counts, talking)
+        schedule = engine.schedule(cfg.grad_accum_steps)
+        assert [r.action for r in engine.traces[True]] == list(schedule.actions[engine.pp_rank])
+        if engine.queue is not None:
+            assert len(engine.queue) == 0
+        # closed form: the rank's stages' parameters (the plain modules, fp32), gradients and two moments, over dp;
+        # a tied weight counts once per stage that holds it (two copies under ZeRO-3, see pipeline_zero3)
+        from fivefold.parallel.pipeline import build_stages
+
+        plain = build_stages(cfg.model, engine.counts, engine.placement, engine.pp_rank, torch.device("meta"), 0)
+        numel = sum(p.numel() for stage in plain.values() for p in stage.parameters())
+        state = engine.model_state()
+        inputs, targets = global_batches(cfg)[0]  # one more backward, so that the gradient shards exist
+        rows = inputs.shape[0] // engine.dp_size
+        lo = engine.dp_rank * rows
+        micro = list(zip(inputs[lo:lo + rows].split(cfg.micro_batch_size),
+                         targets[lo:lo + rows].split(cfg.micro_batch_size), strict=True))
+        engine.forward_backward(micro, inputs.numel())
+        held = engine.state_bytes()
+        dp = cfg.layout.dp
+        assert numel % dp == 0
+        assert held == {"parameters": 4 * numel // dp, "gradients": 4 * numel // dp,
+                        "optimizer": 8 * numel // dp}, (held, numel)
+        results.append((losses, norms, drops, state if rank == 0 else None))
+    return results
+
+
+def assert_zero3_pipeline_equivalent(layouts: list[dict[str, str]]) -> None:
+    results = run_ranks(4, zero3_pipeline_on_ranks, layouts)[0]
+    for overrides, (losses, norms, drops, state) in zip(layouts, results, strict=True):
+        assert_matches_one_process(overrides, losses, norms, drops, state)
+
+
+def test_zero3_pipeline_1f1b_afab_and_zero_bubble_match_one_process():
+    assert_zero3_pipeline_equivalent([{**Z3PP, "layout.schedule": s} for s in ("1f1b", "afab", "zero-bubble")])
+
+
+@pytest.mark.slow
+def test_zero3_pipeline_interleaved_dualpipev_and_moe_match_one_process():
+    assert_zero3_pipeline_equivalent([
+        {**Z3PP, "layout.schedule": "interleaved", "layout.vpp": "2", "model.n_layers": "4"},
+        {**Z3PP, "layout.schedule": "dualpipev", "model.n_layers": "4"},
+        {**Z3PP, "layout.schedule": "1f1b", "model.n_experts": "4", "model.top_k": "2"},
+    ])
+
+
+@pytest.mark.slow
+def test_zero3_pipeline_composes_with_cp_tp_sp_and_recompute():
+    """cp2 x pp2 (ZeRO-3 over dp x cp) zero-bubble with full recompute; dp2 x pp2 untied with selective recompute;
+    dp2 x tp2+SP x pp2 zero-bubble (8 ranks): against one process, with the pipeline test's checks."""
+    from tests.test_parallel_pipeline import assert_pipeline_equivalent
+
+    assert_pipeline_equivalent([
+        {"layout.pp": "2", "layout.cp": "2", "layout.zero": "3", "layout.schedule": "zero-bubble",
+         "layout.micro_batch_size": "2", "layout.recompute": "full"},
+        {**Z3PP, "model.tied_embeddings": "false", "layout.recompute": "selective"},
+    ], 4)
+    assert_pipeline_equivalent([{**Z3PP, "layout.tp": "2", "layout.sp": "true", "layout.schedule": "zero-bubble"}], 8)
+
+
+@pytest.mark.slow
+def test_zero3_pipeline_bf16_matches_one_process_bf16():
+    """bf16 all-gathers and fp32 reduce-scatters (the policy of plain ZeRO-3) against the one-process engine under
+    CPU bf16 autocast, with the tolerances of test_parallel_equivalence's lean bf16 test and their reasons: the
+    first loss to 1e-4 (both start from the same bf16-rounded weights; only the residual stream's dtype
+    differs), later losses to 5e-3 and gradient norms to 3 % (bf16 rounding, unit roundoff 2^-9, compounded over
+    the steps), parameters to 0.15 by norm (AdamW's near sign-like update flips with nearly cancelling
+    gradient elements). A missing or doubled reduction moves the losses by far more."""
+    overrides = {**Z3PP, "layout.schedule": "1f1b", "train.dtype": "bf16"}
+    losses, norms, _, state = run_ranks(4, zero3_pipeline_on_ranks, [overrides])[0][0]
+    ref_losses, ref_norms, _, ref_state = reference_run(overrides)
+    assert abs(losses[0] - ref_losses[0]) <= 1e-4 * abs(ref_losses[0])
+    for a, b in zip(losses, ref_losses, strict=True):
+        assert abs(a - b) <= 5e-3 * abs(b), (a, b)
+    for a, b in zip(norms, ref_norms, strict=True):
+        assert abs(a - b) <= 3e-2 * abs(b), (a, b)
+    for name, ref in ref_state.items():
+        assert ((state[name] - ref).norm() / ref.norm()).item() <= 0.15, name
+
+
+def test_zero3_pipeline_checkpoint_to_and_from_one_process(tmp_path, dataset):  # noqa: F811
+    """A dp2 x pp2 ZeRO-3 checkpoint resumes on one process, and a one-process checkpoint under dp2 x pp2 ZeRO-3;
+    the losses after the cut equal the uninterrupted run's within 1e-5 relative."""
+    layout = {"layout.pp": "2", "layout.dp": "2", "layout.zero": "3", "layout.micro_batch_size": "1"}
+    check_change(tmp_path / "a", dataset, (4, layout), [(1, {"layout.micro_batch_size": "1"})])
+    check_change(tmp_path / "b", dataset, (1, {"layout.micro_batch_size": "1"}), [(4, layout)])

@@ -119,8 +119,8 @@ MOE = {"model__n_experts": "4", "model__top_k": "2"}
      "layout.ep = 4 does not divide layout.dp x layout.cp = 2 x 1 = 2: expert parallel folds over the dp x cp "
      "ranks (it adds no ranks), so each dp x cp group must split into blocks of ep ranks; valid ep for this "
      "layout and model: [1, 2]"),
-    ({"layout__ep": "2", "layout__dp": "2", "layout__zero": "3", **MOE}, 2,
-     "layout.zero = 3 with layout.ep = 2: ZeRO-3 shards parameters with one fully_shard mesh"),
+    ({"layout__ep": "2", "layout__dp": "2", "layout__pp": "2", "layout__zero": "3", **MOE}, 4,
+     "layout.zero = 3 with layout.ep = 2 and layout.pp = 2: ZeRO-3 shards the experts over their own"),
     # ZeRO needs ranks that reduce gradients: dp or cp
     ({"layout__zero": "1", "layout__tp": "2"}, 2, "layout.zero = 1 with layout.dp = 1 and layout.cp = 1"),
 ])

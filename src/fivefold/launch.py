@@ -72,6 +72,17 @@ def init_distributed(device_type: str, timeout_s: float = DEFAULT_COLLECTIVE_TIM
     start_watchdog(dist.get_rank(), dist.get_world_size(), timeout_s)
 
 
+def finish_distributed() -> None:
+    """Leave the process group at the end of a run that every rank completed: wait for all of them (so that none
+    closes its connections while another still talks to it), then destroy the groups while the interpreter is
+    whole. Left to interpreter exit, gloo's worker threads may still hold tensors of asynchronous work (ZeRO-3's
+    gathers and reduce-scatters) when Python finalises, and the process aborts with "terminate called without an
+    active exception" (pytorch/pytorch#190489), failing a run that had finished."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def launch(nproc: int, argv: list[str], verb: str = "train") -> int:
     """Run `fivefold VERB ARGV` (train or bench) on `nproc` local processes (single node, a free rendezvous
     port); returns the exit status (non-zero when any process failed)."""

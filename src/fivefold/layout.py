@@ -165,12 +165,13 @@ def expert_parallel_problem(model: ModelConfig, layout: LayoutConfig) -> LayoutP
             f"layout.ep = {ep} does not divide layout.dp x layout.cp = {layout.dp} x {layout.cp} = {group}: "
             f"expert parallel folds over the dp x cp ranks (it adds no ranks), so each dp x cp group must split "
             f"into blocks of ep ranks; valid ep for this layout and model: {valid}, or raise layout.dp")
-    if layout.zero == 3:
+    if layout.zero == 3 and layout.pp > 1:
         return LayoutProblem(
-            "ZeRO-3 with expert parallel",
-            f"layout.zero = 3 with layout.ep = {ep}: ZeRO-3 shards parameters with one fully_shard mesh over "
-            "dp x cp, while expert weights are reduced over the smaller expert-data-parallel groups; use "
-            "layout.zero = 1 or 2 with expert parallel, or layout.ep = 1")
+            "ZeRO-3 with expert and pipeline parallel",
+            f"layout.zero = 3 with layout.ep = {ep} and layout.pp = {layout.pp}: ZeRO-3 shards the experts over "
+            "their own expert-data-parallel units, built for the whole model's fully_shard units, not for the "
+            "pipeline stages' ones; use layout.zero = 1 or 2 with both, or drop one of them (layout.pp = 1 with "
+            "ZeRO-3 and expert parallel)")
     return None
 
 

@@ -17,7 +17,9 @@ What is sharded and what is communicated (Ψ = this tp rank's parameters, N_d = 
 * **ZeRO-3.** Parameters are sharded too (all /N_d), through PyTorch's `fully_shard` (FSDP2) with one unit per
   transformer block plus a root unit (embedding, final norm, output layer): each block's weights are
   all-gathered just before its forward (the next block's gather is prefetched), freed after it, gathered again
-  for its backward and their gradients reduce-scattered every micro-batch.
+  for its backward and their gradients reduce-scattered every micro-batch. Under expert parallel the routed
+  experts of each MoE layer are a unit of their own over the ranks that hold the same experts (edp = N_d / ep):
+  a rank keeps dense/N_d + its ep shard of the experts/edp (`FullyShardedDataParallel`).
 
 Gradients are summed, not averaged: the loss is already divided by the global batch's token count (see
 `fivefold.train.engine`). With `fp32_grad_accum` the buckets hold fp32 gradients whatever the parameter
@@ -35,6 +37,7 @@ all-gathers of the sharded fp32 parameters, fp32 reduce-scatters).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -331,27 +334,64 @@ class BucketedDataParallel:
         return {"parameters": params, "gradients": grads}
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local part of a `fully_shard` DTensor; a plain tensor (a parameter no unit shards) as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 class FullyShardedDataParallel:
     """ZeRO-3 through `fully_shard`: one unit per transformer block and a root unit for the rest (see the
     module docstring). `root` must be the module whose forward computes the loss, so that the root unit's
-    hooks run around the whole micro-batch."""
+    hooks run around the whole micro-batch.
+
+    Under expert parallel (`expert_group`: the ranks holding the same experts, edp = dp x cp / ep of them) the
+    routed experts' weights of each MoE layer shard over that group instead: the MoE module becomes a unit of
+    its own over the edp mesh, holding only `w_gate`, `w_up`, `w_down` (its router and shared experts are
+    small units over the dp x cp mesh, so that they shard and reduce with the dense weights), inside its
+    block's unit over dp x cp. With edp = 1 every rank holds other experts: there is nothing to shard or
+    reduce, and the expert weights stay plain tensors, ignored by the units (like expert parallel without
+    data parallel)."""
 
     def __init__(self, root: nn.Module, model: nn.Module, tp_sharded: set[str], group: ProcessGroup,
-                 device_type: str, param_dtype: torch.dtype | None = None) -> None:
+                 device_type: str, param_dtype: torch.dtype | None = None,
+                 expert_group: ProcessGroup | None = None) -> None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        from fivefold.models.llama import MoE
+
         self.group, self.zero, self.sync = group, 3, True
+        self.expert_group = expert_group
         self.tp_sharded = tp_sharded
         mesh = DeviceMesh.from_group(group, device_type)
+        expert_mesh = None
+        if expert_group is not None and dist.get_world_size(expert_group) > 1:
+            expert_mesh = DeviceMesh.from_group(expert_group, device_type)
         # lean mixed precision: the fp32 shards are gathered in bf16 and the gradients reduce-scattered in fp32
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
-        units = [fully_shard(block, mesh=mesh, mp_policy=policy) for block in model.layers.values()]
-        units.append(fully_shard(root, mesh=mesh, mp_policy=policy))
+        units, blocks, ignored = [], [], set()
+        for block in model.layers.values():
+            moe = block.mlp if expert_group is not None and isinstance(block.mlp, MoE) else None
+            whole: set[nn.Parameter] = set()
+            if moe is not None:  # innermost first: a unit manages the parameters no unit inside it holds
+                units += [fully_shard(m, mesh=mesh, mp_policy=policy) for m in (moe.router, moe.shared)
+                          if m is not None]
+                if expert_mesh is not None:
+                    units.append(fully_shard(moe, mesh=expert_mesh, mp_policy=policy))
+                    # MoE returns a view of its output; the block adds it out of place, which keeps the unit's
+                    # pre-backward hook, so fully_shard's warning about in-place ops on it does not apply
+                    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoE\) returned a view",
+                                            category=UserWarning)
+                else:
+                    whole = {moe.w_gate, moe.w_up, moe.w_down}
+                    ignored |= whole
+            blocks.append(fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=whole or None))
+        units += blocks
+        units.append(fully_shard(root, mesh=mesh, mp_policy=policy, ignored_params=ignored or None))
         for unit in units:
             unit.set_gradient_divide_factor(1.0)  # the loss is already normalised over the global batch
             unit.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied sum)
-        for before, after in zip(units[:-2], units[1:-1], strict=True):
+        for before, after in zip(blocks[:-1], blocks[1:], strict=True):
             before.set_modules_to_forward_prefetch([after])
             after.set_modules_to_backward_prefetch([before])
         self.root, self.model = root, model
@@ -369,11 +409,14 @@ class FullyShardedDataParallel:
         """Parameters stay sharded; the next forward gathers them."""
 
     def grad_square_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tp-sharded, tp-replicated) sums of squares over the dp x cp group. Each element is counted once: the
+        dense shards are disjoint over dp x cp, and so are the expert shards, since dp x cp is ep groups times
+        edp groups and each rank holds one ep rank's experts, cut over edp."""
         sums = None
         for name, p in self.model.named_parameters():
             if p.grad is None:
                 continue
-            g = p.grad.to_local()
+            g = _local(p.grad)
             if sums is None:
                 sums = torch.zeros(2, dtype=torch.float32, device=g.device)
             sums[0 if name in self.tp_sharded else 1] += g.float().pow(2).sum()
@@ -383,8 +426,8 @@ class FullyShardedDataParallel:
     def state_bytes(self) -> dict[str, int]:
         params = grads = 0
         for p in self.root.parameters():
-            local = p.to_local()
+            local = _local(p)
             params += local.numel() * local.element_size()
             if p.grad is not None:
-                grads += p.grad.to_local().numel() * local.element_size()
+                grads += _local(p.grad).numel() * local.element_size()
         return {"parameters": params, "gradients": grads}

@@ -160,9 +160,9 @@ def parallelize(model: Llama, cfg: Config, grid: ProcessGrid, device: torch.devi
     apply_model_parallel(model, cfg, grid)
     loss_model = LossModel(model, grid, la.sp, cfg.train.compile)
     tp_sharded = tp_sharded_names(model, grid.size("tp"))
-    if la.zero == 3:  # 6. data parallel (ep with ZeRO-3 is refused by the layout check)
+    if la.zero == 3:  # 6. data parallel: dense weights over dp x cp, experts over the ranks holding the same ones
         fsdp = FullyShardedDataParallel(loss_model, model, tp_sharded, grid.grad_group, device.type,
-                                        working_dtype(cfg, device))
+                                        working_dtype(cfg, device), grid.groups["edp"] if la.ep > 1 else None)
         if is_meta(model):
             materialize_shards(model, grid, device, cfg.train.seed, root=loss_model)
         return loss_model, fsdp, None

@@ -3,7 +3,8 @@
 Model states (parameters, gradients, optimizer states, the fp32 accumulation buffer) are exact closed forms of
 the model's parameter shapes, sharded by tensor parallel (projections, experts' MLPs, the vocabulary), expert
 parallel (whole experts) and ZeRO (a flat shard over the data-parallel x context-parallel ranks that reduce
-the gradients; expert weights over those ranks divided by ep).
+the gradients; expert weights over those ranks divided by ep, the edp ranks that hold the same experts: ZeRO-3
+too, whose experts are `fully_shard` units over edp).
 
 Activations are what autograd saves for backward, counted tensor by tensor as fivefold's Llama block saves
 them (checked against `torch.autograd.graph.saved_tensors_hooks` on the real model in tests/test_planner_memory.py):
@@ -283,9 +284,15 @@ def rank_memory(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, in_fligh
         gathered = fw.gather_bytes or fw.param_bytes
         comm += held * gathered + held * (4 if fw.gather_bytes else fw.grad_bytes)
     elif lay.zero >= 3:
-        block = lp["sharded"] + lp["replicated"] + lp["expert"]
+        dense = lp["sharded"] + lp["replicated"]
         gathered = fw.gather_bytes or fw.param_bytes
-        comm += 2 * block * gathered + block * fw.grad_bytes  # current + prefetched block, unsharded grads
+        if lay.ep > 1:  # the experts are a unit of their own over edp, gathered in the MoE's own passes (not
+            # prefetched with the block); with edp = 1 they stay whole, counted with the model states
+            experts = lp["expert"] if lay.dp * lay.cp // lay.ep > 1 else 0
+            comm += (2 * dense + experts) * gathered + (dense + experts) * fw.grad_bytes
+        else:
+            block = dense + lp["expert"]
+            comm += 2 * block * gathered + block * fw.grad_bytes  # current + prefetched block, unsharded grads
         # the root unit (embedding, final norm, output layer) stays gathered for the whole micro-batch
         comm += (rp.dense - rp.layers * (lp["sharded"] + lp["replicated"])) * gathered
     rep.parts["comm_buffers"] = comm

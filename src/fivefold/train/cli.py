@@ -78,7 +78,7 @@ def resolve_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from fivefold.launch import check_layout, local_world_size, start_or_join
+    from fivefold.launch import check_layout, finish_distributed, local_world_size, start_or_join
     from fivefold.train import preflight
     from fivefold.train.loop import RunDirError, train
 
@@ -124,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         result = train(cfg, resume=args.resume, hf_init=Path(args.hf) if args.hf else None)
     except (RunDirError, CheckpointError) as e:
         raise CliError(str(e)) from None
+    finish_distributed()
     return result.exit_code  # 3 after a streak of non-finite steps, 128 + N when signal N stopped it
 
 

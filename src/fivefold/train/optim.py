@@ -11,15 +11,21 @@ from fivefold.config import TrainConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices (projections, embeddings, experts), none on norms."""
-    decay, no_decay = [], []
+    """Weight decay on matrices (projections, embeddings, experts), none on norms. ZeRO-3 under expert parallel
+    holds parameters sharded over two meshes (and, with one rank per expert replica, plain ones): a pair of groups
+    per mesh, since a fused step takes the tensors of one group together."""
+    by_mesh: dict = {}
     seen: set[int] = set()
     for p in model.parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
+        decay, no_decay = by_mesh.setdefault(getattr(p, "device_mesh", None), ([], []))
         (decay if p.ndim >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = []
+    for decay, no_decay in by_mesh.values() or [([], [])]:
+        groups += [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return groups
 
 
 def build_adamw(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:

@@ -134,8 +134,8 @@ class ParallelEngine(Engine):
         """This tp rank's parameters with plain names, unsharded over dp (the fp32 master values under lean mixed
         precision; collective then)."""
         state = self.model.state_dict()
-        if isinstance(self.data_parallel, FullyShardedDataParallel):
-            state = {name: t.full_tensor() for name, t in state.items()}
+        if isinstance(self.data_parallel, FullyShardedDataParallel):  # experts whole over edp stay plain tensors
+            state = {name: t.full_tensor() if hasattr(t, "full_tensor") else t for name, t in state.items()}
         return {**state, **self.master_state()}
 
     def master_state(self) -> dict[str, torch.Tensor]:
@@ -196,11 +196,13 @@ class ParallelEngine(Engine):
             missing = set(own) ^ set(state)
             if missing:
                 raise KeyError(f"model state keys differ: {sorted(missing)}")
-            # fully_shard splits dim 0 over the ranks that reduce gradients (dp x cp)
-            group = self.grid.grad_group
-            size, rank = dist.get_world_size(group), dist.get_rank(group)
+            # fully_shard splits dim 0 over its mesh: dp x cp, or the edp ranks for experts under ep
             for name, param in own.items():
-                param.to_local().copy_(state[name].chunk(size, 0)[rank])
+                if hasattr(param, "device_mesh"):
+                    mesh = param.device_mesh
+                    param.to_local().copy_(state[name].chunk(mesh.size(), 0)[mesh.get_local_rank()])
+                else:
+                    param.copy_(state[name])
             return
         self.model.load_state_dict(state, strict=True)  # copies in place: bucket views stay views
         self.load_master_state(state)
@@ -245,13 +247,13 @@ class ParallelEngine(Engine):
                 if isinstance(module, FSDPModule):
                     module.reshard()
             named = self.named_plain_parameters()
-            group = self.data_parallel.group
-            size, rank = dist.get_world_size(group), dist.get_rank(group)
             for name, p in named:
                 shape, offsets, first = self._placed(name, tuple(p.shape))
-                local = p.to_local()
-                rows = -(-p.shape[0] // size)  # fully_shard splits dim 0 as torch.chunk does
-                offsets = (offsets[0] + min(rank * rows, p.shape[0]), *offsets[1:])
+                local = p.to_local() if hasattr(p, "device_mesh") else p  # experts whole over edp = 1: plain
+                if hasattr(p, "device_mesh"):  # fully_shard splits dim 0 over its mesh as torch.chunk does
+                    size, rank = p.device_mesh.size(), p.device_mesh.get_local_rank()
+                    rows = -(-p.shape[0] // size)
+                    offsets = (offsets[0] + min(rank * rows, p.shape[0]), *offsets[1:])
                 segments.append(Segment(name, shape, offsets, tuple(local.shape), 0, local.numel(),
                                         local.detach().view(-1), p, 0, first))
             return segments

@@ -190,3 +190,24 @@ def test_json_top_families_and_explain(capsys):
     assert main([*base, "--recompute", "full", "--explain"]) == 0
     out = capsys.readouterr().out
     assert "recompute (full)" in out and "almost all useful compute" not in out
+
+
+def _zero_gather(capsys, model: str, layout: str) -> float:
+    import json
+
+    from fivefold.cli import main
+
+    assert main(["plan", "--model", model, "--gpu", "h100", "--nodes", "8", "--seq-len", "1024", "--global-batch",
+                 "256K", "--framework", "fivefold", "--layout", layout, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)["time_s"]["zero_gather"]
+
+
+def test_zero3_expert_gathers_follow_the_edp_units(capsys):
+    """ZeRO-3 under ep gathers the routed experts over the edp ranks that hold the same experts
+    (`parallel.data.FullyShardedDataParallel`), not over dp x cp: with edp = 1 they are never gathered, so the
+    gather time does not depend on the expert count; with edp > 1 more experts cost more gather time."""
+    shape = "layers=8,hidden=1024,heads=8,kv_heads=8,ffn=1024,vocab=32000,top_k=2,experts="
+    whole = "dp=64,ep=64,zero=3,mbs=1,recompute=none"  # edp = 1
+    assert _zero_gather(capsys, shape + "64", whole) == pytest.approx(_zero_gather(capsys, shape + "128", whole))
+    sharded = "dp=64,ep=8,zero=3,mbs=1,recompute=none"  # edp = 8
+    assert _zero_gather(capsys, shape + "128", sharded) > _zero_gather(capsys, shape + "64", sharded) > 0

@@ -435,15 +435,25 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
         t_gather = comm.all_gather(param_full / fw.param_bytes * min(fw.param_bytes, 2), dpc, st["dpcp"], hw)
     if dpc > 1 and lay.zero >= 3:  # gathered one block ahead: exposed where a block's gather outlasts its compute
         n_layers = max(1, -(-cfg.n_layers // lay.pp))
-        block = param_full / fw.param_bytes * (fw.gather_bytes or fw.param_bytes) / n_layers  # as gathered
-        ag = comm.all_gather(block, dpc, st["dpcp"], hw)
+        gathered = fw.gather_bytes or fw.param_bytes
+        edp = dpc // lay.ep
+        if lay.ep > 1:  # the routed experts are units of their own over the edp ranks holding the same experts
+            # (`parallel.data.FullyShardedDataParallel`); with edp = 1 they stay whole and are not gathered
+            ag = comm.all_gather(rp.dense * gathered / n_layers, dpc, st["dpcp"], hw)
+            if edp > 1:
+                ag += comm.all_gather(rp.expert * gathered / n_layers, edp, st["dpcp"] * lay.ep, hw)
+        else:
+            ag = comm.all_gather(rp.total * gathered / n_layers, dpc, st["dpcp"], hw)  # a block, as gathered
         # the compute of one block of the first stage (interleaved: a stage holds 1/v of the rank's blocks)
         per_block = (times.f[0] + times.b[0] + times.w[0]) / max(1, times.counts[0])
         # gathered for every forward and backward; under pp once per step (the weights stay gathered)
         gathers = 1 if lay.pp > 1 else lay.grad_accum_steps * 2
         t_gather = gathers * n_layers * exposed(ag, per_block / 3, overlap)
         # what each unit (the blocks and the root) costs per micro-batch beyond its collectives, as measured
-        t_gather += lay.grad_accum_steps * (n_layers + 1) * hw.zero3_unit_us * 1e-6
+        units = n_layers + 1
+        if lay.ep > 1 and cfg.is_moe:  # per MoE layer: the router's unit, the shared experts', the experts'
+            units += n_layers * (1 + (cfg.n_shared_experts > 0) + (edp > 1))
+        t_gather += lay.grad_accum_steps * units * hw.zero3_unit_us * 1e-6
     # the optimizer step streams parameters, gradients and states once, plus a fixed cost per tensor
     opt_bandwidth = (hw.optimizer_gbps * 1e9 if hw.optimizer_gbps else hw.hbm_gbps * 1e9 / 2) / hw.compute_scale
     t_opt = (states["parameters"] + states["gradients"] + states["optimizer"]) / opt_bandwidth \

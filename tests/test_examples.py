@@ -66,6 +66,19 @@ def test_write_config_writes_a_real_run(tmp_path, capsys):
     assert t.max_steps == -(-20 * count_params(cfg.model) // 2**20)  # 20 tokens per parameter
     assert t.compile and cfg.data.path == DATA_PLACEHOLDER and t.checkpoint_every == 500
     assert f"#   fivefold train --config {out} --run-dir runs/llama-3.1-8b --nproc 8" in out.read_text()
+    # the header predicts the run as configured (compiled), as `--dry-run` does
+    predicted = next(line for line in out.read_text().splitlines() if line.startswith("# predicted: "))
+    assert predicted.endswith("(with torch.compile, as configured)")
+    step = re.search(r"step ([\d.]+) s", predicted).group(1)
+    assert main(["train", "--config", str(out), "--dry-run"]) == 0
+    assert f"step {step} s" in capsys.readouterr().out
+    # writing again over a file the user changed keeps theirs beside the new one
+    edited = out.read_text().replace(DATA_PLACEHOLDER, "/data/mine")
+    out.write_text(edited)
+    assert main(["plan", "--model", "llama3-8b", "--gpu", "h100", "--nodes", "1", "--gpus-per-node", "8",
+                 "--seq-len", "4096", "--global-batch", "1M", "--top", "1", "--write-config", str(out)]) == 0
+    assert f"kept the previous {out} as {out}.bak" in capsys.readouterr().out
+    assert (tmp_path / "best.toml.bak").read_text() == edited and DATA_PLACEHOLDER in out.read_text()
     # a token budget, and several nodes: the SLURM and torchrun lines; on a CPU profile: no compile
     out2 = tmp_path / "two.toml"
     assert main(["plan", "--model", "llama3-8b", "--nodes", "2", "--global-batch", "1M", "--top", "1",

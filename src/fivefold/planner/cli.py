@@ -291,7 +291,14 @@ def write_config(path: str, cfg: ModelConfig, lay: Layout, seq: int, batch_seqs:
               + (f"{train_tokens:,} tokens" if train_tokens else "20 tokens per parameter"),
               "# fill in data.path (`fivefold data prepare FILES --tokenizer MODEL_DIR --out DIR`); launch with:",
               *(f"#   {line}" for line in launch_lines(path, conf.run_dir, nodes, gpus_per_node))]
-    write_text_atomic(path, "\n".join(header) + "\n" + dump_toml(conf))
+    text = "\n".join(header) + "\n" + dump_toml(conf)
+    target = Path(path)
+    if target.exists() and target.read_text() != text:  # never lose what is there (a filled-in data.path)
+        backup = next(p for n in range(1, 10_000)
+                      if not (p := target.with_name(target.name + (".bak" if n == 1 else f".bak{n}"))).exists())
+        target.replace(backup)
+        print(f"kept the previous {path} as {backup}")
+    write_text_atomic(path, text)
     return conf
 
 
@@ -383,10 +390,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.write_config:
         best = result.candidates[0]
+        accelerator = not (hw.cores or hw.name == "cpu")
+        if accelerator and fw.fused_elementwise != "all":  # the config turns torch.compile on: predict it so
+            from fivefold.planner.features import with_features
+
+            best = estimate(cfg, seq, best.layout, with_features(fw, ("compile",)), hw, True,
+                            moe_imbalance=args.moe_imbalance)
         write_config(args.write_config, cfg, best.layout, seq, batch_seqs, fw.compute_dtype, args.nodes,
-                     hw.gpus_per_node, accelerator=not (hw.cores or hw.name == "cpu"),
+                     hw.gpus_per_node, accelerator=accelerator,
                      prediction=f"{gib(best.peak_bytes):.1f} GiB peak per device, step {best.step_time_s:.2f} s, "
-                                f"{best.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {100 * best.mfu:.1f} %",
+                                f"{best.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {100 * best.mfu:.1f} %"
+                                + (" (with torch.compile, as configured)" if accelerator else ""),
                      train_tokens=parse_tokens(args.train_tokens) if args.train_tokens else None)
     for e in result.candidates:  # the written config's header keeps fivefold's MFU (what the trainer logs)
         e.mfu *= _mfu_scale(args, cfg, seq)

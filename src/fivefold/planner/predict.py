@@ -2,7 +2,8 @@
 
 `predict_run` is what `fivefold sweep` records beside each measurement; it turns the config into the planner's
 `Layout` (the gradient accumulation follows from the global batch) and calls `estimate` with fivefold's own
-implementation settings (`FIVEFOLD` under bf16 on accelerators, `FIVEFOLD_CPU` for fp32 compute). The time
+implementation settings (`FIVEFOLD` under bf16 on accelerators, `FIVEFOLD_CPU` for fp32 compute; with the
+`compile` feature when `train.compile` is on). The time
 model underneath may improve (a calibrated hardware profile); this function's inputs and keys stay.
 """
 
@@ -16,6 +17,7 @@ import torch
 from fivefold.config import Config
 from fivefold.device import resolve_device, use_bf16
 from fivefold.hardware import device_hardware
+from fivefold.planner.features import with_features
 from fivefold.planner.hardware import Cluster, get_cluster
 from fivefold.planner.layout import FIVEFOLD, FIVEFOLD_CPU, Layout
 from fivefold.planner.search import Estimate, estimate
@@ -63,6 +65,8 @@ def estimate_run(cfg: Config, hardware: Cluster, device_type: str | None = None)
         if device_type == "auto":
             device_type = resolve_device("auto").type
     framework = FIVEFOLD_CPU if compute_dtype(cfg, device_type) == "fp32" else FIVEFOLD
+    if cfg.train.compile:  # the blocks run compiled: fused element-wise kernels (`planner/features.py`)
+        framework = with_features(framework, ("compile",))
     return estimate(cfg.model, cfg.train.seq_len, layout_of(cfg), framework, hardware, True)
 
 

@@ -141,6 +141,7 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
     """Validate `cfg` for its layout's world size and print what the run would do and the planner's prediction."""
     from fivefold.flops import count_params
     from fivefold.launch import check_layout
+    from fivefold.planner.features import with_features
     from fivefold.planner.hardware import get_cluster
     from fivefold.planner.layout import FRAMEWORKS, Layout
     from fivefold.planner.search import estimate, gib
@@ -160,11 +161,14 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
     gpu = args.gpu or ("cpu" if t.device == "cpu" else "h100")
     hw = get_cluster(gpu)
     fw = FRAMEWORKS["fivefold-cpu" if hw.cores or hw.name == "cpu" else "fivefold"]
+    if t.compile:  # the blocks run compiled: fused element-wise kernels, as `fivefold plan --features compile`
+        fw = with_features(fw, ("compile",))
     fields = {f.name: getattr(la, f.name) for f in dataclasses.fields(la)}
     lay = Layout(**{**fields, "micro_batch_size": cfg.micro_batch_size, "grad_accum_steps": cfg.grad_accum_steps})
     e = estimate(cfg.model, t.seq_len, lay, fw, hw, True)
     step_s = e.step_time_s
-    print(f"planner ({hw.name}, {fw.name} engine): {'fits' if e.fits else 'does NOT fit'}, peak "
+    print(f"planner ({hw.name}, {fw.name} engine{', compiled' if t.compile else ''}): "
+          f"{'fits' if e.fits else 'does NOT fit'}, peak "
           f"{gib(e.peak_bytes):.1f} GiB of {hw.memory_gib} GiB per device; step {step_s:.2f} s, "
           f"{e.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {100 * e.mfu:.1f} %; {t.max_steps:,} steps "
           f"take about {format_hours(step_s * t.max_steps)}")

@@ -115,6 +115,9 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, dataset, capsy
     assert result.stopped == "non-finite" and result.exit_code == EXIT_NON_FINITE and result.steps < 30
     assert f"stopped at step {result.steps}" in err and "train.max_bad_steps = 5" in err
     assert result.skipped_steps >= 5
+    first, last, in_row = map(int, re.search(r"steps (\d+) to (\d+) had a non-finite loss or gradient norm \((\d+) in "
+                                             r"a row", err).groups())
+    assert last - first + 1 == in_row >= 5 and last <= result.steps
     updated, _ = result.last_finite_loss
     # the kept checkpoint holds the weights of the last update: those of a run that stopped there
     ref = train(small_config(tmp_path / "ref", dataset, **{**bad, "train.max_steps": str(updated)}))

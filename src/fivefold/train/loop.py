@@ -365,6 +365,8 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
             seen = guard.read(current=logged or scheduled or done == stop_after)
             if seen is not None and seen.bad_run >= t.max_bad_steps:
                 now = guard.read(current=True)
+                if now.bad_run > seen.bad_run:  # this step was bad too (`seen` may lag one step): say so
+                    seen = now
                 result.skipped_steps, result.stopped, result.exit_code = now.skipped, "non-finite", EXIT_NON_FINITE
                 result.last_finite_loss = last_finite_loss(engine, guard, global_tokens)
                 save(done, now)  # the weights of the last update (finite), past the bad batches; prunes nothing
@@ -396,6 +398,8 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
             if stop_after is not None and done >= stop_after:
                 break
     loop_seconds = time.perf_counter() - loop_start
+    if result.steps > start:  # collective; a run that stopped before its first logged step has read none yet
+        peak_seen = max(peak_seen, *per_rank_peak_memory(device))
     if result.steps > start and result.stopped != "non-finite":  # collective
         result.last_finite_loss = last_finite_loss(engine, guard, global_tokens)
     if writer is not None:

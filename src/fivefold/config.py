@@ -8,6 +8,7 @@ raises `ConfigError` naming the field, the value, the rule and what would be val
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import tomllib
@@ -464,6 +465,15 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     cfg = Config()
     _apply(cfg, data, "")
     return cfg
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file, read 16 MiB at a time (checkpoint manifests, dataset shards)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

@@ -9,7 +9,6 @@ never cross a shard boundary, so a shard of `n` tokens holds `(n - 1) // seq_len
 
 from __future__ import annotations
 
-import hashlib
 import json
 from functools import lru_cache
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from fivefold.config import file_sha256
 from fivefold.data.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -27,8 +27,6 @@ from fivefold.data.format import (
     dtype_from_name,
     tokenizer_fingerprint,
 )
-
-HASH_CHUNK_BYTES = 1 << 24
 
 
 def read_index(path: str | Path) -> dict[str, Any]:
@@ -53,14 +51,6 @@ def read_index(path: str | Path) -> dict[str, Any]:
             "prepare the directory again"
         )
     return index
-
-
-def _sha256(file: Path) -> str:
-    digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        while chunk := f.read(HASH_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 class TokenDataset:
@@ -144,7 +134,7 @@ class TokenDataset:
         """Check every shard's sha256 against the index (reads all the shards)."""
         for shard in self.shard_entries:
             file = self.path / shard["file"]
-            if _sha256(file) != shard["sha256"]:
+            if file_sha256(file) != shard["sha256"]:
                 raise DataError(
                     f"{file}: sha256 differs from {INDEX_FILE} (modified or corrupt); prepare again"
                 )

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from fivefold.config import file_sha256
+
 _DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.bfloat16: "BF16", torch.float16: "F16",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
            torch.bool: "BOOL"}
@@ -151,14 +153,6 @@ class PieceReader:
 
 
 MANIFEST = "manifest.json"  # of a checkpoint directory: the size and sha256 of every other file
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def verify_manifest(path: Path, names: list[str] | None = None) -> None:

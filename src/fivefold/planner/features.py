@@ -2,7 +2,8 @@
 `features` column of `plan validate --data` (joined with '+' there, with ',' on the command line).
 
 * `compile`: torch.compile fuses each block's element-wise ops (norms, residual adds, rotary, SwiGLU) into
-  kernels that read their inputs and write their outputs once (`Framework.fused_elementwise = "all"`).
+  kernels that read their inputs and write their outputs once (`Framework.fused_elementwise = "all"`); where a
+  framework states what its selective recompute keeps under compile (`compiled_selective_saved_matmuls`), that.
 * `float8`: the blocks' linears run float8 GEMMs (torchao, dynamic tensorwise scaling) at the device's FP8
   speed-up (`planner/devices/kernels.toml`), plus the scale and cast of each input and output gradient; the output
   layer and attention stay bf16 (`Framework.float8_linears`).
@@ -37,6 +38,8 @@ def with_features(fw: Framework, features: tuple[str, ...] | list[str]) -> Frame
     for f in features:
         if f == "compile":
             changes["fused_elementwise"] = "all"
+            if fw.compiled_selective_saved_matmuls:
+                changes["selective_saved_matmuls"] = fw.compiled_selective_saved_matmuls
         elif f == "float8":
             changes["float8_linears"] = True
         elif f == "async-tp":

@@ -108,6 +108,16 @@ class Framework:
     fused_loss_chunk: int = LOSS_CHUNK_TOKENS  # tokens per chunk of the fused output layer + loss; 0 = whole logits
     tp_loss_chunk: int = TP_LOSS_CHUNK_TOKENS  # the same for the vocabulary-parallel loss under tensor parallel
     logits_bytes: float = 10.0  # bytes per (token, vocabulary entry / tp) alive at the loss peak
+    # the loss's bytes per (token, vocabulary entry / tp) counted at the memory peak, where they differ from
+    # `logits_bytes` (which the time model also streams): 0 = logits_bytes; `tp_loss_peak_bytes` the same for the
+    # vocabulary-parallel loss under tensor parallel (0 = loss_peak_bytes)
+    loss_peak_bytes: float = 0.0
+    tp_loss_peak_bytes: float = 0.0
+    # what selective recompute keeps of a block's matmul outputs (comma-separated of q, k, v, o, gate, up, down)
+    # besides the block input and the attention kernel's output and log-sum-exp: fivefold's policy keeps them all
+    selective_saved_matmuls: str = "q,k,v,o,gate,up,down"
+    # the same when the blocks run under torch.compile (`--features compile`); "" = selective_saved_matmuls
+    compiled_selective_saved_matmuls: str = ""
     activation_scale: float = 1.0  # multiplies the counted saved activations (fitted for other frameworks)
     tp_overlap: float = 0.0  # share of tensor-parallel communication hidden behind compute
     dp_bucket_mib: float = 25.0  # gradient buckets (MiB)

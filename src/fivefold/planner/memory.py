@@ -17,13 +17,15 @@ them (checked against `torch.autograd.graph.saved_tensors_hooks` on the real mod
 * the attention kernel saves q, k, v, its output (also the output projection's input) and the log-sum-exp;
 * under selective recompute a block keeps only its input and the outputs of its weight matmuls and of the
   attention kernel (q, k, v, attention output and log-sum-exp, o, gate, up, down; for MoE the router logits and
-  the shared experts'), see `parallel/recompute.py`;
+  the shared experts'), see `parallel/recompute.py`; another framework's policy keeps the matmul outputs its
+  `selective_saved_matmuls` names (torchtitan's op-level policy: every other mm);
 * SwiGLU saves gate and up outputs, the SiLU output and the product;
 * the fused output layer + cross-entropy saves the gradient of the hidden states and of the output weight
   (computed in forward).
 
 Then the peak adds the micro-batches in flight of the pipeline schedule (simulated), the bf16 weight copies
-that autocast keeps per micro-batch in flight, the loss temporaries of one chunk, ZeRO-3's gathered blocks
+that autocast keeps per micro-batch in flight, the loss temporaries of one chunk (or of the whole batch, at the
+framework's `loss_peak_bytes` per logit), ZeRO-3's gathered blocks
 and prefetch (under pp: the rank's whole stages gathered and their gradients unsharded for the step),
 communication buckets and a fixed per-device overhead.
 """
@@ -34,7 +36,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from fivefold.config import ModelConfig
+from fivefold.config import ConfigError, ModelConfig
 from fivefold.flops import balanced_stage_layers
 from fivefold.planner.layout import Framework, Layout
 
@@ -158,6 +160,19 @@ def residual_bytes(cfg: ModelConfig, fw: Framework) -> int:
     return 4 if cfg.fp32_residual else fw.residual_bytes
 
 
+SELECTIVE_MATMULS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def selective_matmuls(fw: Framework) -> set[str]:
+    """The matmul outputs a block keeps under the framework's selective recompute (`selective_saved_matmuls`)."""
+    names = {n.strip() for n in fw.selective_saved_matmuls.split(",") if n.strip()}
+    unknown = names - set(SELECTIVE_MATMULS)
+    if unknown:
+        raise ConfigError(f"framework {fw.name!r}: selective_saved_matmuls names {', '.join(sorted(unknown))}; "
+                          f"known: {', '.join(SELECTIVE_MATMULS)}")
+    return names
+
+
 def layer_activation_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Framework,
                            moe_imbalance: float = 1.0) -> dict[str, float]:
     """Bytes one block saves for backward for one micro-batch of `tokens` tokens on this rank (after cp)."""
@@ -170,12 +185,16 @@ def layer_activation_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Frame
         return {"block_input": t_seq * h * rb, "total": t_seq * h * rb}
     if lay.recompute == "selective":  # the block input and the outputs of the weight matmuls and attention kernel
         heads, kv = cfg.n_heads // tp, max(cfg.n_kv_heads // tp, 1)
-        attn = tokens * ((2 * heads + 2 * kv) * d + h) * ab + tokens * heads * 4  # q k v, output, o; fp32 lse
+        kept = selective_matmuls(fw)
+        widths = {"q": heads * d, "k": kv * d, "v": kv * d, "o": h}
+        # the attention kernel's output and fp32 log-sum-exp, and the kept projections (all four: q k v, o)
+        attn = tokens * (heads * d + sum(w for n, w in widths.items() if n in kept)) * ab + tokens * heads * 4
         if cfg.is_moe:  # router logits and the shared experts' gate, up, down (the routed experts' bmm recompute)
             fs = cfg.n_shared_experts * cfg.expert_ffn // tp
             mlp = tokens * (cfg.n_experts + (2 * fs + h if fs else 0)) * ab
         else:
-            mlp = tokens * (2 * (cfg.ffn // tp) + h) * ab  # gate, up, down
+            f_local = cfg.ffn // tp
+            mlp = tokens * sum(w for n, w in {"gate": f_local, "up": f_local, "down": h}.items() if n in kept) * ab
         total = (t_seq * h * rb + attn + mlp) * fw.activation_scale
         return {"block_input": t_seq * h * rb, "attention": attn, "mlp": mlp, "total": total}
     per_op = ab == 2 and fw.autocast_weight_copies  # autocast casts the norm output once per linear reading it
@@ -236,6 +255,14 @@ def forward_saved_bytes(cfg: ModelConfig, batch: int, seq: int, lay: Layout, fw:
 # Peak per rank
 
 
+def loss_peak_bytes(fw: Framework, tp: int) -> float:
+    """Bytes per (token, vocabulary entry / tp) that the loss holds at the memory peak: `tp_loss_peak_bytes` for
+    the vocabulary-parallel loss under tensor parallel, else `loss_peak_bytes`, else `logits_bytes`."""
+    if tp > 1 and fw.tp_loss_peak_bytes:
+        return fw.tp_loss_peak_bytes
+    return fw.loss_peak_bytes or fw.logits_bytes
+
+
 @dataclass
 class MemoryReport:
     rank: str
@@ -264,7 +291,7 @@ def rank_memory(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, in_fligh
     if rp.last:
         loss_chunk = fw.tp_loss_chunk if lay.tp > 1 else fw.fused_loss_chunk
         chunk = min(loss_chunk, tokens) if fw.fused_loss_chunk else tokens
-        transient = chunk * v_local * fw.logits_bytes
+        transient = chunk * v_local * loss_peak_bytes(fw, lay.tp)
         if fw.fused_loss_chunk and fw.compute_dtype == "bf16":
             transient += v_local * cfg.hidden * 2  # the bf16 cast of the output weight
     if lay.recompute != "none":  # what one block's recompute rebuilds during its backward

@@ -4,12 +4,14 @@ losses and the evaluation loss to 1e-5 relative, gradient norms to 1e-4, paramet
 with the pipeline checks of tests/test_parallel_pipeline.py (each rank ran exactly its action list, no deferred
 weight gradient left). On top, closed forms on every rank: each `fully_shard` unit all-gathers once per optimizer
 step and reduce-scatters once per step (not once per micro-batch), and the rank holds exactly its stages'
-parameters, gradients and AdamW moments divided by dp.
+parameters, gradients and AdamW moments divided by dp (under ep: dense / dp + its ep rank's experts / edp).
 
 Fast (default run): 1F1B, AFAB and zero-bubble (whose W passes must all run before the reduce-scatter) with the
-counts and bytes; checkpoints from and to one process. Slow: interleaved (two stages per rank), DualPipeV (the
-tied embedding's two copies on one rank), the MoE model, cp2 x pp2 with full recompute, untied with selective
-recompute, dp2 x tp2+SP x pp2 (8 ranks), bf16.
+counts and bytes; dp2 x pp2 x ep2 on the MoE model (edp 1: the experts cut as plain ZeRO-3 cuts them); checkpoints
+from and to one process. Slow: interleaved (two stages per rank), DualPipeV (the tied embedding's two copies on
+one rank), the MoE model, cp2 x pp2 with full recompute, untied with selective recompute, dp2 x tp2+SP x pp2 (8
+ranks), bf16; with expert parallel dp4 x pp2 x ep2 (8 ranks, edp 2), the other schedules, cp2 x pp2 x ep2 and
+checkpoints to one process and back.
 """
 
 from __future__ import annotations
@@ -155,6 +157,25 @@ def test_zero3_pipeline_with_expert_parallel_edp1_matches_one_process():
 def test_zero3_pipeline_with_expert_parallel_edp2_matches_one_process():
     """dp4 x pp2 x ep2 on 8 ranks: the routed experts are fully_shard units over edp groups of two ranks."""
     assert_zero3_pipeline_equivalent([{**Z3PPEP, "layout.dp": "4"}], 8)
+
+
+@pytest.mark.slow
+def test_zero3_pipeline_with_expert_parallel_under_every_other_schedule_matches_one_process():
+    """dp2 x pp2 x ep2 under zero-bubble (the experts' W work before the reduce-scatter), DualPipeV (both tied
+    copies on one rank) and interleaved (two stages per rank)."""
+    assert_zero3_pipeline_equivalent([{**Z3PPEP, "layout.schedule": "zero-bubble"},
+                                      {**Z3PPEP, "layout.schedule": "dualpipev", "model.n_layers": "4"},
+                                      {**Z3PPEP, "layout.schedule": "interleaved", "layout.vpp": "2",
+                                       "model.n_layers": "4"}])
+
+
+@pytest.mark.slow
+def test_zero3_pipeline_with_expert_parallel_over_cp_matches_one_process():
+    """cp2 x pp2 x ep2: ep folds over the cp ranks (edp 1), ZeRO-3 shards the dense weights over dp x cp."""
+    from tests.test_parallel_pipeline import assert_pipeline_equivalent
+
+    assert_pipeline_equivalent([{"layout.pp": "2", "layout.cp": "2", "layout.ep": "2", "layout.zero": "3",
+                                 "layout.micro_batch_size": "2", "model.n_experts": "4", "model.top_k": "2"}], 4)
 
 
 @pytest.mark.slow

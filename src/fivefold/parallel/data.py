@@ -40,6 +40,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,10 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from fivefold.parallel.tensor_comm import all_gather_into, reduce_scatter_into
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # 25 MiB, as DDP and nanotron
 
@@ -339,7 +344,7 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def expert_mesh(expert_group: ProcessGroup | None, device_type: str):
+def expert_mesh(expert_group: ProcessGroup | None, device_type: str) -> DeviceMesh | None:
     """The device mesh the routed experts' `fully_shard` units shard over: the ranks holding the same experts
     (edp of them); None without expert parallel or with edp = 1 (each rank's experts stay whole)."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -349,8 +354,10 @@ def expert_mesh(expert_group: ProcessGroup | None, device_type: str):
     return DeviceMesh.from_group(expert_group, device_type)
 
 
-def shard_block(block: nn.Module, mesh, policy, experts: bool, experts_mesh=None,
-                reshard_after_forward: bool = True) -> tuple[list[nn.Module], nn.Module, set[nn.Parameter]]:
+def shard_block(block: nn.Module, mesh: DeviceMesh, policy: MixedPrecisionPolicy, experts: bool,
+                experts_mesh: DeviceMesh | None = None, reshard_after_forward: bool = True) -> (
+    tuple[list[nn.Module], nn.Module, set[nn.Parameter]]
+):
     """ZeRO-3's `fully_shard` units of one transformer block over `mesh` (dp x cp), innermost first (a unit manages
     the parameters no unit inside it holds). With `experts` (expert parallel) and an MoE block, the routed experts'
     weights shard over `experts_mesh` (edp): the router and the shared experts become small units over `mesh`, the

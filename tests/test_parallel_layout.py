@@ -119,8 +119,8 @@ MOE = {"model__n_experts": "4", "model__top_k": "2"}
      "layout.ep = 4 does not divide layout.dp x layout.cp = 2 x 1 = 2: expert parallel folds over the dp x cp "
      "ranks (it adds no ranks), so each dp x cp group must split into blocks of ep ranks; valid ep for this "
      "layout and model: [1, 2]"),
-    ({"layout__ep": "2", "layout__dp": "2", "layout__pp": "2", "layout__zero": "3", **MOE}, 4,
-     "layout.zero = 3 with layout.ep = 2 and layout.pp = 2: ZeRO-3 shards the experts over their own"),
+    ({"layout__ep": "4", "layout__dp": "2", "layout__pp": "2", "layout__zero": "3", **MOE}, 4,
+     "layout.ep = 4 does not divide layout.dp x layout.cp = 2 x 1 = 2"),
     # ZeRO needs ranks that reduce gradients: dp or cp
     ({"layout__zero": "1", "layout__tp": "2"}, 2, "layout.zero = 1 with layout.dp = 1 and layout.cp = 1"),
 ])
@@ -172,20 +172,23 @@ def test_vpp_without_the_interleaved_schedule_is_refused():
     assert "layout.schedule = interleaved" in msg
 
 
-def test_zero3_with_pipeline_parallel_is_accepted_but_not_with_expert_parallel_too():
-    cfg = config(layout__pp="2", layout__dp="2", layout__zero="3")
-    cfg.validate()
-    validate_layout(cfg, 4)
-    msg = refused(config(layout__pp="2", layout__dp="2", layout__ep="2", layout__zero="3", model__n_experts="4",
-                         model__top_k="2"), 4)
-    assert "layout.zero = 3 with layout.ep = 2" in msg and "use layout.zero = 1 or 2" in msg
-    # the pipeline rule itself, for when ZeRO-3 with ep alone is accepted
-    from fivefold.layout import pipeline_problem
+def test_zero3_with_pipeline_parallel_is_accepted_with_and_without_expert_parallel():
+    from fivefold.layout import expert_parallel_problem, pipeline_problem
 
-    cfg = config(layout__pp="2", layout__dp="4", layout__ep="2", layout__zero="3", model__n_experts="4",
-                 model__top_k="2")
-    problem = pipeline_problem(cfg.model, cfg.layout, cfg.train.seq_len, cfg.train.global_batch_size)
-    assert "layout.zero = 3 with layout.ep = 2 and layout.pp = 2 is refused" in problem.message
+    for fields, world in [
+        ({"layout__pp": "2", "layout__dp": "2", "layout__zero": "3"}, 4),
+        ({"layout__pp": "2", "layout__dp": "2", "layout__ep": "2", "layout__zero": "3", **MOE}, 4),  # edp 1
+        ({"layout__pp": "2", "layout__dp": "4", "layout__ep": "2", "layout__zero": "3", **MOE}, 8),  # edp 2
+    ]:
+        cfg = config(**fields)
+        cfg.validate()
+        validate_layout(cfg, world)
+        assert expert_parallel_problem(cfg.model, cfg.layout) is None
+        assert pipeline_problem(cfg.model, cfg.layout, cfg.train.seq_len, cfg.train.global_batch_size) is None
+    # the other rules still apply to the combination
+    msg = refused(config(layout__pp="2", layout__dp="2", layout__ep="2", layout__zero="3", layout__vpp="2",
+                         model__n_layers="4", **MOE), 4)
+    assert "layout.vpp = 2 (stages per rank) applies to the interleaved schedule only" in msg
 
 
 def test_a_bad_explicit_stage_split_is_refused():

@@ -4,12 +4,14 @@ losses and the evaluation loss to 1e-5 relative, gradient norms to 1e-4, paramet
 with the pipeline checks of tests/test_parallel_pipeline.py (each rank ran exactly its action list, no deferred
 weight gradient left). On top, closed forms on every rank: each `fully_shard` unit all-gathers once per optimizer
 step and reduce-scatters once per step (not once per micro-batch), and the rank holds exactly its stages'
-parameters, gradients and AdamW moments divided by dp.
+parameters, gradients and AdamW moments divided by dp (under ep: dense / dp + its ep rank's experts / edp).
 
 Fast (default run): 1F1B, AFAB and zero-bubble (whose W passes must all run before the reduce-scatter) with the
-counts and bytes; checkpoints from and to one process. Slow: interleaved (two stages per rank), DualPipeV (the
-tied embedding's two copies on one rank), the MoE model, cp2 x pp2 with full recompute, untied with selective
-recompute, dp2 x tp2+SP x pp2 (8 ranks), bf16.
+counts and bytes; dp2 x pp2 x ep2 on the MoE model (edp 1: the experts cut as plain ZeRO-3 cuts them); checkpoints
+from and to one process. Slow: interleaved (two stages per rank), DualPipeV (the tied embedding's two copies on
+one rank), the MoE model, cp2 x pp2 with full recompute, untied with selective recompute, dp2 x tp2+SP x pp2 (8
+ranks), bf16; with expert parallel dp4 x pp2 x ep2 (8 ranks, edp 2, also in bf16), the other schedules, cp2 x pp2
+x ep2 and checkpoints to one process and back (edp 1 and 2).
 """
 
 from __future__ import annotations
@@ -66,10 +68,16 @@ def zero3_pipeline_on_ranks(rank: int, world_size: int, layouts: list[dict[str, 
                 setattr(dist, name, fn)
         units = engine.data_parallel.n_units()
         blocks = sum(len(stage.layers) for stage in engine.stages.values())
-        assert units == blocks + len(engine.stages)  # one unit per block and one per stage root
-        # a root communicates when it holds parameters of its own: the embedding, or the final norm and output layer
-        talking = blocks + sum(1 for stage in engine.stages.values() if stage.embed is not None or
-                               stage.norm is not None)
+        # one unit per block and one per stage root; under ep per MoE block also the router, the shared experts
+        # and (edp > 1) the routed experts
+        ep, dpc = cfg.layout.ep, cfg.layout.dp * cfg.layout.cp
+        per_moe = (1 + (cfg.model.n_shared_experts > 0) + (dpc // ep > 1)) if ep > 1 and cfg.model.is_moe else 0
+        assert units == blocks * (1 + per_moe) + len(engine.stages)
+        # a root communicates when it holds parameters of its own: the embedding, or the final norm and output
+        # layer; with edp = 1 the routed experts are no unit's (plain tensors)
+        talking = blocks * (1 + per_moe) + sum(1 for stage in engine.stages.values() if stage.embed is not None or
+                                               stage.norm is not None)
+        assert talking == talking_units(engine.data_parallel)
         assert counts["all_gather_single"] == (STEPS + 1) * talking, (counts, talking)  # + the evaluation forward
         assert counts["reduce_scatter_single"] == STEPS * talking, (counts, talking)
         schedule = engine.schedule(cfg.grad_accum_steps)
@@ -77,11 +85,15 @@ def zero3_pipeline_on_ranks(rank: int, world_size: int, layouts: list[dict[str, 
         if engine.queue is not None:
             assert len(engine.queue) == 0
         # closed form: the rank's stages' parameters (the plain modules, fp32), gradients and two moments, over dp;
-        # a tied weight counts once per stage that holds it (two copies under ZeRO-3, see pipeline_zero3)
+        # a tied weight counts once per stage that holds it (two copies under ZeRO-3, see pipeline_zero3); under ep,
+        # dense / (dp x cp) + this ep rank's experts (1/ep of the plain stages' experts) / edp
+        from fivefold.parallel.expert import is_expert_param
         from fivefold.parallel.pipeline import build_stages
 
         plain = build_stages(cfg.model, engine.counts, engine.placement, engine.pp_rank, torch.device("meta"), 0)
-        numel = sum(p.numel() for stage in plain.values() for p in stage.parameters())
+        named = [(n, p.numel()) for stage in plain.values() for n, p in stage.named_parameters()]
+        experts = sum(k for n, k in named if is_expert_param(n)) if ep > 1 else 0
+        dense = sum(k for _, k in named) - experts
         state = engine.model_state()
         inputs, targets = global_batches(cfg)[0]  # one more backward, so that the gradient shards exist
         rows = inputs.shape[0] // engine.dp_size
@@ -90,18 +102,31 @@ def zero3_pipeline_on_ranks(rank: int, world_size: int, layouts: list[dict[str, 
                          targets[lo:lo + rows].split(cfg.micro_batch_size), strict=True))
         engine.forward_backward(micro, inputs.numel())
         held = engine.state_bytes()
-        dp = cfg.layout.dp
-        assert numel % dp == 0
-        assert held == {"parameters": 4 * numel // dp, "gradients": 4 * numel // dp,
-                        "optimizer": 8 * numel // dp}, (held, numel)
-        results.append((losses, norms, drops, state if rank == 0 else None))
+        edp = dpc // ep
+        assert dense % dpc == 0 and experts % (ep * edp) == 0
+        numel = dense // dpc + experts // ep // edp
+        assert held == {"parameters": 4 * numel, "gradients": 4 * numel, "optimizer": 8 * numel}, (held, numel)
+        results.append((losses, norms, drops, state if rank == 0 else None, held))
     return results
 
 
-def assert_zero3_pipeline_equivalent(layouts: list[dict[str, str]]) -> None:
-    results = run_ranks(4, zero3_pipeline_on_ranks, layouts)[0]
-    for overrides, (losses, norms, drops, state) in zip(layouts, results, strict=True):
+def talking_units(data_parallel) -> int:
+    """The `fully_shard` units that hold sharded parameters of their own (not an inner unit's, not ignored)."""
+    count = 0
+    for units in data_parallel.units.values():
+        for unit in units:
+            inner = {id(p) for other in units if other is not unit and any(m is other for m in unit.modules())
+                     for p in other.parameters()}
+            count += any(id(p) not in inner and hasattr(p, "device_mesh") for p in unit.parameters())
+    return count
+
+
+def assert_zero3_pipeline_equivalent(layouts: list[dict[str, str]], world_size: int = 4) -> list:
+    """Each layout against one process; the ranks' results (losses, norms, drops, state on rank 0, held bytes)."""
+    results = run_ranks(world_size, zero3_pipeline_on_ranks, layouts, timeout=300.0 * world_size / 4)
+    for overrides, (losses, norms, drops, state, _) in zip(layouts, results[0], strict=True):
         assert_matches_one_process(overrides, losses, norms, drops, state)
+    return results
 
 
 def test_zero3_pipeline_1f1b_afab_and_zero_bubble_match_one_process():
@@ -115,6 +140,61 @@ def test_zero3_pipeline_interleaved_dualpipev_and_moe_match_one_process():
         {**Z3PP, "layout.schedule": "dualpipev", "model.n_layers": "4"},
         {**Z3PP, "layout.schedule": "1f1b", "model.n_experts": "4", "model.top_k": "2"},
     ])
+
+
+Z3PPEP = {**Z3PP, "layout.ep": "2", "layout.schedule": "1f1b", "model.n_experts": "4", "model.top_k": "2"}
+
+
+def test_zero3_pipeline_with_expert_parallel_edp1_matches_one_process():
+    """dp2 x pp2 x ep2 (edp 1: each rank's experts whole, plain tensors no unit holds) against one process, with
+    the unit counts, the collective counts and the bytes per rank (dense / dp + experts / ep) of the tests above."""
+    results = assert_zero3_pipeline_equivalent([Z3PPEP])
+    held = [r[0][4] for r in results]
+    assert len({h["parameters"] for h in held}) == 2, held  # the two pp ranks hold different stages
+
+
+@pytest.mark.slow
+def test_zero3_pipeline_with_expert_parallel_edp2_matches_one_process():
+    """dp4 x pp2 x ep2 on 8 ranks: the routed experts are fully_shard units over edp groups of two ranks."""
+    assert_zero3_pipeline_equivalent([{**Z3PPEP, "layout.dp": "4"}], 8)
+
+
+@pytest.mark.slow
+def test_zero3_pipeline_with_expert_parallel_under_every_other_schedule_matches_one_process():
+    """dp2 x pp2 x ep2 under zero-bubble (the experts' W work before the reduce-scatter), DualPipeV (both tied
+    copies on one rank) and interleaved (two stages per rank)."""
+    assert_zero3_pipeline_equivalent([{**Z3PPEP, "layout.schedule": "zero-bubble"},
+                                      {**Z3PPEP, "layout.schedule": "dualpipev", "model.n_layers": "4"},
+                                      {**Z3PPEP, "layout.schedule": "interleaved", "layout.vpp": "2",
+                                       "model.n_layers": "4"}])
+
+
+@pytest.mark.slow
+def test_zero3_pipeline_with_expert_parallel_bf16_matches_one_process_bf16():
+    """dp4 x pp2 x ep2 (edp 2: the experts' units gather in bf16 and reduce-scatter in fp32 too) against the
+    one-process bf16 engine, with the tolerances of the bf16 test above but for the parameters: under bf16 the MoE
+    model's router and experts move 0.32 (router) and 0.21 (experts) apart by norm after 3 steps whatever the
+    layout (ZeRO-1 x pp2 x ep2 0.317, ZeRO-3 x pp2 without ep 0.322, ZeRO-3 x ep2 without pp 0.319, ZeRO-1 x ep2
+    0.317: a routing decision that bf16 rounding flips), so 0.4 there."""
+    overrides = {**Z3PPEP, "layout.dp": "4", "train.dtype": "bf16"}
+    losses, norms, _, state, _ = run_ranks(8, zero3_pipeline_on_ranks, [overrides], timeout=600.0)[0][0]
+    ref_losses, ref_norms, _, ref_state = reference_run(overrides)
+    assert abs(losses[0] - ref_losses[0]) <= 1e-4 * abs(ref_losses[0])
+    for a, b in zip(losses, ref_losses, strict=True):
+        assert abs(a - b) <= 5e-3 * abs(b), (a, b)
+    for a, b in zip(norms, ref_norms, strict=True):
+        assert abs(a - b) <= 3e-2 * abs(b), (a, b)
+    for name, ref in ref_state.items():
+        assert ((state[name] - ref).norm() / ref.norm()).item() <= 0.4, name
+
+
+@pytest.mark.slow
+def test_zero3_pipeline_with_expert_parallel_over_cp_matches_one_process():
+    """cp2 x pp2 x ep2: ep folds over the cp ranks (edp 1), ZeRO-3 shards the dense weights over dp x cp."""
+    from tests.test_parallel_pipeline import assert_pipeline_equivalent
+
+    assert_pipeline_equivalent([{"layout.pp": "2", "layout.cp": "2", "layout.ep": "2", "layout.zero": "3",
+                                 "layout.micro_batch_size": "2", "model.n_experts": "4", "model.top_k": "2"}], 4)
 
 
 @pytest.mark.slow
@@ -140,7 +220,7 @@ def test_zero3_pipeline_bf16_matches_one_process_bf16():
     the steps), parameters to 0.15 by norm (AdamW's near sign-like update flips with nearly cancelling
     gradient elements). A missing or doubled reduction moves the losses by far more."""
     overrides = {**Z3PP, "layout.schedule": "1f1b", "train.dtype": "bf16"}
-    losses, norms, _, state = run_ranks(4, zero3_pipeline_on_ranks, [overrides])[0][0]
+    losses, norms, _, state, _ = run_ranks(4, zero3_pipeline_on_ranks, [overrides])[0][0]
     ref_losses, ref_norms, _, ref_state = reference_run(overrides)
     assert abs(losses[0] - ref_losses[0]) <= 1e-4 * abs(ref_losses[0])
     for a, b in zip(losses, ref_losses, strict=True):
@@ -157,3 +237,21 @@ def test_zero3_pipeline_checkpoint_to_and_from_one_process(tmp_path, dataset):  
     layout = {"layout.pp": "2", "layout.dp": "2", "layout.zero": "3", "layout.micro_batch_size": "1"}
     check_change(tmp_path / "a", dataset, (4, layout), [(1, {"layout.micro_batch_size": "1"})])
     check_change(tmp_path / "b", dataset, (1, {"layout.micro_batch_size": "1"}), [(4, layout)])
+
+
+@pytest.mark.slow
+def test_zero3_pipeline_expert_checkpoint_to_and_from_one_process(tmp_path, dataset):  # noqa: F811
+    """dp2 x pp2 x ep2 ZeRO-3 (edp 1) to one process and back, as above."""
+    layout = {"layout.pp": "2", "layout.dp": "2", "layout.ep": "2", "layout.zero": "3", "layout.micro_batch_size": "1"}
+    moe = {"model.n_experts": "4", "model.top_k": "2"}
+    check_change(tmp_path / "a", dataset, (4, layout), [(1, {"layout.micro_batch_size": "1"})], model=moe)
+    check_change(tmp_path / "b", dataset, (1, {"layout.micro_batch_size": "1"}), [(4, layout)], model=moe)
+
+
+@pytest.mark.slow
+def test_zero3_pipeline_expert_over_edp2_checkpoint_moves_between_layouts(tmp_path, dataset):  # noqa: F811
+    """dp4 x pp2 x ep2 ZeRO-3 (edp 2, 8 ranks) to one process and to dp2 x pp2 x ep2 ZeRO-3 (edp 1)."""
+    moe = {"model.n_experts": "4", "model.top_k": "2"}
+    z3 = {"layout.pp": "2", "layout.ep": "2", "layout.zero": "3", "layout.micro_batch_size": "1"}
+    check_change(tmp_path, dataset, (8, {**z3, "layout.dp": "4"}),
+                 [(1, {"layout.micro_batch_size": "1"}), (4, {**z3, "layout.dp": "2"})], model=moe)

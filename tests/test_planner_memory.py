@@ -198,6 +198,32 @@ def test_activation_bytes_bf16_autocast_over_fp32_weights(batch, seq):
     assert predicted == pytest.approx(measured, rel=TOL)
 
 
+@pytest.mark.parametrize("dp", [2, 4])
+def test_zero3_under_pipeline_and_expert_parallel_gathers_the_experts_over_edp(dp):
+    """ZeRO-3 with pp and ep: the rank's stages stay gathered for the step as without ep, the routed experts (this
+    ep rank's 1/ep) among them only when edp = dp / ep > 1; with edp = 1 they are whole plain tensors, counted
+    with the model states (dense / dp + experts / ep / edp), against the real stages of the first pipeline rank."""
+    from fivefold.parallel.expert import is_expert_param
+    from fivefold.parallel.pipeline import build_stages
+    from fivefold.parallel.schedules import stage_placement
+    from fivefold.planner.memory import stage_layers
+
+    cfg = get_preset("tiny-moe")
+    ep = 2
+    lay = Layout(dp=dp, pp=2, ep=ep, zero=3, micro_batch_size=1, grad_accum_steps=8 // dp)
+    stages = build_stages(cfg, stage_layers(cfg, lay), stage_placement("1f1b", 2, 1), 0, torch.device("meta"), 0)
+    named = [(n, p.numel()) for stage in stages.values() for n, p in stage.named_parameters()]
+    experts = sum(k for n, k in named if is_expert_param(n)) // ep  # this ep rank's
+    dense = sum(k for _, k in named) - experts * ep
+    edp = dp // ep
+    bucket = 2 * FIVEFOLD_CPU.dp_bucket_mib * 2**20
+    gathered = dense + (experts if edp > 1 else 0)
+    assert rank_memory(cfg, 128, lay, FIVEFOLD_CPU, in_flight=1).parts["comm_buffers"] == bucket + gathered * (4 + 4)
+    states = model_state_bytes(cfg, lay, FIVEFOLD_CPU)
+    assert states["parameters"] == 4 * (dense // dp + experts // edp)
+    assert states["gradients"] == states["parameters"] and states["optimizer"] == 2 * states["parameters"]
+
+
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 @pytest.mark.parametrize("fp32_grads", [False, True])
 def test_lean_state_bytes_follow_the_distributed_optimizer(zero, fp32_grads):

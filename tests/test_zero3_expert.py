@@ -135,7 +135,7 @@ def steps_on_ranks(rank: int, world_size: int, layout: dict[str, str]) -> dict:
     cfg = build_config(None, {**MODEL, **layout})
     engine = create_parallel_engine(cfg, torch.device("cpu"))
     rows = cfg.train.global_batch_size // cfg.layout.dp
-    g = torch.Generator().manual_seed(rank)
+    g = torch.Generator().manual_seed(engine.dp_rank)  # the pipeline ranks of one dp rank read the same rows
     batches = [torch.randint(0, 384, (rows, 9), generator=g) for _ in range(4)]
 
     def micro(tokens):
@@ -152,7 +152,8 @@ def steps_on_ranks(rank: int, world_size: int, layout: dict[str, str]) -> dict:
         before = snapshot(engine)
         engine.forward_backward(micro(batches[2]), 64)
         if rank == world_size - 1:  # one element of this rank's expert shard overflows
-            local(engine.model.layers["0"].mlp.w_down.grad).view(-1)[0] = float("inf")
+            w_down = next(p for n, p in engine.model.named_parameters() if n.endswith("mlp.w_down"))
+            local(w_down.grad).view(-1)[0] = float("inf")
         bad_norm = float(engine.optimizer_step())
         after_bad = snapshot(engine)
         engine.forward_backward(micro(batches[3]), 64)
@@ -161,13 +162,15 @@ def steps_on_ranks(rank: int, world_size: int, layout: dict[str, str]) -> dict:
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
-    return {"held": held, "calls": calls, "bad_norm": bad_norm,
+    return {"held": held, "calls": calls, "bad_norm": bad_norm, "pp_rank": getattr(engine, "pp_rank", 0),
             "kept": all(torch.equal(before[k], after_bad[k]) for k in before) and before.keys() == after_bad.keys(),
             "moved": any(not torch.equal(before[k], after_good[k]) for k in before if k.startswith("param"))}
 
 
 LAYOUTS = {"dp2-ep2": (2, {"layout.dp": "2", "layout.ep": "2", "layout.zero": "3"}),
-           "dp4-ep2": (4, {"layout.dp": "4", "layout.ep": "2", "layout.zero": "3"})}
+           "dp4-ep2": (4, {"layout.dp": "4", "layout.ep": "2", "layout.zero": "3"}),
+           "dp2-pp2-ep2": (4, {"layout.dp": "2", "layout.pp": "2", "layout.ep": "2", "layout.zero": "3"}),
+           "dp4-pp2-ep2": (8, {"layout.dp": "4", "layout.pp": "2", "layout.ep": "2", "layout.zero": "3"})}
 RESULTS: dict[str, list[dict]] = {}
 
 
@@ -187,18 +190,24 @@ def check_held_bytes(name: str) -> None:
 
     world, layout = LAYOUTS[name]
     cfg = build_config(None, {**MODEL, **layout})
-    shapes = {n: p.numel() for n, p in build_model(cfg.model, device="meta").named_parameters()}
-    experts = sum(n for name_, n in shapes.items() if name_.rsplit(".", 1)[-1] in ("w_gate", "w_up", "w_down"))
-    dense = sum(shapes.values()) - experts
-    ep, dp = cfg.layout.ep, cfg.layout.dp
-    elements = dense // dp + experts // ep // (dp // ep)
-    assert experts > 0 and dense % dp == 0 and experts % (ep * (dp // ep)) == 0
-    want = {"parameters": 4 * elements, "gradients": 4 * elements, "optimizer": 8 * elements}
-    # the planner's memory model predicts the same bytes (fivefold on CPU: fp32 parameters are the masters)
-    predicted = model_state_bytes(cfg.model, Layout(dp=dp, ep=ep, zero=3), FIVEFOLD_CPU)
-    assert predicted == {**want, "grad_accum_buffer": 0}, predicted
+    ep, dp, pp = cfg.layout.ep, cfg.layout.dp, cfg.layout.pp
     for rank, result in enumerate(results(name)):
+        model = build_model(cfg.model, device="meta")
+        if pp > 1:  # the rank's stage: block 0 and the embedding on the first, block 1 and the output on the last
+            keep = ("embed.", "layers.0.") if result["pp_rank"] == 0 else ("norm.", "lm_head.", "layers.1.")
+            shapes = {n: p.numel() for n, p in model.named_parameters(remove_duplicate=False) if n.startswith(keep)}
+        else:
+            shapes = {n: p.numel() for n, p in model.named_parameters()}
+        experts = sum(n for name_, n in shapes.items() if name_.rsplit(".", 1)[-1] in ("w_gate", "w_up", "w_down"))
+        dense = sum(shapes.values()) - experts
+        elements = dense // dp + experts // ep // (dp // ep)
+        assert experts > 0 and dense % dp == 0 and experts % (ep * (dp // ep)) == 0
+        want = {"parameters": 4 * elements, "gradients": 4 * elements, "optimizer": 8 * elements}
         assert result["held"] == want, f"{name}, rank {rank}: {result['held']} vs {want}"
+        # the planner's memory model predicts the same bytes (fivefold on CPU: fp32 parameters are the masters)
+        which = "first" if pp == 1 or result["pp_rank"] == 0 else "last"
+        predicted = model_state_bytes(cfg.model, Layout(dp=dp, ep=ep, pp=pp, zero=3), FIVEFOLD_CPU, which)
+        assert predicted == {**want, "grad_accum_buffer": 0}, predicted
 
 
 def test_held_bytes_are_dense_over_dp_and_experts_over_edp():
@@ -260,6 +269,28 @@ def test_zero3_expert_over_edp2_bytes_collectives_and_guard():
     edp_groups = {op[1] for p in programs for op in p if op[0] == "reduce_scatter_single" and len(op[1]) == 2}
     assert edp_groups == {(0, 2), (1, 3)}, edp_groups
     for rank, result in enumerate(results("dp4-ep2")):
+        assert result["bad_norm"] == float("inf") and result["kept"] and result["moved"], rank
+
+
+def test_zero3_expert_under_pipeline_bytes_collectives_and_guard():
+    """dp2 x pp2 x ep2 (edp 1; `pipeline_zero3` with the experts cut as plain ZeRO-3 cuts them): the bytes of each
+    pipeline rank's stage, the per-group collective order with its blocking replay (the dp x cp groups of each
+    stage, the ep all-to-alls, the tied embedding's and the pipeline's all-reduces) and the non-finite guard."""
+    check_held_bytes("dp2-pp2-ep2")
+    check_collective_order("dp2-pp2-ep2")
+    for rank, result in enumerate(results("dp2-pp2-ep2")):
+        assert result["bad_norm"] == float("inf") and result["kept"] and result["moved"], rank
+
+
+@pytest.mark.slow
+def test_zero3_expert_under_pipeline_over_edp2_bytes_collectives_and_guard():
+    """dp4 x pp2 x ep2 on 8 ranks: each stage's experts are fully_shard units over edp groups of two ranks."""
+    check_held_bytes("dp4-pp2-ep2")
+    check_collective_order("dp4-pp2-ep2")
+    programs = [r["calls"] for r in results("dp4-pp2-ep2")]
+    edp_groups = {op[1] for p in programs for op in p if op[0] == "reduce_scatter_single" and len(op[1]) == 2}
+    assert len(edp_groups) == 4, edp_groups  # two per pipeline stage
+    for rank, result in enumerate(results("dp4-pp2-ep2")):
         assert result["bad_norm"] == float("inf") and result["kept"] and result["moved"], rank
 
 

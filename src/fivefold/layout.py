@@ -165,13 +165,6 @@ def expert_parallel_problem(model: ModelConfig, layout: LayoutConfig) -> LayoutP
             f"layout.ep = {ep} does not divide layout.dp x layout.cp = {layout.dp} x {layout.cp} = {group}: "
             f"expert parallel folds over the dp x cp ranks (it adds no ranks), so each dp x cp group must split "
             f"into blocks of ep ranks; valid ep for this layout and model: {valid}, or raise layout.dp")
-    if layout.zero == 3 and layout.pp > 1:
-        return LayoutProblem(
-            "ZeRO-3 with expert and pipeline parallel",
-            f"layout.zero = 3 with layout.ep = {ep} and layout.pp = {layout.pp}: ZeRO-3 shards the experts over "
-            "their own expert-data-parallel units, built for the whole model's fully_shard units, not for the "
-            "pipeline stages' ones; use layout.zero = 1 or 2 with both, or drop one of them (layout.pp = 1 with "
-            "ZeRO-3 and expert parallel)")
     return None
 
 
@@ -215,12 +208,6 @@ def pipeline_problem(model: ModelConfig, layout: LayoutConfig, seq_len: int, glo
                              f"layout.vpp = {la.vpp} (stages per rank) applies to the interleaved schedule only, "
                              f"not layout.schedule = {la.schedule}; use layout.vpp = 1 or layout.schedule = "
                              "interleaved")
-    if la.zero == 3 and la.ep > 1:
-        return LayoutProblem("ZeRO-3 with pipeline and expert parallel together",
-                             f"layout.zero = 3 with layout.ep = {la.ep} and layout.pp = {la.pp} is refused: ZeRO-3 "
-                             "over pipeline stages (`parallel.pipeline_zero3`) shards every stage parameter over dp x "
-                             "cp, and does not yet shard expert weights over their expert-data-parallel groups; use "
-                             "layout.zero = 1 or 2 with pipeline and expert parallel, or layout.ep = 1")
     stages = n_stages(la)
     if stages > model.n_layers:
         what = f"layout.pp x layout.vpp = {la.pp} x {la.vpp}" if la.schedule == "interleaved" else \

@@ -40,6 +40,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,10 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from fivefold.parallel.tensor_comm import all_gather_into, reduce_scatter_into
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # 25 MiB, as DDP and nanotron
 
@@ -334,9 +339,53 @@ class BucketedDataParallel:
         return {"parameters": params, "gradients": grads}
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_part(t: torch.Tensor) -> torch.Tensor:
     """The local part of a `fully_shard` DTensor; a plain tensor (a parameter no unit shards) as it is."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def expert_mesh(expert_group: ProcessGroup | None, device_type: str) -> DeviceMesh | None:
+    """The device mesh the routed experts' `fully_shard` units shard over: the ranks holding the same experts
+    (edp of them); None without expert parallel or with edp = 1 (each rank's experts stay whole)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if expert_group is None or dist.get_world_size(expert_group) == 1:
+        return None
+    return DeviceMesh.from_group(expert_group, device_type)
+
+
+def shard_block(block: nn.Module, mesh: DeviceMesh, policy: MixedPrecisionPolicy, experts: bool,
+                experts_mesh: DeviceMesh | None = None, reshard_after_forward: bool = True) -> (
+    tuple[list[nn.Module], nn.Module, set[nn.Parameter]]
+):
+    """ZeRO-3's `fully_shard` units of one transformer block over `mesh` (dp x cp), innermost first (a unit manages
+    the parameters no unit inside it holds). With `experts` (expert parallel) and an MoE block, the routed experts'
+    weights shard over `experts_mesh` (edp): the router and the shared experts become small units over `mesh`, the
+    MoE module a unit over `experts_mesh` holding only `w_gate`, `w_up`, `w_down`; with `experts_mesh` None
+    (edp = 1) those three stay plain tensors, ignored by the units. Returns (the units inside the block, the
+    block's unit, the expert weights left plain), which the unit around the block must ignore too."""
+    from torch.distributed.fsdp import fully_shard
+
+    from fivefold.models.llama import MoE
+
+    moe = block.mlp if experts and isinstance(block.mlp, MoE) else None
+    inner: list[nn.Module] = []
+    whole: set[nn.Parameter] = set()
+    if moe is not None:
+        inner += [fully_shard(m, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+                  for m in (moe.router, moe.shared) if m is not None]
+        if experts_mesh is not None:
+            inner.append(fully_shard(moe, mesh=experts_mesh, mp_policy=policy,
+                                     reshard_after_forward=reshard_after_forward))
+            # MoE returns a view of its output; the block adds it out of place, which keeps the unit's
+            # pre-backward hook, so fully_shard's warning about in-place ops on it does not apply
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoE\) returned a view",
+                                    category=UserWarning)
+        else:
+            whole = {moe.w_gate, moe.w_up, moe.w_down}
+    unit = fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                       ignored_params=whole or None)
+    return inner, unit, whole
 
 
 class FullyShardedDataParallel:
@@ -358,34 +407,19 @@ class FullyShardedDataParallel:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        from fivefold.models.llama import MoE
-
         self.group, self.zero, self.sync = group, 3, True
         self.expert_group = expert_group
         self.tp_sharded = tp_sharded
         mesh = DeviceMesh.from_group(group, device_type)
-        expert_mesh = None
-        if expert_group is not None and dist.get_world_size(expert_group) > 1:
-            expert_mesh = DeviceMesh.from_group(expert_group, device_type)
+        experts_mesh = expert_mesh(expert_group, device_type)
         # lean mixed precision: the fp32 shards are gathered in bf16 and the gradients reduce-scattered in fp32
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
         units, blocks, ignored = [], [], set()
         for block in model.layers.values():
-            moe = block.mlp if expert_group is not None and isinstance(block.mlp, MoE) else None
-            whole: set[nn.Parameter] = set()
-            if moe is not None:  # innermost first: a unit manages the parameters no unit inside it holds
-                units += [fully_shard(m, mesh=mesh, mp_policy=policy) for m in (moe.router, moe.shared)
-                          if m is not None]
-                if expert_mesh is not None:
-                    units.append(fully_shard(moe, mesh=expert_mesh, mp_policy=policy))
-                    # MoE returns a view of its output; the block adds it out of place, which keeps the unit's
-                    # pre-backward hook, so fully_shard's warning about in-place ops on it does not apply
-                    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoE\) returned a view",
-                                            category=UserWarning)
-                else:
-                    whole = {moe.w_gate, moe.w_up, moe.w_down}
-                    ignored |= whole
-            blocks.append(fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=whole or None))
+            inner, unit, whole = shard_block(block, mesh, policy, expert_group is not None, experts_mesh)
+            units += inner
+            blocks.append(unit)
+            ignored |= whole
         units += blocks
         units.append(fully_shard(root, mesh=mesh, mp_policy=policy, ignored_params=ignored or None))
         for unit in units:
@@ -416,7 +450,7 @@ class FullyShardedDataParallel:
         for name, p in self.model.named_parameters():
             if p.grad is None:
                 continue
-            g = _local(p.grad)
+            g = local_part(p.grad)
             if sums is None:
                 sums = torch.zeros(2, dtype=torch.float32, device=g.device)
             sums[0 if name in self.tp_sharded else 1] += g.float().pow(2).sum()
@@ -426,8 +460,8 @@ class FullyShardedDataParallel:
     def state_bytes(self) -> dict[str, int]:
         params = grads = 0
         for p in self.root.parameters():
-            local = _local(p)
+            local = local_part(p)
             params += local.numel() * local.element_size()
             if p.grad is not None:
-                grads += _local(p.grad).numel() * local.element_size()
+                grads += local_part(p.grad).numel() * local.element_size()
         return {"parameters": params, "gradients": grads}

@@ -6,7 +6,10 @@ DualPipeV), dim 0 split over the ranks that reduce gradients (dp x cp), as plain
 (`data.FullyShardedDataParallel`) does; each stage is one `fully_shard` unit per transformer block plus one unit
 for the stage root (the embedding on the first stage, the final norm and output layer with the loss on the last),
 with the same mixed-precision policy (bf16 all-gathers of the fp32 shards and fp32 reduce-scatters under lean
-mixed precision).
+mixed precision). Under expert parallel each block is cut as plain ZeRO-3 cuts it (`data.shard_block`, shared by
+both): the routed experts' weights of an MoE block shard over the edp ranks that hold the same experts (a unit of
+their own over the edp mesh; plain tensors, ignored by the units, when edp = 1), the router and the shared experts
+are small units over dp x cp.
 
 What is communicated, per optimizer step and per unit: one all-gather (the stage's first forward of the step;
 `reshard_after_forward=False` keeps the weights gathered across the micro-batches, as torchtitan does under PP)
@@ -38,6 +41,7 @@ from torch.distributed import ProcessGroup
 
 from fivefold.config import Config
 from fivefold.models.llama import Llama
+from fivefold.parallel.data import expert_mesh, local_part, shard_block
 from fivefold.parallel.mesh import ProcessGrid
 from fivefold.parallel.pipeline import WeightGradQueue
 
@@ -52,28 +56,37 @@ class PipelineFullyShardedDataParallel:
 
     def __init__(self, stages: dict[int, Llama], loss_model: nn.Module | None, last_stage: int,
                  tp_sharded: set[str], group: ProcessGroup, device_type: str,
-                 param_dtype: torch.dtype | None = None, tied_group: ProcessGroup | None = None) -> None:
+                 param_dtype: torch.dtype | None = None, tied_group: ProcessGroup | None = None,
+                 expert_group: ProcessGroup | None = None) -> None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
         self.group, self.sync, self.tp_sharded, self.tied_group = group, True, tp_sharded, tied_group
         mesh = DeviceMesh.from_group(group, device_type)
+        experts_mesh = expert_mesh(expert_group, device_type)
         # the same policy as plain ZeRO-3: bf16 gathers of the fp32 shards, fp32 reduce-scatters
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
         self.stages = stages
         self.roots: dict[int, nn.Module] = {}
         self.units: dict[int, list[nn.Module]] = {}
         for s, stage in stages.items():
-            units = [fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
-                     for block in stage.layers.values()]
+            units, blocks, ignored = [], [], set()
+            for block in stage.layers.values():  # the expert treatment of plain ZeRO-3 (`data.shard_block`)
+                inner, unit, whole = shard_block(block, mesh, policy, expert_group is not None, experts_mesh,
+                                                 reshard_after_forward=False)
+                units += inner
+                blocks.append(unit)
+                ignored |= whole
             root = loss_model if s == last_stage else stage
-            units.append(fully_shard(root, mesh=mesh, mp_policy=policy, reshard_after_forward=False))
+            units += blocks
+            units.append(fully_shard(root, mesh=mesh, mp_policy=policy, reshard_after_forward=False,
+                                     ignored_params=ignored or None))
             if root is stage:  # the engine calls forward_hidden: the root unit's hooks must run around it
                 register_fsdp_forward_method(stage, "forward_hidden")
             for unit in units:
                 unit.set_gradient_divide_factor(1.0)  # the loss is already normalised over the global batch
                 unit.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied sum)
-            for before, after in zip(units[:-2], units[1:-1], strict=True):
+            for before, after in zip(blocks[:-1], blocks[1:], strict=True):
                 before.set_modules_to_forward_prefetch([after])
                 after.set_modules_to_backward_prefetch([before])
             self.roots[s], self.units[s] = root, units
@@ -84,7 +97,8 @@ class PipelineFullyShardedDataParallel:
                      last.lm_head.weight if last is not None and tied_group is not None else None)
 
     def n_units(self) -> int:
-        """`fully_shard` units on this rank: one per block of each stage and one per stage root."""
+        """`fully_shard` units on this rank: one per block of each stage and one per stage root (under expert
+        parallel also the router, the shared experts and, with edp > 1, the routed experts of each MoE block)."""
         return sum(len(units) for units in self.units.values())
 
     def parameters(self) -> list[nn.Parameter]:
@@ -136,14 +150,16 @@ class PipelineFullyShardedDataParallel:
 
     def grad_square_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(tp-sharded, replicated) squared-gradient sums of this pp rank's parameters, summed over dp x cp; the
-        output layer's tied copy is left out (its gradient is the embedding's)."""
+        output layer's tied copy is left out (its gradient is the embedding's). Each element counts once: the dense
+        shards are disjoint over dp x cp, and so are the experts' (dp x cp is ep groups times edp groups; each rank
+        holds its ep rank's experts, cut over edp, or whole with edp = 1)."""
         sums = torch.zeros(2, dtype=torch.float32)
         skip = id(self.tied[1]) if self.tied[1] is not None else None
         names = {id(p): name for stage in self.stages.values() for name, p in stage.named_parameters()}
         for p in self.parameters():
             if p.grad is None or id(p) == skip:
                 continue
-            g = p.grad.to_local()
+            g = local_part(p.grad)
             sums = sums.to(g.device)
             sums[0 if names[id(p)] in self.tp_sharded else 1] += g.float().pow(2).sum()
         dist.all_reduce(sums, group=self.group)
@@ -152,10 +168,10 @@ class PipelineFullyShardedDataParallel:
     def state_bytes(self) -> dict[str, int]:
         params = grads = 0
         for p in self.parameters():
-            local = p.to_local()
+            local = local_part(p)
             params += local.numel() * local.element_size()
             if p.grad is not None:
-                grads += p.grad.to_local().numel() * local.element_size()
+                grads += local_part(p.grad).numel() * local.element_size()
         return {"parameters": params, "gradients": grads}
 
 
@@ -200,8 +216,8 @@ class ShardedStage:
 def shard_stages(stages: dict[int, Llama], cfg: Config, grid: ProcessGrid, queue: WeightGradQueue | None,
                  device: torch.device) -> tuple[nn.Module | None, PipelineFullyShardedDataParallel]:
     """`parallelize.parallelize_stages` under ZeRO-3: steps 1 to 5 on each stage, then `fully_shard` units over
-    dp x cp (step 6), then each rank allocates only its shards. Returns the last stage's loss module (None when
-    this rank does not hold it) and the data-parallel state."""
+    dp x cp (step 6; under expert parallel the routed experts over edp), then each rank allocates only its shards.
+    Returns the last stage's loss module (None when this rank does not hold it) and the data-parallel state."""
     from fivefold.layout import n_stages
     from fivefold.parallel.parallelize import (
         LossModel,
@@ -219,8 +235,9 @@ def shard_stages(stages: dict[int, Llama], cfg: Config, grid: ProcessGrid, queue
     loss_model = LossModel(last, grid, cfg.layout.sp, cfg.train.compile) if last is not None else None
     tp_sharded = set().union(*(tp_sharded_names(stage, grid.size("tp")) for stage in stages.values()))
     tied_group = grid.groups["embed"] if cfg.model.tied_embeddings else None
+    expert_group = grid.groups["edp"] if cfg.layout.ep > 1 else None
     sharded = PipelineFullyShardedDataParallel(stages, loss_model, last_stage, tp_sharded, grid.grad_group,
-                                               device.type, working_dtype(cfg, device), tied_group)
+                                               device.type, working_dtype(cfg, device), tied_group, expert_group)
     for s, stage in stages.items():  # each stage's copy of a tied weight is initialised alike (the embedding's)
         if is_meta(stage):
             materialize_shards(stage, grid, device, cfg.train.seed, root=sharded.roots[s])

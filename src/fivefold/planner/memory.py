@@ -26,7 +26,8 @@ them (checked against `torch.autograd.graph.saved_tensors_hooks` on the real mod
 Then the peak adds the micro-batches in flight of the pipeline schedule (simulated), the bf16 weight copies
 that autocast keeps per micro-batch in flight, the loss temporaries of one chunk (or of the whole batch, at the
 framework's `loss_peak_bytes` per logit), ZeRO-3's gathered blocks
-and prefetch (under pp: the rank's whole stages gathered and their gradients unsharded for the step),
+and prefetch (under pp: the rank's whole stages gathered and their gradients unsharded for the step, the experts
+too when edp > 1),
 communication buckets and a fixed per-device overhead.
 """
 
@@ -306,8 +307,9 @@ def rank_memory(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, in_fligh
     if lay.zero >= 3 and lay.pp > 1:
         # ZeRO-3 over pipeline stages (`parallel.pipeline_zero3`): the rank's stages stay gathered for the whole
         # step and their gradients unsharded until each stage's last backward (accumulated in fp32 under bf16
-        # gathers, fully_shard's reduce dtype)
-        held = rp.dense + rp.expert
+        # gathers, fully_shard's reduce dtype); under ep the experts are gathered over edp, or with edp = 1 stay whole
+        # (plain tensors, counted with the model states), as in plain ZeRO-3
+        held = rp.dense + (rp.expert if lay.ep == 1 or lay.dp * lay.cp // lay.ep > 1 else 0)
         gathered = fw.gather_bytes or fw.param_bytes
         comm += held * gathered + held * (4 if fw.gather_bytes else fw.grad_bytes)
     elif lay.zero >= 3:

@@ -518,7 +518,8 @@ class PipelineEngine(ParallelEngine):
 class ShardedPipelineEngine(PipelineEngine):
     """The pipeline engine under ZeRO-3 (`parallel.pipeline_zero3`): each stage's runner is wrapped so that only its
     last backward of the step reduce-scatters; the tied embedding's copies are summed as gradient shards; states
-    are gathered from (and loaded into) the dim-0 shards of `fully_shard`."""
+    are gathered from (and loaded into) the dim-0 shards of `fully_shard`, each over its own mesh (dp x cp, or
+    edp for the experts under expert parallel; experts whole over edp = 1 are plain tensors)."""
 
     def __init__(self, stages: dict[int, Llama], loss_model: LossModel | None,
                  data_parallel: PipelineFullyShardedDataParallel, grid: ProcessGrid, cfg: Config, device: torch.device,
@@ -541,8 +542,9 @@ class ShardedPipelineEngine(PipelineEngine):
         return loss
 
     def _local_state(self) -> dict[str, torch.Tensor]:
-        self.data_parallel.reshard()
-        return {name: t.full_tensor() for m in self.stages.values() for name, t in m.state_dict().items()}
+        self.data_parallel.reshard()  # experts whole over edp = 1 stay plain tensors
+        return {name: t.full_tensor() if hasattr(t, "full_tensor") else t
+                for m in self.stages.values() for name, t in m.state_dict().items()}
 
     @torch.no_grad()
     def load_full_model_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -552,10 +554,13 @@ class ShardedPipelineEngine(PipelineEngine):
         if missing:
             raise KeyError(f"model state lacks {sorted(missing)}")
         state = self._sharded_state({name: state[name] for name in own})
-        group = self.data_parallel.group  # fully_shard splits dim 0 as torch.chunk does
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        # fully_shard splits dim 0 over its mesh as torch.chunk does: dp x cp, or the edp ranks for experts under ep
         for name, t in own.items():
-            t.to_local().copy_(state[name].chunk(size, 0)[rank])
+            if hasattr(t, "device_mesh"):
+                mesh = t.device_mesh
+                t.to_local().copy_(state[name].chunk(mesh.size(), 0)[mesh.get_local_rank()])
+            else:
+                t.copy_(state[name])
 
 
 def create_pipeline_engine(cfg: Config, grid: ProcessGrid, device: torch.device,

@@ -185,6 +185,13 @@ def test_progress_shows_elapsed_and_eta_and_the_run_ends_with_a_summary(tmp_path
     assert "peak memory " in summary
     assert lines[-1].startswith("done: 6 steps") and f"final train loss {result.losses[-1]:.4f}" in lines[-1]
     assert f"val loss {result.val_losses[6]:.4f}" in lines[-1]
+    # progress = none: no step lines, but the warning, the summary and the final line still show
+    quiet = io.StringIO()
+    train(small_config(tmp_path / "quiet", dataset, **{"log.progress": "none", "train.warmup_steps": "10"}),
+          stream=quiet)
+    lines = quiet.getvalue().splitlines()
+    assert not any(line.startswith("step ") for line in lines)
+    assert any("warning: train.warmup_steps" in line for line in lines) and lines[-1].startswith("done: 6 steps")
 
 
 def test_default_threads_divide_the_cores_among_local_processes():

@@ -173,8 +173,8 @@ class MetricsWriter:
         self.stream.flush()
 
     def print(self, text: str) -> None:
-        if self.mode == "none":
-            return
+        """A line that always shows (the start line, warnings, the summary): `progress = none` silences only the
+        step lines."""
         if self._bar_open:
             self.stream.write("\n")
             self._bar_open = False

@@ -260,38 +260,36 @@ def test_non_finite_gradient_skips_the_step_on_every_rank():
         assert result["moved"], f"rank {rank}: the good step after it changed nothing"
 
 
+def check_bytes_collectives_and_guard(name: str) -> set[tuple[int, ...]]:
+    """Held bytes, per-group collective order and the non-finite guard of run `name` on every rank; returns the
+    two-rank groups that reduce-scattered (the edp groups)."""
+    check_held_bytes(name)
+    check_collective_order(name)
+    for rank, result in enumerate(results(name)):
+        assert result["bad_norm"] == float("inf") and result["kept"] and result["moved"], rank
+    programs = [r["calls"] for r in results(name)]
+    return {op[1] for p in programs for op in p if op[0] == "reduce_scatter_single" and len(op[1]) == 2}
+
+
 @pytest.mark.slow
 def test_zero3_expert_over_edp2_bytes_collectives_and_guard():
     """dp4 x ep2: the experts are fully_shard units over edp groups of two ranks ({0, 2} and {1, 3})."""
-    check_held_bytes("dp4-ep2")
-    check_collective_order("dp4-ep2")
-    programs = [r["calls"] for r in results("dp4-ep2")]
-    edp_groups = {op[1] for p in programs for op in p if op[0] == "reduce_scatter_single" and len(op[1]) == 2}
+    edp_groups = check_bytes_collectives_and_guard("dp4-ep2")
     assert edp_groups == {(0, 2), (1, 3)}, edp_groups
-    for rank, result in enumerate(results("dp4-ep2")):
-        assert result["bad_norm"] == float("inf") and result["kept"] and result["moved"], rank
 
 
 def test_zero3_expert_under_pipeline_bytes_collectives_and_guard():
     """dp2 x pp2 x ep2 (edp 1; `pipeline_zero3` with the experts cut as plain ZeRO-3 cuts them): the bytes of each
     pipeline rank's stage, the per-group collective order with its blocking replay (the dp x cp groups of each
     stage, the ep all-to-alls, the tied embedding's and the pipeline's all-reduces) and the non-finite guard."""
-    check_held_bytes("dp2-pp2-ep2")
-    check_collective_order("dp2-pp2-ep2")
-    for rank, result in enumerate(results("dp2-pp2-ep2")):
-        assert result["bad_norm"] == float("inf") and result["kept"] and result["moved"], rank
+    check_bytes_collectives_and_guard("dp2-pp2-ep2")
 
 
 @pytest.mark.slow
 def test_zero3_expert_under_pipeline_over_edp2_bytes_collectives_and_guard():
     """dp4 x pp2 x ep2 on 8 ranks: each stage's experts are fully_shard units over edp groups of two ranks."""
-    check_held_bytes("dp4-pp2-ep2")
-    check_collective_order("dp4-pp2-ep2")
-    programs = [r["calls"] for r in results("dp4-pp2-ep2")]
-    edp_groups = {op[1] for p in programs for op in p if op[0] == "reduce_scatter_single" and len(op[1]) == 2}
+    edp_groups = check_bytes_collectives_and_guard("dp4-pp2-ep2")
     assert len(edp_groups) == 4, edp_groups  # two per pipeline stage
-    for rank, result in enumerate(results("dp4-pp2-ep2")):
-        assert result["bad_norm"] == float("inf") and result["kept"] and result["moved"], rank
 
 
 # --- checkpoints ----------------------------------------------------------------------------------------------

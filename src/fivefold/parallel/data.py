@@ -38,9 +38,8 @@ all-gathers of the sharded fp32 parameters, fp32 reduce-scatters).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -48,10 +47,6 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from fivefold.parallel.tensor_comm import all_gather_into, reduce_scatter_into
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # 25 MiB, as DDP and nanotron
 
@@ -344,48 +339,78 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def expert_mesh(expert_group: ProcessGroup | None, device_type: str) -> DeviceMesh | None:
-    """The device mesh the routed experts' `fully_shard` units shard over: the ranks holding the same experts
-    (edp of them); None without expert parallel or with edp = 1 (each rank's experts stay whole)."""
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a `fully_shard` DTensor (collective over its mesh); a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def dim0_shard(t: torch.Tensor) -> tuple[int, int]:
+    """(this rank's chunk index, chunks) of `t`'s dim 0 as `fully_shard` splits it over its own mesh (dp x cp, or
+    edp for routed experts), the way `torch.chunk` does; (0, 1) for a plain tensor (held whole)."""
+    if not hasattr(t, "device_mesh"):
+        return 0, 1
+    return t.device_mesh.get_local_rank(), t.device_mesh.size()
+
+
+@torch.no_grad()
+def load_shard(t: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's part of the whole tensor `full` into `t` (a `fully_shard` DTensor or a plain tensor)."""
+    index, chunks = dim0_shard(t)
+    local_part(t).copy_(full.chunk(chunks, 0)[index])
+
+
+def shard_units(blocks: Iterable[nn.Module], root: nn.Module, group: ProcessGroup, device_type: str,
+                param_dtype: torch.dtype | None, expert_group: ProcessGroup | None,
+                reshard_after_forward: bool = True) -> list[nn.Module]:
+    """ZeRO-3's `fully_shard` units over `group` (dp x cp): one per transformer block and one for `root` (the rest),
+    each block's gather prefetched by the one before it, with lean mixed precision where `param_dtype` is set (the
+    fp32 shards gathered in it, gradients reduce-scattered in fp32). Units are built innermost first (a unit
+    manages the parameters no unit inside it holds). Under expert parallel (`expert_group`: the edp ranks that
+    hold the same experts) the routed experts' weights of an MoE block shard over `expert_group`: the router and
+    the shared experts become small units over dp x cp, the MoE module a unit over edp holding only `w_gate`,
+    `w_up`, `w_down`; with edp = 1 those three stay plain tensors, ignored by the block's and the root's units.
+    Returns every unit (the units inside the blocks, the blocks', the root's)."""
     from torch.distributed.device_mesh import DeviceMesh
-
-    if expert_group is None or dist.get_world_size(expert_group) == 1:
-        return None
-    return DeviceMesh.from_group(expert_group, device_type)
-
-
-def shard_block(block: nn.Module, mesh: DeviceMesh, policy: MixedPrecisionPolicy, experts: bool,
-                experts_mesh: DeviceMesh | None = None, reshard_after_forward: bool = True) -> (
-    tuple[list[nn.Module], nn.Module, set[nn.Parameter]]
-):
-    """ZeRO-3's `fully_shard` units of one transformer block over `mesh` (dp x cp), innermost first (a unit manages
-    the parameters no unit inside it holds). With `experts` (expert parallel) and an MoE block, the routed experts'
-    weights shard over `experts_mesh` (edp): the router and the shared experts become small units over `mesh`, the
-    MoE module a unit over `experts_mesh` holding only `w_gate`, `w_up`, `w_down`; with `experts_mesh` None
-    (edp = 1) those three stay plain tensors, ignored by the units. Returns (the units inside the block, the
-    block's unit, the expert weights left plain), which the unit around the block must ignore too."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from fivefold.models.llama import MoE
 
-    moe = block.mlp if experts and isinstance(block.mlp, MoE) else None
+    mesh = DeviceMesh.from_group(group, device_type)
+    experts_mesh = None
+    if expert_group is not None and dist.get_world_size(expert_group) > 1:
+        experts_mesh = DeviceMesh.from_group(expert_group, device_type)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+
+    def unit(module: nn.Module, on: DeviceMesh, ignored: set[nn.Parameter] | None = None) -> nn.Module:
+        return fully_shard(module, mesh=on, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                           ignored_params=ignored or None)
+
     inner: list[nn.Module] = []
-    whole: set[nn.Parameter] = set()
-    if moe is not None:
-        inner += [fully_shard(m, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-                  for m in (moe.router, moe.shared) if m is not None]
-        if experts_mesh is not None:
-            inner.append(fully_shard(moe, mesh=experts_mesh, mp_policy=policy,
-                                     reshard_after_forward=reshard_after_forward))
-            # MoE returns a view of its output; the block adds it out of place, which keeps the unit's
-            # pre-backward hook, so fully_shard's warning about in-place ops on it does not apply
-            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoE\) returned a view",
-                                    category=UserWarning)
-        else:
-            whole = {moe.w_gate, moe.w_up, moe.w_down}
-    unit = fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward,
-                       ignored_params=whole or None)
-    return inner, unit, whole
+    block_units: list[nn.Module] = []
+    plain: set[nn.Parameter] = set()
+    for block in blocks:
+        whole: set[nn.Parameter] = set()
+        moe = block.mlp if expert_group is not None and isinstance(block.mlp, MoE) else None
+        if moe is not None:
+            inner += [unit(m, mesh) for m in (moe.router, moe.shared) if m is not None]
+            if experts_mesh is not None:
+                inner.append(unit(moe, experts_mesh))
+                # MoE returns a view of its output; the block adds it out of place, which keeps the unit's
+                # pre-backward hook, so fully_shard's warning about in-place ops on it does not apply
+                warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoE\) returned a view",
+                                        category=UserWarning)
+            else:
+                whole = {moe.w_gate, moe.w_up, moe.w_down}
+                plain |= whole
+        block_units.append(unit(block, mesh, whole))
+    units = [*inner, *block_units, unit(root, mesh, plain)]
+    for u in units:
+        u.set_gradient_divide_factor(1.0)  # the loss is already normalised over the global batch
+        u.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied sum)
+    for before, after in zip(block_units[:-1], block_units[1:], strict=True):
+        before.set_modules_to_forward_prefetch([after])
+        after.set_modules_to_backward_prefetch([before])
+    return units
 
 
 class FullyShardedDataParallel:
@@ -404,30 +429,9 @@ class FullyShardedDataParallel:
     def __init__(self, root: nn.Module, model: nn.Module, tp_sharded: set[str], group: ProcessGroup,
                  device_type: str, param_dtype: torch.dtype | None = None,
                  expert_group: ProcessGroup | None = None) -> None:
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
         self.group, self.zero, self.sync = group, 3, True
-        self.expert_group = expert_group
         self.tp_sharded = tp_sharded
-        mesh = DeviceMesh.from_group(group, device_type)
-        experts_mesh = expert_mesh(expert_group, device_type)
-        # lean mixed precision: the fp32 shards are gathered in bf16 and the gradients reduce-scattered in fp32
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
-        units, blocks, ignored = [], [], set()
-        for block in model.layers.values():
-            inner, unit, whole = shard_block(block, mesh, policy, expert_group is not None, experts_mesh)
-            units += inner
-            blocks.append(unit)
-            ignored |= whole
-        units += blocks
-        units.append(fully_shard(root, mesh=mesh, mp_policy=policy, ignored_params=ignored or None))
-        for unit in units:
-            unit.set_gradient_divide_factor(1.0)  # the loss is already normalised over the global batch
-            unit.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied sum)
-        for before, after in zip(blocks[:-1], blocks[1:], strict=True):
-            before.set_modules_to_forward_prefetch([after])
-            after.set_modules_to_backward_prefetch([before])
+        shard_units(model.layers.values(), root, group, device_type, param_dtype, expert_group)
         self.root, self.model = root, model
 
     def optimizer_params(self) -> list[nn.Parameter]:

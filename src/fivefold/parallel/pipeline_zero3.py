@@ -6,7 +6,7 @@ DualPipeV), dim 0 split over the ranks that reduce gradients (dp x cp), as plain
 (`data.FullyShardedDataParallel`) does; each stage is one `fully_shard` unit per transformer block plus one unit
 for the stage root (the embedding on the first stage, the final norm and output layer with the loss on the last),
 with the same mixed-precision policy (bf16 all-gathers of the fp32 shards and fp32 reduce-scatters under lean
-mixed precision). Under expert parallel each block is cut as plain ZeRO-3 cuts it (`data.shard_block`, shared by
+mixed precision). Under expert parallel each block is cut as plain ZeRO-3 cuts it (`data.shard_units`, shared by
 both): the routed experts' weights of an MoE block shard over the edp ranks that hold the same experts (a unit of
 their own over the edp mesh; plain tensors, ignored by the units, when edp = 1), the router and the shared experts
 are small units over dp x cp.
@@ -41,7 +41,7 @@ from torch.distributed import ProcessGroup
 
 from fivefold.config import Config
 from fivefold.models.llama import Llama
-from fivefold.parallel.data import expert_mesh, local_part, shard_block
+from fivefold.parallel.data import local_part, shard_units
 from fivefold.parallel.mesh import ProcessGrid
 from fivefold.parallel.pipeline import WeightGradQueue
 
@@ -58,37 +58,18 @@ class PipelineFullyShardedDataParallel:
                  tp_sharded: set[str], group: ProcessGroup, device_type: str,
                  param_dtype: torch.dtype | None = None, tied_group: ProcessGroup | None = None,
                  expert_group: ProcessGroup | None = None) -> None:
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+        from torch.distributed.fsdp import register_fsdp_forward_method
 
         self.group, self.sync, self.tp_sharded, self.tied_group = group, True, tp_sharded, tied_group
-        mesh = DeviceMesh.from_group(group, device_type)
-        experts_mesh = expert_mesh(expert_group, device_type)
-        # the same policy as plain ZeRO-3: bf16 gathers of the fp32 shards, fp32 reduce-scatters
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
         self.stages = stages
         self.roots: dict[int, nn.Module] = {}
         self.units: dict[int, list[nn.Module]] = {}
-        for s, stage in stages.items():
-            units, blocks, ignored = [], [], set()
-            for block in stage.layers.values():  # the expert treatment of plain ZeRO-3 (`data.shard_block`)
-                inner, unit, whole = shard_block(block, mesh, policy, expert_group is not None, experts_mesh,
-                                                 reshard_after_forward=False)
-                units += inner
-                blocks.append(unit)
-                ignored |= whole
+        for s, stage in stages.items():  # each stage's units as plain ZeRO-3 builds them, kept gathered for the step
             root = loss_model if s == last_stage else stage
-            units += blocks
-            units.append(fully_shard(root, mesh=mesh, mp_policy=policy, reshard_after_forward=False,
-                                     ignored_params=ignored or None))
+            units = shard_units(stage.layers.values(), root, group, device_type, param_dtype, expert_group,
+                                reshard_after_forward=False)
             if root is stage:  # the engine calls forward_hidden: the root unit's hooks must run around it
                 register_fsdp_forward_method(stage, "forward_hidden")
-            for unit in units:
-                unit.set_gradient_divide_factor(1.0)  # the loss is already normalised over the global batch
-                unit.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied sum)
-            for before, after in zip(blocks[:-1], blocks[1:], strict=True):
-                before.set_modules_to_forward_prefetch([after])
-                after.set_modules_to_backward_prefetch([before])
             self.roots[s], self.units[s] = root, units
         self.root = nn.ModuleList(self.roots.values())  # every unit of this rank under one module (checkpoints)
         # the tied embedding's copies on this rank: (embedding, output layer), either None where not held

@@ -294,8 +294,10 @@ def write_config(path: str, cfg: ModelConfig, lay: Layout, seq: int, batch_seqs:
     text = "\n".join(header) + "\n" + dump_toml(conf)
     target = Path(path)
     if target.exists() and target.read_text() != text:  # never lose what is there (a filled-in data.path)
-        backup = next(p for n in range(1, 10_000)
-                      if not (p := target.with_name(target.name + (".bak" if n == 1 else f".bak{n}"))).exists())
+        backup, n = target.with_name(target.name + ".bak"), 1
+        while backup.exists():
+            n += 1
+            backup = target.with_name(f"{target.name}.bak{n}")
         target.replace(backup)
         print(f"kept the previous {path} as {backup}")
     write_text_atomic(path, text)

@@ -25,6 +25,11 @@ class Layout(LayoutConfig):
     micro_batch_size: int = 1
     grad_accum_steps: int = 1
 
+    @property
+    def edp(self) -> int:
+        """The ranks that hold the same routed experts and reduce their gradients: dp x cp / ep."""
+        return max(self.dp * self.cp // self.ep, 1)
+
     def short(self) -> str:
         s = f"dp{self.dp} tp{self.tp}{'+sp' if self.sp and self.tp > 1 else ''} pp{self.pp}"
         if self.cp > 1:

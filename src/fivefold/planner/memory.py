@@ -122,7 +122,7 @@ def model_state_bytes(cfg: ModelConfig, lay: Layout, fw: Framework, rank: str = 
     """Parameters, gradients, optimizer states (with the master copy) and the fp32 accumulation buffer."""
     rp = rank_params(cfg, lay, rank)
     dpc = lay.dp * lay.cp
-    dpc_e = max(dpc // lay.ep, 1)
+    dpc_e = lay.edp
 
     def sharded(bytes_per: int, on: bool) -> int:
         return bytes_per * (_shard(rp.dense, dpc if on else 1) + _shard(rp.expert, dpc_e if on else 1))
@@ -309,7 +309,7 @@ def rank_memory(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, in_fligh
         # step and their gradients unsharded until each stage's last backward (accumulated in fp32 under bf16
         # gathers, fully_shard's reduce dtype); under ep the experts are gathered over edp, or with edp = 1 stay whole
         # (plain tensors, counted with the model states), as in plain ZeRO-3
-        held = rp.dense + (rp.expert if lay.ep == 1 or lay.dp * lay.cp // lay.ep > 1 else 0)
+        held = rp.dense + (rp.expert if lay.ep == 1 or lay.edp > 1 else 0)
         gathered = fw.gather_bytes or fw.param_bytes
         comm += held * gathered + held * (4 if fw.gather_bytes else fw.grad_bytes)
     elif lay.zero >= 3:
@@ -317,7 +317,7 @@ def rank_memory(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, in_fligh
         gathered = fw.gather_bytes or fw.param_bytes
         if lay.ep > 1:  # the experts are a unit of their own over edp, gathered in the MoE's own passes (not
             # prefetched with the block); with edp = 1 they stay whole, counted with the model states
-            experts = lp["expert"] if lay.dp * lay.cp // lay.ep > 1 else 0
+            experts = lp["expert"] if lay.edp > 1 else 0
             comm += (2 * dense + experts) * gathered + (dense + experts) * fw.grad_bytes
         else:
             block = dense + lp["expert"]

@@ -19,7 +19,7 @@ from fivefold.device import resolve_device, use_bf16
 from fivefold.hardware import device_hardware
 from fivefold.planner.features import with_features
 from fivefold.planner.hardware import Cluster, get_cluster
-from fivefold.planner.layout import FIVEFOLD, FIVEFOLD_CPU, Layout
+from fivefold.planner.layout import FIVEFOLD, FIVEFOLD_CPU, Framework, Layout
 from fivefold.planner.search import Estimate, estimate
 
 
@@ -34,6 +34,13 @@ def layout_of(cfg: Config) -> Layout:
 def compute_dtype(cfg: Config, device_type: str) -> str:
     """bf16 or fp32, as the engine resolves `train.dtype` on this kind of device (`use_bf16`)."""
     return "bf16" if use_bf16(cfg, device_type) else "fp32"
+
+
+def engine_framework(fp32: bool, compiled: bool) -> Framework:
+    """fivefold's own engine as the planner models it: `FIVEFOLD_CPU` computing in fp32, `FIVEFOLD` (lean bf16)
+    otherwise; with the `compile` feature (fused element-wise kernels) when its blocks run compiled."""
+    framework = FIVEFOLD_CPU if fp32 else FIVEFOLD
+    return with_features(framework, ("compile",)) if compiled else framework
 
 
 def default_hardware(device_type: str) -> Cluster:
@@ -64,9 +71,7 @@ def estimate_run(cfg: Config, hardware: Cluster, device_type: str | None = None)
         device_type = cfg.train.device.split(":")[0]
         if device_type == "auto":
             device_type = resolve_device("auto").type
-    framework = FIVEFOLD_CPU if compute_dtype(cfg, device_type) == "fp32" else FIVEFOLD
-    if cfg.train.compile:  # the blocks run compiled: fused element-wise kernels (`planner/features.py`)
-        framework = with_features(framework, ("compile",))
+    framework = engine_framework(compute_dtype(cfg, device_type) == "fp32", cfg.train.compile)
     return estimate(cfg.model, cfg.train.seq_len, layout_of(cfg), framework, hardware, True)
 
 

@@ -413,7 +413,7 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     t_dp = 0.0
     if dpc > 1:
         t_dp = reduce_time(rp.dense * elem_bytes, dpc, st["dpcp"])
-        t_dp += reduce_time(rp.expert * elem_bytes, dpc // lay.ep, st["dpcp"] * lay.ep)
+        t_dp += reduce_time(rp.expert * elem_bytes, lay.edp, st["dpcp"] * lay.ep)
         last_bucket = t_dp * min(1.0, bucket / max(red_bytes, 1.0))
         window = sum(times.b[s] + times.w[s] for s in range(len(times.f)) if _rank_of(s, lay) == 0) if lay.pp > 1 \
             else times.b[0] + times.w[0]
@@ -436,12 +436,11 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     if dpc > 1 and lay.zero >= 3:  # gathered one block ahead: exposed where a block's gather outlasts its compute
         n_layers = max(1, -(-cfg.n_layers // lay.pp))
         gathered = fw.gather_bytes or fw.param_bytes
-        edp = dpc // lay.ep
         if lay.ep > 1:  # the routed experts are units of their own over the edp ranks holding the same experts
             # (`parallel.data.FullyShardedDataParallel`); with edp = 1 they stay whole and are not gathered
             ag = comm.all_gather(rp.dense * gathered / n_layers, dpc, st["dpcp"], hw)
-            if edp > 1:
-                ag += comm.all_gather(rp.expert * gathered / n_layers, edp, st["dpcp"] * lay.ep, hw)
+            if lay.edp > 1:
+                ag += comm.all_gather(rp.expert * gathered / n_layers, lay.edp, st["dpcp"] * lay.ep, hw)
         else:
             ag = comm.all_gather(rp.total * gathered / n_layers, dpc, st["dpcp"], hw)  # a block, as gathered
         # the compute of one block of the first stage (interleaved: a stage holds 1/v of the rank's blocks)
@@ -452,7 +451,7 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
         # what each unit (the blocks and the root) costs per micro-batch beyond its collectives, as measured
         units = n_layers + 1
         if lay.ep > 1 and cfg.is_moe:  # per MoE layer: the router's unit, the shared experts', the experts'
-            units += n_layers * (1 + (cfg.n_shared_experts > 0) + (edp > 1))
+            units += n_layers * (1 + (cfg.n_shared_experts > 0) + (lay.edp > 1))
         t_gather += lay.grad_accum_steps * units * hw.zero3_unit_us * 1e-6
     # the optimizer step streams parameters, gradients and states once, plus a fixed cost per tensor
     opt_bandwidth = (hw.optimizer_gbps * 1e9 if hw.optimizer_gbps else hw.hbm_gbps * 1e9 / 2) / hw.compute_scale

@@ -141,9 +141,9 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
     """Validate `cfg` for its layout's world size and print what the run would do and the planner's prediction."""
     from fivefold.flops import count_params
     from fivefold.launch import check_layout
-    from fivefold.planner.features import with_features
     from fivefold.planner.hardware import get_cluster
-    from fivefold.planner.layout import FRAMEWORKS, Layout
+    from fivefold.planner.layout import Layout
+    from fivefold.planner.predict import engine_framework
     from fivefold.planner.search import estimate, gib
 
     la, t = cfg.layout, cfg.train
@@ -160,9 +160,7 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
               "--tokenizer MODEL_DIR --out DIR` before training")
     gpu = args.gpu or ("cpu" if t.device == "cpu" else "h100")
     hw = get_cluster(gpu)
-    fw = FRAMEWORKS["fivefold-cpu" if hw.cores or hw.name == "cpu" else "fivefold"]
-    if t.compile:  # the blocks run compiled: fused element-wise kernels, as `fivefold plan --features compile`
-        fw = with_features(fw, ("compile",))
+    fw = engine_framework(bool(hw.cores) or hw.name == "cpu", t.compile)
     fields = {f.name: getattr(la, f.name) for f in dataclasses.fields(la)}
     lay = Layout(**{**fields, "micro_batch_size": cfg.micro_batch_size, "grad_accum_steps": cfg.grad_accum_steps})
     e = estimate(cfg.model, t.seq_len, lay, fw, hw, True)

@@ -26,7 +26,15 @@ from torch import nn
 
 from fivefold.config import Config
 from fivefold.models.llama import Llama, build_model
-from fivefold.parallel.data import DEFAULT_BUCKET_BYTES, BucketedDataParallel, FullyShardedDataParallel
+from fivefold.parallel.data import (
+    DEFAULT_BUCKET_BYTES,
+    BucketedDataParallel,
+    FullyShardedDataParallel,
+    dim0_shard,
+    full_value,
+    load_shard,
+    local_part,
+)
 from fivefold.parallel.mesh import ProcessGrid
 from fivefold.parallel.parallelize import DataParallel, LossModel, parallelize, parallelize_stages
 from fivefold.parallel.pipeline import (
@@ -135,7 +143,7 @@ class ParallelEngine(Engine):
         precision; collective then)."""
         state = self.model.state_dict()
         if isinstance(self.data_parallel, FullyShardedDataParallel):  # experts whole over edp stay plain tensors
-            state = {name: t.full_tensor() if hasattr(t, "full_tensor") else t for name, t in state.items()}
+            state = {name: full_value(t) for name, t in state.items()}
         return {**state, **self.master_state()}
 
     def master_state(self) -> dict[str, torch.Tensor]:
@@ -196,13 +204,8 @@ class ParallelEngine(Engine):
             missing = set(own) ^ set(state)
             if missing:
                 raise KeyError(f"model state keys differ: {sorted(missing)}")
-            # fully_shard splits dim 0 over its mesh: dp x cp, or the edp ranks for experts under ep
-            for name, param in own.items():
-                if hasattr(param, "device_mesh"):
-                    mesh = param.device_mesh
-                    param.to_local().copy_(state[name].chunk(mesh.size(), 0)[mesh.get_local_rank()])
-                else:
-                    param.copy_(state[name])
+            for name, param in own.items():  # dim 0 over each parameter's own mesh (dp x cp, or edp for experts)
+                load_shard(param, state[name])
             return
         self.model.load_state_dict(state, strict=True)  # copies in place: bucket views stay views
         self.load_master_state(state)
@@ -249,11 +252,10 @@ class ParallelEngine(Engine):
             named = self.named_plain_parameters()
             for name, p in named:
                 shape, offsets, first = self._placed(name, tuple(p.shape))
-                local = p.to_local() if hasattr(p, "device_mesh") else p  # experts whole over edp = 1: plain
-                if hasattr(p, "device_mesh"):  # fully_shard splits dim 0 over its mesh as torch.chunk does
-                    size, rank = p.device_mesh.size(), p.device_mesh.get_local_rank()
-                    rows = -(-p.shape[0] // size)
-                    offsets = (offsets[0] + min(rank * rows, p.shape[0]), *offsets[1:])
+                local = local_part(p)  # experts whole over edp = 1 are plain tensors
+                index, chunks = dim0_shard(p)  # fully_shard splits dim 0 over its mesh as torch.chunk does
+                rows = -(-p.shape[0] // chunks)
+                offsets = (offsets[0] + min(index * rows, p.shape[0]), *offsets[1:])
                 segments.append(Segment(name, shape, offsets, tuple(local.shape), 0, local.numel(),
                                         local.detach().view(-1), p, 0, first))
             return segments
@@ -542,9 +544,8 @@ class ShardedPipelineEngine(PipelineEngine):
         return loss
 
     def _local_state(self) -> dict[str, torch.Tensor]:
-        self.data_parallel.reshard()  # experts whole over edp = 1 stay plain tensors
-        return {name: t.full_tensor() if hasattr(t, "full_tensor") else t
-                for m in self.stages.values() for name, t in m.state_dict().items()}
+        self.data_parallel.reshard()
+        return {name: full_value(t) for m in self.stages.values() for name, t in m.state_dict().items()}
 
     @torch.no_grad()
     def load_full_model_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -554,13 +555,8 @@ class ShardedPipelineEngine(PipelineEngine):
         if missing:
             raise KeyError(f"model state lacks {sorted(missing)}")
         state = self._sharded_state({name: state[name] for name in own})
-        # fully_shard splits dim 0 over its mesh as torch.chunk does: dp x cp, or the edp ranks for experts under ep
-        for name, t in own.items():
-            if hasattr(t, "device_mesh"):
-                mesh = t.device_mesh
-                t.to_local().copy_(state[name].chunk(mesh.size(), 0)[mesh.get_local_rank()])
-            else:
-                t.copy_(state[name])
+        for name, t in own.items():  # dim 0 over each parameter's own mesh (dp x cp, or edp for experts)
+            load_shard(t, state[name])
 
 
 def create_pipeline_engine(cfg: Config, grid: ProcessGrid, device: torch.device,

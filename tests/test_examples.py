@@ -5,6 +5,7 @@ the SLURM script's time, partition, account and set-up file."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 from fivefold.cli import main
 from fivefold.config import build_config
 from fivefold.flops import count_params
+from fivefold.planner.layout import Layout
 from fivefold.train.recipes import DATA_PLACEHOLDER, published_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +71,13 @@ def test_write_config_writes_a_real_run(tmp_path, capsys):
     # the header predicts the run as configured (compiled), as `--dry-run` does
     predicted = next(line for line in out.read_text().splitlines() if line.startswith("# predicted: "))
     assert predicted.endswith("(with torch.compile, as configured)")
+    # and picks the best layout of that compiled run, not of an eager one
+    assert f"ranked with torch.compile, as {out} runs it" in printed
+    assert main(["plan", "--model", "llama3-8b", "--gpu", "h100", "--nodes", "1", "--gpus-per-node", "8",
+                 "--seq-len", "4096", "--global-batch", "1M", "--top", "1", "--features", "compile", "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)["candidates"][0]["layout"]
+    written = out.read_text().splitlines()[0].split(": ", 1)[1].rsplit(" on ", 1)[0]
+    assert written == Layout(**{k: v for k, v in best.items() if k not in ("mbs", "grad_acc")}).short()
     step = re.search(r"step ([\d.]+) s", predicted).group(1)
     assert main(["train", "--config", str(out), "--dry-run"]) == 0
     assert f"step {step} s" in capsys.readouterr().out

@@ -386,18 +386,18 @@ def run(args: argparse.Namespace) -> int:
             for k, v in e.time_parts.items():
                 print(f"    {k:20s} {v:9.4f} s")
         return 0
+    accelerator = not (hw.cores or hw.name == "cpu")
+    compiled_for_config = bool(args.write_config) and accelerator and fw.fused_elementwise != "all"
+    if compiled_for_config:  # the written config turns torch.compile on: rank the layouts as that run will go
+        from fivefold.planner.features import with_features
+
+        fw = with_features(fw, ("compile",))
     result = search(cfg, seq, batch_seqs, n_gpus, fw, hw, space, 0, args.moe_imbalance)  # every candidate
     if not result.candidates:
         _no_candidates(result, cfg, hw, n_gpus, batch_seqs, args)
         return 2
     if args.write_config:
         best = result.candidates[0]
-        accelerator = not (hw.cores or hw.name == "cpu")
-        if accelerator and fw.fused_elementwise != "all":  # the config turns torch.compile on: predict it so
-            from fivefold.planner.features import with_features
-
-            best = estimate(cfg, seq, best.layout, with_features(fw, ("compile",)), hw, True,
-                            moe_imbalance=args.moe_imbalance)
         write_config(args.write_config, cfg, best.layout, seq, batch_seqs, fw.compute_dtype, args.nodes,
                      hw.gpus_per_node, accelerator=accelerator,
                      prediction=f"{gib(best.peak_bytes):.1f} GiB peak per device, step {best.step_time_s:.2f} s, "
@@ -418,6 +418,8 @@ def run(args: argparse.Namespace) -> int:
           f"({batch_seqs} sequences), {fw.name} engine: {result.evaluated:,} layouts tried with "
           f"{len(space.recompute)} recompute mode(s) each, {result.evaluated * len(space.recompute):,} in all, "
           f"{len(result.candidates):,} fit")
+    if compiled_for_config:
+        print(f"ranked with torch.compile, as {args.write_config} runs it (train.compile = true)")
     if args.pad_vocab:
         print(f"vocabulary padded to {cfg.vocab_size:,} (a multiple of {args.pad_vocab}, --pad-vocab)")
     print(f"the best of each layout family (tp/pp/cp/ep grid, FSDP or not), best first; 'tie': within "

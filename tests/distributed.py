@@ -43,7 +43,25 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 
 
 def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 300.0) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the results in rank order."""
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the results in rank order.
+
+    The rendezvous port is free when chosen but may be taken by another process before rank 0 binds it (tests
+    run beside each other); then the ranks fail in `init_process_group` before running `fn`, and the run is
+    started again on a new port (twice at most)."""
+    for attempt in range(3):
+        try:
+            return _run_once(world_size, fn, args, timeout)
+        except AssertionError as e:
+            if attempt == 2 or not _port_taken(str(e)):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _port_taken(errors: str) -> bool:
+    return "init_process_group" in errors and ("Address already in use" in errors or "EADDRINUSE" in errors)
+
+
+def _run_once(world_size: int, fn: Callable, args: tuple, timeout: float) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 from tests.distributed import run_ranks
 from tests.test_train import dataset, small_config  # noqa: F401  (dataset is a fixture)
 
@@ -132,3 +134,31 @@ def test_resume_under_plain_data_parallel_is_exact(tmp_path, dataset):  # noqa: 
 
 def test_resume_under_context_parallel_and_zero0_is_exact(tmp_path, dataset):  # noqa: F811
     check_resume(tmp_path, dataset, 2, {"layout.cp": "2", "layout.zero": "0"})
+
+
+def _world_sum(rank: int, world_size: int) -> int:
+    t = torch.tensor([rank + 1])
+    dist.all_reduce(t)
+    return int(t)
+
+
+def test_run_ranks_starts_again_when_its_port_is_taken(monkeypatch):
+    """The port `free_port` picked can be bound by another process before rank 0 listens on it: the ranks fail
+    in init_process_group with "address already in use", and `run_ranks` starts them again on a new port."""
+    import socket
+
+    import tests.distributed as helper
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        picked = []
+
+        def free_port() -> int:  # the taken port first, then a free one
+            picked.append(taken.getsockname()[1] if not picked else real())
+            return picked[-1]
+
+        real = helper.free_port
+        monkeypatch.setattr(helper, "free_port", free_port)
+        assert helper.run_ranks(2, _world_sum) == [3, 3]
+        assert len(picked) == 2 and picked[0] == taken.getsockname()[1] != picked[1]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 import tomllib
 from pathlib import Path
 
@@ -155,6 +156,16 @@ def test_torchtitan_held_out_rows(capsys):
     assert held["fits_agreement"] >= 0.9
     assert held["median_memory_error"] <= 0.10
     assert result["features"]["rows"] == 16
+    # the error by job size, recomputed from the rows (same tokens per step: step-time ratio = tokens/s ratio)
+    rows = _validate(capsys, "--data", str(TORCHTITAN_ROWS), "--profile", str(TORCHTITAN), "--per-row")["rows"]
+    by_nodes = held["step_time_error_by_nodes"]
+    assert sum(e["finished"] for e in by_nodes.values()) == held["finished"]
+    for nodes, e in by_nodes.items():
+        errs = [r["measured_tok_s_gpu"] / r["predicted_tok_s_gpu"] - 1 for r in rows
+                if r["held_out"] and r["nodes"] == int(nodes) and r["ran"]]
+        assert e["finished"] == len(errs)
+        assert e["median_signed"] == pytest.approx(statistics.median(errs), abs=2e-3)  # tokens/s rounded to 0.1
+        assert e["median_error"] == pytest.approx(statistics.median(map(abs, errs)), abs=2e-3)
 
 
 @pytest.mark.skipif(not PLAYBOOK.is_file(), reason="../shared/data is not beside the repository")

@@ -337,6 +337,10 @@ def metrics(rows: list[Row], preds: list) -> dict:
     timed = [(p.step_time_s, r.measured_step_time) for r, p in zip(rows, preds, strict=True)
              if r.ok and r.measured_step_time > 0]
     time_err = [abs(p / m - 1) for p, m in timed]
+    by_nodes: dict[int, list[float]] = defaultdict(list)  # predicted / measured step time - 1, by job size
+    for r, p in zip(rows, preds, strict=True):
+        if r.ok and r.measured_step_time > 0:
+            by_nodes[r.nodes].append(p.step_time_s / r.measured_step_time - 1)
     return {
         "rows": len(rows), "finished": sum(r.ok for r in rows),
         "median_step_time_error": statistics.median(time_err) if time_err else float("nan"),
@@ -349,6 +353,8 @@ def metrics(rows: list[Row], preds: list) -> dict:
         "median_top1_regret": statistics.median(regrets) if regrets else float("nan"),
         "median_top1_regret_among_finished": statistics.median(regrets_ok) if regrets_ok else float("nan"),
         "groups": per_group,
+        "step_time_error_by_nodes": {n: {"finished": len(e), "median_error": statistics.median(map(abs, e)),
+                                         "median_signed": statistics.median(e)} for n, e in sorted(by_nodes.items())},
     }
 
 
@@ -497,6 +503,11 @@ def run_validate(args: argparse.Namespace) -> int:
     for label, key in _LABELS:
         cells = [_cell(m, key) for m in (result["fitted"], result["held_out"])]
         print(f"{label:34s} {cells[0]:>20s} {cells[1]:>20s}")
+    by_nodes = {**result["fitted"]["step_time_error_by_nodes"], **result["held_out"]["step_time_error_by_nodes"]}
+    if len(by_nodes) > 1:
+        print("median step-time error by nodes (signed: - = predicted faster than measured): " + ", ".join(
+            f"{n}: {100 * e['median_error']:.1f} % ({100 * e['median_signed']:+.1f})"
+            for n, e in sorted(by_nodes.items())))
     if getattr(args, "per_row", False):
         print(f"\n{'model':14s} {'nodes':>5s} {'layout':38s} {'seq':>7s} {'split':>8s} {'tok/s/GPU pred':>14s} "
               f"{'measured':>9s} {'error':>7s} {'GiB pred':>8s} {'measured':>8s}")

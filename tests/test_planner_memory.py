@@ -12,6 +12,7 @@ outputs it keeps out of autograd's sight counted too, see tests/test_recompute.p
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from fivefold.flops import count_params
+from fivefold.flops import active_matmul_params, count_params
 from fivefold.models.llama import build_model
 from fivefold.models.loss import linear_cross_entropy_sum
 from fivefold.parallel.recompute import apply_recompute
@@ -116,10 +117,13 @@ def test_playbook_zero_table():
 
 
 def measure_saved_bytes(cfg, batch: int, seq: int, recompute: str = "none", bf16: bool = False,
-                        bf16_weights: bool = False) -> int:
+                        bf16_weights: bool = False, prepare=None) -> int:
     """Bytes of the distinct storages autograd saves during one forward (the engine's fused loss included);
-    `bf16_weights`: on bf16 working weights (lean mixed precision) instead of fp32 ones."""
+    `bf16_weights`: on bf16 working weights (lean mixed precision) instead of fp32 ones; `prepare(model)` changes
+    the model first."""
     model = build_model(cfg, "cpu", seed=0)
+    if prepare is not None:
+        prepare(model)
     if bf16_weights:
         model.to(torch.bfloat16)
     if recompute == "full":
@@ -263,3 +267,91 @@ def test_zero3_under_pipeline_keeps_the_stages_gathered(schedule):
     assert bf16 == bucket + held * (2 + 4)  # bf16 gathers, gradients accumulated in the fp32 reduce dtype
     states = model_state_bytes(cfg, lay, FIVEFOLD_CPU)
     assert states["parameters"] == 4 * held // 2 and states["gradients"] == 4 * held // 2
+
+
+# ---------------------------------------------------------------------------------------------
+# A GELU MLP (GPT-2 / GPT-NeoX): modelled by the planner, not built by the engine
+
+
+def _gelu_mlps(model: torch.nn.Module) -> None:
+    """Each block's MLP becomes down(gelu(up(x))), the GELU MLP of GPT-2 and GPT-NeoX."""
+    for block in model.layers.values():
+        mlp = block.mlp
+        del mlp.gate_proj
+        mlp.forward = (lambda m: lambda x: m.down_proj(torch.nn.functional.gelu(m.up_proj(x))))(mlp)
+
+
+@pytest.mark.parametrize("batch,seq", [(2, 64), (3, 256)])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_gelu_mlp_activation_bytes(batch, seq, bf16):
+    """The planner's count for mlp = "gelu" against a real GELU block (the engine's model with each MLP swapped for
+    up, GELU, down): fp32, and bf16 autocast over fp32 weights (the norm output is cast once, for up alone)."""
+    swiglu = get_preset("tiny")
+    gelu = dataclasses.replace(swiglu, mlp="gelu")
+    measured = measure_saved_bytes(swiglu, batch, seq, bf16=bf16, prepare=_gelu_mlps)
+    if bf16:
+        autocast = dataclasses.replace(FIVEFOLD, param_bytes=4, autocast_weight_copies=True, residual_bytes=4)
+        rep = rank_memory(gelu, seq, Layout(micro_batch_size=batch), autocast, in_flight=1.0)
+        predicted = rep.parts["activations"] + rep.parts["bf16_weight_copies"]
+    else:
+        predicted = forward_saved_bytes(gelu, batch, seq, Layout(), FIVEFOLD_CPU)
+    assert predicted == pytest.approx(measured, rel=TOL)
+    # and the SwiGLU count of the same shape is larger by the gate's share: not the same number
+    assert forward_saved_bytes(swiglu, batch, seq, Layout(), FIVEFOLD_CPU) > forward_saved_bytes(
+        gelu, batch, seq, Layout(), FIVEFOLD_CPU)
+
+
+def test_gelu_mlp_parameters_match_gpt_neox_without_biases():
+    """count_params of a GELU model against Hugging Face's GPT-NeoX of the same shape, whose weights (not biases)
+    are the same matrices: embedding, q|k|v, o, up, down, the norms' scales, untied output layer."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.GPTNeoXConfig(hidden_size=128, num_attention_heads=4, intermediate_size=384, num_hidden_layers=3,
+                                    vocab_size=2048, tie_word_embeddings=False, rotary_pct=1.0)
+    with torch.device("meta"):
+        model = transformers.GPTNeoXForCausalLM(hf)
+    weights = sum(p.numel() for n, p in model.named_parameters() if not n.endswith(".bias"))
+    cfg = dataclasses.replace(get_preset("tiny"), n_layers=3, n_kv_heads=4, tied_embeddings=False, mlp="gelu")
+    assert count_params(cfg) == weights
+    # every weight but the embedding lookup and the norms' scales is a matmul of each token (MFU's 6 per parameter)
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n and n.endswith(".weight"))
+    assert active_matmul_params(cfg) == weights - model.gpt_neox.embed_in.weight.numel() - norms
+    assert count_params(dataclasses.replace(cfg, mlp="swiglu")) == weights + 3 * 128 * 384  # plus a gate per block
+
+
+def test_the_engine_refuses_a_gelu_mlp():
+    from fivefold.config import Config, ConfigError
+    from fivefold.models.llama import Llama
+
+    cfg = Config()
+    cfg.model.mlp = "gelu"
+    with pytest.raises(ConfigError, match="model.mlp = 'gelu'.*SwiGLU"):
+        cfg.validate()
+    with pytest.raises(ConfigError, match="model.mlp = 'gelu'"):
+        Llama(cfg.model)
+    cfg.model.mlp = "relu"
+    with pytest.raises(ConfigError, match=r"model.mlp = 'relu' must be one of swiglu, gelu"):
+        cfg.model.validate()
+
+
+def test_gelu_mlp_in_the_search():
+    """`--model ...,mlp=gelu` plans a GELU model: its layouts cost a third less MLP compute than the SwiGLU model of
+    the same shape, and the trainer's config of it is refused by name (the engine builds SwiGLU only)."""
+    from fivefold.planner.cli import load_model
+    from fivefold.planner.hardware import get_cluster
+    from fivefold.planner.search import estimate
+
+    shape = "layers=8,hidden=2048,heads=16,ffn=8192,vocab=50304"
+    gelu, swiglu = load_model(shape + ",mlp=gelu"), load_model(shape)
+    assert gelu.mlp == "gelu" and swiglu.mlp == "swiglu"
+    lay = Layout(dp=4, tp=2, micro_batch_size=2, grad_accum_steps=4)
+    hw = get_cluster("h100")
+    g, s = (estimate(c, 2048, lay, FIVEFOLD, hw) for c in (gelu, swiglu))
+    assert g.step_time_s < s.step_time_s and g.peak_bytes < s.peak_bytes
+    from fivefold.config import ConfigError
+    from fivefold.planner.cli import add_arguments, run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", shape + ",mlp=gelu", "--write-config", "best.toml"])
+    with pytest.raises(ConfigError, match="--write-config: the model's MLP is 'gelu'"):
+        run(args)

@@ -32,6 +32,9 @@ def nearest_divisors(n: int, value: int, k: int = 3) -> list[int]:
     return sorted(sorted(_divisors(n), key=lambda d: (abs(d - value), d))[:k])
 
 
+MLP_KINDS = ("swiglu", "gelu")
+
+
 @dataclass
 class ModelConfig:
     """Shape of a Llama-family decoder (dense, or mixture-of-experts when `n_experts > 0`)."""
@@ -61,6 +64,9 @@ class ModelConfig:
     moe_ffn: int = 0  # hidden size of one expert; 0 means `ffn`
     aux_loss_coef: float = 0.01
     capacity_factor: float = 0.0  # 0 = dropless; > 0 = capacity-based routing that drops overflow
+    # the MLP: "swiglu" (gate, up, down; Llama, what the engine builds) or "gelu" (up, GELU, down; GPT-2/NeoX,
+    # modelled by the planner only)
+    mlp: str = "swiglu"
 
     @property
     def head_dim(self) -> int:
@@ -73,6 +79,11 @@ class ModelConfig:
     @property
     def expert_ffn(self) -> int:
         return self.moe_ffn or self.ffn
+
+    @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of one MLP (or expert): gate, up, down for SwiGLU; up, down for GELU."""
+        return 3 if self.mlp == "swiglu" else 2
 
     def validate(self, prefix: str = "model") -> None:
         for name in ("n_layers", "hidden", "n_heads", "n_kv_heads", "ffn", "vocab_size", "max_seq_len"):
@@ -92,6 +103,7 @@ class ModelConfig:
                 f"{prefix}.n_kv_heads = {self.n_kv_heads} does not divide {prefix}.n_heads = {self.n_heads}; "
                 f"valid n_kv_heads: {_divisors(self.n_heads)}"
             )
+        _require(self.mlp in MLP_KINDS, f"{prefix}.mlp", self.mlp, f"must be one of {', '.join(MLP_KINDS)}")
         _require(self.rope_theta > 0, f"{prefix}.rope_theta", self.rope_theta, "must be > 0")
         _require(self.norm_eps > 0, f"{prefix}.norm_eps", self.norm_eps, "must be > 0")
         _require(self.init_std > 0, f"{prefix}.init_std", self.init_std, "must be > 0")
@@ -203,6 +215,9 @@ class Config:
 
     def validate(self) -> None:
         self.model.validate()
+        if self.model.mlp != "swiglu":
+            raise ConfigError(f"model.mlp = {self.model.mlp!r}: the engine builds Llama-style blocks, whose MLP is "
+                              "SwiGLU ('swiglu'); other MLPs are for `fivefold plan` (e.g. --model ...,mlp=gelu)")
         _require_finite(self)
         t, la = self.train, self.layout
         for name in ("seq_len", "global_batch_size", "max_steps", "eval_batches", "keep_checkpoints",

@@ -19,9 +19,9 @@ def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
     attn = h * cfg.n_heads * d + 2 * h * cfg.n_kv_heads * d + cfg.n_heads * d * h
     if cfg.is_moe:
         f = cfg.expert_ffn
-        mlp = h * cfg.n_experts + cfg.n_experts * 3 * h * f + cfg.n_shared_experts * 3 * h * f
+        mlp = h * cfg.n_experts + (cfg.n_experts + cfg.n_shared_experts) * cfg.mlp_matrices * h * f
     else:
-        mlp = 3 * h * cfg.ffn
+        mlp = cfg.mlp_matrices * h * cfg.ffn
     return {
         "embedding": cfg.vocab_size * h,
         "attention": cfg.n_layers * attn,
@@ -44,9 +44,9 @@ def active_matmul_params(cfg: ModelConfig) -> int:
     attn = h * cfg.n_heads * d + 2 * h * cfg.n_kv_heads * d + cfg.n_heads * d * h
     if cfg.is_moe:
         f = cfg.expert_ffn
-        mlp = h * cfg.n_experts + (cfg.top_k + cfg.n_shared_experts) * 3 * h * f
+        mlp = h * cfg.n_experts + (cfg.top_k + cfg.n_shared_experts) * cfg.mlp_matrices * h * f
     else:
-        mlp = 3 * h * cfg.ffn
+        mlp = cfg.mlp_matrices * h * cfg.ffn
     return cfg.n_layers * (attn + mlp) + cfg.vocab_size * h
 
 

@@ -17,7 +17,7 @@ from fivefold.planner.search import SearchSpace, estimate, gib, parse_tokens, se
 
 _SHAPE_KEYS = {"layers": "n_layers", "hidden": "hidden", "heads": "n_heads", "kv_heads": "n_kv_heads",
                "ffn": "ffn", "vocab": "vocab_size", "experts": "n_experts", "top_k": "top_k",
-               "tied": "tied_embeddings", "moe_ffn": "moe_ffn", "shared_experts": "n_shared_experts"}
+               "tied": "tied_embeddings", "moe_ffn": "moe_ffn", "shared_experts": "n_shared_experts", "mlp": "mlp"}
 
 
 def _framework_names() -> list[str]:
@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="search (default), validate against published runs, or scaling over node counts")
     p.add_argument("--model", default="llama3-8b",
                    help="a preset, a shape 'layers=..,hidden=..,heads=..,kv_heads=..,ffn=..,vocab=..' "
-                        "(optional experts=..,top_k=..,tied=..), or a Hugging Face config.json")
+                        "(optional experts=..,top_k=..,tied=..,mlp=swiglu|gelu), or a Hugging Face config.json")
     p.add_argument("--gpu", default="h100", help="h100, h100-pcie, h200, b200, a100-40gb, a100-80gb, mi300x, "
                                                   "max1550, cpu, h100-efa")
     p.add_argument("--hardware", help="TOML file describing the hardware (optionally base = PRESET)")
@@ -97,6 +97,8 @@ def load_model(spec: str) -> ModelConfig:
             field = _SHAPE_KEYS[key]
             if field == "tied_embeddings":
                 values[field] = value.lower() in ("1", "true", "yes", "on")
+            elif field == "mlp":
+                values[field] = value.strip().lower()
             else:
                 try:
                     values[field] = int(value)
@@ -331,6 +333,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--write-config {args.write_config!r} is a directory; give a file name such as "
                               "best.toml")
     cfg = pad_vocab(load_model(args.model), args.pad_vocab)
+    if args.write_config and cfg.mlp != "swiglu":
+        raise ConfigError(f"--write-config: the model's MLP is {cfg.mlp!r}, and the engine builds SwiGLU MLPs only; "
+                          "plan without --write-config")
     hw = _cluster(args)
     fw = _framework(args, hw)
     if args.action == "scaling":

@@ -19,7 +19,7 @@ them (checked against `torch.autograd.graph.saved_tensors_hooks` on the real mod
   attention kernel (q, k, v, attention output and log-sum-exp, o, gate, up, down; for MoE the router logits and
   the shared experts'), see `parallel/recompute.py`; another framework's policy keeps the matmul outputs its
   `selective_saved_matmuls` names (torchtitan's op-level policy: every other mm);
-* SwiGLU saves gate and up outputs, the SiLU output and the product;
+* SwiGLU saves gate and up outputs, the SiLU output and the product (a GELU MLP: up's output and GELU's);
 * the fused output layer + cross-entropy saves the gradient of the hidden states and of the output weight
   (computed in forward).
 
@@ -59,10 +59,10 @@ def layer_params(cfg: ModelConfig, tp: int = 1, ep: int = 1) -> dict[str, int]:
     if cfg.is_moe:
         f = cfg.expert_ffn
         replicated += h * cfg.n_experts  # router
-        expert = (cfg.n_experts // ep) * 3 * h * (f // tp)
-        mlp = cfg.n_shared_experts * 3 * h * f // tp
+        expert = (cfg.n_experts // ep) * cfg.mlp_matrices * h * (f // tp)
+        mlp = cfg.n_shared_experts * cfg.mlp_matrices * h * f // tp
     else:
-        mlp = 3 * h * cfg.ffn // tp
+        mlp = cfg.mlp_matrices * h * cfg.ffn // tp
     return {"sharded": attn + mlp, "replicated": replicated, "expert": expert,
             "matmul": attn + mlp + expert + (h * cfg.n_experts if cfg.is_moe else 0)}
 
@@ -192,10 +192,11 @@ def layer_activation_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Frame
         attn = tokens * (heads * d + sum(w for n, w in widths.items() if n in kept)) * ab + tokens * heads * 4
         if cfg.is_moe:  # router logits and the shared experts' gate, up, down (the routed experts' bmm recompute)
             fs = cfg.n_shared_experts * cfg.expert_ffn // tp
-            mlp = tokens * (cfg.n_experts + (2 * fs + h if fs else 0)) * ab
+            mlp = tokens * (cfg.n_experts + ((cfg.mlp_matrices - 1) * fs + h if fs else 0)) * ab
         else:
             f_local = cfg.ffn // tp
-            mlp = tokens * sum(w for n, w in {"gate": f_local, "up": f_local, "down": h}.items() if n in kept) * ab
+            widths = {"gate": f_local, "up": f_local, "down": h} if cfg.mlp == "swiglu" else {"up": f_local, "down": h}
+            mlp = tokens * sum(w for n, w in widths.items() if n in kept) * ab
         total = (t_seq * h * rb + attn + mlp) * fw.activation_scale
         return {"block_input": t_seq * h * rb, "attention": attn, "mlp": mlp, "total": total}
     per_op = ab == 2 and fw.autocast_weight_copies  # autocast casts the norm output once per linear reading it
@@ -205,18 +206,22 @@ def layer_activation_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Frame
     attn = tokens * (2 * heads * d + 2 * kv * d) * ab
     lse = tokens * heads * 4
     attn_total = norm + casts * t_in * h * ab + attn + lse
-    mlp_in = (2 if per_op else 1) * (tokens if cfg.is_moe else t_in) * h * ab  # MoE gathers before routing
+    # the norm output, cast per linear reading it (gate and up; up alone for GELU); MoE gathers before routing
+    mlp_in = (cfg.mlp_matrices - 1 if per_op else 1) * (tokens if cfg.is_moe else t_in) * h * ab
+    # saved per element of the MLP width: gate and up outputs, silu(gate) and the product (SwiGLU); the up output
+    # (GELU's input) and GELU's output
+    saved = 4 if cfg.mlp == "swiglu" else 2
     if cfg.is_moe:
         e, k = cfg.n_experts, cfg.top_k
         cap = moe_capacity(cfg, tokens, moe_imbalance)  # the router sees the whole (gathered) sequence
         e_local = e // lay.ep
         f = cfg.expert_ffn // tp
         routing = tokens * (e * 4 + k * 8 + 4 + k * 4) + e * 4 + 4 * tokens * k * 8 + tokens * k * 4
-        experts = e_local * cap * lay.ep * (h + 4 * f) * ab + 2 * tokens * k * h * ab
-        shared = 4 * tokens * cfg.n_shared_experts * cfg.expert_ffn // tp * ab
+        experts = e_local * cap * lay.ep * (h + saved * f) * ab + 2 * tokens * k * h * ab
+        shared = saved * tokens * cfg.n_shared_experts * cfg.expert_ffn // tp * ab
         mlp = routing + experts + shared
     else:
-        mlp = 4 * tokens * (cfg.ffn // tp) * ab
+        mlp = saved * tokens * (cfg.ffn // tp) * ab
     mlp_total = norm + mlp_in + mlp
     total = (attn_total + mlp_total) * fw.activation_scale
     return {"attention": attn_total, "mlp": mlp_total, "total": total}

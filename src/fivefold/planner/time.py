@@ -39,6 +39,9 @@ ELEMENTWISE_BYTES = {
     "swiglu": (10.0, 6.0),  # silu(gate) 2+2, times up 2+2+2 | gate and up in, product out
 }
 ELEMENTWISE_CLASSES = tuple(ELEMENTWISE_BYTES)
+# a GELU MLP's activation in the "swiglu" class's place (the MLP activation): up's output in, GELU's out, 2+2 in
+# one kernel, eager or fused
+GELU_BYTES = (4.0, 4.0)
 # bytes per element of a float8 linear's input (forward) and output gradient (backward) for the scale and cast
 # (amax read, cast read + write of one byte; torchao's dynamic tensorwise scaling)
 FLOAT8_CAST_BYTES = 5.0
@@ -53,9 +56,11 @@ def fused_classes(fw: Framework) -> set[str]:
 def elementwise_bytes(cfg: ModelConfig, tokens: float, tp: int, sp: bool, fw: Framework) -> float:
     """Bytes that one block's element-wise kernels stream in the forward on one tensor-parallel rank: two norms
     and two residual adds on the hidden states (a sequence slice under sp), the rotation of q and k, SwiGLU on
-    the rank's share of the MLP (the routed experts' share for MoE)."""
+    the rank's share of the MLP (the routed experts' share for MoE; GELU for a GELU MLP)."""
     fused = fused_classes(fw)
     per = {c: ELEMENTWISE_BYTES[c][1 if c in fused else 0] for c in ELEMENTWISE_CLASSES}
+    if cfg.mlp == "gelu":
+        per["swiglu"] = GELU_BYTES[1 if "swiglu" in fused else 0]
     hidden = cfg.hidden / (tp if sp else 1)
     rotated = (cfg.n_heads // tp + max(cfg.n_kv_heads // tp, 1)) * cfg.head_dim
     mlp = (cfg.expert_ffn * (cfg.top_k + cfg.n_shared_experts) if cfg.is_moe else cfg.ffn) / tp
@@ -112,7 +117,9 @@ class StageTimes:
 
 def linear_shapes(cfg: ModelConfig, tokens: float, tp: int, fused: bool) -> list[tuple[float, float, float]]:
     """(m, n, k) of each linear layer of a block on one tp rank: q, k, v, o, gate, up, down (the fused
-    q|k|v and gate|up of frameworks that fuse them); MoE experts as their share of the routed tokens."""
+    q|k|v and gate|up of frameworks that fuse them; no gate in a GELU MLP); MoE experts as their share of the
+    routed tokens."""
+    ins = cfg.mlp_matrices - 1  # the MLP's input projections: gate and up, or up
     h, d = cfg.hidden, cfg.head_dim
     kv = max(cfg.n_kv_heads // tp, 1) * d
     q = cfg.n_heads * d // tp
@@ -121,13 +128,14 @@ def linear_shapes(cfg: ModelConfig, tokens: float, tp: int, fused: bool) -> list
     if cfg.is_moe:
         f = cfg.expert_ffn // tp
         routed = tokens * cfg.top_k / cfg.n_experts
-        mlp = [(routed, f, h)] * (2 * cfg.n_experts) + [(routed, h, f)] * cfg.n_experts + [(tokens, cfg.n_experts, h)]
+        mlp = [(routed, f, h)] * (ins * cfg.n_experts) + [(routed, h, f)] * cfg.n_experts \
+            + [(tokens, cfg.n_experts, h)]
         if cfg.n_shared_experts:
             fs = f * cfg.n_shared_experts
-            mlp += [(tokens, fs, h), (tokens, fs, h), (tokens, h, fs)]
+            mlp += [(tokens, fs, h)] * ins + [(tokens, h, fs)]
         return attn + mlp
     f = cfg.ffn // tp
-    return attn + ([(tokens, 2 * f, h)] if fused else [(tokens, f, h), (tokens, f, h)]) + [(tokens, h, f)]
+    return attn + ([(tokens, ins * f, h)] if fused else [(tokens, f, h)] * ins) + [(tokens, h, f)]
 
 
 def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster) -> StageTimes:
@@ -171,7 +179,7 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
         dk = device_kernels(hw.device)
         mlp = (cfg.expert_ffn * (cfg.top_k + cfg.n_shared_experts) if cfg.is_moe else cfg.ffn) // tp
         gemms = [(tokens, (cfg.n_heads // tp + 2 * kv) * d, h), (tokens, h, cfg.n_heads * d // tp),
-                 (tokens, 2 * mlp, h), (tokens, h, mlp)]
+                 (tokens, (cfg.mlp_matrices - 1) * mlp, h), (tokens, h, mlp)]
         lin_f = layer_fwd / (peak * _weighted_eff(gemms, ab, hw, dk))
         if fw.float8_linears:  # the block's linears in float8 (the output layer stays bf16), plus the scale casts
             lin_f /= dk.fp8_gemm_speedup
@@ -308,10 +316,10 @@ def framework_stage_layers(cfg: ModelConfig, lay: Layout, seq: int, fw: Framewor
 def params_stage_split(cfg: ModelConfig, pp: int) -> tuple[list[int], int] | None:
     """nanotron's split (`build_model`): the pipeline blocks (embedding, the blocks, final norm, output layer,
     cast, loss) in model order, each placed on the current rank, which hands over to the next once the cumulative
-    parameter cost (a block 4 heads d h + 3 ffn h, the output layer V h, the rest 0) passes its share (rank r:
-    (r + 1) / pp of the total). Returns the blocks per rank and how many ranks hold some pipeline block, or None
-    when the blocks run past the last rank."""
-    block = 4 * cfg.n_heads * cfg.head_dim * cfg.hidden + 3 * cfg.ffn * cfg.hidden
+    parameter cost (a block 4 heads d h + 3 ffn h (2 for GELU), the output layer V h, the rest 0) passes its share
+    (rank r: (r + 1) / pp of the total). Returns the blocks per rank and how many ranks hold some pipeline block,
+    or None when the blocks run past the last rank."""
+    block = 4 * cfg.n_heads * cfg.head_dim * cfg.hidden + cfg.mlp_matrices * cfg.ffn * cfg.hidden
     costs = [0] + [block] * cfg.n_layers + [0, cfg.vocab_size * cfg.hidden, 0, 0]
     total = sum(costs)
     counts, used = [0] * pp, set()

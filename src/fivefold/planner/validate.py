@@ -96,7 +96,9 @@ def read_rows(path: Path) -> list[Row]:
             tied = r["tied_emb"].strip().lower() in ("true", "1", "yes")
             cfg = ModelConfig(name=r["model"], n_layers=int(r["n_layers"]), hidden=int(r["hidden"]),
                               n_heads=int(r["heads"]), n_kv_heads=int(r["kv_heads"] or r["heads"]), ffn=int(r["ffn"]),
-                              vocab_size=int(r["vocab"]), max_seq_len=int(r["seq_len"]), tied_embeddings=tied)
+                              vocab_size=int(r["vocab"]), max_seq_len=int(r["seq_len"]), tied_embeddings=tied,
+                              mlp=(r.get("mlp") or "swiglu").strip().lower())
+            cfg.validate(f"--data {path.name}: a row of {r['model']}: model")
             framework = r.get("framework") or "nanotron"
             tp = int(r["tp"])
             lay = Layout(dp=int(r["dp"]), tp=tp, pp=int(r["pp"]), cp=int(r.get("cp") or 1), ep=int(r.get("ep") or 1),

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from fivefold.config import ConfigError
 from fivefold.flops import active_matmul_params, count_params
 from fivefold.models.llama import build_model
 from fivefold.models.loss import linear_cross_entropy_sum
@@ -319,7 +321,7 @@ def test_gelu_mlp_parameters_match_gpt_neox_without_biases():
 
 
 def test_the_engine_refuses_a_gelu_mlp():
-    from fivefold.config import Config, ConfigError
+    from fivefold.config import Config
     from fivefold.models.llama import Llama
 
     cfg = Config()
@@ -347,7 +349,6 @@ def test_gelu_mlp_in_the_search():
     hw = get_cluster("h100")
     g, s = (estimate(c, 2048, lay, FIVEFOLD, hw) for c in (gelu, swiglu))
     assert g.step_time_s < s.step_time_s and g.peak_bytes < s.peak_bytes
-    from fivefold.config import ConfigError
     from fivefold.planner.cli import add_arguments, run
 
     parser = argparse.ArgumentParser()
@@ -355,3 +356,37 @@ def test_gelu_mlp_in_the_search():
     args = parser.parse_args(["--model", shape + ",mlp=gelu", "--write-config", "best.toml"])
     with pytest.raises(ConfigError, match="--write-config: the model's MLP is 'gelu'"):
         run(args)
+
+
+@pytest.mark.parametrize("arch", ["gpt_neox", "gpt2"])
+def test_plan_reads_gelu_hf_configs(arch, tmp_path, capsys):
+    """`--model config.json` of GPT-NeoX and GPT-2 (GELU MLPs): the shape's parameters equal the Hugging Face
+    model's weights without biases (and without GPT-2's learned position table); what is not modelled is said."""
+    transformers = pytest.importorskip("transformers")
+    from fivefold.cli import main
+    from fivefold.planner.cli import load_model
+
+    if arch == "gpt_neox":
+        hf = transformers.GPTNeoXConfig(hidden_size=128, num_attention_heads=4, intermediate_size=384,
+                                        num_hidden_layers=3, vocab_size=2048, tie_word_embeddings=False,
+                                        architectures=["GPTNeoXForCausalLM"])
+        cls = transformers.GPTNeoXForCausalLM
+    else:
+        hf = transformers.GPT2Config(n_embd=128, n_head=4, n_layer=3, vocab_size=2048, n_positions=256,
+                                     architectures=["GPT2LMHeadModel"])
+        cls = transformers.GPT2LMHeadModel
+    hf.to_json_file(tmp_path / "config.json")
+    with torch.device("meta"):
+        model = cls(hf)
+    weights = sum(p.numel() for n, p in model.named_parameters() if not n.endswith(".bias") and "wpe" not in n)
+    cfg = load_model(str(tmp_path / "config.json"))
+    assert cfg.mlp == "gelu" and cfg.ffn == (384 if arch == "gpt_neox" else 4 * 128)
+    assert cfg.tied_embeddings == (arch == "gpt2")
+    assert count_params(cfg) == weights
+    assert main(["plan", "--model", str(tmp_path), "--gpu", "cpu", "--gpus-per-node", "2", "--seq-len", "128",
+                 "--global-batch", "4096", "--top", "1"]) == 0
+    assert "read as a GELU-MLP shape; not modelled: biases" in capsys.readouterr().out
+    bad = {**hf.to_dict(), ("hidden_act" if arch == "gpt_neox" else "activation_function"): "relu"}
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ConfigError, match="activation 'relu' is not a GELU"):
+        load_model(str(tmp_path))

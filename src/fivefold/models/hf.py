@@ -38,7 +38,8 @@ class CheckpointError(ValueError):
 # Configs
 
 
-def _read_config_json(config: dict[str, Any] | str | Path) -> dict[str, Any]:
+def read_config_json(config: dict[str, Any] | str | Path) -> dict[str, Any]:
+    """A Hugging Face `config.json` as a dict (given as a dict, the file, or its directory)."""
     if isinstance(config, dict):
         return config
     path = Path(config)
@@ -95,7 +96,7 @@ def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None =
     Reads `LlamaForCausalLM` and `MixtralForCausalLM`; raises ConfigError for anything fivefold's
     model cannot represent (another architecture, biases, a head_dim other than hidden / heads, ...).
     """
-    hf = _read_config_json(config)
+    hf = read_config_json(config)
     if name is None and not isinstance(config, dict):
         path = Path(config)
         name = (path if path.is_dir() else path.parent).resolve().name

@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="search (default), validate against published runs, or scaling over node counts")
     p.add_argument("--model", default="llama3-8b",
                    help="a preset, a shape 'layers=..,hidden=..,heads=..,kv_heads=..,ffn=..,vocab=..' "
-                        "(optional experts=..,top_k=..,tied=..,mlp=swiglu|gelu), or a Hugging Face config.json")
+                        "(optional experts=..,top_k=..,tied=..,mlp=swiglu|gelu), or a Hugging Face config.json "
+                        "(Llama, Mixtral; GPT-NeoX and GPT-2 as GELU shapes)")
     p.add_argument("--gpu", default="h100", help="h100, h100-pcie, h200, b200, a100-40gb, a100-80gb, mi300x, "
                                                   "max1550, cpu, h100-efa")
     p.add_argument("--hardware", help="TOML file describing the hardware (optionally base = PRESET)")
@@ -110,9 +111,13 @@ def load_model(spec: str) -> ModelConfig:
         cfg.validate("--model")
         return cfg
     if spec.endswith(".json") or Path(spec).is_dir():
-        from fivefold.models.hf import model_config_from_hf
+        from fivefold.models.hf import model_config_from_hf, read_config_json
+        from fivefold.planner.shapes import gelu_shape_from_hf
 
-        return model_config_from_hf(spec)
+        hf = read_config_json(spec)
+        path = Path(spec)
+        name = (path if path.is_dir() else path.parent).resolve().name
+        return gelu_shape_from_hf(hf, name) or model_config_from_hf(hf, name)
     return get_preset(spec)
 
 
@@ -333,6 +338,10 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--write-config {args.write_config!r} is a directory; give a file name such as "
                               "best.toml")
     cfg = pad_vocab(load_model(args.model), args.pad_vocab)
+    if cfg.mlp == "gelu" and (args.model.endswith(".json") or Path(args.model).is_dir()):
+        from fivefold.planner.shapes import NOT_MODELLED
+
+        print(f"{args.model}: read as a GELU-MLP shape; not modelled: {NOT_MODELLED}")
     if args.write_config and cfg.mlp != "swiglu":
         raise ConfigError(f"--write-config: the model's MLP is {cfg.mlp!r}, and the engine builds SwiGLU MLPs only; "
                           "plan without --write-config")

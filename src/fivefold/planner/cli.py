@@ -20,10 +20,14 @@ _SHAPE_KEYS = {"layers": "n_layers", "hidden": "hidden", "heads": "n_heads", "kv
                "tied": "tied_embeddings", "moe_ffn": "moe_ffn", "shared_experts": "n_shared_experts", "mlp": "mlp"}
 
 
-def _framework_names() -> list[str]:
+def _all_frameworks() -> dict[str, Framework]:
     from fivefold.planner.profile import all_frameworks
 
-    return list(all_frameworks())
+    return all_frameworks()
+
+
+def _framework_names() -> list[str]:
+    return list(_all_frameworks())
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -144,8 +148,10 @@ def _space(args: argparse.Namespace) -> SearchSpace:
         if r not in ("none", "selective", "full"):
             raise ConfigError(f"--recompute {r!r} is not one of none, selective, full")
     sp = {"on": (True,), "off": (False,), "both": (False, True)}[args.sp]
+    # a written config runs on fivefold's engine, which has no HSDP
     return SearchSpace(zero=zero, recompute=rc, sp=sp, schedules=tuple(args.schedules.split(",")),
-                       cp=not args.no_cp, fp32_grad_accum=args.fp32_grad_accum == "on")
+                       cp=not args.no_cp, fp32_grad_accum=args.fp32_grad_accum == "on",
+                       hsdp=not getattr(args, "write_config", None))
 
 
 _FIX_DEGREES = ("dp", "tp", "pp", "cp", "ep", "micro_batch_size")
@@ -380,6 +386,9 @@ def run(args: argparse.Namespace) -> int:
     if args.layout:
         lay = parse_layout(args.layout, batch_seqs)
         lay = dataclasses.replace(lay, fp32_grad_accum=lay.fp32_grad_accum or args.fp32_grad_accum == "on")
+        if lay.dp_shard and not fw.hsdp:
+            raise ConfigError(f"--layout dp_shard = {lay.dp_shard} is HSDP, which the {fw.name} engine does not run; "
+                              "frameworks that do: " + ", ".join(n for n, f in _all_frameworks().items() if f.hsdp))
         if lay.world_size != n_gpus:
             raise ConfigError(f"--layout dp x tp x pp x cp = {lay.world_size} but the cluster has {n_gpus} GPUs "
                               f"({args.nodes} nodes x {hw.gpus_per_node}); change the degrees or --nodes")

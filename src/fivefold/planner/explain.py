@@ -23,12 +23,14 @@ def family(e: Estimate) -> tuple:
     """The layout family a user starts from: the model-parallel grid and whether the weights are sharded
     (FSDP / ZeRO-3); ZeRO 0-2, the micro-batch, the schedule and recompute are variants inside it."""
     la = e.layout
-    return la.tp, la.pp, la.cp, la.ep, la.zero >= 3
+    return la.tp, la.pp, la.cp, la.ep, la.zero >= 3, la.dp_shard > 0
 
 
 def family_name(e: Estimate) -> str:
     la = e.layout
     grid = [f"{k}{v}" for k, v in (("tp", la.tp), ("pp", la.pp), ("cp", la.cp), ("ep", la.ep)) if v > 1]
+    if la.zero >= 3 and la.dp_shard:
+        return f"HSDP ({la.zero_replicas} x shard {la.dp_shard})" + (" x " + " x ".join(grid) if grid else "")
     if la.zero >= 3:
         return "FSDP (ZeRO-3)" + (" x " + " x ".join(grid) if grid else "")
     return "dp" + (" x " + " x ".join(grid) if grid else " only")

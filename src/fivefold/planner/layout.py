@@ -24,6 +24,19 @@ class Layout(LayoutConfig):
 
     micro_batch_size: int = 1
     grad_accum_steps: int = 1
+    # HSDP (planner only; frameworks with `Framework.hsdp`): ZeRO-3 shards over groups of dp_shard x cp ranks and
+    # replicates over the dp / dp_shard groups; 0 = over all of dp x cp (FSDP)
+    dp_shard: int = 0
+
+    @property
+    def zero_group(self) -> int:
+        """The ranks one ZeRO shard set spans: dp_shard x cp under HSDP, else dp x cp."""
+        return (self.dp_shard or self.dp) * self.cp
+
+    @property
+    def zero_replicas(self) -> int:
+        """HSDP's replicas of each shard set (1 without HSDP)."""
+        return self.dp // self.dp_shard if self.dp_shard else 1
 
     @property
     def edp(self) -> int:
@@ -36,7 +49,8 @@ class Layout(LayoutConfig):
             s += f" cp{self.cp}"
         if self.ep > 1:
             s += f" ep{self.ep}"
-        s += f" z{self.zero} mbs{self.micro_batch_size} ga{self.grad_accum_steps} rc:{self.recompute}"
+        s += f" z{self.zero}" + (f" hsdp{self.dp_shard}" if self.dp_shard else "")
+        s += f" mbs{self.micro_batch_size} ga{self.grad_accum_steps} rc:{self.recompute}"
         if self.pp > 1:
             s += f" {self.schedule}" + (f" v{self.vpp}" if self.vpp > 1 else "")
         return s
@@ -56,7 +70,22 @@ class Layout(LayoutConfig):
 LEGACY_NAMES = {"mbs": "micro_batch_size", "grad_acc": "grad_accum_steps"}
 
 
-_KEYS = {f.name for f in dataclasses.fields(LayoutConfig)} - {"stage_layers"} | {"mbs"}
+_KEYS = {f.name for f in dataclasses.fields(LayoutConfig)} - {"stage_layers"} | {"mbs", "dp_shard"}
+
+
+def hsdp_problem(lay: Layout) -> str | None:
+    """Why `lay.dp_shard` cannot be HSDP's shard degree, or None (also for dp_shard = 0: no HSDP)."""
+    if not lay.dp_shard:
+        return None
+    if lay.zero != 3:
+        return f"--layout dp_shard = {lay.dp_shard} is HSDP, which shards ZeRO-3's states; it needs zero = 3"
+    if lay.dp % lay.dp_shard or lay.dp_shard >= lay.dp:
+        return (f"--layout dp_shard = {lay.dp_shard} must divide dp = {lay.dp} and be smaller (dp / dp_shard "
+                "replicas); values that do: " + (", ".join(str(d) for d in range(1, lay.dp) if lay.dp % d == 0)
+                                                 or "none, dp = 1"))
+    if lay.ep > 1:
+        return f"--layout dp_shard = {lay.dp_shard}: HSDP with expert parallel (ep = {lay.ep}) is not modelled"
+    return None
 
 
 def parse_layout(text: str, global_batch_seqs: int) -> Layout:
@@ -87,10 +116,13 @@ def parse_layout(text: str, global_batch_seqs: int) -> Layout:
                 value = int(value)
             except ValueError:
                 raise ConfigError(f"--layout {key} = {value!r} is not an integer") from None
-            if value < (0 if key == "zero" else 1):
-                raise ConfigError(f"--layout {key} = {value} must be >= {0 if key == 'zero' else 1}")
+            if value < (0 if key in ("zero", "dp_shard") else 1):
+                raise ConfigError(f"--layout {key} = {value} must be >= {0 if key in ('zero', 'dp_shard') else 1}")
         values[key] = value
     lay = Layout(**values)
+    problem = hsdp_problem(lay)
+    if problem:
+        raise ConfigError(problem)
     problem = batch_problem(lay, global_batch_seqs)
     if problem is not None:
         raise ConfigError(problem.message)
@@ -102,6 +134,7 @@ class Framework:
     """Implementation settings that change bytes or seconds (defaults: fivefold's engine on an accelerator)."""
 
     name: str = "fivefold"
+    hsdp: bool = False  # runs HSDP (ZeRO-3 sharded inside groups, replicated across them): the search tries it
     param_bytes: int = 4  # parameters as stored (fivefold keeps fp32 parameters, which are the master weights)
     grad_bytes: int = 4  # gradients as stored
     master_bytes: int = 0  # separate fp32 master copy (frameworks with bf16 parameters)

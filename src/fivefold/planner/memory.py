@@ -121,7 +121,7 @@ def _shard(n: int, parts: int) -> int:
 def model_state_bytes(cfg: ModelConfig, lay: Layout, fw: Framework, rank: str = "first") -> dict[str, int]:
     """Parameters, gradients, optimizer states (with the master copy) and the fp32 accumulation buffer."""
     rp = rank_params(cfg, lay, rank)
-    dpc = lay.dp * lay.cp
+    dpc = lay.zero_group  # dp x cp, or HSDP's shard group
     dpc_e = lay.edp
 
     def sharded(bytes_per: int, on: bool) -> int:

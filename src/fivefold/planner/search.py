@@ -117,6 +117,7 @@ class SearchSpace:
     max_tp: int = 0  # 0 = the GPUs per node
     cp: bool = True
     fp32_grad_accum: bool = False
+    hsdp: bool = True  # try HSDP (one node's ranks per shard group) where the framework runs it (`Framework.hsdp`)
     # degrees held at one value (`plan --fix`): (name, value) for dp, tp, pp, cp, ep, micro_batch_size
     fixed: tuple[tuple[str, int], ...] = ()
 
@@ -146,7 +147,8 @@ def search(cfg: ModelConfig, seq: int, global_batch_seqs: int, n_gpus: int, fw: 
     fitting: list[Estimate] = []
     closest: Estimate | None = None
     evaluated = 0
-    for base in _bases(cfg, seq, global_batch_seqs, n_gpus, hw, space, reject):
+    hsdp_ranks = hw.gpus_per_node if space.hsdp and fw.hsdp else 0
+    for base in _bases(cfg, seq, global_batch_seqs, n_gpus, hw, space, reject, hsdp_ranks):
         evaluated += 1
         ok, peak = _fits(cfg, seq, base, fw, hw, moe_imbalance)
         if not ok:
@@ -169,10 +171,12 @@ def search(cfg: ModelConfig, seq: int, global_batch_seqs: int, n_gpus: int, fw: 
 
 
 def _bases(cfg: ModelConfig, seq: int, batch: int, n_gpus: int, hw: Cluster, space: SearchSpace,
-           reject: Callable[..., None]) -> Iterator[Layout]:
+           reject: Callable[..., None], hsdp_ranks: int = 0) -> Iterator[Layout]:
     """Every layout that the rule book (`fivefold.layout`) accepts for this model, world and batch, with full
     recompute (the variants with less recompute are tried by the caller); `reject(reason, example)` counts the
-    rest by the rule they break. Each rule is checked as soon as its degrees are chosen, to prune early."""
+    rest by the rule they break. Each rule is checked as soon as its degrees are chosen, to prune early. With
+    `hsdp_ranks` (a node's GPUs), each ZeRO-3 layout spanning more than a node also comes as HSDP with one node's
+    ranks per shard group."""
     max_tp = space.max_tp or hw.gpus_per_node
     for tp in _divisors(n_gpus):
         if not space.allows("tp", tp):
@@ -201,11 +205,15 @@ def _bases(cfg: ModelConfig, seq: int, batch: int, n_gpus: int, hw: Cluster, spa
                 if problem:
                     reject(problem.rule, f"pp={pp}, dp={dp}, batch={batch} sequences")
                 else:
-                    yield from _inner(cfg, seq, dp, tp, pp, cp, batch, n_gpus, space, reject)
+                    yield from _inner(cfg, seq, dp, tp, pp, cp, batch, n_gpus, space, reject, hsdp_ranks)
 
 
 def _inner(cfg: ModelConfig, seq: int, dp: int, tp: int, pp: int, cp: int, batch: int, n_gpus: int,
-           space: SearchSpace, reject: Callable[..., None]) -> Iterator[Layout]:
+           space: SearchSpace, reject: Callable[..., None], hsdp_ranks: int = 0) -> Iterator[Layout]:
+    # HSDP's shard degree: the dp ranks of one node (with cp, the shard group is dp_shard x cp x tp = a node)
+    dp_shard = hsdp_ranks // (tp * cp) if hsdp_ranks and hsdp_ranks % (tp * cp) == 0 else 0
+    if not (dp_shard and dp % dp_shard == 0 and 1 <= dp_shard < dp):
+        dp_shard = 0
     eps = [e for e in _divisors(cfg.n_experts) if (dp * cp) % e == 0] if cfg.is_moe else [1]
     mbs_list = [m for m in _divisors(batch // dp) if m <= space.max_mbs]
     for ep, mbs in itertools.product(eps, mbs_list):
@@ -224,6 +232,8 @@ def _inner(cfg: ModelConfig, seq: int, dp: int, tp: int, pp: int, cp: int, batch
                     reject(problem.rule, lay.short())
                     continue
                 yield lay
+                if zero == 3 and dp_shard and ep == 1 and space.allows("dp_shard", dp_shard):
+                    yield dataclasses.replace(lay, dp_shard=dp_shard)
 
 
 def _schedules(pp: int, space: SearchSpace) -> Iterator[tuple[str, int]]:

@@ -412,8 +412,13 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     def reduce_time(nbytes: float, size: int, stride: int) -> float:
         if lay.zero >= 3:  # ZeRO-3 reduce-scatters each unit's (block's) gradients as its backward ends
             unit = max(bucket, nbytes / max(1, -(-cfg.n_layers // lay.pp)))
+            shards = lay.zero_group if size == dpc else size  # HSDP's shard group (HSDP has no ep)
+            t = comm.reduce_scatter(nbytes, shards, stride, hw, unit)
+            if lay.zero_replicas > 1 and size == dpc:  # HSDP: then each shard is all-reduced over the replicas
+                t += comm.all_reduce(nbytes / lay.zero_group, lay.zero_replicas, stride * lay.zero_group, hw,
+                                     unit / lay.zero_group)
             # under pp only each stage's last backward of the step reduce-scatters (`parallel.pipeline_zero3`)
-            return comm.reduce_scatter(nbytes, size, stride, hw, unit) * (1 if lay.pp > 1 else lay.grad_accum_steps)
+            return t * (1 if lay.pp > 1 else lay.grad_accum_steps)
         if lay.zero >= 2:  # ZeRO-2 keeps only a gradient shard, so every micro-batch reduce-scatters
             return comm.reduce_scatter(nbytes, size, stride, hw, bucket) * lay.grad_accum_steps
         return comm.all_reduce(nbytes, size, stride, hw, bucket)
@@ -437,7 +442,8 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
         # summed over those two ranks after the step's backward, not overlapped
         tied = cfg.vocab_size / lay.tp * cfg.hidden * elem_bytes
         t_dp_exposed += comm.all_reduce(tied, 2, st["pp"] * (lay.pp - 1), hw)
-    param_full = states["parameters"] * (dpc if lay.zero >= 3 else 1)
+    zg = lay.zero_group  # the ranks ZeRO-3 gathers over: dp x cp, or HSDP's shard group
+    param_full = states["parameters"] * (zg if lay.zero >= 3 else 1)
     t_gather = 0.0
     if dpc > 1 and 1 <= lay.zero <= 2 and fw.zero1_allgather_exposed:
         t_gather = comm.all_gather(param_full / fw.param_bytes * min(fw.param_bytes, 2), dpc, st["dpcp"], hw)
@@ -446,11 +452,11 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
         gathered = fw.gather_bytes or fw.param_bytes
         if lay.ep > 1:  # the routed experts are units of their own over the edp ranks holding the same experts
             # (`parallel.data.FullyShardedDataParallel`); with edp = 1 they stay whole and are not gathered
-            ag = comm.all_gather(rp.dense * gathered / n_layers, dpc, st["dpcp"], hw)
+            ag = comm.all_gather(rp.dense * gathered / n_layers, zg, st["dpcp"], hw)
             if lay.edp > 1:
                 ag += comm.all_gather(rp.expert * gathered / n_layers, lay.edp, st["dpcp"] * lay.ep, hw)
         else:
-            ag = comm.all_gather(rp.total * gathered / n_layers, dpc, st["dpcp"], hw)  # a block, as gathered
+            ag = comm.all_gather(rp.total * gathered / n_layers, zg, st["dpcp"], hw)  # a block, as gathered
         # the compute of one block of the first stage (interleaved: a stage holds 1/v of the rank's blocks)
         per_block = (times.f[0] + times.b[0] + times.w[0]) / max(1, times.counts[0])
         # gathered for every forward and backward; under pp once per step (the weights stay gathered)

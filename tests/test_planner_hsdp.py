@@ -1,0 +1,89 @@
+"""HSDP in the planner (frameworks that run it: torchtitan): ZeRO-3 sharded inside groups of dp_shard x cp ranks
+and replicated across dp / dp_shard of them. References: the states of FSDP over the shard group alone (the
+same shards), the gathers of an FSDP job on one node of the shard group's ranks (the same collective), and the
+closed form of the replica all-reduce."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from fivefold.cli import main
+from fivefold.config import ConfigError
+from fivefold.planner import comm
+from fivefold.planner.hardware import get_cluster
+from fivefold.planner.layout import FIVEFOLD, Layout, parse_layout
+from fivefold.planner.memory import model_state_bytes, rank_params
+from fivefold.planner.profile import all_frameworks
+from fivefold.planner.time import step_time
+from fivefold.presets import get_preset
+
+TORCHTITAN = all_frameworks()["torchtitan"]
+
+
+@pytest.mark.parametrize("dp,shard,cp", [(16, 4, 1), (16, 8, 1), (8, 2, 2)])
+def test_hsdp_states_are_those_of_fsdp_over_the_shard_group(dp, shard, cp):
+    cfg = get_preset("llama3-8b")
+    hsdp = Layout(dp=dp, cp=cp, zero=3, dp_shard=shard)
+    fsdp_of_the_group = Layout(dp=shard, cp=cp, zero=3)
+    assert hsdp.zero_group == shard * cp and hsdp.zero_replicas == dp // shard
+    for fw in (TORCHTITAN, FIVEFOLD):
+        assert model_state_bytes(cfg, hsdp, fw) == model_state_bytes(cfg, fsdp_of_the_group, fw)
+        assert model_state_bytes(cfg, hsdp, fw)["parameters"] > model_state_bytes(cfg, Layout(dp=dp, cp=cp, zero=3),
+                                                                                   fw)["parameters"]
+
+
+def test_hsdp_gathers_inside_a_node_and_reduces_across_replicas():
+    """dp16 on 2 nodes of 8, shard 8: each block is gathered over the 8 ranks of a node, as FSDP dp8 on one node
+    gathers it; the gradients are reduce-scattered over those 8 and each shard all-reduced over the 2 replicas."""
+    # nothing hidden behind compute, so that the collectives show whole
+    bare = dataclasses.replace(get_cluster("h100"), comm_overlap=0.0)
+    cfg = get_preset("llama3-8b")
+    lay = Layout(dp=16, zero=3, dp_shard=8, micro_batch_size=1, grad_accum_steps=4)
+    one_node = Layout(dp=8, zero=3, micro_batch_size=1, grad_accum_steps=4)
+    fsdp = dataclasses.replace(lay, dp_shard=0)
+    t_hsdp, t_node, t_fsdp = (step_time(cfg, 8192, la, TORCHTITAN, bare) for la in (lay, one_node, fsdp))
+    assert t_hsdp.parts["zero_gather"] == pytest.approx(t_node.parts["zero_gather"], rel=1e-9)
+    assert t_fsdp.parts["zero_gather"] > t_hsdp.parts["zero_gather"]  # across nodes, over 16 ranks
+    # the reduction: per block, a reduce-scatter over the node's 8 ranks and an all-reduce of the shard over the
+    # 2 replicas (a rank 8 apart, on the other node), for each micro-batch
+    grads = rank_params(cfg, lay, "first").total * TORCHTITAN.grad_bytes
+    unit = max(TORCHTITAN.dp_bucket_mib * 2**20, grads / cfg.n_layers)
+    expected = (comm.reduce_scatter(grads, 8, 1, bare, unit) + comm.all_reduce(grads / 8, 2, 8, bare, unit / 8)) * 4
+    assert t_hsdp.parts["dp_comm_exposed"] == pytest.approx(expected)
+    assert t_fsdp.parts["dp_comm_exposed"] == pytest.approx(comm.reduce_scatter(grads, 16, 1, bare, unit) * 4)
+
+
+def test_the_search_tries_hsdp_where_the_framework_runs_it(capsys, tmp_path):
+    args = ["plan", "--model", "llama3-8b", "--nodes", "4", "--seq-len", "8192", "--global-batch", "256K", "--json"]
+    assert main([*args, "--framework", "torchtitan"]) == 0
+    layouts = [c["layout"] for c in json.loads(capsys.readouterr().out)["candidates"]]
+    shards = {la["dp_shard"] for la in layouts if la["dp_shard"]}
+    assert shards and all(la["zero"] == 3 and la["dp"] % la["dp_shard"] == 0 for la in layouts if la["dp_shard"])
+    # one node's ranks per shard group: dp_shard x cp x tp = 8
+    assert all(la["dp_shard"] * la["cp"] * la["tp"] == 8 for la in layouts if la["dp_shard"])
+    assert main([*args, "--framework", "fivefold"]) == 0  # fivefold's engine has no HSDP
+    assert not any(c["layout"]["dp_shard"] for c in json.loads(capsys.readouterr().out)["candidates"])
+    # a written config runs on fivefold's engine: that search leaves HSDP out whatever the framework
+    assert main([*args, "--framework", "torchtitan", "--write-config", str(tmp_path / "best.toml")]) == 0
+    out = capsys.readouterr().out
+    assert not any(c["layout"]["dp_shard"] for c in json.loads(out[out.index("{"):])["candidates"])
+
+
+def test_hsdp_layouts_are_checked(capsys):
+    with pytest.raises(ConfigError, match="needs zero = 3"):
+        parse_layout("dp=16,zero=1,dp_shard=8", 64)
+    with pytest.raises(ConfigError, match="must divide dp = 16 and be smaller.*values that do: 1, 2, 4, 8"):
+        parse_layout("dp=16,zero=3,dp_shard=6", 64)
+    with pytest.raises(ConfigError, match="must divide dp = 16 and be smaller"):
+        parse_layout("dp=16,zero=3,dp_shard=16", 64)
+    with pytest.raises(ConfigError, match="expert parallel"):
+        parse_layout("dp=16,ep=2,zero=3,dp_shard=8", 64)
+    assert parse_layout("dp=16,zero=3,dp_shard=8", 64).short().startswith("dp16 tp1 pp1 z3 hsdp8 ")
+    base = ["plan", "--model", "llama3-8b", "--nodes", "2", "--global-batch", "256K", "--seq-len", "4096",
+            "--layout", "dp=16,zero=3,dp_shard=8"]
+    assert main(base) == 2
+    assert "the fivefold engine does not run" in capsys.readouterr().err
+    assert main([*base, "--framework", "torchtitan"]) == 0

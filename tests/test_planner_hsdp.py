@@ -87,3 +87,18 @@ def test_hsdp_layouts_are_checked(capsys):
     assert main(base) == 2
     assert "the fivefold engine does not run" in capsys.readouterr().err
     assert main([*base, "--framework", "torchtitan"]) == 0
+
+
+def test_hsdp_is_its_own_family_and_not_the_fsdp_baseline(capsys):
+    args = ["plan", "--model", "llama3-8b", "--nodes", "4", "--seq-len", "8192", "--global-batch", "256K",
+            "--framework", "torchtitan"]
+    assert main([*args, "--top", "20"]) == 0
+    out = capsys.readouterr().out
+    assert any(" z3 hsdp" in line and "HSDP (4 x shard 8)" in line for line in out.splitlines())
+    from fivefold.planner.explain import BASELINES
+    from fivefold.planner.search import estimate
+
+    hw = get_cluster("h100")
+    hsdp, fsdp = (estimate(get_preset("llama3-8b"), 8192, Layout(dp=32, zero=3, dp_shard=s), TORCHTITAN, hw)
+                  for s in (8, 0))
+    assert BASELINES["FSDP"](fsdp) and not BASELINES["FSDP"](hsdp)

@@ -435,7 +435,7 @@ def run(args: argparse.Namespace) -> int:
                           "rejected": dict(result.rejected),
                           "candidates": [e.to_json() for e in result.candidates]}, indent=2))
         return 0
-    from fivefold.planner.explain import TIE, family, family_name
+    from fivefold.planner.explain import BASELINES, TIE, family, family_name
 
     print(f"{cfg.name} on {args.nodes} x {hw.gpus_per_node} {hw.name}, seq {seq}, global batch {tokens:,} tokens "
           f"({batch_seqs} sequences), {fw.name} engine: {result.evaluated:,} layouts tried with "
@@ -462,9 +462,7 @@ def run(args: argparse.Namespace) -> int:
         tie = " (tie)" if e is not best and 1 - e.tokens_per_s_per_device / best.tokens_per_s_per_device < TIE else ""
         print(_fmt_row(e, f"{family_name(e)}{tie}"))
     # the baselines users start from, with their gap, when they are not shown already
-    baselines = {"FSDP": lambda e: e.layout.zero >= 3 and family(e)[:4] == (1, 1, 1, 1),
-                 "dp x tp": lambda e: e.layout.zero < 3 and e.layout.tp > 1 and family(e)[1:4] == (1, 1, 1)}
-    for name, test in baselines.items():
+    for name, test in BASELINES.items():
         base = next((e for e in result.candidates if test(e)), None)
         if base is None:
             print(f"baseline {name}: " + ("none in the --fix search" if args.fix else "no layout of that family fits"))

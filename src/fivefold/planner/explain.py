@@ -26,6 +26,14 @@ def family(e: Estimate) -> tuple:
     return la.tp, la.pp, la.cp, la.ep, la.zero >= 3, la.dp_shard > 0
 
 
+# the layouts users start from, shown with their gap to the best when the table does not show them: plain FSDP
+# (ZeRO-3 over all of dp, no model-parallel grid; not HSDP) and dp x tp (ZeRO 0-2, tp > 1, nothing else)
+BASELINES = {
+    "FSDP": lambda e: e.layout.zero >= 3 and not e.layout.dp_shard and family(e)[:4] == (1, 1, 1, 1),
+    "dp x tp": lambda e: e.layout.zero < 3 and e.layout.tp > 1 and family(e)[1:4] == (1, 1, 1),
+}
+
+
 def family_name(e: Estimate) -> str:
     la = e.layout
     grid = [f"{k}{v}" for k, v in (("tp", la.tp), ("pp", la.pp), ("cp", la.cp), ("ep", la.ep)) if v > 1]

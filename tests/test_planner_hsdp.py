@@ -102,3 +102,16 @@ def test_hsdp_is_its_own_family_and_not_the_fsdp_baseline(capsys):
     hsdp, fsdp = (estimate(get_preset("llama3-8b"), 8192, Layout(dp=32, zero=3, dp_shard=s), TORCHTITAN, hw)
                   for s in (8, 0))
     assert BASELINES["FSDP"](fsdp) and not BASELINES["FSDP"](hsdp)
+
+
+def test_plan_scaling_with_an_hsdp_layout(capsys):
+    """A fixed HSDP layout keeps its shard degree as dp grows; where one shard group holds every dp rank (one
+    node) it is plain FSDP; fivefold's engine refuses it."""
+    args = ["plan", "scaling", "--model", "llama3-8b", "--nodes", "1,2,4", "--seq-len", "8192", "--global-batch",
+            "128K", "--weak", "--layout", "dp=16,zero=3,dp_shard=8,mbs=1,recompute=selective", "--json"]
+    assert main([*args, "--framework", "torchtitan"]) == 0
+    points = json.loads(capsys.readouterr().out)["points"]
+    shards = [p["layout_knobs"]["dp_shard"] for p in points]
+    assert shards == [0, 8, 8] and [p["layout_knobs"]["dp"] for p in points] == [8, 16, 32]
+    assert main([*args, "--framework", "fivefold"]) == 2
+    assert "is HSDP, which the fivefold engine does not run; frameworks that do: torchtitan" in capsys.readouterr().err

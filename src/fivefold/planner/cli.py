@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fivefold.config import Config, ConfigError, ModelConfig, dump_toml, write_text_atomic
 from fivefold.layout import check_layout
-from fivefold.planner.layout import Framework, Layout, parse_layout
+from fivefold.planner.layout import Framework, Layout, check_runs_hsdp, parse_layout
 from fivefold.planner.search import SearchSpace, estimate, gib, parse_tokens, search
 
 _SHAPE_KEYS = {"layers": "n_layers", "hidden": "hidden", "heads": "n_heads", "kv_heads": "n_kv_heads",
@@ -20,14 +20,10 @@ _SHAPE_KEYS = {"layers": "n_layers", "hidden": "hidden", "heads": "n_heads", "kv
                "tied": "tied_embeddings", "moe_ffn": "moe_ffn", "shared_experts": "n_shared_experts", "mlp": "mlp"}
 
 
-def _all_frameworks() -> dict[str, Framework]:
+def _framework_names() -> list[str]:
     from fivefold.planner.profile import all_frameworks
 
-    return all_frameworks()
-
-
-def _framework_names() -> list[str]:
-    return list(_all_frameworks())
+    return list(all_frameworks())
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -386,9 +382,7 @@ def run(args: argparse.Namespace) -> int:
     if args.layout:
         lay = parse_layout(args.layout, batch_seqs)
         lay = dataclasses.replace(lay, fp32_grad_accum=lay.fp32_grad_accum or args.fp32_grad_accum == "on")
-        if lay.dp_shard and not fw.hsdp:
-            raise ConfigError(f"--layout dp_shard = {lay.dp_shard} is HSDP, which the {fw.name} engine does not run; "
-                              "frameworks that do: " + ", ".join(n for n, f in _all_frameworks().items() if f.hsdp))
+        check_runs_hsdp(lay, fw)
         if lay.world_size != n_gpus:
             raise ConfigError(f"--layout dp x tp x pp x cp = {lay.world_size} but the cluster has {n_gpus} GPUs "
                               f"({args.nodes} nodes x {hw.gpus_per_node}); change the degrees or --nodes")

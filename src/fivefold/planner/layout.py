@@ -88,6 +88,15 @@ def hsdp_problem(lay: Layout) -> str | None:
     return None
 
 
+def check_runs_hsdp(lay: Layout, fw: Framework) -> None:
+    """Refuse an HSDP layout for a framework that does not run HSDP (fivefold's engine, for one)."""
+    if lay.dp_shard and not fw.hsdp:
+        from fivefold.planner.profile import all_frameworks
+
+        raise ConfigError(f"--layout dp_shard = {lay.dp_shard} is HSDP, which the {fw.name} engine does not run; "
+                          "frameworks that do: " + ", ".join(n for n, f in all_frameworks().items() if f.hsdp))
+
+
 def parse_layout(text: str, global_batch_seqs: int) -> Layout:
     """`"dp=4,tp=2,pp=1,micro_batch_size=1,zero=1,recompute=none"` -> Layout (`mbs` is short for micro_batch_size);
     grad_accum_steps follows from the global batch."""

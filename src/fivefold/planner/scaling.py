@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fivefold.config import ConfigError, ModelConfig
 from fivefold.planner.hardware import Cluster
-from fivefold.planner.layout import Framework, Layout, parse_layout
+from fivefold.planner.layout import Framework, Layout, check_runs_hsdp, parse_layout
 from fivefold.planner.search import Estimate, SearchSpace, estimate, search
 
 
@@ -64,7 +64,13 @@ def scale_layout(lay: Layout, gpus: int, batch_seqs: int) -> Layout:
         raise ConfigError(f"--layout on {gpus} GPUs: dp x micro_batch_size = {dp} x {lay.micro_batch_size} does not "
                           f"divide the global batch of {batch_seqs} sequences; use a smaller micro_batch_size or a "
                           f"batch that is a multiple of {dp * lay.micro_batch_size} sequences")
-    return dataclasses.replace(lay, dp=dp, grad_accum_steps=batch_seqs // (dp * lay.micro_batch_size))
+    out = dataclasses.replace(lay, dp=dp, grad_accum_steps=batch_seqs // (dp * lay.micro_batch_size))
+    if lay.dp_shard and dp <= lay.dp_shard:  # one shard group holds every dp rank: plain FSDP
+        return dataclasses.replace(out, dp_shard=0)
+    if lay.dp_shard and dp % lay.dp_shard:
+        raise ConfigError(f"--layout dp_shard = {lay.dp_shard} does not divide dp = {dp} on {gpus} GPUs; choose node "
+                          "counts whose dp it divides")
+    return out
 
 
 def scaling(cfg: ModelConfig, seq: int, batch_seqs: int, nodes: list[int], weak: bool, fw: Framework, hw: Cluster,
@@ -78,7 +84,9 @@ def scaling(cfg: ModelConfig, seq: int, batch_seqs: int, nodes: list[int], weak:
                               f"whole number of sequences at {n} nodes; choose node counts that are multiples of "
                               f"{nodes[0]}")
         if layout:
-            lay = scale_layout(parse_layout(layout, batch), gpus, batch)
+            lay = parse_layout(layout, batch)
+            check_runs_hsdp(lay, fw)
+            lay = scale_layout(lay, gpus, batch)
             e = estimate(cfg, seq, lay, fw, hw, True)
             points.append(Point(n, gpus, batch, e if e.fits else None,
                                 "" if e.fits else f"{lay.short()} does not fit ({e.peak_bytes / 2**30:.1f} GiB)"))

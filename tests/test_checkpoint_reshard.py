@@ -7,6 +7,7 @@ Reference: the uninterrupted run under the layout that wrote the checkpoint."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -73,6 +74,17 @@ def test_dp2_tp2_checkpoint_resumes_under_pp2_and_one_process(tmp_path, dataset)
                   if p["name"].startswith("model."))
     model = ckpt.read_model_state(path)
     assert written == sum(t.numel() for t in model.values())
+
+
+def test_hsdp_checkpoint_resumes_under_fsdp_and_one_process(tmp_path, dataset):  # noqa: F811
+    """HSDP (dp4, shard groups of 2, 2 replicas): each shard is written once, by its first replica, and the
+    checkpoint resumes under plain ZeRO-3 over dp2 and under one process."""
+    check_change(tmp_path, dataset, (4, {"layout.dp": "4", "layout.zero": "3", "layout.dp_shard": "2"}),
+                 [(2, {"layout.dp": "2", "layout.zero": "3"}), (1, {})])
+    path = ckpt.checkpoint_dir(tmp_path / "full", 3)
+    written = sum(math.prod(p["piece_shape"]) for r in range(4)
+                  for p in json.loads((path / f"rank{r}.json").read_text())["pieces"] if p["name"].startswith("model."))
+    assert written == sum(t.numel() for t in ckpt.read_model_state(path).values())
 
 
 def test_one_process_checkpoint_loads_into_zero2_and_back(tmp_path, dataset):  # noqa: F811

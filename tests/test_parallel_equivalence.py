@@ -300,3 +300,12 @@ def test_lean_bf16_data_parallel_matches_one_process_bf16():
             assert state[name].dtype == torch.float32, f"{label}: {name} saved from the fp32 master"
             error = ((state[name] - ref).norm() / ref.norm()).item()
             assert error <= 0.15, f"{label}: {name} differs by {error:.2e}"
+
+
+def test_hsdp_matches_one_process():
+    """HSDP: ZeRO-3 sharded over dp_shard x cp ranks and replicated across dp / dp_shard groups (fully_shard over
+    a replicate x shard mesh). The gradient norm counts each shard once, not once per replica."""
+    assert_equivalent([
+        {"layout.dp": "4", "layout.zero": "3", "layout.dp_shard": "2"},
+        {"layout.dp": "2", "layout.cp": "2", "layout.zero": "3", "layout.dp_shard": "1"},
+    ], world_size=4)

@@ -1,7 +1,8 @@
-"""HSDP in the planner (frameworks that run it: torchtitan): ZeRO-3 sharded inside groups of dp_shard x cp ranks
-and replicated across dp / dp_shard of them. References: the states of FSDP over the shard group alone (the
-same shards), the gathers of an FSDP job on one node of the shard group's ranks (the same collective), and the
-closed form of the replica all-reduce."""
+"""HSDP in the planner (frameworks that run it: fivefold, torchtitan): ZeRO-3 sharded inside groups of
+dp_shard x cp ranks and replicated across dp / dp_shard of them. References: the states of FSDP over the shard
+group alone (the same shards), the gathers of an FSDP job on one node of the shard group's ranks (the same
+collective), and the closed form of the replica all-reduce. The engine's HSDP against one process:
+tests/test_parallel_equivalence.py and tests/test_checkpoint_reshard.py."""
 
 from __future__ import annotations
 
@@ -58,35 +59,48 @@ def test_hsdp_gathers_inside_a_node_and_reduces_across_replicas():
 
 def test_the_search_tries_hsdp_where_the_framework_runs_it(capsys, tmp_path):
     args = ["plan", "--model", "llama3-8b", "--nodes", "4", "--seq-len", "8192", "--global-batch", "256K", "--json"]
-    assert main([*args, "--framework", "torchtitan"]) == 0
-    layouts = [c["layout"] for c in json.loads(capsys.readouterr().out)["candidates"]]
-    shards = {la["dp_shard"] for la in layouts if la["dp_shard"]}
-    assert shards and all(la["zero"] == 3 and la["dp"] % la["dp_shard"] == 0 for la in layouts if la["dp_shard"])
-    # one node's ranks per shard group: dp_shard x cp x tp = 8
-    assert all(la["dp_shard"] * la["cp"] * la["tp"] == 8 for la in layouts if la["dp_shard"])
-    assert main([*args, "--framework", "fivefold"]) == 0  # fivefold's engine has no HSDP
+    for framework in ("torchtitan", "fivefold"):
+        assert main([*args, "--framework", framework]) == 0
+        layouts = [c["layout"] for c in json.loads(capsys.readouterr().out)["candidates"]]
+        hsdp = [la for la in layouts if la["dp_shard"]]
+        assert hsdp and all(la["zero"] == 3 and la["dp"] % la["dp_shard"] == 0 and la["pp"] == la["ep"] == 1
+                            for la in hsdp)
+        # one node's ranks per shard group: dp_shard x cp x tp = 8
+        assert all(la["dp_shard"] * la["cp"] * la["tp"] == 8 for la in hsdp)
+    assert main([*args, "--framework", "nanotron"]) == 0  # nanotron has no HSDP
     assert not any(c["layout"]["dp_shard"] for c in json.loads(capsys.readouterr().out)["candidates"])
-    # a written config runs on fivefold's engine: that search leaves HSDP out whatever the framework
-    assert main([*args, "--framework", "torchtitan", "--write-config", str(tmp_path / "best.toml")]) == 0
-    out = capsys.readouterr().out
-    assert not any(c["layout"]["dp_shard"] for c in json.loads(out[out.index("{"):])["candidates"])
+    # a written HSDP layout is a config fivefold's engine runs: it keeps dp_shard and validates
+    out = tmp_path / "hsdp.toml"
+    from fivefold.config import build_config
+    from fivefold.planner.cli import write_config
+
+    lay = parse_layout("dp=32,zero=3,dp_shard=8,mbs=1,recompute=selective", 32)
+    write_config(str(out), get_preset("llama3-8b"), lay, 8192, 32, "bf16", 4, 8)
+    written = build_config(out)
+    assert written.layout.dp_shard == 8 and written.layout.zero == 3
+    assert main(["train", "--config", str(out), "--dry-run"]) == 0
+    assert "zero 3, HSDP: 4 replicas of shard groups of 8" in capsys.readouterr().out
 
 
 def test_hsdp_layouts_are_checked(capsys):
-    with pytest.raises(ConfigError, match="needs zero = 3"):
+    """By the engine's rule book (`fivefold.layout.hsdp_problem`), which `fivefold train` applies too."""
+    with pytest.raises(ConfigError, match="needs layout.zero = 3"):
         parse_layout("dp=16,zero=1,dp_shard=8", 64)
-    with pytest.raises(ConfigError, match="must divide dp = 16 and be smaller.*values that do: 1, 2, 4, 8"):
+    with pytest.raises(ConfigError, match=r"must divide layout.dp = 16 and be smaller.*valid dp_shard: \[1, 2, 4, 8\]"):
         parse_layout("dp=16,zero=3,dp_shard=6", 64)
-    with pytest.raises(ConfigError, match="must divide dp = 16 and be smaller"):
+    with pytest.raises(ConfigError, match="must divide layout.dp = 16 and be smaller"):
         parse_layout("dp=16,zero=3,dp_shard=16", 64)
-    with pytest.raises(ConfigError, match="expert parallel"):
+    with pytest.raises(ConfigError, match="does not combine with layout.ep = 2"):
         parse_layout("dp=16,ep=2,zero=3,dp_shard=8", 64)
+    with pytest.raises(ConfigError, match="does not combine with layout.pp = 2"):
+        parse_layout("dp=8,pp=2,zero=3,dp_shard=4", 64)
     assert parse_layout("dp=16,zero=3,dp_shard=8", 64).short().startswith("dp16 tp1 pp1 z3 hsdp8 ")
     base = ["plan", "--model", "llama3-8b", "--nodes", "2", "--global-batch", "256K", "--seq-len", "4096",
             "--layout", "dp=16,zero=3,dp_shard=8"]
-    assert main(base) == 2
-    assert "the fivefold engine does not run" in capsys.readouterr().err
+    assert main([*base, "--framework", "nanotron"]) == 2
+    assert "the nanotron engine does not run" in capsys.readouterr().err
     assert main([*base, "--framework", "torchtitan"]) == 0
+    assert main(base) == 0  # fivefold
 
 
 def test_hsdp_is_its_own_family_and_not_the_fsdp_baseline(capsys):
@@ -106,12 +120,12 @@ def test_hsdp_is_its_own_family_and_not_the_fsdp_baseline(capsys):
 
 def test_plan_scaling_with_an_hsdp_layout(capsys):
     """A fixed HSDP layout keeps its shard degree as dp grows; where one shard group holds every dp rank (one
-    node) it is plain FSDP; fivefold's engine refuses it."""
+    node) it is plain FSDP; nanotron's engine refuses it."""
     args = ["plan", "scaling", "--model", "llama3-8b", "--nodes", "1,2,4", "--seq-len", "8192", "--global-batch",
             "128K", "--weak", "--layout", "dp=16,zero=3,dp_shard=8,mbs=1,recompute=selective", "--json"]
     assert main([*args, "--framework", "torchtitan"]) == 0
     points = json.loads(capsys.readouterr().out)["points"]
     shards = [p["layout_knobs"]["dp_shard"] for p in points]
     assert shards == [0, 8, 8] and [p["layout_knobs"]["dp"] for p in points] == [8, 16, 32]
-    assert main([*args, "--framework", "fivefold"]) == 2
-    assert "is HSDP, which the fivefold engine does not run; frameworks that do: torchtitan" in capsys.readouterr().err
+    assert main([*args, "--framework", "nanotron"]) == 2
+    assert "is HSDP, which the nanotron engine does not run; frameworks that do: fivefold" in capsys.readouterr().err

@@ -145,6 +145,9 @@ class LayoutConfig:
     # blocks per pipeline stage in model order (pp x vpp stages, 2 pp for dualpipev); empty = balanced by compute
     stage_layers: list[int] = field(default_factory=list)
     fp32_grad_accum: bool = False
+    # HSDP: ZeRO-3 shards over groups of dp_shard x cp ranks and replicates over the dp / dp_shard groups (each
+    # shard's gradient all-reduced across them); 0 = over all of dp x cp (FSDP)
+    dp_shard: int = 0
 
     @property
     def world_size(self) -> int:

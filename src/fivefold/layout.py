@@ -168,6 +168,28 @@ def expert_parallel_problem(model: ModelConfig, layout: LayoutConfig) -> LayoutP
     return None
 
 
+def hsdp_problem(layout: LayoutConfig) -> LayoutProblem | None:
+    """HSDP (`dp_shard`): ZeRO-3 sharded inside groups of dp_shard x cp ranks, replicated across dp / dp_shard."""
+    s = layout.dp_shard
+    if not s:
+        return None
+    if s < 0 or layout.dp % s or s >= layout.dp:
+        valid = [d for d in range(1, layout.dp) if layout.dp % d == 0]
+        return LayoutProblem("dp_shard not a divisor of dp below dp",
+                             f"layout.dp_shard = {s} must divide layout.dp = {layout.dp} and be smaller (dp / "
+                             f"dp_shard replicas of each shard; 0 = no HSDP); valid dp_shard: {valid or [0]}")
+    if layout.zero != 3:
+        return LayoutProblem("HSDP without ZeRO-3",
+                             f"layout.dp_shard = {s} is HSDP, which shards ZeRO-3's states; it needs layout.zero = 3 "
+                             f"(got {layout.zero}), or dp_shard = 0")
+    if layout.ep > 1 or layout.pp > 1:
+        axis, value = ("ep", layout.ep) if layout.ep > 1 else ("pp", layout.pp)
+        return LayoutProblem(f"HSDP with {axis}",
+                             f"layout.dp_shard = {s} (HSDP) does not combine with layout.{axis} = {value} yet; use "
+                             f"dp_shard = 0 (FSDP over all of dp) with {axis}, or {axis} = 1 with HSDP")
+    return None
+
+
 def zero_problem(layout: LayoutConfig) -> LayoutProblem | None:
     if layout.zero > 0 and layout.dp * layout.cp == 1:
         return LayoutProblem(
@@ -261,6 +283,7 @@ def layout_problem(model: ModelConfig, layout: LayoutConfig, *, world_size: int,
         lambda: sequence_parallel_problem(layout, seq_len),
         lambda: expert_parallel_problem(model, layout),
         lambda: zero_problem(layout),
+        lambda: hsdp_problem(layout),
         lambda: batch_problem(layout, global_batch_size),
         lambda: pipeline_problem(model, layout, seq_len, global_batch_size),
     )

@@ -346,10 +346,21 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
 
 def dim0_shard(t: torch.Tensor) -> tuple[int, int]:
     """(this rank's chunk index, chunks) of `t`'s dim 0 as `fully_shard` splits it over its own mesh (dp x cp, or
-    edp for routed experts), the way `torch.chunk` does; (0, 1) for a plain tensor (held whole)."""
+    edp for routed experts; under HSDP the mesh's shard dimension), the way `torch.chunk` does; (0, 1) for a plain
+    tensor (held whole)."""
     if not hasattr(t, "device_mesh"):
         return 0, 1
-    return t.device_mesh.get_local_rank(), t.device_mesh.size()
+    mesh = t.device_mesh
+    dim = next(i for i, p in enumerate(t.placements) if p.is_shard()) if mesh.ndim > 1 else 0
+    return mesh.get_local_rank(dim), mesh.size(dim)
+
+
+def hsdp_replica(t: torch.Tensor) -> int:
+    """This rank's replica index of an HSDP shard (the mesh's replicate dimension); 0 without HSDP."""
+    mesh = getattr(t, "device_mesh", None)
+    if mesh is None or mesh.ndim == 1:
+        return 0
+    return mesh.get_local_rank(next(i for i, p in enumerate(t.placements) if p.is_replicate()))
 
 
 @torch.no_grad()
@@ -361,7 +372,7 @@ def load_shard(t: torch.Tensor, full: torch.Tensor) -> None:
 
 def shard_units(blocks: Iterable[nn.Module], root: nn.Module, group: ProcessGroup, device_type: str,
                 param_dtype: torch.dtype | None, expert_group: ProcessGroup | None,
-                reshard_after_forward: bool = True) -> list[nn.Module]:
+                reshard_after_forward: bool = True, hsdp_mesh=None) -> list[nn.Module]:
     """ZeRO-3's `fully_shard` units over `group` (dp x cp): one per transformer block and one for `root` (the rest),
     each block's gather prefetched by the one before it, with lean mixed precision where `param_dtype` is set (the
     fp32 shards gathered in it, gradients reduce-scattered in fp32). Units are built innermost first (a unit
@@ -369,13 +380,15 @@ def shard_units(blocks: Iterable[nn.Module], root: nn.Module, group: ProcessGrou
     hold the same experts) the routed experts' weights of an MoE block shard over `expert_group`: the router and
     the shared experts become small units over dp x cp, the MoE module a unit over edp holding only `w_gate`,
     `w_up`, `w_down`; with edp = 1 those three stay plain tensors, ignored by the block's and the root's units.
-    Returns every unit (the units inside the blocks, the blocks', the root's)."""
+    `hsdp_mesh` (HSDP: a 2D replicate x shard DeviceMesh over the same ranks as `group`) replaces the 1D mesh
+    of `group`: fully_shard then shards over the shard dimension and all-reduces each reduced shard over the
+    replicate one. Returns every unit (the units inside the blocks, the blocks', the root's)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from fivefold.models.llama import MoE
 
-    mesh = DeviceMesh.from_group(group, device_type)
+    mesh = hsdp_mesh if hsdp_mesh is not None else DeviceMesh.from_group(group, device_type)
     experts_mesh = None
     if expert_group is not None and dist.get_world_size(expert_group) > 1:
         experts_mesh = DeviceMesh.from_group(expert_group, device_type)
@@ -428,10 +441,13 @@ class FullyShardedDataParallel:
 
     def __init__(self, root: nn.Module, model: nn.Module, tp_sharded: set[str], group: ProcessGroup,
                  device_type: str, param_dtype: torch.dtype | None = None,
-                 expert_group: ProcessGroup | None = None) -> None:
+                 expert_group: ProcessGroup | None = None, hsdp_mesh=None) -> None:
         self.group, self.zero, self.sync = group, 3, True
         self.tp_sharded = tp_sharded
-        shard_units(model.layers.values(), root, group, device_type, param_dtype, expert_group)
+        # HSDP: every shard is held by each replica, so the sum of squares over dp x cp counts it that often
+        self.replicas = hsdp_mesh["replicate"].size() if hsdp_mesh is not None else 1
+        shard_units(model.layers.values(), root, group, device_type, param_dtype, expert_group,
+                    hsdp_mesh=hsdp_mesh)
         self.root, self.model = root, model
 
     def optimizer_params(self) -> list[nn.Parameter]:
@@ -459,6 +475,8 @@ class FullyShardedDataParallel:
                 sums = torch.zeros(2, dtype=torch.float32, device=g.device)
             sums[0 if name in self.tp_sharded else 1] += g.float().pow(2).sum()
         dist.all_reduce(sums, group=self.group)
+        if self.replicas > 1:
+            sums /= self.replicas
         return sums[0], sums[1]
 
     def state_bytes(self) -> dict[str, int]:

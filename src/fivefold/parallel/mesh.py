@@ -73,6 +73,14 @@ def expert_groups(layout: LayoutConfig) -> tuple[list[list[int]], list[list[int]
     return ep_lists, edp_lists
 
 
+def hsdp_grids(layout: LayoutConfig) -> list[list[list[int]]]:
+    """HSDP's 2D arrays of ranks, one per dp x cp group: row r is replica r's shard group (dp_shard x cp ranks:
+    dp ranks r * dp_shard ... (r + 1) * dp_shard - 1, with their cp ranks), column j the replicas of shard j."""
+    width = layout.dp_shard * layout.cp
+    return [[members[i:i + width] for i in range(0, len(members), width)]
+            for members in axis_groups(layout, ("dp", "cp"))]  # dp-major, cp-minor: rows are dp blocks
+
+
 # the groups every rank builds: one per axis, plus the combinations that reduce gradients
 GROUP_AXES: dict[str, tuple[str, ...]] = {
     "tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",),
@@ -90,6 +98,7 @@ class ProcessGrid:
     ranks: dict[str, int] = field(default_factory=dict)
     groups: dict[str, ProcessGroup] = field(default_factory=dict)
     group_ranks: dict[str, list[int]] = field(default_factory=dict)
+    hsdp_ranks: list[list[int]] = field(default_factory=list)  # HSDP: this rank's 2D array (`hsdp_grids`)
 
     @classmethod
     def build(cls, cfg: Config) -> ProcessGrid:
@@ -104,6 +113,11 @@ class ProcessGrid:
         ep_lists, edp_lists = expert_groups(cfg.layout)
         grid._add("ep", ep_lists)
         grid._add("edp", edp_lists)
+        if cfg.layout.dp_shard:  # HSDP: the shard groups (rows) and the replica groups (columns)
+            grids = hsdp_grids(cfg.layout)
+            grid._add("hsdp_shard", [row for g in grids for row in g])
+            grid._add("hsdp_replicate", [list(col) for g in grids for col in zip(*g, strict=True)])
+            grid.hsdp_ranks = next(g for g in grids if any(rank in row for row in g))
         return grid
 
     def _add(self, name: str, rank_lists: list[list[int]]) -> None:
@@ -118,6 +132,16 @@ class ProcessGrid:
     @property
     def tp_group(self) -> ProcessGroup:
         return self.groups["tp"]
+
+    def hsdp_mesh(self, device_type: str):
+        """HSDP's 2D DeviceMesh (replicate x shard) over this rank's dp x cp group; None without HSDP."""
+        if not self.layout.dp_shard:
+            return None
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh.from_group([self.groups["hsdp_replicate"], self.groups["hsdp_shard"]], device_type,
+                                     mesh=torch.tensor(self.hsdp_ranks), mesh_dim_names=("replicate", "shard"))
 
     @property
     def grad_group(self) -> ProcessGroup:

@@ -32,7 +32,12 @@ from fivefold.config import Config
 from fivefold.device import use_bf16
 from fivefold.models.llama import Llama, full_parameter_shapes, materialize
 from fivefold.models.loss import model_loss_sum
-from fivefold.parallel.data import DEFAULT_BUCKET_BYTES, BucketedDataParallel, FullyShardedDataParallel
+from fivefold.parallel.data import (
+    DEFAULT_BUCKET_BYTES,
+    BucketedDataParallel,
+    FullyShardedDataParallel,
+    dim0_shard,
+)
 from fivefold.parallel.mesh import ProcessGrid
 
 if TYPE_CHECKING:
@@ -135,8 +140,9 @@ def shard_regions(model: Llama, grid: ProcessGrid) -> dict[str, tuple[tuple[int,
         if hasattr(param, "device_mesh"):  # fully_shard: torch.chunk's split of dim 0 over the mesh
             start, stop = region[0]
             rows = stop - start
-            chunk = -(-rows // param.device_mesh.size())
-            lo = min(rows, param.device_mesh.get_local_rank() * chunk)
+            index, chunks = dim0_shard(param)
+            chunk = -(-rows // chunks)
+            lo = min(rows, index * chunk)
             region[0] = (start + lo, start + min(rows, lo + chunk))
         regions[name] = tuple(region)
     return regions
@@ -162,7 +168,8 @@ def parallelize(model: Llama, cfg: Config, grid: ProcessGrid, device: torch.devi
     tp_sharded = tp_sharded_names(model, grid.size("tp"))
     if la.zero == 3:  # 6. data parallel: dense weights over dp x cp, experts over the ranks holding the same ones
         fsdp = FullyShardedDataParallel(loss_model, model, tp_sharded, grid.grad_group, device.type,
-                                        working_dtype(cfg, device), grid.groups["edp"] if la.ep > 1 else None)
+                                        working_dtype(cfg, device), grid.groups["edp"] if la.ep > 1 else None,
+                                        grid.hsdp_mesh(device.type))
         if is_meta(model):
             materialize_shards(model, grid, device, cfg.train.seed, root=loss_model)
         return loss_model, fsdp, None

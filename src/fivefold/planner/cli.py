@@ -144,10 +144,8 @@ def _space(args: argparse.Namespace) -> SearchSpace:
         if r not in ("none", "selective", "full"):
             raise ConfigError(f"--recompute {r!r} is not one of none, selective, full")
     sp = {"on": (True,), "off": (False,), "both": (False, True)}[args.sp]
-    # a written config runs on fivefold's engine, which has no HSDP
     return SearchSpace(zero=zero, recompute=rc, sp=sp, schedules=tuple(args.schedules.split(",")),
-                       cp=not args.no_cp, fp32_grad_accum=args.fp32_grad_accum == "on",
-                       hsdp=not getattr(args, "write_config", None))
+                       cp=not args.no_cp, fp32_grad_accum=args.fp32_grad_accum == "on")
 
 
 _FIX_DEGREES = ("dp", "tp", "pp", "cp", "ep", "micro_batch_size")

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from fivefold.config import ConfigError, LayoutConfig, batch_problem
+from fivefold.layout import hsdp_problem
 from fivefold.models.loss import LOSS_CHUNK_TOKENS, TP_LOSS_CHUNK_TOKENS
 
 RECOMPUTE = ("none", "selective", "full")
@@ -24,9 +25,6 @@ class Layout(LayoutConfig):
 
     micro_batch_size: int = 1
     grad_accum_steps: int = 1
-    # HSDP (planner only; frameworks with `Framework.hsdp`): ZeRO-3 shards over groups of dp_shard x cp ranks and
-    # replicates over the dp / dp_shard groups; 0 = over all of dp x cp (FSDP)
-    dp_shard: int = 0
 
     @property
     def zero_group(self) -> int:
@@ -70,22 +68,7 @@ class Layout(LayoutConfig):
 LEGACY_NAMES = {"mbs": "micro_batch_size", "grad_acc": "grad_accum_steps"}
 
 
-_KEYS = {f.name for f in dataclasses.fields(LayoutConfig)} - {"stage_layers"} | {"mbs", "dp_shard"}
-
-
-def hsdp_problem(lay: Layout) -> str | None:
-    """Why `lay.dp_shard` cannot be HSDP's shard degree, or None (also for dp_shard = 0: no HSDP)."""
-    if not lay.dp_shard:
-        return None
-    if lay.zero != 3:
-        return f"--layout dp_shard = {lay.dp_shard} is HSDP, which shards ZeRO-3's states; it needs zero = 3"
-    if lay.dp % lay.dp_shard or lay.dp_shard >= lay.dp:
-        return (f"--layout dp_shard = {lay.dp_shard} must divide dp = {lay.dp} and be smaller (dp / dp_shard "
-                "replicas); values that do: " + (", ".join(str(d) for d in range(1, lay.dp) if lay.dp % d == 0)
-                                                 or "none, dp = 1"))
-    if lay.ep > 1:
-        return f"--layout dp_shard = {lay.dp_shard}: HSDP with expert parallel (ep = {lay.ep}) is not modelled"
-    return None
+_KEYS = {f.name for f in dataclasses.fields(LayoutConfig)} - {"stage_layers"} | {"mbs"}
 
 
 def check_runs_hsdp(lay: Layout, fw: Framework) -> None:
@@ -130,8 +113,8 @@ def parse_layout(text: str, global_batch_seqs: int) -> Layout:
         values[key] = value
     lay = Layout(**values)
     problem = hsdp_problem(lay)
-    if problem:
-        raise ConfigError(problem)
+    if problem is not None:
+        raise ConfigError(problem.message)
     problem = batch_problem(lay, global_batch_seqs)
     if problem is not None:
         raise ConfigError(problem.message)
@@ -224,7 +207,7 @@ class Framework:
 # gradients are fp32 (the 2 extra bytes of `accum_bytes`). Under ZeRO-3 fully_shard keeps the fp32 shards as the
 # master and gathers bf16 (planner/memory.py). Activations in bf16, residual stream included.
 FIVEFOLD = Framework(param_bytes=2, grad_bytes=2, master_bytes=4, accum_bytes=2, autocast_weight_copies=False,
-                     residual_bytes=2, gather_bytes=2)
+                     residual_bytes=2, gather_bytes=2, hsdp=True)
 # On CPU every operator runs eagerly on the host, so its fixed cost counts: the operators of fivefold's block
 # and of its embedding + loss as the profiler counts them (tests/test_calibrate.py checks the counts). fp32
 # everything: the parameters are the master weights (4 + 4 + 8 bytes per parameter).

@@ -28,7 +28,7 @@ def layout_of(cfg: Config) -> Layout:
     la = cfg.layout
     return Layout(dp=la.dp, tp=la.tp, pp=la.pp, cp=la.cp, ep=la.ep, zero=la.zero, micro_batch_size=cfg.micro_batch_size,
                   grad_accum_steps=cfg.grad_accum_steps, recompute=la.recompute, sp=la.sp and la.tp > 1,
-                  schedule=la.schedule, vpp=la.vpp, fp32_grad_accum=la.fp32_grad_accum)
+                  schedule=la.schedule, vpp=la.vpp, fp32_grad_accum=la.fp32_grad_accum, dp_shard=la.dp_shard)
 
 
 def compute_dtype(cfg: Config, device_type: str) -> str:

@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 
 from fivefold.config import ConfigError, ModelConfig, batch_problem
 from fivefold.flops import training_flops_per_token
-from fivefold.layout import layout_problem, pipeline_problem, sequence_length_problem, tensor_parallel_problem
+from fivefold.layout import (
+    hsdp_problem,
+    layout_problem,
+    pipeline_problem,
+    sequence_length_problem,
+    tensor_parallel_problem,
+)
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.layout import Framework, Layout
 from fivefold.planner.memory import GIB, rank_memory
@@ -232,8 +238,10 @@ def _inner(cfg: ModelConfig, seq: int, dp: int, tp: int, pp: int, cp: int, batch
                     reject(problem.rule, lay.short())
                     continue
                 yield lay
-                if zero == 3 and dp_shard and ep == 1 and space.allows("dp_shard", dp_shard):
-                    yield dataclasses.replace(lay, dp_shard=dp_shard)
+                if zero == 3 and dp_shard:
+                    twin = dataclasses.replace(lay, dp_shard=dp_shard)
+                    if hsdp_problem(twin) is None:  # the rule book's: HSDP with ZeRO-3, without pp or ep
+                        yield twin
 
 
 def _schedules(pp: int, space: SearchSpace) -> Iterator[tuple[str, int]]:

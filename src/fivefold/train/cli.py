@@ -149,8 +149,10 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
     la, t = cfg.layout, cfg.train
     world = la.world_size
     check_layout(cfg, world)
+    hsdp = (f", HSDP: {la.dp // la.dp_shard} replicas of shard groups of {la.dp_shard * la.cp}" if la.dp_shard
+            else "")
     print(f"config OK: {cfg.model.name} ({count_params(cfg.model):,} parameters), layout dp {la.dp} x tp {la.tp} x "
-          f"pp {la.pp} x cp {la.cp} (ep {la.ep}, zero {la.zero}) = {world} processes; global batch "
+          f"pp {la.pp} x cp {la.cp} (ep {la.ep}, zero {la.zero}{hsdp}) = {world} processes; global batch "
           f"{t.global_batch_size} x {t.seq_len} = {t.global_batch_size * t.seq_len:,} tokens per step, micro-batch "
           f"{cfg.micro_batch_size}, accumulation {cfg.grad_accum_steps}; {t.max_steps:,} steps = "
           f"{t.max_steps * t.global_batch_size * t.seq_len:,} tokens; lr {t.lr:g} ({t.lr_schedule}, warm-up "

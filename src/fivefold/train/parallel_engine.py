@@ -32,6 +32,7 @@ from fivefold.parallel.data import (
     FullyShardedDataParallel,
     dim0_shard,
     full_value,
+    hsdp_replica,
     load_shard,
     local_part,
 )
@@ -256,8 +257,9 @@ class ParallelEngine(Engine):
                 index, chunks = dim0_shard(p)  # fully_shard splits dim 0 over its mesh as torch.chunk does
                 rows = -(-p.shape[0] // chunks)
                 offsets = (offsets[0] + min(index * rows, p.shape[0]), *offsets[1:])
+                # under HSDP each replica holds the same shard: the first replica writes it
                 segments.append(Segment(name, shape, offsets, tuple(local.shape), 0, local.numel(),
-                                        local.detach().view(-1), p, 0, first))
+                                        local.detach().view(-1), p, 0, first and hsdp_replica(p) == 0))
             return segments
         names = {id(p): n for n, p in named}
         for dp in self.data_parallels:

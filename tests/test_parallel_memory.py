@@ -42,14 +42,15 @@ def closed_form(zero: int, psi: int, dp: int) -> dict[str, int]:
     }
 
 
-def held_bytes_on_ranks(rank: int, world_size: int, tp: int, stages: list[int]) -> list[dict[str, int]]:
+def held_bytes_on_ranks(rank: int, world_size: int, tp: int, stages: list[int],
+                        extra: dict[str, str] | None = None) -> list[dict[str, int]]:
     from fivefold.train.parallel_engine import create_parallel_engine
 
     out = []
     for zero in stages:
         cfg = build_config(None, {**MODEL, "layout.dp": str(world_size // tp), "layout.tp": str(tp),
                                   "layout.zero": str(zero), "train.seq_len": "8", "train.global_batch_size": "4",
-                                  "train.device": "cpu", "train.dtype": "fp32"})
+                                  "train.device": "cpu", "train.dtype": "fp32", **(extra or {})})
         engine = create_parallel_engine(cfg, torch.device("cpu"))
         tokens = torch.randint(0, 384, (4 // cfg.layout.dp, 9), generator=torch.Generator().manual_seed(0))
         batch = [(tokens[:, :-1], tokens[:, 1:])]
@@ -60,16 +61,22 @@ def held_bytes_on_ranks(rank: int, world_size: int, tp: int, stages: list[int]) 
     return out
 
 
-def check(tp: int, dp: int, stages: list[int]) -> None:
+def check(tp: int, dp: int, stages: list[int], dp_shard: int = 0) -> None:
+    """Every rank's bytes against the closed form; under HSDP (`dp_shard`) the states shard over dp_shard."""
     m = build_config(None, MODEL).model
     psi = params_per_tp_rank(m, tp)
-    for rank, held in enumerate(run_ranks(dp * tp, held_bytes_on_ranks, tp, stages)):
+    extra = {"layout.dp_shard": str(dp_shard)} if dp_shard else None
+    for rank, held in enumerate(run_ranks(dp * tp, held_bytes_on_ranks, tp, stages, extra)):
         for zero, got in zip(stages, held, strict=True):
-            assert got == closed_form(zero, psi, dp), f"rank {rank}, zero {zero}, tp {tp}, dp {dp}"
+            assert got == closed_form(zero, psi, dp_shard or dp), f"rank {rank}, zero {zero}, tp {tp}, dp {dp}"
 
 
 def test_zero_stages_hold_the_closed_form_bytes():
     check(tp=1, dp=2, stages=[0, 1, 2, 3])
+
+
+def test_hsdp_holds_the_closed_form_bytes_of_its_shard_group():
+    check(tp=1, dp=4, stages=[3], dp_shard=2)
 
 
 def test_tensor_parallel_holds_the_closed_form_bytes():

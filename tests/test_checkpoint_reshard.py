@@ -78,9 +78,10 @@ def test_dp2_tp2_checkpoint_resumes_under_pp2_and_one_process(tmp_path, dataset)
 
 def test_hsdp_checkpoint_resumes_under_fsdp_and_one_process(tmp_path, dataset):  # noqa: F811
     """HSDP (dp4, shard groups of 2, 2 replicas): each shard is written once, by its first replica, and the
-    checkpoint resumes under plain ZeRO-3 over dp2 and under one process."""
+    checkpoint resumes under plain ZeRO-3 over dp2, under one process and under HSDP x pp2."""
     check_change(tmp_path, dataset, (4, {"layout.dp": "4", "layout.zero": "3", "layout.dp_shard": "2"}),
-                 [(2, {"layout.dp": "2", "layout.zero": "3"}), (1, {})])
+                 [(2, {"layout.dp": "2", "layout.zero": "3"}), (1, {}),
+                  (4, {"layout.dp": "2", "layout.pp": "2", "layout.zero": "3", "layout.dp_shard": "1"})])
     path = ckpt.checkpoint_dir(tmp_path / "full", 3)
     written = sum(math.prod(p["piece_shape"]) for r in range(4)
                   for p in json.loads((path / f"rank{r}.json").read_text())["pieces"] if p["name"].startswith("model."))

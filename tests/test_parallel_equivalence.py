@@ -309,3 +309,4 @@ def test_hsdp_matches_one_process():
         {"layout.dp": "4", "layout.zero": "3", "layout.dp_shard": "2"},
         {"layout.dp": "2", "layout.cp": "2", "layout.zero": "3", "layout.dp_shard": "1"},
     ], world_size=4)
+

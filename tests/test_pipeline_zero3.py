@@ -78,6 +78,8 @@ def zero3_pipeline_on_ranks(rank: int, world_size: int, layouts: list[dict[str, 
         talking = blocks * (1 + per_moe) + sum(1 for stage in engine.stages.values() if stage.embed is not None or
                                                stage.norm is not None)
         assert talking == talking_units(engine.data_parallel)
+        if cfg.layout.dp_shard * cfg.layout.cp == 1:  # HSDP with shard groups of one rank: nothing to gather
+            talking = 0
         assert counts["all_gather_single"] == (STEPS + 1) * talking, (counts, talking)  # + the evaluation forward
         assert counts["reduce_scatter_single"] == STEPS * talking, (counts, talking)
         schedule = engine.schedule(cfg.grad_accum_steps)
@@ -103,8 +105,9 @@ def zero3_pipeline_on_ranks(rank: int, world_size: int, layouts: list[dict[str, 
         engine.forward_backward(micro, inputs.numel())
         held = engine.state_bytes()
         edp = dpc // ep
-        assert dense % dpc == 0 and experts % (ep * edp) == 0
-        numel = dense // dpc + experts // ep // edp
+        shards = (cfg.layout.dp_shard or cfg.layout.dp) * cfg.layout.cp  # HSDP: the shard group, else dp x cp
+        assert dense % shards == 0 and experts % (ep * edp) == 0
+        numel = dense // shards + experts // ep // edp
         assert held == {"parameters": 4 * numel, "gradients": 4 * numel, "optimizer": 8 * numel}, (held, numel)
         results.append((losses, norms, drops, state if rank == 0 else None, held))
     return results
@@ -131,6 +134,12 @@ def assert_zero3_pipeline_equivalent(layouts: list[dict[str, str]], world_size: 
 
 def test_zero3_pipeline_1f1b_afab_and_zero_bubble_match_one_process():
     assert_zero3_pipeline_equivalent([{**Z3PP, "layout.schedule": s} for s in ("1f1b", "afab", "zero-bubble")])
+
+
+def test_hsdp_pipeline_matches_one_process():
+    """HSDP under pp2: each stage's units over the replicate x shard mesh (dp2 with shard groups of 1: the two
+    dp ranks replicate every stage; the tied embedding's copies on the first and last pipeline rank)."""
+    assert_zero3_pipeline_equivalent([{**Z3PP, "layout.dp_shard": "1"}])
 
 
 @pytest.mark.slow

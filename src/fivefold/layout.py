@@ -182,11 +182,10 @@ def hsdp_problem(layout: LayoutConfig) -> LayoutProblem | None:
         return LayoutProblem("HSDP without ZeRO-3",
                              f"layout.dp_shard = {s} is HSDP, which shards ZeRO-3's states; it needs layout.zero = 3 "
                              f"(got {layout.zero}), or dp_shard = 0")
-    if layout.ep > 1 or layout.pp > 1:
-        axis, value = ("ep", layout.ep) if layout.ep > 1 else ("pp", layout.pp)
-        return LayoutProblem(f"HSDP with {axis}",
-                             f"layout.dp_shard = {s} (HSDP) does not combine with layout.{axis} = {value} yet; use "
-                             f"dp_shard = 0 (FSDP over all of dp) with {axis}, or {axis} = 1 with HSDP")
+    if layout.ep > 1:
+        return LayoutProblem("HSDP with ep",
+                             f"layout.dp_shard = {s} (HSDP) does not combine with layout.ep = {layout.ep} yet; use "
+                             "dp_shard = 0 (FSDP over all of dp) with ep, or ep = 1 with HSDP")
     return None
 
 

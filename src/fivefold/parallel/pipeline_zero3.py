@@ -57,17 +57,20 @@ class PipelineFullyShardedDataParallel:
     def __init__(self, stages: dict[int, Llama], loss_model: nn.Module | None, last_stage: int,
                  tp_sharded: set[str], group: ProcessGroup, device_type: str,
                  param_dtype: torch.dtype | None = None, tied_group: ProcessGroup | None = None,
-                 expert_group: ProcessGroup | None = None) -> None:
+                 expert_group: ProcessGroup | None = None, hsdp_mesh=None) -> None:
         from torch.distributed.fsdp import register_fsdp_forward_method
 
         self.group, self.sync, self.tp_sharded, self.tied_group = group, True, tp_sharded, tied_group
+        # HSDP (`hsdp_mesh`, replicate x shard): every shard is held by each replica, so the sum of squares over
+        # dp x cp counts it that often
+        self.replicas = hsdp_mesh["replicate"].size() if hsdp_mesh is not None else 1
         self.stages = stages
         self.roots: dict[int, nn.Module] = {}
         self.units: dict[int, list[nn.Module]] = {}
         for s, stage in stages.items():  # each stage's units as plain ZeRO-3 builds them, kept gathered for the step
             root = loss_model if s == last_stage else stage
             units = shard_units(stage.layers.values(), root, group, device_type, param_dtype, expert_group,
-                                reshard_after_forward=False)
+                                reshard_after_forward=False, hsdp_mesh=hsdp_mesh)
             if root is stage:  # the engine calls forward_hidden: the root unit's hooks must run around it
                 register_fsdp_forward_method(stage, "forward_hidden")
             self.roots[s], self.units[s] = root, units
@@ -144,6 +147,8 @@ class PipelineFullyShardedDataParallel:
             sums = sums.to(g.device)
             sums[0 if names[id(p)] in self.tp_sharded else 1] += g.float().pow(2).sum()
         dist.all_reduce(sums, group=self.group)
+        if self.replicas > 1:
+            sums /= self.replicas
         return sums[0], sums[1]
 
     def state_bytes(self) -> dict[str, int]:
@@ -218,7 +223,8 @@ def shard_stages(stages: dict[int, Llama], cfg: Config, grid: ProcessGrid, queue
     tied_group = grid.groups["embed"] if cfg.model.tied_embeddings else None
     expert_group = grid.groups["edp"] if cfg.layout.ep > 1 else None
     sharded = PipelineFullyShardedDataParallel(stages, loss_model, last_stage, tp_sharded, grid.grad_group,
-                                               device.type, working_dtype(cfg, device), tied_group, expert_group)
+                                               device.type, working_dtype(cfg, device), tied_group, expert_group,
+                                               grid.hsdp_mesh(device.type))
     for s, stage in stages.items():  # each stage's copy of a tied weight is initialised alike (the embedding's)
         if is_meta(stage):
             materialize_shards(stage, grid, device, cfg.train.seed, root=sharded.roots[s])

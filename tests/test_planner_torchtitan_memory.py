@@ -7,11 +7,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import gc
-import warnings
 
 import pytest
 import torch
+from tests.test_recompute import held_bytes
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fivefold.config import ConfigError
@@ -133,33 +132,13 @@ def _titan_contexts():
     return create_selective_checkpoint_contexts(policy)
 
 
-def _live() -> dict[int, int]:
-    gc.collect()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        found = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in found if t.device.type != "meta"}
-
-
 def _held(block: _TitanBlock, x: torch.Tensor, freqs: torch.Tensor) -> int:
     """Bytes the checkpointed block keeps for backward: autograd's saved tensors and the outputs the policy
     caches (alive after the forward), without the parameters, the rotary table, the input, the output and the
-    saved generator state."""
-    before = _live()
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = checkpoint(block, x, freqs, use_reentrant=False, context_fn=_titan_contexts)
-    rng = torch.get_rng_state().nbytes
-    for ptr, n in _live().items():
-        if ptr not in before and n != rng:
-            seen.setdefault(ptr, n)
-    skip = {t.untyped_storage().data_ptr() for t in (x, freqs, out, *block.parameters())}
-    return sum(n for ptr, n in seen.items() if ptr not in skip)
+    saved generator state (`tests.test_recompute.held_bytes`)."""
+    exclude = {t.untyped_storage().data_ptr() for t in (x, freqs, *block.parameters())}
+    return held_bytes(lambda: checkpoint(block, x, freqs, use_reentrant=False, context_fn=_titan_contexts),
+                      exclude)[0]
 
 
 def test_op_level_policy_of_a_torchtitan_block_matches_the_count():

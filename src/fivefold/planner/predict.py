@@ -24,11 +24,12 @@ from fivefold.planner.search import Estimate, estimate
 
 
 def layout_of(cfg: Config) -> Layout:
-    """The planner's layout for a config (micro-batch and gradient accumulation resolved)."""
+    """The planner's layout for a config: every layout field (a `Layout` is a `LayoutConfig`), with the micro-batch
+    and gradient accumulation resolved and sequence parallel only where tp > 1 (as the engine applies it)."""
     la = cfg.layout
-    return Layout(dp=la.dp, tp=la.tp, pp=la.pp, cp=la.cp, ep=la.ep, zero=la.zero, micro_batch_size=cfg.micro_batch_size,
-                  grad_accum_steps=cfg.grad_accum_steps, recompute=la.recompute, sp=la.sp and la.tp > 1,
-                  schedule=la.schedule, vpp=la.vpp, fp32_grad_accum=la.fp32_grad_accum, dp_shard=la.dp_shard)
+    fields = {f.name: getattr(la, f.name) for f in dataclasses.fields(la)}
+    return Layout(**{**fields, "sp": la.sp and la.tp > 1, "micro_batch_size": cfg.micro_batch_size,
+                     "grad_accum_steps": cfg.grad_accum_steps})
 
 
 def compute_dtype(cfg: Config, device_type: str) -> str:
@@ -65,14 +66,19 @@ def on_one_node(hardware: Cluster, n_devices: int) -> Cluster:
     return dataclasses.replace(hardware, gpus_per_node=max(hardware.gpus_per_node, n_devices))
 
 
+def run_framework(cfg: Config, device_type: str) -> Framework:
+    """fivefold's engine as it runs `cfg` on this kind of device (`train.dtype` resolved there, compiled when
+    `train.compile`); `device_type` is a torch device type, or any name but "cpu" for an accelerator."""
+    return engine_framework(compute_dtype(cfg, device_type) == "fp32", cfg.train.compile)
+
+
 def estimate_run(cfg: Config, hardware: Cluster, device_type: str | None = None) -> Estimate:
     """The planner's `Estimate` of `cfg` with fivefold's settings for the precision it computes in."""
     if device_type is None:  # the config's device kind, as a name (a run that failed may name a device not here)
         device_type = cfg.train.device.split(":")[0]
         if device_type == "auto":
             device_type = resolve_device("auto").type
-    framework = engine_framework(compute_dtype(cfg, device_type) == "fp32", cfg.train.compile)
-    return estimate(cfg.model, cfg.train.seq_len, layout_of(cfg), framework, hardware, True)
+    return estimate(cfg.model, cfg.train.seq_len, layout_of(cfg), run_framework(cfg, device_type), hardware, True)
 
 
 def predict_run(cfg: Config, hardware: Cluster, device_type: str | None = None) -> dict:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import re
 import time
 from pathlib import Path
@@ -142,9 +141,7 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
     from fivefold.flops import count_params
     from fivefold.launch import check_layout
     from fivefold.planner.hardware import get_cluster
-    from fivefold.planner.layout import Layout
-    from fivefold.planner.predict import engine_framework
-    from fivefold.planner.search import estimate, gib
+    from fivefold.planner.predict import estimate_run, run_framework
 
     la, t = cfg.layout, cfg.train
     world = la.world_size
@@ -162,14 +159,12 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
               "--tokenizer MODEL_DIR --out DIR` before training")
     gpu = args.gpu or ("cpu" if t.device == "cpu" else "h100")
     hw = get_cluster(gpu)
-    fw = engine_framework(bool(hw.cores) or hw.name == "cpu", t.compile)
-    fields = {f.name: getattr(la, f.name) for f in dataclasses.fields(la)}
-    lay = Layout(**{**fields, "micro_batch_size": cfg.micro_batch_size, "grad_accum_steps": cfg.grad_accum_steps})
-    e = estimate(cfg.model, t.seq_len, lay, fw, hw, True)
+    kind = "cpu" if hw.cores or hw.name == "cpu" else "accelerator"  # the kind of device the profile describes
+    fw, e = run_framework(cfg, kind), estimate_run(cfg, hw, kind)
     step_s = e.step_time_s
     print(f"planner ({hw.name}, {fw.name} engine{', compiled' if t.compile else ''}): "
           f"{'fits' if e.fits else 'does NOT fit'}, peak "
-          f"{gib(e.peak_bytes):.1f} GiB of {hw.memory_gib} GiB per device; step {step_s:.2f} s, "
+          f"{e.peak_bytes / 2**30:.1f} GiB of {hw.memory_gib} GiB per device; step {step_s:.2f} s, "
           f"{e.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {100 * e.mfu:.1f} %; {t.max_steps:,} steps "
           f"take about {format_hours(step_s * t.max_steps)}")
     nodes = max(1, world // hw.gpus_per_node) if world > hw.gpus_per_node else 1

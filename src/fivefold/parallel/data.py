@@ -370,6 +370,35 @@ def load_shard(t: torch.Tensor, full: torch.Tensor) -> None:
     local_part(t).copy_(full.chunk(chunks, 0)[index])
 
 
+def shard_square_sums(grads: Iterable[tuple[bool, torch.Tensor]], group: ProcessGroup,
+                      hsdp_mesh=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tp-sharded, tp-replicated) sums of squares of ZeRO-3's gradients (`grads`: (tp-sharded, gradient) pairs,
+    `fully_shard` DTensors or plain tensors) over `group` (dp x cp). Each element counts once: the dense shards are
+    disjoint over dp x cp, and so are the expert shards (dp x cp is ep groups times edp groups; each rank holds its
+    ep rank's experts, cut over edp, or whole with edp = 1). Under HSDP (`hsdp_mesh`) every shard is held by each
+    replica, so the sum is divided by the replicas."""
+    sums = torch.zeros(2, dtype=torch.float32)
+    for tp_sharded, grad in grads:
+        g = local_part(grad)
+        sums = sums.to(g.device)
+        sums[0 if tp_sharded else 1] += g.float().pow(2).sum()
+    dist.all_reduce(sums, group=group)
+    if hsdp_mesh is not None:
+        sums /= hsdp_mesh["replicate"].size()
+    return sums[0], sums[1]
+
+
+def shard_state_bytes(params: Iterable[nn.Parameter]) -> dict[str, int]:
+    """Bytes of the local parts of `params` and of their gradients (what this rank holds under ZeRO-3)."""
+    held = grads = 0
+    for p in params:
+        local = local_part(p)
+        held += local.numel() * local.element_size()
+        if p.grad is not None:
+            grads += local_part(p.grad).numel() * local.element_size()
+    return {"parameters": held, "gradients": grads}
+
+
 def shard_units(blocks: Iterable[nn.Module], root: nn.Module, group: ProcessGroup, device_type: str,
                 param_dtype: torch.dtype | None, expert_group: ProcessGroup | None,
                 reshard_after_forward: bool = True, hsdp_mesh=None) -> list[nn.Module]:
@@ -443,9 +472,7 @@ class FullyShardedDataParallel:
                  device_type: str, param_dtype: torch.dtype | None = None,
                  expert_group: ProcessGroup | None = None, hsdp_mesh=None) -> None:
         self.group, self.zero, self.sync = group, 3, True
-        self.tp_sharded = tp_sharded
-        # HSDP: every shard is held by each replica, so the sum of squares over dp x cp counts it that often
-        self.replicas = hsdp_mesh["replicate"].size() if hsdp_mesh is not None else 1
+        self.tp_sharded, self.hsdp_mesh = tp_sharded, hsdp_mesh
         shard_units(model.layers.values(), root, group, device_type, param_dtype, expert_group,
                     hsdp_mesh=hsdp_mesh)
         self.root, self.model = root, model
@@ -463,27 +490,9 @@ class FullyShardedDataParallel:
         """Parameters stay sharded; the next forward gathers them."""
 
     def grad_square_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tp-sharded, tp-replicated) sums of squares over the dp x cp group. Each element is counted once: the
-        dense shards are disjoint over dp x cp, and so are the expert shards, since dp x cp is ep groups times
-        edp groups and each rank holds one ep rank's experts, cut over edp."""
-        sums = None
-        for name, p in self.model.named_parameters():
-            if p.grad is None:
-                continue
-            g = local_part(p.grad)
-            if sums is None:
-                sums = torch.zeros(2, dtype=torch.float32, device=g.device)
-            sums[0 if name in self.tp_sharded else 1] += g.float().pow(2).sum()
-        dist.all_reduce(sums, group=self.group)
-        if self.replicas > 1:
-            sums /= self.replicas
-        return sums[0], sums[1]
+        """(tp-sharded, tp-replicated) sums of squares over the dp x cp group (`shard_square_sums`)."""
+        grads = ((name in self.tp_sharded, p.grad) for name, p in self.model.named_parameters() if p.grad is not None)
+        return shard_square_sums(grads, self.group, self.hsdp_mesh)
 
     def state_bytes(self) -> dict[str, int]:
-        params = grads = 0
-        for p in self.root.parameters():
-            local = local_part(p)
-            params += local.numel() * local.element_size()
-            if p.grad is not None:
-                grads += local_part(p.grad).numel() * local.element_size()
-        return {"parameters": params, "gradients": grads}
+        return shard_state_bytes(self.root.parameters())

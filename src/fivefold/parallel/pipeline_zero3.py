@@ -41,7 +41,7 @@ from torch.distributed import ProcessGroup
 
 from fivefold.config import Config
 from fivefold.models.llama import Llama
-from fivefold.parallel.data import local_part, shard_units
+from fivefold.parallel.data import shard_square_sums, shard_state_bytes, shard_units
 from fivefold.parallel.mesh import ProcessGrid
 from fivefold.parallel.pipeline import WeightGradQueue
 
@@ -61,9 +61,7 @@ class PipelineFullyShardedDataParallel:
         from torch.distributed.fsdp import register_fsdp_forward_method
 
         self.group, self.sync, self.tp_sharded, self.tied_group = group, True, tp_sharded, tied_group
-        # HSDP (`hsdp_mesh`, replicate x shard): every shard is held by each replica, so the sum of squares over
-        # dp x cp counts it that often
-        self.replicas = hsdp_mesh["replicate"].size() if hsdp_mesh is not None else 1
+        self.hsdp_mesh = hsdp_mesh
         self.stages = stages
         self.roots: dict[int, nn.Module] = {}
         self.units: dict[int, list[nn.Module]] = {}
@@ -134,31 +132,15 @@ class PipelineFullyShardedDataParallel:
 
     def grad_square_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(tp-sharded, replicated) squared-gradient sums of this pp rank's parameters, summed over dp x cp; the
-        output layer's tied copy is left out (its gradient is the embedding's). Each element counts once: the dense
-        shards are disjoint over dp x cp, and so are the experts' (dp x cp is ep groups times edp groups; each rank
-        holds its ep rank's experts, cut over edp, or whole with edp = 1)."""
-        sums = torch.zeros(2, dtype=torch.float32)
+        output layer's tied copy is left out (its gradient is the embedding's); `data.shard_square_sums`."""
         skip = id(self.tied[1]) if self.tied[1] is not None else None
         names = {id(p): name for stage in self.stages.values() for name, p in stage.named_parameters()}
-        for p in self.parameters():
-            if p.grad is None or id(p) == skip:
-                continue
-            g = local_part(p.grad)
-            sums = sums.to(g.device)
-            sums[0 if names[id(p)] in self.tp_sharded else 1] += g.float().pow(2).sum()
-        dist.all_reduce(sums, group=self.group)
-        if self.replicas > 1:
-            sums /= self.replicas
-        return sums[0], sums[1]
+        grads = ((names[id(p)] in self.tp_sharded, p.grad) for p in self.parameters()
+                 if p.grad is not None and id(p) != skip)
+        return shard_square_sums(grads, self.group, self.hsdp_mesh)
 
     def state_bytes(self) -> dict[str, int]:
-        params = grads = 0
-        for p in self.parameters():
-            local = local_part(p)
-            params += local.numel() * local.element_size()
-            if p.grad is not None:
-                grads += local_part(p.grad).numel() * local.element_size()
-        return {"parameters": params, "gradients": grads}
+        return shard_state_bytes(self.parameters())
 
 
 class ShardedStage:

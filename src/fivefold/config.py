@@ -154,6 +154,16 @@ class LayoutConfig:
         # ep folds over dp x cp, so it does not multiply the world size
         return self.dp * self.tp * self.pp * self.cp
 
+    @property
+    def zero_group(self) -> int:
+        """The ranks one ZeRO shard set spans: dp_shard x cp under HSDP, else dp x cp."""
+        return (self.dp_shard or self.dp) * self.cp
+
+    @property
+    def zero_replicas(self) -> int:
+        """HSDP's replicas of each shard set (1 without HSDP)."""
+        return self.dp // self.dp_shard if self.dp_shard else 1
+
 
 @dataclass
 class TrainConfig:

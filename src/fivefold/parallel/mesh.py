@@ -76,7 +76,7 @@ def expert_groups(layout: LayoutConfig) -> tuple[list[list[int]], list[list[int]
 def hsdp_grids(layout: LayoutConfig) -> list[list[list[int]]]:
     """HSDP's 2D arrays of ranks, one per dp x cp group: row r is replica r's shard group (dp_shard x cp ranks:
     dp ranks r * dp_shard ... (r + 1) * dp_shard - 1, with their cp ranks), column j the replicas of shard j."""
-    width = layout.dp_shard * layout.cp
+    width = layout.zero_group
     return [[members[i:i + width] for i in range(0, len(members), width)]
             for members in axis_groups(layout, ("dp", "cp"))]  # dp-major, cp-minor: rows are dp blocks
 

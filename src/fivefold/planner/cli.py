@@ -85,6 +85,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(a table, or a 'rows' list with --json)")
 
 
+def _is_hf_config(spec: str) -> bool:
+    """Whether `--model` names a Hugging Face config.json (or its directory) rather than a preset or a shape."""
+    return spec.endswith(".json") or Path(spec).is_dir()
+
+
 def load_model(spec: str) -> ModelConfig:
     """A preset name, a `key=value,...` shape, or a config.json path."""
     from fivefold.presets import get_preset
@@ -110,7 +115,7 @@ def load_model(spec: str) -> ModelConfig:
         cfg = ModelConfig(**values)
         cfg.validate("--model")
         return cfg
-    if spec.endswith(".json") or Path(spec).is_dir():
+    if _is_hf_config(spec):
         from fivefold.models.hf import model_config_from_hf, read_config_json
         from fivefold.planner.shapes import gelu_shape_from_hf
 
@@ -338,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--write-config {args.write_config!r} is a directory; give a file name such as "
                               "best.toml")
     cfg = pad_vocab(load_model(args.model), args.pad_vocab)
-    if cfg.mlp == "gelu" and (args.model.endswith(".json") or Path(args.model).is_dir()):
+    if cfg.mlp == "gelu" and _is_hf_config(args.model):
         from fivefold.planner.shapes import NOT_MODELLED
 
         print(f"{args.model}: read as a GELU-MLP shape; not modelled: {NOT_MODELLED}")

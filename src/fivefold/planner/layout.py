@@ -27,16 +27,6 @@ class Layout(LayoutConfig):
     grad_accum_steps: int = 1
 
     @property
-    def zero_group(self) -> int:
-        """The ranks one ZeRO shard set spans: dp_shard x cp under HSDP, else dp x cp."""
-        return (self.dp_shard or self.dp) * self.cp
-
-    @property
-    def zero_replicas(self) -> int:
-        """HSDP's replicas of each shard set (1 without HSDP)."""
-        return self.dp // self.dp_shard if self.dp_shard else 1
-
-    @property
     def edp(self) -> int:
         """The ranks that hold the same routed experts and reduce their gradients: dp x cp / ep."""
         return max(self.dp * self.cp // self.ep, 1)

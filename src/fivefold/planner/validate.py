@@ -336,17 +336,16 @@ def metrics(rows: list[Row], preds: list) -> dict:
             regrets_ok.append(1 - rows[pick_ok].tok_s_gpu / best)
             entry["regret_among_finished"] = round(regrets_ok[-1], 4)
         per_group[f"{g[0]}/{g[1]}n" if isinstance(g[1], int) else f"{g[0]}/{g[1]}"] = entry
-    timed = [(p.step_time_s, r.measured_step_time) for r, p in zip(rows, preds, strict=True)
+    timed = [(r.nodes, p.step_time_s, r.measured_step_time) for r, p in zip(rows, preds, strict=True)
              if r.ok and r.measured_step_time > 0]
-    time_err = [abs(p / m - 1) for p, m in timed]
+    time_err = [abs(p / m - 1) for _, p, m in timed]
     by_nodes: dict[int, list[float]] = defaultdict(list)  # predicted / measured step time - 1, by job size
-    for r, p in zip(rows, preds, strict=True):
-        if r.ok and r.measured_step_time > 0:
-            by_nodes[r.nodes].append(p.step_time_s / r.measured_step_time - 1)
+    for nodes, p, m in timed:
+        by_nodes[nodes].append(p / m - 1)
     return {
         "rows": len(rows), "finished": sum(r.ok for r in rows),
         "median_step_time_error": statistics.median(time_err) if time_err else float("nan"),
-        "step_time_spearman": spearman([p for p, _ in timed], [m for _, m in timed]) if len(timed) >= 3
+        "step_time_spearman": spearman([p for _, p, _ in timed], [m for _, _, m in timed]) if len(timed) >= 3
         else float("nan"),
         "fits_agreement": agree / len(rows) if rows else float("nan"),
         "false_fit_rate": false_fit / len(rows) if rows else float("nan"),

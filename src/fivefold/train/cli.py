@@ -146,8 +146,7 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
     la, t = cfg.layout, cfg.train
     world = la.world_size
     check_layout(cfg, world)
-    hsdp = (f", HSDP: {la.dp // la.dp_shard} replicas of shard groups of {la.dp_shard * la.cp}" if la.dp_shard
-            else "")
+    hsdp = f", HSDP: {la.zero_replicas} replicas of shard groups of {la.zero_group}" if la.dp_shard else ""
     print(f"config OK: {cfg.model.name} ({count_params(cfg.model):,} parameters), layout dp {la.dp} x tp {la.tp} x "
           f"pp {la.pp} x cp {la.cp} (ep {la.ep}, zero {la.zero}{hsdp}) = {world} processes; global batch "
           f"{t.global_batch_size} x {t.seq_len} = {t.global_batch_size * t.seq_len:,} tokens per step, micro-batch "

@@ -84,6 +84,16 @@ def test_group_bandwidth_is_its_own_nodes():
     assert comm.all_gather(nbytes, 16, 1, plain) == pytest.approx(expect)
 
 
+def test_send_across_nodes_runs_at_one_link():
+    hw = get_cluster("h100-efa")  # its 2-node all-reduce bus bandwidth (361.7 GB/s) is 7x one GPU's network link
+    nbytes = 32e6
+    expect = nbytes / (hw.inter_node_gbps * 1e9) + hw.inter_latency_us * 1e-6
+    assert comm.send_recv(nbytes, 8, hw) == pytest.approx(expect)
+    # inside a node: NVLink, as the 1-node table says
+    assert comm.send_recv(nbytes, 1, hw) == pytest.approx(nbytes / (hw.busbw_gbps[1] * 1e9)
+                                                          + hw.intra_latency_us * 1e-6)
+
+
 def test_all_reduce_latency_is_a_tree_between_nodes():
     hw = get_cluster("h100")  # no measured table: the per-device link bandwidths
     size, stride, nbytes = 256, 8, 1e3  # one rank per node in each of 256 nodes: latency dominates

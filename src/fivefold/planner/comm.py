@@ -67,6 +67,9 @@ def _time(kind: str, nbytes: float, size: int, stride: int, hw: Cluster, bucket:
     if kind == "all_to_all":
         return frac * nbytes / bw + steps * hw.latency(nodes)
     if kind == "p2p":
+        if nodes > 1:  # one pair across nodes: the sender's own network link, whatever a collective's table says
+            # (a collective's bus bandwidth across nodes adds up its members' links and NVLink)
+            bw = min(bw, hw.inter_node_gbps * 1e9)
         return nbytes / bw + hw.latency(nodes)  # one hop
     raise ValueError(kind)
 

@@ -57,6 +57,29 @@ def test_hsdp_gathers_inside_a_node_and_reduces_across_replicas():
     assert t_fsdp.parts["dp_comm_exposed"] == pytest.approx(comm.reduce_scatter(grads, 16, 1, bare, unit) * 4)
 
 
+def test_hsdp_with_expert_parallel_shards_the_experts_inside_the_shard_group():
+    """dp16 x ep4 on 2 nodes of 8, shard 8: the dense weights as FSDP dp8 holds them; each ep rank's experts shard
+    over the 2 ranks of the node that hold them (FSDP dp8 x ep4's edp) and are replicated across the 2 nodes. The
+    experts' gradients: reduce-scatter over those 2 ranks (4 apart), then each shard all-reduced over the 2
+    replicas (8 apart)."""
+    bare = dataclasses.replace(get_cluster("h100"), comm_overlap=0.0)
+    cfg = get_preset("olmoe-1b-7b")
+    lay = Layout(dp=16, ep=4, zero=3, dp_shard=8, micro_batch_size=1, grad_accum_steps=4)
+    assert lay.expert_zero_group == 2 and lay.edp == 4
+    assert model_state_bytes(cfg, lay, TORCHTITAN) == model_state_bytes(cfg, Layout(dp=8, ep=4, zero=3), TORCHTITAN)
+    t = step_time(cfg, 4096, lay, TORCHTITAN, bare).parts["dp_comm_exposed"]
+    rp = rank_params(cfg, lay, "first")
+    unit = max(TORCHTITAN.dp_bucket_mib * 2**20, rp.expert * TORCHTITAN.grad_bytes / cfg.n_layers)
+    experts = rp.expert * TORCHTITAN.grad_bytes
+    expected_experts = (comm.reduce_scatter(experts, 2, 4, bare, unit) + comm.all_reduce(experts / 2, 2, 8, bare,
+                                                                                        unit / 2)) * 4
+    dense = rp.dense * TORCHTITAN.grad_bytes
+    unit = max(TORCHTITAN.dp_bucket_mib * 2**20, dense / cfg.n_layers)
+    expected_dense = (comm.reduce_scatter(dense, 8, 1, bare, unit)
+                      + comm.all_reduce(dense / 8, 2, 8, bare, unit / 8)) * 4
+    assert t == pytest.approx(expected_dense + expected_experts)
+
+
 def test_the_search_tries_hsdp_where_the_framework_runs_it(capsys, tmp_path):
     args = ["plan", "--model", "llama3-8b", "--nodes", "4", "--seq-len", "8192", "--global-batch", "256K", "--json"]
     for framework in ("torchtitan", "fivefold"):
@@ -89,8 +112,10 @@ def test_hsdp_layouts_are_checked(capsys):
         parse_layout("dp=16,zero=3,dp_shard=6", 64)
     with pytest.raises(ConfigError, match="must divide layout.dp = 16 and be smaller"):
         parse_layout("dp=16,zero=3,dp_shard=16", 64)
-    with pytest.raises(ConfigError, match="does not combine with layout.ep = 2"):
-        parse_layout("dp=16,ep=2,zero=3,dp_shard=8", 64)
+    with pytest.raises(ConfigError, match=r"dp_shard x layout.cp = 2 x 1 must be a multiple of layout.ep = 4.*"
+                                          r"valid dp_shard: \[4, 8\]"):
+        parse_layout("dp=16,ep=4,zero=3,dp_shard=2", 64)
+    assert parse_layout("dp=16,ep=4,zero=3,dp_shard=8", 64).expert_zero_group == 2  # with ep it runs
     assert parse_layout("dp=8,pp=2,zero=3,dp_shard=4", 64).zero_replicas == 2  # with pp it runs
     assert parse_layout("dp=16,zero=3,dp_shard=8", 64).short().startswith("dp16 tp1 pp1 z3 hsdp8 ")
     base = ["plan", "--model", "llama3-8b", "--nodes", "2", "--global-batch", "256K", "--seq-len", "4096",

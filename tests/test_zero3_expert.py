@@ -22,6 +22,8 @@ that hold the same experts (edp = dp x cp / ep), against one process.
 from __future__ import annotations
 
 import inspect
+import json
+import math
 
 import pytest
 import torch
@@ -32,6 +34,7 @@ from tests.test_parallel_equivalence import MOE, STEPS, reference_run, tiny_conf
 from tests.test_train import dataset  # noqa: F401  (a fixture)
 
 from fivefold.config import build_config
+from fivefold.train import checkpoint as ckpt
 
 DP2_EP2 = {"layout.dp": "2", "layout.ep": "2", "layout.zero": "3", **MOE}
 DP4_EP2 = {"layout.dp": "4", "layout.ep": "2", "layout.zero": "3", **MOE}
@@ -170,7 +173,8 @@ def steps_on_ranks(rank: int, world_size: int, layout: dict[str, str]) -> dict:
 LAYOUTS = {"dp2-ep2": (2, {"layout.dp": "2", "layout.ep": "2", "layout.zero": "3"}),
            "dp4-ep2": (4, {"layout.dp": "4", "layout.ep": "2", "layout.zero": "3"}),
            "dp2-pp2-ep2": (4, {"layout.dp": "2", "layout.pp": "2", "layout.ep": "2", "layout.zero": "3"}),
-           "dp4-pp2-ep2": (8, {"layout.dp": "4", "layout.pp": "2", "layout.ep": "2", "layout.zero": "3"})}
+           "dp4-pp2-ep2": (8, {"layout.dp": "4", "layout.pp": "2", "layout.ep": "2", "layout.zero": "3"}),
+           "hsdp2-dp4-ep2": (4, {"layout.dp": "4", "layout.ep": "2", "layout.zero": "3", "layout.dp_shard": "2"})}
 RESULTS: dict[str, list[dict]] = {}
 
 
@@ -183,14 +187,16 @@ def results(name: str) -> list[dict]:
 
 def check_held_bytes(name: str) -> None:
     """Parameters, gradients and AdamW's two moments: dense / (dp x cp) + expert shard / edp, 4 bytes each (8 for
-    the moments), measured on every rank and predicted by the planner."""
+    the moments), measured on every rank and predicted by the planner. Under HSDP the shard group replaces dp x cp,
+    and its ranks that hold the same experts (dp_shard / ep) replace edp."""
     from fivefold.models.llama import build_model
     from fivefold.planner.layout import FIVEFOLD_CPU, Layout
     from fivefold.planner.memory import model_state_bytes
 
     world, layout = LAYOUTS[name]
     cfg = build_config(None, {**MODEL, **layout})
-    ep, dp, pp = cfg.layout.ep, cfg.layout.dp, cfg.layout.pp
+    ep, dp, pp, dp_shard = cfg.layout.ep, cfg.layout.dp, cfg.layout.pp, cfg.layout.dp_shard
+    shard = dp_shard or dp  # the ranks one shard set spans (cp = 1 here)
     for rank, result in enumerate(results(name)):
         model = build_model(cfg.model, device="meta")
         if pp > 1:  # the rank's stage: block 0 and the embedding on the first, block 1 and the output on the last
@@ -200,13 +206,14 @@ def check_held_bytes(name: str) -> None:
             shapes = {n: p.numel() for n, p in model.named_parameters()}
         experts = sum(n for name_, n in shapes.items() if name_.rsplit(".", 1)[-1] in ("w_gate", "w_up", "w_down"))
         dense = sum(shapes.values()) - experts
-        elements = dense // dp + experts // ep // (dp // ep)
-        assert experts > 0 and dense % dp == 0 and experts % (ep * (dp // ep)) == 0
+        elements = dense // shard + experts // ep // (shard // ep)
+        assert experts > 0 and dense % shard == 0 and experts % (ep * (shard // ep)) == 0
         want = {"parameters": 4 * elements, "gradients": 4 * elements, "optimizer": 8 * elements}
         assert result["held"] == want, f"{name}, rank {rank}: {result['held']} vs {want}"
         # the planner's memory model predicts the same bytes (fivefold on CPU: fp32 parameters are the masters)
         which = "first" if pp == 1 or result["pp_rank"] == 0 else "last"
-        predicted = model_state_bytes(cfg.model, Layout(dp=dp, ep=ep, pp=pp, zero=3), FIVEFOLD_CPU, which)
+        predicted = model_state_bytes(cfg.model, Layout(dp=dp, ep=ep, pp=pp, zero=3, dp_shard=dp_shard), FIVEFOLD_CPU,
+                                      which)
         assert predicted == {**want, "grad_accum_buffer": 0}, predicted
 
 
@@ -305,3 +312,32 @@ def test_zero3_expert_checkpoint_loads_into_one_process_and_back(tmp_path, datas
 @pytest.mark.slow
 def test_zero3_expert_over_edp2_checkpoint_moves_between_layouts(tmp_path, dataset):  # noqa: F811
     check_change(tmp_path, dataset, (4, DP4_EP2), [(1, {}), (2, DP2_EP2)], model=MOE)
+
+
+def test_hsdp_with_expert_parallel_holds_its_shard_groups_bytes_and_orders_its_collectives():
+    check_held_bytes("hsdp2-dp4-ep2")
+    check_collective_order("hsdp2-dp4-ep2")
+
+
+def test_hsdp_with_expert_parallel_matches_one_process():
+    """HSDP x ep: dp4 x ep2 with shard groups of 2. The dense weights shard over each pair and are all-reduced over
+    the 2 replicas; each ep rank's experts shard over the members of its shard group that hold them (one here) and
+    are all-reduced over the replicas too. The gradient norm divides both by the replicas."""
+    assert_matches({**DP4_EP2, "layout.dp_shard": "2"}, 4)
+
+
+def test_hsdp_with_expert_parallel_checkpoint_moves_between_layouts(tmp_path, dataset):  # noqa: F811
+    """Written under HSDP x ep (dp4 x ep2, shard groups of 2): each shard, the experts' too, is written once (by
+    its first replica), and the checkpoint resumes in one process and under HSDP x ep again."""
+    hsdp = {**DP4_EP2, "layout.dp_shard": "2"}
+    check_change(tmp_path, dataset, (4, hsdp), [(1, {}), (4, hsdp)], model=MOE)
+    path = ckpt.checkpoint_dir(tmp_path / "full", 3)
+    written = sum(math.prod(p["piece_shape"]) for r in range(4)
+                  for p in json.loads((path / f"rank{r}.json").read_text())["pieces"] if p["name"].startswith("model."))
+    assert written == sum(t.numel() for t in ckpt.read_model_state(path).values())
+
+
+@pytest.mark.slow
+def test_hsdp_with_expert_parallel_under_pp_matches_one_process():
+    """HSDP x ep x pp2: dp4 x ep2 with shard groups of 2 on each of 2 pipeline stages (8 ranks)."""
+    assert_matches({**DP4_EP2, "layout.dp_shard": "2", "layout.pp": "2"}, 8)

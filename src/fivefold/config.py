@@ -160,6 +160,12 @@ class LayoutConfig:
         return (self.dp_shard or self.dp) * self.cp
 
     @property
+    def expert_zero_group(self) -> int:
+        """The ranks one ZeRO shard set of an ep rank's routed experts spans: those of the zero group that hold
+        the same experts (zero_group / ep; dp x cp / ep without HSDP)."""
+        return max(self.zero_group // self.ep, 1)
+
+    @property
     def zero_replicas(self) -> int:
         """HSDP's replicas of each shard set (1 without HSDP)."""
         return self.dp // self.dp_shard if self.dp_shard else 1

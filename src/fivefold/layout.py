@@ -182,10 +182,13 @@ def hsdp_problem(layout: LayoutConfig) -> LayoutProblem | None:
         return LayoutProblem("HSDP without ZeRO-3",
                              f"layout.dp_shard = {s} is HSDP, which shards ZeRO-3's states; it needs layout.zero = 3 "
                              f"(got {layout.zero}), or dp_shard = 0")
-    if layout.ep > 1:
-        return LayoutProblem("HSDP with ep",
-                             f"layout.dp_shard = {s} (HSDP) does not combine with layout.ep = {layout.ep} yet; use "
-                             "dp_shard = 0 (FSDP over all of dp) with ep, or ep = 1 with HSDP")
+    if layout.ep > 1 and layout.zero_group % layout.ep:
+        valid = [d for d in range(1, layout.dp) if layout.dp % d == 0 and d * layout.cp % layout.ep == 0]
+        return LayoutProblem("HSDP shard group not a multiple of ep",
+                             f"layout.dp_shard x layout.cp = {s} x {layout.cp} must be a multiple of layout.ep = "
+                             f"{layout.ep}: expert parallel folds over blocks of ep ranks, and each shard group must "
+                             f"hold whole blocks (its experts shard over the group's ranks that hold the same "
+                             f"experts); valid dp_shard: {valid or [0]}")
     return None
 
 

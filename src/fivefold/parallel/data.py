@@ -401,7 +401,7 @@ def shard_state_bytes(params: Iterable[nn.Parameter]) -> dict[str, int]:
 
 def shard_units(blocks: Iterable[nn.Module], root: nn.Module, group: ProcessGroup, device_type: str,
                 param_dtype: torch.dtype | None, expert_group: ProcessGroup | None,
-                reshard_after_forward: bool = True, hsdp_mesh=None) -> list[nn.Module]:
+                reshard_after_forward: bool = True, hsdp_mesh=None, hsdp_expert_mesh=None) -> list[nn.Module]:
     """ZeRO-3's `fully_shard` units over `group` (dp x cp): one per transformer block and one for `root` (the rest),
     each block's gather prefetched by the one before it, with lean mixed precision where `param_dtype` is set (the
     fp32 shards gathered in it, gradients reduce-scattered in fp32). Units are built innermost first (a unit
@@ -411,15 +411,17 @@ def shard_units(blocks: Iterable[nn.Module], root: nn.Module, group: ProcessGrou
     `w_up`, `w_down`; with edp = 1 those three stay plain tensors, ignored by the block's and the root's units.
     `hsdp_mesh` (HSDP: a 2D replicate x shard DeviceMesh over the same ranks as `group`) replaces the 1D mesh
     of `group`: fully_shard then shards over the shard dimension and all-reduces each reduced shard over the
-    replicate one. Returns every unit (the units inside the blocks, the blocks', the root's)."""
+    replicate one; under ep `hsdp_expert_mesh` (the members of each shard group that hold the same experts x the
+    replicas) replaces the edp mesh likewise. Returns every unit (the units inside the blocks, the blocks', the
+    root's)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from fivefold.models.llama import MoE
 
     mesh = hsdp_mesh if hsdp_mesh is not None else DeviceMesh.from_group(group, device_type)
-    experts_mesh = None
-    if expert_group is not None and dist.get_world_size(expert_group) > 1:
+    experts_mesh = hsdp_expert_mesh
+    if experts_mesh is None and expert_group is not None and dist.get_world_size(expert_group) > 1:
         experts_mesh = DeviceMesh.from_group(expert_group, device_type)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
 
@@ -470,11 +472,11 @@ class FullyShardedDataParallel:
 
     def __init__(self, root: nn.Module, model: nn.Module, tp_sharded: set[str], group: ProcessGroup,
                  device_type: str, param_dtype: torch.dtype | None = None,
-                 expert_group: ProcessGroup | None = None, hsdp_mesh=None) -> None:
+                 expert_group: ProcessGroup | None = None, hsdp_mesh=None, hsdp_expert_mesh=None) -> None:
         self.group, self.zero, self.sync = group, 3, True
         self.tp_sharded, self.hsdp_mesh = tp_sharded, hsdp_mesh
         shard_units(model.layers.values(), root, group, device_type, param_dtype, expert_group,
-                    hsdp_mesh=hsdp_mesh)
+                    hsdp_mesh=hsdp_mesh, hsdp_expert_mesh=hsdp_expert_mesh)
         self.root, self.model = root, model
 
     def optimizer_params(self) -> list[nn.Parameter]:

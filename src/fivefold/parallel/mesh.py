@@ -81,6 +81,14 @@ def hsdp_grids(layout: LayoutConfig) -> list[list[list[int]]]:
             for members in axis_groups(layout, ("dp", "cp"))]  # dp-major, cp-minor: rows are dp blocks
 
 
+def hsdp_expert_grids(layout: LayoutConfig) -> list[list[list[int]]]:
+    """HSDP's 2D arrays for the routed experts: per HSDP array (`hsdp_grids`) and position j in an ep block, row r
+    holds replica r's shard-group members at position j (every ep-th: those that hold the same experts, whose
+    experts shard over them), column k the replicas of that shard. Their columns are columns of `hsdp_grids`."""
+    ep = layout.ep
+    return [[row[j::ep] for row in grid] for grid in hsdp_grids(layout) for j in range(ep)]
+
+
 # the groups every rank builds: one per axis, plus the combinations that reduce gradients
 GROUP_AXES: dict[str, tuple[str, ...]] = {
     "tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",),
@@ -99,6 +107,7 @@ class ProcessGrid:
     groups: dict[str, ProcessGroup] = field(default_factory=dict)
     group_ranks: dict[str, list[int]] = field(default_factory=dict)
     hsdp_ranks: list[list[int]] = field(default_factory=list)  # HSDP: this rank's 2D array (`hsdp_grids`)
+    hsdp_expert_ranks: list[list[int]] = field(default_factory=list)  # HSDP with ep: `hsdp_expert_grids`' one
 
     @classmethod
     def build(cls, cfg: Config) -> ProcessGrid:
@@ -118,6 +127,10 @@ class ProcessGrid:
             grid._add("hsdp_shard", [row for g in grids for row in g])
             grid._add("hsdp_replicate", [list(col) for g in grids for col in zip(*g, strict=True)])
             grid.hsdp_ranks = next(g for g in grids if any(rank in row for row in g))
+            if cfg.layout.ep > 1:  # the experts shard over the members of a shard group that hold the same experts
+                expert_grids = hsdp_expert_grids(cfg.layout)
+                grid._add("hsdp_expert_shard", [row for g in expert_grids for row in g])
+                grid.hsdp_expert_ranks = next(g for g in expert_grids if any(rank in row for row in g))
         return grid
 
     def _add(self, name: str, rank_lists: list[list[int]]) -> None:
@@ -142,6 +155,17 @@ class ProcessGrid:
 
         return DeviceMesh.from_group([self.groups["hsdp_replicate"], self.groups["hsdp_shard"]], device_type,
                                      mesh=torch.tensor(self.hsdp_ranks), mesh_dim_names=("replicate", "shard"))
+
+    def hsdp_expert_mesh(self, device_type: str):
+        """HSDP's 2D DeviceMesh (replicate x shard) for this rank's routed experts under ep; None otherwise. Its
+        replicate groups are the dense mesh's (the same columns)."""
+        if not self.layout.dp_shard or self.layout.ep == 1:
+            return None
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh.from_group([self.groups["hsdp_replicate"], self.groups["hsdp_expert_shard"]], device_type,
+                                     mesh=torch.tensor(self.hsdp_expert_ranks), mesh_dim_names=("replicate", "shard"))
 
     @property
     def grad_group(self) -> ProcessGroup:

@@ -169,7 +169,7 @@ def parallelize(model: Llama, cfg: Config, grid: ProcessGrid, device: torch.devi
     if la.zero == 3:  # 6. data parallel: dense weights over dp x cp, experts over the ranks holding the same ones
         fsdp = FullyShardedDataParallel(loss_model, model, tp_sharded, grid.grad_group, device.type,
                                         working_dtype(cfg, device), grid.groups["edp"] if la.ep > 1 else None,
-                                        grid.hsdp_mesh(device.type))
+                                        grid.hsdp_mesh(device.type), grid.hsdp_expert_mesh(device.type))
         if is_meta(model):
             materialize_shards(model, grid, device, cfg.train.seed, root=loss_model)
         return loss_model, fsdp, None

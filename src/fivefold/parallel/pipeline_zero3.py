@@ -57,7 +57,7 @@ class PipelineFullyShardedDataParallel:
     def __init__(self, stages: dict[int, Llama], loss_model: nn.Module | None, last_stage: int,
                  tp_sharded: set[str], group: ProcessGroup, device_type: str,
                  param_dtype: torch.dtype | None = None, tied_group: ProcessGroup | None = None,
-                 expert_group: ProcessGroup | None = None, hsdp_mesh=None) -> None:
+                 expert_group: ProcessGroup | None = None, hsdp_mesh=None, hsdp_expert_mesh=None) -> None:
         from torch.distributed.fsdp import register_fsdp_forward_method
 
         self.group, self.sync, self.tp_sharded, self.tied_group = group, True, tp_sharded, tied_group
@@ -68,7 +68,7 @@ class PipelineFullyShardedDataParallel:
         for s, stage in stages.items():  # each stage's units as plain ZeRO-3 builds them, kept gathered for the step
             root = loss_model if s == last_stage else stage
             units = shard_units(stage.layers.values(), root, group, device_type, param_dtype, expert_group,
-                                reshard_after_forward=False, hsdp_mesh=hsdp_mesh)
+                                reshard_after_forward=False, hsdp_mesh=hsdp_mesh, hsdp_expert_mesh=hsdp_expert_mesh)
             if root is stage:  # the engine calls forward_hidden: the root unit's hooks must run around it
                 register_fsdp_forward_method(stage, "forward_hidden")
             self.roots[s], self.units[s] = root, units
@@ -206,7 +206,7 @@ def shard_stages(stages: dict[int, Llama], cfg: Config, grid: ProcessGrid, queue
     expert_group = grid.groups["edp"] if cfg.layout.ep > 1 else None
     sharded = PipelineFullyShardedDataParallel(stages, loss_model, last_stage, tp_sharded, grid.grad_group,
                                                device.type, working_dtype(cfg, device), tied_group, expert_group,
-                                               grid.hsdp_mesh(device.type))
+                                               grid.hsdp_mesh(device.type), grid.hsdp_expert_mesh(device.type))
     for s, stage in stages.items():  # each stage's copy of a tied weight is initialised alike (the embedding's)
         if is_meta(stage):
             materialize_shards(stage, grid, device, cfg.train.seed, root=sharded.roots[s])

@@ -122,7 +122,7 @@ def model_state_bytes(cfg: ModelConfig, lay: Layout, fw: Framework, rank: str = 
     """Parameters, gradients, optimizer states (with the master copy) and the fp32 accumulation buffer."""
     rp = rank_params(cfg, lay, rank)
     dpc = lay.zero_group  # dp x cp, or HSDP's shard group
-    dpc_e = lay.edp
+    dpc_e = lay.expert_zero_group  # edp, or the ranks of HSDP's shard group that hold the same experts
 
     def sharded(bytes_per: int, on: bool) -> int:
         return bytes_per * (_shard(rp.dense, dpc if on else 1) + _shard(rp.expert, dpc_e if on else 1))

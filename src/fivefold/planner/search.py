@@ -240,7 +240,7 @@ def _inner(cfg: ModelConfig, seq: int, dp: int, tp: int, pp: int, cp: int, batch
                 yield lay
                 if zero == 3 and dp_shard:
                     twin = dataclasses.replace(lay, dp_shard=dp_shard)
-                    if hsdp_problem(twin) is None:  # the rule book's HSDP rule (no ep)
+                    if hsdp_problem(twin) is None:  # the rule book's HSDP rule (ep must divide its shard group)
                         yield twin
 
 

@@ -409,14 +409,14 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     bucket = fw.dp_bucket_mib * 2**20
     overlap = hw.comm_overlap  # share of a collective that compute running at once can hide
 
-    def reduce_time(nbytes: float, size: int, stride: int) -> float:
+    def reduce_time(nbytes: float, size: int, stride: int, shards: int) -> float:
+        """`size` ranks `stride` apart reduce `nbytes`; under ZeRO-3 the first `shards` of them hold one shard set
+        (all of them, or HSDP's shard group), the rest its replicas."""
         if lay.zero >= 3:  # ZeRO-3 reduce-scatters each unit's (block's) gradients as its backward ends
             unit = max(bucket, nbytes / max(1, -(-cfg.n_layers // lay.pp)))
-            shards = lay.zero_group if size == dpc else size  # HSDP's shard group (HSDP has no ep)
             t = comm.reduce_scatter(nbytes, shards, stride, hw, unit)
-            if lay.zero_replicas > 1 and size == dpc:  # HSDP: then each shard is all-reduced over the replicas
-                t += comm.all_reduce(nbytes / lay.zero_group, lay.zero_replicas, stride * lay.zero_group, hw,
-                                     unit / lay.zero_group)
+            if size > shards:  # HSDP: then each shard is all-reduced over the replicas
+                t += comm.all_reduce(nbytes / shards, size // shards, stride * shards, hw, unit / shards)
             # under pp only each stage's last backward of the step reduce-scatters (`parallel.pipeline_zero3`)
             return t * (1 if lay.pp > 1 else lay.grad_accum_steps)
         if lay.zero >= 2:  # ZeRO-2 keeps only a gradient shard, so every micro-batch reduce-scatters
@@ -425,8 +425,8 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
 
     t_dp = 0.0
     if dpc > 1:
-        t_dp = reduce_time(rp.dense * elem_bytes, dpc, st["dpcp"])
-        t_dp += reduce_time(rp.expert * elem_bytes, lay.edp, st["dpcp"] * lay.ep)
+        t_dp = reduce_time(rp.dense * elem_bytes, dpc, st["dpcp"], lay.zero_group)
+        t_dp += reduce_time(rp.expert * elem_bytes, lay.edp, st["dpcp"] * lay.ep, lay.expert_zero_group)
         last_bucket = t_dp * min(1.0, bucket / max(red_bytes, 1.0))
         window = sum(times.b[s] + times.w[s] for s in range(len(times.f)) if _rank_of(s, lay) == 0) if lay.pp > 1 \
             else times.b[0] + times.w[0]
@@ -453,8 +453,8 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
         if lay.ep > 1:  # the routed experts are units of their own over the edp ranks holding the same experts
             # (`parallel.data.FullyShardedDataParallel`); with edp = 1 they stay whole and are not gathered
             ag = comm.all_gather(rp.dense * gathered / n_layers, zg, st["dpcp"], hw)
-            if lay.edp > 1:
-                ag += comm.all_gather(rp.expert * gathered / n_layers, lay.edp, st["dpcp"] * lay.ep, hw)
+            if lay.expert_zero_group > 1:  # over the ranks of the shard group that hold the same experts
+                ag += comm.all_gather(rp.expert * gathered / n_layers, lay.expert_zero_group, st["dpcp"] * lay.ep, hw)
         else:
             ag = comm.all_gather(rp.total * gathered / n_layers, zg, st["dpcp"], hw)  # a block, as gathered
         # the compute of one block of the first stage (interleaved: a stage holds 1/v of the rank's blocks)

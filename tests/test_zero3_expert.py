@@ -338,6 +338,12 @@ def test_hsdp_with_expert_parallel_checkpoint_moves_between_layouts(tmp_path, da
 
 
 @pytest.mark.slow
-def test_hsdp_with_expert_parallel_under_pp_matches_one_process():
-    """HSDP x ep x pp2: dp4 x ep2 with shard groups of 2 on each of 2 pipeline stages (8 ranks)."""
-    assert_matches({**DP4_EP2, "layout.dp_shard": "2", "layout.pp": "2"}, 8)
+@pytest.mark.parametrize("layout, world, param_rel", [
+    ({**DP4_EP2, "layout.dp_shard": "2", "layout.pp": "2"}, 8, 1e-5),
+    ({"layout.dp": "2", "layout.cp": "2", "layout.ep": "2", "layout.zero": "3", "layout.dp_shard": "1", **MOE}, 4,
+     5e-5)], ids=["dp4 x ep2 x pp2, shard groups of 2", "dp2 x cp2 x ep2, shard groups of cp2"])
+def test_hsdp_with_expert_parallel_under_pp_or_cp_matches_one_process(layout, world, param_rel):
+    """HSDP x ep under pp2 (each of the 2 stages' units on the 2D meshes; 8 ranks) and under cp2 (a shard group of
+    the 2 cp ranks of one dp rank, each holding one ep rank's experts whole, 2 replicas; 5e-5 as for cp x ep
+    without HSDP: ring attention's rounding)."""
+    assert_matches(layout, world, param_rel)

@@ -53,31 +53,47 @@ def _chunk_function(compiled: bool):
     return _compiled["chunk"]
 
 
+def chunked_output_loss(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                        compute_dtype: torch.dtype, chunk_loss) -> torch.Tensor:
+    """The forward of a chunked output layer + loss (an autograd Function's `ctx`): for each chunk of tokens,
+    `chunk_loss(h, w, t, needs_grad)` returns the chunk's summed loss and the gradient of its logits (`h @ w.T`,
+    h and w in `compute_dtype`), from which the gradients of `hidden` and `weight` are accumulated and saved for
+    `scaled_saved_gradients`."""
+    needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+    w = weight.to(compute_dtype)
+    total = torch.zeros((), device=hidden.device, dtype=torch.float32)
+    grad_hidden = torch.empty_like(hidden) if needs_grad else None
+    grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if needs_grad else None
+    for start in range(0, hidden.shape[0], chunk):
+        h = hidden[start:start + chunk].to(compute_dtype)
+        loss, g = chunk_loss(h, w, targets[start:start + chunk], needs_grad)
+        total += loss
+        if needs_grad:
+            grad_hidden[start:start + chunk] = (g @ w).to(hidden.dtype)
+            grad_weight += (g.t() @ h).float()
+    if needs_grad:
+        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+    return total
+
+
+def scaled_saved_gradients(ctx, grad_out: torch.Tensor, other_inputs: int) -> tuple:
+    """The backward of `chunked_output_loss`: the saved gradients of hidden and weight times the incoming one,
+    and None for each of the Function's `other_inputs`."""
+    grad_hidden, grad_weight = ctx.saved_tensors
+    return grad_hidden * grad_out, grad_weight * grad_out, *([None] * other_inputs)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
                 compute_dtype: torch.dtype, compiled: bool) -> torch.Tensor:
-        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         chunk_fn = _chunk_function(compiled)
-        w = weight.to(compute_dtype)
-        total = torch.zeros((), device=hidden.device, dtype=torch.float32)
-        grad_hidden = torch.empty_like(hidden) if needs_grad else None
-        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if needs_grad else None
-        for start in range(0, hidden.shape[0], chunk):
-            h = hidden[start:start + chunk].to(compute_dtype)
-            loss, g = chunk_fn(h @ w.t(), targets[start:start + chunk], needs_grad, compute_dtype)
-            total += loss
-            if needs_grad:
-                grad_hidden[start:start + chunk] = (g @ w).to(hidden.dtype)
-                grad_weight += (g.t() @ h).float()
-        if needs_grad:
-            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
-        return total
+        return chunked_output_loss(ctx, hidden, weight, targets, chunk, compute_dtype,
+                                   lambda h, w, t, grad: chunk_fn(h @ w.t(), t, grad, compute_dtype))
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_out, grad_weight * grad_out, None, None, None, None
+        return scaled_saved_gradients(ctx, grad_out, 4)
 
 
 def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from fivefold.models.loss import chunked_output_loss, scaled_saved_gradients
+
 SEQ_DIM = 1
 # the single-tensor collectives under their new names (torch >= 2.13), the old ones before (2.11 on the GPU
 # machines): every caller in fivefold goes through these two
@@ -218,15 +220,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_start: int,
                 chunk: int, compute_dtype: torch.dtype, group: ProcessGroup) -> torch.Tensor:
-        needs_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         local_vocab = weight.shape[0]
-        w = weight.to(compute_dtype)
-        total = torch.zeros((), device=hidden.device, dtype=torch.float32)
-        grad_hidden = torch.empty_like(hidden) if needs_grad else None
-        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if needs_grad else None
-        for start in range(0, hidden.shape[0], chunk):
-            h = hidden[start:start + chunk].to(compute_dtype)
-            t = targets[start:start + chunk]
+
+        def chunk_loss(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, needs_grad: bool):
             logits = (h @ w.t()).float()  # [chunk, local vocab]: the only logits alive
             row_max = logits.max(dim=-1).values
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
@@ -240,22 +236,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             stats = torch.stack([exps.sum(-1), target_logit])  # one all-reduce for both
             dist.all_reduce(stats, group=group)
             sum_exp, target_logit = stats[0], stats[1]
-            total += ((sum_exp.log() - target_logit) * valid).sum()
-            if needs_grad:
-                g = exps.div_(sum_exp[:, None])  # local slice of the softmax
-                g.scatter_add_(1, local_t[:, None], -here[:, None].to(g.dtype))
-                g *= valid[:, None]
-                g = g.to(compute_dtype)
-                grad_hidden[start:start + chunk] = (g @ w).to(hidden.dtype)  # partial: this vocab slice only
-                grad_weight += (g.t() @ h).float()
-        if needs_grad:
-            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
-        return total
+            loss = ((sum_exp.log() - target_logit) * valid).sum()
+            if not needs_grad:
+                return loss, None
+            g = exps.div_(sum_exp[:, None])  # local slice of the softmax
+            g.scatter_add_(1, local_t[:, None], -here[:, None].to(g.dtype))
+            g *= valid[:, None]
+            # the hidden gradient it gives is partial: this vocab slice's only
+            return loss, g.to(compute_dtype)
+
+        return chunked_output_loss(ctx, hidden, weight, targets, chunk, compute_dtype, chunk_loss)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_out, grad_weight * grad_out, None, None, None, None, None
+        return scaled_saved_gradients(ctx, grad_out, 5)
 
 
 def vocab_parallel_cross_entropy_sum(hidden: torch.Tensor, weight_shard: torch.Tensor, targets: torch.Tensor,

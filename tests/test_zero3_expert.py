@@ -174,7 +174,9 @@ LAYOUTS = {"dp2-ep2": (2, {"layout.dp": "2", "layout.ep": "2", "layout.zero": "3
            "dp4-ep2": (4, {"layout.dp": "4", "layout.ep": "2", "layout.zero": "3"}),
            "dp2-pp2-ep2": (4, {"layout.dp": "2", "layout.pp": "2", "layout.ep": "2", "layout.zero": "3"}),
            "dp4-pp2-ep2": (8, {"layout.dp": "4", "layout.pp": "2", "layout.ep": "2", "layout.zero": "3"}),
-           "hsdp2-dp4-ep2": (4, {"layout.dp": "4", "layout.ep": "2", "layout.zero": "3", "layout.dp_shard": "2"})}
+           "hsdp2-dp4-ep2": (4, {"layout.dp": "4", "layout.ep": "2", "layout.zero": "3", "layout.dp_shard": "2"}),
+           "hsdp2-dp4-pp2-ep2": (8, {"layout.dp": "4", "layout.pp": "2", "layout.ep": "2", "layout.zero": "3",
+                                     "layout.dp_shard": "2"})}
 RESULTS: dict[str, list[dict]] = {}
 
 
@@ -314,9 +316,25 @@ def test_zero3_expert_over_edp2_checkpoint_moves_between_layouts(tmp_path, datas
     check_change(tmp_path, dataset, (4, DP4_EP2), [(1, {}), (2, DP2_EP2)], model=MOE)
 
 
-def test_hsdp_with_expert_parallel_holds_its_shard_groups_bytes_and_orders_its_collectives():
-    check_held_bytes("hsdp2-dp4-ep2")
-    check_collective_order("hsdp2-dp4-ep2")
+def hsdp_replica_all_reduces(name: str) -> set[tuple[int, ...]]:
+    """The groups of run `name` that all-reduced more than the norm's and the guard's two floats: HSDP's
+    replicas, summing the reduce-scattered shards."""
+    return {op[1] for r in results(name) for op in r["calls"] if op[0] == "all_reduce" and (op[2] or 0) > 2}
+
+
+def test_hsdp_with_expert_parallel_bytes_collectives_and_guard():
+    """dp4 x ep2 with shard groups of 2: the bytes of the shard group's states, the per-group collective order
+    with its blocking replay, the non-finite guard; the shards are all-reduced over the replicas {0, 2} and
+    {1, 3} (the dense weights' and the experts' alike)."""
+    check_bytes_collectives_and_guard("hsdp2-dp4-ep2")
+    assert {(0, 2), (1, 3)} <= hsdp_replica_all_reduces("hsdp2-dp4-ep2")
+
+
+@pytest.mark.slow
+def test_hsdp_with_expert_parallel_under_pipeline_bytes_collectives_and_guard():
+    """The same with pp2 on 8 ranks: each stage's units on the two 2D meshes."""
+    check_bytes_collectives_and_guard("hsdp2-dp4-pp2-ep2")
+    assert len(hsdp_replica_all_reduces("hsdp2-dp4-pp2-ep2")) >= 4  # two replica groups per stage
 
 
 def test_hsdp_with_expert_parallel_matches_one_process():

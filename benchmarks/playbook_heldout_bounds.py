@@ -49,10 +49,11 @@ def best_scale(pred: list[float], meas: list[float], hands: list[int] | None = N
     """The factor (and, given hand-over counts, the delay per hand-over) that puts the most rows within 15 %."""
     scales = [0.8 + 0.01 * i for i in range(81)]
     delays = [0.0] + ([1e-4 * 10 ** (i / 20) for i in range(81)] if hands else [])
+    counts = hands or [0] * len(pred)
     best = (-1, 1.0, 0.0)
     for s in scales:
         for c in delays:
-            k = within([p * s + c * (h if hands else 0) for p, h in zip(pred, hands or pred, strict=True)], meas)
+            k = within([p * s + c * h for p, h in zip(pred, counts, strict=True)], meas)
             if k > best[0]:
                 best = (k, s, c)
     return best
@@ -83,16 +84,16 @@ def main() -> None:
     repeats = sum(best_within([meas[i] for i in g]) for g in layouts.values())
     twice = sum(len(g) > 1 for g in layouts.values())
     print(f"  oracle, repeats:              {repeats:5d} (one value per layout, {twice} layouts ran more than once)")
-    for name, key, stall in (("x node count", lambda r: r.nodes, False),
-                             ("x (node count, pp)", lambda r: (r.nodes, r.layout.pp), False),
-                             ("x node count + stall", lambda r: r.nodes, True)):
+    for name, key, stall, detailed in (("x node count", lambda r: r.nodes, False, True),
+                                       ("x (node count, pp)", lambda r: (r.nodes, r.layout.pp), False, False),
+                                       ("x node count + stall", lambda r: r.nodes, True, True)):
         total, detail = 0, []
         for k, g in sorted(grouped(key).items()):
             hands = [2 * (rows[i].layout.grad_accum_steps + rows[i].layout.pp - 1) if rows[i].layout.pp > 1 else 0
                      for i in g] if stall else None
             count, s, c = best_scale([pred[i] for i in g], [meas[i] for i in g], hands)
             total += count
-            if key(rows[g[0]]) == rows[g[0]].nodes:
+            if detailed:
                 detail.append(f"{k}: {count}/{len(g)} x{s:.2f}" + (f" +{1e3 * c:.0f} ms" if stall else ""))
         print(f"  oracle, {name + ':':22s}{total:5d}" + (f" ({', '.join(detail)})" if detail else ""))
     stalled = defaultdict(lambda: [0, 0])

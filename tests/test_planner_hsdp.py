@@ -24,6 +24,18 @@ from fivefold.presets import get_preset
 TORCHTITAN = all_frameworks()["torchtitan"]
 
 
+def hsdp_reduction(grads: float, shards: int, stride: int, replicas: int, hw, n_layers: int,
+                   micro_batches: int) -> float:
+    """The closed form of ZeRO-3's gradient reduction of `grads` bytes per micro-batch, in units of a block (at
+    least a DP bucket): a reduce-scatter over the `shards` ranks `stride` apart, then, with replicas, an all-reduce of
+    the shard over the replicas (`shards x stride` apart)."""
+    unit = max(TORCHTITAN.dp_bucket_mib * 2**20, grads / n_layers)
+    t = comm.reduce_scatter(grads, shards, stride, hw, unit)
+    if replicas > 1:
+        t += comm.all_reduce(grads / shards, replicas, stride * shards, hw, unit / shards)
+    return t * micro_batches
+
+
 @pytest.mark.parametrize("dp,shard,cp", [(16, 4, 1), (16, 8, 1), (8, 2, 2)])
 def test_hsdp_states_are_those_of_fsdp_over_the_shard_group(dp, shard, cp):
     cfg = get_preset("llama3-8b")
@@ -51,10 +63,9 @@ def test_hsdp_gathers_inside_a_node_and_reduces_across_replicas():
     # the reduction: per block, a reduce-scatter over the node's 8 ranks and an all-reduce of the shard over the
     # 2 replicas (a rank 8 apart, on the other node), for each micro-batch
     grads = rank_params(cfg, lay, "first").total * TORCHTITAN.grad_bytes
-    unit = max(TORCHTITAN.dp_bucket_mib * 2**20, grads / cfg.n_layers)
-    expected = (comm.reduce_scatter(grads, 8, 1, bare, unit) + comm.all_reduce(grads / 8, 2, 8, bare, unit / 8)) * 4
+    expected = hsdp_reduction(grads, 8, 1, 2, bare, cfg.n_layers, 4)
     assert t_hsdp.parts["dp_comm_exposed"] == pytest.approx(expected)
-    assert t_fsdp.parts["dp_comm_exposed"] == pytest.approx(comm.reduce_scatter(grads, 16, 1, bare, unit) * 4)
+    assert t_fsdp.parts["dp_comm_exposed"] == pytest.approx(hsdp_reduction(grads, 16, 1, 1, bare, cfg.n_layers, 4))
 
 
 def test_hsdp_with_expert_parallel_shards_the_experts_inside_the_shard_group():
@@ -69,14 +80,8 @@ def test_hsdp_with_expert_parallel_shards_the_experts_inside_the_shard_group():
     assert model_state_bytes(cfg, lay, TORCHTITAN) == model_state_bytes(cfg, Layout(dp=8, ep=4, zero=3), TORCHTITAN)
     t = step_time(cfg, 4096, lay, TORCHTITAN, bare).parts["dp_comm_exposed"]
     rp = rank_params(cfg, lay, "first")
-    unit = max(TORCHTITAN.dp_bucket_mib * 2**20, rp.expert * TORCHTITAN.grad_bytes / cfg.n_layers)
-    experts = rp.expert * TORCHTITAN.grad_bytes
-    expected_experts = (comm.reduce_scatter(experts, 2, 4, bare, unit) + comm.all_reduce(experts / 2, 2, 8, bare,
-                                                                                        unit / 2)) * 4
-    dense = rp.dense * TORCHTITAN.grad_bytes
-    unit = max(TORCHTITAN.dp_bucket_mib * 2**20, dense / cfg.n_layers)
-    expected_dense = (comm.reduce_scatter(dense, 8, 1, bare, unit)
-                      + comm.all_reduce(dense / 8, 2, 8, bare, unit / 8)) * 4
+    expected_experts = hsdp_reduction(rp.expert * TORCHTITAN.grad_bytes, 2, 4, 2, bare, cfg.n_layers, 4)
+    expected_dense = hsdp_reduction(rp.dense * TORCHTITAN.grad_bytes, 8, 1, 2, bare, cfg.n_layers, 4)
     assert t == pytest.approx(expected_dense + expected_experts)
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,11 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from fivefold.parallel.tensor_comm import all_gather_into, reduce_scatter_into
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fivefold.parallel.mesh import Zero3Meshes
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # 25 MiB, as DDP and nanotron
 
@@ -371,20 +377,20 @@ def load_shard(t: torch.Tensor, full: torch.Tensor) -> None:
 
 
 def shard_square_sums(grads: Iterable[tuple[bool, torch.Tensor]], group: ProcessGroup,
-                      hsdp_mesh=None) -> tuple[torch.Tensor, torch.Tensor]:
+                      replicas: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(tp-sharded, tp-replicated) sums of squares of ZeRO-3's gradients (`grads`: (tp-sharded, gradient) pairs,
     `fully_shard` DTensors or plain tensors) over `group` (dp x cp). Each element counts once: the dense shards are
     disjoint over dp x cp, and so are the expert shards (dp x cp is ep groups times edp groups; each rank holds its
-    ep rank's experts, cut over edp, or whole with edp = 1). Under HSDP (`hsdp_mesh`) every shard is held by each
-    replica, so the sum is divided by the replicas."""
+    ep rank's experts, cut over edp, or whole with edp = 1). Under HSDP every shard is held by each of the
+    `replicas`, so the sum is divided by them."""
     sums = torch.zeros(2, dtype=torch.float32)
     for tp_sharded, grad in grads:
         g = local_part(grad)
         sums = sums.to(g.device)
         sums[0 if tp_sharded else 1] += g.float().pow(2).sum()
     dist.all_reduce(sums, group=group)
-    if hsdp_mesh is not None:
-        sums /= hsdp_mesh["replicate"].size()
+    if replicas > 1:
+        sums /= replicas
     return sums[0], sums[1]
 
 
@@ -399,30 +405,22 @@ def shard_state_bytes(params: Iterable[nn.Parameter]) -> dict[str, int]:
     return {"parameters": held, "gradients": grads}
 
 
-def shard_units(blocks: Iterable[nn.Module], root: nn.Module, group: ProcessGroup, device_type: str,
-                param_dtype: torch.dtype | None, expert_group: ProcessGroup | None,
-                reshard_after_forward: bool = True, hsdp_mesh=None, hsdp_expert_mesh=None) -> list[nn.Module]:
-    """ZeRO-3's `fully_shard` units over `group` (dp x cp): one per transformer block and one for `root` (the rest),
-    each block's gather prefetched by the one before it, with lean mixed precision where `param_dtype` is set (the
-    fp32 shards gathered in it, gradients reduce-scattered in fp32). Units are built innermost first (a unit
-    manages the parameters no unit inside it holds). Under expert parallel (`expert_group`: the edp ranks that
-    hold the same experts) the routed experts' weights of an MoE block shard over `expert_group`: the router and
-    the shared experts become small units over dp x cp, the MoE module a unit over edp holding only `w_gate`,
-    `w_up`, `w_down`; with edp = 1 those three stay plain tensors, ignored by the block's and the root's units.
-    `hsdp_mesh` (HSDP: a 2D replicate x shard DeviceMesh over the same ranks as `group`) replaces the 1D mesh
-    of `group`: fully_shard then shards over the shard dimension and all-reduces each reduced shard over the
-    replicate one; under ep `hsdp_expert_mesh` (the members of each shard group that hold the same experts x the
-    replicas) replaces the edp mesh likewise. Returns every unit (the units inside the blocks, the blocks', the
-    root's)."""
-    from torch.distributed.device_mesh import DeviceMesh
+def shard_units(blocks: Iterable[nn.Module], root: nn.Module, meshes: Zero3Meshes, param_dtype: torch.dtype | None,
+                reshard_after_forward: bool = True) -> list[nn.Module]:
+    """ZeRO-3's `fully_shard` units over `meshes.dense` (dp x cp; under HSDP a 2D replicate x shard mesh, over whose
+    replicate dimension fully_shard all-reduces each reduced shard): one per transformer block and one for `root`
+    (the rest), each block's gather prefetched by the one before it, with lean mixed precision where `param_dtype`
+    is set (the fp32 shards gathered in it, gradients reduce-scattered in fp32). Units are built innermost first (a
+    unit manages the parameters no unit inside it holds). Under expert parallel the routed experts' weights of an
+    MoE block shard over `meshes.experts` (the ranks that hold the same experts): the router and the shared
+    experts become small units over the dense mesh, the MoE module a unit over the experts' mesh holding only
+    `w_gate`, `w_up`, `w_down`; without an experts' mesh (edp = 1) those three stay plain tensors, ignored by the
+    block's and the root's units. Returns every unit (the units inside the blocks, the blocks', the root's)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from fivefold.models.llama import MoE
 
-    mesh = hsdp_mesh if hsdp_mesh is not None else DeviceMesh.from_group(group, device_type)
-    experts_mesh = hsdp_expert_mesh
-    if experts_mesh is None and expert_group is not None and dist.get_world_size(expert_group) > 1:
-        experts_mesh = DeviceMesh.from_group(expert_group, device_type)
+    mesh, experts_mesh = meshes.dense, meshes.experts
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
 
     def unit(module: nn.Module, on: DeviceMesh, ignored: set[nn.Parameter] | None = None) -> nn.Module:
@@ -434,7 +432,7 @@ def shard_units(blocks: Iterable[nn.Module], root: nn.Module, group: ProcessGrou
     plain: set[nn.Parameter] = set()
     for block in blocks:
         whole: set[nn.Parameter] = set()
-        moe = block.mlp if expert_group is not None and isinstance(block.mlp, MoE) else None
+        moe = block.mlp if meshes.expert_parallel and isinstance(block.mlp, MoE) else None
         if moe is not None:
             inner += [unit(m, mesh) for m in (moe.router, moe.shared) if m is not None]
             if experts_mesh is not None:
@@ -462,7 +460,7 @@ class FullyShardedDataParallel:
     module docstring). `root` must be the module whose forward computes the loss, so that the root unit's
     hooks run around the whole micro-batch.
 
-    Under expert parallel (`expert_group`: the ranks holding the same experts, edp = dp x cp / ep of them) the
+    Under expert parallel (the ranks holding the same experts, edp = dp x cp / ep of them) the
     routed experts' weights of each MoE layer shard over that group instead: the MoE module becomes a unit of
     its own over the edp mesh, holding only `w_gate`, `w_up`, `w_down` (its router and shared experts are
     small units over the dp x cp mesh, so that they shard and reduce with the dense weights), inside its
@@ -471,12 +469,10 @@ class FullyShardedDataParallel:
     data parallel)."""
 
     def __init__(self, root: nn.Module, model: nn.Module, tp_sharded: set[str], group: ProcessGroup,
-                 device_type: str, param_dtype: torch.dtype | None = None,
-                 expert_group: ProcessGroup | None = None, hsdp_mesh=None, hsdp_expert_mesh=None) -> None:
+                 meshes: Zero3Meshes, param_dtype: torch.dtype | None = None) -> None:
         self.group, self.zero, self.sync = group, 3, True
-        self.tp_sharded, self.hsdp_mesh = tp_sharded, hsdp_mesh
-        shard_units(model.layers.values(), root, group, device_type, param_dtype, expert_group,
-                    hsdp_mesh=hsdp_mesh, hsdp_expert_mesh=hsdp_expert_mesh)
+        self.tp_sharded, self.replicas = tp_sharded, meshes.replicas
+        shard_units(model.layers.values(), root, meshes, param_dtype)
         self.root, self.model = root, model
 
     def optimizer_params(self) -> list[nn.Parameter]:
@@ -494,7 +490,7 @@ class FullyShardedDataParallel:
     def grad_square_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(tp-sharded, tp-replicated) sums of squares over the dp x cp group (`shard_square_sums`)."""
         grads = ((name in self.tp_sharded, p.grad) for name, p in self.model.named_parameters() if p.grad is not None)
-        return shard_square_sums(grads, self.group, self.hsdp_mesh)
+        return shard_square_sums(grads, self.group, self.replicas)
 
     def state_bytes(self) -> dict[str, int]:
         return shard_state_bytes(self.root.parameters())

@@ -18,12 +18,16 @@ needs it: nothing here is global.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from fivefold.config import Config, LayoutConfig
 from fivefold.layout import check_layout
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 AXES = ("pp", "dp", "cp", "tp")  # outermost first
 
@@ -89,6 +93,18 @@ def hsdp_expert_grids(layout: LayoutConfig) -> list[list[list[int]]]:
     return [[row[j::ep] for row in grid] for grid in hsdp_grids(layout) for j in range(ep)]
 
 
+@dataclass(frozen=True)
+class Zero3Meshes:
+    """Where ZeRO-3's `fully_shard` units of this rank shard (`ProcessGrid.zero3_meshes`)."""
+
+    dense: DeviceMesh  # dp x cp, or HSDP's replicate x shard
+    # the routed experts under ep: the edp ranks, or HSDP's replicate x (the shard group's ranks holding them);
+    # None when each rank's experts stay whole (edp = 1) or without ep
+    experts: DeviceMesh | None
+    expert_parallel: bool
+    replicas: int  # HSDP's replicas of each shard (1 without HSDP)
+
+
 # the groups every rank builds: one per axis, plus the combinations that reduce gradients
 GROUP_AXES: dict[str, tuple[str, ...]] = {
     "tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",),
@@ -146,26 +162,28 @@ class ProcessGrid:
     def tp_group(self) -> ProcessGroup:
         return self.groups["tp"]
 
-    def hsdp_mesh(self, device_type: str):
-        """HSDP's 2D DeviceMesh (replicate x shard) over this rank's dp x cp group; None without HSDP."""
-        if not self.layout.dp_shard:
-            return None
+    def zero3_meshes(self, device_type: str) -> Zero3Meshes:
+        """ZeRO-3's meshes: the dense weights over dp x cp, the routed experts over the edp ranks (none to shard
+        with edp = 1). Under HSDP both are 2D, replicate x shard: the shard groups of `hsdp_grids` (for the experts
+        their members holding the same experts, `hsdp_expert_grids`), whose columns are the replicas."""
         import torch
         from torch.distributed.device_mesh import DeviceMesh
 
-        return DeviceMesh.from_group([self.groups["hsdp_replicate"], self.groups["hsdp_shard"]], device_type,
-                                     mesh=torch.tensor(self.hsdp_ranks), mesh_dim_names=("replicate", "shard"))
+        la = self.layout
+        experts = None
+        if la.dp_shard:
+            def mesh_2d(shard: str, ranks: list[list[int]]) -> DeviceMesh:
+                return DeviceMesh.from_group([self.groups["hsdp_replicate"], self.groups[shard]], device_type,
+                                             mesh=torch.tensor(ranks), mesh_dim_names=("replicate", "shard"))
 
-    def hsdp_expert_mesh(self, device_type: str):
-        """HSDP's 2D DeviceMesh (replicate x shard) for this rank's routed experts under ep; None otherwise. Its
-        replicate groups are the dense mesh's (the same columns)."""
-        if not self.layout.dp_shard or self.layout.ep == 1:
-            return None
-        import torch
-        from torch.distributed.device_mesh import DeviceMesh
-
-        return DeviceMesh.from_group([self.groups["hsdp_replicate"], self.groups["hsdp_expert_shard"]], device_type,
-                                     mesh=torch.tensor(self.hsdp_expert_ranks), mesh_dim_names=("replicate", "shard"))
+            dense = mesh_2d("hsdp_shard", self.hsdp_ranks)
+            if la.ep > 1:
+                experts = mesh_2d("hsdp_expert_shard", self.hsdp_expert_ranks)
+        else:
+            dense = DeviceMesh.from_group(self.grad_group, device_type)
+            if la.ep > 1 and self.size("edp") > 1:
+                experts = DeviceMesh.from_group(self.groups["edp"], device_type)
+        return Zero3Meshes(dense, experts, la.ep > 1, la.zero_replicas)
 
     @property
     def grad_group(self) -> ProcessGroup:

@@ -167,9 +167,8 @@ def parallelize(model: Llama, cfg: Config, grid: ProcessGrid, device: torch.devi
     loss_model = LossModel(model, grid, la.sp, cfg.train.compile)
     tp_sharded = tp_sharded_names(model, grid.size("tp"))
     if la.zero == 3:  # 6. data parallel: dense weights over dp x cp, experts over the ranks holding the same ones
-        fsdp = FullyShardedDataParallel(loss_model, model, tp_sharded, grid.grad_group, device.type,
-                                        working_dtype(cfg, device), grid.groups["edp"] if la.ep > 1 else None,
-                                        grid.hsdp_mesh(device.type), grid.hsdp_expert_mesh(device.type))
+        fsdp = FullyShardedDataParallel(loss_model, model, tp_sharded, grid.grad_group,
+                                        grid.zero3_meshes(device.type), working_dtype(cfg, device))
         if is_meta(model):
             materialize_shards(model, grid, device, cfg.train.seed, root=loss_model)
         return loss_model, fsdp, None

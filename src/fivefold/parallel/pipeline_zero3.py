@@ -42,7 +42,7 @@ from torch.distributed import ProcessGroup
 from fivefold.config import Config
 from fivefold.models.llama import Llama
 from fivefold.parallel.data import shard_square_sums, shard_state_bytes, shard_units
-from fivefold.parallel.mesh import ProcessGrid
+from fivefold.parallel.mesh import ProcessGrid, Zero3Meshes
 from fivefold.parallel.pipeline import WeightGradQueue
 
 
@@ -55,20 +55,18 @@ class PipelineFullyShardedDataParallel:
     buckets: list = []  # no flat buckets: the engine's tied-bucket handling finds none
 
     def __init__(self, stages: dict[int, Llama], loss_model: nn.Module | None, last_stage: int,
-                 tp_sharded: set[str], group: ProcessGroup, device_type: str,
-                 param_dtype: torch.dtype | None = None, tied_group: ProcessGroup | None = None,
-                 expert_group: ProcessGroup | None = None, hsdp_mesh=None, hsdp_expert_mesh=None) -> None:
+                 tp_sharded: set[str], group: ProcessGroup, meshes: Zero3Meshes,
+                 param_dtype: torch.dtype | None = None, tied_group: ProcessGroup | None = None) -> None:
         from torch.distributed.fsdp import register_fsdp_forward_method
 
         self.group, self.sync, self.tp_sharded, self.tied_group = group, True, tp_sharded, tied_group
-        self.hsdp_mesh = hsdp_mesh
+        self.replicas = meshes.replicas
         self.stages = stages
         self.roots: dict[int, nn.Module] = {}
         self.units: dict[int, list[nn.Module]] = {}
         for s, stage in stages.items():  # each stage's units as plain ZeRO-3 builds them, kept gathered for the step
             root = loss_model if s == last_stage else stage
-            units = shard_units(stage.layers.values(), root, group, device_type, param_dtype, expert_group,
-                                reshard_after_forward=False, hsdp_mesh=hsdp_mesh, hsdp_expert_mesh=hsdp_expert_mesh)
+            units = shard_units(stage.layers.values(), root, meshes, param_dtype, reshard_after_forward=False)
             if root is stage:  # the engine calls forward_hidden: the root unit's hooks must run around it
                 register_fsdp_forward_method(stage, "forward_hidden")
             self.roots[s], self.units[s] = root, units
@@ -137,7 +135,7 @@ class PipelineFullyShardedDataParallel:
         names = {id(p): name for stage in self.stages.values() for name, p in stage.named_parameters()}
         grads = ((names[id(p)] in self.tp_sharded, p.grad) for p in self.parameters()
                  if p.grad is not None and id(p) != skip)
-        return shard_square_sums(grads, self.group, self.hsdp_mesh)
+        return shard_square_sums(grads, self.group, self.replicas)
 
     def state_bytes(self) -> dict[str, int]:
         return shard_state_bytes(self.parameters())
@@ -203,10 +201,8 @@ def shard_stages(stages: dict[int, Llama], cfg: Config, grid: ProcessGrid, queue
     loss_model = LossModel(last, grid, cfg.layout.sp, cfg.train.compile) if last is not None else None
     tp_sharded = set().union(*(tp_sharded_names(stage, grid.size("tp")) for stage in stages.values()))
     tied_group = grid.groups["embed"] if cfg.model.tied_embeddings else None
-    expert_group = grid.groups["edp"] if cfg.layout.ep > 1 else None
     sharded = PipelineFullyShardedDataParallel(stages, loss_model, last_stage, tp_sharded, grid.grad_group,
-                                               device.type, working_dtype(cfg, device), tied_group, expert_group,
-                                               grid.hsdp_mesh(device.type), grid.hsdp_expert_mesh(device.type))
+                                               grid.zero3_meshes(device.type), working_dtype(cfg, device), tied_group)
     for s, stage in stages.items():  # each stage's copy of a tied weight is initialised alike (the embedding's)
         if is_meta(stage):
             materialize_shards(stage, grid, device, cfg.train.seed, root=sharded.roots[s])

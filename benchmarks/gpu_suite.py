@@ -183,7 +183,8 @@ def summary_line(record: dict) -> str:
         mfu = f"{100 * r['mfu']:.1f} %" if r.get("mfu") else "n/a"
         return head + f"{r['tokens_per_s']:,.0f} tok/s, MFU {mfu}, peak {gib:.2f} GiB, step {r['step_time_s']:.3f} s"
     if "fivefold_tokens_per_s" in r:
-        mfu = f", MFU {100 * r['fivefold_mfu']:.1f} / {100 * r['transformers_mfu']:.1f} %" if r.get("fivefold_mfu") else ""
+        mfu = (f", MFU {100 * r['fivefold_mfu']:.1f} / {100 * r['transformers_mfu']:.1f} %"
+               if r.get("fivefold_mfu") else "")
         return head + (f"fivefold {r['fivefold_tokens_per_s']:,.0f} tok/s, transformers "
                        f"{r['transformers_tokens_per_s']:,.0f} tok/s, ratio {r['ratio']:.2f}x{mfu}")
     return head + ", ".join(f"{k} {v}" for k, v in _only_rank_figures(r).items())

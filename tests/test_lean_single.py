@@ -81,9 +81,7 @@ def test_lean_single_device_matches_autocast_engine(fp32_grads):
 def test_lean_single_device_resumes_bit_for_bit(tmp_path):
     """Save the pieces after step 1 (fp32 masters and moments), load them into a fresh engine, train on: the same
     losses and masters as without the interruption."""
-    from fivefold.config import dump_toml
-    from fivefold.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
-    from fivefold.train.loop import load_pieces
+    from fivefold.train.checkpoint import Checkpointer, load_checkpoint
 
     cfg = tiny_config(BF16)
     batches = global_batches(cfg)
@@ -101,9 +99,9 @@ def test_lean_single_device_resumes_bit_for_bit(tmp_path):
     want = [step(whole, i) for i in range(STEPS)]
     first = create_engine(cfg, torch.device("cpu"))
     got = [step(first, 0)]
-    path = save_checkpoint(tmp_path, TrainerState(step=1, tokens_seen=tokens), first, dump_toml(cfg))
+    path = Checkpointer(tmp_path, first, cfg).save(1, tokens_seen=tokens, samples_consumed=cfg.train.global_batch_size)
     second = create_engine(cfg, torch.device("cpu"))
-    load_pieces(second, load_checkpoint(path), cfg)
+    Checkpointer(tmp_path, second, cfg).load_state(load_checkpoint(path))
     got += [step(second, i) for i in range(1, STEPS)]
     assert got == want
     for name, value in whole.model_state().items():

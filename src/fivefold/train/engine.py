@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from fivefold import faults
+from fivefold.checkpoint_format import flat_rects
 from fivefold.config import Config
 from fivefold.device import autocast, use_bf16
 from fivefold.models.loss import model_loss_sum
-from fivefold.models.pieces import flat_rects
 from fivefold.train.checkpoint import Piece
 from fivefold.train.optim import build_adamw, lr_at
 
@@ -264,7 +264,7 @@ class Engine:
 
     @torch.no_grad()
     def load_state_pieces(self, reader, steps: dict[str, float]) -> None:
-        """Load this rank's weights and AdamW state from a checkpoint's pieces (`models.pieces.PieceReader`),
+        """Load this rank's weights and AdamW state from a checkpoint's pieces (`checkpoint_format.PieceReader`),
         whatever layout wrote them: each segment reads the rectangles it covers, only those bytes."""
         segments = self.state_segments()
         with_moments = {}

@@ -59,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mfu-convention", choices=["fivefold", "torchtitan", "playbook"], default="fivefold",
                    help="FLOPs per token of the MFU column: fivefold's (causal attention halved, the trainer's), "
                    "torchtitan's or the playbook's (full attention; the playbook also counts the embedding)")
-    p.add_argument("--fp32-grad-accum", choices=["on", "off"], default="off")
+    p.add_argument("--fp32-grad-accum", choices=["on", "off"], default=None,
+                   help="gradients accumulated and reduced in fp32 (default: the framework's own; fivefold: on)")
     p.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to consider")
     p.add_argument("--recompute", default="none,selective,full", help="recompute modes to consider")
     p.add_argument("--sp", choices=["on", "off", "both"], default="both", help="sequence parallel with tp>1")
@@ -150,7 +151,8 @@ def _space(args: argparse.Namespace) -> SearchSpace:
             raise ConfigError(f"--recompute {r!r} is not one of none, selective, full")
     sp = {"on": (True,), "off": (False,), "both": (False, True)}[args.sp]
     return SearchSpace(zero=zero, recompute=rc, sp=sp, schedules=tuple(args.schedules.split(",")),
-                       cp=not args.no_cp, fp32_grad_accum=args.fp32_grad_accum == "on")
+                       cp=not args.no_cp,
+                       fp32_grad_accum=None if args.fp32_grad_accum is None else args.fp32_grad_accum == "on")
 
 
 _FIX_DEGREES = ("dp", "tp", "pp", "cp", "ep", "micro_batch_size")
@@ -383,7 +385,8 @@ def run(args: argparse.Namespace) -> int:
 
         return run_scaling(args, cfg, fw, hw, space, seq, batch_seqs)
     if args.layout:
-        lay = parse_layout(args.layout, batch_seqs)
+        lay = parse_layout(args.layout, batch_seqs, fw.default_fp32_grad_accum if args.fp32_grad_accum is None
+                           else args.fp32_grad_accum == "on")
         lay = dataclasses.replace(lay, fp32_grad_accum=lay.fp32_grad_accum or args.fp32_grad_accum == "on")
         check_runs_hsdp(lay, fw)
         if lay.world_size != n_gpus:

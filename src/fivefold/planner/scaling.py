@@ -84,7 +84,8 @@ def scaling(cfg: ModelConfig, seq: int, batch_seqs: int, nodes: list[int], weak:
                               f"whole number of sequences at {n} nodes; choose node counts that are multiples of "
                               f"{nodes[0]}")
         if layout:
-            lay = parse_layout(layout, batch)
+            lay = parse_layout(layout, batch, fw.default_fp32_grad_accum if space.fp32_grad_accum is None
+                               else space.fp32_grad_accum)
             check_runs_hsdp(lay, fw)
             lay = scale_layout(lay, gpus, batch)
             e = estimate(cfg, seq, lay, fw, hw, True)

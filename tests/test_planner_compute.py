@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import statistics
 import tomllib
 from pathlib import Path
@@ -191,6 +192,32 @@ def test_torchtitan_held_out_rows(capsys):
         assert e["finished"] == len(errs)
         assert e["median_signed"] == pytest.approx(statistics.median(errs), abs=2e-3)  # tokens/s rounded to 0.1
         assert e["median_error"] == pytest.approx(statistics.median(map(abs, errs)), abs=2e-3)
+
+
+def test_validate_per_row_errors_have_one_sign(capsys):
+    """`plan validate --per-row`: every signed error has the sign of the by-nodes breakdown (predicted / measured
+    step time - 1, - = predicted faster), said in both headers; each row's against its own tokens/s (the rows hold
+    one predicted faster and one slower than measured at least)."""
+    from fivefold.planner.validate import SIGN_CONVENTION
+
+    argv = ["--data", str(TORCHTITAN_ROWS), "--profile", str(TORCHTITAN), "--per-row"]
+    rows = _validate(capsys, *argv)["rows"]
+    assert main(["plan", "validate", *argv]) == 0
+    out = capsys.readouterr().out
+    assert SIGN_CONVENTION == "predicted / measured - 1: - = predicted faster than measured"
+    assert out.count(SIGN_CONVENTION) == 2  # the by-nodes line and the per-row table's header
+    table = out.split(SIGN_CONVENTION)[-1].splitlines()[2:]
+    assert len(table) == len(rows)
+    signs = set()
+    for line, r in zip(table, rows, strict=True):
+        assert line.startswith(r["model"]) and r["layout"] in line
+        (printed,) = re.findall(r" ([+-]\d+) % ", line)
+        step_ratio = r["measured_tok_s_gpu"] / r["predicted_tok_s_gpu"]  # predicted / measured step time
+        assert int(printed) == round(100 * (step_ratio - 1)), line
+        if abs(step_ratio - 1) > 0.01:
+            assert (int(printed) < 0) == (r["predicted_tok_s_gpu"] > r["measured_tok_s_gpu"]), line
+            signs.add(int(printed) < 0)
+    assert signs == {True, False}
 
 
 @pytest.mark.skipif(not PLAYBOOK.is_file(), reason="../shared/data is not beside the repository")

@@ -41,6 +41,7 @@ from fivefold.train.metrics import (
     format_duration,
     gather_ints,
     peak_memory_bytes,
+    peak_source,
     resolve_peak_tflops,
     step_record,
     synchronize,
@@ -267,7 +268,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
     result = TrainResult(run_dir=run_dir, steps=start)
     mbs, global_tokens = cfg.micro_batch_size, t.global_batch_size * t.seq_len
     flops_per_token = training_flops_per_token(cfg.model, t.seq_len)
-    peak = resolve_peak_tflops(cfg.log.peak_tflops, device)
+    peak = resolve_peak_tflops(cfg.log.peak_tflops, device, "bf16" if engine.bf16 else "fp32")
 
     def log(record: dict) -> None:
         if writer is not None:
@@ -410,7 +411,8 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
             f"summary: wall time {format_duration(time.perf_counter() - wall_start)} "
             f"({format_duration(loop_seconds)} in {result.steps - start} steps); tokens seen {tokens_seen:,}"
             f" ({tokens_run:,} in this run); mean {per_device:,.0f} tokens/s per device on {engine.n_devices} "
-            f"device(s); MFU {f'{100 * mfu:.1f} %' if mfu is not None else 'n/a (unknown device peak)'}; "
+            f"device(s); MFU {f'{100 * mfu:.1f} %' if mfu is not None else 'n/a (unknown device peak)'}"
+            f"{peak_source(cfg.log.peak_tflops, device) if mfu is not None else ''}; "
             f"peak memory {peak_seen / 2**20:,.0f} MiB"
         )
         if result.skipped_steps:

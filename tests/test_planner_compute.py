@@ -126,7 +126,7 @@ def test_plan_refuses_a_feature_the_framework_does_not_run(capsys, monkeypatch, 
     assert main(args) == 2
     err = capsys.readouterr().err
     assert f"--features '{feature}': the fivefold framework does not run {what}" in err
-    assert "fivefold runs: compile;" in err and f"frameworks that run {feature}: " in err and "torchtitan" in err
+    assert "fivefold runs: compile;" in err and f"profiles declare {feature}: " in err and "torchtitan" in err
     with pytest.raises(ConfigError, match="fivefold runs: compile"):
         with_features(FIVEFOLD, [feature])
     assert with_features(FIVEFOLD, ["compile"]).fused_elementwise == "all"  # the feature it runs

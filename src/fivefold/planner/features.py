@@ -46,9 +46,9 @@ def check_runs(fw: Framework, features: tuple[str, ...] | list[str], where: str 
         others = [n for n, other in all_frameworks().items() if all(f in runs(other) for f in missing)]
         raise ConfigError(
             f"{where} {','.join(missing)!r}: the {fw.name} framework does not run "
-            f"{' or '.join(FEATURES[f] for f in missing)}, so no run could confirm the prediction (a framework is "
-            f"planned only with the features it runs); {fw.name} runs: {', '.join(runs(fw)) or 'none'}; "
-            f"frameworks that run {','.join(missing)}: {', '.join(others) or 'none'}")
+            f"{' or '.join(FEATURES[f] for f in missing)}, and the planner predicts only what a framework runs "
+            f"(its profile's `features`); {fw.name} runs: {', '.join(runs(fw)) or 'none'}; frameworks whose "
+            f"profiles declare {','.join(missing)}: {', '.join(others) or 'none'}")
 
 
 def with_features(fw: Framework, features: tuple[str, ...] | list[str], where: str = "--features") -> Framework:

@@ -129,3 +129,43 @@ def test_fp32_residual_stream_option():
         assert abs(a - b) <= 5e-3 * abs(b), f"loss {a} vs {b}"
     for a, b in zip(norms, ref_norms, strict=True):
         assert abs(a - b) <= 3e-2 * abs(b), f"grad norm {a} vs {b}"
+
+
+def accumulated_grads(fp32_grads: bool, micro_batches: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The gradient the lean engine accumulates over `micro_batches` micro-batches of one sequence each (bf16
+    working weights; fp32 or bf16 accumulation), and the fp64 sum of the same engine's gradient of each micro-batch
+    alone (each exact in the accumulation buffer: one bf16 gradient, cast)."""
+    overrides = {**BF16, "train.global_batch_size": str(micro_batches), "layout.micro_batch_size": "1"}
+    cfg = tiny_config({**overrides, "layout.fp32_grad_accum": str(fp32_grads).lower()})
+    inputs, targets = global_batches(cfg)[0]
+    micro = list(zip(inputs.split(1), targets.split(1), strict=True))
+    tokens = micro_batches * cfg.train.seq_len
+    engine = create_engine(cfg, torch.device("cpu"))
+    engine.forward_backward(micro, tokens)
+    got = [m.grad if fp32_grads else p.grad for p, m in zip(engine.working, engine.master, strict=True)]
+    ref_cfg = tiny_config({**overrides, "layout.fp32_grad_accum": "true"})
+    ref = create_engine(ref_cfg, torch.device("cpu"))
+    want = [torch.zeros_like(m, dtype=torch.float64) for m in ref.master]
+    for one in micro:
+        ref.forward_backward([one], tokens)
+        for w, m in zip(want, ref.master, strict=True):
+            w.add_(m.grad.double())
+            m.grad = None
+    return got, want
+
+
+def test_fp32_grad_accumulation_over_64_micro_batches_matches_fp64():
+    """The default (`layout.fp32_grad_accum = true`) under bf16 working weights: 64 micro-batches' gradients summed
+    in fp32 are within 1e-3 relative (whole-model norm) of their fp64 sum; summed in bf16 (the buffer of the working
+    weights' dtype) they are not."""
+    assert tiny_config(BF16).layout.fp32_grad_accum, "fp32 accumulation is the default"
+
+    def relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+        diff = sum(((g.double() - w) ** 2).sum() for g, w in zip(got, want, strict=True)).sqrt()
+        return (diff / sum((w ** 2).sum() for w in want).sqrt()).item()
+
+    fp32 = relative_error(*accumulated_grads(True, 64))
+    bf16 = relative_error(*accumulated_grads(False, 64))
+    print(f"relative error of the accumulated gradient: fp32 {fp32:.2e}, bf16 {bf16:.2e}")
+    assert fp32 <= 1e-3
+    assert bf16 > 1e-3

@@ -304,10 +304,10 @@ class Engine:
 class LeanEngine(Engine):
     """Single-device engine under bf16 (the default on accelerators): lean mixed precision as the parallel engines
     do it (`fivefold.parallel.data`), without the sharding. The model holds bf16 working weights, so activations
-    and the residual stream are bf16 and no weight is cast per micro-batch; its gradients accumulate in bf16 over
-    the micro-batches (or, with `layout.fp32_grad_accum`, are added into fp32 buffers as backward produces them);
+    and the residual stream are bf16 and no weight is cast per micro-batch; its gradients are added into fp32 buffers
+    as backward produces them (`layout.fp32_grad_accum`, the default), or accumulate in bf16 over the micro-batches;
     AdamW steps an fp32 master copy of every parameter, which is cast to the working weights once after each step.
-    State: 2 + (2 or 4) + 12 bytes per parameter (weights, gradients, master and moments), where autocast over fp32
+    State: 2 + (4 or 2) + 12 bytes per parameter (weights, gradients, master and moments), where autocast over fp32
     weights holds 4 + 4 + 8 plus a bf16 copy of every weight per micro-batch in flight. The master copy is the
     model state that checkpoints save and load."""
 

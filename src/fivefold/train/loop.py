@@ -41,6 +41,7 @@ from fivefold.train.metrics import (
     format_duration,
     gather_ints,
     peak_memory_bytes,
+    peak_source,
     resolve_peak_tflops,
     step_record,
     synchronize,
@@ -229,7 +230,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
               writer=writer, result=TrainResult(run_dir=run_dir, steps=loaded.state.step if loaded else 0),
               tokens_seen=loaded.state.tokens_seen if loaded else 0,
               skipped_before=loaded.state.skipped_steps if loaded else 0, stop_after=stop_after,
-              peak=resolve_peak_tflops(cfg.log.peak_tflops, device))
+              peak=resolve_peak_tflops(cfg.log.peak_tflops, device, "bf16" if engine.bf16 else "fp32"))
     if writer is not None:
         run.announce(data_dir, resuming=loaded is not None)
     if run.start == 0:
@@ -515,7 +516,8 @@ class Run:
             f"summary: wall time {format_duration(time.perf_counter() - wall_start)} "
             f"({format_duration(loop_seconds)} in {result.steps - self.start} steps); tokens seen "
             f"{self.tokens_seen:,} ({tokens_run:,} in this run); mean {per_device:,.0f} tokens/s per device on "
-            f"{n_devices} device(s); MFU {f'{100 * mfu:.1f} %' if mfu is not None else 'n/a (unknown device peak)'}; "
+            f"{n_devices} device(s); MFU {f'{100 * mfu:.1f} %' if mfu is not None else 'n/a (unknown device peak)'}"
+            f"{peak_source(self.cfg.log.peak_tflops, self.device) if mfu is not None else ''}; "
             f"peak memory {self.peak_seen / 2**20:,.0f} MiB"
         )
         if result.skipped_steps:

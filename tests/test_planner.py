@@ -380,3 +380,55 @@ def test_search_never_proposes_sequence_parallel_the_engine_refuses():
         conf = build_config(None, {"model.preset": "tiny", "train.seq_len": 129, "train.global_batch_size": 8})
         conf.layout = e.layout.to_layout_config()
         validate_layout(conf, 2)
+
+
+# the start-up check of `fivefold train` / `fivefold bench` against `fivefold plan --layout`: (model, sequences in the
+# global batch, layout); llama-3.2-1b at micro-batch 32 x 4096 tokens with full recompute fits an H100 although its
+# whole-batch fp32 logits alone (62.6 GiB) and 16 bytes per parameter (18.5 GiB) would not: the chunked loss never
+# holds them
+STARTUP_LAYOUTS = [
+    ("llama-3.2-1b", 32, {"micro_batch_size": 32, "recompute": "full"}),
+    ("llama-3.2-1b", 32, {"micro_batch_size": 32, "recompute": "selective"}),
+    ("llama-3.2-1b", 32, {"micro_batch_size": 32, "recompute": "none"}),
+    ("llama-3.2-1b", 32, {"micro_batch_size": 1, "recompute": "none"}),
+    ("llama-3.2-1b", 64, {"dp": 8, "zero": 1, "micro_batch_size": 8, "recompute": "none"}),
+    ("llama-3.2-1b", 64, {"dp": 4, "tp": 2, "sp": True, "micro_batch_size": 16, "recompute": "full"}),
+    ("llama-3.2-1b", 64, {"dp": 4, "pp": 2, "micro_batch_size": 16, "recompute": "none", "schedule": "afab"}),
+    ("llama3-8b", 8, {"micro_batch_size": 1, "recompute": "full"}),
+    ("llama3-8b", 64, {"dp": 8, "zero": 0, "micro_batch_size": 1, "recompute": "full"}),
+    ("llama3-8b", 64, {"dp": 8, "zero": 3, "micro_batch_size": 1, "recompute": "full"}),
+    ("llama3-8b", 64, {"dp": 8, "zero": 3, "micro_batch_size": 8, "recompute": "none"}),
+    ("llama3-8b", 64, {"dp": 2, "tp": 4, "sp": True, "zero": 1, "micro_batch_size": 1, "recompute": "selective"}),
+    ("llama3-8b", 64, {"dp": 2, "pp": 4, "zero": 1, "micro_batch_size": 1, "recompute": "none"}),
+]
+
+
+def test_startup_check_agrees_with_plan_layout(capsys: pytest.CaptureFixture) -> None:
+    """The start-up memory check (`check_fits` on an H100, as `fivefold train` runs it there) refuses exactly the
+    layouts that `fivefold plan --layout` says do not fit, and its figure is the plan's predicted peak."""
+    from fivefold.planner.predict import check_fits, on_one_node
+
+    seq = 4096
+    answers = []
+    for model, batch_seqs, layout in STARTUP_LAYOUTS:
+        world = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
+        text = ",".join(f"{k}={'on' if v is True else v}" for k, v in layout.items())
+        assert main(["plan", "--model", model, "--seq-len", str(seq), "--global-batch", str(batch_seqs * seq),
+                     "--gpus-per-node", str(world), "--layout", text, "--json"]) == 0
+        planned = json.loads(capsys.readouterr().out)
+        cfg = build_config(None, {"model.preset": model, "train.seq_len": str(seq), "train.device": "cuda",
+                                  "train.global_batch_size": str(batch_seqs),
+                                  **{f"layout.{k}": str(v).lower() for k, v in layout.items()}})
+        try:
+            check_fits(cfg, on_one_node(get_cluster("h100"), world), "cuda")
+            refused = None
+        except ConfigError as e:
+            refused = str(e)
+        assert (refused is None) == planned["fits"], (model, text, refused, planned["memory_bytes"]["peak"])
+        if refused is not None:  # the figure: the plan's peak against the device's memory
+            assert f"peak of {planned['memory_bytes']['peak'] / 2**30:,.1f} GiB per device" in refused, refused
+            assert "79.6 GiB" in refused
+            assert f"layout.micro_batch_size = {layout['micro_batch_size']}" in refused or "model.hidden" in refused
+        answers.append(planned["fits"])
+    assert answers[:3] == [True, False, False]  # the llama-3.2-1b case fits with full recompute, not without
+    assert answers.count(True) >= 4 and answers.count(False) >= 4, answers

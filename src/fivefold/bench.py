@@ -32,6 +32,7 @@ from fivefold.config import Config, ConfigError, build_config, parse_overrides, 
 from fivefold.device import resolve_device
 from fivefold.flops import training_flops_per_token
 from fivefold.launch import check_layout, local_world_size, start_or_join
+from fivefold.planner.predict import check_fits, device_cluster
 from fivefold.train.engine import Engine, create_engine
 from fivefold.train.metrics import gather_ints, peak_memory_bytes, resolve_peak_tflops, synchronize
 from fivefold.train.preflight import check_start
@@ -267,7 +268,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nproc = {args.nproc} must be >= 1")
     cfg = bench_config(args)  # every config error before any process starts
     check_layout(cfg, local_world_size(args.nproc))
-    check_start(cfg, args.nproc, run_dir=False, warn=False)
+    device = check_start(cfg, run_dir=False)
+    if device is not None:  # the process the user started: the planner's prediction on the device the run uses
+        check_fits(cfg, device_cluster(device, args.nproc), device.type)
     status = start_or_join(cfg, args.nproc, forwarded_argv(args), "bench")
     if status is not None:
         return status

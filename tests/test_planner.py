@@ -370,7 +370,7 @@ def test_validate_reads_fivefold_rows(capsys, tmp_path):
 def test_search_never_proposes_sequence_parallel_the_engine_refuses():
     """Sequence parallel cuts the (cp-local) sequence over tp: with seq = 129 on 2 GPUs, tp2 + sp is rejected with
     its reason, tp2 without sp stays, and every proposed layout passes the engine's validator."""
-    from fivefold.parallel.mesh import validate_layout
+    from fivefold.layout import check_layout
 
     cfg, hw = get_preset("tiny"), get_cluster("h100")
     result = search(cfg, 129, 8, 2, FIVEFOLD, hw, top=1000)
@@ -379,7 +379,7 @@ def test_search_never_proposes_sequence_parallel_the_engine_refuses():
     for e in result.candidates:
         conf = build_config(None, {"model.preset": "tiny", "train.seq_len": 129, "train.global_batch_size": 8})
         conf.layout = e.layout.to_layout_config()
-        validate_layout(conf, 2)
+        check_layout(conf, 2)
 
 
 # the start-up check of `fivefold train` / `fivefold bench` against `fivefold plan --layout`: (model, sequences in the

@@ -31,7 +31,8 @@ from fivefold import faults
 from fivefold.config import Config, ConfigError, build_config, parse_overrides, write_text_atomic
 from fivefold.device import resolve_device
 from fivefold.flops import training_flops_per_token
-from fivefold.launch import check_layout, local_world_size, start_or_join
+from fivefold.launch import local_world_size, start_or_join
+from fivefold.layout import check_layout
 from fivefold.planner.predict import check_fits, device_cluster
 from fivefold.train.engine import Engine, create_engine
 from fivefold.train.metrics import gather_ints, peak_memory_bytes, resolve_peak_tflops, synchronize

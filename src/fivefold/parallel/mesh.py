@@ -9,8 +9,9 @@ Expert parallel does not add ranks: it folds over the dp x cp ranks of the exper
 torchtitan do), so an ep group is a block of `ep` consecutive ranks of one dp x cp group, and the expert
 layers' gradients are reduced over the dp x cp ranks that hold the same experts (`edp`).
 
-`validate_layout` checks the whole layout against the model, the batch and the world size before any
-process group exists; `ProcessGrid.build` then creates every group (all ranks create all groups, in the
+`ProcessGrid.build` checks the whole layout against the model, the batch and the initialised world
+(`fivefold.layout.check_layout`, which the command line has run before any process started), then creates every
+group (all ranks create all groups, in the
 same order, as torch requires) and keeps the calling rank's own. The grid is passed explicitly to whatever
 needs it: nothing here is global.
 """
@@ -30,14 +31,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 AXES = ("pp", "dp", "cp", "tp")  # outermost first
-
-
-def validate_layout(cfg: Config, world_size: int) -> None:
-    """Refuse a layout that cannot run on `world_size` ranks, naming the constraint and valid values: the rule
-    book `fivefold.layout.check_layout`, which `fivefold plan --layout` and the planner's search use too.
-
-    Called before any process group is created (and by `fivefold train` before any process starts)."""
-    check_layout(cfg, world_size)
 
 
 def rank_of(layout: LayoutConfig, pp: int, dp: int, cp: int, tp: int) -> int:
@@ -129,7 +122,7 @@ class ProcessGrid:
     def build(cls, cfg: Config) -> ProcessGrid:
         """Validate the layout for the initialised world, then create every group."""
         world, rank = dist.get_world_size(), dist.get_rank()
-        validate_layout(cfg, world)
+        check_layout(cfg, world)  # the world that was initialised (a run started by torchrun directly, too)
         grid = cls(cfg.layout, rank, world, ranks=coordinates(cfg.layout, rank))
         for name, axes in GROUP_AXES.items():
             grid._add(name, axis_groups(cfg.layout, axes))

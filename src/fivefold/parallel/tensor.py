@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from fivefold.config import ConfigError, ModelConfig
-from fivefold.layout import tensor_parallel_problem
+from fivefold.config import ModelConfig
+from fivefold.layout import raise_problem, tensor_parallel_problem
 from fivefold.models.llama import MLP, Attention, Llama, MoE, RMSNorm
 from fivefold.models.loss import TP_LOSS_CHUNK_TOKENS
 from fivefold.parallel.tensor_comm import (
@@ -100,9 +100,7 @@ def gather_state(local_state: dict[str, torch.Tensor], tp_group: ProcessGroup) -
 
 def validate_tensor_parallel(cfg: ModelConfig, tp: int, field: str = "layout.tp") -> None:
     """Refuse a tp degree that does not divide every dim it splits (callable before any group exists)."""
-    problem = tensor_parallel_problem(cfg, tp, field)
-    if problem is not None:
-        raise ConfigError(problem.message)
+    raise_problem(tensor_parallel_problem(cfg, tp, field))
 
 
 # --- the tensor-parallel modules ------------------------------------------------------------------------

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fivefold.config import ConfigError, LayoutConfig, batch_problem
-from fivefold.layout import hsdp_problem
+from fivefold.config import ConfigError, LayoutConfig
+from fivefold.layout import batch_problem, hsdp_problem, raise_problem
 from fivefold.models.loss import LOSS_CHUNK_TOKENS, TP_LOSS_CHUNK_TOKENS
 
 RECOMPUTE = ("none", "selective", "full")
@@ -102,12 +102,8 @@ def parse_layout(text: str, global_batch_seqs: int) -> Layout:
                 raise ConfigError(f"--layout {key} = {value} must be >= {0 if key in ('zero', 'dp_shard') else 1}")
         values[key] = value
     lay = Layout(**values)
-    problem = hsdp_problem(lay)
-    if problem is not None:
-        raise ConfigError(problem.message)
-    problem = batch_problem(lay, global_batch_seqs)
-    if problem is not None:
-        raise ConfigError(problem.message)
+    raise_problem(hsdp_problem(lay))
+    raise_problem(batch_problem(lay, global_batch_seqs))
     return dataclasses.replace(lay, grad_accum_steps=global_batch_seqs // (lay.dp * lay.micro_batch_size))
 
 

@@ -15,9 +15,10 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from fivefold.config import ConfigError, ModelConfig, batch_problem
+from fivefold.config import ConfigError, ModelConfig
 from fivefold.flops import training_flops_per_token
 from fivefold.layout import (
+    batch_problem,
     hsdp_problem,
     layout_problem,
     pipeline_problem,

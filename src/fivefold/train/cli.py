@@ -78,7 +78,8 @@ def resolve_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from fivefold.launch import check_layout, finish_distributed, local_world_size, start_or_join
+    from fivefold.launch import finish_distributed, local_world_size, start_or_join
+    from fivefold.layout import check_layout
     from fivefold.train import preflight
     from fivefold.train.loop import RunDirError, train
 
@@ -146,7 +147,7 @@ def check_slurm_time(value: str) -> None:
 def dry_run(cfg: Config, args: argparse.Namespace) -> int:
     """Validate `cfg` for its layout's world size and print what the run would do and the planner's prediction."""
     from fivefold.flops import count_params
-    from fivefold.launch import check_layout
+    from fivefold.layout import check_layout
     from fivefold.planner.hardware import get_cluster
     from fivefold.planner.predict import estimate_run, run_framework
 

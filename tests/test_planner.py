@@ -11,6 +11,7 @@ import pytest
 
 from fivefold.cli import main
 from fivefold.config import ConfigError, build_config
+from fivefold.errors import CliError
 from fivefold.parallel.schedules import _peak_in_flight, build_schedule
 from fivefold.planner.hardware import get_cluster
 from fivefold.planner.layout import FIVEFOLD, Layout, parse_layout
@@ -102,7 +103,7 @@ def test_parse_inputs():
     assert parse_tokens("1M") == 1_048_576 == 256 * 4096
     assert parse_tokens("4096K") == parse_tokens("4M") == 4 * 2**20
     assert parse_tokens("1G") == 2**30 and parse_tokens("12345") == 12345
-    with pytest.raises(ConfigError, match="token count"):
+    with pytest.raises(CliError, match="token count"):
         parse_tokens("lots")
     lay = parse_layout("dp=4,tp=2,pp=1,mbs=1,zero=1,recompute=none", 256)
     assert (lay.dp, lay.tp, lay.grad_accum_steps, lay.zero, lay.schedule) == (4, 2, 64, 1, "1f1b")

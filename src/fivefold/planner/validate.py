@@ -32,7 +32,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from fivefold.config import ConfigError, ModelConfig
+from fivefold.config import ModelConfig
+from fivefold.errors import CliError
 from fivefold.planner.hardware import Cluster, get_cluster
 from fivefold.planner.layout import FRAMEWORKS, Framework, Layout
 from fivefold.planner.score import spearman
@@ -84,7 +85,7 @@ class Row:
 
 def read_rows(path: Path) -> list[Row]:
     if not path.is_file():
-        raise ConfigError(
+        raise CliError(
             f"--data {str(path)!r} does not exist. `plan validate` needs the 3,264 runs of the benchmark figure of "
             "the Ultra-Scale Playbook (Hugging Face, 2025) as a CSV, playbook_benchmark_runs.csv, which this package "
             "does not ship: it is extracted from the figure's embedded data (GitHub vinjn/nanotron-ultrascale-"
@@ -110,7 +111,7 @@ def read_rows(path: Path) -> list[Row]:
             ok = r["status"] == "ok"
             split = (r.get("split") or "").strip()
             if split not in ("", "fit", "held-out"):
-                raise ConfigError(f"--data {str(path)!r}, row {len(rows) + 2}: split = {split!r}; use 'fit' or "
+                raise CliError(f"--data {str(path)!r}, row {len(rows) + 2}: split = {split!r}; use 'fit' or "
                                   "'held-out' (or leave it empty: rows of 1-2 nodes are fitted, the rest held out)")
             rows.append(Row(cfg, lay, int(r["nodes"]), int(r["seq_len"]), ok,
                             float(r["tok_s_gpu"]) if ok and r["tok_s_gpu"] else 0.0,
@@ -132,7 +133,7 @@ def read_results(path: Path, hardware_file: str | None) -> tuple[list[Row], list
     try:
         stored = read_store(path)
     except StoreError as e:
-        raise ConfigError(f"--results: {e}") from None
+        raise CliError(f"--results: {e}") from None
     profiles: dict[str, Cluster] = {}  # device kind -> the profile its runs are estimated with
     other: set[str] = set()
     rows = []
@@ -156,7 +157,7 @@ def read_results(path: Path, hardware_file: str | None) -> tuple[list[Row], list
                         (r["model"], f"{r['n_devices']} dev"), r["step_time_s"] if ok else 0.0,
                         estimate_run(cfg, hw, device_type)))
     if not rows:
-        raise ConfigError(f"--results {str(path)!r} holds no run that finished or ran out of memory")
+        raise CliError(f"--results {str(path)!r} holds no run that finished or ran out of memory")
     return rows, sorted(other)
 
 
@@ -289,7 +290,7 @@ def fit_matmul_efficiency(rows: list[Row], fw: Framework, hw: Cluster) -> Cluste
     known = all_frameworks()
     ok = [r for r in rows if r.ok]
     if not ok:
-        raise ConfigError("--fit --fit-fields matmul_efficiency: no finished row to fit on (the rows with split = fit)")
+        raise CliError("--fit --fit-fields matmul_efficiency: no finished row to fit on (the rows with split = fit)")
 
     def score(value: float) -> float:
         h2 = dataclasses.replace(hw, matmul_efficiency=value)
@@ -368,7 +369,7 @@ def check_features(rows: list[Row]) -> dict[str, int]:
     for r in rows:
         unknown = [f for f in r.features if f not in FEATURES]
         if unknown:
-            raise ConfigError(f"--data: row of {r.model.name} on {r.nodes} node(s) has features {'+'.join(unknown)!r}"
+            raise CliError(f"--data: row of {r.model.name} on {r.nodes} node(s) has features {'+'.join(unknown)!r}"
                               f"; known features: {', '.join(FEATURES)} (joined with '+')")
         for f in r.features:
             counts[f] += 1
@@ -384,7 +385,7 @@ def row_framework(r: Row, fw: Framework, known: dict[str, Framework]) -> Framewo
     if r.framework == "nanotron" or r.framework == fw.name:
         return with_features(fw, r.features)
     if r.framework not in known:
-        raise ConfigError(f"--data: framework = {r.framework!r} (a row of {r.model.name} on {r.nodes} node(s)) is not "
+        raise CliError(f"--data: framework = {r.framework!r} (a row of {r.model.name} on {r.nodes} node(s)) is not "
                           f"known; known frameworks: {', '.join(sorted(known))}")
     return with_features(known[r.framework], r.features)
 
@@ -445,10 +446,10 @@ def run_validate_results(args: argparse.Namespace) -> int:
 def run_validate(args: argparse.Namespace) -> int:
     if getattr(args, "results", None):
         if args.data or args.fit:
-            raise ConfigError("--results reads a sweep's store; it does not combine with --data or --fit")
+            raise CliError("--results reads a sweep's store; it does not combine with --data or --fit")
         return run_validate_results(args)
     if not args.data and DEFAULT_DATA is None:
-        raise ConfigError(f"fivefold plan validate needs the runs CSV: give --data FILE (the playbook's benchmark "
+        raise CliError(f"fivefold plan validate needs the runs CSV: give --data FILE (the playbook's benchmark "
                           f"runs, {DATA_NAME}; a clone of the repository finds it in ../shared/data beside the "
                           "checkout, an installed package has no default)")
     path = Path(args.data) if args.data else DEFAULT_DATA
@@ -458,9 +459,9 @@ def run_validate(args: argparse.Namespace) -> int:
     by_split = any(r.held_out is not None for r in rows)
     fields = [f.strip() for f in (getattr(args, "fit_fields", "") or "").split(",") if f.strip()]
     if fields and not args.fit:
-        raise ConfigError("--fit-fields chooses what --fit fits; add --fit")
+        raise CliError("--fit-fields chooses what --fit fits; add --fit")
     if [f for f in fields if f not in FIT_FIELDS] or (fields and fields != ["matmul_efficiency"]):
-        raise ConfigError(f"--fit-fields {','.join(fields)!r}: fit either everything (leave it out) or "
+        raise CliError(f"--fit-fields {','.join(fields)!r}: fit either everything (leave it out) or "
                           "matmul_efficiency alone (e.g. on one row marked split = fit)")
     train = [r for r in rows if (not r.held_out if r.held_out is not None else r.nodes in FIT_NODES)]
     where = "the rows with split = fit" if by_split else "rows of 1-2 nodes"

@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from fivefold.config import ConfigError, ModelConfig
+from fivefold.config import ModelConfig
+from fivefold.errors import CliError
 from fivefold.planner.hardware import COLLECTIVES
 
 KIB = 1024
@@ -116,17 +117,17 @@ def make_plan(args: argparse.Namespace, device_type: str) -> tuple[Plan, list[in
     models = [get_preset(n) for n in names]
     seq = args.seq_len or (128 if cpu else 4096)
     if seq < 8:
-        raise ConfigError(f"--seq-len = {seq} must be >= 8")
+        raise CliError(f"--seq-len = {seq} must be >= 8")
     nproc = args.nproc_max or (4 if cpu else max(torch.accelerator.device_count(), 1))
     if args.quick:
         nproc = min(nproc, 2) if args.nproc_max == 0 else nproc
     if nproc < 1:
-        raise ConfigError(f"--nproc-max = {nproc} must be >= 1")
+        raise CliError(f"--nproc-max = {nproc} must be >= 1")
     if not cpu and nproc > torch.accelerator.device_count():
-        raise ConfigError(f"--nproc-max = {nproc} exceeds the {torch.accelerator.device_count()} {device_type} "
+        raise CliError(f"--nproc-max = {nproc} exceeds the {torch.accelerator.device_count()} {device_type} "
                           "devices of this machine")
     if args.threads < 1:
-        raise ConfigError(f"--threads = {args.threads} must be >= 1")
+        raise CliError(f"--threads = {args.threads} must be >= 1")
     tps = [t for t in (1, 2, 4, 8) if t <= nproc]
     if args.quick:
         mbs, sizes, elem = [2], [4 * KIB, 1024 * KIB], [2**12, 2**20]

@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, list[str | tuple[str, ...]], list[str] | None]] = [
     # `Config.validate` applies, and the FLOPs formulas by which the rule book balances pipeline stages) and the
     # user-error types, device helpers, the accelerator table and the fault helpers (watchdog, parent-death signal)
     ("base", ["fivefold", ("fivefold.config", "fivefold.presets", "fivefold.layout", "fivefold.flops"),
-              "fivefold.errors", "fivefold.device", "fivefold.hardware", "fivefold.faults"], None),
+              "fivefold.errors", "fivefold.device", "fivefold.accelerators", "fivefold.faults"], None),
     # tokenizers, shards, the dataset and sampler: no model code
     ("data", ["fivefold.data"], None),
     # plain PyTorch Llama (dense and MoE), presets, Hugging Face conversion (with the tokenizer files), the fused

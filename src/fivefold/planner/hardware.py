@@ -1,6 +1,6 @@
 """The cluster the planner models: one accelerator kind, how many per node, how many nodes, and the links.
 
-The presets are `fivefold.hardware`'s table (the vendors' peaks, which the trainer also reads for MFU;
+The presets are `fivefold.accelerators`'s table (the vendors' peaks, which the trainer also reads for MFU;
 `Cluster` inherits its fields) extended with what the time model needs: collective latencies, an achievable
 share of the matmul peak, and optionally the measured bus bandwidth of collectives by node count (a calibrated
 profile). Any field can be overridden from a TOML
@@ -34,13 +34,13 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fivefold.accelerators import HARDWARE, Hardware
 from fivefold.config import ConfigError
-from fivefold.hardware import HARDWARE, Hardware
 
 
 @dataclass(frozen=True)
 class Cluster(Hardware):
-    """A device of `fivefold.hardware` (the one table of device facts: peaks, memory, links, devices per node),
+    """A device of `fivefold.accelerators` (the one table of device facts: peaks, memory, links, devices per node),
     with what the time model adds. The device fields are inherited, so the two cannot drift apart."""
 
     device: str = ""  # the preset whose kernel figures apply (`planner/devices/kernels.toml`); kept by `base = ...`

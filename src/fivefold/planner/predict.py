@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
+from fivefold.accelerators import device_hardware
 from fivefold.config import Config, ConfigError
 from fivefold.device import device_memory_bytes, resolve_device, use_bf16
 from fivefold.flops import count_params
-from fivefold.hardware import device_hardware
 from fivefold.planner.features import with_features
 from fivefold.planner.hardware import Cluster, get_cluster
 from fivefold.planner.layout import FIVEFOLD, FIVEFOLD_CPU, Framework, Layout

@@ -108,12 +108,6 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def tp_valid(cfg: ModelConfig, tp: int) -> str | None:
-    """Why tensor parallel degree `tp` cannot shard this model (the engine's rule), or None."""
-    problem = tensor_parallel_problem(cfg, tp)
-    return problem.message if problem else None
-
-
 @dataclass
 class SearchSpace:
     zero: tuple[int, ...] = (0, 1, 2, 3)

@@ -83,7 +83,7 @@ class Row:
         return tokens / (self.tok_s_gpu * self.layout.world_size) if self.tok_s_gpu else 0.0
 
 
-def read_rows(path: Path) -> list[Row]:
+def read_runs_csv(path: Path) -> list[Row]:
     if not path.is_file():
         raise CliError(
             f"--data {str(path)!r} does not exist. `plan validate` needs the 3,264 runs of the benchmark figure of "
@@ -453,7 +453,7 @@ def run_validate(args: argparse.Namespace) -> int:
                           f"runs, {DATA_NAME}; a clone of the repository finds it in ../shared/data beside the "
                           "checkout, an installed package has no default)")
     path = Path(args.data) if args.data else DEFAULT_DATA
-    rows = read_rows(path)
+    rows = read_runs_csv(path)
     with_features = check_features(rows)
     fw, hw = load_profile(Path(args.profile) if args.profile else None)
     by_split = any(r.held_out is not None for r in rows)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from fivefold.parallel.tensor_comm import all_gather_into, reduce_scatter_into
 from fivefold.planner.calibrate.harness import Clock, RankGroups, Say, size_text
-from fivefold.planner.calibrate.plan import KIB, Plan
+from fivefold.planner.calibrate.targets import KIB, Plan
 from fivefold.planner.hardware import loglog
 
 

@@ -12,10 +12,10 @@ from fivefold.planner.calibrate.harness import (
     COLD_SPAN_BYTES,
     Clock,
     Say,
-    forward_backward,
     operand_sets,
     size_text,
     tflops,
+    time_forward_backward,
 )
 
 
@@ -102,7 +102,7 @@ def measure_fixed_cost(clock: Clock, dtype: torch.dtype, say: Say) -> tuple[floa
         return y.sum()
 
     one = (chain, [x, w], torch.ones((), device=clock.device, dtype=dtype))
-    fwd, bwd = forward_backward(clock, lambda: one, COLD_SPAN_BYTES)  # fixed costs: one set, kept in cache
+    fwd, bwd = time_forward_backward(clock, lambda: one, COLD_SPAN_BYTES)  # fixed costs: one set, kept in cache
     ops = units * OPS_PER_UNIT
     say(f"operator fixed cost: forward {1e6 * fwd / ops:.1f} us, backward {1e6 * bwd / ops:.1f} us")
     return fwd / ops, bwd / ops
@@ -110,7 +110,7 @@ def measure_fixed_cost(clock: Clock, dtype: torch.dtype, say: Say) -> tuple[floa
 
 def measure_elementwise(clock: Clock, numels: list[int], dtype: torch.dtype, say: Say) -> list[list[float]]:
     """GB/s of a binary element-wise operator beyond its fixed cost, by the bytes of one operand (operands
-    rotated through sets beyond the caches, as `forward_backward`)."""
+    rotated through sets beyond the caches, as `time_forward_backward`)."""
     tiny = torch.ones(16, device=clock.device, dtype=dtype)
     base = clock.time(lambda: torch.mul(tiny, tiny))[0]
     rows = []

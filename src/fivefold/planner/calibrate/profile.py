@@ -9,7 +9,7 @@ from pathlib import Path
 
 from fivefold.config import write_text_atomic
 from fivefold.planner.calibrate.fit import fit_link
-from fivefold.planner.calibrate.plan import Result
+from fivefold.planner.calibrate.targets import Result
 
 
 def profile_tables(results: dict[int, Result], device_type: str, threads: int, nproc: int, name: str) -> dict:

@@ -11,6 +11,7 @@ import torch
 
 from fivefold.config import ModelConfig
 from fivefold.errors import CliError
+from fivefold.layout import tensor_parallel_problem
 from fivefold.planner.hardware import COLLECTIVES
 
 KIB = 1024
@@ -86,7 +87,6 @@ def shapes_for(models: list, seq: int, micro_batches: list[int], tps: list[int])
     output layer + loss (tokens per chunk, vocabulary, hidden) shapes, on one tp rank, as the planner's time
     model asks for them."""
     from fivefold.models.loss import LOSS_CHUNK_TOKENS, TP_LOSS_CHUNK_TOKENS
-    from fivefold.planner.search import tp_valid
     from fivefold.planner.time import linear_shapes
 
     linear: set[tuple[int, int, int]] = set()
@@ -94,7 +94,7 @@ def shapes_for(models: list, seq: int, micro_batches: list[int], tps: list[int])
     attention: set[tuple[int, int, int, int, int]] = set()
     for cfg in models:
         for tp in tps:
-            if tp_valid(cfg, tp):
+            if tensor_parallel_problem(cfg, tp):  # a degree the engine refuses for this model
                 continue
             for mbs in micro_batches:
                 tokens = mbs * seq

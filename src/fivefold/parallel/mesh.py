@@ -148,12 +148,20 @@ class ProcessGrid:
             if self.rank in members:
                 self.groups[name], self.group_ranks[name] = group, members
 
+    def group(self, name: str) -> ProcessGroup:
+        """This rank's process group called `name`: an axis or axis set of `GROUP_AXES` (tp, cp, dp, pp, dp_cp),
+        ep and edp (expert parallel), embed (the first and last pipeline ranks, pp > 1), and under HSDP
+        hsdp_shard, hsdp_replicate and hsdp_expert_shard."""
+        if name not in self.groups:
+            raise KeyError(f"process group {name!r} is not in this grid; it has {', '.join(self.groups)}")
+        return self.groups[name]
+
     def size(self, axis: str) -> int:
         return len(self.group_ranks[axis])
 
     @property
     def tp_group(self) -> ProcessGroup:
-        return self.groups["tp"]
+        return self.group("tp")
 
     def zero3_meshes(self, device_type: str) -> Zero3Meshes:
         """ZeRO-3's meshes: the dense weights over dp x cp, the routed experts over the edp ranks (none to shard
@@ -166,7 +174,7 @@ class ProcessGrid:
         experts = None
         if la.dp_shard:
             def mesh_2d(shard: str, ranks: list[list[int]]) -> DeviceMesh:
-                return DeviceMesh.from_group([self.groups["hsdp_replicate"], self.groups[shard]], device_type,
+                return DeviceMesh.from_group([self.group("hsdp_replicate"), self.group(shard)], device_type,
                                              mesh=torch.tensor(ranks), mesh_dim_names=("replicate", "shard"))
 
             dense = mesh_2d("hsdp_shard", self.hsdp_ranks)
@@ -175,10 +183,10 @@ class ProcessGrid:
         else:
             dense = DeviceMesh.from_group(self.grad_group, device_type)
             if la.ep > 1 and self.size("edp") > 1:
-                experts = DeviceMesh.from_group(self.groups["edp"], device_type)
+                experts = DeviceMesh.from_group(self.group("edp"), device_type)
         return Zero3Meshes(dense, experts, la.ep > 1, la.zero_replicas)
 
     @property
     def grad_group(self) -> ProcessGroup:
         """The ranks over which dense gradients are reduced (dp x cp)."""
-        return self.groups["dp_cp"]
+        return self.group("dp_cp")

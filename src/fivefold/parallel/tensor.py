@@ -52,12 +52,19 @@ from fivefold.parallel.tensor_comm import (
     vocab_parallel_cross_entropy_sum,
 )
 
+# the dim of a weight that tp splits: a linear weight is [out, in] (the embedding [vocabulary, hidden]), the
+# stacked experts' [experts, in, out]; column parallel splits the output features, row parallel the input features
+COLUMN = 0
+ROW = 1
+EXPERT_COLUMN = 2
+EXPERT_ROW = 1
+
 # plain-model parameter name suffix -> the dim split over tp (anything else is replicated)
 _SHARD_DIMS = {
-    "embed.weight": 0, "lm_head.weight": 0,
-    "q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "o_proj.weight": 1,
-    "gate_proj.weight": 0, "up_proj.weight": 0, "down_proj.weight": 1,
-    "w_gate": 2, "w_up": 2, "w_down": 1,
+    "embed.weight": COLUMN, "lm_head.weight": COLUMN,
+    "q_proj.weight": COLUMN, "k_proj.weight": COLUMN, "v_proj.weight": COLUMN, "o_proj.weight": ROW,
+    "gate_proj.weight": COLUMN, "up_proj.weight": COLUMN, "down_proj.weight": ROW,
+    "w_gate": EXPERT_COLUMN, "w_up": EXPERT_COLUMN, "w_down": EXPERT_ROW,
 }
 
 

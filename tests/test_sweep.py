@@ -206,7 +206,7 @@ def test_stored_measurements_are_consistent(swept):
         assert r["mfu"] == pytest.approx(r["tflops_per_device"] / r["peak_tflops"], rel=1e-9)
         assert r["key"] == run_key(cfg, r["steps"], r["warmup"])
     two = next(r for r in rows if r["n_devices"] == 2)
-    assert (two["dp"], two["zero"], two["micro_batch_size"], two["grad_accum"]) == (2, 1, 4, 1)
+    assert (two["dp"], two["zero"], two["micro_batch_size"], two["grad_accum_steps"]) == (2, 1, 4, 1)
 
 
 # ---------------------------------------------------------------------------------------------

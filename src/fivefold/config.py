@@ -189,7 +189,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda | xpu | ...
-    dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on accelerators, fp32 on CPU
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 (lean mixed precision) on accelerators, fp32 on CPU
     compile: bool = False
     eval_every: int = 100
     eval_batches: int = 8

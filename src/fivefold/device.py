@@ -1,5 +1,6 @@
 """Device helpers shared by every layer: which device a run uses, which accelerator a launched process owns,
-and whether it computes in bf16 (autocast over fp32 master weights)."""
+and whether it computes in bf16 (lean mixed precision: bf16 working weights and gradients under autocast, fp32
+master weights beside them)."""
 
 from __future__ import annotations
 
@@ -43,8 +44,8 @@ def device_memory_bytes(device: torch.device, local_ranks: int) -> int:
 
 
 def use_bf16(cfg: Config, device: torch.device | str) -> bool:
-    """bf16 autocast (fp32 master weights) on accelerators by default, fp32 on CPU (`device`: a device or its
-    type)."""
+    """bf16 compute (lean mixed precision: bf16 working weights, fp32 master weights) on accelerators by default,
+    fp32 on CPU (`device`: a device or its type)."""
     kind = device if isinstance(device, str) else device.type
     return cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and kind != "cpu")
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from fivefold.config import file_sha256
+from fivefold.models.hf import read_safetensors
 
 _DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.bfloat16: "BF16", torch.float16: "F16",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -208,8 +209,6 @@ def read_checkpoint_weights(directory: Path) -> dict[str, torch.Tensor]:
     were checked against the manifest (sha256), or a plain `model.safetensors`."""
     single = directory / "model.safetensors"
     if single.is_file():
-        from fivefold.models.hf import read_safetensors
-
         return read_safetensors(single)
     index = checkpoint_index(directory)
     files = sorted({piece["file"] for entry in index.values() for piece in entry["pieces"]})

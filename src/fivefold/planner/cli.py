@@ -327,6 +327,30 @@ def run(args: argparse.Namespace) -> int:
         from fivefold.planner.validate import run_validate
 
         return run_validate(args)
+    _check_options(args)
+    cfg = _plan_model(args)
+    hw = _cluster(args)
+    fw = _framework(args, hw)
+    _resolve_nodes(args)
+    n_gpus = args.nodes * hw.gpus_per_node
+    tokens = parse_tokens(args.global_batch)
+    seq = args.seq_len
+    if seq < 2 or tokens % seq:
+        raise CliError(f"--global-batch = {tokens} tokens is not a whole number of --seq-len = {seq} sequences; "
+                       f"nearest valid batches: {tokens // seq * seq} or {(tokens // seq + 1) * seq} tokens")
+    batch_seqs = tokens // seq
+    space = _fixed_space(args, n_gpus, hw.gpus_per_node, batch_seqs)
+    if args.action == "scaling":
+        from fivefold.planner.scaling import run_scaling
+
+        return run_scaling(args, cfg, fw, hw, space, seq, batch_seqs)
+    if args.layout:
+        return _estimate_layout(args, cfg, fw, hw, seq, batch_seqs, n_gpus)
+    return _search_layouts(args, cfg, fw, hw, space, seq, tokens, n_gpus)
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """The numeric options and --write-config's target, before any model is read."""
     if args.seq_len < 1:
         raise CliError(f"--seq-len = {args.seq_len} must be >= 1 (tokens per sequence, e.g. 4096)")
     if args.top < 1:
@@ -339,10 +363,14 @@ def run(args: argparse.Namespace) -> int:
         target = Path(args.write_config)
         if not target.parent.is_dir():
             raise CliError(f"--write-config {args.write_config!r}: directory {str(target.parent)!r} does not "
-                              "exist; create it first or write into an existing one")
+                           "exist; create it first or write into an existing one")
         if target.is_dir():
             raise CliError(f"--write-config {args.write_config!r} is a directory; give a file name such as "
-                              "best.toml")
+                           "best.toml")
+
+
+def _plan_model(args: argparse.Namespace) -> ModelConfig:
+    """--model with --pad-vocab applied; a GELU shape is said so, and refused with --write-config."""
     cfg = pad_vocab(load_model(args.model), args.pad_vocab)
     if cfg.mlp == "gelu" and _is_hf_config(args.model):
         from fivefold.planner.shapes import NOT_MODELLED
@@ -350,9 +378,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.model}: read as a GELU-MLP shape; not modelled: {NOT_MODELLED}")
     if args.write_config and cfg.mlp != "swiglu":
         raise CliError(f"--write-config: the model's MLP is {cfg.mlp!r}, and the engine builds SwiGLU MLPs only; "
-                          "plan without --write-config")
-    hw = _cluster(args)
-    fw = _framework(args, hw)
+                       "plan without --write-config")
+    return cfg
+
+
+def _resolve_nodes(args: argparse.Namespace) -> None:
+    """--nodes as a number (`plan scaling`: the first of its list, the list kept as `args.nodes_list`)."""
     if args.action == "scaling":
         args.nodes_list = args.nodes
         args.nodes = int(args.nodes.split(",")[0]) if args.nodes.split(",")[0].strip().isdigit() else 1
@@ -361,16 +392,13 @@ def run(args: argparse.Namespace) -> int:
             args.nodes = int(args.nodes)
         except ValueError:
             raise CliError(f"--nodes = {args.nodes!r} must be a number of nodes (a list only for "
-                              "`plan scaling`)") from None
+                           "`plan scaling`)") from None
     if args.nodes < 1:
         raise CliError(f"--nodes = {args.nodes} must be >= 1")
-    n_gpus = args.nodes * hw.gpus_per_node
-    tokens = parse_tokens(args.global_batch)
-    seq = args.seq_len
-    if seq < 2 or tokens % seq:
-        raise CliError(f"--global-batch = {tokens} tokens is not a whole number of --seq-len = {seq} sequences; "
-                          f"nearest valid batches: {tokens // seq * seq} or {(tokens // seq + 1) * seq} tokens")
-    batch_seqs = tokens // seq
+
+
+def _fixed_space(args: argparse.Namespace, n_gpus: int, gpus_per_node: int, batch_seqs: int) -> SearchSpace:
+    """The search space of the options, restricted by --fix (which does not combine with --layout)."""
     space = _space(args)
     if args.fix:
         if args.layout:
@@ -378,35 +406,42 @@ def run(args: argparse.Namespace) -> int:
         defaults = {"zero": "0,1,2,3", "recompute": "none,selective,full", "sp": "both",
                     "schedules": "afab,1f1b,interleaved,zero-bubble,dualpipev"}
         explicit = {k: getattr(args, k) for k, v in defaults.items() if getattr(args, k) != v}
-        space = apply_fix(args.fix, space, n_gpus, hw.gpus_per_node, batch_seqs, explicit)
-    if args.action == "scaling":
-        from fivefold.planner.scaling import run_scaling
+        space = apply_fix(args.fix, space, n_gpus, gpus_per_node, batch_seqs, explicit)
+    return space
 
-        return run_scaling(args, cfg, fw, hw, space, seq, batch_seqs)
-    if args.layout:
-        lay = parse_layout(args.layout, batch_seqs)
-        lay = dataclasses.replace(lay, fp32_grad_accum=lay.fp32_grad_accum or args.fp32_grad_accum == "on")
-        check_runs_hsdp(lay, fw)
-        if lay.world_size != n_gpus:
-            raise CliError(f"--layout dp x tp x pp x cp = {lay.world_size} but the cluster has {n_gpus} GPUs "
-                              f"({args.nodes} nodes x {hw.gpus_per_node}); change the degrees or --nodes")
-        train_config(cfg, lay, seq, batch_seqs, fw.compute_dtype)  # refused as `fivefold train` refuses it
-        e = estimate(cfg, seq, lay, fw, hw, True, moe_imbalance=args.moe_imbalance)
-        e.mfu *= _mfu_scale(args, cfg, seq)
-        if args.json:
-            print(json.dumps(e.to_json(), indent=2))
-        else:
-            print(f"{cfg.name} on {n_gpus} x {hw.name}, seq {seq}, batch {batch_seqs} sequences: {lay.short()}")
-            print(f"fits: {'yes' if e.fits else 'NO'} (peak {gib(e.peak_bytes):.2f} GiB of {hw.memory_gib} GiB)")
-            for rank, parts in e.memory.items():
-                print(f"  memory, {rank} pipeline rank:")
-                for k, v in parts.items():
-                    print(f"    {k:20s} {gib(v):9.3f} GiB")
-            print(f"  step {e.step_time_s:.4f} s, {e.tokens_per_s_per_device:,.0f} tokens/s/GPU, "
-                  f"MFU {100 * e.mfu:.1f} %")
-            for k, v in e.time_parts.items():
-                print(f"    {k:20s} {v:9.4f} s")
+
+def _estimate_layout(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, hw, seq: int, batch_seqs: int,
+                     n_gpus: int) -> int:
+    """--layout: the one layout's memory by part and step time by cause (or its JSON)."""
+    lay = parse_layout(args.layout, batch_seqs)
+    lay = dataclasses.replace(lay, fp32_grad_accum=lay.fp32_grad_accum or args.fp32_grad_accum == "on")
+    check_runs_hsdp(lay, fw)
+    if lay.world_size != n_gpus:
+        raise CliError(f"--layout dp x tp x pp x cp = {lay.world_size} but the cluster has {n_gpus} GPUs "
+                       f"({args.nodes} nodes x {hw.gpus_per_node}); change the degrees or --nodes")
+    train_config(cfg, lay, seq, batch_seqs, fw.compute_dtype)  # refused as `fivefold train` refuses it
+    e = estimate(cfg, seq, lay, fw, hw, True, moe_imbalance=args.moe_imbalance)
+    e.mfu *= _mfu_scale(args, cfg, seq)
+    if args.json:
+        print(json.dumps(e.to_json(), indent=2))
         return 0
+    print(f"{cfg.name} on {n_gpus} x {hw.name}, seq {seq}, batch {batch_seqs} sequences: {lay.short()}")
+    print(f"fits: {'yes' if e.fits else 'NO'} (peak {gib(e.peak_bytes):.2f} GiB of {hw.memory_gib} GiB)")
+    for rank, parts in e.memory.items():
+        print(f"  memory, {rank} pipeline rank:")
+        for k, v in parts.items():
+            print(f"    {k:20s} {gib(v):9.3f} GiB")
+    print(f"  step {e.step_time_s:.4f} s, {e.tokens_per_s_per_device:,.0f} tokens/s/GPU, "
+          f"MFU {100 * e.mfu:.1f} %")
+    for k, v in e.time_parts.items():
+        print(f"    {k:20s} {v:9.4f} s")
+    return 0
+
+
+def _search_layouts(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, hw, space: SearchSpace, seq: int,
+                    tokens: int, n_gpus: int) -> int:
+    """Every layout: the best of each family as a table (or every candidate as JSON), --write-config's file."""
+    batch_seqs = tokens // seq
     accelerator = not (hw.cores or hw.name == "cpu")
     compiled_for_config = bool(args.write_config) and accelerator and fw.fused_elementwise != "all"
     if compiled_for_config:  # the written config turns torch.compile on: rank the layouts as that run will go
@@ -433,8 +468,16 @@ def run(args: argparse.Namespace) -> int:
                           "rejected": dict(result.rejected),
                           "candidates": [e.to_json() for e in result.candidates]}, indent=2))
         return 0
+    _print_search(args, result, cfg, fw, hw, space, seq, tokens, compiled_for_config)
+    return 0
+
+
+def _print_search(args: argparse.Namespace, result, cfg: ModelConfig, fw: Framework, hw, space: SearchSpace,
+                  seq: int, tokens: int, compiled_for_config: bool) -> None:
+    """The search's table: the best of each family, the baselines' gaps, the rejections, what was written."""
     from fivefold.planner.explain import BASELINES, TIE, family, family_name
 
+    batch_seqs = tokens // seq
     print(f"{cfg.name} on {args.nodes} x {hw.gpus_per_node} {hw.name}, seq {seq}, global batch {tokens:,} tokens "
           f"({batch_seqs} sequences), {fw.name} engine: {result.evaluated:,} layouts tried with "
           f"{len(space.recompute)} recompute mode(s) each, {result.evaluated * len(space.recompute):,} in all, "
@@ -483,7 +526,6 @@ def run(args: argparse.Namespace) -> int:
         from fivefold.planner.explain import explain
 
         print(explain(result, hw.memory_bytes, batch_seqs))
-    return 0
 
 
 def _no_candidates(result, cfg: ModelConfig, hw, n_gpus: int, batch_seqs: int, args: argparse.Namespace) -> None:

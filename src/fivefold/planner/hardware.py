@@ -36,6 +36,7 @@ from pathlib import Path
 
 from fivefold.accelerators import HARDWARE, Hardware
 from fivefold.config import ConfigError
+from fivefold.planner.kernels import device_kernels
 
 
 @dataclass(frozen=True)
@@ -208,8 +209,6 @@ def interpolate(points: tuple[tuple[float, ...], ...], key: tuple[float, ...]) -
 
 
 def _from_base(name: str) -> Cluster:
-    from fivefold.planner.kernels import device_kernels
-
     hw = HARDWARE[name]
     return Cluster(**{f.name: getattr(hw, f.name) for f in dataclasses.fields(Hardware)}, device=name,
                    matmul_efficiency=device_kernels(name).gemm_efficiency)

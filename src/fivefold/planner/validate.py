@@ -32,13 +32,19 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from fivefold.config import ModelConfig
+from fivefold.config import ModelConfig, config_from_dict
 from fivefold.errors import CliError
+from fivefold.planner import profile
+from fivefold.planner.features import FEATURES, with_features
 from fivefold.planner.hardware import Cluster, get_cluster
 from fivefold.planner.layout import FRAMEWORKS, Framework, Layout
+from fivefold.planner.predict import compute_dtype, estimate_run, layout_of, load_hardware, on_one_node
+from fivefold.planner.profile import all_frameworks
 from fivefold.planner.score import spearman
 from fivefold.planner.search import estimate, gib, memory_of
 from fivefold.planner.time import stage_split_problem
+from fivefold.sweep.store import StoreError
+from fivefold.sweep.store import read_rows as read_store
 
 DATA_NAME = "playbook_benchmark_runs.csv"
 
@@ -125,11 +131,6 @@ def read_runs_csv(path: Path) -> list[Row]:
 def read_results(path: Path, hardware_file: str | None) -> tuple[list[Row], list[str]]:
     """The runs of a `fivefold sweep` store that finished or ran out of memory, with the planner's estimate; and
     the profiles the sweep itself predicted with that differ from the ones these estimates use."""
-    from fivefold.config import config_from_dict
-    from fivefold.planner.predict import compute_dtype, estimate_run, layout_of, load_hardware, on_one_node
-    from fivefold.sweep.store import StoreError
-    from fivefold.sweep.store import read_rows as read_store
-
     try:
         stored = read_store(path)
     except StoreError as e:
@@ -164,8 +165,6 @@ def read_results(path: Path, hardware_file: str | None) -> tuple[list[Row], list
 def load_profile(path: Path | None) -> tuple[Framework, Cluster]:
     """The fitted constants: a profile (`fivefold.planner.profile`; framework fields under [framework],
     hardware fields at the top level or under [hardware]), nanotron on `h100-efa` where it names neither."""
-    from fivefold.planner import profile
-
     fw, hw = profile.load(path or DEFAULT_PROFILE, None, "h100-efa")
     return fw or FRAMEWORKS["nanotron"], hw
 
@@ -285,8 +284,6 @@ def fit_matmul_efficiency(rows: list[Row], fw: Framework, hw: Cluster) -> Cluste
     """The large-GEMM efficiency alone (which also scales the attention figures, `planner/time.py`) that
     minimises the median absolute log error of tokens/s per GPU on `rows` (e.g. one named row): a grid of 0.0025
     from 0.20 to 0.99, each row modelled with its own framework and features."""
-    from fivefold.planner.profile import all_frameworks
-
     known = all_frameworks()
     ok = [r for r in rows if r.ok]
     if not ok:
@@ -363,8 +360,6 @@ def metrics(rows: list[Row], preds: list) -> dict:
 def check_features(rows: list[Row]) -> dict[str, int]:
     """How many rows use each feature (`features` column; "rows": with any), every name checked: a feature is an
     input of the compute model (`planner/features.py`), not a reason to leave a row out."""
-    from fivefold.planner.features import FEATURES
-
     counts: dict[str, int] = defaultdict(int)
     for r in rows:
         unknown = [f for f in r.features if f not in FEATURES]
@@ -380,8 +375,6 @@ def check_features(rows: list[Row]) -> dict[str, int]:
 def row_framework(r: Row, fw: Framework, known: dict[str, Framework]) -> Framework:
     """The framework a row is modelled with: the profile's for the playbook's nanotron rows, else the row's own
     (a built-in one or a file of `planner/frameworks/`), with the row's features (`planner/features.py`)."""
-    from fivefold.planner.features import with_features
-
     if r.framework == "nanotron" or r.framework == fw.name:
         return with_features(fw, r.features)
     if r.framework not in known:
@@ -391,8 +384,6 @@ def row_framework(r: Row, fw: Framework, known: dict[str, Framework]) -> Framewo
 
 
 def validate(rows: list[Row], fw: Framework, hw: Cluster, exact: bool = True) -> dict:
-    from fivefold.planner.profile import all_frameworks
-
     known = all_frameworks()
     preds = [estimate(r.model, r.seq, r.layout, row_framework(r, fw, known), hw, exact) for r in rows]
     held_out = [r.held_out if r.held_out is not None else r.nodes not in FIT_NODES for r in rows]
@@ -477,8 +468,6 @@ def run_validate(args: argparse.Namespace) -> int:
               + ", ".join(f"{name} = {getattr(fw if table == 'framework' else hw, name)}"
                           for table, name, _ in TIME_GRID) + f", inter_latency_us = {hw.inter_latency_us}")
     if args.fit and getattr(args, "out", None):
-        from fivefold.planner import profile
-
         profile.write(args.out, fw, hw, hw.device if by_split else "h100-efa",
                       f"fitted by `fivefold plan validate --fit` on the {len(train)} {where} of {path.name}")
         print(f"wrote {args.out} (use it with: fivefold plan --hardware {args.out} ...)")
@@ -495,8 +484,6 @@ def run_validate(args: argparse.Namespace) -> int:
     split = "by the file's split column" if by_split else f"constants fitted on nodes {nodes} only"
     print(f"{path.name}: {len(rows)} rows, modelled as {', '.join(frameworks)} on {hw.name}; {split}")
     if with_features:
-        from fivefold.planner.features import FEATURES
-
         counts = dict(with_features)
         print(f"{counts.pop('rows')} row(s) modelled with their features: " + ", ".join(
             f"{FEATURES[f]} ({n})" for f, n in sorted(counts.items())))

@@ -27,8 +27,11 @@ from fivefold.config import (
     load_file,
     write_text_atomic,
 )
+from fivefold.data import BatchSampler, TokenDataset, default_cache_dir, ensure_builtin_dataset, val_batches
+from fivefold.data.format import DataError, tokenizer_fingerprint
 from fivefold.device import resolve_device
 from fivefold.flops import training_flops_per_token
+from fivefold.models.hf import load_hf
 from fivefold.models.llama import build_model
 from fivefold.models.pieces import PieceError
 from fivefold.train import checkpoint as ckpt
@@ -73,8 +76,6 @@ EXIT_NON_FINITE = 3
 
 def resolve_data(cfg: Config, is_first_rank: bool, barrier) -> Path:
     """The prepared dataset directory: the configured one, or the built-in corpus (prepared on first use)."""
-    from fivefold.data import default_cache_dir, ensure_builtin_dataset
-
     if cfg.data.path:
         path = Path(cfg.data.path)
         if not path.is_dir():
@@ -140,8 +141,6 @@ HF_TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
 def check_hf_tokenizer(hf_dir: Path, dataset) -> None:
     """Refuse data prepared with another tokenizer than the Hugging Face model's own (fingerprints differ)."""
-    from fivefold.data.format import DataError, tokenizer_fingerprint
-
     hf_tokenizer = hf_dir / "tokenizer.json"
     if not hf_tokenizer.is_file():
         return  # nothing to compare: the model directory carries no tokenizer
@@ -200,8 +199,6 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
           hf_init: Path | None = None) -> TrainResult:
     """Train `cfg` in `cfg.run_dir`. `stop_after` ends the call after that many completed steps (as if the
     run were killed right after), which tests use to check resume."""
-    from fivefold.data import BatchSampler, TokenDataset, val_batches
-
     cfg.validate()
     check_logging_backends(cfg.log)
     wall_start = time.perf_counter()
@@ -244,8 +241,6 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
         ckpt.restore_rng(loaded, device)
         sampler = resumed_sampler(sampler, loaded, cfg, is_first)
     elif hf_init is not None:
-        from fivefold.models.hf import load_hf
-
         _, state = load_hf(hf_init)
         ckpt.check_model_state(state, engine.model_state(), hf_init)
         engine.load_model_state(state)
@@ -501,7 +496,6 @@ def resumed_sampler(sampler: BatchSampler, loaded: ckpt.LoadedCheckpoint, cfg: C
               f"checkpoint's run had {saved_batch}): the data continues at sample {samples:,} of the run's order, "
               f"so no sample is repeated or skipped; the learning-rate schedule goes on counting optimizer steps "
               f"(train.max_steps, warm-up and decay are in steps of the new batch)", file=sys.stderr)
-    from fivefold.data import BatchSampler
 
     return BatchSampler(sampler.dataset, t.seq_len, t.global_batch_size, t.seed, start_step=step,
                         start_sample=samples)

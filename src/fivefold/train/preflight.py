@@ -14,7 +14,9 @@ from pathlib import Path
 
 import torch
 
-from fivefold.config import Config, ConfigError
+from fivefold.config import Config, ConfigError, check_device_name
+from fivefold.device import resolve_device
+from fivefold.train.metrics import check_logging_backends
 
 
 def check_nproc(nproc: int, nodes: int = 1) -> None:
@@ -26,9 +28,6 @@ def check_nproc(nproc: int, nodes: int = 1) -> None:
 
 def check_device(name: str) -> torch.device:
     """The device `train.device` names, present on this machine."""
-    from fivefold.config import check_device_name
-    from fivefold.device import resolve_device
-
     check_device_name(name)
     device = resolve_device(name)
     if device.type == "cpu":
@@ -97,8 +96,6 @@ def check_hf_dir(path: str) -> None:
 
 def check_extras(cfg: Config) -> None:
     """The optional packages that the config asks for, before anything is written."""
-    from fivefold.train.metrics import check_logging_backends
-
     check_logging_backends(cfg.log)
 
 

@@ -8,6 +8,8 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from fivefold.config import TrainConfig
+from fivefold.models.loss import linear_cross_entropy_sum
 from fivefold.planner.calibrate.harness import (
     COLD_SPAN_BYTES,
     Clock,
@@ -17,6 +19,7 @@ from fivefold.planner.calibrate.harness import (
     tflops,
     time_forward_backward,
 )
+from fivefold.train.optim import build_adamw
 
 
 def measure_linear(clock: Clock, shapes, dtype: torch.dtype, say: Say) -> list[list[float]]:
@@ -55,8 +58,6 @@ def measure_attention(clock: Clock, shapes, dtype: torch.dtype, say: Say) -> lis
 def measure_loss(clock: Clock, shapes, dtype: torch.dtype, say: Say) -> list[list[float]]:
     """The engine's fused output layer + cross-entropy on one chunk of tokens (it computes its gradients in the
     forward; the backward scales them), by (tokens, vocabulary, hidden)."""
-    from fivefold.models.loss import linear_cross_entropy_sum
-
     rows = []
     for m, n, k in shapes:
         def make(m=m, n=n, k=k):
@@ -134,9 +135,6 @@ def measure_optimizer(clock: Clock, numel: int, say: Say) -> tuple[float, float]
     bytes of parameters, gradients and the two moments streamed per second on one large tensor, and the cost
     per tensor on many small ones."""
     from torch import nn
-
-    from fivefold.config import TrainConfig
-    from fivefold.train.optim import build_adamw
 
     def step_time(shapes: list[int]) -> float:
         params = nn.ParameterList([nn.Parameter(torch.randn(n, 1, device=clock.device)) for n in shapes])

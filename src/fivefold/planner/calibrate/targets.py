@@ -12,7 +12,10 @@ import torch
 from fivefold.config import ModelConfig
 from fivefold.errors import CliError
 from fivefold.layout import tensor_parallel_problem
+from fivefold.models.loss import LOSS_CHUNK_TOKENS, TP_LOSS_CHUNK_TOKENS
 from fivefold.planner.hardware import COLLECTIVES
+from fivefold.planner.time import linear_shapes
+from fivefold.presets import get_preset
 
 KIB = 1024
 
@@ -86,9 +89,6 @@ def shapes_for(models: list, seq: int, micro_batches: list[int], tps: list[int])
     """Linear (m, n, k) and attention (batch, heads, kv heads, seq, head dim) shapes of the models' blocks, and
     output layer + loss (tokens per chunk, vocabulary, hidden) shapes, on one tp rank, as the planner's time
     model asks for them."""
-    from fivefold.models.loss import LOSS_CHUNK_TOKENS, TP_LOSS_CHUNK_TOKENS
-    from fivefold.planner.time import linear_shapes
-
     linear: set[tuple[int, int, int]] = set()
     loss: set[tuple[int, int, int]] = set()
     attention: set[tuple[int, int, int, int, int]] = set()
@@ -110,8 +110,6 @@ def shapes_for(models: list, seq: int, micro_batches: list[int], tps: list[int])
 
 def make_plan(args: argparse.Namespace, device_type: str) -> tuple[Plan, list[int]]:
     """The measurement plan and the rank counts to run it with."""
-    from fivefold.presets import get_preset
-
     cpu = device_type == "cpu"
     names = [m for m in (args.model or ("tiny" if cpu else "llama-3.2-1b")).split(",") if m]
     models = [get_preset(n) for n in names]

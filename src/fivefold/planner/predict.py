@@ -140,9 +140,10 @@ def check_fits(cfg: Config, hardware: Cluster, device_type: str) -> Estimate:
             f"model.hidden = {m.hidden}, model.n_layers = {m.n_layers}, model.ffn = {m.ffn}, model.vocab_size = "
             f"{m.vocab_size} ({count_params(m):,} parameters) on {la.world_size} rank(s) with layout.zero = "
             f"{la.zero}: {figure}, {gib(states):,.1f} GiB of it weights, gradients and optimizer state; use a smaller "
-            f"model (see `fivefold models`), a higher --layout.zero, {more}")
+            f"model (see `fivefold models`), {'a higher --layout.zero, ' if la.zero < 3 else ''}{more}")
     raise ConfigError(
         f"layout.micro_batch_size = {cfg.micro_batch_size} sequences (train.global_batch_size = "
         f"{t.global_batch_size} / layout.dp = {la.dp}, when micro_batch_size is 0) x train.seq_len = {t.seq_len} "
         f"with layout.recompute = {la.recompute}: {figure}; set a smaller --layout.micro_batch_size (gradient "
-        f"accumulation keeps the global batch), --layout.recompute full, {more}")
+        f"accumulation keeps the global batch), {'--layout.recompute full, ' if la.recompute != 'full' else ''}"
+        f"{more}")

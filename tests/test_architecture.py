@@ -16,11 +16,12 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # "fivefold.planner"); `None` means every layer below. Each entry is one part (a tuple: names that form one part):
 # parts of one layer may import each other in one direction only.
 LAYERS: list[tuple[str, list[str | tuple[str, ...]], list[str] | None]] = [
-    # config (with the preset table it resolves `model.preset` from) and the user-error types, device helpers,
-    # the shared FLOPs formulas, the accelerator table, the layout rule book, the fault helpers (watchdog,
-    # parent-death signal) and the checkpoint file format (the trainer writes it, export and generate read it)
-    ("base", ["fivefold", ("fivefold.config", "fivefold.presets"), "fivefold.errors", "fivefold.device",
-              "fivefold.flops", "fivefold.hardware", "fivefold.layout", "fivefold.faults",
+    # config (with the preset table it resolves `model.preset` from, the layout rule book whose batch rule
+    # `Config.validate` applies, and the FLOPs formulas by which the rule book balances pipeline stages) and the
+    # user-error types, device helpers, the accelerator table, the fault helpers (watchdog, parent-death signal)
+    # and the checkpoint file format (the trainer writes it, export and generate read it)
+    ("base", ["fivefold", ("fivefold.config", "fivefold.presets", "fivefold.layout", "fivefold.flops"),
+              "fivefold.errors", "fivefold.device", "fivefold.accelerators", "fivefold.faults",
               "fivefold.checkpoint_format"], None),
     # tokenizers, shards, the dataset and sampler: no model code
     ("data", ["fivefold.data"], None),

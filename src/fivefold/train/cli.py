@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -77,7 +78,8 @@ def resolve_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from fivefold.launch import check_layout, finish_distributed, local_world_size, start_or_join
+    from fivefold.launch import finish_distributed, local_world_size, start_or_join
+    from fivefold.layout import check_layout
     from fivefold.train import preflight
     from fivefold.train.loop import RunDirError, train
 
@@ -112,7 +114,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {path}: {args.nodes} node(s) x {args.nproc} processes, time limit {args.time}; submit it "
               f"with `sbatch {path}`")
         return 0
-    preflight.check_start(cfg, args.nproc, resume=args.resume)
+    device = preflight.check_start(cfg, resume=args.resume)
+    if device is not None:  # the process the user started: the planner's prediction on the device the run uses
+        from fivefold.planner.predict import check_fits, device_cluster
+
+        e = check_fits(cfg, device_cluster(device, args.nproc), device.type)
+        for line in preflight.warnings(cfg, device, e.step_time_s):
+            print(f"fivefold: warning: {line}", file=sys.stderr)
     # every process must agree on the run directory
     status = start_or_join(cfg, args.nproc, forwarded_argv(args, cfg.run_dir), "train")
     if status is not None:
@@ -139,7 +147,7 @@ def check_slurm_time(value: str) -> None:
 def dry_run(cfg: Config, args: argparse.Namespace) -> int:
     """Validate `cfg` for its layout's world size and print what the run would do and the planner's prediction."""
     from fivefold.flops import count_params
-    from fivefold.launch import check_layout
+    from fivefold.layout import check_layout
     from fivefold.planner.hardware import get_cluster
     from fivefold.planner.predict import estimate_run, run_framework
 

@@ -85,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
     from fivefold.train import preflight
     from fivefold.train.loop import RunDirError, train
 
+    if args.only_rank is not None:
+        refuse_with_only_rank(args)
+    elif args.json:
+        raise CliError("--json goes with --only-rank")
     preflight.check_nproc(args.nproc, args.nodes)
     if args.hf:
         preflight.check_hf_dir(args.hf)
@@ -100,8 +104,6 @@ def run(args: argparse.Namespace) -> int:
     check_logging_backends(cfg.log)
     if args.only_rank is not None:
         return only_rank(cfg, args)
-    if args.json:
-        raise CliError("--json goes with --only-rank")
     if args.dry_run:
         return dry_run(cfg, args)
     check_layout(cfg, args.nodes * args.nproc if args.slurm else local_world_size(args.nproc))
@@ -135,10 +137,9 @@ def run(args: argparse.Namespace) -> int:
     return result.exit_code  # 3 after a streak of non-finite steps, 128 + N when signal N stopped it
 
 
-def only_rank(cfg: Config, args: argparse.Namespace) -> int:
-    """`--only-rank K`: rank K of the layout alone (`fivefold.only_rank`); what it cannot do is refused by name."""
-    from fivefold.launch import check_layout
-    from fivefold.only_rank import check_rank, in_launcher, run_only_rank
+def refuse_with_only_rank(args: argparse.Namespace) -> None:
+    """The flags --only-rank cannot take, refused by name before anything runs."""
+    from fivefold.only_rank import in_launcher
 
     for flag, given in (("--resume", args.resume), ("--hf", args.hf), ("--slurm", args.slurm),
                         ("--dry-run", args.dry_run), ("--profile", args.profile), ("--nproc", args.nproc > 1),
@@ -148,6 +149,13 @@ def only_rank(cfg: Config, args: argparse.Namespace) -> int:
                            f"not take {flag}; drop {flag} (or --only-rank)")
     if in_launcher():
         raise CliError("--only-rank runs one process on its own; start it without torchrun or --nproc")
+
+
+def only_rank(cfg: Config, args: argparse.Namespace) -> int:
+    """`--only-rank K`: rank K of the layout alone (`fivefold.only_rank`)."""
+    from fivefold.launch import check_layout
+    from fivefold.only_rank import check_rank, run_only_rank
+
     check_layout(cfg, cfg.layout.world_size)
     check_rank(cfg, args.only_rank)
     return run_only_rank(cfg, args.only_rank, as_json=args.json)

@@ -11,6 +11,8 @@ here; MoE routing is balanced under --only-rank and only there.
 from __future__ import annotations
 
 import json
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -100,12 +102,21 @@ def standin_bytes(name: str, rank: int) -> dict[str, int]:
     return measured["held_bytes"]
 
 
+def every_rank_alone(name: str) -> list[dict[str, int]]:
+    """Each rank of the layout alone: one after another in this process, or under HSDP each in a process of its own,
+    as the command line runs it (PyTorch's DeviceMesh remembers a 2D mesh's group names across worlds)."""
+    world = config(name).layout.world_size
+    if not config(name).layout.dp_shard:
+        return [standin_bytes(name, rank) for rank in range(world)]
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1) as pool:
+        return list(pool.map(standin_bytes, [name] * world, range(world)))
+
+
 def check_every_rank(name: str, against_real_run: bool) -> None:
     cfg = config(name)
     world = cfg.layout.world_size
     real = run_ranks(world, real_run_bytes, name) if against_real_run else None
-    for rank in range(world):
-        alone = standin_bytes(name, rank)
+    for rank, alone in enumerate(every_rank_alone(name)):
         assert alone == closed_form(cfg, rank), f"{name}, rank {rank}"
         if real is not None:
             assert alone == real[rank], f"{name}, rank {rank}: alone {alone}, in the real run {real[rank]}"

@@ -144,46 +144,56 @@ def rank_batches(cfg: Config, engine, notes: list[str]):
 
 def measure_rank(cfg: Config, rank: int, steps: int | None = None, on_step=None) -> dict:
     """Build and step rank `rank` of `cfg` alone (the stand-in world must not be started yet). Returns what was
-    measured: per step its seconds and peak memory, the state bytes held, the engine's parameter count."""
-    from fivefold.models.llama import force_balanced_routing
+    measured: per step its seconds and peak memory, the state bytes held, the engine's parameter count.
+
+    One stand-in world per process: PyTorch's `DeviceMesh` keeps the group names of a mesh it built (HSDP's 2D
+    mesh) past `destroy_process_group`, so a second world in the same process may look up the first world's
+    names. The command line measures one rank per process, and `plan --measure` starts a process per rank."""
     from fivefold.parallel.standin import init_standin
-    from fivefold.train.engine import create_engine
-    from fivefold.train.loop import default_threads, split_micro_batches
-    from fivefold.train.metrics import synchronize
+    from fivefold.train.loop import default_threads
 
     check_rank(cfg, rank)
-    t = cfg.train
-    device = resolve_device(t.device)
-    torch.set_num_threads(t.threads or default_threads(1))
+    device = resolve_device(cfg.train.device)
+    torch.set_num_threads(cfg.train.threads or default_threads(1))
     init_standin(rank, cfg.layout.world_size)
     try:
-        start = time.perf_counter()
-        engine = create_engine(cfg, device)
-        balanced = force_balanced_routing(engine.model)
-        synchronize(device)
-        build_s = time.perf_counter() - start
-        notes: list[str] = []
-        batch_of = rank_batches(cfg, engine, notes)
-        records, held = [], {}
-        mbs, global_tokens = cfg.micro_batch_size, t.global_batch_size * t.seq_len
-        for step in range(steps or t.max_steps):
-            inputs, targets = batch_of(step)
-            start = time.perf_counter()
-            engine.set_lr(step)
-            loss_sum = engine.forward_backward(split_micro_batches(inputs, targets, mbs, device), global_tokens)
-            held = held_bytes(engine)  # the gradients exist until the optimizer step
-            engine.optimizer_step(loss_sum)
-            synchronize(device)
-            record = {"step": step + 1, "seconds": time.perf_counter() - start, "peak": peak_memory(device)}
-            records.append(record)
-            if on_step is not None:
-                on_step(record)
-        held["optimizer"] = held_bytes(engine)["optimizer"]  # the moments exist after the first step
-        return {"rank": rank, "device": str(device), "build_s": build_s, "steps": records, "held_bytes": held,
-                "parameters_on_rank": sum(p.numel() for p in engine.parameters()), "moe_layers_balanced": balanced,
-                "notes": notes}
+        return _measure(cfg, rank, device, steps, on_step)
     finally:
         dist.destroy_process_group()
+
+
+def _measure(cfg: Config, rank: int, device: torch.device, steps: int | None, on_step) -> dict:
+    from fivefold.models.llama import force_balanced_routing
+    from fivefold.train.engine import create_engine
+    from fivefold.train.loop import split_micro_batches
+    from fivefold.train.metrics import synchronize
+
+    t = cfg.train
+    start = time.perf_counter()
+    engine = create_engine(cfg, device)
+    balanced = force_balanced_routing(engine.model)
+    synchronize(device)
+    build_s = time.perf_counter() - start
+    notes: list[str] = []
+    batch_of = rank_batches(cfg, engine, notes)
+    records, held = [], {}
+    mbs, global_tokens = cfg.micro_batch_size, t.global_batch_size * t.seq_len
+    for step in range(steps or t.max_steps):
+        inputs, targets = batch_of(step)
+        start = time.perf_counter()
+        engine.set_lr(step)
+        loss_sum = engine.forward_backward(split_micro_batches(inputs, targets, mbs, device), global_tokens)
+        held = held_bytes(engine)  # the gradients exist until the optimizer step
+        engine.optimizer_step(loss_sum)
+        synchronize(device)
+        record = {"step": step + 1, "seconds": time.perf_counter() - start, "peak": peak_memory(device)}
+        records.append(record)
+        if on_step is not None:
+            on_step(record)
+    held["optimizer"] = held_bytes(engine)["optimizer"]  # the moments exist after the first step
+    return {"rank": rank, "device": str(device), "build_s": build_s, "steps": records, "held_bytes": held,
+            "parameters_on_rank": sum(p.numel() for p in engine.parameters()), "moe_layers_balanced": balanced,
+            "notes": notes}
 
 
 # --- reporting ---------------------------------------------------------------------------------------------

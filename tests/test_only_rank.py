@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -280,3 +281,30 @@ def test_cli_only_rank_refuses_by_name(extra, message, capsys):
             *[f"--{k}={v}" for k, v in BASE.items()]]
     assert main(args) != 0
     assert message in capsys.readouterr().err
+
+
+# --- the examples/ configs ---------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+# the layouts as configured (bf16 lean mixed precision included); shrunk so that a CPU runs two steps: 2 blocks (4 for
+# the 70B's 4 pipeline stages), one micro-batch per rank and stage pass (the global batch = dp x micro-batch, x 4 for
+# the 70B's pipeline), sequences of 64 tokens, no torch.compile, and width 256 / ffn 512 / vocabulary 1024
+EXAMPLES = {"llama3.1-8b-1x8-h100": ("2", "8"), "olmoe-1b-7b-2x8-h100": ("2", "64"),
+            "llama3.1-70b-4x8-h100": ("4", "4")}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n.startswith("llama3.1-70b") else pytest.mark.slow)
+                                  for n in EXAMPLES])
+def test_rank_0_of_each_example_runs_two_steps_on_the_cpu(name, capsys):
+    layers, batch = EXAMPLES[name]
+    args = ["train", "--config", str(ROOT / "examples" / f"{name}.toml"), "--only-rank", "0", "--json",
+            "--max-steps", "2", "--model.n_layers", layers, "--train.global_batch_size", batch,
+            "--train.seq_len", "64", "--train.compile", "false", "--model.hidden", "256", "--model.ffn", "512",
+            "--model.vocab_size", "1024", "--train.threads", "1", "--train.device", "cpu"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["steps"]) == 2 and all(s["seconds"] > 0 for s in report["steps"])
+    assert any("random token ids" in note for note in report["notes"])  # the example's data.path is a placeholder
+    for part in ("parameters", "gradients", "optimizer"):  # the layout's closed form, under bf16 mixed precision
+        row = report["memory_bytes"][part]
+        assert row["measured"] == row["predicted"] > 0, part

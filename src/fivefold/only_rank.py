@@ -63,7 +63,7 @@ def planner_for_rank(cfg: Config, rank: int, device_type: str) -> dict:
     last pipeline rank's; a middle pipeline rank is predicted as the first, which holds as many blocks and the
     embedding) and the time one process computes (compute, host waits and the optimizer step)."""
     from fivefold.parallel.pipeline import stage_layer_counts
-    from fivefold.planner.predict import default_hardware, estimate_run, on_one_node
+    from fivefold.planner.predict import default_hardware, estimate_run, on_one_node, run_framework
 
     hw = on_one_node(default_hardware(device_type), cfg.layout.world_size)
     if cfg.layout.pp > 1 and not cfg.layout.stage_layers:  # the engine's split at this sequence length
@@ -73,6 +73,11 @@ def planner_for_rank(cfg: Config, rank: int, device_type: str) -> dict:
     parts = dict(e.memory[which] if which in e.memory else e.memory["first"])
     states = {"parameters": parts.pop("parameters"), "gradients": parts.pop("gradients"),
               "optimizer": parts.pop("optimizer") + parts.pop("grad_accum_buffer", 0.0)}
+    if cfg.layout.zero >= 3 and run_framework(cfg, device_type).master_bytes:
+        # ZeRO-3 under bf16 keeps fp32 shards and fp32 gradient shards (4 + 4 + 8 per parameter over the group), which
+        # the planner books as the same total in 2 + 2 + 12 (`planner.memory.model_state_bytes`): shown as held
+        total = sum(states.values())
+        states = {"parameters": total / 4, "gradients": total / 4, "optimizer": total / 2}
     rest = {"activations": parts.pop("activations") + parts.pop("bf16_weight_copies", 0.0)
             + parts.pop("transient", 0.0),
             "buffers": sum(parts.values())}

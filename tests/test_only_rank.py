@@ -308,3 +308,45 @@ def test_rank_0_of_each_example_runs_two_steps_on_the_cpu(name, capsys):
     for part in ("parameters", "gradients", "optimizer"):  # the layout's closed form, under bf16 mixed precision
         row = report["memory_bytes"][part]
         assert row["measured"] == row["predicted"] > 0, part
+
+
+# --- fivefold plan --measure ---------------------------------------------------------------------------------
+
+
+def test_ranks_to_measure_are_the_first_and_last_pipeline_stage_and_an_expert_rank():
+    from fivefold.only_rank import ranks_to_measure
+
+    assert list(ranks_to_measure(config("tp2-pp2"))) == [0, 2]  # pp rank 1 starts at rank 2 (tp innermost)
+    assert list(ranks_to_measure(config("pp2-dp2-ep2-zero3-moe"))) == [0, 2]
+    assert "ep rank 0 of 2" in ranks_to_measure(config("ep2-dp2"))[0]
+    assert list(ranks_to_measure(config("dp4-zero3"))) == [0]
+
+
+def test_plan_measure_runs_the_layout_alone_and_prints_measured_beside_predicted(capsys):
+    args = ["plan", "--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "2", "--seq-len", "32", "--global-batch",
+            "128", "--layout", "dp=2,micro_batch_size=2", "--measure", "--measure-steps", "1", "--json"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    (rank,) = report["measured"]
+    assert rank["rank"] == 0 and len(rank["steps"]) == 1
+    for part in ("parameters", "gradients", "optimizer"):
+        assert rank["memory_bytes"][part]["measured"] == rank["memory_bytes"][part]["predicted"] > 0
+
+
+@pytest.mark.slow
+def test_plan_measure_prints_a_table_of_the_first_and_last_stage():
+    from io import StringIO
+
+    from fivefold.only_rank import measure_ranks, print_measured
+
+    out = StringIO()
+    reports = measure_ranks(config("tp2-pp2"), 1, out)
+    print_measured(reports, out)
+    text = out.getvalue()
+    assert "measuring rank 0 (first pipeline stage) alone: 1 steps" in text
+    assert "measuring rank 2 (last pipeline stage) alone: 1 steps" in text
+    assert [r["rank"] for r in reports] == [0, 2] and "peak MiB" in text
+    cfg = config("tp2-pp2")
+    for r in reports:
+        want = closed_form(cfg, r["rank"])
+        assert {k: r["memory_bytes"][k]["measured"] for k in want} == want

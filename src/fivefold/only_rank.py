@@ -296,3 +296,65 @@ def run_only_rank(cfg: Config, rank: int, as_json: bool = False, out: TextIO | N
 def in_launcher() -> bool:
     """Whether this process was started by a launcher (torchrun or `--nproc`)."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+# --- `fivefold plan --measure`: the ranks that hold the most, each in a process of its own --------------------
+
+
+def ranks_to_measure(cfg: Config) -> dict[int, str]:
+    """{rank: what it holds} for the ranks that hold the most: the first pipeline stage's (the embedding; an expert
+    rank under ep, as every ep rank holds as many experts) and the last stage's (the output layer and the loss)."""
+    from fivefold.parallel.mesh import rank_of
+
+    la = cfg.layout
+    first = "first pipeline stage" if la.pp > 1 else "every rank's part"
+    if la.ep > 1:
+        first += f", ep rank 0 of {la.ep} (every ep rank holds {cfg.model.n_experts // la.ep} experts)"
+    ranks = {0: first}
+    if la.pp > 1:
+        ranks[rank_of(la, la.pp - 1, 0, 0, 0)] = "last pipeline stage"
+    return ranks
+
+
+def measure_ranks(cfg: Config, steps: int, out: TextIO | None = None) -> list[dict]:
+    """`fivefold train --only-rank K --json` of each rank of `ranks_to_measure`, each in a process of its own; their
+    reports (`summary`), with `holds` added."""
+    import subprocess
+    import tempfile
+
+    from fivefold.config import dump_toml
+
+    out = out or sys.stdout
+    reports = []
+    with tempfile.TemporaryDirectory(prefix="fivefold-measure-") as tmp:
+        path = Path(tmp) / "layout.toml"
+        path.write_text(dump_toml(cfg))
+        for rank, holds in ranks_to_measure(cfg).items():
+            print(f"measuring rank {rank} ({holds}) alone: {steps} steps ...", file=out, flush=True)
+            command = [sys.executable, "-m", "fivefold", "train", "--config", str(path), "--only-rank", str(rank),
+                       "--json", "--max-steps", str(steps)]
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise ConfigError(f"fivefold train --only-rank {rank} failed (exit {done.returncode}):\n"
+                                  + done.stderr[-4000:])
+            report = json.loads(done.stdout.strip().splitlines()[-1])
+            report["holds"] = holds
+            reports.append(report)
+    return reports
+
+
+def print_measured(reports: list[dict], out: TextIO | None = None) -> None:
+    """One line per measured rank: peak memory and compute time, measured beside the planner's, with the
+    differences (the planner's prediction for the device that ran them)."""
+    out = out or sys.stdout
+    print(f"{'rank':>5} {'holds':34s} {'peak MiB':>10s} {'planner':>10s} {'diff':>9s} {'compute s':>10s} "
+          f"{'planner':>9s} {'diff':>10s}", file=out)
+    for r in reports:
+        m, t = r["memory_bytes"]["peak"], r["compute_s"]
+        print(f"{r['rank']:>5} {r['holds'][:34]:34s} {m['measured'] / MIB:>10,.1f} {m['predicted'] / MIB:>10,.1f} "
+              f"{_diff(m['measured'], m['predicted']):>9s} {t['measured']:>10.3f} {t['predicted']:>9.3f} "
+              f"{_diff(t['measured'], t['predicted']):>10s}", file=out)
+    devices = sorted({r["device"] for r in reports})
+    print(f"(measured on {', '.join(devices)}, each rank alone with the others stood in for; planner: its "
+          f"{reports[0]['planner']['hardware']} profile of that device; per part: `fivefold train --only-rank K`)",
+          file=out)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import resource
 import sys
@@ -285,7 +284,7 @@ def run_only_rank(cfg: Config, rank: int, as_json: bool = False, out: TextIO | N
     measured = measure_rank(cfg, rank, on_step=on_step)
     s = summary(cfg, rank, measured, predicted)
     if as_json:
-        print(json.dumps(s, default=lambda v: None if isinstance(v, float) and math.isnan(v) else str(v)), file=out)
+        print(json.dumps(s, default=str), file=out)
     else:
         for note in s["notes"]:
             print(f"note: {note}", file=out)

@@ -59,8 +59,8 @@ def rank_description(cfg: Config, rank: int) -> dict:
 
 def planner_for_rank(cfg: Config, rank: int, device_type: str) -> dict:
     """The planner's prediction for rank `rank` of `cfg` on this kind of device: memory by part (the first or the
-    last pipeline rank's; a middle pipeline rank is predicted as the first, which holds as many blocks and the
-    embedding) and the time one process computes (compute, host waits and the optimizer step)."""
+    last pipeline rank's: the planner models those two, so a middle pipeline rank is compared with the first, and
+    `rank_description` says so) and the time one process computes (compute, host waits and the optimizer step)."""
     from fivefold.parallel.pipeline import stage_layer_counts
     from fivefold.planner.predict import default_hardware, estimate_run, on_one_node, run_framework
 

@@ -227,6 +227,33 @@ def test_standin_group_runs_fully_shard_on_device_meshes(standin_world):
         assert grad.shape == (8 // parts, 8) and torch.isfinite(grad).all()
 
 
+def test_standin_group_answers_the_older_method_names_as_the_newer_ones():
+    """PyTorch 2.11's `distributed_c10d` calls the group's older names; each must do what the 2.13 name does (this
+    machine runs 2.13, so these are called directly here)."""
+    group = StandInGroup(1, 4)
+    inp = torch.tensor([1.0, 2.0])
+    new, old = torch.zeros(8), torch.zeros(8)
+    group.all_gather_single(new, inp)
+    group._allgather_base(old, inp)
+    assert torch.equal(new, old) and new.tolist() == [1, 2] * 4
+    news, olds = [torch.zeros(8)], [torch.zeros(8)]
+    group.all_gather_single_coalesced(news, [inp])
+    group.allgather_into_tensor_coalesced(olds, [inp])
+    assert torch.equal(news[0], olds[0])
+    new, old = torch.zeros(2), torch.zeros(2)
+    group.reduce_scatter_single(new, torch.arange(8.0))
+    group._reduce_scatter_base(old, torch.arange(8.0))
+    assert torch.equal(new, old) and new.tolist() == [2, 3]
+    news, olds = [torch.zeros(2)], [torch.zeros(2)]
+    group.reduce_scatter_single_coalesced(news, [torch.arange(8.0)])
+    group.reduce_scatter_tensor_coalesced(olds, [torch.arange(8.0)])
+    assert torch.equal(news[0], olds[0])
+    new, old = torch.zeros(8), torch.zeros(8)
+    group.all_to_all_single(new, torch.arange(8.0), [2] * 4, [2] * 4)
+    group.alltoall_base(old, torch.arange(8.0), [2] * 4, [2] * 4)
+    assert torch.equal(new, old) and new.tolist() == list(range(8))
+
+
 def test_standin_refuses_a_rank_outside_the_world():
     with pytest.raises(ValueError, match="outside the world of 4 ranks"):
         init_standin(4, 4)

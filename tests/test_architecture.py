@@ -37,8 +37,10 @@ LAYERS: list[tuple[str, list[str | tuple[str, ...]], list[str] | None]] = [
     # the planner models the engines, it does not call them: it reads only these lower parts
     ("planner", ["fivefold.planner"], ["base", "models", "fivefold.parallel.schedules"]),
     # tools that run or score the trainer: sweeps and their report, bench, calibrate (it times the training step,
-    # so it sits above train and the planner it writes profiles for), the planner's validation against a sweep
-    ("tools", ["fivefold.sweep", "fivefold.bench", "fivefold.planner.calibrate", "fivefold.planner.validate"], None),
+    # so it sits above train and the planner it writes profiles for), the planner's validation against a sweep,
+    # one rank alone beside the planner's prediction for it (`train --only-rank`)
+    ("tools", ["fivefold.sweep", "fivefold.bench", "fivefold.planner.calibrate", "fivefold.planner.validate",
+               "fivefold.only_rank"], None),
     # the command line: `fivefold VERB`; `plan` also runs the planner's validation, `train --dry-run` the planner
     ("cli", ["fivefold.cli", "fivefold.__main__", "fivefold.planner.cli", "fivefold.train.cli"], None),
 ]

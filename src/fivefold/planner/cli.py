@@ -52,6 +52,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout", help="estimate one layout, e.g. 'dp=4,tp=2,pp=1,micro_batch_size=1,zero=1,"
                                     "recompute=none' (mbs is short for micro_batch_size)")
     p.add_argument("--explain", action="store_true", help="say why the best layout wins")
+    p.add_argument("--measure", action="store_true",
+                   help="run the pick (or --layout) on this machine's device with `fivefold train --only-rank` for "
+                   "the ranks that hold the most (first and last pipeline stage, an expert rank) and print measured "
+                   "beside predicted")
+    p.add_argument("--measure-steps", type=int, default=2, help="--measure: steps of each rank (default 2)")
     p.add_argument("--framework", choices=sorted(_framework_names()),
                    help="whose implementation to model (default: fivefold-cpu on a CPU profile, else fivefold; "
                         "nanotron: the playbook's benchmark settings)")
@@ -441,8 +446,9 @@ def _estimate_layout(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, 
     train_config(cfg, lay, seq, batch_seqs, fw.compute_dtype)  # refused as `fivefold train` refuses it
     e = estimate(cfg, seq, lay, fw, hw, True, moe_imbalance=args.moe_imbalance)
     e.mfu *= _mfu_scale(args, cfg, seq)
+    measured = measure(args, cfg, lay, seq, batch_seqs, fw) if args.measure else None
     if args.json:
-        print(json.dumps(e.to_json(), indent=2))
+        print(json.dumps({**e.to_json(), **({"measured": measured} if measured else {})}, indent=2))
         return 0
     print(f"{cfg.name} on {n_gpus} x {hw.name}, seq {seq}, batch {batch_seqs} sequences: {lay.short()}")
     print(f"fits: {'yes' if e.fits else 'NO'} (peak {gib(e.peak_bytes):.2f} GiB of {hw.memory_gib} GiB)")
@@ -454,6 +460,10 @@ def _estimate_layout(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, 
           f"MFU {100 * e.mfu:.1f} %")
     for k, v in e.time_parts.items():
         print(f"    {k:20s} {v:9.4f} s")
+    if measured:
+        from fivefold.only_rank import print_measured
+
+        print_measured(measured)
     return 0
 
 
@@ -482,13 +492,22 @@ def _search_layouts(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, h
                      train_tokens=parse_tokens(args.train_tokens) if args.train_tokens else None)
     for e in result.candidates:  # the written config's header keeps fivefold's MFU (what the trainer logs)
         e.mfu *= _mfu_scale(args, cfg, seq)
+    measured = None
+    if args.measure:
+        measured = measure(args, cfg, result.candidates[0].layout, seq, batch_seqs, fw)
     if args.json:
         print(json.dumps({"model": cfg.name, "gpus": n_gpus, "hardware": hw.name, "seq_len": seq,
                           "global_batch_tokens": tokens, "evaluated": result.evaluated,
                           "rejected": dict(result.rejected), "compiled": compiled,
-                          "candidates": [e.to_json() for e in result.candidates]}, indent=2))
+                          "candidates": [e.to_json() for e in result.candidates],
+                          **({"measured": measured} if measured else {})}, indent=2))
         return 0
     _print_search(args, result, cfg, fw, hw, space, seq, tokens, compiled_for_config)
+    if measured:
+        from fivefold.only_rank import print_measured
+
+        print(f"measured, the best layout {result.candidates[0].layout.short()}:")
+        print_measured(measured)
     return 0
 
 
@@ -546,6 +565,21 @@ def _print_search(args: argparse.Namespace, result, cfg: ModelConfig, fw: Framew
         from fivefold.planner.explain import explain
 
         print(explain(result, hw.memory_bytes, batch_seqs, unit=hw.unit))
+
+
+def measure(args: argparse.Namespace, cfg: ModelConfig, lay: Layout, seq: int, batch_seqs: int,
+            fw: Framework) -> list[dict]:
+    """`--measure`: the layout's ranks that hold the most, each alone (`fivefold.only_rank.measure_ranks`)."""
+    from fivefold.only_rank import measure_ranks
+
+    if args.measure_steps < 1:
+        raise CliError(f"--measure-steps = {args.measure_steps} must be >= 1")
+    from fivefold.device import resolve_device
+
+    # compiled on an accelerator, as `--write-config` writes it; eager on the CPU
+    accelerator = resolve_device("auto").type != "cpu"
+    conf, _ = train_config(cfg, lay, seq, batch_seqs, fw.compute_dtype, accelerator)
+    return measure_ranks(conf, args.measure_steps, sys.stdout if not args.json else sys.stderr)
 
 
 def _no_candidates(result, cfg: ModelConfig, hw, n_gpus: int, batch_seqs: int, args: argparse.Namespace) -> None:

@@ -108,7 +108,7 @@ def only_rank_steps(dry: bool, out: Path) -> list[Step]:
             steps.append(Step(f"only-rank {name} rank {rank}", "d", fivefold(
                 "train", "--config", str(config), "--only-rank", str(rank), "--run-dir", str(out / f"d-{name}-{rank}"),
                 "--train.global_batch_size", str(batch), "--train.compile", "false" if dry else "true",
-                *shape, *common), 150))
+                *shape, *common), 200))
     small = (["--preset", "tiny", "--train.seq_len", "64"] if dry else
              ["--preset", "llama-3.2-1b", "--model.n_layers", "4", "--train.seq_len", "2048"])
     small_moe = (["--preset", "tiny-moe", "--train.seq_len", "64"] if dry else

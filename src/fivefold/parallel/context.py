@@ -169,6 +169,7 @@ class Transfer:
     def __init__(self, received: torch.Tensor, works: list) -> None:
         self.received, self.works = received, works
 
+    @torch.compiler.disable  # communication stays out of compiled graphs, as ring_shift does
     def wait(self) -> torch.Tensor:
         for work in self.works:
             work.wait()
@@ -176,6 +177,7 @@ class Transfer:
         return self.received
 
 
+@torch.compiler.disable  # point-to-point is not traceable: under a compiled block it runs eagerly, whatever the group
 def ring_shift(tensor: torch.Tensor, group: dist.ProcessGroup, tag: int = 0) -> Transfer:
     """Post: send `tensor` to the next rank of the cp ring, receive the previous rank's into a new buffer."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)

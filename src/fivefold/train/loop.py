@@ -32,7 +32,7 @@ from fivefold.flops import training_flops_per_token
 from fivefold.models.llama import build_model
 from fivefold.models.pieces import PieceError
 from fivefold.train import checkpoint as ckpt
-from fivefold.train.engine import Engine, create_engine
+from fivefold.train.build import Engine, create_engine
 from fivefold.train.guard import GuardState, StepGuard, StopSignals
 from fivefold.train.metrics import (
     MetricsWriter,

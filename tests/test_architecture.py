@@ -17,10 +17,11 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # parts of one layer may import each other in one direction only.
 LAYERS: list[tuple[str, list[str | tuple[str, ...]], list[str] | None]] = [
     # config (with the preset table it resolves `model.preset` from) and the user-error types, device helpers,
-    # the shared FLOPs formulas, the accelerator table, the layout rule book and the fault helpers (watchdog,
-    # parent-death signal)
+    # the shared FLOPs formulas, the accelerator table, the layout rule book, the fault helpers (watchdog,
+    # parent-death signal) and the checkpoint file format (the trainer writes it, export and generate read it)
     ("base", ["fivefold", ("fivefold.config", "fivefold.presets"), "fivefold.errors", "fivefold.device",
-              "fivefold.flops", "fivefold.hardware", "fivefold.layout", "fivefold.faults"], None),
+              "fivefold.flops", "fivefold.hardware", "fivefold.layout", "fivefold.faults",
+              "fivefold.checkpoint_format"], None),
     # tokenizers, shards, the dataset and sampler: no model code
     ("data", ["fivefold.data"], None),
     # plain PyTorch Llama (dense and MoE), presets, Hugging Face conversion (with the tokenizer files), the fused

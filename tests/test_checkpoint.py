@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from fivefold.config import Config, dump_toml
+from fivefold.checkpoint_format import flat_rects
+from fivefold.config import Config
 from fivefold.models.llama import build_model
-from fivefold.models.pieces import flat_rects
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.build import single_device_engine
 
@@ -22,7 +22,9 @@ def _trained_state(seed: int):
 
 
 def _save(run_dir, step, engine, cfg):
-    return ckpt.save_checkpoint(run_dir, ckpt.TrainerState(step=step, tokens_seen=step * 10), engine, dump_toml(cfg))
+    """The trainer's own save (`Checkpointer.save`) of a single-process engine."""
+    return ckpt.Checkpointer(run_dir, engine, cfg).save(step, tokens_seen=step * 10,
+                                                         samples_consumed=step * cfg.train.global_batch_size)
 
 
 def test_round_trip_exact(tmp_path):

@@ -108,20 +108,19 @@ def test_a_changed_global_batch_continues_at_the_same_sample(dataset, new_batch)
     uninterrupted sampler of batch 8, concatenated."""
     from types import SimpleNamespace
 
-    from fivefold.train.loop import resumed_sampler
 
     old = uninterrupted_sampler(dataset, 8)
     order = [int(w) for step in range(12) for w in old.window_indices(step)]
     cfg = small_config(Path("unused"), dataset, **{"train.global_batch_size": str(new_batch)})
     loaded = SimpleNamespace(state=ckpt.TrainerState(step=3, tokens_seen=3 * 8 * 32), path=Path("step_00000003"),
                              data={"global_batch_size": 8, "seq_len": 32, "samples_consumed": 24})
-    new = resumed_sampler(uninterrupted_sampler(dataset, new_batch), loaded, cfg, is_first=False)
+    new = ckpt.resumed_sampler(uninterrupted_sampler(dataset, new_batch), loaded, cfg, is_first=False)
     read = [int(w) for step in range(3, 6) for w in new.window_indices(step)]
     assert read == order[24:24 + 3 * new_batch]
     assert new.samples_before(6) == 24 + 3 * new_batch
     # a checkpoint without the count (written before it existed) consumed `step` batches of its own size
     del loaded.data["samples_consumed"]
-    again = resumed_sampler(uninterrupted_sampler(dataset, new_batch), loaded, cfg, is_first=False)
+    again = ckpt.resumed_sampler(uninterrupted_sampler(dataset, new_batch), loaded, cfg, is_first=False)
     assert [int(w) for w in again.window_indices(3)] == order[24:24 + new_batch]
 
 
@@ -130,12 +129,12 @@ def test_resume_with_a_doubled_global_batch(tmp_path, dataset, capsys):  # noqa:
     loss of the step-3 weights on samples 24-39 of the uninterrupted order (computed here by a fresh engine
     loaded from that checkpoint), and its checkpoint records 3 x 8 + 2 x 16 samples consumed."""
     from fivefold.train.build import create_engine
-    from fivefold.train.loop import load_pieces
 
     train(small_config(tmp_path / "run", dataset, **FP32), stop_after=3)
     cfg = small_config(tmp_path / "run", dataset, **{**FP32, "train.global_batch_size": "16", "train.max_steps": "5"})
     engine = create_engine(cfg, torch.device("cpu"))
-    load_pieces(engine, ckpt.load_checkpoint(ckpt.checkpoint_dir(tmp_path / "run", 3)), cfg)
+    step3 = ckpt.load_checkpoint(ckpt.checkpoint_dir(tmp_path / "run", 3))
+    ckpt.Checkpointer(tmp_path / "run", engine, cfg).load_state(step3)
     old = uninterrupted_sampler(dataset, 8)
     inputs, targets = (torch.cat(parts) for parts in zip(old.global_batch(3), old.global_batch(4), strict=True))
     want = engine.eval_loss_sum(inputs, targets).item() / targets.numel()
@@ -210,7 +209,7 @@ def test_resume_under_the_same_layout_is_exact_slow(tmp_path, dataset, name):  #
 
 def test_pieces_read_any_rectangle(tmp_path):
     """A tensor written as a tp-like split along dim 1 and read back as row blocks (another layout's shards)."""
-    from fivefold.models.pieces import PieceReader, write_safetensors
+    from fivefold.checkpoint_format import PieceReader, write_safetensors
 
     full = torch.randn(6, 8)
     write_safetensors(tmp_path / "a.safetensors", [("0", full[:, :4].contiguous()), ("1", full[:, 4:].contiguous())])

@@ -212,6 +212,7 @@ def test_pruning_killed_half_way_leaves_no_partial_checkpoint(tmp_path, monkeypa
     from tests.test_checkpoint import _save, _trained_state
 
     cfg, engine = _trained_state(0)
+    cfg.train.keep_checkpoints = 3  # the saves keep all three; the pruning below is the one killed
     for step in (1, 2, 3):
         _save(tmp_path, step, engine, cfg)
     real_rmtree = ckpt.shutil.rmtree

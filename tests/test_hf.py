@@ -318,12 +318,12 @@ def test_export_and_generate_verify_a_sharded_checkpoints_checksums(tmp_path: Pa
     import torch
 
     from fivefold.train.build import single_device_engine
-    from fivefold.train.checkpoint import TrainerState, save_checkpoint
+    from fivefold.train.checkpoint import Checkpointer
 
     cfg = small_config()
     config = Config(model=cfg)
     engine = single_device_engine(build_model(cfg, seed=0), config, torch.device("cpu"))
-    path = save_checkpoint(tmp_path / "run", TrainerState(step=1, tokens_seen=0), engine, dump_toml(config))
+    path = Checkpointer(tmp_path / "run", engine, config).save(1, tokens_seen=0, samples_consumed=0)
     assert cli_main(["export", "--checkpoint", str(path), "--hf", str(tmp_path / "hf")]) == 0
     toks = tokens()
     diff = hf_logits(load_transformers(tmp_path / "hf", "LlamaForCausalLM"), toks) - ff_logits(engine.model, toks)
@@ -389,3 +389,22 @@ def test_models_verb_lists_every_preset(capsys: pytest.CaptureFixture) -> None:
     assert cli_main(["models"]) == 0
     table = capsys.readouterr().out
     assert all(name in table for name in PRESETS) and "1.236B" in table
+
+
+def test_models_lists_every_alias_it_accepts(capsys):
+    """Every other name `get_preset` accepts is listed by `fivefold models` (text and --json) under the preset it
+    builds, and builds that preset's shape; a name that is neither is refused with the aliases listed."""
+    from fivefold.presets import ALIASES, PRESETS, get_preset
+
+    assert cli_main(["models", "--json"]) == 0
+    listed = {alias: r["name"] for r in json.loads(capsys.readouterr().out) for alias in r["aliases"]}
+    assert listed == ALIASES and len(listed) == 12
+    for alias, name in listed.items():
+        assert alias not in PRESETS
+        assert dataclasses.asdict(get_preset(alias)) == dataclasses.asdict(PRESETS[name][0])
+    assert cli_main(["models"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("aliases"))
+    for name in set(listed.values()):
+        assert f"{', '.join(a for a, n in listed.items() if n == name)} = {name}" in line
+    with pytest.raises(ConfigError, match="or an alias: llama3.2-1b"):
+        get_preset("llama-9")

@@ -283,7 +283,7 @@ def test_lean_bf16_data_parallel_matches_one_process_bf16():
     checked to 0.15. The fp32 tests above are the exact ones; this one shows the lean path computes the same
     training within bf16 noise (a missing or doubled reduction, a master not stepped or not cast back moves
     the losses by far more)."""
-    layouts = [{"layout.dp": "2", "layout.zero": "1", **BF16},
+    layouts = [{"layout.dp": "2", "layout.zero": "1", "layout.fp32_grad_accum": "false", **BF16},
                {"layout.dp": "2", "layout.zero": "2", "layout.fp32_grad_accum": "true", **BF16},
                {"layout.dp": "2", "layout.zero": "3", **BF16}]
     results = run_ranks(2, layouts_on_ranks, layouts)[0]

@@ -133,3 +133,43 @@ def test_lean_mixed_precision_zero1_bytes_per_parameter():
 @pytest.mark.parametrize("fp32_grads", [False, True])
 def test_lean_mixed_precision_zero1_dp4_bytes_per_parameter(fp32_grads):
     check_lean(dp=4, fp32_grads=fp32_grads)
+
+
+def default_gradient_dtypes(rank: int, world_size: int, zero: int, pp: int = 1) -> tuple[set, set, dict[str, int]]:
+    """Under bf16 working weights with `layout.fp32_grad_accum` left at its default, after two micro-batches: the
+    dtypes the gradient buckets accumulate and reduce in, those of what AdamW steps on, and the state bytes."""
+    from fivefold.train.build import build_engine
+
+    cfg = build_config(None, {**MODEL, "layout.dp": str(world_size // pp), "layout.pp": str(pp),
+                              "layout.zero": str(zero), "layout.micro_batch_size": "1", "train.seq_len": "8",
+                              "train.global_batch_size": "4",
+                              "train.device": "cpu", "train.dtype": "bf16"})
+    engine = build_engine(cfg, torch.device("cpu"))
+    assert all(p.dtype == torch.bfloat16 for p in engine.model.parameters()) or zero == 3
+    tokens = torch.randint(0, 384, (4 * pp // world_size, 9), generator=torch.Generator().manual_seed(rank))
+    engine.forward_backward([(tokens[i:i + 1, :-1], tokens[i:i + 1, 1:]) for i in range(2)], 32)
+    dp = engine.data_parallel
+    if zero == 3:
+        reduced = {p.grad.dtype for p in dp.optimizer_params() if p.grad is not None}
+        return reduced, {p.dtype for p in dp.optimizer_params()}, engine.state_bytes()
+    accumulated = {b.grad_dtype for b in dp.buckets}
+    reduced = {dp.reduced_grad(b).dtype for b in dp.buckets}
+    return accumulated | reduced, {p.dtype for p in dp.optimizer_params()}, engine.state_bytes()
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_default_gradients_accumulate_and_reduce_in_fp32(zero):
+    """The default (`layout.fp32_grad_accum = true`) on every data-parallel path under bf16 working weights: the
+    buckets accumulate and reduce fp32 gradients (ZeRO-0/1/2: 4 bytes per parameter, /dp under ZeRO-2), ZeRO-3's
+    fully_shard reduce-scatters into fp32 gradient shards; AdamW steps fp32 masters."""
+    model = build_config(None, MODEL).model
+    psi = params_per_tp_rank(model, 1)
+    for grads, stepped, held in run_ranks(2, default_gradient_dtypes, zero):
+        assert grads == {torch.float32} and stepped == {torch.float32}
+        assert held["gradients"] == {0: 4 * psi, 1: 4 * psi, 2: 4 * psi // 2, 3: 4 * psi // 2}[zero]
+
+
+def test_default_gradients_are_fp32_under_a_pipeline():
+    """The same default on a pipeline's stages (pp2, 1F1B over two micro-batches): fp32 buckets on both ranks."""
+    for grads, stepped, _ in run_ranks(2, default_gradient_dtypes, 0, 2):
+        assert grads == {torch.float32} and stepped == {torch.float32}

@@ -380,3 +380,36 @@ def test_search_never_proposes_sequence_parallel_the_engine_refuses():
         conf = build_config(None, {"model.preset": "tiny", "train.seq_len": 129, "train.global_batch_size": 8})
         conf.layout = e.layout.to_layout_config()
         validate_layout(conf, 2)
+
+
+def test_plan_says_whether_it_ranks_compiled_or_eager(capsys, tmp_path):
+    """The table's ranking is labelled (text and --json "compiled"): eager by default, compiled with --features
+    compile or with --write-config on an accelerator; the compiled ranking is the compiled model's (faster)."""
+    base = ["--model", "llama-3.2-1b", "--gpu", "h100", "--nodes", "1", "--gpus-per-node", "8", "--seq-len", "4096",
+            "--global-batch", "1M", "--top", "1"]
+    rc, eager, _ = run_cli(capsys, *base)
+    assert rc == 0 and "ranked eager, without torch.compile" in eager and "ranked with torch.compile" not in eager
+    rc, compiled, _ = run_cli(capsys, *base, "--features", "compile")
+    assert rc == 0 and "ranked with torch.compile (--features compile)" in compiled and "ranked eager" not in compiled
+    rc, written, _ = run_cli(capsys, *base, "--write-config", str(tmp_path / "best.toml"))
+    assert rc == 0 and f"ranked with torch.compile, as {tmp_path / 'best.toml'} runs it" in written
+    speeds = {}
+    for flags in ([], ["--features", "compile"]):
+        rc, out, _ = run_cli(capsys, *base, *flags, "--json")
+        data = json.loads(out)
+        assert rc == 0 and data["compiled"] == bool(flags)
+        speeds[bool(flags)] = data["candidates"][0]["tokens_per_s_per_device"]
+    assert speeds[True] > speeds[False]
+
+
+def test_cpu_profiles_say_per_device_not_per_gpu(capsys):
+    """On a CPU profile a rank is a process on a device, not a GPU: the table, the baselines and --layout say
+    per device; an accelerator's say per GPU."""
+    args = ["--model", "tiny", "--nodes", "1", "--gpus-per-node", "2", "--seq-len", "128", "--global-batch", "4096",
+            "--top", "1"]
+    rc, cpu, _ = run_cli(capsys, *args, "--gpu", "cpu")
+    assert rc == 0 and "tok/s/device" in cpu and "tokens/s per device" in cpu and "GPU" not in cpu
+    rc, one, _ = run_cli(capsys, *args, "--gpu", "cpu", "--layout", "dp=2,mbs=1")
+    assert rc == 0 and "tokens/s per device" in one and "GPU" not in one
+    rc, gpu, _ = run_cli(capsys, *args, "--gpu", "h100")
+    assert rc == 0 and "tok/s/GPU" in gpu and "tokens/s per GPU" in gpu and "per device" not in gpu

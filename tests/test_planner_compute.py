@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import statistics
 import tomllib
 from pathlib import Path
@@ -17,7 +18,7 @@ from fivefold.cli import main
 from fivefold.config import ConfigError, ModelConfig
 from fivefold.hardware import HARDWARE
 from fivefold.planner import kernels
-from fivefold.planner.features import with_features
+from fivefold.planner.features import FEATURES, with_features
 from fivefold.planner.hardware import get_cluster
 from fivefold.planner.layout import FIVEFOLD, Layout
 from fivefold.planner.time import elementwise_bytes, stage_times
@@ -84,19 +85,21 @@ def test_elementwise_bytes_closed_form():
 def test_features_are_inputs():
     hw = get_cluster("h100")
     lay = Layout(micro_batch_size=2)
-    base = stage_times(SMALL, 4096, lay, FIVEFOLD, hw)
-    compiled = stage_times(SMALL, 4096, lay, with_features(FIVEFOLD, ["compile"]), hw)
-    fp8 = stage_times(SMALL, 4096, lay, with_features(FIVEFOLD, ["compile", "float8"]), hw)
+    # fivefold's settings in a profile that declares every feature (fivefold itself runs only compile)
+    every = dataclasses.replace(FIVEFOLD, features=",".join(FEATURES))
+    base = stage_times(SMALL, 4096, lay, every, hw)
+    compiled = stage_times(SMALL, 4096, lay, with_features(every, ["compile"]), hw)
+    fp8 = stage_times(SMALL, 4096, lay, with_features(every, ["compile", "float8"]), hw)
     assert fp8.f[0] < compiled.f[0] < base.f[0]
     tp = Layout(tp=2, sp=True, micro_batch_size=2)
-    plain, pipelined = (stage_times(SMALL, 4096, tp, with_features(FIVEFOLD, f), hw).comm_per_layer["tp_comm"]
+    plain, pipelined = (stage_times(SMALL, 4096, tp, with_features(every, f), hw).comm_per_layer["tp_comm"]
                         for f in ([], ["async-tp"]))
     assert pipelined == pytest.approx(plain / 2)  # only the first of tp = 2 chunks is exposed
 
 
 def test_plan_features_flag(capsys):
     args = ["plan", "--model", "llama3-8b", "--seq-len", "8192", "--global-batch", "64K", "--json",
-            "--layout", "dp=8,mbs=1,zero=3,recompute=selective"]
+            "--layout", "dp=8,mbs=1,zero=3,recompute=selective", "--framework", "torchtitan"]
     assert main(args) == 0
     plain = json.loads(capsys.readouterr().out)["tokens_per_s_per_device"]
     assert main([*args, "--features", "compile,float8"]) == 0
@@ -104,6 +107,29 @@ def test_plan_features_flag(capsys):
     assert main([*args, "--features", "compile,fp4"]) == 2
     err = capsys.readouterr().err
     assert "'fp4'" in err and "known features: compile, float8, async-tp" in err
+
+
+@pytest.mark.parametrize("layout", [None, "dp=8,mbs=1,zero=3,recompute=selective"])
+@pytest.mark.parametrize("feature,what", [("float8", "float8 linears"), ("async-tp", "async tensor parallel")])
+def test_plan_refuses_a_feature_the_framework_does_not_run(capsys, monkeypatch, layout, feature, what):
+    """fivefold's engine runs torch.compile only: a plan with float8 or async TP is refused before any search
+    (one estimate or the whole search), naming the flag, the value, what fivefold runs and who runs it."""
+    import fivefold.planner.cli as plan_cli
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("searched or estimated a plan the framework cannot run")
+
+    monkeypatch.setattr(plan_cli, "search", no_search)
+    monkeypatch.setattr(plan_cli, "estimate", no_search)
+    args = ["plan", "--model", "llama3-8b", "--seq-len", "8192", "--global-batch", "64K",
+            *(["--layout", layout] if layout else []), "--features", f"compile,{feature}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"--features '{feature}': the fivefold framework does not run {what}" in err
+    assert "fivefold runs: compile;" in err and f"profiles declare {feature}: " in err and "torchtitan" in err
+    with pytest.raises(ConfigError, match="fivefold runs: compile"):
+        with_features(FIVEFOLD, [feature])
+    assert with_features(FIVEFOLD, ["compile"]).fused_elementwise == "all"  # the feature it runs
 
 
 def test_every_device_names_a_source_for_every_figure():
@@ -166,6 +192,32 @@ def test_torchtitan_held_out_rows(capsys):
         assert e["finished"] == len(errs)
         assert e["median_signed"] == pytest.approx(statistics.median(errs), abs=2e-3)  # tokens/s rounded to 0.1
         assert e["median_error"] == pytest.approx(statistics.median(map(abs, errs)), abs=2e-3)
+
+
+def test_validate_per_row_errors_have_one_sign(capsys):
+    """`plan validate --per-row`: every signed error has the sign of the by-nodes breakdown (predicted / measured
+    step time - 1, - = predicted faster), said in both headers; each row's against its own tokens/s (the rows hold
+    one predicted faster and one slower than measured at least)."""
+    from fivefold.planner.validate import SIGN_CONVENTION
+
+    argv = ["--data", str(TORCHTITAN_ROWS), "--profile", str(TORCHTITAN), "--per-row"]
+    rows = _validate(capsys, *argv)["rows"]
+    assert main(["plan", "validate", *argv]) == 0
+    out = capsys.readouterr().out
+    assert SIGN_CONVENTION == "predicted / measured - 1: - = predicted faster than measured"
+    assert out.count(SIGN_CONVENTION) == 2  # the by-nodes line and the per-row table's header
+    table = out.split(SIGN_CONVENTION)[-1].splitlines()[2:]
+    assert len(table) == len(rows)
+    signs = set()
+    for line, r in zip(table, rows, strict=True):
+        assert line.startswith(r["model"]) and r["layout"] in line
+        (printed,) = re.findall(r" ([+-]\d+) % ", line)
+        step_ratio = r["measured_tok_s_gpu"] / r["predicted_tok_s_gpu"]  # predicted / measured step time
+        assert int(printed) == round(100 * (step_ratio - 1)), line
+        if abs(step_ratio - 1) > 0.01:
+            assert (int(printed) < 0) == (r["predicted_tok_s_gpu"] > r["measured_tok_s_gpu"]), line
+            signs.add(int(printed) < 0)
+    assert signs == {True, False}
 
 
 @pytest.mark.skipif(not PLAYBOOK.is_file(), reason="../shared/data is not beside the repository")

@@ -80,6 +80,32 @@ def test_metrics_records(tmp_path, dataset):
     assert build_config(tmp_path / "run" / "config.toml").to_dict() == cfg.to_dict()
 
 
+def test_cpu_mfu_is_of_the_planners_cpu_peak_everywhere(tmp_path, dataset, capsys):
+    """One rule for MFU on a CPU: against the planner's built-in cpu profile (what `plan` and `sweep` divide by),
+    in `train`'s step records and summary as in `bench` (`resolve_peak_tflops`), said in the summary."""
+    from fivefold.planner.hardware import get_cluster
+    from fivefold.planner.layout import FIVEFOLD_CPU, Layout
+    from fivefold.planner.search import estimate
+    from fivefold.train.metrics import resolve_peak_tflops
+
+    cpu = get_cluster("cpu")
+    for dtype in ("fp32", "bf16"):
+        assert resolve_peak_tflops(0.0, torch.device("cpu"), dtype) * 1e12 == cpu.peak_flops(dtype)
+    cfg = small_config(tmp_path / "run", dataset, **{"train.max_steps": "2", "log.progress": "plain"})
+    train(cfg)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert steps and all(math.isclose(r["mfu"], r["tflops_per_device"] * 1e12 / cpu.peak_flops("fp32"))
+                         for r in steps)
+    summary = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("summary:"))
+    assert "MFU n/a" not in summary and "% of the nominal CPU peak (the planner's cpu profile" in summary
+    # the planner's MFU on the same profile: its tokens/s over the same peak
+    e = estimate(cfg.model, cfg.train.seq_len, Layout(micro_batch_size=cfg.micro_batch_size,
+                                                      grad_accum_steps=cfg.grad_accum_steps), FIVEFOLD_CPU, cpu)
+    flops = e.mfu * cpu.peak_flops("fp32") / e.tokens_per_s_per_device
+    assert math.isclose(steps[0]["tflops_per_device"] * 1e12 / steps[0]["tokens_per_s_per_device"], flops)
+
+
 def test_existing_run_is_never_overwritten(tmp_path, dataset):
     run = tmp_path / "run"
     train(small_config(run, dataset, **{"train.max_steps": "1"}))

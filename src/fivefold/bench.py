@@ -195,7 +195,7 @@ def run_bench(args: argparse.Namespace, cfg: Config) -> dict:
     tokens_per_s = global_tokens / median
     per_device = tokens_per_s / engine.n_devices
     flops = training_flops_per_token(cfg.model, seq)
-    peak = resolve_peak_tflops(cfg.log.peak_tflops, device)
+    peak = resolve_peak_tflops(cfg.log.peak_tflops, device, "bf16" if engine.bf16 else "fp32")
     tflops = per_device * flops / 1e12
     if module is not None and hasattr(module, "max_memory_allocated"):
         memory = [int(module.max_memory_allocated()), int(module.max_memory_reserved())]

@@ -44,7 +44,12 @@ def device_hardware(device: torch.device) -> Hardware | None:
     return next((hw for hw in HARDWARE.values() if any(m.lower() in name.lower() for m in hw.match)), None)
 
 
-def device_peak_tflops(device: torch.device) -> float | None:
-    """Dense bf16 peak of `device` looked up by its name; None when the device is not in the table."""
-    hw = device_hardware(device)
-    return hw.bf16_tflops if hw is not None else None
+def device_peak_tflops(device: torch.device, dtype: str = "bf16") -> float | None:
+    """Dense peak of `device` in `dtype` (bf16 or fp32) looked up by its name; on a CPU the nominal `cpu` entry,
+    which is also the planner's built-in cpu profile, so that `train`, `bench`, `sweep` and `plan` take MFU against
+    one peak (a calibrated or configured one replaces it: `log.peak_tflops`, `--hardware`); None for an
+    accelerator not in the table."""
+    hw = HARDWARE["cpu"] if device.type == "cpu" else device_hardware(device)
+    if hw is None:
+        return None
+    return hw.bf16_tflops if dtype == "bf16" else hw.fp32_tflops

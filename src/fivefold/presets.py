@@ -97,7 +97,8 @@ PRESETS: dict[str, tuple[ModelConfig, int | None, str]] = {
     ),
 }
 
-_ALIASES = {"llama3.2-1b": "llama-3.2-1b", "llama3.2-3b": "llama-3.2-3b", "llama3-8b": "llama-3.1-8b",
+# other names `get_preset` accepts (wherever a preset is named: --preset, plan --model), listed by `fivefold models`
+ALIASES = {"llama3.2-1b": "llama-3.2-1b", "llama3.2-3b": "llama-3.2-3b", "llama3-8b": "llama-3.1-8b",
             "llama3.1-8b": "llama-3.1-8b", "llama3-70b": "llama-3.1-70b", "llama3.1-70b": "llama-3.1-70b",
             "llama3-405b": "llama-3.1-405b", "llama3.1-405b": "llama-3.1-405b",
             "1b": "playbook-1b", "3b": "playbook-3b", "8b": "playbook-8b", "80b": "playbook-80b"}
@@ -105,7 +106,13 @@ _ALIASES = {"llama3.2-1b": "llama-3.2-1b", "llama3.2-3b": "llama-3.2-3b", "llama
 
 def get_preset(name: str) -> ModelConfig:
     """A fresh copy of the named preset's shape; raises ConfigError listing the valid names."""
-    key = _ALIASES.get(name.lower(), name.lower())
+    key = ALIASES.get(name.lower(), name.lower())
     if key not in PRESETS:
-        raise ConfigError(f"model.preset = {name!r} is not a preset; choose one of: {', '.join(PRESETS)}")
+        raise ConfigError(f"model.preset = {name!r} is not a preset; choose one of: {', '.join(PRESETS)} (or an "
+                          f"alias: {', '.join(ALIASES)}; `fivefold models` lists them)")
     return dataclasses.replace(PRESETS[key][0], rope_scaling=dict(PRESETS[key][0].rope_scaling))
+
+
+def aliases_of(name: str) -> list[str]:
+    """The aliases that name preset `name`."""
+    return [alias for alias, target in ALIASES.items() if target == name]

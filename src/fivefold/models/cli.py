@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from fivefold.flops import active_matmul_params, count_params
-from fivefold.presets import PRESETS
+from fivefold.presets import PRESETS, aliases_of
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +36,7 @@ def preset_rows() -> list[dict[str, Any]]:
             "n_experts": cfg.n_experts, "top_k": cfg.top_k if cfg.is_moe else 0,
             "n_shared_experts": cfg.n_shared_experts if cfg.is_moe else 0,
             "params": count_params(cfg), "active_matmul_params": active_matmul_params(cfg),
-            "published_params": published, "note": note,
+            "published_params": published, "note": note, "aliases": aliases_of(name),
         })
     return rows
 
@@ -71,5 +71,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_table(rows))
         print("\nparams: total parameters (tied weights once); published: the released model's count.")
-        print("Use a preset with `fivefold train --preset NAME`.")
+        named = [r for r in rows if r["aliases"]]
+        if named:
+            print("aliases (accepted wherever a preset is named): " + "; ".join(
+                f"{', '.join(r['aliases'])} = {r['name']}" for r in named))
+        print("Use a preset with `fivefold train --preset NAME` (or an alias).")
     return 0

@@ -78,11 +78,11 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: flo
 
 def _load(args: argparse.Namespace, device: torch.device):
     """(model, tokenizer directory or None) from --checkpoint or --hf."""
+    from fivefold.checkpoint_format import PieceError
     from fivefold.config import build_config
     from fivefold.models.hf import CheckpointError, load_state_dict_into, model_from_hf
-    from fivefold.models.hf_cli import find_tokenizer_dir, resolve_checkpoint
+    from fivefold.models.hf_cli import find_tokenizer_dir, read_checkpoint_weights, resolve_checkpoint
     from fivefold.models.llama import build_model
-    from fivefold.models.pieces import PieceError, read_checkpoint_weights
 
     try:
         if args.hf:

@@ -11,10 +11,14 @@ from __future__ import annotations
 import argparse
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fivefold.config import build_config
 from fivefold.errors import CliError
 from fivefold.flops import count_params
+
+if TYPE_CHECKING:
+    import torch
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -78,7 +82,26 @@ def resolve_checkpoint(path: Path) -> tuple[Path, str | None]:
     return newest, note
 
 
+def read_checkpoint_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The plain-named model weights of a checkpoint directory: a sharded one's pieces assembled tensor by tensor
+    (no model is built; each tensor reads only its pieces' bytes) after its config, piece indexes and piece files
+    were checked against the manifest (sha256), or a plain `model.safetensors`. Damaged files raise the format's
+    PieceError (a plain file: `models.hf.CheckpointError`)."""
+    from fivefold.checkpoint_format import PieceReader, checkpoint_index, verify_manifest
+    from fivefold.models.hf import read_safetensors
+
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return read_safetensors(single)
+    index = checkpoint_index(directory)
+    files = sorted({piece["file"] for entry in index.values() for piece in entry["pieces"]})
+    verify_manifest(directory, ["config.toml", *(f.name for f in sorted(directory.glob("rank*.json"))), *files])
+    reader = PieceReader(directory, index)
+    return {name.removeprefix("model."): reader.read(name) for name in reader.names() if name.startswith("model.")}
+
+
 def run(args: argparse.Namespace) -> int:
+    from fivefold.checkpoint_format import PieceError
     from fivefold.models.hf import (
         CheckpointError,
         check_output_dir,
@@ -86,7 +109,6 @@ def run(args: argparse.Namespace) -> int:
         expected_shapes,
         export_hf,
     )
-    from fivefold.models.pieces import PieceError, read_checkpoint_weights
 
     out_dir = Path(args.hf)
     try:

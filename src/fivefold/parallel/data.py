@@ -22,17 +22,19 @@ What is sharded and what is communicated (Ψ = this tp rank's parameters, N_d = 
   a rank keeps dense/N_d + its ep shard of the experts/edp (`FullyShardedDataParallel`).
 
 Gradients are summed, not averaged: the loss is already divided by the global batch's token count (see
-`fivefold.train.engine`). With `fp32_grad_accum` the buckets hold fp32 gradients whatever the parameter
-dtype.
+`fivefold.train.engine`). With `fp32_grad_accum` (the default) the buckets hold fp32 gradients whatever the
+parameter dtype.
 
 **Lean mixed precision (`param_dtype=torch.bfloat16`, the distributed optimizer).** The flat buckets, hence the
-model's parameters, hold bf16 working weights (2Ψ); the gradient buckets hold bf16 (2Ψ) or, with
-`fp32_grad_accum`, fp32 (4Ψ) gradients, accumulated over the micro-batches and reduced in that dtype; AdamW steps
-an fp32 master copy of this rank's slice only (4Ψ/N_d under ZeRO-1/2, the whole flat under ZeRO-0) with its
-moments (8Ψ/N_d): 2 + (2 or 4) + 12/N_d bytes per parameter under ZeRO-1, Megatron's distributed optimizer.
+model's parameters, hold bf16 working weights (2Ψ); the gradient buckets hold fp32 (4Ψ, `fp32_grad_accum`, the
+default) or bf16 (2Ψ) gradients, accumulated over the micro-batches and reduced in that dtype; AdamW steps an fp32
+master copy of this rank's slice only (4Ψ/N_d under ZeRO-1/2, the whole flat under ZeRO-0) with its moments
+(8Ψ/N_d): 2 + (4 or 2) + 12/N_d bytes per parameter under ZeRO-1, Megatron's distributed optimizer.
 After the step the master slice is cast to bf16 once and all-gathered (Ψ bf16), so the working weights are cast
 once per optimizer step, not per micro-batch. ZeRO-3 uses `fully_shard`'s `MixedPrecisionPolicy` instead (bf16
-all-gathers of the sharded fp32 parameters, fp32 reduce-scatters).
+all-gathers of the sharded fp32 parameters, fp32 reduce-scatters into the fp32 gradient shards, and under a
+pipeline, which reduces once per step, fp32 accumulation of the unsharded gradients), whatever `fp32_grad_accum`
+says.
 """
 
 from __future__ import annotations
@@ -133,11 +135,11 @@ class DataParallel(Protocol):
 class LocalDataParallel:
     """Data parallel over one device: nothing to reduce. With `lean` (bf16, the default on accelerators) the model
     holds bf16 working weights, so activations and the residual stream are bf16 and no weight is cast per
-    micro-batch; its gradients accumulate in bf16 over the micro-batches (or, with `fp32_grad_accum`, are added
-    into fp32 buffers as backward produces them); AdamW steps an fp32 master copy of every parameter, which is cast
-    to the working weights once after each step. State: 2 + (2 or 4) + 12 bytes per parameter (weights, gradients,
-    master and moments), where autocast over fp32 weights holds 4 + 4 + 8 plus a bf16 copy of every weight per
-    micro-batch in flight. The master copy is the model state that checkpoints save and load.
+    micro-batch; its gradients are added into fp32 buffers as backward produces them (`fp32_grad_accum`, the
+    default), or accumulate in bf16 over the micro-batches; AdamW steps an fp32 master copy of every parameter,
+    which is cast to the working weights once after each step. State: 2 + (4 or 2) + 12 bytes per parameter
+    (weights, gradients, master and moments), where autocast over fp32 weights holds 4 + 4 + 8 plus a bf16 copy of
+    every weight per micro-batch in flight. The master copy is the model state that checkpoints save and load.
 
     It is not `BucketedDataParallel` over a group of one: flat buckets keep a gradient buffer between steps and sum
     the gradient norm bucket by bucket, which would change one device's peak memory and the last bits of its
@@ -313,7 +315,7 @@ class BucketedDataParallel:
     """ZeRO-0/1/2 over `group` for the parameters of `named_params` (see the module docstring)."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], tp_sharded: set[str], group: ProcessGroup,
-                 zero: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, fp32_grad_accum: bool = False,
+                 zero: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, fp32_grad_accum: bool = True,
                  own_bucket: frozenset[str] = frozenset(), param_dtype: torch.dtype | None = None) -> None:
         self.group, self.zero = group, zero
         self.dp_size, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)

@@ -59,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mfu-convention", choices=["fivefold", "torchtitan", "playbook"], default="fivefold",
                    help="FLOPs per token of the MFU column: fivefold's (causal attention halved, the trainer's), "
                    "torchtitan's or the playbook's (full attention; the playbook also counts the embedding)")
-    p.add_argument("--fp32-grad-accum", choices=["on", "off"], default="off")
+    p.add_argument("--fp32-grad-accum", choices=["on", "off"], default=None,
+                   help="gradients accumulated and reduced in fp32 (default: the framework's own; fivefold: on)")
     p.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to consider")
     p.add_argument("--recompute", default="none,selective,full", help="recompute modes to consider")
     p.add_argument("--sp", choices=["on", "off", "both"], default="both", help="sequence parallel with tp>1")
@@ -150,7 +151,8 @@ def _space(args: argparse.Namespace) -> SearchSpace:
             raise ConfigError(f"--recompute {r!r} is not one of none, selective, full")
     sp = {"on": (True,), "off": (False,), "both": (False, True)}[args.sp]
     return SearchSpace(zero=zero, recompute=rc, sp=sp, schedules=tuple(args.schedules.split(",")),
-                       cp=not args.no_cp, fp32_grad_accum=args.fp32_grad_accum == "on")
+                       cp=not args.no_cp,
+                       fp32_grad_accum=None if args.fp32_grad_accum is None else args.fp32_grad_accum == "on")
 
 
 _FIX_DEGREES = ("dp", "tp", "pp", "cp", "ep", "micro_batch_size")
@@ -254,13 +256,29 @@ def _mfu_scale(args: argparse.Namespace, cfg: ModelConfig, seq: int) -> float:
     return mfu_scale(cfg, seq, getattr(args, "mfu_convention", None) or "fivefold")
 
 
+def _features(args: argparse.Namespace) -> tuple[str, ...]:
+    from fivefold.planner.features import parse_features
+
+    return parse_features(getattr(args, "features", None) or "")
+
+
+def _ranking(args: argparse.Namespace, compiled: bool, for_config: bool) -> str:
+    """Whether the table ranks compiled or eager steps, and why (`plan --json`: "compiled")."""
+    if for_config:
+        return f"ranked with torch.compile, as {args.write_config} runs it (train.compile = true)"
+    if compiled:
+        return "ranked with torch.compile (--features compile)"
+    return ("ranked eager, without torch.compile (--features compile ranks compiled steps, as --write-config does "
+            "on an accelerator for the config it writes)")
+
+
 def _framework(args: argparse.Namespace, hw) -> Framework:
     """--framework, else the [framework] of the --hardware profile, else fivefold (fivefold-cpu on a CPU); with
     the run's --features (torch.compile, float8, async TP: `planner/features.py`)."""
     from fivefold.planner import profile
-    from fivefold.planner.features import parse_features, with_features
+    from fivefold.planner.features import with_features
 
-    features = parse_features(getattr(args, "features", None) or "")
+    features = _features(args)
     if args.hardware:
         fw = profile.load(args.hardware, args.framework, args.gpu)[0]
         if fw is not None:
@@ -383,7 +401,8 @@ def run(args: argparse.Namespace) -> int:
 
         return run_scaling(args, cfg, fw, hw, space, seq, batch_seqs)
     if args.layout:
-        lay = parse_layout(args.layout, batch_seqs)
+        lay = parse_layout(args.layout, batch_seqs, fw.default_fp32_grad_accum if args.fp32_grad_accum is None
+                           else args.fp32_grad_accum == "on")
         lay = dataclasses.replace(lay, fp32_grad_accum=lay.fp32_grad_accum or args.fp32_grad_accum == "on")
         check_runs_hsdp(lay, fw)
         if lay.world_size != n_gpus:
@@ -401,7 +420,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  memory, {rank} pipeline rank:")
                 for k, v in parts.items():
                     print(f"    {k:20s} {gib(v):9.3f} GiB")
-            print(f"  step {e.step_time_s:.4f} s, {e.tokens_per_s_per_device:,.0f} tokens/s/GPU, "
+            print(f"  step {e.step_time_s:.4f} s, {e.tokens_per_s_per_device:,.0f} tokens/s per {hw.unit}, "
                   f"MFU {100 * e.mfu:.1f} %")
             for k, v in e.time_parts.items():
                 print(f"    {k:20s} {v:9.4f} s")
@@ -412,6 +431,7 @@ def run(args: argparse.Namespace) -> int:
         from fivefold.planner.features import with_features
 
         fw = with_features(fw, ("compile",))
+    compiled = compiled_for_config or "compile" in _features(args)
     result = search(cfg, seq, batch_seqs, n_gpus, fw, hw, space, 0, args.moe_imbalance)  # every candidate
     if not result.candidates:
         _no_candidates(result, cfg, hw, n_gpus, batch_seqs, args)
@@ -429,7 +449,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"model": cfg.name, "gpus": n_gpus, "hardware": hw.name, "seq_len": seq,
                           "global_batch_tokens": tokens, "evaluated": result.evaluated,
-                          "rejected": dict(result.rejected),
+                          "rejected": dict(result.rejected), "compiled": compiled,
                           "candidates": [e.to_json() for e in result.candidates]}, indent=2))
         return 0
     from fivefold.planner.explain import BASELINES, TIE, family, family_name
@@ -438,8 +458,7 @@ def run(args: argparse.Namespace) -> int:
           f"({batch_seqs} sequences), {fw.name} engine: {result.evaluated:,} layouts tried with "
           f"{len(space.recompute)} recompute mode(s) each, {result.evaluated * len(space.recompute):,} in all, "
           f"{len(result.candidates):,} fit")
-    if compiled_for_config:
-        print(f"ranked with torch.compile, as {args.write_config} runs it (train.compile = true)")
+    print(_ranking(args, compiled, compiled_for_config))
     if args.pad_vocab:
         print(f"vocabulary padded to {cfg.vocab_size:,} (a multiple of {args.pad_vocab}, --pad-vocab)")
     print(f"the best of each layout family (tp/pp/cp/ep grid, FSDP or not), best first; 'tie': within "
@@ -448,7 +467,7 @@ def run(args: argparse.Namespace) -> int:
         from fivefold.planner.mfu import CONVENTIONS
 
         print(f"MFU as {args.mfu_convention} counts it: {CONVENTIONS[args.mfu_convention]}")
-    print(f"{'layout':58s} {'family':30s} {'peak GiB':>8s} {'step s':>9s} {'tok/s/GPU':>12s} {'MFU %':>6s}")
+    print(f"{'layout':58s} {'family':30s} {'peak GiB':>8s} {'step s':>9s} {'tok/s/' + hw.unit:>12s} {'MFU %':>6s}")
     best = result.candidates[0]
     shown: dict = {}
     for e in result.candidates:
@@ -465,7 +484,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"baseline {name}: " + ("none in the --fix search" if args.fix else "no layout of that family fits"))
         elif base not in rows:
             gap = 100 * (1 - base.tokens_per_s_per_device / best.tokens_per_s_per_device)
-            print(f"baseline {name}: {base.layout.short()}, {base.tokens_per_s_per_device:,.0f} tokens/s/GPU, "
+            print(f"baseline {name}: {base.layout.short()}, {base.tokens_per_s_per_device:,.0f} tokens/s per "
+                  f"{hw.unit}, "
                   f"{gap:.1f} % slower than the best")
     if result.rejected:
         print("rejected:")
@@ -481,7 +501,7 @@ def run(args: argparse.Namespace) -> int:
     if args.explain:
         from fivefold.planner.explain import explain
 
-        print(explain(result, hw.memory_bytes, batch_seqs))
+        print(explain(result, hw.memory_bytes, batch_seqs, unit=hw.unit))
     return 0
 
 
@@ -492,7 +512,7 @@ def _no_candidates(result, cfg: ModelConfig, hw, n_gpus: int, batch_seqs: int, a
         msg.append(f"  {n:7,d}  {reason} (e.g. {result.examples[reason]})")
     if result.closest_misfit is not None:
         e = result.closest_misfit
-        msg.append(f"The smallest layout needs {gib(e.peak_bytes):.1f} GiB per GPU ({e.layout.short()}) but the "
+        msg.append(f"The smallest layout needs {gib(e.peak_bytes):.1f} GiB per {hw.unit} ({e.layout.short()}) but the "
                    f"device has {hw.memory_gib} GiB: use more nodes (--nodes), a GPU with more memory, a shorter "
                    "--seq-len, or allow ZeRO-3 and full recompute (--zero, --recompute).")
     elif result.evaluated == 0 and args.fix:

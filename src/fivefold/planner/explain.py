@@ -61,12 +61,13 @@ def _biggest_difference(best: Estimate, other: Estimate) -> str:
     return f"+{diffs[key]:.3g} s of {_PART_WORDS[key]} per step"
 
 
-def explain(result: SearchResult, memory_limit: float, global_batch_seqs: int, n_close: int = 4) -> str:
+def explain(result: SearchResult, memory_limit: float, global_batch_seqs: int, n_close: int = 4,
+            unit: str = "GPU") -> str:
     if not result.candidates:
         return "No layout fits; see the rejected families above."
     best = result.candidates[0]
     la = best.layout
-    lines = [f"Best: {la.short()} at {best.tokens_per_s_per_device:,.0f} tokens/s per GPU "
+    lines = [f"Best: {la.short()} at {best.tokens_per_s_per_device:,.0f} tokens/s per {unit} "
              f"(MFU {100 * best.mfu:.1f} %, step {best.step_time_s:.3g} s, peak {gib(best.peak_bytes):.1f} GiB "
              f"of {gib(memory_limit):.1f} GiB)."]
     binds = []

@@ -32,8 +32,28 @@ def parse_features(text: str, where: str = "--features", sep: str = ",") -> tupl
     return names
 
 
-def with_features(fw: Framework, features: tuple[str, ...] | list[str]) -> Framework:
-    """The framework as a run with these features runs it."""
+def runs(fw: Framework) -> tuple[str, ...]:
+    """The features the framework runs (`Framework.features`)."""
+    return tuple(f.strip() for f in fw.features.split(",") if f.strip())
+
+
+def check_runs(fw: Framework, features: tuple[str, ...] | list[str], where: str = "--features") -> None:
+    """Refuse a feature the framework does not run: the planner predicts only what the engine can execute."""
+    missing = [f for f in features if f in FEATURES and f not in runs(fw)]
+    if missing:
+        from fivefold.planner.profile import all_frameworks
+
+        others = [n for n, other in all_frameworks().items() if all(f in runs(other) for f in missing)]
+        raise ConfigError(
+            f"{where} {','.join(missing)!r}: the {fw.name} framework does not run "
+            f"{' or '.join(FEATURES[f] for f in missing)}, and the planner predicts only what a framework runs "
+            f"(its profile's `features`); {fw.name} runs: {', '.join(runs(fw)) or 'none'}; frameworks whose "
+            f"profiles declare {','.join(missing)}: {', '.join(others) or 'none'}")
+
+
+def with_features(fw: Framework, features: tuple[str, ...] | list[str], where: str = "--features") -> Framework:
+    """The framework as a run with these features runs it; a feature it does not run is refused (`check_runs`)."""
+    check_runs(fw, features, where)
     changes: dict = {}
     for f in features:
         if f == "compile":

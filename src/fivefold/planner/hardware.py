@@ -77,6 +77,16 @@ class Cluster(Hardware):
     collectives: dict[str, dict[int, tuple[tuple[float, float], ...]]] = field(default_factory=dict)
     by_ranks: dict[int, dict] = field(default_factory=dict)  # ranks at once on a node -> fields measured so
 
+    @property
+    def is_cpu(self) -> bool:
+        """A CPU profile (the built-in `cpu`, or one `fivefold calibrate` measured: it has cores)."""
+        return bool(self.cores) or self.name == "cpu"
+
+    @property
+    def unit(self) -> str:
+        """What one rank runs on, as output names it: a GPU, or on a CPU a device (one process per rank)."""
+        return "device" if self.is_cpu else "GPU"
+
     def peak_flops(self, dtype: str = "bf16") -> float:
         return (self.bf16_tflops if dtype == "bf16" else self.fp32_tflops) * 1e12
 

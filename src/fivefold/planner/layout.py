@@ -70,10 +70,11 @@ def check_runs_hsdp(lay: Layout, fw: Framework) -> None:
                           "frameworks that do: " + ", ".join(n for n, f in all_frameworks().items() if f.hsdp))
 
 
-def parse_layout(text: str, global_batch_seqs: int) -> Layout:
+def parse_layout(text: str, global_batch_seqs: int, fp32_grad_accum: bool = True) -> Layout:
     """`"dp=4,tp=2,pp=1,micro_batch_size=1,zero=1,recompute=none"` -> Layout (`mbs` is short for micro_batch_size);
-    grad_accum_steps follows from the global batch."""
-    values: dict = {}
+    grad_accum_steps follows from the global batch; `fp32_grad_accum` where the text does not say (the framework's
+    `default_fp32_grad_accum`)."""
+    values: dict = {"fp32_grad_accum": fp32_grad_accum}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, eq, value = part.partition("=")
         key = key.strip()
@@ -122,6 +123,14 @@ class Framework:
     master_bytes: int = 0  # separate fp32 master copy (frameworks with bf16 parameters)
     optim_bytes: int = 8  # Adam m and v
     accum_bytes: int = 4  # the optional fp32 gradient accumulation buffer, when the layout asks for it
+    # with `layout.fp32_grad_accum` the gradient buffers themselves hold `accum_bytes` per parameter (fivefold's
+    # buckets and its single-device engine's fp32 gradients) instead of a separate buffer beside `grad_bytes`
+    accum_in_grad_buffers: bool = False
+    # `layout.fp32_grad_accum` where the planner is not told (`plan --fp32-grad-accum`, `--layout`): the framework's
+    # own default (fivefold's engine: on, as `fivefold train`)
+    default_fp32_grad_accum: bool = False
+    # the `--features` (`planner/features.py`) the framework runs, comma-separated; the planner refuses the others
+    features: str = "compile,float8,async-tp"
     zero_shards_master: bool = True  # ZeRO-1 shards the master copy with the optimizer states
     autocast_weight_copies: bool = True  # bf16 weight casts saved for backward, per micro-batch in flight
     compute_dtype: str = "bf16"  # "fp32" models fivefold on CPU
@@ -192,15 +201,18 @@ class Framework:
 
 
 # fivefold's engine on an accelerator: lean mixed precision (`train.dtype` bf16, the default there; one device
-# and every layout): bf16 working weights and gradients, an fp32 master copy stepped by AdamW with its moments,
-# sharded by ZeRO-1/2 (2 + 2 + 12/N_d bytes per parameter under ZeRO-1); with `layout.fp32_grad_accum` the
-# gradients are fp32 (the 2 extra bytes of `accum_bytes`). Under ZeRO-3 fully_shard keeps the fp32 shards as the
-# master and gathers bf16 (planner/memory.py). Activations in bf16, residual stream included.
-FIVEFOLD = Framework(param_bytes=2, grad_bytes=2, master_bytes=4, accum_bytes=2, autocast_weight_copies=False,
-                     residual_bytes=2, gather_bytes=2, hsdp=True)
+# and every layout): bf16 working weights, fp32 gradients (`layout.fp32_grad_accum`, the default: the buckets hold
+# fp32, accumulated and reduced in it; bf16, `grad_bytes`, with it off), an fp32 master copy stepped by AdamW with
+# its moments, sharded by ZeRO-1/2 (2 + 4 + 12/N_d bytes per parameter under ZeRO-1). Under ZeRO-3 fully_shard keeps
+# the fp32 shards as the master and gathers bf16 (planner/memory.py). Activations in bf16, residual stream included.
+# It runs torch.compile, not float8 linears or async tensor parallel.
+FIVEFOLD = Framework(param_bytes=2, grad_bytes=2, master_bytes=4, accum_bytes=4, autocast_weight_copies=False,
+                     residual_bytes=2, gather_bytes=2, hsdp=True, accum_in_grad_buffers=True,
+                     default_fp32_grad_accum=True, features="compile")
 # On CPU every operator runs eagerly on the host, so its fixed cost counts: the operators of fivefold's block
 # and of its embedding + loss as the profiler counts them (tests/test_calibrate.py checks the counts). fp32
-# everything: the parameters are the master weights (4 + 4 + 8 bytes per parameter).
+# everything: the parameters are the master weights (4 + 4 + 8 bytes per parameter; `layout.fp32_grad_accum`
+# changes nothing, the gradients being fp32 already).
 FIVEFOLD_CPU = dataclasses.replace(FIVEFOLD, name="fivefold-cpu", compute_dtype="fp32", param_bytes=4, grad_bytes=4,
                                    master_bytes=0, accum_bytes=4, residual_bytes=4, gather_bytes=0,
                                    logits_bytes=8.0, kernels_per_layer=42, kernels_per_micro_batch=33)

@@ -128,19 +128,29 @@ def model_state_bytes(cfg: ModelConfig, lay: Layout, fw: Framework, rank: str = 
         return bytes_per * (_shard(rp.dense, dpc if on else 1) + _shard(rp.expert, dpc_e if on else 1))
 
     optim_per = fw.optim_bytes + (fw.master_bytes if fw.zero_shards_master else 0)
+    # fivefold's buckets hold the gradients in fp32 themselves under fp32_grad_accum (no buffer beside them)
+    in_grads = lay.fp32_grad_accum and fw.accum_in_grad_buffers
     out = {
         "parameters": sharded(fw.param_bytes, lay.zero >= 3),
-        "gradients": sharded(fw.grad_bytes, lay.zero >= 2),
+        "gradients": sharded(fw.accum_bytes if in_grads else fw.grad_bytes, lay.zero >= 2),
         "optimizer": sharded(optim_per, lay.zero >= 1),
     }
     if not fw.zero_shards_master:
         out["optimizer"] += fw.master_bytes * rp.total
-    out["grad_accum_buffer"] = sharded(fw.accum_bytes, lay.zero >= 2) if lay.fp32_grad_accum else 0
-    if lay.zero >= 3 and fw.master_bytes and fw.accum_bytes < 4:
+    out["grad_accum_buffer"] = sharded(fw.accum_bytes, lay.zero >= 2) if lay.fp32_grad_accum and not in_grads else 0
+    if lay.zero >= 3 and fw.master_bytes and fw.accum_in_grad_buffers:
         # fivefold's ZeRO-3 (fully_shard with a bf16 MixedPrecisionPolicy) keeps fp32 shards (the master) and fp32
         # gradient shards whatever fp32_grad_accum says: 4 + 4 + 8 = the same 16/N_d as 2 + 2 + 12
-        out["grad_accum_buffer"] = 0
+        out["gradients"], out["grad_accum_buffer"] = sharded(fw.grad_bytes, True), 0
     return out
+
+
+def reduced_grad_bytes(lay: Layout, fw: Framework) -> int:
+    """Bytes per gradient element that data parallel reduces: the fp32 accumulation's under `fp32_grad_accum`, and
+    under fivefold's lean ZeRO-3 whatever it says (fully_shard's fp32 reduce dtype); else the gradients' own."""
+    if lay.fp32_grad_accum or (lay.zero >= 3 and fw.master_bytes and fw.accum_in_grad_buffers):
+        return fw.accum_bytes
+    return fw.grad_bytes
 
 
 # ---------------------------------------------------------------------------------------------

@@ -90,6 +90,13 @@ def _framework_table(table, where: str, known: dict[str, Framework], default: st
                 raise ConfigError(f"--hardware {where!r}: [framework] fused_elementwise = {value!r}: {bad[0]!r} is not "
                                   f"a kernel class; use a comma-separated list of {', '.join(ELEMENTWISE_CLASSES)} "
                                   "or all")
+        if key == "features":
+            from fivefold.planner.features import FEATURES
+
+            bad = [f.strip() for f in str(value).split(",") if f.strip() and f.strip() not in FEATURES]
+            if bad:
+                raise ConfigError(f"--hardware {where!r}: [framework] features = {value!r}: {bad[0]!r} is not a "
+                                  f"feature; use a comma-separated list of {', '.join(FEATURES)} (or \"\": none)")
         if key == "attention_kernel":
             from fivefold.planner.kernels import all_devices
 

@@ -84,7 +84,8 @@ def scaling(cfg: ModelConfig, seq: int, batch_seqs: int, nodes: list[int], weak:
                               f"whole number of sequences at {n} nodes; choose node counts that are multiples of "
                               f"{nodes[0]}")
         if layout:
-            lay = parse_layout(layout, batch)
+            lay = parse_layout(layout, batch, fw.default_fp32_grad_accum if space.fp32_grad_accum is None
+                               else space.fp32_grad_accum)
             check_runs_hsdp(lay, fw)
             lay = scale_layout(lay, gpus, batch)
             e = estimate(cfg, seq, lay, fw, hw, True)
@@ -100,10 +101,10 @@ def scaling(cfg: ModelConfig, seq: int, batch_seqs: int, nodes: list[int], weak:
     return points
 
 
-def report(points: list[Point]) -> tuple[float | None, list[str]]:
+def report(points: list[Point], unit: str = "GPU") -> tuple[float | None, list[str]]:
     base = next((p.best.tokens_per_s_per_device for p in points if p.best is not None), None)
-    lines = [f"{'nodes':>5s} {'GPUs':>6s} {'batch':>7s} {'layout':50s} {'step s':>8s} {'tokens/s':>12s} "
-             f"{'tok/s/GPU':>10s} {'MFU %':>6s} {'eff %':>6s}"]
+    lines = [f"{'nodes':>5s} {unit + 's':>6s} {'batch':>7s} {'layout':50s} {'step s':>8s} {'tokens/s':>12s} "
+             f"{'tok/s/' + unit:>10s} {'MFU %':>6s} {'eff %':>6s}"]
     for p in points:
         if p.best is None:
             lines.append(f"{p.nodes:5d} {p.gpus:6d} {p.global_batch_seqs:7d} {'(none: ' + p.reason + ')'}")
@@ -150,14 +151,14 @@ def run_scaling(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, hw: C
                           "(the batch stays)")
     nodes = parse_nodes(args.nodes_list)
     points = scaling(cfg, seq, batch_seqs, nodes, args.weak, fw, hw, space, args.layout)
-    base, lines = report(points)
+    base, lines = report(points, hw.unit)
     mode = "weak" if args.weak else "strong"
     if args.json:
         print(json.dumps({"model": cfg.name, "hardware": hw.name, "framework": fw.name, "mode": mode, "seq_len": seq,
                           "points": [p.to_json(base) for p in points]}, indent=2))
     else:
-        print(f"{cfg.name}, {mode} scaling on {hw.name} ({hw.gpus_per_node} GPUs per node), {fw.name} engine, "
-              f"seq {seq}; efficiency = tokens/s per GPU over the first size's")
+        print(f"{cfg.name}, {mode} scaling on {hw.name} ({hw.gpus_per_node} {hw.unit}s per node), {fw.name} engine, "
+              f"seq {seq}; efficiency = tokens/s per {hw.unit} over the first size's")
         print("\n".join(lines))
     if args.png and base:
         if plot(points, base, args.png, f"{cfg.name} {mode} scaling ({fw.name}, {hw.name})"):

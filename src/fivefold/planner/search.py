@@ -122,7 +122,7 @@ class SearchSpace:
     max_mbs: int = 64
     max_tp: int = 0  # 0 = the GPUs per node
     cp: bool = True
-    fp32_grad_accum: bool = False
+    fp32_grad_accum: bool | None = None  # None: the framework's default (`Framework.default_fp32_grad_accum`)
     hsdp: bool = True  # try HSDP (one node's ranks per shard group) where the framework runs it (`Framework.hsdp`)
     # degrees held at one value (`plan --fix`): (name, value) for dp, tp, pp, cp, ep, micro_batch_size
     fixed: tuple[tuple[str, int], ...] = ()
@@ -143,6 +143,8 @@ class SearchResult:
 def search(cfg: ModelConfig, seq: int, global_batch_seqs: int, n_gpus: int, fw: Framework, hw: Cluster,
            space: SearchSpace | None = None, top: int = 10, moe_imbalance: float = 1.0) -> SearchResult:
     space = space or SearchSpace()
+    if space.fp32_grad_accum is None:
+        space = dataclasses.replace(space, fp32_grad_accum=fw.default_fp32_grad_accum)
     rejected: Counter = Counter()
     examples: dict[str, str] = {}
 

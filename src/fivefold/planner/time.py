@@ -24,7 +24,7 @@ from fivefold.planner import comm
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.kernels import ATTENTION_BACKWARD_FLOPS, DeviceKernels, device_kernels
 from fivefold.planner.layout import Framework, Layout
-from fivefold.planner.memory import layer_activation_bytes, layer_params, stage_layers
+from fivefold.planner.memory import layer_activation_bytes, layer_params, reduced_grad_bytes, stage_layers
 
 # schedules with more F actions than this are timed with the closed form (simulating them takes seconds)
 EXACT_MAX_ACTIONS = 8192
@@ -404,7 +404,7 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     # dp x cp, routed experts' over the ranks holding the same experts (dp x cp / ep, every ep-th member)
     dpc = lay.dp * lay.cp
     rp = rank_params(cfg, lay, "first")
-    elem_bytes = fw.accum_bytes if lay.fp32_grad_accum else fw.grad_bytes
+    elem_bytes = reduced_grad_bytes(lay, fw)
     red_bytes = rp.total * elem_bytes
     bucket = fw.dp_bucket_mib * 2**20
     overlap = hw.comm_overlap  # share of a collective that compute running at once can hide

@@ -307,6 +307,15 @@ FIT_FIELDS = ("memory", *(name for _, name, _ in TIME_GRID))
 # Metrics
 
 
+# the one sign of every signed error `plan validate` prints (the by-nodes breakdown, `--per-row`, docs/planner.md)
+SIGN_CONVENTION = "predicted / measured - 1: - = predicted faster than measured"
+
+
+def signed_step_time_error(predicted_tok_s: float, measured_tok_s: float) -> float:
+    """Predicted / measured step time - 1 from tokens/s at the same tokens per step (`SIGN_CONVENTION`)."""
+    return measured_tok_s / predicted_tok_s - 1
+
+
 def metrics(rows: list[Row], preds: list) -> dict:
     agree = sum((p.fits == r.ok) for r, p in zip(rows, preds, strict=True))
     mem_err = [abs(gib(p.peak_bytes) - r.mem_gib) / r.mem_gib for r, p in zip(rows, preds, strict=True)
@@ -506,15 +515,16 @@ def run_validate(args: argparse.Namespace) -> int:
         print(f"{label:34s} {cells[0]:>20s} {cells[1]:>20s}")
     by_nodes = {**result["fitted"]["step_time_error_by_nodes"], **result["held_out"]["step_time_error_by_nodes"]}
     if len(by_nodes) > 1:
-        print("median step-time error by nodes (signed: - = predicted faster than measured): " + ", ".join(
+        print(f"median step-time error by nodes (signed, {SIGN_CONVENTION}): " + ", ".join(
             f"{n}: {100 * e['median_error']:.1f} % ({100 * e['median_signed']:+.1f})"
             for n, e in sorted(by_nodes.items())))
     if getattr(args, "per_row", False):
-        print(f"\n{'model':14s} {'nodes':>5s} {'layout':38s} {'seq':>7s} {'split':>8s} {'tok/s/GPU pred':>14s} "
+        print(f"\nevery row; error: the step time's, {SIGN_CONVENTION} (from tokens/s: measured / predicted - 1)")
+        print(f"{'model':14s} {'nodes':>5s} {'layout':38s} {'seq':>7s} {'split':>8s} {'tok/s/GPU pred':>14s} "
               f"{'measured':>9s} {'error':>7s} {'GiB pred':>8s} {'measured':>8s}")
         for r in per_row:
-            err = (f"{100 * (r['predicted_tok_s_gpu'] / r['measured_tok_s_gpu'] - 1):+.0f} %"
-                   if r["measured_tok_s_gpu"] else "-")
+            err = (f"{100 * signed_step_time_error(r['predicted_tok_s_gpu'], r['measured_tok_s_gpu']):+.0f} %"
+                   if r["measured_tok_s_gpu"] and r["predicted_tok_s_gpu"] else "-")
             fits = "" if r["fits"] == r["ran"] else (" (predicted OOM)" if r["ran"] else " (predicted to fit)")
             print(f"{r['model']:14s} {r['nodes']:5d} {r['layout']:38s} {r['seq']:7d} "
                   f"{'held out' if r['held_out'] else 'fitted':>8s} {r['predicted_tok_s_gpu']:14,.0f} "

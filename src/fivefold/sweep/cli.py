@@ -111,7 +111,8 @@ def make_row(plan: PlannedRun, sweep: str, steps: int, warmup: int, outcome: Out
     if r is not None:
         peak = r.get("peak_tflops")
         mfu = r.get("mfu")
-        if mfu is None and hardware is not None:  # no known peak for this device: the profile's
+        # no known peak for this device, or a CPU (whose peak is the profile's, calibrated or the nominal one)
+        if hardware is not None and (mfu is None or str(r.get("device", "")).startswith("cpu")):
             peak = hardware.peak_flops("bf16" if r["dtype"] == "bf16" else "fp32") / 1e12
             mfu = r["tflops_per_device"] / peak
         split = r.get("time_split_s") or {}

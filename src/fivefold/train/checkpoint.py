@@ -1,18 +1,44 @@
-"""Checkpoints: written to a temporary directory and renamed, loaded without unpickling.
+"""Checkpoints: the `Checkpointer`, which owns their lifecycle, and the directory it writes and reads.
 
-Layout of `RUN_DIR/checkpoints/step_XXXXXXXX/` (format 3, sharded; see docs/training.md):
+The lifecycle, for one run (one `Checkpointer` per rank, built once the engine exists):
+    load     at `--resume`, `Checkpointer.load` tries the run's `step_XXXXXXXX` directories newest first. Every rank
+             opens the trainer state, the piece indexes, the config and its own RNG file, each checked against the
+             manifest (sha256); the first rank also verifies every other file, the other ranks' piece files included.
+             The ranks agree on the newest checkpoint that none of them failed.
+    fall back  the newer ones that failed are reported and set aside as `NAME.bad` (kept for inspection, never read
+             or written again); when every one fails, a CheckpointError lists the reasons.
+    restore  `Checkpointer.restore` checks the tensor names and global shapes against the model and the sequence
+             length against the run, loads this rank's rectangles of the weights and AdamW state into the engine
+             (whatever layout wrote them), restores the RNG (same world size only) and returns the sampler that
+             continues at the checkpoint's data position (samples consumed, whatever the global batch now).
+    save     `Checkpointer.save`, every `train.checkpoint_every` steps, at the end and when a run stops early: first
+             a check, on every rank, that the weights and optimizer state are finite (if not, nothing is written and
+             the older checkpoints stay); then the atomic write below, every rank writing its own pieces (views of
+             its state, nothing gathered).
+    prune    after a save not written amid skipped steps, all but the newest `train.keep_checkpoints` are deleted.
+
+The atomic rules:
+- A checkpoint is written into `step_XXXXXXXX.tmp`: every rank its own files, then the first rank the trainer state,
+  the config, the manifest and the `COMPLETE` marker last; the files and the directory are fsynced and the
+  directory renamed into place. A directory without `COMPLETE` is not a checkpoint.
+- A killed writer leaves at most a `*.tmp` directory, which every reader ignores and the next writer removes.
+- An existing complete checkpoint is never replaced; a directory of the same step without its marker is set aside.
+- A pruned checkpoint is first renamed to `NAME.deleting`, so a kill during the deletion never leaves a marked but
+  partial checkpoint; the next prune deletes such leftovers.
+- Nothing is unpickled: tensors are safetensors, everything else JSON or TOML.
+
+Layout of `RUN_DIR/checkpoints/step_XXXXXXXX/` (format 3, sharded; see docs/training.md; the pieces and the manifest
+are `fivefold.checkpoint_format`):
     rankN.safetensors      rank N's pieces: rectangles of the plain-named global tensors `model.<param>`,
                            `exp_avg.<param>`, `exp_avg_sq.<param>` that rank N owns (one copy in all)
     rankN.json             their index (global shape and offsets of each piece), the sha256 of rankN.safetensors
                            and AdamW's step of each parameter
     rng-rankN.safetensors  rank N's CPU and accelerator RNG states
     trainer_state.json     step, tokens seen, steps skipped as non-finite, world size, global batch, seq length
+                           and samples consumed
     config.toml            the run's resolved config
     manifest.json          size and sha256 of every file above; a reader verifies the files it reads against it
-    COMPLETE               written last, before the rename: a directory without it is not a checkpoint
-
-A killed writer leaves at most a `*.tmp` directory, which is ignored and cleaned up by the next writer. Nothing is
-unpickled: tensors are safetensors, everything else JSON or TOML.
+    COMPLETE               written last, before the rename
 """
 
 from __future__ import annotations
@@ -20,15 +46,23 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from fivefold.models.pieces import MANIFEST, PieceError, PieceReader, file_sha256, verify_manifest, write_safetensors
+from fivefold import faults
+from fivefold.checkpoint_format import MANIFEST, PieceError, PieceReader, verify_manifest, write_safetensors
+from fivefold.config import Config, dump_toml, file_sha256
+from fivefold.models.llama import build_model
+
+if TYPE_CHECKING:
+    from fivefold.data import BatchSampler
+    from fivefold.train.engine import Engine
 
 FORMAT_VERSION = 3  # 2: manifest.json with the sha256 of every file; 3: sharded pieces
 CHECKPOINT_PREFIX = "step_"
@@ -140,10 +174,6 @@ class Piece:
     tensor: torch.Tensor
 
 
-def rank_files(rank: int) -> list[str]:
-    return [f"rank{rank}.safetensors", f"rank{rank}.json", f"rng-rank{rank}.safetensors"]
-
-
 def write_rank_files(tmp: Path, rank: int, pieces: list[Piece], steps: dict[str, float], device: torch.device) -> None:
     """One rank's pieces (`rankN.safetensors`, streamed), their index with the sha256 of that file and the AdamW
     step of each parameter (`rankN.json`), and the rank's RNG state (`rng-rankN.safetensors`)."""
@@ -199,15 +229,6 @@ def verify_files(path: Path, names: list[str] | None = None) -> None:
         verify_manifest(path, names)
     except PieceError as e:
         raise CheckpointError(str(e)) from None
-
-
-def save_checkpoint(run_dir: Path, state: TrainerState, engine: Any, config_toml: str,
-                    data: dict[str, int] | None = None) -> Path:
-    """Write a complete checkpoint of a single-process engine for `state.step` atomically; its directory."""
-    tmp = begin_checkpoint(run_dir, state.step)
-    pieces, steps = engine.state_pieces()
-    write_rank_files(tmp, 0, pieces, steps, engine.device)
-    return finish_checkpoint(tmp, state, config_toml, 1, data or {})
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> None:
@@ -328,3 +349,146 @@ def check_model_state(loaded: dict[str, torch.Tensor], expected: dict[str, torch
 def restore_rng(loaded: LoadedCheckpoint, device: torch.device) -> None:
     if loaded.rng_state is not None:
         _set_rng_state(loaded.rng_state, device)
+
+
+FINITE_CHUNK = 1 << 18  # elements checked at a time: the check's temporaries stay at a quarter MiB
+
+
+@torch.no_grad()
+def all_finite(engine: Engine, tensors: list[torch.Tensor]) -> bool:
+    """Whether the weights and optimizer state that every rank writes are finite (one reduction). Checked a chunk at
+    a time: a mask of a whole piece (a byte per element, tens of MiB for a large layer) would stay in the process's
+    heap and make the save the largest resident memory of the run."""
+    ok = torch.ones((), dtype=torch.bool, device=engine.device)
+    for v in tensors:
+        for chunk in v.reshape(-1).split(FINITE_CHUNK):
+            ok &= torch.isfinite(chunk).all()
+    return not engine.agree((~ok).float().reshape(1)).item()
+
+
+def resumed_sampler(sampler: BatchSampler, loaded: LoadedCheckpoint, cfg: Config, is_first: bool) -> BatchSampler:
+    """The sampler that continues at the checkpoint's data position: the sample after the last one its steps
+    consumed, whatever the global batch size now (a checkpoint without that count consumed `step` batches of the
+    size it was written with)."""
+    t = cfg.train
+    step = loaded.state.step
+    saved_batch = loaded.data.get("global_batch_size", t.global_batch_size)
+    samples = loaded.data.get("samples_consumed", step * saved_batch)
+    if saved_batch != t.global_batch_size and is_first:
+        print(f"fivefold: resuming at step {step} with train.global_batch_size = {t.global_batch_size} (the "
+              f"checkpoint's run had {saved_batch}): the data continues at sample {samples:,} of the run's order, "
+              f"so no sample is repeated or skipped; the learning-rate schedule goes on counting optimizer steps "
+              f"(train.max_steps, warm-up and decay are in steps of the new batch)", file=sys.stderr)
+    from fivefold.data import BatchSampler
+
+    return BatchSampler(sampler.dataset, t.seq_len, t.global_batch_size, t.seed, start_step=step,
+                        start_sample=samples)
+
+
+class Checkpointer:
+    """The checkpoint lifecycle of one run in `run_dir` (see the module docstring): load, fall back, restore, save,
+    prune. `rank` of `world` ranks; `is_first` reports and sets aside what fails on load (the first rank of the
+    world); the engine's logging rank writes the shared files and prunes. Every method but `load_state` is a
+    collective: every rank calls it at the same point."""
+
+    def __init__(self, run_dir: Path, engine: Engine, cfg: Config, rank: int = 0, world: int = 1,
+                 is_first: bool = True) -> None:
+        self.run_dir, self.engine, self.cfg = run_dir, engine, cfg
+        self.rank, self.world, self.is_first = rank, world, is_first
+        self.config_toml = dump_toml(cfg)  # the resolved config, as the run directory and every checkpoint keep it
+
+    def load(self, candidates: list[Path]) -> LoadedCheckpoint | None:
+        """The newest of `candidates` (newest first) that every rank reads and verifies (the first rank verifies
+        every file, the other ranks' shards included); newer ones that fail are reported and set aside as
+        `NAME.bad`. None when there is none at all; a CheckpointError listing the reasons when every one fails."""
+        engine = self.engine
+        rejected: list[tuple[Path, str]] = []
+        for path in candidates:
+            try:
+                if not (path / "COMPLETE").is_file():
+                    raise CheckpointError(f"{path} has no COMPLETE marker (its save was interrupted)")
+                loaded = load_checkpoint(path, self.rank, self.world)
+                if self.is_first:
+                    verify_files(path)
+                reason = ""
+            except CheckpointError as e:
+                loaded, reason = None, str(e)
+            failed = engine.agree(torch.tensor([float(bool(reason))], device=engine.device))
+            if not failed.item():
+                break
+            rejected.append((path, reason or "a file that another rank reads failed its verification"))
+        else:
+            if rejected:
+                raise CheckpointError("--resume: no usable checkpoint: " + "; ".join(r for _, r in rejected))
+            return None
+        if self.is_first:
+            for path, reason in rejected:
+                moved = set_aside(path)
+                print(f"fivefold: checkpoint {path.name} cannot be used ({reason}); set aside as {moved.name}",
+                      file=sys.stderr)
+            if rejected:
+                print(f"fivefold: resuming from the newest good checkpoint, {loaded.path.name}", file=sys.stderr)
+        engine.barrier()
+        return loaded
+
+    def restore(self, loaded: LoadedCheckpoint, sampler: BatchSampler) -> BatchSampler:
+        """Continue from `loaded`: its state into the engine, its RNG state (when it has this rank's), and the
+        sampler that continues at its data position."""
+        self.load_state(loaded)
+        restore_rng(loaded, self.engine.device)
+        return resumed_sampler(sampler, loaded, self.cfg, self.is_first)
+
+    def load_state(self, loaded: LoadedCheckpoint) -> None:
+        """Load a checkpoint written under any layout into this rank's part of the engine: the names and global
+        shapes must match the model, and the data position (samples of `train.seq_len` tokens) must mean the same
+        windows."""
+        cfg, t = self.cfg, self.cfg.train
+        saved = loaded.data.get("seq_len", t.seq_len)
+        if saved != t.seq_len:
+            raise CheckpointError(
+                f"--resume: checkpoint {loaded.path.name} was written with train.seq_len = {saved}, this run has "
+                f"{t.seq_len}; the data position counts windows of {saved} tokens in an order drawn over those "
+                f"windows, which another length does not continue without repeating or skipping tokens, so resume "
+                f"with train.seq_len = {saved} (the global batch, layout, world size and micro-batch size may change)")
+        meta = build_model(cfg.model, device="meta").state_dict()
+        expected = {k: tuple(v.shape) for k, v in meta.items()
+                    if not (k == "lm_head.weight" and cfg.model.tied_embeddings)}
+        shapes = {k.removeprefix("model."): loaded.reader.shape(k) for k in loaded.reader.names()
+                  if k.startswith("model.")}
+        check_model_shapes(shapes, expected, loaded.path)
+        try:
+            self.engine.load_state_pieces(loaded.reader, loaded.steps)
+        except PieceError as e:
+            raise CheckpointError(f"checkpoint {loaded.path}: {e}") from None
+
+    def save(self, step: int, tokens_seen: int, samples_consumed: int, skipped: int = 0,
+             prune: bool = True) -> Path | None:
+        """Write the checkpoint of `step` (`samples_consumed`: the data position after it; `skipped`: the run's
+        steps skipped as non-finite so far), then prune the older ones unless `prune` is false (a checkpoint written
+        amid skipped steps keeps them all). Nothing is written, and the older checkpoints stay, when the state is
+        not finite on some rank. Returns the new checkpoint's directory on the logging rank, else None."""
+        engine, run_dir, t = self.engine, self.run_dir, self.cfg.train
+        faults.note(step=step, micro_batch=None, action="checkpoint")
+        state = TrainerState(step=step, tokens_seen=tokens_seen, skipped_steps=skipped)
+        pieces, steps = engine.state_pieces()  # views of this rank's weights and AdamW state, nothing gathered
+        if not all_finite(engine, [p.tensor for p in pieces]):
+            if engine.is_logging_rank:
+                print(f"fivefold: not writing the checkpoint of step {step}: the weights or optimizer state hold "
+                      "NaN or inf; the older checkpoints are kept", file=sys.stderr)
+            return None
+        if engine.is_logging_rank:
+            begin_checkpoint(run_dir, step)
+        engine.barrier()
+        tmp = checkpoint_dir(run_dir, step).with_name(checkpoint_dir(run_dir, step).name + ".tmp")
+        write_rank_files(tmp, self.rank, pieces, steps, engine.device)
+        del pieces
+        engine.barrier()
+        written = None
+        if engine.is_logging_rank:
+            written = finish_checkpoint(tmp, state, self.config_toml, self.world, {
+                "global_batch_size": t.global_batch_size, "seq_len": t.seq_len,
+                "samples_consumed": samples_consumed})
+            if prune:
+                prune_checkpoints(run_dir, t.keep_checkpoints)
+        engine.barrier()
+        return written

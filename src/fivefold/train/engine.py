@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fivefold.checkpoint_format import flat_rects
 from fivefold.config import Config
 from fivefold.device import autocast, use_bf16
 from fivefold.models.llama import Llama, build_model
-from fivefold.models.pieces import flat_rects
 from fivefold.parallel.data import DataParallel, Segment, load_shard, local_part
 from fivefold.parallel.mesh import ProcessGrid
 from fivefold.parallel.parallelize import LossModel
@@ -404,7 +404,7 @@ class Engine:
 
     @torch.no_grad()
     def load_state_pieces(self, reader, steps: dict[str, float]) -> None:
-        """Load this rank's weights and AdamW state from a checkpoint's pieces (`models.pieces.PieceReader`),
+        """Load this rank's weights and AdamW state from a checkpoint's pieces (`checkpoint_format.PieceReader`),
         whatever layout wrote them: each segment reads the rectangles it covers, only those bytes."""
         segments = self.state_segments()
         with_moments = {}

@@ -1,6 +1,9 @@
 """The training loop: data, steps, evaluation, metrics, checkpoints, resume and profiling.
 
-Every check that can fail (config, data, run directory, checkpoint) runs before the first step.
+Every check that can fail (config, data, run directory, checkpoint) runs before the first step. `train` reads top
+to bottom: the checks, the engine and its starting state, the run directory, then a `Run` takes the steps and
+decides after each whether to stop, evaluate or save. What a checkpoint is, how it is loaded, verified, set aside,
+saved and pruned is `train.checkpoint.Checkpointer`'s.
 """
 
 from __future__ import annotations
@@ -23,14 +26,11 @@ from fivefold.config import (
     apply_dict,
     apply_overrides,
     build_config,
-    dump_toml,
     load_file,
     write_text_atomic,
 )
 from fivefold.device import resolve_device
 from fivefold.flops import training_flops_per_token
-from fivefold.models.llama import build_model
-from fivefold.models.pieces import PieceError
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.build import Engine, create_engine
 from fivefold.train.guard import GuardState, StepGuard, StopSignals
@@ -41,6 +41,7 @@ from fivefold.train.metrics import (
     format_duration,
     gather_ints,
     peak_memory_bytes,
+    peak_source,
     resolve_peak_tflops,
     step_record,
     synchronize,
@@ -53,7 +54,7 @@ class RunDirError(Exception):
 
 
 if TYPE_CHECKING:
-    from fivefold.data import BatchSampler
+    from fivefold.data import BatchSampler, TokenDataset
 
 @dataclass
 class TrainResult:
@@ -199,22 +200,62 @@ def evaluate(engine: Engine, batches: list[tuple[torch.Tensor, torch.Tensor]], m
 def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stream: TextIO | None = None,
           hf_init: Path | None = None) -> TrainResult:
     """Train `cfg` in `cfg.run_dir`. `stop_after` ends the call after that many completed steps (as if the
-    run were killed right after), which tests use to check resume."""
-    from fivefold.data import BatchSampler, TokenDataset, val_batches
+    run were killed right after), which tests use to check resume.
 
+    In order: every check that can fail (config, run directory, data, checkpoint), the engine and its starting
+    state (a checkpoint, a Hugging Face model or the seed), the run directory's files, then the steps and the
+    summary."""
     cfg.validate()
     check_logging_backends(cfg.log)
     wall_start = time.perf_counter()
-    t = cfg.train
     run_dir = Path(cfg.run_dir)
     candidates = check_run_dir(run_dir, resume)
-    device = resolve_device(t.device)
-    if t.threads:
-        torch.set_num_threads(t.threads)
+    device = resolve_device(cfg.train.device)
+    set_threads(cfg.train.threads, device)
+    distributed = torch.distributed.is_initialized()
+    rank = torch.distributed.get_rank() if distributed else 0
+    world = torch.distributed.get_world_size() if distributed else 1
+    data_dir, train_set, sampler, val_data = load_data(cfg, rank == 0, hf_init)
+
+    engine = create_engine(cfg, device)
+    checkpointer = ckpt.Checkpointer(run_dir, engine, cfg, rank, world, is_first=rank == 0)
+    loaded = resume_point(checkpointer, candidates) if resume else None
+    if loaded is not None:
+        sampler = checkpointer.restore(loaded, sampler)
+    elif hf_init is not None:
+        init_from_hf(engine, hf_init)
+
+    writer = open_run_dir(cfg, engine, checkpointer.config_toml, train_set, hf_init, resume, loaded, stream)
+    run = Run(cfg=cfg, engine=engine, device=device, checkpointer=checkpointer, sampler=sampler, val_data=val_data,
+              writer=writer, result=TrainResult(run_dir=run_dir, steps=loaded.state.step if loaded else 0),
+              tokens_seen=loaded.state.tokens_seen if loaded else 0,
+              skipped_before=loaded.state.skipped_steps if loaded else 0, stop_after=stop_after,
+              peak=resolve_peak_tflops(cfg.log.peak_tflops, device, "bf16" if engine.bf16 else "fp32"))
+    if writer is not None:
+        run.announce(data_dir, resuming=loaded is not None)
+    if run.start == 0:
+        run.validate(0)
+    loop_seconds = run.run_steps()
+    run.finish(wall_start, loop_seconds)
+    return run.result
+
+
+def set_threads(threads: int, device: torch.device) -> None:
+    """CPU intra-op threads: `train.threads`, or on the CPU the default share of this machine's cores."""
+    if threads:
+        torch.set_num_threads(threads)
     elif device.type == "cpu":
         torch.set_num_threads(default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
-    is_first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+def load_data(cfg: Config, is_first: bool, hf_init: Path | None) -> tuple[
+    Path, TokenDataset, BatchSampler, list[tuple[torch.Tensor, torch.Tensor]]
+]:
+    """(dataset directory, training set, its sampler from step 0, validation batches), the data checked against
+    the model's vocabulary and, with `hf_init`, the Hugging Face model's tokenizer."""
+    from fivefold.data import BatchSampler, TokenDataset, val_batches
+
+    t = cfg.train
     barrier = torch.distributed.barrier if torch.distributed.is_initialized() else (lambda: None)
     data_dir = resolve_data(cfg, is_first, barrier)
     train_set, val_set = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
@@ -224,194 +265,260 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
     val_set.check_model_vocab(cfg.model.vocab_size)
     sampler = BatchSampler(train_set, t.seq_len, t.global_batch_size, t.seed)
     val_rows = max(cfg.layout.dp, min(t.global_batch_size, 16) // cfg.layout.dp * cfg.layout.dp)
-    val_data = list(val_batches(val_set, t.seq_len, val_rows, t.eval_batches))
+    return data_dir, train_set, sampler, list(val_batches(val_set, t.seq_len, val_rows, t.eval_batches))
 
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    engine = create_engine(cfg, device)
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    loaded = choose_checkpoint(candidates, engine, rank, world, is_first) if resume else None
-    if loaded is not None and loaded.state.step >= t.max_steps:
+
+def resume_point(checkpointer: ckpt.Checkpointer, candidates: list[Path]) -> ckpt.LoadedCheckpoint | None:
+    """For --resume: the newest good checkpoint (None for a run stopped before its first one, which starts again
+    at step 0, as the first rank says), refused when it is not before `train.max_steps`."""
+    max_steps = checkpointer.cfg.train.max_steps
+    loaded = checkpointer.load(candidates)
+    if loaded is not None and loaded.state.step >= max_steps:
         raise RunDirError(
             f"--resume: the newest checkpoint {loaded.path} is at step {loaded.state.step}, which is not "
-            f"before train.max_steps = {t.max_steps}; raise --max-steps to train further"
+            f"before train.max_steps = {max_steps}; raise --max-steps to train further"
         )
-    if resume and loaded is None and is_first:
-        print(f"fivefold: {run_dir} holds no checkpoint yet (the run stopped before its first one); starting it "
-              "again at step 0", file=sys.stderr)
+    if loaded is None and checkpointer.is_first:
+        print(f"fivefold: {checkpointer.run_dir} holds no checkpoint yet (the run stopped before its first one); "
+              "starting it again at step 0", file=sys.stderr)
+    return loaded
 
-    if loaded is not None:
-        load_pieces(engine, loaded, cfg)
-        ckpt.restore_rng(loaded, device)
-        sampler = resumed_sampler(sampler, loaded, cfg, is_first)
-    elif hf_init is not None:
-        from fivefold.models.hf import load_hf
 
-        _, state = load_hf(hf_init)
-        ckpt.check_model_state(state, engine.model_state(), hf_init)
-        engine.load_model_state(state)
+def init_from_hf(engine: Engine, hf_dir: Path) -> None:
+    """Start from a Hugging Face model's weights (names and shapes checked against the model)."""
+    from fivefold.models.hf import load_hf
 
-    start = loaded.state.step if loaded else 0
-    tokens_seen = loaded.state.tokens_seen if loaded else 0
-    config_toml = dump_toml(cfg)
-    if engine.is_logging_rank:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(run_dir / "config.toml", config_toml)
-        save_run_tokenizer(run_dir, train_set, hf_init)
-        if resume:  # a run started again from step 0 logs its step-0 validation anew
-            truncate_metrics(run_dir, start if loaded else -1)
+    _, state = load_hf(hf_dir)
+    ckpt.check_model_state(state, engine.model_state(), hf_dir)
+    engine.load_model_state(state)
+
+
+def open_run_dir(cfg: Config, engine: Engine, config_toml: str, train_set: TokenDataset, hf_init: Path | None,
+                 resume: bool, loaded: ckpt.LoadedCheckpoint | None, stream: TextIO | None) -> MetricsWriter | None:
+    """On the logging rank: the run directory with the resolved config and the tokenizer, its metrics log cut back
+    to the resumed step, and the writer of the metrics (None on the other ranks)."""
+    if not engine.is_logging_rank:
+        return None
+    run_dir, start = Path(cfg.run_dir), loaded.state.step if loaded else 0
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(run_dir / "config.toml", config_toml)
+    save_run_tokenizer(run_dir, train_set, hf_init)
+    if resume:  # a run started again from step 0 logs its step-0 validation anew
+        truncate_metrics(run_dir, start if loaded else -1)
     wandb_run = ({"project": cfg.log.wandb_project, "mode": cfg.log.wandb_mode, "name": run_dir.name,
                   "config": cfg.to_dict()} if cfg.log.wandb else None)
-    writer = MetricsWriter(run_dir, t.max_steps, cfg.log.progress, cfg.log.tensorboard, stream=stream,
-                           wandb_run=wandb_run, start_step=start) if engine.is_logging_rank else None
+    return MetricsWriter(run_dir, cfg.train.max_steps, cfg.log.progress, cfg.log.tensorboard, stream=stream,
+                         wandb_run=wandb_run, start_step=start)
 
-    result = TrainResult(run_dir=run_dir, steps=start)
-    mbs, global_tokens = cfg.micro_batch_size, t.global_batch_size * t.seq_len
-    flops_per_token = training_flops_per_token(cfg.model, t.seq_len)
-    peak = resolve_peak_tflops(cfg.log.peak_tflops, device)
 
-    def log(record: dict) -> None:
-        if writer is not None:
-            writer.write(record)
+@dataclass
+class Run:
+    """One call of `train` once its engine and starting state exist: its steps, evaluations, checkpoints, stops
+    and summary, and what they share. Every method is collective (every rank calls it at the same point); only the
+    logging rank has a `writer` and prints."""
 
-    def validate_now(step: int) -> None:
+    cfg: Config
+    engine: Engine
+    device: torch.device
+    checkpointer: ckpt.Checkpointer
+    sampler: BatchSampler
+    val_data: list[tuple[torch.Tensor, torch.Tensor]]
+    writer: MetricsWriter | None
+    result: TrainResult
+    tokens_seen: int
+    skipped_before: int  # steps skipped as non-finite before this call (the checkpoint's count)
+    stop_after: int | None
+    peak: float | None  # the device's peak TFLOP/s for MFU (None: unknown)
+    peak_seen: int = 0  # the largest peak memory of any rank read so far, in bytes
+    # set by __post_init__ (fixed for the call), then by run_steps
+    run_dir: Path = field(init=False)
+    start: int = field(init=False)  # the step this call starts after
+    mbs: int = field(init=False)
+    global_tokens: int = field(init=False)  # tokens of one step
+    flops_per_token: float = field(init=False)
+    guard: StepGuard = field(init=False)
+    throughput: Throughput = field(init=False)
+    tokens_at_start: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        t = self.cfg.train
+        self.run_dir, self.start = self.result.run_dir, self.result.steps
+        self.mbs, self.global_tokens = self.cfg.micro_batch_size, t.global_batch_size * t.seq_len
+        self.flops_per_token = training_flops_per_token(self.cfg.model, t.seq_len)
+
+    def log(self, record: dict) -> None:
+        if self.writer is not None:
+            self.writer.write(record)
+
+    def validate(self, step: int) -> None:
         faults.note(step=step, micro_batch=None, action="evaluation")
-        val = evaluate(engine, val_data, mbs)
-        result.val_losses[step] = val
-        log({"step": step, "val_loss": val})
+        val = evaluate(self.engine, self.val_data, self.mbs)
+        self.result.val_losses[step] = val
+        self.log({"step": step, "val_loss": val})
 
-    def save(step: int, guard_state: GuardState) -> None:
-        # every rank writes its own pieces of the weights and AdamW state (views, nothing gathered)
-        faults.note(step=step, micro_batch=None, action="checkpoint")
-        state = ckpt.TrainerState(step=step, tokens_seen=tokens_seen, skipped_steps=guard_state.skipped)
-        pieces, steps = engine.state_pieces()
-        if not all_finite(engine, [p.tensor for p in pieces]):
-            if engine.is_logging_rank:
-                print(f"fivefold: not writing the checkpoint of step {step}: the weights or optimizer state hold "
-                      "NaN or inf; the older checkpoints are kept", file=sys.stderr)
-            return
-        if engine.is_logging_rank:
-            ckpt.begin_checkpoint(run_dir, step)
-        engine.barrier()
-        tmp = ckpt.checkpoint_dir(run_dir, step).with_name(ckpt.checkpoint_dir(run_dir, step).name + ".tmp")
-        ckpt.write_rank_files(tmp, rank, pieces, steps, device)
-        del pieces
-        engine.barrier()
-        if engine.is_logging_rank:
-            result.checkpoint = ckpt.finish_checkpoint(tmp, state, config_toml, world, {
-                "global_batch_size": t.global_batch_size, "seq_len": t.seq_len,
-                "samples_consumed": sampler.samples_before(step)})
-            if guard_state.bad_run == 0:  # written amid skipped steps: keep the older ones too
-                ckpt.prune_checkpoints(run_dir, t.keep_checkpoints)
-        engine.barrier()
+    def save(self, step: int, counts: GuardState) -> None:
+        """The checkpoint of `step`, with the guard's `counts` after it; prunes nothing amid skipped steps."""
+        written = self.checkpointer.save(step, self.tokens_seen, self.sampler.samples_before(step), counts.skipped,
+                                         prune=counts.bad_run == 0)
+        if written is not None:
+            self.result.checkpoint = written
 
-    if writer is not None:
+    def announce(self, data_dir: Path, resuming: bool) -> None:
+        """The run's first lines: model, devices, data, batch; a warning for a warm-up longer than the run."""
+        t, engine, writer = self.cfg.train, self.engine, self.writer
         writer.print(
-            f"fivefold: {cfg.model.name} ({sum(p.numel() for p in engine.parameters()):,} parameters on this "
-            f"rank) on {engine.n_devices} x {device.type}, data {data_dir}, run dir {run_dir}, "
-            f"global batch {t.global_batch_size} x {t.seq_len} tokens, micro-batch {mbs}, "
-            f"accumulation {cfg.grad_accum_steps}, {torch.get_num_threads()} CPU thread(s) per process"
-            + (f", resuming at step {start}" if loaded else "")
+            f"fivefold: {self.cfg.model.name} ({sum(p.numel() for p in engine.parameters()):,} parameters on this "
+            f"rank) on {engine.n_devices} x {self.device.type}, data {data_dir}, run dir {self.run_dir}, "
+            f"global batch {t.global_batch_size} x {t.seq_len} tokens, micro-batch {self.mbs}, "
+            f"accumulation {self.cfg.grad_accum_steps}, {torch.get_num_threads()} CPU thread(s) per process"
+            + (f", resuming at step {self.start}" if resuming else "")
         )
         if t.warmup_steps > t.max_steps:
             writer.print(f"warning: train.warmup_steps = {t.warmup_steps} exceeds train.max_steps = "
                          f"{t.max_steps}: the learning rate never reaches train.lr = {t.lr:g}; use fewer warm-up "
                          f"steps (e.g. {max(1, t.max_steps // 10)}) or more steps")
-    if start == 0:
-        validate_now(0)
 
-    profiler = _profiler(cfg, run_dir) if cfg.log.profile and engine.is_logging_rank else None
-    throughput = Throughput()
-    loop_start, tokens_at_start, peak_seen = time.perf_counter(), tokens_seen, 0
-    guard = StepGuard(device, loaded.state.skipped_steps if loaded else 0)
-    result.skipped_steps = loaded.state.skipped_steps if loaded else 0
-    with profiler or contextlib.nullcontext(), StopSignals() as signals:
-        for step in range(start, t.max_steps):
-            faults.note(step=step + 1, micro_batch=None, action="data")
-            lr = engine.set_lr(step)
-            inputs, targets = sampler.rank_batch(step, engine.dp_rank, engine.dp_size)
-            micro_batches = split_micro_batches(inputs, targets, mbs, device)
-            loss_sum = engine.forward_backward(micro_batches, global_tokens)
-            faults.note(micro_batch=None, action="optimizer step")
-            grad_norm = engine.optimizer_step(loss_sum, signals.asked)
-            guard.update(step + 1, engine.step_flags, loss_sum)
-            tokens_seen += global_tokens
-            throughput.add(global_tokens)
-            done = step + 1
-            if profiler is not None:
-                profiler.step()
-            logged = done % cfg.log.log_every == 0 or done == t.max_steps or done == stop_after
-            if logged:
-                loss = engine.reduce_for_logging(loss_sum).item() / global_tokens
-                drop = engine.moe_drop_fraction()  # None but under capacity-based MoE routing
-                synchronize(device)
-                memory = per_rank_peak_memory(device)
-                peak_seen = max(peak_seen, *memory)
-                record = step_record(done, loss, lr, float(grad_norm), throughput.report(), engine.n_devices,
-                                     flops_per_token, peak, max(memory))
-                if drop is not None:
-                    record["moe_drop_fraction"] = drop
-                if len(memory) > 1:
-                    record["peak_memory_bytes_per_rank"] = memory
-                now = guard.read(current=True)
-                if now.skipped:
-                    record["skipped_steps"] = now.skipped
-                log(record)
-                result.losses.append(loss)
-            else:
-                result.losses.append(float("nan"))
-            result.steps = done
-            scheduled = (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.max_steps
-            # the counts after this step where the host waits anyway, else those of the step before
-            seen = guard.read(current=logged or scheduled or done == stop_after)
-            if seen is not None and seen.bad_run >= t.max_bad_steps:
-                now = guard.read(current=True)
-                if now.bad_run > seen.bad_run:  # this step was bad too (`seen` may lag one step): say so
-                    seen = now
-                result.skipped_steps, result.stopped, result.exit_code = now.skipped, "non-finite", EXIT_NON_FINITE
-                result.last_finite_loss = last_finite_loss(engine, guard, global_tokens)
-                save(done, now)  # the weights of the last update (finite), past the bad batches; prunes nothing
-                if engine.is_logging_rank:
-                    print(non_finite_message(seen, done, t.max_bad_steps, result, run_dir), file=sys.stderr)
-                break
-            if seen is not None and seen.stop_asked:
-                now = guard.read(current=True)
-                result.skipped_steps = now.skipped
-                save(done, now)
-                result.stopped, result.exit_code = signals.name, 128 + signals.number
-                if engine.is_logging_rank:
-                    print(f"fivefold: stopped by {signals.name or 'a signal on another rank'} after step {done} "
-                          f"with a checkpoint at {ckpt.checkpoint_dir(run_dir, done)}; continue with `fivefold "
-                          f"train --resume --run-dir {run_dir}` (exit code {result.exit_code})", file=sys.stderr)
-                break
-            if t.eval_every and done % t.eval_every == 0 and done != t.max_steps:
-                validate_now(done)
-            if scheduled:
-                if done == t.max_steps:
-                    validate_now(done)
-                now = guard.read(current=True)
-                result.skipped_steps = now.skipped
-                save(done, now)
-                if done == t.max_steps and now.bad_run:  # ended amid skipped steps: not a success
-                    result.stopped, result.exit_code = "non-finite", EXIT_NON_FINITE
-                    if engine.is_logging_rank:
-                        print(non_finite_message(now, done, t.max_bad_steps, result, run_dir), file=sys.stderr)
-            if stop_after is not None and done >= stop_after:
-                break
-    loop_seconds = time.perf_counter() - loop_start
-    if result.steps > start:  # collective; a run that stopped before its first logged step has read none yet
-        peak_seen = max(peak_seen, *per_rank_peak_memory(device))
-    if result.steps > start and result.stopped != "non-finite":  # collective
-        result.last_finite_loss = last_finite_loss(engine, guard, global_tokens)
-    if writer is not None:
-        tokens_run = tokens_seen - tokens_at_start
-        per_device = tokens_run / max(loop_seconds, 1e-9) / engine.n_devices
-        mfu = per_device * flops_per_token / 1e12 / peak if peak else None
+    def run_steps(self) -> float:
+        """The steps from `start` until `train.max_steps`, a stop or `stop_after`; the seconds they took."""
+        cfg, result = self.cfg, self.result
+        profiler = _profiler(cfg, self.run_dir) if cfg.log.profile and self.engine.is_logging_rank else None
+        self.throughput = Throughput()
+        loop_start, self.tokens_at_start = time.perf_counter(), self.tokens_seen
+        self.guard = StepGuard(self.device, self.skipped_before)
+        result.skipped_steps = self.skipped_before
+        with profiler or contextlib.nullcontext(), StopSignals() as signals:
+            for step in range(self.start, cfg.train.max_steps):
+                to_log = self.step(step, signals)
+                if profiler is not None:
+                    profiler.step()
+                done = step + 1
+                result.losses.append(self.log_step(done, *to_log) if to_log is not None else float("nan"))
+                result.steps = done
+                if self.after_step(done, to_log is not None, signals):
+                    break
+        return time.perf_counter() - loop_start
+
+    def step(self, step: int, signals: StopSignals) -> tuple[torch.Tensor, float, torch.Tensor] | None:
+        """Train step `step` + 1: (summed loss, learning rate, gradient norm) when it is logged (every
+        `log.log_every` steps, the last step and `stop_after`), else None."""
+        engine, t = self.engine, self.cfg.train
+        faults.note(step=step + 1, micro_batch=None, action="data")
+        lr = engine.set_lr(step)
+        inputs, targets = self.sampler.rank_batch(step, engine.dp_rank, engine.dp_size)
+        micro_batches = split_micro_batches(inputs, targets, self.mbs, self.device)
+        loss_sum = engine.forward_backward(micro_batches, self.global_tokens)
+        faults.note(micro_batch=None, action="optimizer step")
+        grad_norm = engine.optimizer_step(loss_sum, signals.asked)
+        self.guard.update(step + 1, engine.step_flags, loss_sum)
+        self.tokens_seen += self.global_tokens
+        self.throughput.add(self.global_tokens)
+        done = step + 1
+        logged = done % self.cfg.log.log_every == 0 or done == t.max_steps or done == self.stop_after
+        return (loss_sum, lr, grad_norm) if logged else None
+
+    def log_step(self, done: int, loss_sum: torch.Tensor, lr: float, grad_norm: torch.Tensor) -> float:
+        """Log step `done`'s record (loss, learning rate, gradient norm, throughput, MFU, peak memory); its loss."""
+        engine = self.engine
+        loss = engine.reduce_for_logging(loss_sum).item() / self.global_tokens
+        drop = engine.moe_drop_fraction()  # None but under capacity-based MoE routing
+        synchronize(self.device)
+        memory = per_rank_peak_memory(self.device)
+        self.peak_seen = max(self.peak_seen, *memory)
+        record = step_record(done, loss, lr, float(grad_norm), self.throughput.report(), engine.n_devices,
+                             self.flops_per_token, self.peak, max(memory))
+        if drop is not None:
+            record["moe_drop_fraction"] = drop
+        if len(memory) > 1:
+            record["peak_memory_bytes_per_rank"] = memory
+        now = self.guard.read(current=True)
+        if now.skipped:
+            record["skipped_steps"] = now.skipped
+        self.log(record)
+        return loss
+
+    def after_step(self, done: int, logged: bool, signals: StopSignals) -> bool:
+        """What follows step `done`: a stop (a streak of non-finite steps, a signal), an evaluation, a scheduled
+        checkpoint. True when the run stops here."""
+        t = self.cfg.train
+        scheduled = (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.max_steps
+        # the counts after this step where the host waits anyway, else those of the step before
+        seen = self.guard.read(current=logged or scheduled or done == self.stop_after)
+        if seen is not None and seen.bad_run >= t.max_bad_steps:
+            self.stop_non_finite(done, seen)
+            return True
+        if seen is not None and seen.stop_asked:
+            self.stop_on_signal(done, signals)
+            return True
+        if t.eval_every and done % t.eval_every == 0 and done != t.max_steps:
+            self.validate(done)
+        if scheduled:
+            self.scheduled_save(done)
+        return self.stop_after is not None and done >= self.stop_after
+
+    def stop_non_finite(self, done: int, seen: GuardState) -> None:
+        """Stop after `train.max_bad_steps` non-finite steps in a row: a checkpoint of the last update's weights
+        (finite, past the bad batches; it prunes nothing) and the error, exit code EXIT_NON_FINITE."""
+        result = self.result
+        now = self.guard.read(current=True)
+        if now.bad_run > seen.bad_run:  # this step was bad too (`seen` may lag one step): say so
+            seen = now
+        result.skipped_steps, result.stopped, result.exit_code = now.skipped, "non-finite", EXIT_NON_FINITE
+        result.last_finite_loss = last_finite_loss(self.engine, self.guard, self.global_tokens)
+        self.save(done, now)
+        if self.engine.is_logging_rank:
+            print(non_finite_message(seen, done, self.cfg.train.max_bad_steps, result, self.run_dir),
+                  file=sys.stderr)
+
+    def stop_on_signal(self, done: int, signals: StopSignals) -> None:
+        """Stop after a SIGTERM or SIGINT (on any rank): a checkpoint, exit code 128 + the signal's number."""
+        result, run_dir = self.result, self.run_dir
+        now = self.guard.read(current=True)
+        result.skipped_steps = now.skipped
+        self.save(done, now)
+        result.stopped, result.exit_code = signals.name, 128 + signals.number
+        if self.engine.is_logging_rank:
+            print(f"fivefold: stopped by {signals.name or 'a signal on another rank'} after step {done} "
+                  f"with a checkpoint at {ckpt.checkpoint_dir(run_dir, done)}; continue with `fivefold "
+                  f"train --resume --run-dir {run_dir}` (exit code {result.exit_code})", file=sys.stderr)
+
+    def scheduled_save(self, done: int) -> None:
+        """The checkpoint of `train.checkpoint_every` and of the last step (after its validation); a run that ends
+        amid skipped steps is not a success (exit code EXIT_NON_FINITE)."""
+        t, result = self.cfg.train, self.result
+        if done == t.max_steps:
+            self.validate(done)
+        now = self.guard.read(current=True)
+        result.skipped_steps = now.skipped
+        self.save(done, now)
+        if done == t.max_steps and now.bad_run:
+            result.stopped, result.exit_code = "non-finite", EXIT_NON_FINITE
+            if self.engine.is_logging_rank:
+                print(non_finite_message(now, done, t.max_bad_steps, result, self.run_dir), file=sys.stderr)
+
+    def finish(self, wall_start: float, loop_seconds: float) -> None:
+        """After the steps: the peak memory and the last finite loss (collectives), then the summary lines."""
+        result = self.result
+        if result.steps > self.start:  # collective; a run that stopped before its first logged step has read none
+            self.peak_seen = max(self.peak_seen, *per_rank_peak_memory(self.device))
+        if result.steps > self.start and result.stopped != "non-finite":  # collective
+            result.last_finite_loss = last_finite_loss(self.engine, self.guard, self.global_tokens)
+        if self.writer is not None:
+            self.summarize(wall_start, loop_seconds)
+            self.writer.close()
+
+    def summarize(self, wall_start: float, loop_seconds: float) -> None:
+        """The summary: time, tokens, throughput, MFU and peak memory; skipped steps; the final losses."""
+        t, result, writer, n_devices = self.cfg.train, self.result, self.writer, self.engine.n_devices
+        tokens_run = self.tokens_seen - self.tokens_at_start
+        per_device = tokens_run / max(loop_seconds, 1e-9) / n_devices
+        mfu = per_device * self.flops_per_token / 1e12 / self.peak if self.peak else None
         writer.print(
             f"summary: wall time {format_duration(time.perf_counter() - wall_start)} "
-            f"({format_duration(loop_seconds)} in {result.steps - start} steps); tokens seen {tokens_seen:,}"
-            f" ({tokens_run:,} in this run); mean {per_device:,.0f} tokens/s per device on {engine.n_devices} "
-            f"device(s); MFU {f'{100 * mfu:.1f} %' if mfu is not None else 'n/a (unknown device peak)'}; "
-            f"peak memory {peak_seen / 2**20:,.0f} MiB"
+            f"({format_duration(loop_seconds)} in {result.steps - self.start} steps); tokens seen "
+            f"{self.tokens_seen:,} ({tokens_run:,} in this run); mean {per_device:,.0f} tokens/s per device on "
+            f"{n_devices} device(s); MFU {f'{100 * mfu:.1f} %' if mfu is not None else 'n/a (unknown device peak)'}"
+            f"{peak_source(self.cfg.log.peak_tflops, self.device) if mfu is not None else ''}; "
+            f"peak memory {self.peak_seen / 2**20:,.0f} MiB"
         )
         if result.skipped_steps:
             last = result.last_finite_loss
@@ -426,100 +533,6 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
         elif result.steps == t.max_steps and not result.stopped:
             writer.print(f"done: {t.max_steps} steps; final train loss {_last_finite(result.losses):.4f}; val loss "
                          f"{result.val_losses.get(t.max_steps, float('nan')):.4f}; checkpoint {result.checkpoint}")
-        writer.close()
-    return result
-
-
-def load_pieces(engine: Engine, loaded: ckpt.LoadedCheckpoint, cfg: Config) -> None:
-    """Load a checkpoint written under any layout into this rank's part of the engine: the names and global shapes
-    must match the model, and the data position (samples of `train.seq_len` tokens) must mean the same windows."""
-    t = cfg.train
-    saved = loaded.data.get("seq_len", t.seq_len)
-    if saved != t.seq_len:
-        raise ckpt.CheckpointError(
-            f"--resume: checkpoint {loaded.path.name} was written with train.seq_len = {saved}, this run has "
-            f"{t.seq_len}; the data position counts windows of {saved} tokens in an order drawn over those windows, "
-            f"which another length does not continue without repeating or skipping tokens, so resume with "
-            f"train.seq_len = {saved} (the global batch, layout, world size and micro-batch size may change)")
-    meta = build_model(cfg.model, device="meta").state_dict()
-    expected = {k: tuple(v.shape) for k, v in meta.items()
-                if not (k == "lm_head.weight" and cfg.model.tied_embeddings)}
-    saved = {k.removeprefix("model."): loaded.reader.shape(k) for k in loaded.reader.names() if k.startswith("model.")}
-    ckpt.check_model_shapes(saved, expected, loaded.path)
-    try:
-        engine.load_state_pieces(loaded.reader, loaded.steps)
-    except PieceError as e:
-        raise ckpt.CheckpointError(f"checkpoint {loaded.path}: {e}") from None
-
-
-def choose_checkpoint(candidates: list[Path], engine: Engine, rank: int, world: int,
-                      is_first: bool) -> ckpt.LoadedCheckpoint | None:
-    """The newest checkpoint that every rank reads and verifies (the first rank verifies every file, the other ranks'
-    shards included); newer ones that fail are reported and set aside as `NAME.bad`. None when there is none at
-    all; a CheckpointError listing the reasons when every one fails."""
-    rejected: list[tuple[Path, str]] = []
-    for path in candidates:
-        try:
-            if not (path / "COMPLETE").is_file():
-                raise ckpt.CheckpointError(f"{path} has no COMPLETE marker (its save was interrupted)")
-            loaded = ckpt.load_checkpoint(path, rank, world)
-            if is_first:
-                ckpt.verify_files(path)
-            reason = ""
-        except ckpt.CheckpointError as e:
-            loaded, reason = None, str(e)
-        failed = engine.agree(torch.tensor([float(bool(reason))], device=engine.device))
-        if not failed.item():
-            break
-        rejected.append((path, reason or "a file that another rank reads failed its verification"))
-    else:
-        if rejected:
-            raise ckpt.CheckpointError("--resume: no usable checkpoint: " + "; ".join(r for _, r in rejected))
-        return None
-    if is_first:
-        for path, reason in rejected:
-            moved = ckpt.set_aside(path)
-            print(f"fivefold: checkpoint {path.name} cannot be used ({reason}); set aside as {moved.name}",
-                  file=sys.stderr)
-        if rejected:
-            print(f"fivefold: resuming from the newest good checkpoint, {loaded.path.name}", file=sys.stderr)
-    engine.barrier()
-    return loaded
-
-
-def resumed_sampler(sampler: BatchSampler, loaded: ckpt.LoadedCheckpoint, cfg: Config,
-                    is_first: bool) -> BatchSampler:
-    """The sampler that continues at the checkpoint's data position: the sample after the last one its steps
-    consumed, whatever the global batch size now (a checkpoint without that count consumed `step` batches of the
-    size it was written with)."""
-    t = cfg.train
-    step = loaded.state.step
-    saved_batch = loaded.data.get("global_batch_size", t.global_batch_size)
-    samples = loaded.data.get("samples_consumed", step * saved_batch)
-    if saved_batch != t.global_batch_size and is_first:
-        print(f"fivefold: resuming at step {step} with train.global_batch_size = {t.global_batch_size} (the "
-              f"checkpoint's run had {saved_batch}): the data continues at sample {samples:,} of the run's order, "
-              f"so no sample is repeated or skipped; the learning-rate schedule goes on counting optimizer steps "
-              f"(train.max_steps, warm-up and decay are in steps of the new batch)", file=sys.stderr)
-    from fivefold.data import BatchSampler
-
-    return BatchSampler(sampler.dataset, t.seq_len, t.global_batch_size, t.seed, start_step=step,
-                        start_sample=samples)
-
-
-FINITE_CHUNK = 1 << 18  # elements checked at a time: the check's temporaries stay at a quarter MiB
-
-
-@torch.no_grad()
-def all_finite(engine: Engine, tensors: list[torch.Tensor]) -> bool:
-    """Whether the weights and optimizer state that every rank writes are finite (one reduction). Checked a chunk at
-    a time: a mask of a whole piece (a byte per element, tens of MiB for a large layer) would stay in the process's
-    heap and make the save the largest resident memory of the run."""
-    ok = torch.ones((), dtype=torch.bool, device=engine.device)
-    for v in tensors:
-        for chunk in v.reshape(-1).split(FINITE_CHUNK):
-            ok &= torch.isfinite(chunk).all()
-    return not engine.agree((~ok).float().reshape(1)).item()
 
 
 def last_finite_loss(engine: Engine, guard: StepGuard, global_tokens: int) -> tuple[int, float] | None:

@@ -50,9 +50,17 @@ def synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize()
 
 
-def resolve_peak_tflops(configured: float, device: torch.device) -> float | None:
-    """The dense bf16 peak used for MFU: configured, else looked up from the device's name, else None."""
-    return configured if configured > 0 else device_peak_tflops(device)
+def resolve_peak_tflops(configured: float, device: torch.device, dtype: str = "bf16") -> float | None:
+    """The dense peak used for MFU: configured, else the device's in the compute dtype (`device_peak_tflops`: the
+    nominal cpu entry on a CPU), else None."""
+    return configured if configured > 0 else device_peak_tflops(device, dtype)
+
+
+def peak_source(configured: float, device: torch.device) -> str:
+    """Where the MFU's peak comes from, where a reader must be told: the nominal CPU peak."""
+    if configured > 0 or device.type != "cpu":
+        return ""
+    return " of the nominal CPU peak (the planner's cpu profile; log.peak_tflops sets a measured one)"
 
 
 class Throughput:

@@ -1,4 +1,7 @@
-"""Tensors stored as rectangular pieces: the sharded checkpoint format's reading and writing side.
+"""The sharded checkpoint format, on disk: tensors stored as rectangular pieces, their safetensors files and the
+manifest of checksums. What a checkpoint directory holds and how it is written atomically is `train/checkpoint.py`;
+this module is the part that the trainer and the readers of a finished run (`fivefold export`, `fivefold generate`)
+share, so it sits in the base layer.
 
 A named global tensor (a plain-model parameter, or one of its AdamW moments) is stored as one or more pieces;
 each piece is a rectangle of the global tensor, recorded in an index with the global shape and the piece's
@@ -9,7 +12,8 @@ pieces that intersect it (`PieceReader.read`), reading only those bytes (`safe_o
 layout wrote them.
 
 Files are plain safetensors (`write_safetensors` streams them tensor by tensor, hashing as it writes, so a writer
-never holds a second copy of its state).
+never holds a second copy of its state); `manifest.json` records the size and sha256 of every other file of a
+checkpoint directory (`verify_manifest` checks them).
 """
 
 from __future__ import annotations
@@ -200,19 +204,3 @@ def checkpoint_index(directory: Path) -> dict[str, dict[str, Any]]:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise PieceError(f"checkpoint file {f} is corrupted: {e}") from None
     return index
-
-
-def read_checkpoint_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """The plain-named model weights of a checkpoint directory: a sharded one's pieces assembled tensor by tensor
-    (no model is built; each tensor reads only its pieces' bytes) after its config, piece indexes and piece files
-    were checked against the manifest (sha256), or a plain `model.safetensors`."""
-    single = directory / "model.safetensors"
-    if single.is_file():
-        from fivefold.models.hf import read_safetensors
-
-        return read_safetensors(single)
-    index = checkpoint_index(directory)
-    files = sorted({piece["file"] for entry in index.values() for piece in entry["pieces"]})
-    verify_manifest(directory, ["config.toml", *(f.name for f in sorted(directory.glob("rank*.json"))), *files])
-    reader = PieceReader(directory, index)
-    return {name.removeprefix("model."): reader.read(name) for name in reader.names() if name.startswith("model.")}

@@ -1,0 +1,249 @@
+"""The GPU suite: every figure of docs/benchmarks.md's GPU section in one command, within one short lease of a GPU.
+
+    python benchmarks/gpu_suite.py OUT_DIR                 # on a machine with an accelerator, about 8 minutes
+    python benchmarks/gpu_suite.py OUT_DIR --dry           # the same steps at tiny sizes on the CPU (a test runs it)
+
+Steps, in the order they run (the most wanted figures first, so that a lease that ends early still gives them):
+
+  a. `fivefold bench` of the Llama-3.2-1B shape at sequence 4096, compiled, under lean mixed precision, at
+     micro-batches 4, 2 and 8: tokens/s, MFU, peak memory (allocated and reserved), forward / backward / optimizer;
+  d. `fivefold train --only-rank` of the first and the last rank of each examples/ config at full size, compiled
+     (global batch cut to a few micro-batches: memory depends on the micro-batches in flight, not on how many are
+     accumulated): measured peak memory and compute time beside the planner's prediction for that rank;
+  c. an MoE step: `fivefold bench` of OLMoE's shape (64 experts, top-8) cut to a few layers;
+  e. every pipeline schedule and every data-parallel wrapper once, at small size, through `--only-rank`, so that
+     every accelerator code path has run;
+  b. the side by side with a plain `transformers` loop (benchmarks/hf_side_by_side.py).
+
+Each step runs as its own process with its own time limit; a step that fails or runs out of time is recorded with
+the end of its output and the suite goes on. A step that would start after `--budget-s` seconds is skipped and
+recorded as such. Everything lands in OUT_DIR/suite.json (one file: the device, PyTorch, every step's command,
+exit status, seconds and parsed JSON result) and a table is printed at the end. `--dry` swaps every model for a
+tiny one and drops compile, keeping the layouts, so that the suite's plumbing is tested where no GPU is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ("llama3.1-8b-1x8-h100", "llama3.1-70b-4x8-h100", "olmoe-1b-7b-2x8-h100")
+# the shape every --dry step trains instead of the full-size one (the layout is kept)
+TINY = {"model.hidden": "64", "model.n_heads": "4", "model.n_kv_heads": "2", "model.ffn": "128",
+        "model.vocab_size": "512", "model.max_seq_len": "128"}
+TINY_MOE = {**TINY, "model.moe_ffn": "64"}
+# step e's layouts: each pipeline schedule and each data-parallel wrapper once (world size, layout overrides)
+PATHS: list[tuple[str, int, dict[str, str]]] = [
+    ("pp2 afab", 2, {"layout.pp": "2", "layout.schedule": "afab"}),
+    ("pp2 1f1b", 2, {"layout.pp": "2", "layout.schedule": "1f1b"}),
+    ("pp2 interleaved vpp2", 2, {"layout.pp": "2", "layout.schedule": "interleaved", "layout.vpp": "2"}),
+    ("pp2 zero-bubble", 2, {"layout.pp": "2", "layout.schedule": "zero-bubble"}),
+    ("pp2 dualpipev", 2, {"layout.pp": "2", "layout.schedule": "dualpipev", "layout.vpp": "2"}),
+    ("dp2 zero0", 2, {"layout.dp": "2", "layout.zero": "0"}),
+    ("dp2 zero1", 2, {"layout.dp": "2", "layout.zero": "1"}),
+    ("dp2 zero2", 2, {"layout.dp": "2", "layout.zero": "2"}),
+    ("dp2 zero3", 2, {"layout.dp": "2", "layout.zero": "3"}),
+    ("dp4 hsdp shard2", 4, {"layout.dp": "4", "layout.zero": "3", "layout.dp_shard": "2"}),
+    ("tp2 sp", 2, {"layout.tp": "2", "layout.sp": "true"}),
+    ("cp2", 2, {"layout.cp": "2"}),
+    ("pp2 zero3", 4, {"layout.dp": "2", "layout.pp": "2", "layout.zero": "3"}),
+]
+MOE_PATHS: list[tuple[str, int, dict[str, str]]] = [
+    ("moe ep2 dp2", 2, {"layout.dp": "2", "layout.ep": "2"}),
+]
+
+
+@dataclass
+class Step:
+    name: str
+    group: str
+    argv: list[str]
+    timeout_s: int
+    result: dict = field(default_factory=dict)
+
+
+def fivefold(*args: str) -> list[str]:
+    return [sys.executable, "-m", "fivefold", *args]
+
+
+def overrides(values: dict[str, str]) -> list[str]:
+    return [a for key, value in values.items() for a in (f"--{key}", value)]
+
+
+def bench_steps(dry: bool) -> list[Step]:
+    """Steps a and c: fivefold bench of the dense 1B shape over micro-batches, and of OLMoE's shape cut to a few
+    layers."""
+    if dry:
+        dense = ["--model", "tiny", "--seq-len", "64", "--steps", "2", "--warmup", "1"]
+        moe = ["--model", "tiny-moe", "--seq-len", "64", "--micro-batch", "2", "--steps", "2", "--warmup", "1"]
+    else:
+        dense = ["--model", "llama-3.2-1b", "--seq-len", "4096", "--steps", "8", "--warmup", "3", "--compile"]
+        moe = ["--model", "olmoe-1b-7b", "--model.n_layers", "4", "--seq-len", "4096", "--micro-batch", "2",
+               "--steps", "6", "--warmup", "3", "--compile"]
+    steps = [Step(f"bench dense mb{mb}", "a", fivefold("bench", *dense, "--micro-batch", str(mb), "--json"), 150)
+             for mb in (4, 2, 8)]
+    steps.insert(1, Step("bench moe", "c", fivefold("bench", *moe, "--json"), 150))
+    return steps
+
+
+def only_rank_steps(dry: bool, out: Path) -> list[Step]:
+    """Steps d and e: one rank of a layout at its size on this device, beside the planner's prediction."""
+    steps = []
+    common = ["--max-steps", "2", "--json", "--log.log_every", "1", "--train.eval_every", "0"]
+    for name in EXAMPLES:
+        config = ROOT / "examples" / f"{name}.toml"
+        world = _world_size(config)
+        # a few micro-batches: the peak depends on the micro-batches in flight, not on how many are accumulated
+        shape = overrides({**(TINY_MOE if "olmoe" in name else TINY), "model.n_layers": "8",
+                           "train.seq_len": "64"}) if dry else []
+        batch = _global_batch(config, micro_batches=8)
+        for rank in sorted({0, world - 1}):
+            steps.append(Step(f"only-rank {name} rank {rank}", "d", fivefold(
+                "train", "--config", str(config), "--only-rank", str(rank), "--run-dir", str(out / f"d-{name}-{rank}"),
+                "--train.global_batch_size", str(batch), "--train.compile", "false" if dry else "true",
+                *shape, *common), 150))
+    small = (["--preset", "tiny", "--train.seq_len", "64"] if dry else
+             ["--preset", "llama-3.2-1b", "--model.n_layers", "4", "--train.seq_len", "2048"])
+    small_moe = (["--preset", "tiny-moe", "--train.seq_len", "64"] if dry else
+                 ["--preset", "olmoe-1b-7b", "--model.n_layers", "2", "--train.seq_len", "2048"])
+    for label, world, layout in PATHS + MOE_PATHS:
+        base = small_moe if label.startswith("moe") else small
+        steps.append(Step(f"only-rank {label}", "e", fivefold(
+            "train", *base, *overrides(layout), "--only-rank", str(world - 1),
+            "--run-dir", str(out / f"e-{label.replace(' ', '-')}"),
+            "--train.global_batch_size", str(4 * int(layout.get("layout.dp", "1"))), *common), 90))
+    return steps
+
+
+def side_by_side_step(dry: bool) -> Step:
+    args = (["--model", "tiny", "--seq-len", "64", "--micro-batch", "2", "--steps", "2", "--warmup", "1"] if dry else
+            ["--model", "llama-3.2-1b", "--seq-len", "4096", "--micro-batch", "2", "--steps", "8", "--warmup", "3",
+             "--compile"])
+    return Step("side by side", "b", [sys.executable, str(ROOT / "benchmarks" / "hf_side_by_side.py"), *args,
+                                      "--json"], 200)
+
+
+def _world_size(config: Path) -> int:
+    import tomllib
+
+    layout = tomllib.loads(config.read_text())["layout"]
+    return layout["dp"] * layout["tp"] * layout["pp"] * layout["cp"]
+
+
+def _global_batch(config: Path, micro_batches: int) -> int:
+    import tomllib
+
+    layout = tomllib.loads(config.read_text())["layout"]
+    return layout["micro_batch_size"] * layout["dp"] * micro_batches
+
+
+def last_json(text: str) -> dict | None:
+    """The last line of `text` that parses as a JSON object (the step's result)."""
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
+def run_step(step: Step, env: dict[str, str]) -> None:
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(step.argv, capture_output=True, text=True, timeout=step.timeout_s, env=env, cwd=ROOT)
+        rc, output = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as e:
+        rc = 124
+        output = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+    step.result = {"name": step.name, "group": step.group, "command": " ".join(step.argv[1:]), "rc": rc,
+                   "seconds": round(time.perf_counter() - start, 1), "result": last_json(output) if rc == 0 else None,
+                   "output_tail": output[-1500:] if rc != 0 else ""}
+
+
+def summary_line(record: dict) -> str:
+    """One row of the printed table: the figures that matter for the step's kind."""
+    r = record.get("result") or {}
+    head = f"{record['name'][:44]:<44} {record.get('rc', '-')!s:>4} {record.get('seconds', 0):>6.1f}s  "
+    if record.get("skipped"):
+        return head + "skipped: " + record["skipped"]
+    if not r:
+        tail = record.get("output_tail", "").strip().splitlines()
+        return head + "FAILED: " + (tail[-1][:100] if tail else "no output")
+    if "tokens_per_s" in r and "mfu" in r:
+        gib = (r.get("peak_memory_allocated_bytes") or r.get("peak_memory_bytes_per_rank", [0])[0] or 0) / 2**30
+        mfu = f"{100 * r['mfu']:.1f} %" if r.get("mfu") else "n/a"
+        return head + f"{r['tokens_per_s']:,.0f} tok/s, MFU {mfu}, peak {gib:.2f} GiB, step {r['step_time_s']:.3f} s"
+    if "fivefold_tokens_per_s" in r:
+        mfu = (f", MFU {100 * r['fivefold_mfu']:.1f} / {100 * r['transformers_mfu']:.1f} %"
+               if r.get("fivefold_mfu") else "")
+        return head + (f"fivefold {r['fivefold_tokens_per_s']:,.0f} tok/s, transformers "
+                       f"{r['transformers_tokens_per_s']:,.0f} tok/s, ratio {r['ratio']:.2f}x{mfu}")
+    return head + ", ".join(f"{k} {v}" for k, v in _only_rank_figures(r).items())
+
+
+def _only_rank_figures(r: dict) -> dict[str, str]:
+    """The measured and predicted figures of an --only-rank result, whatever keys it names them by."""
+    out = {}
+    for key in ("peak_memory_gib", "predicted_memory_gib", "memory_error", "compute_time_s",
+                "predicted_compute_time_s", "time_error"):
+        if key in r:
+            value = r[key]
+            out[key] = f"{value:.3g}" if isinstance(value, float) else str(value)
+    return out or {"keys": ",".join(sorted(r)[:8])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path, help="directory for suite.json and the steps' run directories")
+    p.add_argument("--dry", action="store_true", help="tiny sizes on the CPU, no compile: test the plumbing")
+    p.add_argument("--budget-s", type=float, default=500.0, help="start no step after this many seconds")
+    p.add_argument("--only", default="", help="comma-separated step groups to run (a,b,c,d,e); default all")
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "src") + os.pathsep
+           + os.environ.get("PYTHONPATH", "")}
+    if args.dry:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    bench = bench_steps(args.dry)
+    steps = [bench[0], *only_rank_steps(args.dry, args.out), bench[1], bench[2], bench[3], side_by_side_step(args.dry)]
+    steps = [s for s in steps if not args.only or s.group in args.only.split(",")]
+    if args.dry:
+        for s in steps:
+            if s.argv[2:4] == ["fivefold", "bench"] or s.argv[2:4] == ["fivefold", "train"]:
+                s.argv += ["--train.device", "cpu"]
+    import torch
+
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    device = ("cpu" if accelerator is None else
+              getattr(torch, accelerator.type).get_device_name())
+    report = {"device": device, "torch": torch.__version__, "dry": args.dry, "started": time.strftime(
+        "%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "steps": []}
+    print(f"gpu suite: {device}, torch {torch.__version__}, {len(steps)} steps, budget {args.budget_s:.0f} s",
+          flush=True)
+    start = time.perf_counter()
+    for step in steps:
+        if time.perf_counter() - start > args.budget_s:
+            step.result = {"name": step.name, "group": step.group, "command": " ".join(step.argv[1:]),
+                           "skipped": f"budget of {args.budget_s:.0f} s spent"}
+        else:
+            run_step(step, env)
+        report["steps"].append(step.result)
+        (args.out / "suite.json").write_text(json.dumps(report, indent=1) + "\n")
+        print(summary_line(step.result), flush=True)
+    failed = [s.result["name"] for s in steps if s.result.get("rc", 0) != 0]
+    print(f"gpu suite: {len(steps) - len(failed)} of {len(steps)} steps ran in {time.perf_counter() - start:.0f} s; "
+          f"failed: {', '.join(failed) or 'none'}; results in {args.out / 'suite.json'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""The GPU suite's plumbing, run at tiny sizes on the CPU (`--dry`): each step runs as its own process, its JSON
+result is parsed into suite.json, and a failing step is recorded without stopping the suite."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SUITE = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_suite.py"
+
+
+def load_suite():
+    spec = importlib.util.spec_from_file_location("gpu_suite", SUITE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_suite"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dry_suite_runs_bench_moe_and_side_by_side(tmp_path: Path) -> None:
+    suite = load_suite()
+    assert suite.main([str(tmp_path), "--dry", "--only", "b,c"]) == 0
+    report = json.loads((tmp_path / "suite.json").read_text())
+    assert report["dry"] and report["device"] == "cpu"
+    by_group = {s["group"]: s for s in report["steps"]}
+    assert set(by_group) == {"b", "c"}
+    moe = by_group["c"]["result"]
+    assert moe["model"] == "tiny-moe" and moe["tokens_per_s"] > 0 and moe["micro_batch"] == 2
+    side = by_group["b"]["result"]
+    assert side["fivefold_tokens_per_s"] > 0 and side["transformers_tokens_per_s"] > 0
+
+
+def test_failing_step_is_recorded_and_the_suite_goes_on(tmp_path: Path) -> None:
+    suite = load_suite()
+    bad = suite.Step("bad", "x", [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], 30)
+    good = suite.Step("good", "x", [sys.executable, "-c", "print('{\"tokens_per_s\": 1.0, \"mfu\": null, "
+                                    "\"step_time_s\": 0.5, \"peak_memory_allocated_bytes\": 0}')"], 30)
+    for step in (bad, good):
+        suite.run_step(step, {})
+    assert bad.result["rc"] == 3 and bad.result["result"] is None and "boom" in bad.result["output_tail"]
+    assert good.result["rc"] == 0 and good.result["result"]["tokens_per_s"] == 1.0
+    assert "FAILED: boom" in suite.summary_line(bad.result)
+    assert "1 tok/s" in suite.summary_line(good.result)
+
+
+def test_full_size_steps_cover_every_group() -> None:
+    """Without --dry the suite times the full-size shapes, compiled, and covers groups a to e."""
+    suite = load_suite()
+    steps = suite.bench_steps(dry=False) + suite.only_rank_steps(False, Path("/tmp/x")) + [
+        suite.side_by_side_step(False)]
+    assert {s.group for s in steps} == {"a", "b", "c", "d", "e"}
+    dense = [s for s in steps if s.group == "a"]
+    assert sorted(int(s.argv[s.argv.index("--micro-batch") + 1]) for s in dense) == [2, 4, 8]
+    assert all("--compile" in s.argv and "4096" in s.argv for s in dense)
+    assert len([s for s in steps if s.group == "d"]) == 6  # first and last rank of three examples
+
+
+@pytest.mark.slow
+def test_dry_suite_runs_every_step(tmp_path: Path) -> None:
+    suite = load_suite()
+    rc = suite.main([str(tmp_path), "--dry"])
+    report = json.loads((tmp_path / "suite.json").read_text())
+    failed = [(s["name"], s.get("output_tail", "")[-300:]) for s in report["steps"] if s.get("rc") != 0]
+    assert rc == 0 and not failed, failed

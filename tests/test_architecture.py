@@ -16,11 +16,12 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # "fivefold.planner"); `None` means every layer below. Each entry is one part (a tuple: names that form one part):
 # parts of one layer may import each other in one direction only.
 LAYERS: list[tuple[str, list[str | tuple[str, ...]], list[str] | None]] = [
-    # config (with the preset table it resolves `model.preset` from) and the user-error types, device helpers,
-    # the shared FLOPs formulas, the accelerator table, the layout rule book, the fault helpers (watchdog,
-    # parent-death signal) and the checkpoint file format (the trainer writes it, export and generate read it)
-    ("base", ["fivefold", ("fivefold.config", "fivefold.presets"), "fivefold.errors", "fivefold.device",
-              "fivefold.flops", "fivefold.hardware", "fivefold.layout", "fivefold.faults",
+    # config (with the preset table it resolves `model.preset` from, the layout rule book whose batch rule
+    # `Config.validate` applies, and the FLOPs formulas by which the rule book balances pipeline stages) and the
+    # user-error types, device helpers, the accelerator table, the fault helpers (watchdog, parent-death signal)
+    # and the checkpoint file format (the trainer writes it, export and generate read it)
+    ("base", ["fivefold", ("fivefold.config", "fivefold.presets", "fivefold.layout", "fivefold.flops"),
+              "fivefold.errors", "fivefold.device", "fivefold.accelerators", "fivefold.faults",
               "fivefold.checkpoint_format"], None),
     # tokenizers, shards, the dataset and sampler: no model code
     ("data", ["fivefold.data"], None),
@@ -36,8 +37,10 @@ LAYERS: list[tuple[str, list[str | tuple[str, ...]], list[str] | None]] = [
     # the planner models the engines, it does not call them: it reads only these lower parts
     ("planner", ["fivefold.planner"], ["base", "models", "fivefold.parallel.schedules"]),
     # tools that run or score the trainer: sweeps and their report, bench, calibrate (it times the training step,
-    # so it sits above train and the planner it writes profiles for), the planner's validation against a sweep
-    ("tools", ["fivefold.sweep", "fivefold.bench", "fivefold.planner.calibrate", "fivefold.planner.validate"], None),
+    # so it sits above train and the planner it writes profiles for), the planner's validation against a sweep,
+    # one rank alone beside the planner's prediction for it (`train --only-rank`)
+    ("tools", ["fivefold.sweep", "fivefold.bench", "fivefold.planner.calibrate", "fivefold.planner.validate",
+               "fivefold.only_rank"], None),
     # the command line: `fivefold VERB`; `plan` also runs the planner's validation, `train --dry-run` the planner
     ("cli", ["fivefold.cli", "fivefold.__main__", "fivefold.planner.cli", "fivefold.train.cli"], None),
 ]

@@ -297,7 +297,7 @@ def test_cpu_operator_counts_are_the_blocks():
 def test_timed_operands_rotate_through_sets_beyond_the_caches():
     """Each timed call of a compute figure finds its operands uncached: the sets rotated through span at least
     `COLD_SPAN_BYTES` (up to `MAX_SETS` copies), and successive calls use different sets."""
-    from fivefold.planner.calibrate import COLD_SPAN_BYTES, MAX_SETS, Clock, forward_backward, operand_sets
+    from fivefold.planner.calibrate import COLD_SPAN_BYTES, MAX_SETS, Clock, operand_sets, time_forward_backward
 
     assert operand_sets(3 * 2**20) == math.ceil(COLD_SPAN_BYTES / (3 * 2**20)) <= MAX_SETS
     assert operand_sets(1024) == MAX_SETS and operand_sets(10 * COLD_SPAN_BYTES) == 1
@@ -308,7 +308,7 @@ def test_timed_operands_rotate_through_sets_beyond_the_caches():
         made.append(x)
         return (lambda: (used.append(x), x * 2)[1]), [x], torch.ones(4, 4)
 
-    fwd, bwd = forward_backward(Clock(torch.device("cpu"), 1, 0.0), make, 8 * 2**20)
+    fwd, bwd = time_forward_backward(Clock(torch.device("cpu"), 1, 0.0), make, 8 * 2**20)
     assert len(made) == operand_sets(8 * 2**20) == 12 and fwd > 0 and bwd > 0
     assert len(used) >= 5 and all(a is not b for a, b in itertools.pairwise(used))  # one set per call, in turn
     assert [id(t) for t in used] == [id(made[i % len(made)]) for i in range(len(used))]

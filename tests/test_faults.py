@@ -251,17 +251,23 @@ def test_missing_matplotlib_refused_before_the_report_folder(tmp_path: Path, mon
 
 
 def test_warnings_for_a_long_warmup_and_a_huge_batch(tmp_path: Path) -> None:
-    from fivefold.config import build_config
+    from fivefold.config import Config, build_config
+    from fivefold.planner.hardware import get_cluster
+    from fivefold.planner.predict import estimate_run
     from fivefold.train.preflight import warnings
+
+    def step_s(cfg: Config) -> float:  # the planner's prediction, as the command line passes it
+        return estimate_run(cfg, get_cluster("cpu"), "cpu").step_time_s
 
     cfg = build_config(None, {"train.max_steps": "10", "train.warmup_steps": "30",
                               "train.global_batch_size": "1000000", "train.eval_batches": "100000"})
-    lines = warnings(cfg, torch.device("cpu"))
+    lines = warnings(cfg, torch.device("cpu"), step_s(cfg))
     # the warm-up longer than the run is the loop's warning (tests/test_train.py), said once, not here too
     assert not any("warmup" in w for w in lines)
     assert any("train.global_batch_size = 1000000" in w and "per step" in w for w in lines)
     assert any("train.eval_batches = 100000" in w for w in lines)
-    assert warnings(build_config(None, {}), torch.device("cpu")) == []  # the defaults: nothing to say
+    default = build_config(None, {})
+    assert warnings(default, torch.device("cpu"), step_s(default)) == []  # the defaults: nothing to say
 
 
 def test_token_ids_beyond_the_vocabulary_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

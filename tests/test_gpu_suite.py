@@ -29,7 +29,7 @@ def test_dry_suite_runs_bench_moe_and_side_by_side(tmp_path: Path) -> None:
     by_group = {s["group"]: s for s in report["steps"]}
     assert set(by_group) == {"b", "c"}
     moe = by_group["c"]["result"]
-    assert moe["model"] == "tiny-moe" and moe["tokens_per_s"] > 0 and moe["micro_batch"] == 2
+    assert moe["model"] == "tiny-moe" and moe["tokens_per_s"] > 0 and moe["micro_batch_size"] == 2
     side = by_group["b"]["result"]
     assert side["fivefold_tokens_per_s"] > 0 and side["transformers_tokens_per_s"] > 0
 

@@ -12,7 +12,6 @@ from fivefold.cli import main
 from fivefold.config import ConfigError, ModelConfig, build_config
 from fivefold.layout import check_layout, layout_problem, stage_count
 from fivefold.models.presets import get_preset
-from fivefold.parallel.mesh import validate_layout
 from fivefold.parallel.schedules import stage_placement
 from fivefold.planner.cli import load_model
 from fivefold.planner.hardware import get_cluster
@@ -21,12 +20,12 @@ from fivefold.planner.search import search
 
 
 def _train_side(model: ModelConfig, lay: Layout, seq: int, batch: int) -> None:
-    """What `fivefold train` runs before any process starts: Config.validate, then the engine's validate_layout."""
+    """What `fivefold train` runs before any process starts: Config.validate, then the engine's check_layout."""
     cfg = build_config(None, {"train.seq_len": str(seq), "train.global_batch_size": str(batch)})
     cfg.model = dataclasses.replace(model, max_seq_len=max(model.max_seq_len, seq))
     cfg.layout = lay.to_layout_config()
     cfg.validate()
-    validate_layout(cfg, lay.world_size)
+    check_layout(cfg, lay.world_size)
 
 
 SHAPE_MOE_ODD_FFN = "layers=4,hidden=128,heads=4,kv_heads=2,ffn=386,vocab=2048,experts=4,top_k=2,moe_ffn=128"

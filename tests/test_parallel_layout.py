@@ -8,7 +8,8 @@ import pytest
 
 from fivefold.cli import main
 from fivefold.config import ConfigError, LayoutConfig, build_config
-from fivefold.parallel.mesh import axis_groups, coordinates, expert_groups, rank_of, validate_layout
+from fivefold.layout import check_layout
+from fivefold.parallel.mesh import axis_groups, coordinates, expert_groups, rank_of
 
 
 def test_ranks_are_laid_out_tp_innermost_then_cp_dp_pp():
@@ -43,7 +44,7 @@ def config(**fields: str):
 def refused(cfg, world: int) -> str:
     with pytest.raises(ConfigError) as e:
         cfg.validate()
-        validate_layout(cfg, world)
+        check_layout(cfg, world)
     return str(e.value)
 
 
@@ -138,7 +139,7 @@ def test_context_and_expert_parallel_layouts_that_work_are_accepted():
     ]:
         cfg = config(**fields)
         cfg.validate()
-        validate_layout(cfg, world)
+        check_layout(cfg, world)
 
 
 def test_pp_above_the_layer_count_is_refused():
@@ -182,7 +183,7 @@ def test_zero3_with_pipeline_parallel_is_accepted_with_and_without_expert_parall
     ]:
         cfg = config(**fields)
         cfg.validate()
-        validate_layout(cfg, world)
+        check_layout(cfg, world)
         assert expert_parallel_problem(cfg.model, cfg.layout) is None
         assert pipeline_problem(cfg.model, cfg.layout, cfg.train.seq_len, cfg.train.global_batch_size) is None
     # the other rules still apply to the combination
@@ -211,7 +212,7 @@ def test_pipeline_layouts_that_work_are_accepted():
     ]:
         cfg = config(**fields)
         cfg.validate()
-        validate_layout(cfg, world)
+        check_layout(cfg, world)
 
 
 def test_cli_refuses_a_bad_expert_layout_before_starting_processes(capsys, tmp_path):
@@ -219,3 +220,15 @@ def test_cli_refuses_a_bad_expert_layout_before_starting_processes(capsys, tmp_p
     assert code == 2
     assert "layout.ep = 2 on a dense model" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_grid_group_names_each_group_and_refuses_an_unknown_name():
+    """`ProcessGrid.group(name)` is the one accessor: it returns the group the grid holds under that name (the
+    tp_group and grad_group properties are the same objects) and names the groups it has for a wrong name."""
+    from fivefold.parallel.mesh import ProcessGrid
+
+    tp, dp_cp = object(), object()  # stand-ins: no process group is created here
+    grid = ProcessGrid(LayoutConfig(dp=2, tp=2), 0, 4, groups={"tp": tp, "dp_cp": dp_cp})
+    assert grid.group("tp") is tp and grid.tp_group is tp and grid.group("dp_cp") is grid.grad_group is dp_cp
+    with pytest.raises(KeyError, match="'edp' is not in this grid; it has tp, dp_cp"):
+        grid.group("edp")

@@ -11,6 +11,7 @@ import pytest
 
 from fivefold.cli import main
 from fivefold.config import ConfigError, build_config
+from fivefold.errors import CliError
 from fivefold.parallel.schedules import _peak_in_flight, build_schedule
 from fivefold.planner.hardware import get_cluster
 from fivefold.planner.layout import FIVEFOLD, Layout, parse_layout
@@ -102,7 +103,7 @@ def test_parse_inputs():
     assert parse_tokens("1M") == 1_048_576 == 256 * 4096
     assert parse_tokens("4096K") == parse_tokens("4M") == 4 * 2**20
     assert parse_tokens("1G") == 2**30 and parse_tokens("12345") == 12345
-    with pytest.raises(ConfigError, match="token count"):
+    with pytest.raises(CliError, match="token count"):
         parse_tokens("lots")
     lay = parse_layout("dp=4,tp=2,pp=1,mbs=1,zero=1,recompute=none", 256)
     assert (lay.dp, lay.tp, lay.grad_accum_steps, lay.zero, lay.schedule) == (4, 2, 64, 1, "1f1b")
@@ -370,7 +371,7 @@ def test_validate_reads_fivefold_rows(capsys, tmp_path):
 def test_search_never_proposes_sequence_parallel_the_engine_refuses():
     """Sequence parallel cuts the (cp-local) sequence over tp: with seq = 129 on 2 GPUs, tp2 + sp is rejected with
     its reason, tp2 without sp stays, and every proposed layout passes the engine's validator."""
-    from fivefold.parallel.mesh import validate_layout
+    from fivefold.layout import check_layout
 
     cfg, hw = get_preset("tiny"), get_cluster("h100")
     result = search(cfg, 129, 8, 2, FIVEFOLD, hw, top=1000)
@@ -379,7 +380,7 @@ def test_search_never_proposes_sequence_parallel_the_engine_refuses():
     for e in result.candidates:
         conf = build_config(None, {"model.preset": "tiny", "train.seq_len": 129, "train.global_batch_size": 8})
         conf.layout = e.layout.to_layout_config()
-        validate_layout(conf, 2)
+        check_layout(conf, 2)
 
 
 def test_plan_says_whether_it_ranks_compiled_or_eager(capsys, tmp_path):
@@ -413,3 +414,55 @@ def test_cpu_profiles_say_per_device_not_per_gpu(capsys):
     assert rc == 0 and "tokens/s per device" in one and "GPU" not in one
     rc, gpu, _ = run_cli(capsys, *args, "--gpu", "h100")
     assert rc == 0 and "tok/s/GPU" in gpu and "tokens/s per GPU" in gpu and "per device" not in gpu
+
+
+# the start-up check of `fivefold train` / `fivefold bench` against `fivefold plan --layout`: (model, sequences in the
+# global batch, layout); llama-3.2-1b at micro-batch 32 x 4096 tokens with full recompute fits an H100 although its
+# whole-batch fp32 logits alone (62.6 GiB) and 16 bytes per parameter (18.5 GiB) would not: the chunked loss never
+# holds them
+STARTUP_LAYOUTS = [
+    ("llama-3.2-1b", 32, {"micro_batch_size": 32, "recompute": "full"}),
+    ("llama-3.2-1b", 32, {"micro_batch_size": 32, "recompute": "selective"}),
+    ("llama-3.2-1b", 32, {"micro_batch_size": 32, "recompute": "none"}),
+    ("llama-3.2-1b", 32, {"micro_batch_size": 1, "recompute": "none"}),
+    ("llama-3.2-1b", 64, {"dp": 8, "zero": 1, "micro_batch_size": 8, "recompute": "none"}),
+    ("llama-3.2-1b", 64, {"dp": 4, "tp": 2, "sp": True, "micro_batch_size": 16, "recompute": "full"}),
+    ("llama-3.2-1b", 64, {"dp": 4, "pp": 2, "micro_batch_size": 16, "recompute": "none", "schedule": "afab"}),
+    ("llama3-8b", 8, {"micro_batch_size": 1, "recompute": "full"}),
+    ("llama3-8b", 64, {"dp": 8, "zero": 0, "micro_batch_size": 1, "recompute": "full"}),
+    ("llama3-8b", 64, {"dp": 8, "zero": 3, "micro_batch_size": 1, "recompute": "full"}),
+    ("llama3-8b", 64, {"dp": 8, "zero": 3, "micro_batch_size": 8, "recompute": "none"}),
+    ("llama3-8b", 64, {"dp": 2, "tp": 4, "sp": True, "zero": 1, "micro_batch_size": 1, "recompute": "selective"}),
+    ("llama3-8b", 64, {"dp": 2, "pp": 4, "zero": 1, "micro_batch_size": 1, "recompute": "none"}),
+]
+
+
+def test_startup_check_agrees_with_plan_layout(capsys: pytest.CaptureFixture) -> None:
+    """The start-up memory check (`check_fits` on an H100, as `fivefold train` runs it there) refuses exactly the
+    layouts that `fivefold plan --layout` says do not fit, and its figure is the plan's predicted peak."""
+    from fivefold.planner.predict import check_fits, on_one_node
+
+    seq = 4096
+    answers = []
+    for model, batch_seqs, layout in STARTUP_LAYOUTS:
+        world = layout.get("dp", 1) * layout.get("tp", 1) * layout.get("pp", 1)
+        text = ",".join(f"{k}={'on' if v is True else v}" for k, v in layout.items())
+        assert main(["plan", "--model", model, "--seq-len", str(seq), "--global-batch", str(batch_seqs * seq),
+                     "--gpus-per-node", str(world), "--layout", text, "--json"]) == 0
+        planned = json.loads(capsys.readouterr().out)
+        cfg = build_config(None, {"model.preset": model, "train.seq_len": str(seq), "train.device": "cuda",
+                                  "train.global_batch_size": str(batch_seqs),
+                                  **{f"layout.{k}": str(v).lower() for k, v in layout.items()}})
+        try:
+            check_fits(cfg, on_one_node(get_cluster("h100"), world), "cuda")
+            refused = None
+        except ConfigError as e:
+            refused = str(e)
+        assert (refused is None) == planned["fits"], (model, text, refused, planned["memory_bytes"]["peak"])
+        if refused is not None:  # the figure: the plan's peak against the device's memory
+            assert f"peak of {planned['memory_bytes']['peak'] / 2**30:,.1f} GiB per device" in refused, refused
+            assert "79.6 GiB" in refused
+            assert f"layout.micro_batch_size = {layout['micro_batch_size']}" in refused or "model.hidden" in refused
+        answers.append(planned["fits"])
+    assert answers[:3] == [True, False, False]  # the llama-3.2-1b case fits with full recompute, not without
+    assert answers.count(True) >= 4 and answers.count(False) >= 4, answers

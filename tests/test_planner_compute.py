@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from fivefold.accelerators import HARDWARE
 from fivefold.cli import main
 from fivefold.config import ConfigError, ModelConfig
-from fivefold.hardware import HARDWARE
 from fivefold.planner import kernels
 from fivefold.planner.features import FEATURES, with_features
 from fivefold.planner.hardware import get_cluster

@@ -22,6 +22,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from fivefold.config import ConfigError
+from fivefold.errors import CliError
 from fivefold.flops import active_matmul_params, count_params
 from fivefold.models.llama import build_model
 from fivefold.models.loss import linear_cross_entropy_sum
@@ -356,7 +357,7 @@ def test_gelu_mlp_in_the_search():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--model", shape + ",mlp=gelu", "--write-config", "best.toml"])
-    with pytest.raises(ConfigError, match="--write-config: the model's MLP is 'gelu'"):
+    with pytest.raises(CliError, match="--write-config: the model's MLP is 'gelu'"):
         run(args)
 
 

@@ -28,7 +28,7 @@ import pytest
 
 from fivefold.cli import main
 from fivefold.config import ConfigError, config_from_dict
-from fivefold.parallel.mesh import validate_layout
+from fivefold.layout import check_layout
 from fivefold.sweep.grid import expand, load_grid, run_key
 from fivefold.sweep.runner import _descendants
 from fivefold.sweep.store import Store, read_rows
@@ -79,7 +79,7 @@ def test_grid_expands_the_product_and_filters_with_the_validators(tmp_path):
         assert la.dp * la.tp == plan.n_devices and plan.n_devices in (1, 2, 4)  # dp fills the devices
         try:
             plan.cfg.validate()
-            validate_layout(plan.cfg, plan.n_devices)
+            check_layout(plan.cfg, plan.n_devices)
             expected = None
         except ConfigError as e:
             expected = str(e)
@@ -206,7 +206,7 @@ def test_stored_measurements_are_consistent(swept):
         assert r["mfu"] == pytest.approx(r["tflops_per_device"] / r["peak_tflops"], rel=1e-9)
         assert r["key"] == run_key(cfg, r["steps"], r["warmup"])
     two = next(r for r in rows if r["n_devices"] == 2)
-    assert (two["dp"], two["zero"], two["micro_batch_size"], two["grad_accum"]) == (2, 1, 4, 1)
+    assert (two["dp"], two["zero"], two["micro_batch_size"], two["grad_accum_steps"]) == (2, 1, 4, 1)
 
 
 # ---------------------------------------------------------------------------------------------

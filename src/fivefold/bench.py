@@ -31,7 +31,9 @@ from fivefold import faults
 from fivefold.config import Config, ConfigError, build_config, parse_overrides, write_text_atomic
 from fivefold.device import resolve_device
 from fivefold.flops import training_flops_per_token
-from fivefold.launch import check_layout, local_world_size, start_or_join
+from fivefold.launch import local_world_size, start_or_join
+from fivefold.layout import check_layout
+from fivefold.planner.predict import check_fits, device_cluster
 from fivefold.train.build import create_engine
 from fivefold.train.metrics import gather_ints, peak_memory_bytes, resolve_peak_tflops, synchronize
 from fivefold.train.preflight import check_start
@@ -209,8 +211,7 @@ def run_bench(args: argparse.Namespace, cfg: Config) -> dict:
         "model": cfg.model.name, "device": str(device),
         "device_name": module.get_device_name() if module is not None else "cpu",
         "torch": torch.__version__, "seq_len": seq, "micro_batch_size": args.micro_batch,
-        "grad_accum_steps": args.grad_accum, "micro_batch": args.micro_batch, "grad_accum": args.grad_accum,  # the
-        # last two: the previous names, kept for one release
+        "grad_accum_steps": args.grad_accum,
         "dtype": "bf16" if engine.bf16 else "fp32", "compile": cfg.train.compile,
         "n_devices": engine.n_devices, "layout": dict(vars(cfg.layout)),
         "steps": args.steps, "step_time_s": median, "step_times_s": step_seconds, "tokens_per_s": tokens_per_s,
@@ -267,7 +268,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nproc = {args.nproc} must be >= 1")
     cfg = bench_config(args)  # every config error before any process starts
     check_layout(cfg, local_world_size(args.nproc))
-    check_start(cfg, args.nproc, run_dir=False, warn=False)
+    device = check_start(cfg, run_dir=False)
+    if device is not None:  # the process the user started: the planner's prediction on the device the run uses
+        check_fits(cfg, device_cluster(device, args.nproc), device.type)
     status = start_or_join(cfg, args.nproc, forwarded_argv(args), "bench")
     if status is not None:
         return status

@@ -16,7 +16,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 
 class ConfigError(ValueError):
@@ -129,7 +129,8 @@ class ModelConfig:
 
 @dataclass
 class LayoutConfig:
-    """How the model is spread over devices (see docs/parallelism.md); checked as a whole by `validate_layout`."""
+    """How the model is spread over devices (see docs/parallelism.md); checked as a whole by
+    `fivefold.layout.check_layout`."""
 
     dp: int = 1
     tp: int = 1
@@ -191,7 +192,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 1234
     device: str = "auto"  # auto | cpu | cuda | xpu | ...
-    dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on accelerators, fp32 on CPU
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 (lean mixed precision) on accelerators, fp32 on CPU
     compile: bool = False
     eval_every: int = 100
     eval_batches: int = 8
@@ -275,9 +276,9 @@ class Config:
         _require(la.zero in (0, 1, 2, 3), "layout.zero", la.zero, "must be 0, 1, 2 or 3")
         _require(la.micro_batch_size >= 0, "layout.micro_batch_size", la.micro_batch_size,
                  "must be >= 1, or 0 for the whole per-rank batch")
-        problem = batch_problem(la, t.global_batch_size)
-        if problem is not None:
-            raise ConfigError(problem.message)
+        from fivefold.layout import batch_problem, raise_problem  # the rule book imports this module
+
+        raise_problem(batch_problem(la, t.global_batch_size))
 
     @property
     def micro_batch_size(self) -> int:
@@ -288,38 +289,6 @@ class Config:
         return self.train.global_batch_size // (self.layout.dp * self.micro_batch_size)
 
 
-def nearest_multiples(value: int, base: int) -> list[int]:
-    """The multiples of `base` on either side of `value` (at least `base`), for error messages."""
-    lo = max(base, value // base * base)
-    return sorted({lo, lo + base})
-
-
-class LayoutProblem(NamedTuple):
-    """A rule that a layout breaks: `rule` in a few words (what the planner counts rejections by) and the
-    `message` of the `ConfigError` (field, value, rule and values that would work)."""
-
-    rule: str
-    message: str
-
-
-def batch_problem(layout: LayoutConfig, global_batch_size: int) -> LayoutProblem | None:
-    """dp must divide the global batch (in sequences), and the micro-batch size the per-rank batch. The rest of
-    the layout rules are in `fivefold.layout`; this one is here because `Config.validate` needs it."""
-    dp = layout.dp
-    if global_batch_size % dp:
-        return LayoutProblem(
-            "dp does not divide the global batch",
-            f"train.global_batch_size = {global_batch_size} is not divisible by layout.dp = {dp} (layout.dp does "
-            f"not divide the global batch of {global_batch_size} sequences); nearest valid global batch sizes: "
-            f"{nearest_multiples(global_batch_size, dp)}, or layout.dp in {nearest_divisors(global_batch_size, dp)}")
-    per_rank = global_batch_size // dp
-    mbs = layout.micro_batch_size or per_rank
-    if per_rank % mbs:
-        return LayoutProblem(
-            "micro-batch size does not divide the per-rank batch",
-            f"layout.micro_batch_size = {mbs} does not divide the per-rank batch train.global_batch_size / "
-            f"layout.dp = {per_rank}; valid micro-batch sizes: {nearest_divisors(per_rank, mbs, 5)}")
-    return None
 def _require_finite(cfg: Config) -> None:
     """Every float field a finite number: inf and nan pass the comparisons of `validate` and train to NaN."""
     for section in ("model", "train", "data", "log"):

@@ -1,5 +1,6 @@
 """Device helpers shared by every layer: which device a run uses, which accelerator a launched process owns,
-and whether it computes in bf16 (autocast over fp32 master weights)."""
+and whether it computes in bf16 (lean mixed precision: bf16 working weights and gradients under autocast, fp32
+master weights beside them)."""
 
 from __future__ import annotations
 
@@ -26,9 +27,25 @@ def local_device(device_type: str) -> torch.device:
     return torch.device(device_type, int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def device_memory_bytes(device: torch.device, local_ranks: int) -> int:
+    """Memory one rank can use at most: the accelerator's total, or the machine's RAM shared by its `local_ranks`
+    ranks; 0 when it cannot be read."""
+    if device.type == "cpu":
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return 0
+        return total // max(local_ranks, 1)
+    module = getattr(torch, device.type, None)
+    try:
+        return int(module.get_device_properties(device.index or 0).total_memory)
+    except (AttributeError, RuntimeError, AssertionError):
+        return 0
+
+
 def use_bf16(cfg: Config, device: torch.device | str) -> bool:
-    """bf16 autocast (fp32 master weights) on accelerators by default, fp32 on CPU (`device`: a device or its
-    type)."""
+    """bf16 compute (lean mixed precision: bf16 working weights, fp32 master weights) on accelerators by default,
+    fp32 on CPU (`device`: a device or its type)."""
     kind = device if isinstance(device, str) else device.type
     return cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and kind != "cpu")
 

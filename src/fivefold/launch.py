@@ -4,8 +4,8 @@
 own launcher (`torch.distributed.run`, the code behind `torchrun`), `init_distributed` joins the process
 group in each of them (gloo on CPU, the accelerator's backend, e.g. nccl, on GPU), and
 `write_slurm_script` writes a batch script that runs the same command under `torchrun` on many nodes.
-`check_layout` reports every layout error before any process exists, and `start_or_join` either starts the local
-processes or joins the launcher's group from inside one of them.
+`start_or_join` either starts the local processes or joins the launcher's group from inside one of them; the
+command line has checked the layout before (`fivefold.layout.check_layout`).
 """
 
 from __future__ import annotations
@@ -25,21 +25,13 @@ from fivefold.config import Config, ConfigError
 from fivefold.device import local_device, resolve_device
 from fivefold.faults import DEFAULT_COLLECTIVE_TIMEOUT_S, die_with_parent, start_watchdog
 
-__all__ = ["check_layout", "init_distributed", "launch", "local_world_size", "start_or_join", "write_slurm_script"]
+__all__ = ["init_distributed", "launch", "local_world_size", "start_or_join", "write_slurm_script"]
 
 
 def local_world_size(nproc: int) -> int:
     """Processes of a local run: those of the group a launcher started this one in, else the `nproc` to start."""
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     return launched if launched > 1 else max(nproc, 1)
-
-
-def check_layout(cfg: Config, world: int) -> None:
-    """Every layout error before any process or process group exists, by the rule book that `fivefold plan
-    --layout` uses too (one process included: a ZeRO stage with nothing to shard is refused there as well)."""
-    from fivefold.parallel.mesh import validate_layout
-
-    validate_layout(cfg, world)
 
 
 def start_or_join(cfg: Config, nproc: int, argv: list[str], verb: str) -> int | None:

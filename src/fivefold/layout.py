@@ -1,15 +1,17 @@
 """The rule book of layouts: whether a layout can run a model on a world of devices, and why not.
 
-One function decides, for `fivefold train` (through `parallel.mesh.validate_layout`, before any process group
-exists), for `fivefold plan --layout` and for the planner's search alike: `layout_problem` returns the first
-rule a layout breaks (None when it can run) and `check_layout` raises it as a `ConfigError`. Each rule is also a
+One function decides, for `fivefold train` (before any process starts, and again in `ProcessGrid.build` for the
+world that was initialised), for `fivefold plan --layout` and for the planner's search alike: `layout_problem`
+returns the first rule a layout breaks (None when it can run) and `check_layout` raises it as a `ConfigError`
+(`raise_problem`, which every caller of a single rule uses too). Each rule is also a
 function of its own (`tensor_parallel_problem`, `pipeline_problem`, ...), which the search calls early to prune
 whole families of layouts; every layout it proposes passes `layout_problem` (tests/test_layout_rules.py).
 
 A `LayoutProblem` has a short `rule` (what the search counts rejected layouts by) and a `message` that names
 the field, the value, the rule and values that would work.
 
-This module sits just above `config` and imports nothing from `parallel`, `train` or `planner`; the few facts
+This module is one part with `config` (whose `validate` applies `batch_problem`) and imports nothing from
+`parallel`, `train` or `planner`; the few facts
 of pipeline schedules that the rules need (how many stages a schedule places, how many micro-batches it needs)
 live here and `parallel.schedules` uses them.
 """
@@ -17,22 +19,34 @@ live here and `parallel.schedules` uses them.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
-from fivefold.config import (
-    Config,
-    ConfigError,
-    LayoutConfig,
-    LayoutProblem,
-    ModelConfig,
-    batch_problem,
-    nearest_divisors,
-    nearest_multiples,
-)
+from fivefold.config import Config, ConfigError, LayoutConfig, ModelConfig, nearest_divisors
 from fivefold.flops import balanced_stage_layers
 
 __all__ = ["SCHEDULES", "LayoutProblem", "batch_problem", "check_layout", "context_parallel_problem",
            "expert_parallel_problem", "layout_problem", "min_micro_batches", "n_stages", "pipeline_problem",
-           "sequence_length_problem", "stage_count", "tensor_parallel_problem"]
+           "raise_problem", "sequence_length_problem", "stage_count", "tensor_parallel_problem"]
+
+
+class LayoutProblem(NamedTuple):
+    """A rule that a layout breaks: `rule` in a few words (what the planner counts rejections by) and the
+    `message` of the `ConfigError` (field, value, rule and values that would work)."""
+
+    rule: str
+    message: str
+
+
+def raise_problem(problem: LayoutProblem | None) -> None:
+    """Raise `problem` as the `ConfigError` its message describes; nothing when there is none."""
+    if problem is not None:
+        raise ConfigError(problem.message)
+
+
+def nearest_multiples(value: int, base: int) -> list[int]:
+    """The multiples of `base` on either side of `value` (at least `base`), for error messages."""
+    lo = max(base, value // base * base)
+    return sorted({lo, lo + base})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,6 +79,26 @@ def n_stages(layout: LayoutConfig) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # The rules, one function each
+
+
+def batch_problem(layout: LayoutConfig, global_batch_size: int) -> LayoutProblem | None:
+    """dp must divide the global batch (in sequences), and the micro-batch size the per-rank batch (the rule
+    that `Config.validate` applies too: the config's micro-batch and accumulation properties divide by it)."""
+    dp = layout.dp
+    if global_batch_size % dp:
+        return LayoutProblem(
+            "dp does not divide the global batch",
+            f"train.global_batch_size = {global_batch_size} is not divisible by layout.dp = {dp} (layout.dp does "
+            f"not divide the global batch of {global_batch_size} sequences); nearest valid global batch sizes: "
+            f"{nearest_multiples(global_batch_size, dp)}, or layout.dp in {nearest_divisors(global_batch_size, dp)}")
+    per_rank = global_batch_size // dp
+    mbs = layout.micro_batch_size or per_rank
+    if per_rank % mbs:
+        return LayoutProblem(
+            "micro-batch size does not divide the per-rank batch",
+            f"layout.micro_batch_size = {mbs} does not divide the per-rank batch train.global_batch_size / "
+            f"layout.dp = {per_rank}; valid micro-batch sizes: {nearest_divisors(per_rank, mbs, 5)}")
+    return None
 
 
 def world_problem(layout: LayoutConfig, world_size: int) -> LayoutProblem | None:
@@ -298,7 +332,5 @@ def layout_problem(model: ModelConfig, layout: LayoutConfig, *, world_size: int,
 
 def check_layout(cfg: Config, world_size: int) -> None:
     """Raise `ConfigError` for the first rule the config's layout breaks on `world_size` devices."""
-    problem = layout_problem(cfg.model, cfg.layout, world_size=world_size, seq_len=cfg.train.seq_len,
-                             global_batch_size=cfg.train.global_batch_size)
-    if problem is not None:
-        raise ConfigError(problem.message)
+    raise_problem(layout_problem(cfg.model, cfg.layout, world_size=world_size, seq_len=cfg.train.seq_len,
+                                 global_batch_size=cfg.train.global_batch_size))

@@ -180,6 +180,71 @@ def _encode_into(
     return n_tokens
 
 
+def _tokenize_documents(stream: DocumentStream, plan: SplitPlan, tokenizer, writers: dict, eos_id: int, num_files: int,
+                        report: _Reporter) -> int:
+    """Pass 3: tokenize every document into the train and val shard writers, as `plan` splits them (whole
+    documents, or the tail of the corpus cut at a line), in batches of about ENCODE_BATCH_CHARS; the tokens."""
+    items: list[tuple[str, str, bool]] = []
+    batch_chars = 0
+    n_tokens = 0
+    document = 0
+    for file_number, text in stream():
+        if not text:
+            continue
+        if plan.method == "documents":
+            parts = [("val" if plan.val_documents[document] else "train", text)]
+        elif plan.method == "tail" and document >= plan.tail_document:
+            cut = (
+                split_at_line(text, plan.tail_offset, document == 0)
+                if document == plan.tail_document
+                else 0
+            )
+            parts = [("train", text[:cut]), ("val", text[cut:])]
+        else:
+            parts = [("train", text)]
+        parts = [(split, part) for split, part in parts if part]
+        for part_number, (split, part) in enumerate(parts):
+            pieces = _text_pieces(part, ENCODE_BATCH_CHARS)
+            last_part = part_number == len(parts) - 1
+            for piece_number, piece in enumerate(pieces):
+                items.append((split, piece, last_part and piece_number == len(pieces) - 1))
+                batch_chars += len(piece)
+                if batch_chars >= ENCODE_BATCH_CHARS:
+                    n_tokens += _encode_into(tokenizer, items, writers, eos_id)
+                    items, batch_chars = [], 0
+                    if report.due():
+                        report(f"tokenizing: file {file_number + 1}/{num_files}, {n_tokens:,} tokens")
+        document += 1
+    if items:
+        n_tokens += _encode_into(tokenizer, items, writers, eos_id)
+    return n_tokens
+
+
+def _index(staging: Path, dtype, vocab: int, eos_id: int, eos_text: str, tokenizer_path: Path | None,
+           vocab_size: int, method: str, val_fraction: float, splits: dict, sources: list[dict[str, Any]]) -> dict:
+    """The prepared directory's index (`INDEX_FILE`): format, dtype, vocabulary, end-of-document token, the
+    tokenizer file's source and hashes, the split and its shards, the sources."""
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        "dtype": dtype_name(dtype),
+        "vocab_size": vocab,
+        "eos_id": eos_id,
+        "eos_token": eos_text,
+        "tokenizer": {
+            "file": TOKENIZER_FILE,
+            "source": str(Path(tokenizer_path).resolve()) if tokenizer_path is not None else None,
+            "trained_vocab_size": None if tokenizer_path is not None else vocab_size,
+            "sha256": hashlib.sha256((staging / TOKENIZER_FILE).read_bytes()).hexdigest(),
+            "fingerprint": tokenizer_fingerprint(staging / TOKENIZER_FILE),
+        },
+        "split": {"method": method, "val_fraction": val_fraction},
+        "splits": splits,
+        "sources": sources,
+    }
+
+
 def prepare_documents(
     stream: DocumentStream,
     sources: list[dict[str, Any]],
@@ -242,63 +307,14 @@ def prepare_documents(
         writers = {split: ShardWriter(staging, split, dtype, shard_tokens) for split in ("train", "val")}
 
         # pass 3: tokenize
-        items: list[tuple[str, str, bool]] = []
-        batch_chars = 0
-        n_tokens = 0
-        document = 0
-        for file_number, text in stream():
-            if not text:
-                continue
-            if plan.method == "documents":
-                parts = [("val" if plan.val_documents[document] else "train", text)]
-            elif plan.method == "tail" and document >= plan.tail_document:
-                cut = (
-                    split_at_line(text, plan.tail_offset, document == 0)
-                    if document == plan.tail_document
-                    else 0
-                )
-                parts = [("train", text[:cut]), ("val", text[cut:])]
-            else:
-                parts = [("train", text)]
-            parts = [(split, part) for split, part in parts if part]
-            for part_number, (split, part) in enumerate(parts):
-                pieces = _text_pieces(part, ENCODE_BATCH_CHARS)
-                last_part = part_number == len(parts) - 1
-                for piece_number, piece in enumerate(pieces):
-                    items.append((split, piece, last_part and piece_number == len(pieces) - 1))
-                    batch_chars += len(piece)
-                    if batch_chars >= ENCODE_BATCH_CHARS:
-                        n_tokens += _encode_into(tokenizer, items, writers, eos_id)
-                        items, batch_chars = [], 0
-                        if report.due():
-                            report(f"tokenizing: file {file_number + 1}/{num_files}, {n_tokens:,} tokens")
-            document += 1
-        if items:
-            n_tokens += _encode_into(tokenizer, items, writers, eos_id)
+        _tokenize_documents(stream, plan, tokenizer, writers, eos_id, num_files, report)
         splits = {split: writer.close() for split, writer in writers.items()}
         report(
             f"tokenized {num_files} file(s): {splits['train']['num_tokens']:,} train tokens, "
             f"{splits['val']['num_tokens']:,} val tokens"
         )
-        index = {
-            "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
-            "created": datetime.now(UTC).isoformat(timespec="seconds"),
-            "dtype": dtype_name(dtype),
-            "vocab_size": vocab,
-            "eos_id": eos_id,
-            "eos_token": eos_text,
-            "tokenizer": {
-                "file": TOKENIZER_FILE,
-                "source": str(Path(tokenizer_path).resolve()) if tokenizer_path is not None else None,
-                "trained_vocab_size": None if tokenizer_path is not None else vocab_size,
-                "sha256": hashlib.sha256((staging / TOKENIZER_FILE).read_bytes()).hexdigest(),
-                "fingerprint": tokenizer_fingerprint(staging / TOKENIZER_FILE),
-            },
-            "split": {"method": plan.method, "val_fraction": val_fraction},
-            "splits": splits,
-            "sources": sources,
-        }
+        index = _index(staging, dtype, vocab, eos_id, eos_text, tokenizer_path, vocab_size, plan.method,
+                       val_fraction, splits, sources)
         (staging / INDEX_FILE).write_text(json.dumps(index, indent=1) + "\n", encoding="utf-8")
         publish(staging, out, overwrite)
     except BaseException:

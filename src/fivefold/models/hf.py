@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from fivefold.config import ConfigError, ModelConfig
+from fivefold.data.prepare import find_eos, load_tokenizer
+from fivefold.models.llama import build_model
 
 LLAMA_ARCH = "LlamaForCausalLM"
 MIXTRAL_ARCH = "MixtralForCausalLM"
@@ -210,8 +212,6 @@ def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.flo
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """fivefold parameter names and shapes of a whole model (no `lm_head.weight` when tied, as the
     trainer's checkpoints store it). Built on the meta device: allocates nothing."""
-    from fivefold.models.llama import build_model
-
     model = build_model(cfg, device="meta")
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if cfg.tied_embeddings:
@@ -289,8 +289,6 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> d
 
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor names and shapes of `cfg` (meta device, nothing allocated)."""
-    from fivefold.models.llama import build_model
-
     meta = build_model(cfg, device="meta").state_dict()
     return {k: tuple(v.shape) for k, v in to_hf_state_dict(meta, cfg).items()}
 
@@ -392,8 +390,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def tokenizer_special_tokens(tokenizer_dir: Path) -> dict[str, str]:
     """bos/eos/pad token texts of a tokenizer directory: those its tokenizer_config.json names, else its
     end-of-text token (fivefold's data puts one after every document) for all three."""
-    from fivefold.data.prepare import find_eos, load_tokenizer
-
     named: dict[str, str] = {}
     config = tokenizer_dir / "tokenizer_config.json"
     if config.is_file():
@@ -412,8 +408,6 @@ def write_tokenizer_files(tokenizer_dir: Path, out: Path, cfg: ModelConfig) -> d
     """Copy the tokenizer of `tokenizer_dir` into the Hugging Face directory `out` with a tokenizer_config.json and
     special_tokens_map.json that name bos/eos/pad (kept when the directory has its own), and write
     generation_config.json. Returns the special token ids."""
-    from fivefold.data.prepare import load_tokenizer
-
     tokenizer = load_tokenizer(tokenizer_dir / "tokenizer.json")
     special = tokenizer_special_tokens(tokenizer_dir)
     ids = {k.removesuffix("_token") + "_token_id": tokenizer.token_to_id(v) for k, v in special.items()}
@@ -489,8 +483,6 @@ def load_state_dict_into(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
 
 def model_from_hf(hf_dir: str | Path, device: torch.device | str = "cpu") -> nn.Module:
     """A fivefold Llama built from a Hugging Face directory."""
-    from fivefold.models.llama import build_model
-
     cfg, sd = load_hf(hf_dir)
     model = build_model(cfg, device=device)
     load_state_dict_into(model, sd)

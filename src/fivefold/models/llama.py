@@ -176,6 +176,9 @@ class MoE(nn.Module):
     The Switch-Transformer load-balancing loss is kept in `aux_loss` after each forward.
     """
 
+    # `fivefold train --only-rank` only (`force_balanced_routing`): every expert gets the same number of slots
+    balanced_routing = False
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         h, f, e = cfg.hidden, cfg.expert_ffn, cfg.n_experts
@@ -196,7 +199,11 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert indices and their renormalised weights for tokens `x` [tokens, hidden]."""
         probs = F.softmax(self.router(x).float(), dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.balanced_routing:
+            experts = balanced_experts(x.shape[0], self.top_k, self.n_experts, x.device)
+            weights = probs.gather(1, experts)
+        else:
+            weights, experts = probs.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
         slot_counts = torch.bincount(experts.reshape(-1), minlength=self.n_experts).float()
         self.aux_loss = self.load_balancing_loss(slot_counts, probs.sum(0), x.shape[0])
@@ -259,6 +266,23 @@ class MoE(nn.Module):
         result = self.experts_forward(packed)
         contrib = result[expert, slot] * weights.reshape(-1)[kept].unsqueeze(-1)
         return x.new_zeros(x.shape).index_add_(0, src_token, contrib)
+
+
+def balanced_experts(tokens: int, top_k: int, n_experts: int, device: torch.device) -> torch.Tensor:
+    """[tokens, top_k] expert indices that load every expert equally: slot s = token * top_k + choice goes to expert
+    s mod n_experts (a token's top_k choices are distinct when top_k <= n_experts; the counts differ by at most one)."""
+    return torch.arange(tokens * top_k, device=device).view(tokens, top_k) % n_experts
+
+
+def force_balanced_routing(model: nn.Module) -> int:
+    """Route every MoE layer of `model` by `balanced_experts` instead of the router's top-k (the router still runs
+    and weighs the chosen experts). Only `fivefold train --only-rank` sets this: with stood-in ranks the activations
+    mean nothing, and a balanced load is the one that every rank of a real run can plan for. Returns the layers
+    changed."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for m in layers:
+        m.balanced_routing = True
+    return len(layers)
 
 
 class Block(nn.Module):

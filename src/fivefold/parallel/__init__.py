@@ -10,6 +10,6 @@ This package holds mechanisms only: it imports neither `fivefold.train` (the eng
 
 from __future__ import annotations
 
-from fivefold.parallel.mesh import ProcessGrid, validate_layout
+from fivefold.parallel.mesh import ProcessGrid
 
-__all__ = ["ProcessGrid", "validate_layout"]
+__all__ = ["ProcessGrid"]

@@ -32,8 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fivefold.config import ConfigError
-from fivefold.layout import sequence_length_problem
+from fivefold.layout import raise_problem, sequence_length_problem
 from fivefold.models.llama import MoE
 from fivefold.parallel.attention_ops import attention_backward, attention_forward
 from fivefold.parallel.tensor_comm import all_gather, all_reduce
@@ -48,9 +47,7 @@ _KV_TAG, _GRAD_TAG = 1, 2  # two transfers may be in flight to the same neighbou
 
 def check_sequence_length(seq_len: int, cp: int, field: str = "train.seq_len") -> None:
     """Refuse a sequence length that cannot be cut into 2*cp equal chunks."""
-    problem = sequence_length_problem(seq_len, cp, field)
-    if problem is not None:
-        raise ConfigError(problem.message)
+    raise_problem(sequence_length_problem(seq_len, cp, field))
 
 
 def _check_layout(layout: str) -> None:

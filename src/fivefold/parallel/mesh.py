@@ -9,8 +9,9 @@ Expert parallel does not add ranks: it folds over the dp x cp ranks of the exper
 torchtitan do), so an ep group is a block of `ep` consecutive ranks of one dp x cp group, and the expert
 layers' gradients are reduced over the dp x cp ranks that hold the same experts (`edp`).
 
-`validate_layout` checks the whole layout against the model, the batch and the world size before any
-process group exists; `ProcessGrid.build` then creates every group (all ranks create all groups, in the
+`ProcessGrid.build` checks the whole layout against the model, the batch and the initialised world
+(`fivefold.layout.check_layout`, which the command line has run before any process started), then creates every
+group (all ranks create all groups, in the
 same order, as torch requires) and keeps the calling rank's own. The grid is passed explicitly to whatever
 needs it: nothing here is global.
 """
@@ -30,14 +31,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 AXES = ("pp", "dp", "cp", "tp")  # outermost first
-
-
-def validate_layout(cfg: Config, world_size: int) -> None:
-    """Refuse a layout that cannot run on `world_size` ranks, naming the constraint and valid values: the rule
-    book `fivefold.layout.check_layout`, which `fivefold plan --layout` and the planner's search use too.
-
-    Called before any process group is created (and by `fivefold train` before any process starts)."""
-    check_layout(cfg, world_size)
 
 
 def rank_of(layout: LayoutConfig, pp: int, dp: int, cp: int, tp: int) -> int:
@@ -129,7 +122,7 @@ class ProcessGrid:
     def build(cls, cfg: Config) -> ProcessGrid:
         """Validate the layout for the initialised world, then create every group."""
         world, rank = dist.get_world_size(), dist.get_rank()
-        validate_layout(cfg, world)
+        check_layout(cfg, world)  # the world that was initialised (a run started by torchrun directly, too)
         grid = cls(cfg.layout, rank, world, ranks=coordinates(cfg.layout, rank))
         for name, axes in GROUP_AXES.items():
             grid._add(name, axis_groups(cfg.layout, axes))
@@ -155,12 +148,20 @@ class ProcessGrid:
             if self.rank in members:
                 self.groups[name], self.group_ranks[name] = group, members
 
+    def group(self, name: str) -> ProcessGroup:
+        """This rank's process group called `name`: an axis or axis set of `GROUP_AXES` (tp, cp, dp, pp, dp_cp),
+        ep and edp (expert parallel), embed (the first and last pipeline ranks, pp > 1), and under HSDP
+        hsdp_shard, hsdp_replicate and hsdp_expert_shard."""
+        if name not in self.groups:
+            raise KeyError(f"process group {name!r} is not in this grid; it has {', '.join(self.groups)}")
+        return self.groups[name]
+
     def size(self, axis: str) -> int:
         return len(self.group_ranks[axis])
 
     @property
     def tp_group(self) -> ProcessGroup:
-        return self.groups["tp"]
+        return self.group("tp")
 
     def zero3_meshes(self, device_type: str) -> Zero3Meshes:
         """ZeRO-3's meshes: the dense weights over dp x cp, the routed experts over the edp ranks (none to shard
@@ -173,7 +174,7 @@ class ProcessGrid:
         experts = None
         if la.dp_shard:
             def mesh_2d(shard: str, ranks: list[list[int]]) -> DeviceMesh:
-                return DeviceMesh.from_group([self.groups["hsdp_replicate"], self.groups[shard]], device_type,
+                return DeviceMesh.from_group([self.group("hsdp_replicate"), self.group(shard)], device_type,
                                              mesh=torch.tensor(ranks), mesh_dim_names=("replicate", "shard"))
 
             dense = mesh_2d("hsdp_shard", self.hsdp_ranks)
@@ -182,10 +183,10 @@ class ProcessGrid:
         else:
             dense = DeviceMesh.from_group(self.grad_group, device_type)
             if la.ep > 1 and self.size("edp") > 1:
-                experts = DeviceMesh.from_group(self.groups["edp"], device_type)
+                experts = DeviceMesh.from_group(self.group("edp"), device_type)
         return Zero3Meshes(dense, experts, la.ep > 1, la.zero_replicas)
 
     @property
     def grad_group(self) -> ProcessGroup:
         """The ranks over which dense gradients are reduced (dp x cp)."""
-        return self.groups["dp_cp"]
+        return self.group("dp_cp")

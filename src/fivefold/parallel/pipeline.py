@@ -47,9 +47,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from fivefold import faults
-from fivefold.config import Config, ConfigError, ModelConfig
+from fivefold.config import Config, ModelConfig
 from fivefold.flops import balanced_stage_layers
-from fivefold.layout import n_stages, pipeline_problem
+from fivefold.layout import n_stages
 from fivefold.models.llama import Llama, build_model, materialize
 from fivefold.parallel.pipeline_comm import PointToPoint, consumer_stage
 from fivefold.parallel.schedules import Action, Schedule
@@ -63,14 +63,6 @@ def stage_layer_counts(cfg: Config) -> list[int]:
     if cfg.layout.stage_layers:
         return list(cfg.layout.stage_layers)
     return balanced_stage_layers(cfg.model, n_stages(cfg.layout), cfg.train.seq_len)
-
-
-def validate_pipeline(cfg: Config) -> None:
-    """Refuse a pipeline layout that cannot run, naming the rule and the nearest valid values (before any
-    process group exists): the pipeline rules of `fivefold.layout`."""
-    problem = pipeline_problem(cfg.model, cfg.layout, cfg.train.seq_len, cfg.train.global_batch_size)
-    if problem is not None:
-        raise ConfigError(problem.message)
 
 
 def layer_ranges(counts: list[int]) -> list[range]:

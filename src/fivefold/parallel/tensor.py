@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from fivefold.config import ConfigError, ModelConfig
-from fivefold.layout import tensor_parallel_problem
+from fivefold.config import ModelConfig
+from fivefold.layout import raise_problem, tensor_parallel_problem
 from fivefold.models.llama import MLP, Attention, Llama, MoE, RMSNorm
 from fivefold.models.loss import TP_LOSS_CHUNK_TOKENS
 from fivefold.parallel.tensor_comm import (
@@ -52,12 +52,19 @@ from fivefold.parallel.tensor_comm import (
     vocab_parallel_cross_entropy_sum,
 )
 
+# the dim of a weight that tp splits: a linear weight is [out, in] (the embedding [vocabulary, hidden]), the
+# stacked experts' [experts, in, out]; column parallel splits the output features, row parallel the input features
+COLUMN = 0
+ROW = 1
+EXPERT_COLUMN = 2
+EXPERT_ROW = 1
+
 # plain-model parameter name suffix -> the dim split over tp (anything else is replicated)
 _SHARD_DIMS = {
-    "embed.weight": 0, "lm_head.weight": 0,
-    "q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "o_proj.weight": 1,
-    "gate_proj.weight": 0, "up_proj.weight": 0, "down_proj.weight": 1,
-    "w_gate": 2, "w_up": 2, "w_down": 1,
+    "embed.weight": COLUMN, "lm_head.weight": COLUMN,
+    "q_proj.weight": COLUMN, "k_proj.weight": COLUMN, "v_proj.weight": COLUMN, "o_proj.weight": ROW,
+    "gate_proj.weight": COLUMN, "up_proj.weight": COLUMN, "down_proj.weight": ROW,
+    "w_gate": EXPERT_COLUMN, "w_up": EXPERT_COLUMN, "w_down": EXPERT_ROW,
 }
 
 
@@ -100,9 +107,7 @@ def gather_state(local_state: dict[str, torch.Tensor], tp_group: ProcessGroup) -
 
 def validate_tensor_parallel(cfg: ModelConfig, tp: int, field: str = "layout.tp") -> None:
     """Refuse a tp degree that does not divide every dim it splits (callable before any group exists)."""
-    problem = tensor_parallel_problem(cfg, tp, field)
-    if problem is not None:
-        raise ConfigError(problem.message)
+    raise_problem(tensor_parallel_problem(cfg, tp, field))
 
 
 # --- the tensor-parallel modules ------------------------------------------------------------------------

@@ -10,7 +10,8 @@ import math
 import sys
 from pathlib import Path
 
-from fivefold.config import Config, ConfigError, ModelConfig, dump_toml, write_text_atomic
+from fivefold.config import Config, ModelConfig, dump_toml, write_text_atomic
+from fivefold.errors import CliError
 from fivefold.layout import check_layout
 from fivefold.planner.layout import Framework, Layout, check_runs_hsdp, parse_layout
 from fivefold.planner.search import SearchSpace, estimate, gib, parse_tokens, search
@@ -51,6 +52,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout", help="estimate one layout, e.g. 'dp=4,tp=2,pp=1,micro_batch_size=1,zero=1,"
                                     "recompute=none' (mbs is short for micro_batch_size)")
     p.add_argument("--explain", action="store_true", help="say why the best layout wins")
+    p.add_argument("--measure", action="store_true",
+                   help="run the pick (or --layout) on this machine's device with `fivefold train --only-rank` for "
+                   "the ranks that hold the most (first and last pipeline stage, an expert rank) and print measured "
+                   "beside predicted")
+    p.add_argument("--measure-steps", type=int, default=2, help="--measure: steps of each rank (default 2)")
     p.add_argument("--framework", choices=sorted(_framework_names()),
                    help="whose implementation to model (default: fivefold-cpu on a CPU profile, else fivefold; "
                         "nanotron: the playbook's benchmark settings)")
@@ -100,7 +106,7 @@ def load_model(spec: str) -> ModelConfig:
         for part in filter(None, (x.strip() for x in spec.split(","))):
             key, _, value = part.partition("=")
             if key not in _SHAPE_KEYS:
-                raise ConfigError(f"--model shape key {key!r} is not known; use: {', '.join(_SHAPE_KEYS)}")
+                raise CliError(f"--model shape key {key!r} is not known; use: {', '.join(_SHAPE_KEYS)}")
             field = _SHAPE_KEYS[key]
             if field == "tied_embeddings":
                 values[field] = value.lower() in ("1", "true", "yes", "on")
@@ -110,7 +116,7 @@ def load_model(spec: str) -> ModelConfig:
                 try:
                     values[field] = int(value)
                 except ValueError:
-                    raise ConfigError(f"--model {key} = {value!r} is not an integer") from None
+                    raise CliError(f"--model {key} = {value!r} is not an integer") from None
         if "n_kv_heads" not in values and "n_heads" in values:
             values["n_kv_heads"] = values["n_heads"]
         cfg = ModelConfig(**values)
@@ -133,7 +139,7 @@ def pad_vocab(cfg: ModelConfig, multiple: int) -> ModelConfig:
     if multiple == 0:
         return cfg
     if multiple < 0:
-        raise ConfigError(f"--pad-vocab = {multiple} must be >= 1 (a multiple such as 64 or 128), or 0 for none")
+        raise CliError(f"--pad-vocab = {multiple} must be >= 1 (a multiple such as 64 or 128), or 0 for none")
     padded = -(-cfg.vocab_size // multiple) * multiple
     return dataclasses.replace(cfg, vocab_size=padded)
 
@@ -142,13 +148,13 @@ def _space(args: argparse.Namespace) -> SearchSpace:
     try:
         zero = tuple(int(z) for z in args.zero.split(","))
     except ValueError:
-        raise ConfigError(f"--zero {args.zero!r} must be a comma-separated list of 0..3") from None
+        raise CliError(f"--zero {args.zero!r} must be a comma-separated list of 0..3") from None
     if not zero or any(z not in (0, 1, 2, 3) for z in zero):
-        raise ConfigError(f"--zero {args.zero!r} must be a comma-separated list of 0..3, e.g. 0,1")
+        raise CliError(f"--zero {args.zero!r} must be a comma-separated list of 0..3, e.g. 0,1")
     rc = tuple(args.recompute.split(","))
     for r in rc:
         if r not in ("none", "selective", "full"):
-            raise ConfigError(f"--recompute {r!r} is not one of none, selective, full")
+            raise CliError(f"--recompute {r!r} is not one of none, selective, full")
     sp = {"on": (True,), "off": (False,), "both": (False, True)}[args.sp]
     return SearchSpace(zero=zero, recompute=rc, sp=sp, schedules=tuple(args.schedules.split(",")),
                        cp=not args.no_cp,
@@ -173,64 +179,64 @@ def apply_fix(text: str, space: SearchSpace, n_gpus: int, gpus_per_node: int, ba
     for part in filter(None, (x.strip() for x in text.split(","))):
         key, eq, value = (x.strip() for x in part.partition("="))
         if not eq or key not in _FIX_KEYS:
-            raise ConfigError(f"--fix item {part!r} is not KEY=VALUE with KEY one of: {', '.join(_FIX_KEYS)}")
+            raise CliError(f"--fix item {part!r} is not KEY=VALUE with KEY one of: {', '.join(_FIX_KEYS)}")
         key = "micro_batch_size" if key == "mbs" else key
         if key in fixed or key in updates:
-            raise ConfigError(f"--fix gives {key} twice; keep one value")
+            raise CliError(f"--fix gives {key} twice; keep one value")
         if key == "schedule":
             if value not in SCHEDULES:
-                raise ConfigError(f"--fix schedule = {value!r} is not one of {', '.join(SCHEDULES)}")
+                raise CliError(f"--fix schedule = {value!r} is not one of {', '.join(SCHEDULES)}")
             updates["schedules"] = (value,)
             continue
         if key == "recompute":
             if value not in ("none", "selective", "full"):
-                raise ConfigError(f"--fix recompute = {value!r} is not one of none, selective, full")
+                raise CliError(f"--fix recompute = {value!r} is not one of none, selective, full")
             updates["recompute"] = (value,)
             continue
         if key == "sp":
             if value.lower() not in ("on", "off", "true", "false", "1", "0"):
-                raise ConfigError(f"--fix sp = {value!r} must be on or off")
+                raise CliError(f"--fix sp = {value!r} must be on or off")
             updates["sp"] = (value.lower() in ("on", "true", "1"),)
             continue
         try:
             number = int(value)
         except ValueError:
-            raise ConfigError(f"--fix {key} = {value!r} is not an integer") from None
+            raise CliError(f"--fix {key} = {value!r} is not an integer") from None
         if key == "zero":
             if number not in (0, 1, 2, 3):
-                raise ConfigError(f"--fix zero = {number} is not a ZeRO stage; use 0, 1, 2 or 3")
+                raise CliError(f"--fix zero = {number} is not a ZeRO stage; use 0, 1, 2 or 3")
             updates["zero"] = (number,)
         elif key == "vpp":
             if number < 1:
-                raise ConfigError(f"--fix vpp = {number} must be >= 1 (model chunks per pipeline rank)")
+                raise CliError(f"--fix vpp = {number} must be >= 1 (model chunks per pipeline rank)")
             updates["vpp"] = (number,)
             if number > 1:
                 updates.setdefault("schedules", ("interleaved",))
         else:
             if number < 1:
-                raise ConfigError(f"--fix {key} = {number} must be >= 1")
+                raise CliError(f"--fix {key} = {number} must be >= 1")
             if key in ("dp", "tp", "pp", "cp") and n_gpus % number:
-                raise ConfigError(f"--fix {key} = {number} does not divide the {n_gpus} GPUs; values that do: "
+                raise CliError(f"--fix {key} = {number} does not divide the {n_gpus} GPUs; values that do: "
                                   f"{divisors(n_gpus)}")
             if key == "tp" and number > gpus_per_node:
-                raise ConfigError(f"--fix tp = {number} is above the {gpus_per_node} GPUs of a node (tensor parallel "
+                raise CliError(f"--fix tp = {number} is above the {gpus_per_node} GPUs of a node (tensor parallel "
                                   f"stays inside a node); use one of {divisors(gpus_per_node)}")
             if key == "micro_batch_size" and batch_seqs % number:
-                raise ConfigError(f"--fix mbs = {number} does not divide the global batch of {batch_seqs} sequences; "
+                raise CliError(f"--fix mbs = {number} does not divide the global batch of {batch_seqs} sequences; "
                                   f"values that do: {divisors(batch_seqs)}")
             fixed[key] = number
     product = math.prod(fixed.get(k, 1) for k in ("dp", "tp", "pp", "cp"))
     if n_gpus % product or (all(k in fixed for k in ("dp", "tp", "pp", "cp")) and product != n_gpus):
-        raise ConfigError(f"--fix: dp x tp x pp x cp = {product} with the fixed degrees, which does not fit the "
+        raise CliError(f"--fix: dp x tp x pp x cp = {product} with the fixed degrees, which does not fit the "
                           f"{n_gpus} GPUs (the product must divide them, and equal them when all four are fixed)")
     if fixed.get("dp", 1) * fixed.get("micro_batch_size", 1) > batch_seqs or \
             batch_seqs % (fixed.get("dp", 1) * fixed.get("micro_batch_size", 1)):
-        raise ConfigError(f"--fix: dp x mbs = {fixed.get('dp', 1) * fixed.get('micro_batch_size', 1)} must divide "
+        raise CliError(f"--fix: dp x mbs = {fixed.get('dp', 1) * fixed.get('micro_batch_size', 1)} must divide "
                           f"the global batch of {batch_seqs} sequences")
     for field, option in (("zero", "--zero"), ("recompute", "--recompute"), ("schedules", "--schedules"),
                           ("sp", "--sp")):
         if field in updates and field in explicit and not set(updates[field]) <= set(getattr(space, field)):
-            raise ConfigError(f"--fix {field.rstrip('s')} = {updates[field][0]} is excluded by {option} "
+            raise CliError(f"--fix {field.rstrip('s')} = {updates[field][0]} is excluded by {option} "
                               f"{explicit[field]}; drop one of them")
     if "micro_batch_size" in fixed:
         updates["max_mbs"] = max(space.max_mbs, fixed["micro_batch_size"])
@@ -344,32 +350,63 @@ def run(args: argparse.Namespace) -> int:
         from fivefold.planner.validate import run_validate
 
         return run_validate(args)
+    _check_options(args)
+    cfg = _plan_model(args)
+    hw = _cluster(args)
+    fw = _framework(args, hw)
+    _resolve_nodes(args)
+    n_gpus = args.nodes * hw.gpus_per_node
+    tokens = parse_tokens(args.global_batch)
+    seq = args.seq_len
+    if seq < 2 or tokens % seq:
+        raise CliError(f"--global-batch = {tokens} tokens is not a whole number of --seq-len = {seq} sequences; "
+                       f"nearest valid batches: {tokens // seq * seq} or {(tokens // seq + 1) * seq} tokens")
+    batch_seqs = tokens // seq
+    space = _fixed_space(args, n_gpus, hw.gpus_per_node, batch_seqs)
+    if args.action == "scaling":
+        from fivefold.planner.scaling import run_scaling
+
+        return run_scaling(args, cfg, fw, hw, space, seq, batch_seqs)
+    if args.layout:
+        return _estimate_layout(args, cfg, fw, hw, seq, batch_seqs, n_gpus)
+    return _search_layouts(args, cfg, fw, hw, space, seq, tokens, n_gpus)
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """The numeric options and --write-config's target, before any model is read."""
     if args.seq_len < 1:
-        raise ConfigError(f"--seq-len = {args.seq_len} must be >= 1 (tokens per sequence, e.g. 4096)")
+        raise CliError(f"--seq-len = {args.seq_len} must be >= 1 (tokens per sequence, e.g. 4096)")
     if args.top < 1:
-        raise ConfigError(f"--top = {args.top} must be >= 1")
+        raise CliError(f"--top = {args.top} must be >= 1")
     if args.gpus_per_node < 0:
-        raise ConfigError(f"--gpus-per-node = {args.gpus_per_node} must be >= 1 (or 0 for the hardware's)")
+        raise CliError(f"--gpus-per-node = {args.gpus_per_node} must be >= 1 (or 0 for the hardware's)")
     if not math.isfinite(args.moe_imbalance) or args.moe_imbalance <= 0:
-        raise ConfigError(f"--moe-imbalance = {args.moe_imbalance} must be a finite number > 0 (1 = balanced)")
+        raise CliError(f"--moe-imbalance = {args.moe_imbalance} must be a finite number > 0 (1 = balanced)")
     if args.write_config:
         target = Path(args.write_config)
         if not target.parent.is_dir():
-            raise ConfigError(f"--write-config {args.write_config!r}: directory {str(target.parent)!r} does not "
-                              "exist; create it first or write into an existing one")
+            raise CliError(f"--write-config {args.write_config!r}: directory {str(target.parent)!r} does not "
+                           "exist; create it first or write into an existing one")
         if target.is_dir():
-            raise ConfigError(f"--write-config {args.write_config!r} is a directory; give a file name such as "
-                              "best.toml")
+            raise CliError(f"--write-config {args.write_config!r} is a directory; give a file name such as "
+                           "best.toml")
+
+
+def _plan_model(args: argparse.Namespace) -> ModelConfig:
+    """--model with --pad-vocab applied; a GELU shape is said so, and refused with --write-config."""
     cfg = pad_vocab(load_model(args.model), args.pad_vocab)
     if cfg.mlp == "gelu" and _is_hf_config(args.model):
         from fivefold.planner.shapes import NOT_MODELLED
 
         print(f"{args.model}: read as a GELU-MLP shape; not modelled: {NOT_MODELLED}")
     if args.write_config and cfg.mlp != "swiglu":
-        raise ConfigError(f"--write-config: the model's MLP is {cfg.mlp!r}, and the engine builds SwiGLU MLPs only; "
-                          "plan without --write-config")
-    hw = _cluster(args)
-    fw = _framework(args, hw)
+        raise CliError(f"--write-config: the model's MLP is {cfg.mlp!r}, and the engine builds SwiGLU MLPs only; "
+                       "plan without --write-config")
+    return cfg
+
+
+def _resolve_nodes(args: argparse.Namespace) -> None:
+    """--nodes as a number (`plan scaling`: the first of its list, the list kept as `args.nodes_list`)."""
     if args.action == "scaling":
         args.nodes_list = args.nodes
         args.nodes = int(args.nodes.split(",")[0]) if args.nodes.split(",")[0].strip().isdigit() else 1
@@ -377,54 +414,63 @@ def run(args: argparse.Namespace) -> int:
         try:
             args.nodes = int(args.nodes)
         except ValueError:
-            raise ConfigError(f"--nodes = {args.nodes!r} must be a number of nodes (a list only for "
-                              "`plan scaling`)") from None
+            raise CliError(f"--nodes = {args.nodes!r} must be a number of nodes (a list only for "
+                           "`plan scaling`)") from None
     if args.nodes < 1:
-        raise ConfigError(f"--nodes = {args.nodes} must be >= 1")
-    n_gpus = args.nodes * hw.gpus_per_node
-    tokens = parse_tokens(args.global_batch)
-    seq = args.seq_len
-    if seq < 2 or tokens % seq:
-        raise ConfigError(f"--global-batch = {tokens} tokens is not a whole number of --seq-len = {seq} sequences; "
-                          f"nearest valid batches: {tokens // seq * seq} or {(tokens // seq + 1) * seq} tokens")
-    batch_seqs = tokens // seq
+        raise CliError(f"--nodes = {args.nodes} must be >= 1")
+
+
+def _fixed_space(args: argparse.Namespace, n_gpus: int, gpus_per_node: int, batch_seqs: int) -> SearchSpace:
+    """The search space of the options, restricted by --fix (which does not combine with --layout)."""
     space = _space(args)
     if args.fix:
         if args.layout:
-            raise ConfigError("--fix restricts the search; --layout estimates one layout: give one of them")
+            raise CliError("--fix restricts the search; --layout estimates one layout: give one of them")
         defaults = {"zero": "0,1,2,3", "recompute": "none,selective,full", "sp": "both",
                     "schedules": "afab,1f1b,interleaved,zero-bubble,dualpipev"}
         explicit = {k: getattr(args, k) for k, v in defaults.items() if getattr(args, k) != v}
-        space = apply_fix(args.fix, space, n_gpus, hw.gpus_per_node, batch_seqs, explicit)
-    if args.action == "scaling":
-        from fivefold.planner.scaling import run_scaling
+        space = apply_fix(args.fix, space, n_gpus, gpus_per_node, batch_seqs, explicit)
+    return space
 
-        return run_scaling(args, cfg, fw, hw, space, seq, batch_seqs)
-    if args.layout:
-        lay = parse_layout(args.layout, batch_seqs, fw.default_fp32_grad_accum if args.fp32_grad_accum is None
-                           else args.fp32_grad_accum == "on")
-        lay = dataclasses.replace(lay, fp32_grad_accum=lay.fp32_grad_accum or args.fp32_grad_accum == "on")
-        check_runs_hsdp(lay, fw)
-        if lay.world_size != n_gpus:
-            raise ConfigError(f"--layout dp x tp x pp x cp = {lay.world_size} but the cluster has {n_gpus} GPUs "
-                              f"({args.nodes} nodes x {hw.gpus_per_node}); change the degrees or --nodes")
-        train_config(cfg, lay, seq, batch_seqs, fw.compute_dtype)  # refused as `fivefold train` refuses it
-        e = estimate(cfg, seq, lay, fw, hw, True, moe_imbalance=args.moe_imbalance)
-        e.mfu *= _mfu_scale(args, cfg, seq)
-        if args.json:
-            print(json.dumps(e.to_json(), indent=2))
-        else:
-            print(f"{cfg.name} on {n_gpus} x {hw.name}, seq {seq}, batch {batch_seqs} sequences: {lay.short()}")
-            print(f"fits: {'yes' if e.fits else 'NO'} (peak {gib(e.peak_bytes):.2f} GiB of {hw.memory_gib} GiB)")
-            for rank, parts in e.memory.items():
-                print(f"  memory, {rank} pipeline rank:")
-                for k, v in parts.items():
-                    print(f"    {k:20s} {gib(v):9.3f} GiB")
-            print(f"  step {e.step_time_s:.4f} s, {e.tokens_per_s_per_device:,.0f} tokens/s per {hw.unit}, "
-                  f"MFU {100 * e.mfu:.1f} %")
-            for k, v in e.time_parts.items():
-                print(f"    {k:20s} {v:9.4f} s")
+
+def _estimate_layout(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, hw, seq: int, batch_seqs: int,
+                     n_gpus: int) -> int:
+    """--layout: the one layout's memory by part and step time by cause (or its JSON)."""
+    lay = parse_layout(args.layout, batch_seqs, fw.default_fp32_grad_accum if args.fp32_grad_accum is None
+                       else args.fp32_grad_accum == "on")
+    lay = dataclasses.replace(lay, fp32_grad_accum=lay.fp32_grad_accum or args.fp32_grad_accum == "on")
+    check_runs_hsdp(lay, fw)
+    if lay.world_size != n_gpus:
+        raise CliError(f"--layout dp x tp x pp x cp = {lay.world_size} but the cluster has {n_gpus} GPUs "
+                       f"({args.nodes} nodes x {hw.gpus_per_node}); change the degrees or --nodes")
+    train_config(cfg, lay, seq, batch_seqs, fw.compute_dtype)  # refused as `fivefold train` refuses it
+    e = estimate(cfg, seq, lay, fw, hw, True, moe_imbalance=args.moe_imbalance)
+    e.mfu *= _mfu_scale(args, cfg, seq)
+    measured = measure(args, cfg, lay, seq, batch_seqs, fw) if args.measure else None
+    if args.json:
+        print(json.dumps({**e.to_json(), **({"measured": measured} if measured else {})}, indent=2))
         return 0
+    print(f"{cfg.name} on {n_gpus} x {hw.name}, seq {seq}, batch {batch_seqs} sequences: {lay.short()}")
+    print(f"fits: {'yes' if e.fits else 'NO'} (peak {gib(e.peak_bytes):.2f} GiB of {hw.memory_gib} GiB)")
+    for rank, parts in e.memory.items():
+        print(f"  memory, {rank} pipeline rank:")
+        for k, v in parts.items():
+            print(f"    {k:20s} {gib(v):9.3f} GiB")
+    print(f"  step {e.step_time_s:.4f} s, {e.tokens_per_s_per_device:,.0f} tokens/s per {hw.unit}, "
+          f"MFU {100 * e.mfu:.1f} %")
+    for k, v in e.time_parts.items():
+        print(f"    {k:20s} {v:9.4f} s")
+    if measured:
+        from fivefold.only_rank import print_measured
+
+        print_measured(measured)
+    return 0
+
+
+def _search_layouts(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, hw, space: SearchSpace, seq: int,
+                    tokens: int, n_gpus: int) -> int:
+    """Every layout: the best of each family as a table (or every candidate as JSON), --write-config's file."""
+    batch_seqs = tokens // seq
     accelerator = not (hw.cores or hw.name == "cpu")
     compiled_for_config = bool(args.write_config) and accelerator and fw.fused_elementwise != "all"
     if compiled_for_config:  # the written config turns torch.compile on: rank the layouts as that run will go
@@ -446,19 +492,36 @@ def run(args: argparse.Namespace) -> int:
                      train_tokens=parse_tokens(args.train_tokens) if args.train_tokens else None)
     for e in result.candidates:  # the written config's header keeps fivefold's MFU (what the trainer logs)
         e.mfu *= _mfu_scale(args, cfg, seq)
+    measured = None
+    if args.measure:
+        measured = measure(args, cfg, result.candidates[0].layout, seq, batch_seqs, fw)
     if args.json:
         print(json.dumps({"model": cfg.name, "gpus": n_gpus, "hardware": hw.name, "seq_len": seq,
                           "global_batch_tokens": tokens, "evaluated": result.evaluated,
                           "rejected": dict(result.rejected), "compiled": compiled,
-                          "candidates": [e.to_json() for e in result.candidates]}, indent=2))
+                          "candidates": [e.to_json() for e in result.candidates],
+                          **({"measured": measured} if measured else {})}, indent=2))
         return 0
+    _print_search(args, result, cfg, fw, hw, space, seq, tokens, compiled_for_config)
+    if measured:
+        from fivefold.only_rank import print_measured
+
+        print(f"measured, the best layout {result.candidates[0].layout.short()}:")
+        print_measured(measured)
+    return 0
+
+
+def _print_search(args: argparse.Namespace, result, cfg: ModelConfig, fw: Framework, hw, space: SearchSpace,
+                  seq: int, tokens: int, compiled_for_config: bool) -> None:
+    """The search's table: the best of each family, the baselines' gaps, the rejections, what was written."""
     from fivefold.planner.explain import BASELINES, TIE, family, family_name
 
+    batch_seqs = tokens // seq
     print(f"{cfg.name} on {args.nodes} x {hw.gpus_per_node} {hw.name}, seq {seq}, global batch {tokens:,} tokens "
           f"({batch_seqs} sequences), {fw.name} engine: {result.evaluated:,} layouts tried with "
           f"{len(space.recompute)} recompute mode(s) each, {result.evaluated * len(space.recompute):,} in all, "
           f"{len(result.candidates):,} fit")
-    print(_ranking(args, compiled, compiled_for_config))
+    print(_ranking(args, compiled_for_config or "compile" in _features(args), compiled_for_config))
     if args.pad_vocab:
         print(f"vocabulary padded to {cfg.vocab_size:,} (a multiple of {args.pad_vocab}, --pad-vocab)")
     print(f"the best of each layout family (tp/pp/cp/ep grid, FSDP or not), best first; 'tie': within "
@@ -502,7 +565,21 @@ def run(args: argparse.Namespace) -> int:
         from fivefold.planner.explain import explain
 
         print(explain(result, hw.memory_bytes, batch_seqs, unit=hw.unit))
-    return 0
+
+
+def measure(args: argparse.Namespace, cfg: ModelConfig, lay: Layout, seq: int, batch_seqs: int,
+            fw: Framework) -> list[dict]:
+    """`--measure`: the layout's ranks that hold the most, each alone (`fivefold.only_rank.measure_ranks`)."""
+    from fivefold.only_rank import measure_ranks
+
+    if args.measure_steps < 1:
+        raise CliError(f"--measure-steps = {args.measure_steps} must be >= 1")
+    from fivefold.device import resolve_device
+
+    # compiled on an accelerator, as `--write-config` writes it; eager on the CPU
+    accelerator = resolve_device("auto").type != "cpu"
+    conf, _ = train_config(cfg, lay, seq, batch_seqs, fw.compute_dtype, accelerator)
+    return measure_ranks(conf, args.measure_steps, sys.stdout if not args.json else sys.stderr)
 
 
 def _no_candidates(result, cfg: ModelConfig, hw, n_gpus: int, batch_seqs: int, args: argparse.Namespace) -> None:

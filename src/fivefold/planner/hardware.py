@@ -1,6 +1,6 @@
 """The cluster the planner models: one accelerator kind, how many per node, how many nodes, and the links.
 
-The presets are `fivefold.hardware`'s table (the vendors' peaks, which the trainer also reads for MFU;
+The presets are `fivefold.accelerators`'s table (the vendors' peaks, which the trainer also reads for MFU;
 `Cluster` inherits its fields) extended with what the time model needs: collective latencies, an achievable
 share of the matmul peak, and optionally the measured bus bandwidth of collectives by node count (a calibrated
 profile). Any field can be overridden from a TOML
@@ -34,13 +34,14 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fivefold.accelerators import HARDWARE, Hardware
 from fivefold.config import ConfigError
-from fivefold.hardware import HARDWARE, Hardware
+from fivefold.planner.kernels import device_kernels
 
 
 @dataclass(frozen=True)
 class Cluster(Hardware):
-    """A device of `fivefold.hardware` (the one table of device facts: peaks, memory, links, devices per node),
+    """A device of `fivefold.accelerators` (the one table of device facts: peaks, memory, links, devices per node),
     with what the time model adds. The device fields are inherited, so the two cannot drift apart."""
 
     device: str = ""  # the preset whose kernel figures apply (`planner/devices/kernels.toml`); kept by `base = ...`
@@ -218,8 +219,6 @@ def interpolate(points: tuple[tuple[float, ...], ...], key: tuple[float, ...]) -
 
 
 def _from_base(name: str) -> Cluster:
-    from fivefold.planner.kernels import device_kernels
-
     hw = HARDWARE[name]
     return Cluster(**{f.name: getattr(hw, f.name) for f in dataclasses.fields(Hardware)}, device=name,
                    matmul_efficiency=device_kernels(name).gemm_efficiency)

@@ -126,6 +126,6 @@ def all_devices() -> dict[str, DeviceKernels]:
 
 
 def device_kernels(device: str) -> DeviceKernels:
-    """The figures of a device of `fivefold.hardware` (by its preset name); h100's for a device not listed."""
+    """The figures of a device of `fivefold.accelerators` (by its preset name); h100's for a device not listed."""
     devices = all_devices()
     return devices.get(device) or devices["h100"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fivefold.config import ConfigError, LayoutConfig, batch_problem
-from fivefold.layout import hsdp_problem
+from fivefold.config import ConfigError, LayoutConfig
+from fivefold.layout import SCHEDULES, batch_problem, hsdp_problem, raise_problem
 from fivefold.models.loss import LOSS_CHUNK_TOKENS, TP_LOSS_CHUNK_TOKENS
 
 RECOMPUTE = ("none", "selective", "full")
@@ -62,7 +62,8 @@ _KEYS = {f.name for f in dataclasses.fields(LayoutConfig)} - {"stage_layers"} | 
 
 
 def check_runs_hsdp(lay: Layout, fw: Framework) -> None:
-    """Refuse an HSDP layout for a framework that does not run HSDP (fivefold's engine, for one)."""
+    """Refuse an HSDP layout for a framework that does not run HSDP (nanotron, megatron and deepspeed as
+    modelled here; fivefold and torchtitan run it)."""
     if lay.dp_shard and not fw.hsdp:
         from fivefold.planner.profile import all_frameworks
 
@@ -86,8 +87,6 @@ def parse_layout(text: str, global_batch_seqs: int, fp32_grad_accum: bool = True
             if value not in RECOMPUTE:
                 raise ConfigError(f"--layout recompute = {value!r} is not one of {list(RECOMPUTE)}")
         elif key == "schedule":
-            from fivefold.layout import SCHEDULES
-
             if value not in SCHEDULES:
                 raise ConfigError(f"--layout schedule = {value!r} is not one of {list(SCHEDULES)}")
         elif key in ("sp", "fp32_grad_accum"):
@@ -103,22 +102,19 @@ def parse_layout(text: str, global_batch_seqs: int, fp32_grad_accum: bool = True
                 raise ConfigError(f"--layout {key} = {value} must be >= {0 if key in ('zero', 'dp_shard') else 1}")
         values[key] = value
     lay = Layout(**values)
-    problem = hsdp_problem(lay)
-    if problem is not None:
-        raise ConfigError(problem.message)
-    problem = batch_problem(lay, global_batch_seqs)
-    if problem is not None:
-        raise ConfigError(problem.message)
+    raise_problem(hsdp_problem(lay))
+    raise_problem(batch_problem(lay, global_batch_seqs))
     return dataclasses.replace(lay, grad_accum_steps=global_batch_seqs // (lay.dp * lay.micro_batch_size))
 
 
 @dataclass(frozen=True)
 class Framework:
-    """Implementation settings that change bytes or seconds (defaults: fivefold's engine on an accelerator)."""
+    """Implementation settings that change bytes or seconds (defaults: fp32 parameters that are the master weights,
+    bf16 compute; `FIVEFOLD` below is fivefold's lean bf16 engine, `FIVEFOLD_CPU` its fp32 run on a CPU)."""
 
     name: str = "fivefold"
     hsdp: bool = False  # runs HSDP (ZeRO-3 sharded inside groups, replicated across them): the search tries it
-    param_bytes: int = 4  # parameters as stored (fivefold keeps fp32 parameters, which are the master weights)
+    param_bytes: int = 4  # parameters as stored (4: fp32 parameters that are the master weights, as on CPU)
     grad_bytes: int = 4  # gradients as stored
     master_bytes: int = 0  # separate fp32 master copy (frameworks with bf16 parameters)
     optim_bytes: int = 8  # Adam m and v
@@ -153,7 +149,7 @@ class Framework:
     fixed_overhead_gib: float = 0.0  # allocator and library workspace beyond what is counted
     usable_memory_fraction: float = 0.95  # a layout fits when its peak stays below this share of the device
     zero1_allgather_exposed: bool = True  # ZeRO-1/2 all-gather the parameters after the step, not overlapped
-    residual_bytes: int = 4  # the residual stream (fivefold keeps it fp32 under autocast)
+    residual_bytes: int = 4  # the residual stream (fivefold's lean engine keeps it bf16, 2; fp32 on CPU)
     norm_saves_normalized: bool = False  # RMSNorm also keeps its normalised input (fivefold's keeps x and 1/rms)
     sp_saves_gathered_input: bool = False  # with sp, column-parallel linears save the gathered input (else the slice)
     # with sp the column linears keep only the sequence slice and all-gather it again in backward: fivefold waits

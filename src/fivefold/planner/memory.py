@@ -82,7 +82,10 @@ class RankParams:
 
 
 def stage_layers(cfg: ModelConfig, lay: Layout, seq: int = 4096) -> list[int]:
-    """Blocks per global pipeline stage (pp x vpp stages, or 2 pp for the V-shaped schedule)."""
+    """Blocks per global pipeline stage (pp x vpp stages, or 2 pp for the V-shaped schedule): the layout's own
+    `stage_layers` when it gives them (as the engine takes them), else balanced by compute."""
+    if lay.stage_layers:
+        return list(lay.stage_layers)
     n = lay.pp * (2 if lay.schedule == "dualpipev" and lay.pp > 1 else lay.vpp)
     return balanced_stage_layers(cfg, n, seq)
 

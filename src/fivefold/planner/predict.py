@@ -5,6 +5,9 @@
 implementation settings (`FIVEFOLD` under bf16 on accelerators, `FIVEFOLD_CPU` for fp32 compute; with the
 `compile` feature when `train.compile` is on). The time
 model underneath may improve (a calibrated hardware profile); this function's inputs and keys stay.
+
+`check_fits` is the start-up check of `fivefold train` and `fivefold bench`: the same prediction, on the
+device the run will use (`device_cluster`), refusing only a run that it says cannot fit.
 """
 
 from __future__ import annotations
@@ -14,13 +17,14 @@ from pathlib import Path
 
 import torch
 
-from fivefold.config import Config
-from fivefold.device import resolve_device, use_bf16
-from fivefold.hardware import device_hardware
+from fivefold.accelerators import device_hardware
+from fivefold.config import Config, ConfigError
+from fivefold.device import device_memory_bytes, resolve_device, use_bf16
+from fivefold.flops import count_params
 from fivefold.planner.features import with_features
 from fivefold.planner.hardware import Cluster, get_cluster
 from fivefold.planner.layout import FIVEFOLD, FIVEFOLD_CPU, Framework, Layout
-from fivefold.planner.search import Estimate, estimate
+from fivefold.planner.search import Estimate, estimate, gib
 
 
 def layout_of(cfg: Config) -> Layout:
@@ -96,3 +100,50 @@ def predict_run(cfg: Config, hardware: Cluster, device_type: str | None = None) 
         "memory_bytes": dict(parts), "hardware": hardware.name,
         "layout": dataclasses.asdict(e.layout),
     }
+
+
+# the parts of the planner's memory that hold the model's state rather than a micro-batch's activations
+STATE_PARTS = ("parameters", "gradients", "optimizer", "grad_accum_buffer", "bf16_weight_copies")
+
+
+def device_cluster(device: torch.device, local_ranks: int) -> Cluster:
+    """The planner's profile of the device a run uses (`default_hardware` of its kind) with that device's memory:
+    the accelerator's total, or on CPU the machine's RAM shared by the `local_ranks` processes of this node (the
+    profile's own figure when neither can be read); room for the local ranks on one node."""
+    hardware = on_one_node(default_hardware(device.type), local_ranks)
+    have = device_memory_bytes(device, local_ranks)
+    return dataclasses.replace(hardware, memory_gib=have / 2**30) if have else hardware
+
+
+def check_fits(cfg: Config, hardware: Cluster, device_type: str) -> Estimate:
+    """The start-up check of a run's memory: the planner's prediction of the engine running `cfg` on `hardware`
+    (`device_type`: the torch device type the run uses, which resolves `train.dtype`), as `fivefold plan --layout`
+    and `fivefold train --dry-run` make it. Raises `ConfigError` when that prediction does not fit, with the
+    predicted GiB by part against the device's; returns the estimate otherwise (its step time feeds the warnings)."""
+    e = estimate_run(cfg, hardware, device_type)
+    if e.fits:
+        return e
+    if e.notes:
+        raise ConfigError(f"layout: {'; '.join(e.notes)}; `fivefold plan` finds a layout that works")
+    rank, parts = max(e.memory.items(), key=lambda item: sum(item[1].values()))
+    usable = hardware.memory_gib * run_framework(cfg, device_type).usable_memory_fraction
+    shown = ", ".join(f"{name} {gib(v):,.1f}" for name, v in parts.items() if gib(v) >= 0.05)
+    figure = (f"the planner predicts a peak of {gib(e.peak_bytes):,.1f} GiB per device"
+              + (f" on the {rank} pipeline rank" if len(e.memory) > 1 else "")
+              + f" ({shown} GiB), but a {hardware.name} device has {hardware.memory_gib:,.1f} GiB, of which the engine "
+              f"may use {usable:,.1f} GiB")
+    la, m, t = cfg.layout, cfg.model, cfg.train
+    more = "or more ranks (`fivefold plan` finds a layout that fits)"
+    states = sum(parts.get(k, 0.0) for k in STATE_PARTS)
+    if states >= e.peak_bytes - states:
+        raise ConfigError(
+            f"model.hidden = {m.hidden}, model.n_layers = {m.n_layers}, model.ffn = {m.ffn}, model.vocab_size = "
+            f"{m.vocab_size} ({count_params(m):,} parameters) on {la.world_size} rank(s) with layout.zero = "
+            f"{la.zero}: {figure}, {gib(states):,.1f} GiB of it weights, gradients and optimizer state; use a smaller "
+            f"model (see `fivefold models`), {'a higher --layout.zero, ' if la.zero < 3 else ''}{more}")
+    raise ConfigError(
+        f"layout.micro_batch_size = {cfg.micro_batch_size} sequences (train.global_batch_size = "
+        f"{t.global_batch_size} / layout.dp = {la.dp}, when micro_batch_size is 0) x train.seq_len = {t.seq_len} "
+        f"with layout.recompute = {la.recompute}: {figure}; set a smaller --layout.micro_batch_size (gradient "
+        f"accumulation keeps the global batch), {'--layout.recompute full, ' if la.recompute != 'full' else ''}"
+        f"{more}")

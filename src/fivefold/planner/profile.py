@@ -13,9 +13,11 @@ import dataclasses
 import tomllib
 from pathlib import Path
 
-from fivefold.config import ConfigError
+from fivefold.config import ConfigError, write_text_atomic
 from fivefold.planner.hardware import Cluster, get_cluster
+from fivefold.planner.kernels import all_devices
 from fivefold.planner.layout import FRAMEWORKS, Framework
+from fivefold.planner.time import ELEMENTWISE_CLASSES
 
 
 def _read(path: str | Path) -> dict:
@@ -82,8 +84,6 @@ def _framework_table(table, where: str, known: dict[str, Framework], default: st
                               f"{', '.join(STAGE_SPLITS)} (balanced: by FLOPs, at least one block per stage; "
                               "params: nanotron's split by parameter cost)")
         if key == "fused_elementwise":
-            from fivefold.planner.time import ELEMENTWISE_CLASSES
-
             names = [c.strip() for c in str(value).split(",") if c.strip()]
             bad = [c for c in names if c not in (*ELEMENTWISE_CLASSES, "all")]
             if bad:
@@ -98,8 +98,6 @@ def _framework_table(table, where: str, known: dict[str, Framework], default: st
                 raise ConfigError(f"--hardware {where!r}: [framework] features = {value!r}: {bad[0]!r} is not a "
                                   f"feature; use a comma-separated list of {', '.join(FEATURES)} (or \"\": none)")
         if key == "attention_kernel":
-            from fivefold.planner.kernels import all_devices
-
             kernels = sorted({row[0] for dk in all_devices().values() for row in dk.attention})
             if value not in kernels:
                 raise ConfigError(f"--hardware {where!r}: [framework] attention_kernel = {value!r} has no rows in "
@@ -127,8 +125,6 @@ def load(path: str | Path | None, framework: str | None = None, default_hardware
 def write(path: str | Path, fw: Framework, hw: Cluster, base_hw: str, header: str = "") -> None:
     """A profile of `fw` and `hw`: the fields that differ from the framework's defaults and from the preset
     `base_hw` (only scalar fields; the measured tables are `calibrate`'s)."""
-    from fivefold.config import write_text_atomic
-
     base_fw = all_frameworks().get(fw.name, Framework())
     lines = [f"# {line}" for line in header.splitlines()] + ["[framework]", f'name = "{fw.name}"']
     for f in dataclasses.fields(Framework):

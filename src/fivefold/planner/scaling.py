@@ -16,7 +16,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from fivefold.config import ConfigError, ModelConfig
+from fivefold.config import ModelConfig
+from fivefold.errors import CliError
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.layout import Framework, Layout, check_runs_hsdp, parse_layout
 from fivefold.planner.search import Estimate, SearchSpace, estimate, search
@@ -47,9 +48,9 @@ def parse_nodes(text: str) -> list[int]:
     try:
         nodes = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ConfigError(f"--nodes {text!r} must be a comma-separated list of node counts, e.g. 1,2,4,8") from None
+        raise CliError(f"--nodes {text!r} must be a comma-separated list of node counts, e.g. 1,2,4,8") from None
     if not nodes or any(n < 1 for n in nodes) or nodes != sorted(set(nodes)):
-        raise ConfigError(f"--nodes {text!r} must be increasing node counts >= 1, e.g. 1,2,4,8,16")
+        raise CliError(f"--nodes {text!r} must be increasing node counts >= 1, e.g. 1,2,4,8,16")
     return nodes
 
 
@@ -57,18 +58,18 @@ def scale_layout(lay: Layout, gpus: int, batch_seqs: int) -> Layout:
     """`lay` on `gpus` devices: tp, pp, cp, ep and the micro-batch kept, dp = the rest, grad_acc from the batch."""
     model_parallel = lay.tp * lay.pp * lay.cp
     if gpus % model_parallel:
-        raise ConfigError(f"--layout tp x pp x cp = {model_parallel} does not divide {gpus} GPUs; choose node "
+        raise CliError(f"--layout tp x pp x cp = {model_parallel} does not divide {gpus} GPUs; choose node "
                           "counts whose GPUs it divides")
     dp = gpus // model_parallel
     if batch_seqs % (dp * lay.micro_batch_size):
-        raise ConfigError(f"--layout on {gpus} GPUs: dp x micro_batch_size = {dp} x {lay.micro_batch_size} does not "
+        raise CliError(f"--layout on {gpus} GPUs: dp x micro_batch_size = {dp} x {lay.micro_batch_size} does not "
                           f"divide the global batch of {batch_seqs} sequences; use a smaller micro_batch_size or a "
                           f"batch that is a multiple of {dp * lay.micro_batch_size} sequences")
     out = dataclasses.replace(lay, dp=dp, grad_accum_steps=batch_seqs // (dp * lay.micro_batch_size))
     if lay.dp_shard and dp <= lay.dp_shard:  # one shard group holds every dp rank: plain FSDP
         return dataclasses.replace(out, dp_shard=0)
     if lay.dp_shard and dp % lay.dp_shard:
-        raise ConfigError(f"--layout dp_shard = {lay.dp_shard} does not divide dp = {dp} on {gpus} GPUs; choose node "
+        raise CliError(f"--layout dp_shard = {lay.dp_shard} does not divide dp = {dp} on {gpus} GPUs; choose node "
                           "counts whose dp it divides")
     return out
 
@@ -80,7 +81,7 @@ def scaling(cfg: ModelConfig, seq: int, batch_seqs: int, nodes: list[int], weak:
         gpus = n * hw.gpus_per_node
         batch = batch_seqs * n // nodes[0] if weak else batch_seqs
         if weak and batch_seqs * n % nodes[0]:
-            raise ConfigError(f"--weak: the batch of {batch_seqs} sequences at {nodes[0]} nodes does not scale to a "
+            raise CliError(f"--weak: the batch of {batch_seqs} sequences at {nodes[0]} nodes does not scale to a "
                               f"whole number of sequences at {n} nodes; choose node counts that are multiples of "
                               f"{nodes[0]}")
         if layout:
@@ -147,7 +148,7 @@ def plot(points: list[Point], base: float, path: str, title: str) -> bool:
 def run_scaling(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, hw: Cluster, space: SearchSpace,
                 seq: int, batch_seqs: int) -> int:
     if args.weak == args.strong:
-        raise ConfigError("plan scaling needs exactly one of --weak (the batch grows with the nodes) or --strong "
+        raise CliError("plan scaling needs exactly one of --weak (the batch grows with the nodes) or --strong "
                           "(the batch stays)")
     nodes = parse_nodes(args.nodes_list)
     points = scaling(cfg, seq, batch_seqs, nodes, args.weak, fw, hw, space, args.layout)

@@ -15,9 +15,11 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from fivefold.config import ConfigError, ModelConfig, batch_problem
+from fivefold.config import ModelConfig
+from fivefold.errors import CliError
 from fivefold.flops import training_flops_per_token
 from fivefold.layout import (
+    batch_problem,
     hsdp_problem,
     layout_problem,
     pipeline_problem,
@@ -104,12 +106,6 @@ def estimate(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def tp_valid(cfg: ModelConfig, tp: int) -> str | None:
-    """Why tensor parallel degree `tp` cannot shard this model (the engine's rule), or None."""
-    problem = tensor_parallel_problem(cfg, tp)
-    return problem.message if problem else None
 
 
 @dataclass
@@ -270,9 +266,9 @@ def parse_tokens(text: str) -> int:
     try:
         value = float(num) * mult
     except ValueError:
-        raise ConfigError(f"--global-batch {text!r} is not a token count such as 1M, 4096K or 1048576") from None
+        raise CliError(f"--global-batch {text!r} is not a token count such as 1M, 4096K or 1048576") from None
     if value < 1 or not float(value).is_integer():
-        raise ConfigError(f"--global-batch {text!r} must be a whole number of tokens")
+        raise CliError(f"--global-batch {text!r} must be a whole number of tokens")
     return int(value)
 
 

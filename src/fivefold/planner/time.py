@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import NamedTuple
 
 from fivefold.config import ModelConfig
 from fivefold.flops import training_flops_per_token
@@ -24,7 +25,15 @@ from fivefold.planner import comm
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.kernels import ATTENTION_BACKWARD_FLOPS, DeviceKernels, device_kernels
 from fivefold.planner.layout import Framework, Layout
-from fivefold.planner.memory import layer_activation_bytes, layer_params, reduced_grad_bytes, stage_layers
+from fivefold.planner.memory import (
+    RankParams,
+    layer_activation_bytes,
+    layer_params,
+    model_state_bytes,
+    rank_params,
+    reduced_grad_bytes,
+    stage_layers,
+)
 
 # schedules with more F actions than this are timed with the closed form (simulating them takes seconds)
 EXACT_MAX_ACTIONS = 8192
@@ -138,10 +147,28 @@ def linear_shapes(cfg: ModelConfig, tokens: float, tp: int, fused: bool) -> list
     return attn + ([(tokens, ins * f, h)] if fused else [(tokens, f, h)] * ins) + [(tokens, h, f)]
 
 
-def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster) -> StageTimes:
+class _BlockSeconds(NamedTuple):
+    """Forward (f) and backward (b) seconds of one block's linears, attention core, element-wise work and fixed
+    costs, and of the output layer + loss; `hbm` the memory bandwidth (bytes/s) the estimate used."""
+
+    lin_f: float
+    lin_b: float
+    attn_f: float
+    attn_b: float
+    elementwise: float
+    oh_f: float
+    oh_b: float
+    head_f: float
+    head_b: float
+    hbm: float
+
+
+def _block_seconds(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, tokens: float,
+                   chunk: float) -> _BlockSeconds:
+    """A block's and the output layer's compute seconds: measured per shape on a calibrated profile, else by kernel
+    class (GEMMs with the shape term, attention from the published table, element-wise by bytes)."""
     h, d, tp = cfg.hidden, cfg.head_dim, lay.tp
     ab = fw.act_bytes
-    tokens = lay.micro_batch_size * seq / lay.cp
     peak = hw.peak_flops(fw.compute_dtype)
     # FLOPs from the one formula: per layer and the output layer, forward only (one third of training)
     per_token = training_flops_per_token(cfg, seq)
@@ -153,8 +180,6 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     kv = max(cfg.n_kv_heads // tp, 1)
     hbm = hw.hbm_gbps * 1e9
     act_bytes = layer_activation_bytes(cfg, int(tokens), Layout(tp=tp, sp=lay.sp), fw)["total"]
-    # tokens per chunk of the fused output layer + loss (the whole micro-batch for unfused logits), as memory.py
-    chunk = min(fw.tp_loss_chunk if tp > 1 else fw.fused_loss_chunk, tokens) if fw.fused_loss_chunk else tokens
     # forward (f) and backward (b) seconds of a block's linears, attention core, element-wise work, fixed costs
     measured = [hw.linear_time(*shape) for shape in linear_shapes(cfg, tokens, tp, fw.fused_projections)]
     if all(measured) and measured:  # a calibrated profile: measured per shape
@@ -197,10 +222,15 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
         head_gemm = _weighted_eff([(chunk, cfg.vocab_size / tp, h)], ab, hw, dk)
         head_f = head_fwd / (peak * head_gemm) + tokens * cfg.vocab_size / tp * fw.logits_bytes * 2 / hbm
         head_b = 2 * head_f
-    t_layer = lin_f + attn_f + elementwise + oh_f
-    # tensor parallel: 2 all-reduces (or 2 all-gathers + 2 reduce-scatters with sp) per block and direction
-    act = tokens * h * ab
-    st = comm.strides(lay)
+    return _BlockSeconds(lin_f, lin_b, attn_f, attn_b, elementwise, oh_f, oh_b, head_f, head_b, hbm)
+
+
+def _tp_comm(lay: Layout, fw: Framework, hw: Cluster, h: int, tokens: float, chunk: float, act: float,
+             st: dict) -> tuple[float, float, float, float]:
+    """Tensor parallel's seconds: a block's collectives per direction (2 all-reduces, or 2 all-gathers + 2
+    reduce-scatters with sp), sequence parallel's backward-only extras, the embedding's and the loss input's,
+    and the vocabulary-parallel loss's; all 0 without tp."""
+    tp = lay.tp
     t_tp_b_extra = 0.0  # backward-only collectives of sequence parallel
     if tp > 1:
         if lay.sp:
@@ -222,6 +252,23 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
                                     + comm.all_reduce(2 * chunk * 4, tp, st["tp"], hw))
     else:
         t_tp = head_tp = loss_tp = 0.0
+    return t_tp, t_tp_b_extra, head_tp, loss_tp
+
+
+def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster) -> StageTimes:
+    h, d, tp = cfg.hidden, cfg.head_dim, lay.tp
+    ab = fw.act_bytes
+    tokens = lay.micro_batch_size * seq / lay.cp
+    kv = max(cfg.n_kv_heads // tp, 1)
+    # tokens per chunk of the fused output layer + loss (the whole micro-batch for unfused logits), as memory.py
+    chunk = min(fw.tp_loss_chunk if tp > 1 else fw.fused_loss_chunk, tokens) if fw.fused_loss_chunk else tokens
+    lin_f, lin_b, attn_f, attn_b, elementwise, oh_f, oh_b, head_f, head_b, hbm = _block_seconds(
+        cfg, seq, lay, fw, hw, tokens, chunk)
+    t_layer = lin_f + attn_f + elementwise + oh_f
+    # tensor parallel: 2 all-reduces (or 2 all-gathers + 2 reduce-scatters with sp) per block and direction
+    act = tokens * h * ab
+    st = comm.strides(lay)
+    t_tp, t_tp_b_extra, head_tp, loss_tp = _tp_comm(lay, fw, hw, h, tokens, chunk, act, st)
     # context parallel: K/V blocks around the ring, overlapped with the attention of the current block; the
     # backward passes K/V around again (cp - 1 hops) and the fp32 dK/dV of each shard home (cp hops)
     t_cp_f = t_cp_b = 0.0
@@ -384,13 +431,45 @@ class TimeReport:
     parts: dict[str, float]
 
 
-def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, exact: bool = True) -> TimeReport:
-    from fivefold.planner.memory import model_state_bytes, rank_params
+def _gather_time(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster, times: StageTimes, rp: RankParams,
+                 states: dict, st: dict) -> float:
+    """Exposed seconds of ZeRO's parameter all-gathers in a step: ZeRO-1/2's after the optimizer step where the
+    framework exposes it, ZeRO-3's per block (one block ahead) with each unit's fixed cost; 0 without dp x cp."""
+    dpc = lay.dp * lay.cp
+    overlap = hw.comm_overlap
+    zg = lay.zero_group  # the ranks ZeRO-3 gathers over: dp x cp, or HSDP's shard group
+    param_full = states["parameters"] * (zg if lay.zero >= 3 else 1)
+    t_gather = 0.0
+    if dpc > 1 and 1 <= lay.zero <= 2 and fw.zero1_allgather_exposed:
+        t_gather = comm.all_gather(param_full / fw.param_bytes * min(fw.param_bytes, 2), dpc, st["dpcp"], hw)
+    if dpc > 1 and lay.zero >= 3:  # gathered one block ahead: exposed where a block's gather outlasts its compute
+        n_layers = max(1, -(-cfg.n_layers // lay.pp))
+        gathered = fw.gather_bytes or fw.param_bytes
+        if lay.ep > 1:  # the routed experts are units of their own over the edp ranks holding the same experts
+            # (`parallel.data.FullyShardedDataParallel`); with edp = 1 they stay whole and are not gathered
+            ag = comm.all_gather(rp.dense * gathered / n_layers, zg, st["dpcp"], hw)
+            if lay.expert_zero_group > 1:  # over the ranks of the shard group that hold the same experts
+                ag += comm.all_gather(rp.expert * gathered / n_layers, lay.expert_zero_group, st["dpcp"] * lay.ep, hw)
+        else:
+            ag = comm.all_gather(rp.total * gathered / n_layers, zg, st["dpcp"], hw)  # a block, as gathered
+        # the compute of one block of the first stage (interleaved: a stage holds 1/v of the rank's blocks)
+        per_block = (times.f[0] + times.b[0] + times.w[0]) / max(1, times.counts[0])
+        # gathered for every forward and backward; under pp once per step (the weights stay gathered)
+        gathers = 1 if lay.pp > 1 else lay.grad_accum_steps * 2
+        t_gather = gathers * n_layers * exposed(ag, per_block / 3, overlap)
+        # what each unit (the blocks and the root) costs per micro-batch beyond its collectives, as measured
+        units = n_layers + 1
+        if lay.ep > 1 and cfg.is_moe:  # per MoE layer: the router's unit, the shared experts', the experts'
+            units += n_layers * (1 + (cfg.n_shared_experts > 0) + (lay.edp > 1))
+        t_gather += lay.grad_accum_steps * units * hw.zero3_unit_us * 1e-6
+    return t_gather
 
+
+def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, exact: bool = True) -> TimeReport:
     hw = hw.on_node(min(lay.world_size, hw.gpus_per_node))
     times = stage_times(cfg, seq, lay, fw, hw)
     tokens = lay.micro_batch_size * seq / lay.cp
-    # the residual stream crosses stages (fivefold's engine keeps and sends it in fp32 under autocast)
+    # the residual stream crosses stages, in the framework's residual dtype (bf16 in fivefold's lean engine)
     send = tokens * cfg.hidden * fw.residual_bytes / (lay.tp if lay.sp else 1)
     p2p = comm.p2p(send, lay, hw) if lay.pp > 1 else 0.0
     makespan = pipeline_makespan(lay, times, p2p, exact)
@@ -442,31 +521,7 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
         # summed over those two ranks after the step's backward, not overlapped
         tied = cfg.vocab_size / lay.tp * cfg.hidden * elem_bytes
         t_dp_exposed += comm.all_reduce(tied, 2, st["pp"] * (lay.pp - 1), hw)
-    zg = lay.zero_group  # the ranks ZeRO-3 gathers over: dp x cp, or HSDP's shard group
-    param_full = states["parameters"] * (zg if lay.zero >= 3 else 1)
-    t_gather = 0.0
-    if dpc > 1 and 1 <= lay.zero <= 2 and fw.zero1_allgather_exposed:
-        t_gather = comm.all_gather(param_full / fw.param_bytes * min(fw.param_bytes, 2), dpc, st["dpcp"], hw)
-    if dpc > 1 and lay.zero >= 3:  # gathered one block ahead: exposed where a block's gather outlasts its compute
-        n_layers = max(1, -(-cfg.n_layers // lay.pp))
-        gathered = fw.gather_bytes or fw.param_bytes
-        if lay.ep > 1:  # the routed experts are units of their own over the edp ranks holding the same experts
-            # (`parallel.data.FullyShardedDataParallel`); with edp = 1 they stay whole and are not gathered
-            ag = comm.all_gather(rp.dense * gathered / n_layers, zg, st["dpcp"], hw)
-            if lay.expert_zero_group > 1:  # over the ranks of the shard group that hold the same experts
-                ag += comm.all_gather(rp.expert * gathered / n_layers, lay.expert_zero_group, st["dpcp"] * lay.ep, hw)
-        else:
-            ag = comm.all_gather(rp.total * gathered / n_layers, zg, st["dpcp"], hw)  # a block, as gathered
-        # the compute of one block of the first stage (interleaved: a stage holds 1/v of the rank's blocks)
-        per_block = (times.f[0] + times.b[0] + times.w[0]) / max(1, times.counts[0])
-        # gathered for every forward and backward; under pp once per step (the weights stay gathered)
-        gathers = 1 if lay.pp > 1 else lay.grad_accum_steps * 2
-        t_gather = gathers * n_layers * exposed(ag, per_block / 3, overlap)
-        # what each unit (the blocks and the root) costs per micro-batch beyond its collectives, as measured
-        units = n_layers + 1
-        if lay.ep > 1 and cfg.is_moe:  # per MoE layer: the router's unit, the shared experts', the experts'
-            units += n_layers * (1 + (cfg.n_shared_experts > 0) + (lay.edp > 1))
-        t_gather += lay.grad_accum_steps * units * hw.zero3_unit_us * 1e-6
+    t_gather = _gather_time(cfg, lay, fw, hw, times, rp, states, st)
     # the optimizer step streams parameters, gradients and states once, plus a fixed cost per tensor
     opt_bandwidth = (hw.optimizer_gbps * 1e9 if hw.optimizer_gbps else hw.hbm_gbps * 1e9 / 2) / hw.compute_scale
     t_opt = (states["parameters"] + states["gradients"] + states["optimizer"]) / opt_bandwidth \
@@ -493,8 +548,6 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
 def optimizer_tensors(cfg: ModelConfig, lay: Layout, fw: Framework) -> int:
     """Tensors the optimizer step walks on one rank: every parameter tensor of its stage, or under ZeRO-1/2
     one flat shard per gradient bucket (buckets split weights from norms, tp-sharded from replicated)."""
-    from fivefold.planner.memory import model_state_bytes
-
     if 1 <= lay.zero <= 2 and lay.dp * lay.cp > 1:
         grads = model_state_bytes(cfg, lay, fw, "first")["gradients"] * lay.dp * lay.cp
         classes = 2 if lay.tp == 1 else 4

@@ -32,12 +32,19 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from fivefold.config import ConfigError, ModelConfig
+from fivefold.config import ModelConfig, config_from_dict
+from fivefold.errors import CliError
+from fivefold.planner import profile
+from fivefold.planner.features import FEATURES, with_features
 from fivefold.planner.hardware import Cluster, get_cluster
 from fivefold.planner.layout import FRAMEWORKS, Framework, Layout
+from fivefold.planner.predict import compute_dtype, estimate_run, layout_of, load_hardware, on_one_node
+from fivefold.planner.profile import all_frameworks
 from fivefold.planner.score import spearman
 from fivefold.planner.search import estimate, gib, memory_of
 from fivefold.planner.time import stage_split_problem
+from fivefold.sweep.store import StoreError
+from fivefold.sweep.store import read_rows as read_store
 
 DATA_NAME = "playbook_benchmark_runs.csv"
 
@@ -82,9 +89,9 @@ class Row:
         return tokens / (self.tok_s_gpu * self.layout.world_size) if self.tok_s_gpu else 0.0
 
 
-def read_rows(path: Path) -> list[Row]:
+def read_runs_csv(path: Path) -> list[Row]:
     if not path.is_file():
-        raise ConfigError(
+        raise CliError(
             f"--data {str(path)!r} does not exist. `plan validate` needs the 3,264 runs of the benchmark figure of "
             "the Ultra-Scale Playbook (Hugging Face, 2025) as a CSV, playbook_benchmark_runs.csv, which this package "
             "does not ship: it is extracted from the figure's embedded data (GitHub vinjn/nanotron-ultrascale-"
@@ -110,7 +117,7 @@ def read_rows(path: Path) -> list[Row]:
             ok = r["status"] == "ok"
             split = (r.get("split") or "").strip()
             if split not in ("", "fit", "held-out"):
-                raise ConfigError(f"--data {str(path)!r}, row {len(rows) + 2}: split = {split!r}; use 'fit' or "
+                raise CliError(f"--data {str(path)!r}, row {len(rows) + 2}: split = {split!r}; use 'fit' or "
                                   "'held-out' (or leave it empty: rows of 1-2 nodes are fitted, the rest held out)")
             rows.append(Row(cfg, lay, int(r["nodes"]), int(r["seq_len"]), ok,
                             float(r["tok_s_gpu"]) if ok and r["tok_s_gpu"] else 0.0,
@@ -124,15 +131,10 @@ def read_rows(path: Path) -> list[Row]:
 def read_results(path: Path, hardware_file: str | None) -> tuple[list[Row], list[str]]:
     """The runs of a `fivefold sweep` store that finished or ran out of memory, with the planner's estimate; and
     the profiles the sweep itself predicted with that differ from the ones these estimates use."""
-    from fivefold.config import config_from_dict
-    from fivefold.planner.predict import compute_dtype, estimate_run, layout_of, load_hardware, on_one_node
-    from fivefold.sweep.store import StoreError
-    from fivefold.sweep.store import read_rows as read_store
-
     try:
         stored = read_store(path)
     except StoreError as e:
-        raise ConfigError(f"--results: {e}") from None
+        raise CliError(f"--results: {e}") from None
     profiles: dict[str, Cluster] = {}  # device kind -> the profile its runs are estimated with
     other: set[str] = set()
     rows = []
@@ -156,15 +158,13 @@ def read_results(path: Path, hardware_file: str | None) -> tuple[list[Row], list
                         (r["model"], f"{r['n_devices']} dev"), r["step_time_s"] if ok else 0.0,
                         estimate_run(cfg, hw, device_type)))
     if not rows:
-        raise ConfigError(f"--results {str(path)!r} holds no run that finished or ran out of memory")
+        raise CliError(f"--results {str(path)!r} holds no run that finished or ran out of memory")
     return rows, sorted(other)
 
 
 def load_profile(path: Path | None) -> tuple[Framework, Cluster]:
     """The fitted constants: a profile (`fivefold.planner.profile`; framework fields under [framework],
     hardware fields at the top level or under [hardware]), nanotron on `h100-efa` where it names neither."""
-    from fivefold.planner import profile
-
     fw, hw = profile.load(path or DEFAULT_PROFILE, None, "h100-efa")
     return fw or FRAMEWORKS["nanotron"], hw
 
@@ -284,12 +284,10 @@ def fit_matmul_efficiency(rows: list[Row], fw: Framework, hw: Cluster) -> Cluste
     """The large-GEMM efficiency alone (which also scales the attention figures, `planner/time.py`) that
     minimises the median absolute log error of tokens/s per GPU on `rows` (e.g. one named row): a grid of 0.0025
     from 0.20 to 0.99, each row modelled with its own framework and features."""
-    from fivefold.planner.profile import all_frameworks
-
     known = all_frameworks()
     ok = [r for r in rows if r.ok]
     if not ok:
-        raise ConfigError("--fit --fit-fields matmul_efficiency: no finished row to fit on (the rows with split = fit)")
+        raise CliError("--fit --fit-fields matmul_efficiency: no finished row to fit on (the rows with split = fit)")
 
     def score(value: float) -> float:
         h2 = dataclasses.replace(hw, matmul_efficiency=value)
@@ -371,13 +369,11 @@ def metrics(rows: list[Row], preds: list) -> dict:
 def check_features(rows: list[Row]) -> dict[str, int]:
     """How many rows use each feature (`features` column; "rows": with any), every name checked: a feature is an
     input of the compute model (`planner/features.py`), not a reason to leave a row out."""
-    from fivefold.planner.features import FEATURES
-
     counts: dict[str, int] = defaultdict(int)
     for r in rows:
         unknown = [f for f in r.features if f not in FEATURES]
         if unknown:
-            raise ConfigError(f"--data: row of {r.model.name} on {r.nodes} node(s) has features {'+'.join(unknown)!r}"
+            raise CliError(f"--data: row of {r.model.name} on {r.nodes} node(s) has features {'+'.join(unknown)!r}"
                               f"; known features: {', '.join(FEATURES)} (joined with '+')")
         for f in r.features:
             counts[f] += 1
@@ -388,19 +384,15 @@ def check_features(rows: list[Row]) -> dict[str, int]:
 def row_framework(r: Row, fw: Framework, known: dict[str, Framework]) -> Framework:
     """The framework a row is modelled with: the profile's for the playbook's nanotron rows, else the row's own
     (a built-in one or a file of `planner/frameworks/`), with the row's features (`planner/features.py`)."""
-    from fivefold.planner.features import with_features
-
     if r.framework == "nanotron" or r.framework == fw.name:
         return with_features(fw, r.features)
     if r.framework not in known:
-        raise ConfigError(f"--data: framework = {r.framework!r} (a row of {r.model.name} on {r.nodes} node(s)) is not "
+        raise CliError(f"--data: framework = {r.framework!r} (a row of {r.model.name} on {r.nodes} node(s)) is not "
                           f"known; known frameworks: {', '.join(sorted(known))}")
     return with_features(known[r.framework], r.features)
 
 
 def validate(rows: list[Row], fw: Framework, hw: Cluster, exact: bool = True) -> dict:
-    from fivefold.planner.profile import all_frameworks
-
     known = all_frameworks()
     preds = [estimate(r.model, r.seq, r.layout, row_framework(r, fw, known), hw, exact) for r in rows]
     held_out = [r.held_out if r.held_out is not None else r.nodes not in FIT_NODES for r in rows]
@@ -454,22 +446,22 @@ def run_validate_results(args: argparse.Namespace) -> int:
 def run_validate(args: argparse.Namespace) -> int:
     if getattr(args, "results", None):
         if args.data or args.fit:
-            raise ConfigError("--results reads a sweep's store; it does not combine with --data or --fit")
+            raise CliError("--results reads a sweep's store; it does not combine with --data or --fit")
         return run_validate_results(args)
     if not args.data and DEFAULT_DATA is None:
-        raise ConfigError(f"fivefold plan validate needs the runs CSV: give --data FILE (the playbook's benchmark "
+        raise CliError(f"fivefold plan validate needs the runs CSV: give --data FILE (the playbook's benchmark "
                           f"runs, {DATA_NAME}; a clone of the repository finds it in ../shared/data beside the "
                           "checkout, an installed package has no default)")
     path = Path(args.data) if args.data else DEFAULT_DATA
-    rows = read_rows(path)
+    rows = read_runs_csv(path)
     with_features = check_features(rows)
     fw, hw = load_profile(Path(args.profile) if args.profile else None)
     by_split = any(r.held_out is not None for r in rows)
     fields = [f.strip() for f in (getattr(args, "fit_fields", "") or "").split(",") if f.strip()]
     if fields and not args.fit:
-        raise ConfigError("--fit-fields chooses what --fit fits; add --fit")
+        raise CliError("--fit-fields chooses what --fit fits; add --fit")
     if [f for f in fields if f not in FIT_FIELDS] or (fields and fields != ["matmul_efficiency"]):
-        raise ConfigError(f"--fit-fields {','.join(fields)!r}: fit either everything (leave it out) or "
+        raise CliError(f"--fit-fields {','.join(fields)!r}: fit either everything (leave it out) or "
                           "matmul_efficiency alone (e.g. on one row marked split = fit)")
     train = [r for r in rows if (not r.held_out if r.held_out is not None else r.nodes in FIT_NODES)]
     where = "the rows with split = fit" if by_split else "rows of 1-2 nodes"
@@ -485,8 +477,6 @@ def run_validate(args: argparse.Namespace) -> int:
               + ", ".join(f"{name} = {getattr(fw if table == 'framework' else hw, name)}"
                           for table, name, _ in TIME_GRID) + f", inter_latency_us = {hw.inter_latency_us}")
     if args.fit and getattr(args, "out", None):
-        from fivefold.planner import profile
-
         profile.write(args.out, fw, hw, hw.device if by_split else "h100-efa",
                       f"fitted by `fivefold plan validate --fit` on the {len(train)} {where} of {path.name}")
         print(f"wrote {args.out} (use it with: fivefold plan --hardware {args.out} ...)")
@@ -503,8 +493,6 @@ def run_validate(args: argparse.Namespace) -> int:
     split = "by the file's split column" if by_split else f"constants fitted on nodes {nodes} only"
     print(f"{path.name}: {len(rows)} rows, modelled as {', '.join(frameworks)} on {hw.name}; {split}")
     if with_features:
-        from fivefold.planner.features import FEATURES
-
         counts = dict(with_features)
         print(f"{counts.pop('rows')} row(s) modelled with their features: " + ", ".join(
             f"{FEATURES[f]} ({n})" for f, n in sorted(counts.items())))

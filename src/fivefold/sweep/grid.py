@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from fivefold.config import Config, ConfigError, build_config, load_file
+from fivefold.layout import check_layout
 
 SECTIONS = ("model", "layout", "train", "data", "log")
 TOP_KEYS = {"name": str, "steps": int, "warmup": int, "timeout": (int, float), "devices": (int, list)}
@@ -172,8 +173,6 @@ def layout_label(cfg: Config) -> str:
 def expand(grid: Grid) -> tuple[list[PlannedRun], dict[str, int]]:
     """Every run of the grid (deduplicated by key, in grid order) and the count of combinations dropped
     because their layout does not fill a device count, by reason."""
-    from fivefold.layout import check_layout
-
     runs: dict[str, PlannedRun] = {}
     dropped: dict[str, int] = {}
     for product in grid.products:

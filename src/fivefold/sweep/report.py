@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from fivefold.errors import CliError
+from fivefold.planner.score import spearman
+from fivefold.sweep.store import StoreError, read_rows
 
 AXES = {"dp": "data parallel (dp)", "tp": "tensor parallel (tp)", "pp": "pipeline parallel (pp)",
         "cp": "context parallel (cp)", "micro_batch_size": "micro-batch size (sequences)",
@@ -51,8 +53,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def accuracy(ok: list[dict]) -> dict[str, Any]:
     """Median absolute relative error and Spearman correlation of predicted vs measured step time and memory."""
-    from fivefold.planner.score import spearman
-
     out: dict[str, Any] = {}
     for name, predicted, measured in (("step_time", "predicted_step_time_s", "step_time_s"),
                                       ("memory", "predicted_peak_memory_bytes", "peak_memory_bytes")):
@@ -410,8 +410,6 @@ def write_page(out: Path, source: str, rows: list[dict], figures: list[tuple[str
 
 def make_report(results: str | Path, out: str | Path) -> dict:
     """Write the plots, index.html and summary.json into `out`; returns the summary."""
-    from fivefold.sweep.store import StoreError, read_rows
-
     try:
         rows = read_rows(results)
     except StoreError as e:

@@ -26,6 +26,7 @@ from pathlib import Path
 import fivefold
 from fivefold.config import dump_toml
 from fivefold.faults import preexec_die_with_parent
+from fivefold.launch import write_slurm_script
 from fivefold.sweep.grid import PlannedRun, config_json
 
 TERM_GRACE_S = 20.0
@@ -212,8 +213,6 @@ def slurm_shape(n_devices: int, gpus_per_node: int) -> tuple[int, int] | None:
 def write_job(plan: PlannedRun, runs: Path, steps: int, warmup: int, timeout: float, gpus_per_node: int,
               sweep: str) -> Path:
     """Write `RUNS/KEY/job.sh` (and the run's config); the caller checked `slurm_shape`."""
-    from fivefold.launch import write_slurm_script
-
     folder = prepare(runs, plan).resolve()
     nodes, per_node = slurm_shape(plan.n_devices, gpus_per_node) or (1, plan.n_devices)
     minutes = max(1, math.ceil(timeout / 60))

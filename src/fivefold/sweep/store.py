@@ -23,8 +23,9 @@ Columns (one row per run; JSON columns hold text):
     predicted_fits, prediction (JSON: time and memory by part), hardware (the profile's name)
     device, device_name, torch, host, started_at, finished_at, wall_s
 
-A store written by the previous release has `grad_accum` where this one has `grad_accum_steps`: opening it adds
-the new column (nothing is removed or rewritten), and rows read from it carry both names for one release.
+A store written by an earlier release has `grad_accum` where this one has `grad_accum_steps`: opening it adds
+the new column (nothing is removed or rewritten), and its rows read with the old column's values under the new
+name.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ COLUMNS: dict[str, str] = {
     "device": "TEXT", "device_name": "TEXT", "torch": "TEXT", "host": "TEXT", "started_at": "TEXT",
     "finished_at": "TEXT", "wall_s": "REAL",
 }
-# columns renamed since the previous release: old name -> new name (rows carry both for one release)
+# columns renamed since an earlier release: old name -> new name (an old store's rows read under the new name)
 RENAMED = {"grad_accum": "grad_accum_steps"}
 STATUSES = ("ok", "oom", "crash", "timeout", "invalid", "interrupted")
 JSON_COLUMNS = ("config", "peak_memory_per_rank", "prediction")
@@ -150,9 +151,10 @@ class Store:
 
 def _decode(names: list[str], values: tuple) -> dict[str, Any]:
     row = dict(zip(names, values, strict=True))
-    for old, new in RENAMED.items():  # both names, whichever release wrote the row
-        value = row.get(new) if row.get(new) is not None else row.get(old)
-        row[old] = row[new] = value
+    for old, new in RENAMED.items():  # the new name, whichever release wrote the row
+        value = row.pop(old, None)
+        if row.get(new) is None:
+            row[new] = value
     for k in JSON_COLUMNS:
         if row.get(k) is not None:
             row[k] = json.loads(row[k])

@@ -57,7 +57,7 @@ def build_engine(cfg: Config, device: torch.device, bucket_bytes: int = DEFAULT_
     return Engine(cfg, device, parts, loss_model, data_parallels, runner, grid)
 
 
-create_engine = build_engine  # the name the training loop, the benchmark and the tests call
+create_engine = build_engine  # the name the training loop, the benchmark and the tests call (also in train.engine)
 
 
 def model_parts(cfg: Config, grid: ProcessGrid | None, device: torch.device) -> dict[int, Llama]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -35,6 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="validate the config and the layout and print the run and the planner's prediction for "
                    "it, without starting any process")
+    p.add_argument("--only-rank", type=int, metavar="K",
+                   help="run only rank K of the layout, alone on this machine's device at full size, every other "
+                   "rank stood in for; print its peak memory and step time beside the planner's (docs/only-rank.md)")
+    p.add_argument("--json", action="store_true", help="--only-rank: print one JSON object")
     p.add_argument("--gpu", help="--dry-run: the planner's hardware preset for the prediction (default h100, cpu "
                    "when train.device = cpu); see `fivefold plan --help`")
     p.epilog = ("Any config field can be set as --section.field VALUE, e.g. --layout.dp 2 --train.lr 1e-3; "
@@ -77,10 +82,15 @@ def resolve_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from fivefold.launch import check_layout, finish_distributed, local_world_size, start_or_join
+    from fivefold.launch import finish_distributed, local_world_size, start_or_join
+    from fivefold.layout import check_layout
     from fivefold.train import preflight
     from fivefold.train.loop import RunDirError, train
 
+    if args.only_rank is not None:
+        refuse_with_only_rank(args)
+    elif args.json:
+        raise CliError("--json goes with --only-rank")
     preflight.check_nproc(args.nproc, args.nodes)
     if args.hf:
         preflight.check_hf_dir(args.hf)
@@ -94,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
     from fivefold.train.metrics import check_logging_backends
 
     check_logging_backends(cfg.log)
+    if args.only_rank is not None:
+        return only_rank(cfg, args)
     if args.dry_run:
         return dry_run(cfg, args)
     check_layout(cfg, args.nodes * args.nproc if args.slurm else local_world_size(args.nproc))
@@ -112,7 +124,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {path}: {args.nodes} node(s) x {args.nproc} processes, time limit {args.time}; submit it "
               f"with `sbatch {path}`")
         return 0
-    preflight.check_start(cfg, args.nproc, resume=args.resume)
+    device = preflight.check_start(cfg, resume=args.resume)
+    if device is not None:  # the process the user started: the planner's prediction on the device the run uses
+        from fivefold.planner.predict import check_fits, device_cluster
+
+        e = check_fits(cfg, device_cluster(device, args.nproc), device.type)
+        for line in preflight.warnings(cfg, device, e.step_time_s):
+            print(f"fivefold: warning: {line}", file=sys.stderr)
     # every process must agree on the run directory
     status = start_or_join(cfg, args.nproc, forwarded_argv(args, cfg.run_dir), "train")
     if status is not None:
@@ -127,6 +145,30 @@ def run(args: argparse.Namespace) -> int:
     return result.exit_code  # 3 after a streak of non-finite steps, 128 + N when signal N stopped it
 
 
+def refuse_with_only_rank(args: argparse.Namespace) -> None:
+    """The flags --only-rank cannot take, refused by name before anything runs."""
+    from fivefold.only_rank import in_launcher
+
+    for flag, given in (("--resume", args.resume), ("--hf", args.hf), ("--slurm", args.slurm),
+                        ("--dry-run", args.dry_run), ("--profile", args.profile), ("--nproc", args.nproc > 1),
+                        ("--nodes", args.nodes > 1)):
+        if given:
+            raise CliError(f"--only-rank runs one rank alone with meaningless values and writes nothing, so it does "
+                           f"not take {flag}; drop {flag} (or --only-rank)")
+    if in_launcher():
+        raise CliError("--only-rank runs one process on its own; start it without torchrun or --nproc")
+
+
+def only_rank(cfg: Config, args: argparse.Namespace) -> int:
+    """`--only-rank K`: rank K of the layout alone (`fivefold.only_rank`)."""
+    from fivefold.launch import check_layout
+    from fivefold.only_rank import check_rank, run_only_rank
+
+    check_layout(cfg, cfg.layout.world_size)
+    check_rank(cfg, args.only_rank)
+    return run_only_rank(cfg, args.only_rank, as_json=args.json)
+
+
 _SLURM_TIME = re.compile(r"^(\d+-)?\d{1,3}:\d{2}:\d{2}$")
 
 
@@ -139,7 +181,7 @@ def check_slurm_time(value: str) -> None:
 def dry_run(cfg: Config, args: argparse.Namespace) -> int:
     """Validate `cfg` for its layout's world size and print what the run would do and the planner's prediction."""
     from fivefold.flops import count_params
-    from fivefold.launch import check_layout
+    from fivefold.layout import check_layout
     from fivefold.planner.hardware import get_cluster
     from fivefold.planner.predict import estimate_run, run_framework
 

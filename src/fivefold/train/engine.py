@@ -40,7 +40,7 @@ from fivefold.train.checkpoint import Piece
 from fivefold.train.optim import build_adamw, lr_at
 from fivefold.train.step import StepRunner, stage_modules
 
-__all__ = ["MOMENTS", "Engine", "Segment"]
+__all__ = ["MOMENTS", "Engine", "Segment", "create_engine"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -456,3 +456,11 @@ def stage_owner(name: str, counts: list[int], placement: tuple[int, ...]) -> int
         stage = next(s for s, r in enumerate(layer_ranges(counts)) if index in r)
         return placement[stage]
     return placement[-1]  # final norm, output layer
+
+
+def create_engine(cfg: Config, device: torch.device) -> Engine:
+    """The engine for `cfg` on this rank: `fivefold.train.build.build_engine`, under the name callers import from
+    here."""
+    from fivefold.train.build import build_engine  # build.py imports this module
+
+    return build_engine(cfg, device)

@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TextIO
 
 import torch
 
@@ -29,6 +29,8 @@ from fivefold.config import (
     load_file,
     write_text_atomic,
 )
+from fivefold.data import BatchSampler, TokenDataset, default_cache_dir, ensure_builtin_dataset, val_batches
+from fivefold.data.format import DataError, tokenizer_fingerprint
 from fivefold.device import resolve_device
 from fivefold.flops import training_flops_per_token
 from fivefold.train import checkpoint as ckpt
@@ -52,10 +54,6 @@ from fivefold.train.metrics import (
 class RunDirError(Exception):
     """The run directory cannot be used as asked (holds another run, or has nothing to resume)."""
 
-
-if TYPE_CHECKING:
-    from fivefold.data import BatchSampler, TokenDataset
-
 @dataclass
 class TrainResult:
     run_dir: Path
@@ -74,8 +72,6 @@ EXIT_NON_FINITE = 3
 
 def resolve_data(cfg: Config, is_first_rank: bool, barrier) -> Path:
     """The prepared dataset directory: the configured one, or the built-in corpus (prepared on first use)."""
-    from fivefold.data import default_cache_dir, ensure_builtin_dataset
-
     if cfg.data.path:
         path = Path(cfg.data.path)
         if not path.is_dir():
@@ -141,8 +137,6 @@ HF_TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
 def check_hf_tokenizer(hf_dir: Path, dataset) -> None:
     """Refuse data prepared with another tokenizer than the Hugging Face model's own (fingerprints differ)."""
-    from fivefold.data.format import DataError, tokenizer_fingerprint
-
     hf_tokenizer = hf_dir / "tokenizer.json"
     if not hf_tokenizer.is_file():
         return  # nothing to compare: the model directory carries no tokenizer
@@ -253,8 +247,6 @@ def load_data(cfg: Config, is_first: bool, hf_init: Path | None) -> tuple[
 ]:
     """(dataset directory, training set, its sampler from step 0, validation batches), the data checked against
     the model's vocabulary and, with `hf_init`, the Hugging Face model's tokenizer."""
-    from fivefold.data import BatchSampler, TokenDataset, val_batches
-
     t = cfg.train
     barrier = torch.distributed.barrier if torch.distributed.is_initialized() else (lambda: None)
     data_dir = resolve_data(cfg, is_first, barrier)

@@ -20,8 +20,8 @@ from typing import Any, TextIO
 
 import torch
 
+from fivefold.accelerators import device_peak_tflops
 from fivefold.config import ConfigError, LogConfig, write_text_atomic
-from fivefold.hardware import device_peak_tflops
 
 
 def peak_memory_bytes(device: torch.device) -> int:

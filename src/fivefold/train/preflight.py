@@ -2,7 +2,9 @@
 
 Each check raises `ConfigError` (printed without a traceback, exit status 2) naming the field or option, the
 value, the rule and what would work; `warnings` returns lines for settings that work but probably were not
-meant (a warm-up longer than the run, a step that reads the dataset many times over).
+meant (a step, a run or an evaluation that takes hours). Whether the run fits in memory, and how long its step
+takes, is the planner's prediction (`fivefold.planner.predict.check_fits`), which the command line runs beside
+`check_start`: this layer sits below the planner and does not model memory or time itself.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from fivefold.config import Config, ConfigError
-
-BYTES_PER_PARAM = 16  # fp32 weights, gradients and Adam's two moments: the least a trained parameter takes
+from fivefold.config import Config, ConfigError, check_device_name
+from fivefold.device import resolve_device
+from fivefold.train.metrics import check_logging_backends
 
 
 def check_nproc(nproc: int, nodes: int = 1) -> None:
@@ -26,9 +28,6 @@ def check_nproc(nproc: int, nodes: int = 1) -> None:
 
 def check_device(name: str) -> torch.device:
     """The device `train.device` names, present on this machine."""
-    from fivefold.config import check_device_name
-    from fivefold.device import resolve_device
-
     check_device_name(name)
     device = resolve_device(name)
     if device.type == "cpu":
@@ -43,50 +42,6 @@ def check_device(name: str) -> torch.device:
         raise ConfigError(f"train.device = {name!r}: this machine has {count} {device.type} device(s), numbered "
                           f"0 to {count - 1}")
     return device
-
-
-def device_memory_bytes(device: torch.device, local_ranks: int) -> int:
-    """Memory one rank can use at most: the accelerator's total, or the machine's RAM shared by its ranks."""
-    if device.type == "cpu":
-        try:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            return 0
-        return total // max(local_ranks, 1)
-    module = getattr(torch, device.type, None)
-    try:
-        return int(module.get_device_properties(device.index or 0).total_memory)
-    except (AttributeError, RuntimeError, AssertionError):
-        return 0
-
-
-def check_memory(cfg: Config, device: torch.device, local_ranks: int) -> None:
-    """Refuse a run whose weights, gradients and optimizer state (spread over every rank) plus one micro-batch's
-    fp32 logits cannot fit in a rank's memory: a lower bound, so it never refuses a run that would fit."""
-    from fivefold.flops import count_params
-
-    params = count_params(cfg.model)
-    la, t = cfg.layout, cfg.train
-    world = max(la.world_size, 1)
-    states = BYTES_PER_PARAM * params / world
-    logits = 4 * cfg.micro_batch_size * (t.seq_len // la.cp) * cfg.model.vocab_size / la.tp
-    have = device_memory_bytes(device, local_ranks)
-    if not have or states + logits <= have:
-        return
-    gib = 2**30
-    if states >= logits:
-        raise ConfigError(
-            f"model.hidden = {cfg.model.hidden}, model.n_layers = {cfg.model.n_layers}, model.ffn = {cfg.model.ffn}, "
-            f"model.vocab_size = {cfg.model.vocab_size}: {params:,} parameters need at least {states / gib:,.1f} GiB "
-            f"per rank for weights, gradients and Adam state ({BYTES_PER_PARAM} bytes each over {world} rank(s)), "
-            f"but a rank has {have / gib:,.1f} GiB of {device.type} memory; use a smaller model (see `fivefold "
-            "models`) or more ranks (`fivefold plan` finds a layout that fits)")
-    raise ConfigError(
-        f"layout.micro_batch_size = {cfg.micro_batch_size} sequences (train.global_batch_size = "
-        f"{t.global_batch_size} / layout.dp = {la.dp}, when micro_batch_size is 0) x train.seq_len = {t.seq_len}: "
-        f"the logits alone take {logits / gib:,.1f} GiB per rank, but a rank has {have / gib:,.1f} GiB of "
-        f"{device.type} memory; set a smaller --layout.micro_batch_size (gradient accumulation keeps the global "
-        "batch) or a smaller train.global_batch_size")
 
 
 def check_run_dir_writable(run_dir: Path, resume: bool) -> None:
@@ -141,33 +96,26 @@ def check_hf_dir(path: str) -> None:
 
 def check_extras(cfg: Config) -> None:
     """The optional packages that the config asks for, before anything is written."""
-    from fivefold.train.metrics import check_logging_backends
-
     check_logging_backends(cfg.log)
 
 
-def warnings(cfg: Config, device: torch.device) -> list[str]:
-    """Settings that work but probably were not meant."""
-    from fivefold.flops import training_flops_per_token
-
+def warnings(cfg: Config, device: torch.device, step_s: float) -> list[str]:
+    """Settings that work but probably were not meant, given the predicted seconds of one optimizer step."""
     t = cfg.train
     out = []
     # a warm-up longer than the run is said once, by the loop (train.loop), on every path into training
     tokens = t.global_batch_size * t.seq_len
-    flops = training_flops_per_token(cfg.model, t.seq_len) * tokens
-    # rough rates: 100 TFLOP/s per accelerator, 0.2 TFLOP/s per CPU process
-    rate = (100e12 if device.type != "cpu" else 0.2e12) * max(cfg.layout.world_size, 1)
-    step_s = flops / rate
     run_s = step_s * t.max_steps
-    eval_s = flops / 3 / t.global_batch_size * 16 * t.eval_batches / rate  # forward of eval_batches x <= 16 rows
+    # an evaluation is a forward (a third of a step's work per token) of eval_batches x <= 16 rows
+    eval_s = step_s / 3 / t.global_batch_size * 16 * t.eval_batches
+    ranks = f"on {max(cfg.layout.world_size, 1)} {device.type} rank(s), as the planner predicts"
     if run_s > 24 * 3600 or step_s > 600:
         out.append(f"train.global_batch_size = {t.global_batch_size} x train.seq_len = {t.seq_len} = {tokens:,} "
-                   f"tokens per step: ~{_duration(step_s)} per step and ~{_duration(run_s)} for {t.max_steps} steps on "
-                   f"{max(cfg.layout.world_size, 1)} {device.type} rank(s) (at {rate / 1e12:g} TFLOP/s)")
+                   f"tokens per step: ~{_duration(step_s)} per step and ~{_duration(run_s)} for {t.max_steps} steps "
+                   f"{ranks}")
     if eval_s > 600:
-        out.append(f"train.eval_batches = {t.eval_batches}: each evaluation takes ~{_duration(eval_s)} (at "
-                   f"{rate / 1e12:g} TFLOP/s); evaluations run at step 0, every train.eval_every = {t.eval_every} "
-                   "steps and at the end")
+        out.append(f"train.eval_batches = {t.eval_batches}: each evaluation takes ~{_duration(eval_s)} ({ranks}); "
+                   f"evaluations run at step 0, every train.eval_every = {t.eval_every} steps and at the end")
     return out
 
 
@@ -181,18 +129,15 @@ def _duration(s: float) -> str:
     return f"{s / 86400:,.0f} days"
 
 
-def check_start(cfg: Config, nproc: int, resume: bool = False, run_dir: bool = True, warn: bool = True) -> None:
-    """What this machine must offer the run (the device, its memory, the optional packages, a writable run
-    directory), checked once by the process the user started, before anything is written; then warnings for
-    settings that work but were probably not meant."""
-    import sys
-
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a started worker: its launcher checked
-        return
+def check_start(cfg: Config, resume: bool = False, run_dir: bool = True) -> torch.device | None:
+    """What this machine must offer the run (the device, the optional packages, a writable run directory),
+    checked once by the process the user started, before anything is written: the device the run uses, or None
+    in a started worker (its launcher checked). The command line then checks the memory with the planner's
+    prediction on that device and prints `warnings`."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return None
     device = check_device(cfg.train.device)
     check_extras(cfg)
-    check_memory(cfg, device, nproc)
     if run_dir:
         check_run_dir_writable(Path(cfg.run_dir), resume)
-    for line in warnings(cfg, device) if warn else []:
-        print(f"fivefold: warning: {line}", file=sys.stderr)
+    return device

@@ -26,7 +26,7 @@ level and those with N ranks under `[ranks.N]`; the planner reads the table for 
 Nothing here is fitted to training runs: the planner's predictions for the runs are built from these figures and
 the model's shapes and operator counts.
 
-The package: `plan` (what to measure: `Plan`, `Result`), `harness` (timing, the run's process groups),
+The package: `targets` (what to measure: `Plan`, `Result`), `harness` (timing, the run's process groups),
 `measure_compute` and `measure_comm` (the measurements), `ranks` (one group of ranks, started by the project's
 launcher), `fit` (link constants), `profile` (the TOML profile) and `cli` (the `fivefold calibrate` verb).
 """
@@ -40,13 +40,13 @@ from fivefold.planner.calibrate.harness import (
            MAX_SETS,
            Clock,
            RankGroups,
-           forward_backward,
            operand_sets,
+           time_forward_backward,
 )
 from fivefold.planner.calibrate.measure_comm import monotone
-from fivefold.planner.calibrate.plan import Plan, Result, make_plan, shapes_for
 from fivefold.planner.calibrate.profile import profile_tables, to_toml
+from fivefold.planner.calibrate.targets import Plan, Result, make_plan, shapes_for
 
 __all__ = ["COLD_SPAN_BYTES", "MAX_SETS", "Clock", "Plan", "RankGroups", "Result", "add_arguments", "calibrate",
-           "fit_link", "forward_backward", "make_plan", "monotone", "operand_sets", "profile_tables", "run",
+           "fit_link", "time_forward_backward", "make_plan", "monotone", "operand_sets", "profile_tables", "run",
            "shapes_for", "to_toml"]

@@ -11,10 +11,11 @@ import time
 from pathlib import Path
 
 from fivefold.config import ConfigError
+from fivefold.errors import CliError
 from fivefold.planner.calibrate.harness import size_text
-from fivefold.planner.calibrate.plan import Result, for_group, make_plan
 from fivefold.planner.calibrate.profile import profile_header, profile_name, profile_tables, write_profile
 from fivefold.planner.calibrate.ranks import measure_group, worker
+from fivefold.planner.calibrate.targets import Result, for_group, make_plan
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,18 +39,18 @@ def calibrate(args: argparse.Namespace) -> tuple[Path, dict[int, Result], float]
     from fivefold.train.preflight import check_device
 
     if args.seq_len < 0:
-        raise ConfigError(f"--seq-len = {args.seq_len} must be >= 1 (or 0 for the default)")
+        raise CliError(f"--seq-len = {args.seq_len} must be >= 1 (or 0 for the default)")
     if args.nproc_max < 0:
-        raise ConfigError(f"--nproc-max = {args.nproc_max} must be >= 1 (or 0 for the default)")
+        raise CliError(f"--nproc-max = {args.nproc_max} must be >= 1 (or 0 for the default)")
     try:
         device_type = check_device(args.device).type
     except ConfigError as e:
-        raise ConfigError(str(e).replace("train.device", "--device")) from None
+        raise CliError(str(e).replace("train.device", "--device")) from None
     plan, levels = make_plan(args, device_type)
     out = Path(args.out or f"calibrated-{device_type}.toml")
     if not out.parent.is_dir() or out.is_dir():  # before the minutes of measuring, not after
         why = "is a directory" if out.is_dir() else "its directory does not exist"
-        raise ConfigError(f"--out {str(out)!r}: {why}; "
+        raise CliError(f"--out {str(out)!r}: {why}; "
                           "give a file name in an existing directory, e.g. calibrated-cpu.toml")
     print(f"calibrate: {device_type}, ranks {levels[0]}..{levels[-1]}, {len(plan.linear)} linear, "
           f"{len(plan.attention)} attention and {len(plan.loss)} loss shapes, {len(plan.message_bytes)} message sizes"

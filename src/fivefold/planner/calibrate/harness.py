@@ -120,7 +120,7 @@ def operand_sets(set_bytes: int) -> int:
 OperandSet = tuple[Callable[[], torch.Tensor], list[torch.Tensor], torch.Tensor]
 
 
-def forward_backward(clock: Clock, make: Callable[[], OperandSet], set_bytes: int) -> tuple[float, float]:
+def time_forward_backward(clock: Clock, make: Callable[[], OperandSet], set_bytes: int) -> tuple[float, float]:
     """Seconds of a call with autograd recording, and of its backward, over rotating operand sets: `make()`
     returns one set, (the call, the leaves it differentiates, the output gradient)."""
     sets = [make() for _ in range(operand_sets(set_bytes))]
@@ -142,8 +142,8 @@ def forward_backward(clock: Clock, make: Callable[[], OperandSet], set_bytes: in
 
 def tflops(clock: Clock, make: Callable[[], OperandSet], set_bytes: int, flops: float) -> list[float]:
     """[forward, backward] TFLOP/s of a call doing `flops` forward (twice that backward), timed as
-    `forward_backward` times it."""
-    fwd, bwd = forward_backward(clock, make, set_bytes)
+    `time_forward_backward` times it."""
+    fwd, bwd = time_forward_backward(clock, make, set_bytes)
     return [flops / fwd / 1e12, 2 * flops / bwd / 1e12]
 
 

@@ -10,9 +10,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from fivefold.models.llama import Block, rope_cos_sin
 from fivefold.parallel.tensor_comm import all_gather_into, reduce_scatter_into
 from fivefold.planner.calibrate.harness import Clock, RankGroups, Say, size_text
-from fivefold.planner.calibrate.plan import KIB, Plan
+from fivefold.planner.calibrate.targets import KIB, Plan
 from fivefold.planner.hardware import loglog
 
 
@@ -91,8 +92,6 @@ def measure_zero3_unit(clock: Clock, model, collectives: dict, say: Say) -> floa
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
-
-    from fivefold.models.llama import Block, rope_cos_sin
 
     def build() -> nn.Module:
         torch.manual_seed(0)

@@ -8,15 +8,18 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from fivefold.config import TrainConfig
+from fivefold.models.loss import linear_cross_entropy_sum
 from fivefold.planner.calibrate.harness import (
     COLD_SPAN_BYTES,
     Clock,
     Say,
-    forward_backward,
     operand_sets,
     size_text,
     tflops,
+    time_forward_backward,
 )
+from fivefold.train.optim import build_adamw
 
 
 def measure_linear(clock: Clock, shapes, dtype: torch.dtype, say: Say) -> list[list[float]]:
@@ -55,8 +58,6 @@ def measure_attention(clock: Clock, shapes, dtype: torch.dtype, say: Say) -> lis
 def measure_loss(clock: Clock, shapes, dtype: torch.dtype, say: Say) -> list[list[float]]:
     """The engine's fused output layer + cross-entropy on one chunk of tokens (it computes its gradients in the
     forward; the backward scales them), by (tokens, vocabulary, hidden)."""
-    from fivefold.models.loss import linear_cross_entropy_sum
-
     rows = []
     for m, n, k in shapes:
         def make(m=m, n=n, k=k):
@@ -102,7 +103,7 @@ def measure_fixed_cost(clock: Clock, dtype: torch.dtype, say: Say) -> tuple[floa
         return y.sum()
 
     one = (chain, [x, w], torch.ones((), device=clock.device, dtype=dtype))
-    fwd, bwd = forward_backward(clock, lambda: one, COLD_SPAN_BYTES)  # fixed costs: one set, kept in cache
+    fwd, bwd = time_forward_backward(clock, lambda: one, COLD_SPAN_BYTES)  # fixed costs: one set, kept in cache
     ops = units * OPS_PER_UNIT
     say(f"operator fixed cost: forward {1e6 * fwd / ops:.1f} us, backward {1e6 * bwd / ops:.1f} us")
     return fwd / ops, bwd / ops
@@ -110,7 +111,7 @@ def measure_fixed_cost(clock: Clock, dtype: torch.dtype, say: Say) -> tuple[floa
 
 def measure_elementwise(clock: Clock, numels: list[int], dtype: torch.dtype, say: Say) -> list[list[float]]:
     """GB/s of a binary element-wise operator beyond its fixed cost, by the bytes of one operand (operands
-    rotated through sets beyond the caches, as `forward_backward`)."""
+    rotated through sets beyond the caches, as `time_forward_backward`)."""
     tiny = torch.ones(16, device=clock.device, dtype=dtype)
     base = clock.time(lambda: torch.mul(tiny, tiny))[0]
     rows = []
@@ -134,9 +135,6 @@ def measure_optimizer(clock: Clock, numel: int, say: Say) -> tuple[float, float]
     bytes of parameters, gradients and the two moments streamed per second on one large tensor, and the cost
     per tensor on many small ones."""
     from torch import nn
-
-    from fivefold.config import TrainConfig
-    from fivefold.train.optim import build_adamw
 
     def step_time(shapes: list[int]) -> float:
         params = nn.ParameterList([nn.Parameter(torch.randn(n, 1, device=clock.device)) for n in shapes])

@@ -9,13 +9,13 @@ from pathlib import Path
 
 from fivefold.config import write_text_atomic
 from fivefold.planner.calibrate.fit import fit_link
-from fivefold.planner.calibrate.plan import Result
+from fivefold.planner.calibrate.targets import Result
+from fivefold.planner.hardware import PRESETS
+from fivefold.planner.predict import default_hardware
 
 
 def profile_tables(results: dict[int, Result], device_type: str, threads: int, nproc: int, name: str) -> dict:
     """The TOML tables of a profile: top level from one rank, [ranks.N] from N ranks."""
-    from fivefold.planner.predict import default_hardware
-
     one = results[1]
     cpu = device_type == "cpu"
     best = max(r[3] for r in one.linear)
@@ -105,8 +105,6 @@ def profile_header(quick: bool, host: str, device_type: str, seconds: float, whe
 def profile_name(path: Path) -> str:
     """The profile's name: its file's, never a built-in profile's (a store's predictions name the profile they
     used)."""
-    from fivefold.planner.hardware import PRESETS
-
     return path.stem if path.stem.lower() not in PRESETS else f"{path.stem}-calibrated"
 
 

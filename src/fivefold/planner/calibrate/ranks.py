@@ -37,7 +37,7 @@ from fivefold.planner.calibrate.measure_compute import (
     measure_loss,
     measure_optimizer,
 )
-from fivefold.planner.calibrate.plan import Plan, Result
+from fivefold.planner.calibrate.targets import Plan, Result
 
 
 def run_ranks(plan: Plan, device: torch.device, groups: RankGroups) -> Result:

@@ -9,8 +9,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from fivefold.config import ConfigError, ModelConfig
+from fivefold.config import ModelConfig
+from fivefold.errors import CliError
+from fivefold.layout import tensor_parallel_problem
+from fivefold.models.loss import LOSS_CHUNK_TOKENS, TP_LOSS_CHUNK_TOKENS
 from fivefold.planner.hardware import COLLECTIVES
+from fivefold.planner.time import linear_shapes
+from fivefold.presets import get_preset
 
 KIB = 1024
 
@@ -84,16 +89,12 @@ def shapes_for(models: list, seq: int, micro_batches: list[int], tps: list[int])
     """Linear (m, n, k) and attention (batch, heads, kv heads, seq, head dim) shapes of the models' blocks, and
     output layer + loss (tokens per chunk, vocabulary, hidden) shapes, on one tp rank, as the planner's time
     model asks for them."""
-    from fivefold.models.loss import LOSS_CHUNK_TOKENS, TP_LOSS_CHUNK_TOKENS
-    from fivefold.planner.search import tp_valid
-    from fivefold.planner.time import linear_shapes
-
     linear: set[tuple[int, int, int]] = set()
     loss: set[tuple[int, int, int]] = set()
     attention: set[tuple[int, int, int, int, int]] = set()
     for cfg in models:
         for tp in tps:
-            if tp_valid(cfg, tp):
+            if tensor_parallel_problem(cfg, tp):  # a degree the engine refuses for this model
                 continue
             for mbs in micro_batches:
                 tokens = mbs * seq
@@ -109,24 +110,22 @@ def shapes_for(models: list, seq: int, micro_batches: list[int], tps: list[int])
 
 def make_plan(args: argparse.Namespace, device_type: str) -> tuple[Plan, list[int]]:
     """The measurement plan and the rank counts to run it with."""
-    from fivefold.presets import get_preset
-
     cpu = device_type == "cpu"
     names = [m for m in (args.model or ("tiny" if cpu else "llama-3.2-1b")).split(",") if m]
     models = [get_preset(n) for n in names]
     seq = args.seq_len or (128 if cpu else 4096)
     if seq < 8:
-        raise ConfigError(f"--seq-len = {seq} must be >= 8")
+        raise CliError(f"--seq-len = {seq} must be >= 8")
     nproc = args.nproc_max or (4 if cpu else max(torch.accelerator.device_count(), 1))
     if args.quick:
         nproc = min(nproc, 2) if args.nproc_max == 0 else nproc
     if nproc < 1:
-        raise ConfigError(f"--nproc-max = {nproc} must be >= 1")
+        raise CliError(f"--nproc-max = {nproc} must be >= 1")
     if not cpu and nproc > torch.accelerator.device_count():
-        raise ConfigError(f"--nproc-max = {nproc} exceeds the {torch.accelerator.device_count()} {device_type} "
+        raise CliError(f"--nproc-max = {nproc} exceeds the {torch.accelerator.device_count()} {device_type} "
                           "devices of this machine")
     if args.threads < 1:
-        raise ConfigError(f"--threads = {args.threads} must be >= 1")
+        raise CliError(f"--threads = {args.threads} must be >= 1")
     tps = [t for t in (1, 2, 4, 8) if t <= nproc]
     if args.quick:
         mbs, sizes, elem = [2], [4 * KIB, 1024 * KIB], [2**12, 2**20]

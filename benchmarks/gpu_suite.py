@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ("llama3.1-8b-1x8-h100", "llama3.1-70b-4x8-h100", "olmoe-1b-7b-2x8-h100")
+EXAMPLES = ("llama3.1-70b-4x8-h100", "llama3.1-8b-1x8-h100", "olmoe-1b-7b-2x8-h100")
 # the shape every --dry step trains instead of the full-size one (the layout is kept)
-TINY = {"model.hidden": "64", "model.n_heads": "4", "model.n_kv_heads": "2", "model.ffn": "128",
+TINY = {"model.hidden": "64", "model.n_heads": "4", "model.n_kv_heads": "4", "model.ffn": "128",
         "model.vocab_size": "512", "model.max_seq_len": "128"}
 TINY_MOE = {**TINY, "model.moe_ffn": "64"}
 # step e's layouts: each pipeline schedule and each data-parallel wrapper once (world size, layout overrides)
@@ -45,7 +45,7 @@ PATHS: list[tuple[str, int, dict[str, str]]] = [
     ("pp2 1f1b", 2, {"layout.pp": "2", "layout.schedule": "1f1b"}),
     ("pp2 interleaved vpp2", 2, {"layout.pp": "2", "layout.schedule": "interleaved", "layout.vpp": "2"}),
     ("pp2 zero-bubble", 2, {"layout.pp": "2", "layout.schedule": "zero-bubble"}),
-    ("pp2 dualpipev", 2, {"layout.pp": "2", "layout.schedule": "dualpipev", "layout.vpp": "2"}),
+    ("pp2 dualpipev", 2, {"layout.pp": "2", "layout.schedule": "dualpipev"}),
     ("dp2 zero0", 2, {"layout.dp": "2", "layout.zero": "0"}),
     ("dp2 zero1", 2, {"layout.dp": "2", "layout.zero": "1"}),
     ("dp2 zero2", 2, {"layout.dp": "2", "layout.zero": "2"}),
@@ -77,7 +77,7 @@ def overrides(values: dict[str, str]) -> list[str]:
     return [a for key, value in values.items() for a in (f"--{key}", value)]
 
 
-def bench_steps(dry: bool) -> list[Step]:
+def bench_steps(dry: bool, micro_batches: tuple[int, ...] = (4, 2, 8)) -> list[Step]:
     """Steps a and c: fivefold bench of the dense 1B shape over micro-batches, and of OLMoE's shape cut to a few
     layers."""
     if dry:
@@ -88,7 +88,7 @@ def bench_steps(dry: bool) -> list[Step]:
         moe = ["--model", "olmoe-1b-7b", "--model.n_layers", "4", "--seq-len", "4096", "--micro-batch", "2",
                "--steps", "6", "--warmup", "3", "--compile"]
     steps = [Step(f"bench dense mb{mb}", "a", fivefold("bench", *dense, "--micro-batch", str(mb), "--json"), 150)
-             for mb in (4, 2, 8)]
+             for mb in micro_batches]
     steps.insert(1, Step("bench moe", "c", fivefold("bench", *moe, "--json"), 150))
     return steps
 
@@ -99,12 +99,12 @@ def only_rank_steps(dry: bool, out: Path) -> list[Step]:
     common = ["--max-steps", "2", "--json", "--log.log_every", "1", "--train.eval_every", "0"]
     for name in EXAMPLES:
         config = ROOT / "examples" / f"{name}.toml"
-        world = _world_size(config)
+        world, pipelined = _world_size(config)
         # a few micro-batches: the peak depends on the micro-batches in flight, not on how many are accumulated
         shape = overrides({**(TINY_MOE if "olmoe" in name else TINY), "model.n_layers": "8",
                            "train.seq_len": "64"}) if dry else []
         batch = _global_batch(config, micro_batches=8)
-        for rank in sorted({0, world - 1}):
+        for rank in (0, world - 1) if pipelined else (0,):  # without pp every rank holds the same
             steps.append(Step(f"only-rank {name} rank {rank}", "d", fivefold(
                 "train", "--config", str(config), "--only-rank", str(rank), "--run-dir", str(out / f"d-{name}-{rank}"),
                 "--train.global_batch_size", str(batch), "--train.compile", "false" if dry else "true",
@@ -118,7 +118,8 @@ def only_rank_steps(dry: bool, out: Path) -> list[Step]:
         steps.append(Step(f"only-rank {label}", "e", fivefold(
             "train", *base, *overrides(layout), "--only-rank", str(world - 1),
             "--run-dir", str(out / f"e-{label.replace(' ', '-')}"),
-            "--train.global_batch_size", str(4 * int(layout.get("layout.dp", "1"))), *common), 90))
+            "--layout.micro_batch_size", "1", "--train.global_batch_size", str(4 * int(layout.get("layout.dp", "1"))),
+            *common), 90))
     return steps
 
 
@@ -130,11 +131,12 @@ def side_by_side_step(dry: bool) -> Step:
                                       "--json"], 200)
 
 
-def _world_size(config: Path) -> int:
+def _world_size(config: Path) -> tuple[int, bool]:
+    """(world size, whether the layout is pipelined: its first and last ranks hold different parts)."""
     import tomllib
 
     layout = tomllib.loads(config.read_text())["layout"]
-    return layout["dp"] * layout["tp"] * layout["pp"] * layout["cp"]
+    return layout["dp"] * layout["tp"] * layout["pp"] * layout["cp"], layout["pp"] > 1
 
 
 def _global_batch(config: Path, micro_batches: int) -> int:
@@ -187,17 +189,21 @@ def summary_line(record: dict) -> str:
                if r.get("fivefold_mfu") else "")
         return head + (f"fivefold {r['fivefold_tokens_per_s']:,.0f} tok/s, transformers "
                        f"{r['transformers_tokens_per_s']:,.0f} tok/s, ratio {r['ratio']:.2f}x{mfu}")
-    return head + ", ".join(f"{k} {v}" for k, v in _only_rank_figures(r).items())
+    return head + "; ".join(f"{k} {v}" for k, v in _only_rank_figures(r).items())
 
 
 def _only_rank_figures(r: dict) -> dict[str, str]:
-    """The measured and predicted figures of an --only-rank result, whatever keys it names them by."""
+    """Measured beside predicted of an --only-rank result: the peak memory and the step's compute time."""
     out = {}
-    for key in ("peak_memory_gib", "predicted_memory_gib", "memory_error", "compute_time_s",
-                "predicted_compute_time_s", "time_error"):
-        if key in r:
-            value = r[key]
-            out[key] = f"{value:.3g}" if isinstance(value, float) else str(value)
+    peak, compute = r.get("memory_bytes", {}).get("peak"), r.get("compute_s")
+    if peak:
+        out["peak GiB"] = f"{peak['measured'] / 2**30:.2f} (planner {peak['predicted'] / 2**30:.2f}, " \
+                          f"{100 * peak['difference'] / max(peak['predicted'], 1):+.1f} %)"
+    if r.get("peak_memory_bytes", {}).get("reserved"):
+        out["reserved GiB"] = f"{r['peak_memory_bytes']['reserved'] / 2**30:.2f}"
+    if compute:
+        out["compute s"] = f"{compute['measured']:.3f} (planner {compute['predicted']:.3f}, " \
+                           f"{100 * compute['difference'] / max(compute['predicted'], 1e-9):+.1f} %)"
     return out or {"keys": ",".join(sorted(r)[:8])}
 
 
@@ -207,15 +213,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry", action="store_true", help="tiny sizes on the CPU, no compile: test the plumbing")
     p.add_argument("--budget-s", type=float, default=500.0, help="start no step after this many seconds")
     p.add_argument("--only", default="", help="comma-separated step groups to run (a,b,c,d,e); default all")
+    p.add_argument("--micro-batches", default="4,2,8", help="group a's micro-batches (default 4,2,8)")
+    p.add_argument("--order", default="a,d,c,e,b", help="the groups' order (default a,d,c,e,b)")
+    p.add_argument("--concurrent-e", type=int, default=1, metavar="N",
+                   help="run group e's small layouts N at a time (they check code paths, not speed or memory)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "src") + os.pathsep
            + os.environ.get("PYTHONPATH", "")}
     if args.dry:
         env.setdefault("OMP_NUM_THREADS", "1")
-    bench = bench_steps(args.dry)
-    steps = [bench[0], *only_rank_steps(args.dry, args.out), bench[1], bench[2], bench[3], side_by_side_step(args.dry)]
-    steps = [s for s in steps if not args.only or s.group in args.only.split(",")]
+    micro_batches = tuple(int(m) for m in args.micro_batches.split(","))
+    every = [*bench_steps(args.dry, micro_batches), *only_rank_steps(args.dry, args.out), side_by_side_step(args.dry)]
+    order = args.order.split(",")
+    steps = sorted((s for s in every if not args.only or s.group in args.only.split(",")),
+                   key=lambda s: order.index(s.group) if s.group in order else len(order))
     if args.dry:
         for s in steps:
             if s.argv[2:4] == ["fivefold", "bench"] or s.argv[2:4] == ["fivefold", "train"]:
@@ -230,15 +242,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu suite: {device}, torch {torch.__version__}, {len(steps)} steps, budget {args.budget_s:.0f} s",
           flush=True)
     start = time.perf_counter()
+    concurrent = [s for s in steps if s.group == "e"] if args.concurrent_e > 1 else []
     for step in steps:
+        if step.result:  # ran with its group
+            continue
         if time.perf_counter() - start > args.budget_s:
             step.result = {"name": step.name, "group": step.group, "command": " ".join(step.argv[1:]),
                            "skipped": f"budget of {args.budget_s:.0f} s spent"}
+        elif step in concurrent:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(args.concurrent_e) as pool:
+                list(pool.map(lambda s: run_step(s, env), concurrent))
         else:
             run_step(step, env)
-        report["steps"].append(step.result)
+        for done in (concurrent if step in concurrent else [step]):
+            report["steps"].append(done.result)
+            print(summary_line(done.result), flush=True)
         (args.out / "suite.json").write_text(json.dumps(report, indent=1) + "\n")
-        print(summary_line(step.result), flush=True)
     failed = [s.result["name"] for s in steps if s.result.get("rc", 0) != 0]
     print(f"gpu suite: {len(steps) - len(failed)} of {len(steps)} steps ran in {time.perf_counter() - start:.0f} s; "
           f"failed: {', '.join(failed) or 'none'}; results in {args.out / 'suite.json'}")

@@ -161,7 +161,7 @@ def refuse_with_only_rank(args: argparse.Namespace) -> None:
 
 def only_rank(cfg: Config, args: argparse.Namespace) -> int:
     """`--only-rank K`: rank K of the layout alone (`fivefold.only_rank`)."""
-    from fivefold.launch import check_layout
+    from fivefold.layout import check_layout
     from fivefold.only_rank import check_rank, run_only_rank
 
     check_layout(cfg, cfg.layout.world_size)

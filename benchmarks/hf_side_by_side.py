@@ -22,7 +22,7 @@ from fivefold.config import Config
 from fivefold.device import resolve_device, use_bf16
 from fivefold.flops import training_flops_per_token
 from fivefold.presets import get_preset
-from fivefold.train.engine import create_engine
+from fivefold.train.build import create_engine
 from fivefold.train.metrics import resolve_peak_tflops, synchronize
 
 

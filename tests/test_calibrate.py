@@ -268,11 +268,12 @@ def test_cpu_operator_counts_are_the_blocks():
 
     from fivefold.config import build_config
     from fivefold.models.llama import build_model
-    from fivefold.train.engine import Engine
+    from fivefold.train.build import single_device_engine
 
     def count(layers: int) -> tuple[int, int]:
         cfg = build_config(None, {"model.preset": "tiny", "model.n_layers": str(layers), "train.device": "cpu"})
-        engine = Engine(build_model(cfg.model, device=torch.device("cpu"), seed=0), cfg, torch.device("cpu"))
+        engine = single_device_engine(build_model(cfg.model, device=torch.device("cpu"), seed=0), cfg,
+                                        torch.device("cpu"))
         tokens = torch.randint(0, cfg.model.vocab_size, (1, 33))
         micro = [(tokens[:, :-1], tokens[:, 1:])]
         engine.forward_backward(micro, 32)

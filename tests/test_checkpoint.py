@@ -10,12 +10,12 @@ from fivefold.checkpoint_format import flat_rects
 from fivefold.config import Config
 from fivefold.models.llama import build_model
 from fivefold.train import checkpoint as ckpt
-from fivefold.train.engine import Engine
+from fivefold.train.build import single_device_engine
 
 
 def _trained_state(seed: int):
     cfg = Config()
-    engine = Engine(build_model(cfg.model, seed=seed), cfg, torch.device("cpu"))
+    engine = single_device_engine(build_model(cfg.model, seed=seed), cfg, torch.device("cpu"))
     engine.model(torch.randint(0, cfg.model.vocab_size, (2, 8))).sum().backward()
     engine.optimizer.step()
     return cfg, engine
@@ -36,7 +36,7 @@ def test_round_trip_exact(tmp_path):
         if k != "lm_head.weight":
             assert torch.equal(loaded.reader.read(f"model.{k}"), v)
     # the loaded state drives a fresh engine: the same weights and AdamW state
-    fresh = Engine(build_model(cfg.model, seed=1), cfg, torch.device("cpu"))
+    fresh = single_device_engine(build_model(cfg.model, seed=1), cfg, torch.device("cpu"))
     fresh.load_state_pieces(loaded.reader, loaded.steps)
     for (name, a), b in zip(engine.model.named_parameters(), fresh.model.parameters(), strict=True):
         assert torch.equal(a, b), name

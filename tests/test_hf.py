@@ -317,12 +317,12 @@ def test_export_and_generate_verify_a_sharded_checkpoints_checksums(tmp_path: Pa
     middle of its piece file, `export` and `generate` refuse it naming the file, and nothing is written."""
     import torch
 
+    from fivefold.train.build import single_device_engine
     from fivefold.train.checkpoint import Checkpointer
-    from fivefold.train.engine import Engine
 
     cfg = small_config()
     config = Config(model=cfg)
-    engine = Engine(build_model(cfg, seed=0), config, torch.device("cpu"))
+    engine = single_device_engine(build_model(cfg, seed=0), config, torch.device("cpu"))
     path = Checkpointer(tmp_path / "run", engine, config).save(1, tokens_seen=0, samples_consumed=0)
     assert cli_main(["export", "--checkpoint", str(path), "--hf", str(tmp_path / "hf")]) == 0
     toks = tokens()

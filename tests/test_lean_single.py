@@ -1,5 +1,6 @@
-"""Lean mixed precision on one device (`LeanEngine`, the single-device default under bf16): bf16 working weights,
-bf16 or fp32 gradients, an fp32 master copy stepped by AdamW and cast to the working weights once per step.
+"""Lean mixed precision on one device (`LocalDataParallel` with masters, the one-device default under bf16): bf16
+working weights, bf16 or fp32 gradients, an fp32 master copy stepped by AdamW and cast to the working weights once
+per step.
 
 References: the closed form 2 + (2 or 4) + 12 bytes per parameter, with the parameter count taken from the model's
 shape; the autocast engine (`Engine`: fp32 weights cast to bf16 per matmul) on the same batches, with the
@@ -15,17 +16,18 @@ from tests.test_parallel_equivalence import STEPS, global_batches, tiny_config, 
 from tests.test_parallel_memory import params_per_tp_rank
 
 from fivefold.models.llama import build_model
-from fivefold.train.engine import Engine, LeanEngine, create_engine
+from fivefold.parallel.data import LocalDataParallel
+from fivefold.train.build import Engine, create_engine, single_device_engine
 
 BF16 = {"train.dtype": "bf16"}
 
 
-def state_bytes(engine: LeanEngine) -> dict[str, int]:
+def state_bytes(engine: Engine) -> dict[str, int]:
     """Bytes of weights, gradients and optimizer state (fp32 masters and moments) that the engine holds."""
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    grads = sum(t.grad.numel() * t.grad.element_size() for t in [*engine.model.parameters(), *engine.master]
-                if t.grad is not None)
-    masters = sum(m.numel() * m.element_size() for m in engine.master)
+    held = [*engine.model.parameters(), *engine.data_parallel.master]
+    grads = sum(t.grad.numel() * t.grad.element_size() for t in held if t.grad is not None)
+    masters = sum(m.numel() * m.element_size() for m in engine.data_parallel.master)
     moments = sum(v.numel() * v.element_size() for s in engine.optimizer.state.values() for k, v in s.items()
                   if k != "step")
     return {"weights": weights, "gradients": grads, "optimizer": masters + moments}
@@ -35,7 +37,7 @@ def state_bytes(engine: LeanEngine) -> dict[str, int]:
 def test_lean_single_device_bytes_per_parameter(fp32_grads):
     cfg = tiny_config({**BF16, "layout.fp32_grad_accum": str(fp32_grads).lower()})
     engine = create_engine(cfg, torch.device("cpu"))
-    assert isinstance(engine, LeanEngine)
+    assert isinstance(engine.data_parallel, LocalDataParallel) and engine.data_parallel.master is not None
     assert all(p.dtype == torch.bfloat16 for p in engine.model.parameters())
     psi = params_per_tp_rank(cfg.model, 1)
     inputs, targets = global_batches(cfg)[0]
@@ -46,7 +48,7 @@ def test_lean_single_device_bytes_per_parameter(fp32_grads):
     engine.forward_backward(micro, tokens)  # gradients accumulated over the micro-batches, before the step
     assert state_bytes(engine) == {"weights": 2 * psi, "gradients": (4 if fp32_grads else 2) * psi,
                                    "optimizer": 12 * psi}
-    grads = [m.grad for m in engine.master] if fp32_grads else [p.grad for p in engine.model.parameters()]
+    grads = [m.grad for m in engine.data_parallel.master] if fp32_grads else [p.grad for p in engine.model.parameters()]
     assert all(g is not None and g.dtype == (torch.float32 if fp32_grads else torch.bfloat16) for g in grads)
 
 
@@ -61,7 +63,7 @@ def test_lean_single_device_matches_autocast_engine(fp32_grads):
     lean = create_engine(cfg, torch.device("cpu"))
     losses, norms, _ = train_steps(lean, cfg)
     ref_cfg = tiny_config(BF16)
-    ref = Engine(build_model(ref_cfg.model, "cpu", ref_cfg.train.seed), ref_cfg, torch.device("cpu"))
+    ref = single_device_engine(build_model(ref_cfg.model, "cpu", ref_cfg.train.seed), ref_cfg, torch.device("cpu"))
     ref_losses, ref_norms, _ = train_steps(ref, ref_cfg)
     assert abs(losses[0] - ref_losses[0]) <= 1e-4 * abs(ref_losses[0])
     for a, b in zip(losses, ref_losses, strict=True):
@@ -74,7 +76,7 @@ def test_lean_single_device_matches_autocast_engine(fp32_grads):
         assert state[name].dtype == torch.float32, f"{name} is saved from the fp32 master"
         assert ((state[name] - want).norm() / want.norm()).item() <= 0.15, name
     # the working weights are the masters cast once, after the last step
-    for p, m in zip(lean.working, lean.master, strict=True):
+    for p, m in zip(lean.data_parallel.working, lean.data_parallel.master, strict=True):
         assert torch.equal(p, m.to(torch.bfloat16))
 
 
@@ -123,7 +125,7 @@ def test_fp32_residual_stream_option():
     assert activation_dtype([lean.model], True) == torch.float32
     assert activation_dtype([create_engine(tiny_config(BF16), torch.device("cpu")).model], True) == torch.bfloat16
     ref_cfg = tiny_config(BF16)
-    ref = Engine(build_model(ref_cfg.model, "cpu", ref_cfg.train.seed), ref_cfg, torch.device("cpu"))
+    ref = single_device_engine(build_model(ref_cfg.model, "cpu", ref_cfg.train.seed), ref_cfg, torch.device("cpu"))
     ref_losses, ref_norms, _ = train_steps(ref, ref_cfg)
     for a, b in zip(losses, ref_losses, strict=True):
         assert abs(a - b) <= 5e-3 * abs(b), f"loss {a} vs {b}"
@@ -142,13 +144,14 @@ def accumulated_grads(fp32_grads: bool, micro_batches: int) -> tuple[list[torch.
     tokens = micro_batches * cfg.train.seq_len
     engine = create_engine(cfg, torch.device("cpu"))
     engine.forward_backward(micro, tokens)
-    got = [m.grad if fp32_grads else p.grad for p, m in zip(engine.working, engine.master, strict=True)]
+    lean = engine.data_parallel
+    got = [m.grad if fp32_grads else p.grad for p, m in zip(lean.working, lean.master, strict=True)]
     ref_cfg = tiny_config({**overrides, "layout.fp32_grad_accum": "true"})
     ref = create_engine(ref_cfg, torch.device("cpu"))
-    want = [torch.zeros_like(m, dtype=torch.float64) for m in ref.master]
+    want = [torch.zeros_like(m, dtype=torch.float64) for m in ref.data_parallel.master]
     for one in micro:
         ref.forward_backward([one], tokens)
-        for w, m in zip(want, ref.master, strict=True):
+        for w, m in zip(want, ref.data_parallel.master, strict=True):
             w.add_(m.grad.double())
             m.grad = None
     return got, want

@@ -81,7 +81,7 @@ def real_run_bytes(rank: int, world: int, name: str) -> dict[str, int]:
     """One training step of the real run on `world` gloo ranks: this rank's bytes, measured as --only-rank does
     (parameters and gradients before the optimizer step, the optimizer's state after it)."""
     from fivefold.only_rank import held_bytes
-    from fivefold.train.engine import create_engine
+    from fivefold.train.build import create_engine
     from fivefold.train.loop import split_micro_batches
 
     cfg = config(name)

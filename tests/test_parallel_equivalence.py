@@ -30,7 +30,7 @@ import torch
 from tests.distributed import run_ranks
 
 from fivefold.config import Config, build_config
-from fivefold.train.engine import Engine
+from fivefold.train.build import Engine, single_device_engine
 
 STEPS, ACCUM = 3, 2
 SMALL_BUCKET = 64 * 1024  # bytes: several buckets per class, so overlap and bucket boundaries are exercised
@@ -93,19 +93,19 @@ def reference_run(overrides: dict[str, str]) -> tuple[list[float], list[float], 
     ref_cfg = tiny_config(single)
     ref_cfg.layout.micro_batch_size = cfg.micro_batch_size
     ref_cfg.layout.recompute = "none"
-    engine = Engine(build_model(ref_cfg.model, "cpu", ref_cfg.train.seed), ref_cfg, torch.device("cpu"))
+    engine = single_device_engine(build_model(ref_cfg.model, "cpu", ref_cfg.train.seed), ref_cfg, torch.device("cpu"))
     losses, norms, drops = train_steps(engine, ref_cfg)
     return losses, norms, drops, engine.model_state()
 
 
 def layouts_on_ranks(rank: int, world_size: int, layouts: list[dict[str, str]]) -> list:
     """On every rank: train each layout in turn; rank 0 returns (losses, norms, full model state) of each."""
-    from fivefold.train.parallel_engine import create_parallel_engine
+    from fivefold.train.build import build_engine
 
     results = []
     for overrides in layouts:
         cfg = tiny_config(overrides)
-        engine = create_parallel_engine(cfg, torch.device("cpu"), bucket_bytes=SMALL_BUCKET)
+        engine = build_engine(cfg, torch.device("cpu"), bucket_bytes=SMALL_BUCKET)
         check_local_shards(engine, cfg)
         losses, norms, drops = train_steps(engine, cfg)
         state = engine.model_state()

@@ -44,14 +44,14 @@ def closed_form(zero: int, psi: int, dp: int) -> dict[str, int]:
 
 def held_bytes_on_ranks(rank: int, world_size: int, tp: int, stages: list[int],
                         extra: dict[str, str] | None = None) -> list[dict[str, int]]:
-    from fivefold.train.parallel_engine import create_parallel_engine
+    from fivefold.train.build import build_engine
 
     out = []
     for zero in stages:
         cfg = build_config(None, {**MODEL, "layout.dp": str(world_size // tp), "layout.tp": str(tp),
                                   "layout.zero": str(zero), "train.seq_len": "8", "train.global_batch_size": "4",
                                   "train.device": "cpu", "train.dtype": "fp32", **(extra or {})})
-        engine = create_parallel_engine(cfg, torch.device("cpu"))
+        engine = build_engine(cfg, torch.device("cpu"))
         tokens = torch.randint(0, 384, (4 // cfg.layout.dp, 9), generator=torch.Generator().manual_seed(0))
         batch = [(tokens[:, :-1], tokens[:, 1:])]
         engine.forward_backward(batch, 32)
@@ -93,12 +93,12 @@ def test_zero_stages_under_tensor_parallel_hold_the_closed_form_bytes(tp):
 
 
 def lean_bytes_on_ranks(rank: int, world_size: int, fp32_grads: bool) -> dict[str, int]:
-    from fivefold.train.parallel_engine import create_parallel_engine
+    from fivefold.train.build import build_engine
 
     cfg = build_config(None, {**MODEL, "layout.dp": str(world_size), "layout.zero": "1",
                               "layout.fp32_grad_accum": str(fp32_grads).lower(), "train.seq_len": "8",
                               "train.global_batch_size": "4", "train.device": "cpu", "train.dtype": "bf16"})
-    engine = create_parallel_engine(cfg, torch.device("cpu"))
+    engine = build_engine(cfg, torch.device("cpu"))
     assert all(p.dtype == torch.bfloat16 for p in engine.model.parameters())
     tokens = torch.randint(0, 384, (4 // world_size, 9), generator=torch.Generator().manual_seed(0))
     batch = [(tokens[:, :-1], tokens[:, 1:])]
@@ -138,13 +138,13 @@ def test_lean_mixed_precision_zero1_dp4_bytes_per_parameter(fp32_grads):
 def default_gradient_dtypes(rank: int, world_size: int, zero: int, pp: int = 1) -> tuple[set, set, dict[str, int]]:
     """Under bf16 working weights with `layout.fp32_grad_accum` left at its default, after two micro-batches: the
     dtypes the gradient buckets accumulate and reduce in, those of what AdamW steps on, and the state bytes."""
-    from fivefold.train.parallel_engine import create_parallel_engine
+    from fivefold.train.build import build_engine
 
     cfg = build_config(None, {**MODEL, "layout.dp": str(world_size // pp), "layout.pp": str(pp),
                               "layout.zero": str(zero), "layout.micro_batch_size": "1", "train.seq_len": "8",
                               "train.global_batch_size": "4",
                               "train.device": "cpu", "train.dtype": "bf16"})
-    engine = create_parallel_engine(cfg, torch.device("cpu"))
+    engine = build_engine(cfg, torch.device("cpu"))
     assert all(p.dtype == torch.bfloat16 for p in engine.model.parameters()) or zero == 3
     tokens = torch.randint(0, 384, (4 * pp // world_size, 9), generator=torch.Generator().manual_seed(rank))
     engine.forward_backward([(tokens[i:i + 1, :-1], tokens[i:i + 1, 1:]) for i in range(2)], 32)

@@ -45,25 +45,25 @@ def pipeline_on_ranks(rank: int, world_size: int, layouts: list[dict[str, str]])
     ran its action list in order and that the data-parallel buckets were reduced from the gradient hooks."""
     from fivefold.flops import balanced_stage_layers
     from fivefold.parallel.pipeline import layer_ranges
-    from fivefold.train.parallel_engine import create_parallel_engine
+    from fivefold.train.build import build_engine
 
     results = []
     for overrides in layouts:
         cfg = tiny_config(overrides)
-        engine = create_parallel_engine(cfg, torch.device("cpu"), bucket_bytes=SMALL_BUCKET)
+        engine = build_engine(cfg, torch.device("cpu"), bucket_bytes=SMALL_BUCKET)
         losses, norms, drops = train_steps(engine, cfg)
-        schedule = engine.schedule(cfg.grad_accum_steps)
-        assert [r.action for r in engine.traces[True]] == list(schedule.actions[engine.pp_rank])
-        (forward,) = [s for (_, training), s in engine.schedules.items() if not training]  # the evaluation's
-        assert [r.action for r in engine.traces[False]] == list(forward.actions[engine.pp_rank])
+        schedule = engine.runner.schedule(cfg.grad_accum_steps)
+        assert [r.action for r in engine.runner.traces[True]] == list(schedule.actions[engine.pp_rank])
+        (forward,) = [s for (_, training), s in engine.runner.schedules.items() if not training]  # the evaluation's
+        assert [r.action for r in engine.runner.traces[False]] == list(forward.actions[engine.pp_rank])
         counts = cfg.layout.stage_layers or balanced_stage_layers(cfg.model, schedule.n_stages, cfg.train.seq_len)
-        for s, stage in engine.stages.items():  # the split asked for (or the balanced one), stage by stage
+        for s, stage in engine.runner.stages.items():  # the split asked for (or the balanced one), stage by stage
             assert list(stage.layers) == [str(i) for i in layer_ranges(counts)[s]]
         dp = engine.data_parallel
         if cfg.layout.zero < 2:  # each bucket reduced once per step, launched by the hook of its last gradient
             assert dp.launched_in_backward == len(dp.buckets) * STEPS
-        if engine.queue is not None:
-            assert len(engine.queue) == 0  # every deferred weight gradient was computed by a W pass
+        if engine.runner.queue is not None:
+            assert len(engine.runner.queue) == 0  # every deferred weight gradient was computed by a W pass
         state = engine.model_state()
         results.append((losses, norms, drops, state if rank == 0 else None))
     return results

@@ -52,13 +52,14 @@ def zero3_pipeline_on_ranks(rank: int, world_size: int, layouts: list[dict[str, 
     returns (losses, norms, drops, state) of each."""
     import torch.distributed as dist
 
-    from fivefold.train.parallel_engine import ShardedPipelineEngine, create_parallel_engine
+    from fivefold.parallel.pipeline_zero3 import PipelineFullyShardedDataParallel
+    from fivefold.train.build import build_engine
 
     results = []
     for overrides in layouts:
         cfg = tiny_config(overrides)
-        engine = create_parallel_engine(cfg, torch.device("cpu"))
-        assert isinstance(engine, ShardedPipelineEngine)
+        engine = build_engine(cfg, torch.device("cpu"))
+        assert isinstance(engine.data_parallel, PipelineFullyShardedDataParallel)
         counts = {"all_gather_single": 0, "reduce_scatter_single": 0}
         originals = {name: counted(name, counts) for name in counts}
         try:
@@ -67,32 +68,33 @@ def zero3_pipeline_on_ranks(rank: int, world_size: int, layouts: list[dict[str, 
             for name, fn in originals.items():
                 setattr(dist, name, fn)
         units = engine.data_parallel.n_units()
-        blocks = sum(len(stage.layers) for stage in engine.stages.values())
+        blocks = sum(len(stage.layers) for stage in engine.runner.stages.values())
         # one unit per block and one per stage root; under ep per MoE block also the router, the shared experts
         # and (edp > 1) the routed experts
         ep, dpc = cfg.layout.ep, cfg.layout.dp * cfg.layout.cp
         per_moe = (1 + (cfg.model.n_shared_experts > 0) + (dpc // ep > 1)) if ep > 1 and cfg.model.is_moe else 0
-        assert units == blocks * (1 + per_moe) + len(engine.stages)
+        assert units == blocks * (1 + per_moe) + len(engine.runner.stages)
         # a root communicates when it holds parameters of its own: the embedding, or the final norm and output
         # layer; with edp = 1 the routed experts are no unit's (plain tensors)
-        talking = blocks * (1 + per_moe) + sum(1 for stage in engine.stages.values() if stage.embed is not None or
-                                               stage.norm is not None)
+        talking = blocks * (1 + per_moe) + sum(1 for stage in engine.runner.stages.values()
+                                               if stage.embed is not None or stage.norm is not None)
         assert talking == talking_units(engine.data_parallel)
         if cfg.layout.dp_shard * cfg.layout.cp == 1:  # HSDP with shard groups of one rank: nothing to gather
             talking = 0
         assert counts["all_gather_single"] == (STEPS + 1) * talking, (counts, talking)  # + the evaluation forward
         assert counts["reduce_scatter_single"] == STEPS * talking, (counts, talking)
-        schedule = engine.schedule(cfg.grad_accum_steps)
-        assert [r.action for r in engine.traces[True]] == list(schedule.actions[engine.pp_rank])
-        if engine.queue is not None:
-            assert len(engine.queue) == 0
+        schedule = engine.runner.schedule(cfg.grad_accum_steps)
+        assert [r.action for r in engine.runner.traces[True]] == list(schedule.actions[engine.pp_rank])
+        if engine.runner.queue is not None:
+            assert len(engine.runner.queue) == 0
         # closed form: the rank's stages' parameters (the plain modules, fp32), gradients and two moments, over dp;
         # a tied weight counts once per stage that holds it (two copies under ZeRO-3, see pipeline_zero3); under ep,
         # dense / (dp x cp) + this ep rank's experts (1/ep of the plain stages' experts) / edp
         from fivefold.parallel.expert import is_expert_param
         from fivefold.parallel.pipeline import build_stages
 
-        plain = build_stages(cfg.model, engine.counts, engine.placement, engine.pp_rank, torch.device("meta"), 0)
+        plain = build_stages(cfg.model, engine.runner.counts, engine.runner.placement, engine.pp_rank,
+                             torch.device("meta"), 0)
         named = [(n, p.numel()) for stage in plain.values() for n, p in stage.named_parameters()]
         experts = sum(k for n, k in named if is_expert_param(n)) if ep > 1 else 0
         dense = sum(k for _, k in named) - experts

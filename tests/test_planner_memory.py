@@ -88,12 +88,12 @@ def test_model_state_bytes_exact(preset, tp, dp, zero):
 
 def test_model_states_match_a_real_adamw_step():
     from fivefold.config import Config
-    from fivefold.train.engine import Engine
+    from fivefold.train.build import single_device_engine
 
     cfg = Config()
     cfg.model = get_preset("tiny-moe")
     model = build_model(cfg.model, "cpu", seed=0)
-    engine = Engine(model, cfg, torch.device("cpu"))
+    engine = single_device_engine(model, cfg, torch.device("cpu"))
     x = torch.randint(0, cfg.model.vocab_size, (2, 16))
     engine.forward_backward([(x, x)], x.numel())
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)

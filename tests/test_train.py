@@ -168,7 +168,7 @@ def test_single_device_engine_recomputes(mode):
     """One process honours layout.recompute as the parallel engine does: the forward saves fewer bytes for
     backward than without recompute (the attention core's output or everything but the block inputs), and the
     gradients are the same."""
-    from fivefold.train.engine import create_engine
+    from fivefold.train.build import create_engine
 
     def run(recompute: str) -> tuple[int, list[torch.Tensor]]:
         cfg = build_config(None, {"model.preset": "tiny", "layout.recompute": recompute, "train.device": "cpu",

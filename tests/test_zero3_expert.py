@@ -41,10 +41,10 @@ DP4_EP2 = {"layout.dp": "4", "layout.ep": "2", "layout.zero": "3", **MOE}
 
 
 def train_on_ranks(rank: int, world_size: int, overrides: dict[str, str]) -> tuple:
-    from fivefold.train.parallel_engine import create_parallel_engine
+    from fivefold.train.build import build_engine
 
     cfg = tiny_config(overrides)
-    engine = create_parallel_engine(cfg, torch.device("cpu"))
+    engine = build_engine(cfg, torch.device("cpu"))
     losses, norms, _ = train_steps(engine, cfg)
     return losses, norms, engine.model_state()
 
@@ -133,10 +133,10 @@ def snapshot(engine) -> dict[str, torch.Tensor]:
 def steps_on_ranks(rank: int, world_size: int, layout: dict[str, str]) -> dict:
     """Two good steps, then one whose gradient has an inf on the last rank, then a good one; what each rank held,
     issued and kept."""
-    from fivefold.train.parallel_engine import create_parallel_engine
+    from fivefold.train.build import build_engine
 
     cfg = build_config(None, {**MODEL, **layout})
-    engine = create_parallel_engine(cfg, torch.device("cpu"))
+    engine = build_engine(cfg, torch.device("cpu"))
     rows = cfg.train.global_batch_size // cfg.layout.dp
     g = torch.Generator().manual_seed(engine.dp_rank)  # the pipeline ranks of one dp rank read the same rows
     batches = [torch.randint(0, 384, (rows, 9), generator=g) for _ in range(4)]

@@ -34,7 +34,7 @@ from fivefold.flops import training_flops_per_token
 from fivefold.launch import local_world_size, start_or_join
 from fivefold.layout import check_layout
 from fivefold.planner.predict import check_fits, device_cluster
-from fivefold.train.engine import Engine, create_engine
+from fivefold.train.build import create_engine
 from fivefold.train.metrics import gather_ints, peak_memory_bytes, resolve_peak_tflops, synchronize
 from fivefold.train.preflight import check_start
 
@@ -145,7 +145,7 @@ def run_bench(args: argparse.Namespace, cfg: Config) -> dict:
     mark, elapsed = _timer(device)
     barrier = dist.barrier if dist.is_initialized() else (lambda: None)
     # the split times micro-batches one by one, which only engines with the plain micro-batch loop allow
-    can_split = type(engine).forward_backward is Engine.forward_backward
+    can_split = engine.runner.splits_micro_batches
     steps = [0]
 
     def step(split: dict[str, float] | None) -> None:

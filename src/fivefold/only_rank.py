@@ -102,21 +102,9 @@ def peak_memory(device: torch.device) -> dict[str, int]:
 
 
 def held_bytes(engine) -> dict[str, int]:
-    """Parameters, gradients and optimizer state this rank holds (the parallel engines count their own, with the
-    fp32 master slices in the optimizer; the one-device engine is counted here the same way)."""
-    if hasattr(engine, "state_bytes"):
-        return dict(engine.state_bytes())
-
-    def size(t: torch.Tensor) -> int:
-        return t.numel() * t.element_size()
-
-    params = list(engine.model.parameters())
-    masters = list(getattr(engine, "master", []))
-    optimizer = sum(size(m) for m in masters)
-    for s in engine.optimizer.state.values():
-        optimizer += sum(size(v) for k, v in s.items() if k in ("exp_avg", "exp_avg_sq"))
-    grads = sum(size(p.grad) for p in params + masters if p.grad is not None)
-    return {"parameters": sum(size(p) for p in params), "gradients": grads, "optimizer": optimizer}
+    """Parameters, gradients and optimizer state this rank holds (`Engine.state_bytes`: the fp32 master weights
+    count with the optimizer)."""
+    return dict(engine.state_bytes())
 
 
 def rank_batches(cfg: Config, engine, notes: list[str]):
@@ -168,7 +156,7 @@ def measure_rank(cfg: Config, rank: int, steps: int | None = None, on_step=None)
 
 def _measure(cfg: Config, rank: int, device: torch.device, steps: int | None, on_step) -> dict:
     from fivefold.models.llama import force_balanced_routing
-    from fivefold.train.engine import create_engine
+    from fivefold.train.build import create_engine
     from fivefold.train.loop import split_micro_batches
     from fivefold.train.metrics import synchronize
 

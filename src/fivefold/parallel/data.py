@@ -42,7 +42,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,190 @@ if TYPE_CHECKING:
     from fivefold.parallel.mesh import Zero3Meshes
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # 25 MiB, as DDP and nanotron
+
+
+@dataclass
+class Segment:
+    """Elements of one plain-model parameter that this rank holds, and where AdamW keeps their moments: the flat
+    range [start, end) (row-major) of this rank's local tensor, a rectangle of the global tensor at `offsets`
+    (its tp slice, ep experts or ZeRO-3 shard; the whole tensor on one device)."""
+
+    name: str
+    shape: tuple[int, ...]  # of the global tensor
+    offsets: tuple[int, ...]  # of the local tensor in it
+    local_shape: tuple[int, ...]
+    start: int
+    end: int
+    weight: torch.Tensor  # 1-D view of the (fp32 master) weights of those elements
+    opt_param: torch.Tensor  # the parameter whose AdamW state holds their moments
+    opt_start: int  # at this offset of its flattened state
+    write: bool  # this rank writes them (one owner per element: the first of the replicas)
+
+
+# (plain name, local shape) -> (global shape, offsets of this rank's tp/ep part in it, first tp replica or not)
+Placement = Callable[[str, tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...], bool]]
+
+
+class DataParallel(Protocol):
+    """What the engine asks of data parallel, whatever implements it: `LocalDataParallel` (one device),
+    `BucketedDataParallel` (ZeRO-0/1/2 buckets), `FullyShardedDataParallel` (ZeRO-3 and HSDP through
+    `fully_shard`) and `pipeline_zero3.PipelineFullyShardedDataParallel` (`fully_shard` per pipeline stage). Lean
+    mixed precision (bf16 working weights, fp32 masters that AdamW steps) lives behind it."""
+
+    sync: bool  # synchronise: reduce the gradients on this micro-batch (the last of the accumulation)
+
+    def end_micro_batch(self) -> None:
+        """After a micro-batch's backward (a pipeline: after the step's schedule): finish the reductions."""
+
+    def expect_accumulations(self, per_param: Callable[[nn.Parameter], int]) -> None:
+        """Gradient accumulations of each parameter that complete a pipeline step."""
+
+    def sum_tied_grads(self) -> None:
+        """Sum the reduced gradients of a tied weight's two copies (pipeline), after the step's backward."""
+
+    def attach_grads(self) -> None:
+        """Point what the optimizer steps at the reduced gradients (fp32 under lean mixed precision)."""
+
+    def grad_square_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tp-sharded, tp-replicated) sums of squared gradients held here, summed over this data-parallel group."""
+
+    def optimizer_params(self) -> list[nn.Parameter]:
+        """What AdamW steps on this rank."""
+
+    def after_step(self) -> None:
+        """After the optimizer step, before the gradients are cleared (cast or gather the working weights)."""
+
+    def reshard(self) -> None:
+        """Free the weights a forward left gathered (before the state is read or written)."""
+
+    def plain_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's tp/ep-local state with its values in full: fp32 masters, whole `fully_shard` tensors."""
+
+    def load_master(self, values: dict[str, torch.Tensor]) -> None:
+        """Set the fp32 masters from {plain name: whole local parameter} (after the working weights were loaded)."""
+
+    def after_load(self) -> None:
+        """After a checkpoint's pieces were loaded into the segments: make the working weights agree."""
+
+    def state_segments(self, named: list[tuple[str, nn.Parameter]], place: Placement) -> list[Segment]:
+        """Every element of the training state this rank holds here, by plain parameter name (`Segment`)."""
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of parameters and gradient buffers kept between steps."""
+
+    def master_bytes(self) -> int:
+        """Bytes of the fp32 master weights under lean mixed precision (0 otherwise)."""
+
+
+class LocalDataParallel:
+    """Data parallel over one device: nothing to reduce. With `lean` (bf16, the default on accelerators) the model
+    holds bf16 working weights, so activations and the residual stream are bf16 and no weight is cast per
+    micro-batch; its gradients are added into fp32 buffers as backward produces them (`fp32_grad_accum`, the
+    default), or accumulate in bf16 over the micro-batches; AdamW steps an fp32 master copy of every parameter,
+    which is cast to the working weights once after each step. State: 2 + (4 or 2) + 12 bytes per parameter
+    (weights, gradients, master and moments), where autocast over fp32 weights holds 4 + 4 + 8 plus a bf16 copy of
+    every weight per micro-batch in flight. The master copy is the model state that checkpoints save and load.
+
+    It is not `BucketedDataParallel` over a group of one: flat buckets keep a gradient buffer between steps and sum
+    the gradient norm bucket by bucket, which would change one device's peak memory and the last bits of its
+    clipping."""
+
+    def __init__(self, model: nn.Module, lean: bool, fp32_grad_accum: bool = False) -> None:
+        self.model, self.sync = model, True
+        self.names: list[str] = []
+        self.working: list[nn.Parameter] = []
+        masters = []
+        if lean:
+            for name, p in model.named_parameters():  # a tied weight once
+                masters.append(nn.Parameter(p.detach().clone()))
+                p.data = p.data.to(torch.bfloat16)
+                self.names.append(name)
+                self.working.append(p)
+        self.master = nn.ParameterList(masters) if lean else None
+        ids = {id(p): i for i, p in enumerate(self.working)}
+        self.aliases = {name: ids[id(p)] for name, p in model.named_parameters(remove_duplicate=False) if id(p) in ids}
+        if lean and fp32_grad_accum:
+            for p, m in zip(self.working, self.master, strict=True):
+                p.register_post_accumulate_grad_hook(self._accumulate_into(m))
+
+    @staticmethod
+    def _accumulate_into(master: nn.Parameter):
+        def hook(p: torch.Tensor) -> None:
+            if master.grad is None:
+                master.grad = p.grad.float()
+            else:
+                master.grad.add_(p.grad)
+            p.grad = None
+        return hook
+
+    def end_micro_batch(self) -> None:
+        """Gradients accumulate in place."""
+
+    def expect_accumulations(self, per_param: Callable[[nn.Parameter], int]) -> None:
+        """No reductions to time."""
+
+    def sum_tied_grads(self) -> None:
+        """A tied weight is one parameter here."""
+
+    def attach_grads(self) -> None:
+        """Lean: the bf16 gradients to the fp32 masters, one tensor at a time."""
+        for p, m in zip(self.working, self.master or [], strict=True):
+            if p.grad is not None:
+                m.grad = p.grad.float()
+                p.grad = None
+
+    def grad_square_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(0, sum of squares): nothing is tp-sharded. The one-device engine clips with torch's total norm
+        instead (`Engine.grad_norm`), whose summation order this does not keep."""
+        params = self.optimizer_params()
+        sums = torch.zeros(2, dtype=torch.float32, device=params[0].device)
+        for p in params:
+            if p.grad is not None:
+                sums[1] += p.grad.float().pow(2).sum()
+        return sums[0], sums[1]
+
+    def optimizer_params(self) -> list[nn.Parameter]:
+        return list(self.master) if self.master is not None else list(self.model.parameters())
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """The working weights from the fp32 masters (once per optimizer step, and after a load)."""
+        for p, m in zip(self.working, self.master or [], strict=True):
+            p.copy_(m)
+
+    def reshard(self) -> None:
+        """Nothing is sharded."""
+
+    def plain_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.master is None:
+            return state
+        return {name: (self.master[self.aliases[name]].detach() if name in self.aliases else t)
+                for name, t in state.items()}
+
+    @torch.no_grad()
+    def load_master(self, values: dict[str, torch.Tensor]) -> None:
+        for name, m in zip(self.names, self.master or [], strict=True):
+            m.copy_(values[name])
+        self.after_step()
+
+    def after_load(self) -> None:
+        self.after_step()
+
+    def state_segments(self, named: list[tuple[str, nn.Parameter]], place: Placement) -> list[Segment]:
+        """Every parameter whole (the fp32 master under lean mixed precision)."""
+        if self.master is not None:
+            named = list(zip(self.names, self.master, strict=True))
+        return [Segment(name, tuple(p.shape), (0,) * p.ndim, tuple(p.shape), 0, p.numel(), p.detach().view(-1), p,
+                        0, True) for name, p in named]
+
+    def state_bytes(self) -> dict[str, int]:
+        params = list(self.model.parameters())
+        return {"parameters": sum(p.numel() * p.element_size() for p in params),
+                "gradients": sum(t.grad.numel() * t.grad.element_size() for t in [*params, *(self.master or [])]
+                                 if t.grad is not None)}
+
+    def master_bytes(self) -> int:
+        return sum(m.numel() * m.element_size() for m in self.master or [])
 
 
 @dataclass
@@ -140,6 +324,8 @@ class BucketedDataParallel:
         # lean mixed precision: AdamW steps an fp32 master copy of this rank's slice, not the working weights
         self.master = any(b.master_source is not None for b in self.buckets)
         self.sync = True  # reduce on this micro-batch (the last of the accumulation)
+        self.tied_buckets: list[Bucket] = []  # a tied weight's copy on this rank (pipeline), summed over tied_group
+        self.tied_group: ProcessGroup | None = None
         self.launched_in_backward = 0  # buckets whose reduction started from a gradient hook (overlap)
         for bucket in self.buckets:
             if zero == 0 or zero == 1:
@@ -332,6 +518,55 @@ class BucketedDataParallel:
             return 0
         return sum(b.shard.numel() * b.shard.element_size() for b in self.buckets)
 
+    def tie(self, names: frozenset[str], group: ProcessGroup, counted: bool) -> None:
+        """The buckets of `names` (a tied weight's copy, each in a bucket of its own) hold gradients that are summed
+        with the other copy's over `group` after the step's backward; `counted`: this copy counts in the norm."""
+        self.tied_buckets = [b for b in self.buckets if any(n in names for n in b.names)]
+        self.tied_group = group
+        for bucket in self.tied_buckets:
+            bucket.count_in_norm = counted
+
+    def sum_tied_grads(self) -> None:
+        """The embedding's and the output layer's gradients are one gradient: sum the two copies'."""
+        for bucket in self.tied_buckets:
+            dist.all_reduce(self.reduced_grad(bucket), group=self.tied_group)
+
+    def reshard(self) -> None:
+        """Buckets hold every parameter whole."""
+
+    def plain_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Under lean mixed precision the fp32 master values (all-gathered over the group: collective)."""
+        master = self.full_master_state()
+        return {**state, **{name: t for name, t in master.items() if name in state}}
+
+    def after_load(self) -> None:
+        """ZeRO-1/2: each rank loaded its slice of the flat weights; all-gather the rest as after a step. Under lean
+        mixed precision the loaded values are the fp32 masters: cast them to the working weights likewise."""
+        if self.zero in (1, 2) or self.master:
+            self.after_step()
+
+    def state_segments(self, named: list[tuple[str, nn.Parameter]], place: Placement) -> list[Segment]:
+        """The bucket's parameters as this rank's ZeRO stage holds them: whole (ZeRO-0, written by the first rank of
+        the group) or the flat slices of each bucket (ZeRO-1/2, and the fp32 masters of lean mixed precision)."""
+        names = {id(p): n for n, p in named}
+        segments = []
+        for bucket in self.buckets:
+            lo, hi = self.shard_range(bucket)
+            for p, off in zip(bucket.params, bucket.offsets, strict=True):
+                name = names[id(p)]
+                shape, offsets, first = place(name, tuple(p.shape))
+                if self.zero == 0 and not self.master:
+                    segments.append(Segment(name, shape, offsets, tuple(p.shape), 0, p.numel(),
+                                            p.detach().view(-1), p, 0, first and self.dp_rank == 0))
+                    continue
+                a, b = max(lo, off) - off, min(hi, off + p.numel()) - off
+                if a < b:
+                    weight = (bucket.shard.detach().view(-1)[off + a - lo:off + b - lo] if self.master
+                              else bucket.flat_params[off + a:off + b])
+                    segments.append(Segment(name, shape, offsets, tuple(p.shape), a, b, weight, bucket.shard,
+                                            off + a - lo, first and (self.zero >= 1 or self.dp_rank == 0)))
+        return segments
+
     def state_bytes(self) -> dict[str, int]:
         """Bytes of parameters and gradient buffers this rank keeps between steps (padding included)."""
         params = sum(b.flat_params.numel() * b.flat_params.element_size() for b in self.buckets)
@@ -457,7 +692,29 @@ def shard_units(blocks: Iterable[nn.Module], root: nn.Module, meshes: Zero3Meshe
     return units
 
 
-class FullyShardedDataParallel:
+class ShardedState:
+    """The checkpoint side of `DataParallel` for `fully_shard` (ZeRO-3, HSDP, and per pipeline stage): the shards
+    are the fp32 weights, each rank reads and writes its own."""
+
+    def master_bytes(self) -> int:
+        """No separate master copy (`fully_shard` gathers the fp32 shards in bf16)."""
+        return 0
+
+    def plain_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The whole tensors (collective over each parameter's mesh); experts whole over edp are plain."""
+        return {name: full_value(t) for name, t in state.items()}
+
+    def load_master(self, values: dict[str, torch.Tensor]) -> None:
+        """No separate master copy."""
+
+    def after_load(self) -> None:
+        """Each rank loaded its own shards."""
+
+    def state_segments(self, named: list[tuple[str, nn.Parameter]], place: Placement) -> list[Segment]:
+        return shard_segments(named, place)
+
+
+class FullyShardedDataParallel(ShardedState):
     """ZeRO-3 through `fully_shard`: one unit per transformer block and a root unit for the rest (see the
     module docstring). `root` must be the module whose forward computes the loss, so that the root unit's
     hooks run around the whole micro-batch.
@@ -496,3 +753,37 @@ class FullyShardedDataParallel:
 
     def state_bytes(self) -> dict[str, int]:
         return shard_state_bytes(self.root.parameters())
+
+    def expect_accumulations(self, per_param: Callable[[nn.Parameter], int]) -> None:
+        """No buckets to count gradient arrivals for."""
+
+    def sum_tied_grads(self) -> None:
+        """A tied weight is one parameter here."""
+
+    def reshard(self) -> None:
+        """Free what a forward left gathered (an evaluation forward leaves the root unsharded)."""
+        reshard_units(self.root)
+
+
+def reshard_units(root: nn.Module) -> None:
+    """Reshard every `fully_shard` unit under `root`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def shard_segments(named: list[tuple[str, nn.Parameter]], place: Placement) -> list[Segment]:
+    """ZeRO-3's segments: each parameter's dim-0 shard of its tp/ep part (`fully_shard` splits dim 0 over its mesh as
+    `torch.chunk` does); under HSDP each replica holds the same shard and the first replica writes it."""
+    segments = []
+    for name, p in named:
+        shape, offsets, first = place(name, tuple(p.shape))
+        local = local_part(p)  # experts whole over edp = 1 are plain tensors
+        index, chunks = dim0_shard(p)
+        rows = -(-p.shape[0] // chunks)
+        offsets = (offsets[0] + min(index * rows, p.shape[0]), *offsets[1:])
+        segments.append(Segment(name, shape, offsets, tuple(local.shape), 0, local.numel(), local.detach().view(-1),
+                                p, 0, first and hsdp_replica(p) == 0))
+    return segments

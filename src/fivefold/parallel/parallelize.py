@@ -1,7 +1,8 @@
 """Apply the parallel techniques to a plain `Llama`, from outside and in one fixed order:
 
 0. pipeline parallel (`layout.pp > 1`, before this module, by `pipeline.build_stages`): each rank keeps only its
-   stages' blocks, and steps 1 to 5 apply to each stage (`parallelize_stages`);
+   stages' blocks. Either way the model is a set of parts (the whole model is one part), steps 1 to 5 apply to
+   each part (`apply_model_parallel`) and step 6 once to all of them (`apply_data_parallel`);
 1. tensor parallel (with sequence parallel when `layout.sp`): shards the projections, the MLP/experts and
    the vocabulary over the tp ranks, in place, keeping every parameter name; under a zero-bubble pipeline
    schedule the linears then defer their weight gradients to the W pass (`pipeline.defer_weight_grads`);
@@ -11,9 +12,10 @@
    span the sequence are summed over it; the engine feeds each rank its zig-zag chunks of every sequence;
 4. activation recomputation (`layout.recompute`: none, selective = the attention core, full = each block);
 5. `torch.compile` of each block (`train.compile`);
-6. data parallel last, because it works on whatever parameters the steps before left (tp and ep shards):
-   ZeRO-0/1/2 as flat gradient buckets with hooks, ZeRO-3 as `fully_shard` units per block. Dense gradients
-   are reduced over dp x cp, expert gradients (under ep) over the ranks that hold the same experts.
+6. data parallel last, because it works on whatever parameters the steps before left (tp and ep shards), as
+   one of the implementations of `data.DataParallel`: one device as `LocalDataParallel`, ZeRO-0/1/2 as flat
+   gradient buckets with hooks, ZeRO-3 as `fully_shard` units per block (per stage under pipeline parallel). Dense
+   gradients are reduced over dp x cp, expert gradients (under ep) over the ranks that hold the same experts.
 
 The model file holds no parallel code; this order is the one torchtitan documents (TP, then CP, then
 activation checkpointing, then compile, then data-parallel sharding), for the same reasons: data parallel
@@ -30,17 +32,24 @@ from torch import nn
 
 from fivefold.config import Config
 from fivefold.device import use_bf16
+from fivefold.layout import n_stages
 from fivefold.models.llama import Llama, full_parameter_shapes, materialize
 from fivefold.models.loss import model_loss_sum
 from fivefold.parallel.data import (
     DEFAULT_BUCKET_BYTES,
     BucketedDataParallel,
+    DataParallel,
     FullyShardedDataParallel,
+    LocalDataParallel,
     dim0_shard,
 )
 from fivefold.parallel.mesh import ProcessGrid
+from fivefold.parallel.pipeline_zero3 import PipelineFullyShardedDataParallel
+from fivefold.parallel.schedules import stage_placement
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
     from fivefold.parallel.pipeline import WeightGradQueue
 
 
@@ -52,22 +61,23 @@ class LossModel(nn.Module):
     exist); otherwise the fused chunked output layer + loss of the single-device engine. ZeRO-3's root unit
     wraps this module, so that its hooks run around the whole micro-batch."""
 
-    def __init__(self, model: Llama, grid: ProcessGrid, sequence_parallel: bool, compiled: bool = False) -> None:
+    def __init__(self, model: Llama, tp_group: ProcessGroup | None, sequence_parallel: bool,
+                 compiled: bool = False) -> None:
         super().__init__()
         self.model, self.compiled = model, compiled
-        self.grid, self.sequence_parallel = grid, sequence_parallel
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel  # tp_group None: no tensor parallel
         self.compute_dtype = torch.float32
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> (
         torch.Tensor
     ):
         dtype = torch.bfloat16 if torch.is_autocast_enabled(inputs.device.type) else torch.float32
-        if self.grid.size("tp") == 1:  # the single-device engine's loss
+        if self.tp_group is None:  # the fused chunked output layer + loss
             return model_loss_sum(self.model, inputs, targets, positions, dtype, self.compiled)
         from fivefold.parallel.tensor import vocab_parallel_loss_sum
 
         hidden = self.model.forward_hidden(inputs, positions)
-        return vocab_parallel_loss_sum(self.model, hidden, targets, self.grid.tp_group, self.sequence_parallel,
+        return vocab_parallel_loss_sum(self.model, hidden, targets, self.tp_group, self.sequence_parallel,
                                        compute_dtype=dtype)
 
 
@@ -84,14 +94,13 @@ def tp_sharded_names(model: nn.Module, tp: int) -> set[str]:
     return {name for name, _ in model.named_parameters() if tp_shard_dim(name) is not None}
 
 
-DataParallel = BucketedDataParallel | FullyShardedDataParallel
-
-
-def apply_model_parallel(model: Llama, cfg: Config, grid: ProcessGrid,
+def apply_model_parallel(model: Llama, cfg: Config, grid: ProcessGrid | None,
                          weight_grad_queue: WeightGradQueue | None = None) -> None:
-    """Steps 1 to 5 on one model (or pipeline stage), in place."""
+    """Steps 1 to 5 on one model part (the model, or a pipeline stage), in place (`grid` None: one device, where
+    only recompute and compile apply)."""
     la = cfg.layout
-    if grid.size("tp") > 1:  # 1. tensor (and sequence) parallel
+    tp, cp = (grid.size("tp"), grid.size("cp")) if grid is not None else (1, 1)
+    if tp > 1:  # 1. tensor (and sequence) parallel
         from fivefold.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, grid.tp_group, la.sp)
@@ -103,7 +112,7 @@ def apply_model_parallel(model: Llama, cfg: Config, grid: ProcessGrid,
         from fivefold.parallel.expert import apply_expert_parallel
 
         apply_expert_parallel(model, grid.groups["ep"])
-    if grid.size("cp") > 1:  # 3. context parallel
+    if cp > 1:  # 3. context parallel
         from fivefold.parallel.context import apply_context_parallel
 
         apply_context_parallel(model, grid.groups["cp"])
@@ -156,29 +165,6 @@ def materialize_shards(model: Llama, grid: ProcessGrid, device: torch.device, se
     materialize(model, device, seed, shard_regions(model, grid), root)
 
 
-def parallelize(model: Llama, cfg: Config, grid: ProcessGrid, device: torch.device,
-                bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[LossModel, DataParallel,
-                                                                   BucketedDataParallel | None]:
-    """Apply the layout to `model` in place (see the module docstring); return the loss module to call, the
-    data-parallel state that reduces the dense gradients and, under expert parallel, the one that reduces the
-    expert gradients (None otherwise)."""
-    la = cfg.layout
-    apply_model_parallel(model, cfg, grid)
-    loss_model = LossModel(model, grid, la.sp, cfg.train.compile)
-    tp_sharded = tp_sharded_names(model, grid.size("tp"))
-    if la.zero == 3:  # 6. data parallel: dense weights over dp x cp, experts over the ranks holding the same ones
-        fsdp = FullyShardedDataParallel(loss_model, model, tp_sharded, grid.grad_group,
-                                        grid.zero3_meshes(device.type), working_dtype(cfg, device))
-        if is_meta(model):
-            materialize_shards(model, grid, device, cfg.train.seed, root=loss_model)
-        return loss_model, fsdp, None
-    if is_meta(model):
-        materialize_shards(model, grid, device, cfg.train.seed)
-    dense, experts = bucketed_data_parallel(list(model.named_parameters()), tp_sharded, cfg, grid, bucket_bytes,
-                                            param_dtype=working_dtype(cfg, device))
-    return loss_model, dense, experts
-
-
 def working_dtype(cfg: Config, device: torch.device | None) -> torch.dtype | None:
     """The dtype of the working weights under lean mixed precision (bf16 when the engine computes in bf16: the
     default on accelerators, `train.dtype = "bf16"` anywhere); None keeps fp32 parameters (the CPU default)."""
@@ -207,32 +193,73 @@ def bucketed_data_parallel(named: list[tuple[str, nn.Parameter]], tp_sharded: se
     return dense, experts
 
 
-def parallelize_stages(stages: dict[int, Llama], cfg: Config, grid: ProcessGrid,
-                       weight_grad_queue: WeightGradQueue | None, own_bucket: frozenset[str],
-                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: torch.device | None = None) -> (
-    tuple[LossModel | None, BucketedDataParallel, BucketedDataParallel | None]
-):
-    """The same order for this pipeline rank's stages: steps 1 to 5 on each, then the data-parallel states over
-    all of their parameters (ZeRO-0/1/2; `own_bucket` names a tied weight that needs a bucket of its own).
-    Returns the last stage's loss module (None when this rank does not hold it) and the two states."""
-    from fivefold.parallel.pipeline import n_stages
-
-    for stage in stages.values():
-        apply_model_parallel(stage, cfg, grid, weight_grad_queue)
-    first, last = stages.get(0), stages.get(n_stages(cfg.layout) - 1)
-    for stage in stages.values():  # each rank allocates only its stages' shards
-        if is_meta(stage):
-            materialize_shards(stage, grid, device, cfg.train.seed)
-    if cfg.model.tied_embeddings and first is not None and last is not None:
+def apply_data_parallel(parts: dict[int, Llama], cfg: Config, grid: ProcessGrid | None, device: torch.device,
+                        bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[LossModel | None, list[DataParallel]]:
+    """Step 6, once, over this rank's model parts ({global stage: part}; the whole model is stage 0 of one), after
+    steps 1 to 5: allocate this rank's shards of parts built on the meta device and return the loss module of the
+    last stage (None when this rank does not hold it) and the data-parallel states, the one of the dense
+    parameters first (under ZeRO-0/1/2 with expert parallel, the experts' second)."""
+    la = cfg.layout
+    last = parts.get(n_stages(la) - 1)
+    tp_group = grid.tp_group if grid is not None and grid.size("tp") > 1 else None
+    loss_model = LossModel(last, tp_group, la.sp, cfg.train.compile) if last is not None else None
+    if grid is None:  # one device: built in place, nothing to reduce
+        (model,) = parts.values()
+        return loss_model, [LocalDataParallel(model, working_dtype(cfg, device) is not None, la.fp32_grad_accum)]
+    tp_sharded = set().union(*(tp_sharded_names(part, grid.size("tp")) for part in parts.values()))
+    if la.zero == 3:
+        return loss_model, [fully_shard_parts(parts, loss_model, tp_sharded, cfg, grid, device)]
+    for part in parts.values():  # each rank allocates only its parts' shards
+        if is_meta(part):
+            materialize_shards(part, grid, device, cfg.train.seed)
+    first = parts.get(0)
+    if cfg.model.tied_embeddings and la.pp > 1 and first is not None and last is not None:
         last.lm_head.weight = first.embed.weight  # both on this rank (DualPipeV): one parameter again after tp
     named, seen = [], set()
-    for stage in stages.values():
-        for name, p in stage.named_parameters():
+    for part in parts.values():
+        for name, p in part.named_parameters():
             if id(p) not in seen:
                 seen.add(id(p))
                 named.append((name, p))
-    tp_sharded = set().union(*(tp_sharded_names(stage, grid.size("tp")) for stage in stages.values()))
-    dense, experts = bucketed_data_parallel(named, tp_sharded, cfg, grid, bucket_bytes, own_bucket,
+    tied, counted = tied_copy(cfg, grid)
+    dense, experts = bucketed_data_parallel(named, tp_sharded, cfg, grid, bucket_bytes, tied,
                                             working_dtype(cfg, device))
-    loss_model = LossModel(last, grid, cfg.layout.sp, cfg.train.compile) if last is not None else None
-    return loss_model, dense, experts
+    if tied:
+        dense.tie(tied, grid.groups["embed"], counted)
+    return loss_model, [dense] + ([experts] if experts is not None else [])
+
+
+def tied_copy(cfg: Config, grid: ProcessGrid) -> tuple[frozenset[str], bool]:
+    """Under pipeline parallel with tied embeddings on two ranks: the name of this rank's copy of the weight (which
+    gets a bucket of its own, its gradient summed with the other copy's) and whether this copy counts in the
+    gradient norm (the first stage's does); (empty, True) otherwise."""
+    la = cfg.layout
+    if la.pp == 1 or not cfg.model.tied_embeddings:
+        return frozenset(), True
+    placement = stage_placement(la.schedule, la.pp, la.vpp)
+    pp_rank = grid.ranks["pp"]
+    if placement[0] == placement[-1]:
+        return frozenset(), True
+    names = {"embed.weight"} if pp_rank == placement[0] else {"lm_head.weight"} if pp_rank == placement[-1] else set()
+    return frozenset(names), pp_rank == placement[0]
+
+
+def fully_shard_parts(parts: dict[int, Llama], loss_model: LossModel | None, tp_sharded: set[str], cfg: Config,
+                      grid: ProcessGrid, device: torch.device) -> DataParallel:
+    """ZeRO-3 (and HSDP): `fully_shard` units over dp x cp (under expert parallel the routed experts over edp), then
+    each rank allocates only its shards; the units of the whole model (root: the loss module), or of each pipeline
+    stage (`pipeline_zero3`, each stage's copy of a tied weight initialised alike, the embedding's)."""
+    meshes, dtype = grid.zero3_meshes(device.type), working_dtype(cfg, device)
+    if cfg.layout.pp == 1:
+        (model,) = parts.values()
+        fsdp = FullyShardedDataParallel(loss_model, model, tp_sharded, grid.grad_group, meshes, dtype)
+        if is_meta(model):
+            materialize_shards(model, grid, device, cfg.train.seed, root=loss_model)
+        return fsdp
+    tied_group = grid.groups["embed"] if cfg.model.tied_embeddings else None
+    sharded = PipelineFullyShardedDataParallel(parts, loss_model, n_stages(cfg.layout) - 1, tp_sharded,
+                                               grid.grad_group, meshes, dtype, tied_group)
+    for s, stage in parts.items():
+        if is_meta(stage):
+            materialize_shards(stage, grid, device, cfg.train.seed, root=sharded.roots[s])
+    return sharded

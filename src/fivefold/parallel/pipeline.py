@@ -92,7 +92,8 @@ def build_stages(cfg: ModelConfig, counts: list[int], placement: tuple[int, ...]
     """This rank's stages {global stage: Llama}: the full model is described on the meta device and only this
     rank's stages are kept; on `device` they are then allocated and initialised from the seed (the values of the
     one-process model, `models.llama.initial_values`). With `device="meta"` they stay descriptions, for the
-    engine to shard first (`parallelize.parallelize_stages`)."""
+    engine to shard first (`train.build.build_engine`: `parallelize.apply_model_parallel` on each stage,
+    then `parallelize.apply_data_parallel` once)."""
     full = build_model(cfg, device="meta")
     ranges, last = layer_ranges(counts), len(counts) - 1
     stages = {s: stage_module(full, ranges[s], s == 0, s == last) for s, r in enumerate(placement) if r == pp_rank}

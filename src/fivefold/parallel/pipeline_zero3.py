@@ -39,20 +39,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from fivefold.config import Config
 from fivefold.models.llama import Llama
-from fivefold.parallel.data import shard_square_sums, shard_state_bytes, shard_units
-from fivefold.parallel.mesh import ProcessGrid, Zero3Meshes
+from fivefold.parallel.data import ShardedState, shard_square_sums, shard_state_bytes, shard_units
+from fivefold.parallel.mesh import Zero3Meshes
 from fivefold.parallel.pipeline import WeightGradQueue
 
 
-class PipelineFullyShardedDataParallel:
-    """The data-parallel state of `fivefold.train.parallel_engine.PipelineEngine` under ZeRO-3: the `fully_shard`
-    units of this pp rank's stages (see the module docstring). `roots[s]` is stage s's root unit: `loss_model`
-    for the last stage (whose forward computes the loss), the stage itself (its `forward_hidden`) otherwise."""
+class PipelineFullyShardedDataParallel(ShardedState):
+    """The data-parallel state (`data.DataParallel`) of a pipeline engine under ZeRO-3: the `fully_shard` units of
+    this pp rank's stages (see the module docstring). `roots[s]` is stage s's root unit: `loss_model` for the last
+    stage (whose forward computes the loss), the stage itself (its `forward_hidden`) otherwise."""
 
     zero = 3
-    buckets: list = []  # no flat buckets: the engine's tied-bucket handling finds none
 
     def __init__(self, stages: dict[int, Llama], loss_model: nn.Module | None, last_stage: int,
                  tp_sharded: set[str], group: ProcessGroup, meshes: Zero3Meshes,
@@ -177,33 +175,3 @@ class ShardedStage:
 
     def backward_weight(self, micro_batch: int) -> None:
         self.runner.backward_weight(micro_batch)
-
-
-def shard_stages(stages: dict[int, Llama], cfg: Config, grid: ProcessGrid, queue: WeightGradQueue | None,
-                 device: torch.device) -> tuple[nn.Module | None, PipelineFullyShardedDataParallel]:
-    """`parallelize.parallelize_stages` under ZeRO-3: steps 1 to 5 on each stage, then `fully_shard` units over
-    dp x cp (step 6; under expert parallel the routed experts over edp), then each rank allocates only its shards.
-    Returns the last stage's loss module (None when this rank does not hold it) and the data-parallel state."""
-    from fivefold.layout import n_stages
-    from fivefold.parallel.parallelize import (
-        LossModel,
-        apply_model_parallel,
-        is_meta,
-        materialize_shards,
-        tp_sharded_names,
-        working_dtype,
-    )
-
-    for stage in stages.values():
-        apply_model_parallel(stage, cfg, grid, queue)
-    last_stage = n_stages(cfg.layout) - 1
-    last = stages.get(last_stage)
-    loss_model = LossModel(last, grid, cfg.layout.sp, cfg.train.compile) if last is not None else None
-    tp_sharded = set().union(*(tp_sharded_names(stage, grid.size("tp")) for stage in stages.values()))
-    tied_group = grid.groups["embed"] if cfg.model.tied_embeddings else None
-    sharded = PipelineFullyShardedDataParallel(stages, loss_model, last_stage, tp_sharded, grid.grad_group,
-                                               grid.zero3_meshes(device.type), working_dtype(cfg, device), tied_group)
-    for s, stage in stages.items():  # each stage's copy of a tied weight is initialised alike (the embedding's)
-        if is_meta(stage):
-            materialize_shards(stage, grid, device, cfg.train.seed, root=sharded.roots[s])
-    return loss_model, sharded

@@ -1,11 +1,13 @@
-"""The training step: forward and backward over the micro-batches of one global batch, gradient
-clipping and the optimizer step, on one device.
+"""The training step: forward and backward over the micro-batches of one global batch, gradient clipping and the
+optimizer step, for one rank of any layout (one device being a grid of one rank).
 
-`Engine` is the one base of every engine: the parallel engine (`fivefold.train.parallel_engine.ParallelEngine`)
-and the pipeline engine (`PipelineEngine`, beside it) extend it. They override what the optimizer steps, how a
-micro-batch is cut and its loss computed (context and tensor parallel), how gradients are reduced and their norm
-summed over shards, and which pieces of the state a rank holds for checkpoints (`state_segments`); the step itself
-(`forward_backward`, clipping, `optimizer_step`) is written here once. The contract that every engine keeps:
+`Engine` is the one engine. It is built by `fivefold.train.build.build_engine` from the model's parts on this rank
+(the whole model, or its pipeline stages), the loss module, the data-parallel states (`parallel.data.DataParallel`:
+one device, ZeRO-0/1/2 buckets, `fully_shard`, `fully_shard` per stage) and a step runner (`train.step`: the
+micro-batch loop, or the pipeline schedule), chosen once. What a layout changes is behind those: the engine cuts a
+micro-batch for context parallel (`prepare_micro_batch`), sums the gradient norm over the shards (tp, ep, pp, and
+the data-parallel groups inside `grad_square_sums`), sums logged values over the ranks that hold different tokens,
+and names the pieces of the plain-model state this rank holds for checkpoints (`state_segments`). The contract:
 
 * `forward_backward(micro_batches, global_tokens)` runs every micro-batch of this rank's share of the
   global batch; each micro-batch's summed token loss is divided by the number of target tokens in the
@@ -20,92 +22,91 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from fivefold import faults
 from fivefold.checkpoint_format import flat_rects
 from fivefold.config import Config
 from fivefold.device import autocast, use_bf16
-from fivefold.models.loss import model_loss_sum
+from fivefold.models.llama import Llama, build_model
+from fivefold.parallel.data import DataParallel, Segment, load_shard, local_part
+from fivefold.parallel.mesh import ProcessGrid
+from fivefold.parallel.parallelize import LossModel
+from fivefold.parallel.pipeline import layer_ranges, stage_layer_counts
+from fivefold.parallel.schedules import stage_placement
 from fivefold.train.checkpoint import Piece
 from fivefold.train.optim import build_adamw, lr_at
+from fivefold.train.step import StepRunner, stage_modules
+
+__all__ = ["MOMENTS", "Engine", "Segment", "create_engine"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-@dataclass
-class Segment:
-    """Elements of one plain-model parameter that this rank holds, and where AdamW keeps their moments: the flat
-    range [start, end) (row-major) of this rank's local tensor, a rectangle of the global tensor at `offsets`
-    (its tp slice, ep experts or ZeRO-3 shard; the whole tensor on one device)."""
-
-    name: str
-    shape: tuple[int, ...]  # of the global tensor
-    offsets: tuple[int, ...]  # of the local tensor in it
-    local_shape: tuple[int, ...]
-    start: int
-    end: int
-    weight: torch.Tensor  # 1-D view of the (fp32 master) weights of those elements
-    opt_param: torch.Tensor  # the parameter whose AdamW state holds their moments
-    opt_start: int  # at this offset of its flattened state
-    write: bool  # this rank writes them (one owner per element: the first of the replicas)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 class Engine:
-    """Single-device engine. `dp_rank`/`dp_size` tell the data sampler which rows of the batch are ours."""
+    """Trains this rank's part of the model. `dp_rank`/`dp_size` select this rank's rows of the batch (every cp
+    rank of a dp rank gets the same rows and keeps its chunks of them); `grid` None is one device."""
 
-    dp_rank = 0
-    dp_size = 1
-    drop_fraction: torch.Tensor | None = None
-    is_logging_rank = True
-    n_devices = 1
-
-    def __init__(self, model: nn.Module, cfg: Config, device: torch.device) -> None:
-        self.model, self.cfg, self.device = model, cfg, device
+    def __init__(self, cfg: Config, device: torch.device, parts: dict[int, Llama], loss_model: LossModel | None,
+                 data_parallels: list[DataParallel], runner: StepRunner, grid: ProcessGrid | None = None) -> None:
+        self.cfg, self.device, self.parts, self.loss_model, self.grid = cfg, device, parts, loss_model, grid
+        self.data_parallels, self.runner = data_parallels, runner
+        self.data_parallel = data_parallels[0]  # the dense parameters' (the experts' follows under ep)
+        self.model = parts[0] if cfg.layout.pp == 1 else stage_modules(parts)
         self.bf16 = use_bf16(cfg, device)
-        self.optimizer = build_adamw(self.optimized_parameters(), cfg.train, device)
-
-    def optimized_parameters(self) -> nn.Module:
-        """The parameters that this rank's optimizer steps (the whole model on one device)."""
-        return self.model
+        self.drop_fraction: torch.Tensor | None = None
+        self.step_flags: torch.Tensor | None = None
+        self._shapes: dict[str, tuple[int, ...]] | None = None  # the plain model's, for checkpoint segments
+        if grid is None:
+            self.dp_rank = self.tp_rank = self.cp_rank = self.ep_rank = self.pp_rank = 0
+            self.dp_size = self.tp_size = self.cp_size = self.ep_size = self.pp_size = self.n_devices = 1
+            self.is_logging_rank, self.pp_group = True, None
+        else:
+            self.dp_rank, self.dp_size = grid.ranks["dp"], grid.size("dp")
+            self.tp_rank, self.tp_size = grid.ranks["tp"], grid.size("tp")
+            self.cp_rank, self.cp_size = grid.ranks["cp"], grid.size("cp")
+            self.ep_rank, self.ep_size = grid.group_ranks["ep"].index(grid.rank), grid.size("ep")
+            self.pp_rank, self.pp_size, self.pp_group = grid.ranks["pp"], grid.size("pp"), grid.groups["pp"]
+            self.is_logging_rank = grid.rank == 0
+            self.n_devices = grid.world_size
+        # what AdamW steps: this rank's share as the data-parallel states hand it over (ZeRO slices, tp and ep
+        # shards, fp32 masters under lean mixed precision)
+        optimized = nn.ParameterList([p for dp in data_parallels for p in dp.optimizer_params()])
+        self.optimizer = build_adamw(optimized, cfg.train, device)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return autocast(self.device, self.bf16)
 
+    # --- the step ---------------------------------------------------------------------------------
     def prepare_micro_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor | None
     ]:
         """What this rank computes of a micro-batch of whole sequences [rows, seq]: (inputs, targets, rotary
-        positions, None meaning 0..seq-1). The one place where a layout cuts a micro-batch (the parallel
-        engine keeps a context-parallel rank's chunks of each sequence); on one device, all of it."""
-        return inputs, targets, None
+        positions, None meaning 0..seq-1). Under context parallel, this cp rank's zig-zag chunks of every sequence
+        and their rotary positions; otherwise all of it."""
+        if self.cp_size == 1:
+            return inputs, targets, None
+        from fivefold.parallel.context import shard_batch
+
+        return shard_batch(inputs, targets, self.cp_rank, self.cp_size)
 
     def loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        """Summed token loss of a prepared micro-batch. The output layer and the loss run fused and chunked, so
-        the whole batch's fp32 logits are never materialised."""
+        """Summed token loss of a prepared micro-batch (`LossModel`: the output layer and the loss fused and
+        chunked, vocabulary-parallel under tp, so the whole batch's fp32 logits are never materialised)."""
         with self.autocast():
-            return model_loss_sum(self.model, inputs, targets, positions,
-                                  torch.bfloat16 if self.bf16 else torch.float32, self.cfg.train.compile)
+            return self.loss_model(inputs, targets, positions)
 
     def eval_loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Summed token loss of this rank's part of a batch of whole sequences (also the training loss before
         normalisation)."""
-        return self.loss_sum(*self.prepare_micro_batch(inputs, targets))
+        return self.runner.eval_loss_sum(self, inputs, targets)
 
     @torch.no_grad()
     def eval_micro_batches(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Summed token loss over the micro-batches, forward only (a pipeline runs them as one schedule)."""
-        total = torch.zeros((), device=self.device, dtype=torch.float64)
-        for inputs, targets in micro_batches:
-            total += self.eval_loss_sum(inputs, targets).double()
-        return total
+        return self.runner.eval_micro_batches(self, micro_batches)
 
     def micro_batch_loss(self, inputs: torch.Tensor, targets: torch.Tensor, global_tokens: int) -> tuple[
         torch.Tensor, torch.Tensor
@@ -120,45 +121,60 @@ class Engine:
             loss = loss + self.cfg.model.aux_loss_coef * aux * targets.numel()
         return loss / global_tokens, loss_sum.detach()
 
-    def micro_batch_context(self, index: int, count: int) -> contextlib.AbstractContextManager:
-        """Context for micro-batch `index` of `count`; data parallel skips gradient sync but for the last."""
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def micro_batch_context(self, index: int, count: int) -> Iterator[None]:
+        """Micro-batch `index` of `count`: data parallel reduces the gradients on the last one only."""
+        for dp in self.data_parallels:
+            dp.sync = index == count - 1
+        yield
+        for dp in self.data_parallels:
+            dp.end_micro_batch()
 
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], global_tokens: int) -> (
         torch.Tensor
     ):
-        total = torch.zeros((), device=self.device)
-        drops = []
-        capacity = self.cfg.model.capacity_factor > 0  # only capacity-based routing drops, so only it is logged
-        for i, (inputs, targets) in enumerate(micro_batches):
-            faults.note(micro_batch=i, action="forward-backward")
-            with self.micro_batch_context(i, len(micro_batches)):
-                loss, loss_sum = self.micro_batch_loss(inputs, targets, global_tokens)
-                loss.backward()
-            total += loss_sum
-            drop = self.model.moe_drop_fraction() if capacity else None
-            if drop is not None:
-                drops.append(drop.detach())
-        self.drop_fraction = torch.stack(drops).mean() if drops else None
-        return total
+        return self.runner.forward_backward(self, micro_batches, global_tokens)
 
     def moe_drop_fraction(self) -> float | None:
         """Fraction of routed slots that capacity-based routing dropped in the last step (mean over the MoE
         layers and micro-batches; over the ranks under data, context or expert parallel), or None without
-        capacity-based routing (a dense or dropless model). Collective in the parallel engine."""
-        return None if self.drop_fraction is None else float(self.drop_fraction)
+        capacity-based routing (a dense or dropless model). Collective over a grid."""
+        if self.drop_fraction is None:
+            return None
+        if self.grid is None:
+            return float(self.drop_fraction)
+        # the mean over dp x cp ranks, which route equally many slots
+        return float(self.reduce_for_logging(self.drop_fraction)) / dist.get_world_size(self.grid.grad_group)
 
     def local_grads(self) -> list[torch.Tensor]:
-        """The gradients that this rank's optimizer steps, as plain local tensors."""
-        return [p.grad for p in self.model.parameters() if p.grad is not None]
+        """The gradients of what the optimizer steps, as plain local tensors (a ZeRO-3 shard's local slice)."""
+        return [local_part(p.grad) for dp in self.data_parallels for p in dp.optimizer_params() if p.grad is not None]
+
+    def grad_square_sum(self) -> torch.Tensor:
+        """Sum of the squared gradients of the whole model (every rank gets the same value): tp-sharded parameters
+        summed over tp, experts over ep, each pipeline rank's over pp (ZeRO slices inside `grad_square_sums`)."""
+        sharded, replicated = self.data_parallel.grad_square_sums()
+        for experts_dp in self.data_parallels[1:]:  # each ep rank holds other experts (and under tp, a slice)
+            experts = sum(experts_dp.grad_square_sums())
+            dist.all_reduce(experts, group=self.grid.groups["ep"])
+            sharded = sharded + experts
+        if self.tp_size > 1:  # each tp rank holds a different slice of the sharded parameters
+            dist.all_reduce(sharded, group=self.grid.tp_group)
+        total = sharded + replicated
+        if self.pp_size > 1:  # each pp rank holds other parameters
+            dist.all_reduce(total, group=self.pp_group)
+        return total
 
     def grad_norm(self) -> torch.Tensor:
-        """The global gradient norm of the whole model (every rank gets the same value)."""
-        return nn.utils.get_total_norm(self.local_grads(), foreach=True)
+        """The global gradient norm of the whole model (every rank gets the same value). One device takes torch's
+        total norm of the gradients (the order `clip_grad_norm_` sums in)."""
+        if self.grid is None:
+            return nn.utils.get_total_norm(self.local_grads(), foreach=True)
+        return self.grad_square_sum().sqrt()
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Scale the gradients so that their global norm is at most `max_norm` (0: no clipping); returns the norm
-        before clipping. The one place where every engine clips."""
+        before clipping."""
         norm = self.grad_norm()
         if max_norm > 0:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -173,14 +189,14 @@ class Engine:
         return lr
 
     def optimizer_step(self, loss_sum: torch.Tensor | None = None, stop: bool = False) -> torch.Tensor:
+        for dp in self.data_parallels:
+            dp.attach_grads()
         norm = self.clip_grad_norm(self.cfg.train.grad_clip)
         self.step_guarded(norm, loss_sum, stop)
-        self.after_optimizer_step()
+        for dp in self.data_parallels:
+            dp.after_step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
-
-    def after_optimizer_step(self) -> None:
-        """Work after the optimizer stepped and before the gradients are cleared (none on one device)."""
 
     def step_guarded(self, norm: torch.Tensor, loss_sum: torch.Tensor | None, stop: bool) -> None:
         """Step the optimizer unless the loss or the gradient norm is non-finite on some rank: the flag goes to the
@@ -199,25 +215,38 @@ class Engine:
             del self.optimizer.found_inf
 
     def agree(self, flags: torch.Tensor) -> torch.Tensor:
-        """The maximum of `flags` over every rank (identity on one device)."""
+        """The maximum of `flags` over every rank (one all-reduce, no host sync; identity on one device)."""
+        if self.grid is not None:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return flags
 
     def reduce_for_logging(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum a per-rank scalar over the ranks that hold different data (identity on one device)."""
+        """Sum a per-rank scalar over the ranks that hold different tokens: dp x cp, and pp (only the last stage's
+        is not zero); tp ranks hold the same value. Identity on one device."""
+        if self.grid is None:
+            return value
+        value = value.clone()
+        dist.all_reduce(value, group=self.grid.grad_group)
+        if self.pp_size > 1:
+            dist.all_reduce(value, group=self.pp_group)
         return value
+
+    def barrier(self) -> None:
+        """Wait for every rank (no-op on one device)."""
+        if self.grid is not None:
+            dist.barrier()
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.model.parameters()
 
     # --- state for checkpoints -------------------------------------------------------------------
     def model_state(self) -> dict[str, torch.Tensor]:
-        """The full, unsharded model state with plain-model names (tied weights once). Collective in the parallel
-        engines: every rank must call it."""
+        """The full, unsharded model state with plain-model names (tied weights once). Collective over a grid:
+        every rank must call it."""
         state = self.full_model_state()
         if self.cfg.model.tied_embeddings:
             state.pop("lm_head.weight", None)
         return state
-
-    def full_model_state(self) -> dict[str, torch.Tensor]:
-        """The whole model's plain-named state (a tied output layer may be left out)."""
-        return self.model.state_dict()
 
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
         """Load a plain-named state as `model_state` returns it (tied weights once)."""
@@ -225,15 +254,126 @@ class Engine:
             state = {**state, "lm_head.weight": state["embed.weight"]}
         self.load_full_model_state(state)
 
+    def _parts_state(self) -> dict[str, torch.Tensor]:
+        """The state of this rank's parts, plain-named, as the modules hold it (after freeing gathered weights)."""
+        for dp in self.data_parallels:
+            dp.reshard()
+        return {name: t for part in self.parts.values() for name, t in part.state_dict().items()}
+
+    def _local_state(self) -> dict[str, torch.Tensor]:
+        """This rank's tp/ep-local parameters with plain names, whole over dp (the fp32 master values under lean
+        mixed precision; collective over the data-parallel groups)."""
+        state = self._parts_state()
+        for dp in self.data_parallels:
+            state = dp.plain_state(state)
+        return state
+
+    def _gathered_state(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters with plain names, whole over tp and ep (collective over those groups)."""
+        state = self._local_state()
+        if self.tp_size > 1:
+            from fivefold.parallel.tensor import gather_state
+
+            state = gather_state(state, self.grid.tp_group)
+        if self.ep_size > 1:
+            from fivefold.parallel.expert import gather_expert_state
+
+            state = gather_expert_state(state, self.grid.groups["ep"])
+        return state
+
+    def _sharded_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's tp and ep shards of a plain state (the reverse of `_gathered_state`)."""
+        if self.tp_size > 1:
+            from fivefold.parallel.tensor import shard_state
+
+            state = shard_state(state, self.tp_rank, self.tp_size)
+        if self.ep_size > 1:
+            from fivefold.parallel.expert import shard_expert_state
+
+            state = shard_expert_state(state, self.ep_rank, self.ep_size)
+        return state
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """The full plain-named state on every rank (under pipeline parallel a tied output layer left out: each
+        stage's parameters, whole over tp and ep, broadcast from their pp rank over the pp group)."""
+        mine = self._gathered_state()
+        if self.pp_size == 1:
+            return mine
+        counts = stage_layer_counts(self.cfg)
+        placement = stage_placement(self.cfg.layout.schedule, self.cfg.layout.pp, self.cfg.layout.vpp)
+        full = {}
+        for name, meta in build_model(self.cfg.model, device="meta").state_dict().items():
+            if name == "lm_head.weight" and self.cfg.model.tied_embeddings:
+                continue
+            owner = stage_owner(name, counts, placement)
+            tensor = mine[name] if owner == self.pp_rank else torch.empty(meta.shape, dtype=meta.dtype,
+                                                                          device=self.device)
+            tensor = tensor.detach().contiguous()
+            dist.broadcast(tensor, group=self.pp_group, group_src=owner)
+            full[name] = tensor
+        return full
+
+    @torch.no_grad()
     def load_full_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Load a plain-named state with every parameter of the model (this rank's part of it, in place)."""
-        self.model.load_state_dict(state, strict=True)
+        """Load a plain-named state with every parameter of the model into this rank's part of it, in place (bucket
+        views stay views; `fully_shard` parameters keep their dim-0 shard), then the fp32 masters."""
+        own = self._parts_state()
+        missing = set(own) - set(state)
+        if missing:
+            raise KeyError(f"model state lacks {sorted(missing)}")
+        extra = set(state) - set(own)
+        if extra and self.pp_size == 1:
+            raise KeyError(f"model state has names the model lacks: {sorted(extra)}")
+        state = self._sharded_state({name: state[name] for name in own})
+        for name, t in own.items():  # dim 0 over each parameter's own mesh (dp x cp, or edp for experts)
+            if tuple(t.shape) != tuple(state[name].shape):
+                raise ValueError(f"model state {name}: shape {tuple(state[name].shape)}, the model's is "
+                                 f"{tuple(t.shape)}")
+            load_shard(t, state[name])
+        for dp in self.data_parallels:
+            dp.load_master(state)
 
     # --- sharded checkpoints: this rank's pieces of the named fp32 state ---------------------------
+    def named_plain_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters with their plain-model names (tp, ep or ZeRO-3 local parts; a weight tied on one
+        rank once, by the embedding's name)."""
+        named: dict[int, tuple[str, nn.Parameter]] = {}
+        for part in self.parts.values():
+            for name, p in part.named_parameters():
+                if id(p) not in named or name == "embed.weight":
+                    named[id(p)] = (name, p)
+        return list(named.values())
+
+    def _global_shapes(self) -> dict[str, tuple[int, ...]]:
+        if self._shapes is None:
+            meta = build_model(self.cfg.model, device="meta").state_dict()
+            self._shapes = {n: tuple(t.shape) for n, t in meta.items()}
+        return self._shapes
+
+    def _placed(self, name: str, local_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+        """(global shape, offsets of this rank's tp/ep part in it, whether this rank is its first tp replica):
+        a dim smaller than the global one is split over ep (dim 0 of an expert weight) or tp."""
+        from fivefold.parallel.expert import is_expert_param
+
+        shape = self._global_shapes()[name]
+        offsets, tp_split = [], False
+        for d, (local, full) in enumerate(zip(local_shape, shape, strict=True)):
+            if local == full:
+                offsets.append(0)
+            elif d == 0 and is_expert_param(name) and self.ep_size > 1 and local * self.ep_size == full:
+                offsets.append(self.ep_rank * local)
+            else:
+                offsets.append(self.tp_rank * local)
+                tp_split = True
+        return shape, tuple(offsets), tp_split or self.tp_rank == 0
+
     def state_segments(self) -> list[Segment]:
-        """Every element of the training state this rank holds, by plain parameter name (see `Segment`)."""
-        return [Segment(name, tuple(p.shape), (0,) * p.ndim, tuple(p.shape), 0, p.numel(), p.detach().view(-1), p,
-                        0, True) for name, p in self.model.named_parameters()]
+        """Every element of the training state this rank holds, by plain parameter name (see `Segment`): its tp/ep
+        parts of the parameters, cut as its data parallel holds them (`DataParallel.state_segments`)."""
+        for dp in self.data_parallels:
+            dp.reshard()
+        named = self.named_plain_parameters()
+        return [seg for dp in self.data_parallels for seg in dp.state_segments(named, self._placed)]
 
     def _source(self, name: str) -> str:
         """The checkpoint's name for parameter `name` (a tied output layer is stored as the embedding)."""
@@ -256,7 +396,7 @@ class Engine:
                                     seg.weight[lo - seg.start:hi - seg.start].view(shape)))
                 for key in MOMENTS:
                     if key in state:
-                        flat = _local(state[key]).view(-1)
+                        flat = local_part(state[key]).view(-1)
                         begin = seg.opt_start + lo - seg.start
                         pieces.append(Piece(f"{key}.{seg.name}", seg.shape, where,
                                             flat[begin:begin + hi - lo].view(shape)))
@@ -287,116 +427,40 @@ class Engine:
                     continue
                 for key in MOMENTS:
                     begin = seg.opt_start + lo - seg.start
-                    _local(state[key]).view(-1)[begin:begin + hi - lo].copy_(
+                    local_part(state[key]).view(-1)[begin:begin + hi - lo].copy_(
                         reader.read(f"{key}.{src}", where, shape).view(-1))
-        self.after_state_load()
+        for dp in self.data_parallels:
+            dp.after_load()
 
-    def after_state_load(self) -> None:
-        """Work after the pieces were loaded (none on one device)."""
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer states (Adam's two moments, and the fp32
+        master weights under lean mixed precision: the playbook's k = 12)."""
+        held = {"parameters": 0, "gradients": 0}
+        for dp in self.data_parallels:
+            held = {k: v + dp.state_bytes()[k] for k, v in held.items()}
+        optimizer = sum(dp.master_bytes() for dp in self.data_parallels)
+        for s in self.optimizer.state.values():
+            for key in MOMENTS:
+                if key in s:
+                    t = local_part(s[key])
+                    optimizer += t.numel() * t.element_size()
+        return {**held, "optimizer": optimizer}
 
-    def barrier(self) -> None:
-        """Wait for every rank (no-op on one device)."""
 
-    def parameters(self) -> Iterator[nn.Parameter]:
-        return self.model.parameters()
-
-
-class LeanEngine(Engine):
-    """Single-device engine under bf16 (the default on accelerators): lean mixed precision as the parallel engines
-    do it (`fivefold.parallel.data`), without the sharding. The model holds bf16 working weights, so activations
-    and the residual stream are bf16 and no weight is cast per micro-batch; its gradients are added into fp32 buffers
-    as backward produces them (`layout.fp32_grad_accum`, the default), or accumulate in bf16 over the micro-batches;
-    AdamW steps an fp32 master copy of every parameter, which is cast to the working weights once after each step.
-    State: 2 + (4 or 2) + 12 bytes per parameter (weights, gradients, master and moments), where autocast over fp32
-    weights holds 4 + 4 + 8 plus a bf16 copy of every weight per micro-batch in flight. The master copy is the
-    model state that checkpoints save and load."""
-
-    def __init__(self, model: nn.Module, cfg: Config, device: torch.device) -> None:
-        self.names: list[str] = []
-        self.working: list[nn.Parameter] = []
-        masters = []
-        for name, p in model.named_parameters():  # a tied weight once
-            masters.append(nn.Parameter(p.detach().clone()))
-            p.data = p.data.to(torch.bfloat16)
-            self.names.append(name)
-            self.working.append(p)
-        self.master = nn.ParameterList(masters)
-        self.fp32_grads = cfg.layout.fp32_grad_accum
-        if self.fp32_grads:
-            for p, m in zip(self.working, self.master, strict=True):
-                p.register_post_accumulate_grad_hook(self._accumulate_into(m))
-        super().__init__(model, cfg, device)
-
-    @staticmethod
-    def _accumulate_into(master: nn.Parameter):
-        def hook(p: torch.Tensor) -> None:
-            if master.grad is None:
-                master.grad = p.grad.float()
-            else:
-                master.grad.add_(p.grad)
-            p.grad = None
-        return hook
-
-    def optimized_parameters(self) -> nn.Module:
-        return self.master
-
-    def local_grads(self) -> list[torch.Tensor]:
-        return [m.grad for m in self.master if m.grad is not None]
-
-    def optimizer_step(self, loss_sum: torch.Tensor | None = None, stop: bool = False) -> torch.Tensor:
-        for p, m in zip(self.working, self.master, strict=True):  # bf16 gradients to fp32, one tensor at a time
-            if p.grad is not None:
-                m.grad = p.grad.float()
-                p.grad = None
-        return super().optimizer_step(loss_sum, stop)
-
-    @torch.no_grad()
-    def after_optimizer_step(self) -> None:
-        self.cast_masters()
-
-    @torch.no_grad()
-    def cast_masters(self) -> None:
-        """The working weights from the fp32 masters (once per optimizer step, and after a load)."""
-        for p, m in zip(self.working, self.master, strict=True):
-            p.copy_(m)
-
-    def full_model_state(self) -> dict[str, torch.Tensor]:
-        masters = {id(p): m for p, m in zip(self.working, self.master, strict=True)}
-        return {name: (masters[id(t)] if id(t) in masters else t).detach()
-                for name, t in self.model.state_dict(keep_vars=True).items()}
-
-    @torch.no_grad()
-    def load_full_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(state, strict=True)  # checks the names and shapes
-        for name, m in zip(self.names, self.master, strict=True):
-            m.copy_(state[name])
-        self.cast_masters()
-
-    def state_segments(self) -> list[Segment]:
-        return [Segment(name, tuple(m.shape), (0,) * m.ndim, tuple(m.shape), 0, m.numel(), m.detach().view(-1), m,
-                        0, True) for name, m in zip(self.names, self.master, strict=True)]
-
-    def after_state_load(self) -> None:
-        self.cast_masters()
+def stage_owner(name: str, counts: list[int], placement: tuple[int, ...]) -> int:
+    """The pp rank that holds plain-model parameter `name` (blocks per stage `counts`, stage ranks `placement`)."""
+    if name.startswith("embed."):
+        return placement[0]
+    if name.startswith("layers."):
+        index = int(name.split(".")[1])
+        stage = next(s for s, r in enumerate(layer_ranges(counts)) if index in r)
+        return placement[stage]
+    return placement[-1]  # final norm, output layer
 
 
 def create_engine(cfg: Config, device: torch.device) -> Engine:
-    """Build the model for `cfg` (meta device, then materialised and initialised from the seed) and the
-    engine that trains it: the single-device engine when every parallel degree is 1 (`LeanEngine` under bf16),
-    else the parallel engine, which shards the model over the process grid."""
-    la = cfg.layout
-    if la.world_size > 1 or la.ep > 1:
-        from fivefold.train.parallel_engine import create_parallel_engine
+    """The engine for `cfg` on this rank: `fivefold.train.build.build_engine`, under the name callers import from
+    here."""
+    from fivefold.train.build import build_engine  # build.py imports this module
 
-        return create_parallel_engine(cfg, device)
-    from fivefold.models.llama import build_model
-
-    model = build_model(cfg.model, device=device, seed=cfg.train.seed)
-    if la.recompute != "none":  # before compiling, as the parallel engine orders them
-        from fivefold.parallel.recompute import apply_recompute
-
-        apply_recompute(model, la.recompute)
-    if cfg.train.compile:
-        for block in model.layers.values():
-            block.compile()
-    return LeanEngine(model, cfg, device) if use_bf16(cfg, device) else Engine(model, cfg, device)
+    return build_engine(cfg, device)

@@ -34,7 +34,7 @@ from fivefold.data.format import DataError, tokenizer_fingerprint
 from fivefold.device import resolve_device
 from fivefold.flops import training_flops_per_token
 from fivefold.train import checkpoint as ckpt
-from fivefold.train.engine import Engine, create_engine
+from fivefold.train.build import Engine, create_engine
 from fivefold.train.guard import GuardState, StepGuard, StopSignals
 from fivefold.train.metrics import (
     MetricsWriter,

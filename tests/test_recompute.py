@@ -29,7 +29,17 @@ def live_storages() -> dict[int, int]:
     with warnings.catch_warnings():  # isinstance on deprecated module attributes warns
         warnings.simplefilter("ignore", FutureWarning)
         tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.device.type != "meta"}
+    return dict(filter(None, (_storage(t) for t in tensors if t.device.type != "meta")))
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int] | None:
+    """(address, bytes) of a tensor's storage; None for one whose storage is no longer valid (a tensor left in the
+    heap by an earlier test, whose storage was freed under it: it holds nothing either side of a measurement)."""
+    try:
+        storage = t.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except RuntimeError:
+        return None
 
 
 def held_bytes(run: Callable[[], torch.Tensor], exclude: set[int]) -> tuple[int, torch.Tensor]:

@@ -336,9 +336,9 @@ def test_pad_vocab_lets_tp_split_an_odd_vocabulary(capsys, tmp_path):
 @pytest.mark.slow
 @needs_data
 def test_packaged_profile_is_the_fit_on_one_and_two_nodes():
-    from fivefold.planner.validate import FIT_NODES, TIME_GRID, fit_memory, fit_time, load_profile, read_rows
+    from fivefold.planner.validate import FIT_NODES, TIME_GRID, fit_memory, fit_time, load_profile, read_runs_csv
 
-    rows = [r for r in read_rows(PLAYBOOK) if r.nodes in FIT_NODES]
+    rows = [r for r in read_runs_csv(PLAYBOOK) if r.nodes in FIT_NODES]
     fw, hw = load_profile(None)
     fitted_fw = fit_memory(rows, fw)
     fitted_fw, fitted_hw = fit_time(rows, fitted_fw, hw)

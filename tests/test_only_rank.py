@@ -104,10 +104,10 @@ def standin_bytes(name: str, rank: int) -> dict[str, int]:
 
 
 def every_rank_alone(name: str) -> list[dict[str, int]]:
-    """Each rank of the layout alone: one after another in this process, or under HSDP each in a process of its own,
-    as the command line runs it (PyTorch's DeviceMesh remembers a 2D mesh's group names across worlds)."""
+    """Each rank of the layout alone: one after another in this process, or under ZeRO-3 (whose DeviceMeshes PyTorch
+    remembers, group names included, across worlds) each in a process of its own, as the command line runs it."""
     world = config(name).layout.world_size
-    if not config(name).layout.dp_shard:
+    if config(name).layout.zero != 3:
         return [standin_bytes(name, rank) for rank in range(world)]
     with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1) as pool:
         return list(pool.map(standin_bytes, [name] * world, range(world)))

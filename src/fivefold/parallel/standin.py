@@ -21,11 +21,11 @@ Overriding `_set_group_name` on this subclass is the one touch of a private name
 `all_to_all_single` and their `_coalesced` forms), so both sets are implemented. tests/test_only_rank.py runs each
 collective that the engine uses through the group, and fails when PyTorch calls a method that is not here.
 
-What it cannot serve: PyTorch's functional collectives (`torch.distributed._functional_collectives`, which
-DTensor redistribution and async tensor parallel use) resolve the group in C++ and call its C++ backend, which a
-Python group does not have. fivefold's engine does not use them on a training step (its tensor and context
-parallel call `torch.distributed` directly, and `fully_shard` gathers and reduce-scatters through
-`torch.distributed`); `fivefold.only_rank` refuses by name the configurations that would reach them.
+What it cannot serve: PyTorch's functional (traceable) collectives, which DTensor redistribution and async tensor
+parallel use: they resolve the group in C++ and call its C++ backend, which a Python group does not have.
+fivefold's engine does not use them on a training step (its tensor and context parallel call `torch.distributed`
+directly, and `fully_shard` gathers and reduce-scatters through `torch.distributed`); `fivefold.only_rank` refuses
+by name the configurations that would reach them.
 """
 
 from __future__ import annotations

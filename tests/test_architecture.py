@@ -12,9 +12,9 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Bottom to top: (layer, the modules or packages in it, what it may import besides its own layer).
-# A module belongs to the entry with the longest matching name ("fivefold.planner.calibrate" before
-# "fivefold.planner"); `None` means every layer below. Each entry is one part (a tuple: names that form one part):
-# parts of one layer may import each other in one direction only.
+# Above the base modules every entry is a folder (a package), so the tree shows the layers; a module belongs to the
+# entry with the longest matching name; `None` means every layer below. Each entry is one part (a tuple: names that
+# form one part): parts of one layer may import each other in one direction only.
 LAYERS: list[tuple[str, list[str | tuple[str, ...]], list[str] | None]] = [
     # config (with the preset table it resolves `model.preset` from, the layout rule book whose batch rule
     # `Config.validate` applies, and the FLOPs formulas by which the rule book balances pipeline stages) and the
@@ -37,12 +37,11 @@ LAYERS: list[tuple[str, list[str | tuple[str, ...]], list[str] | None]] = [
     # the planner models the engines, it does not call them: it reads only these lower parts
     ("planner", ["fivefold.planner"], ["base", "models", "fivefold.parallel.schedules"]),
     # tools that run or score the trainer: sweeps and their report, bench, calibrate (it times the training step,
-    # so it sits above train and the planner it writes profiles for), the planner's validation against a sweep,
-    # one rank alone beside the planner's prediction for it (`train --only-rank`)
-    ("tools", ["fivefold.sweep", "fivefold.bench", "fivefold.planner.calibrate", "fivefold.planner.validate",
-               "fivefold.only_rank"], None),
+    # so it sits above train and the planner it writes profiles for), the planner's validation against measured
+    # runs, one rank alone beside the planner's prediction for it (`train --only-rank`)
+    ("tools", ["fivefold.sweep", "fivefold.tools"], None),
     # the command line: `fivefold VERB`; `plan` also runs the planner's validation, `train --dry-run` the planner
-    ("cli", ["fivefold.cli", "fivefold.__main__", "fivefold.planner.cli", "fivefold.train.cli"], None),
+    ("cli", ["fivefold.cli", "fivefold.__main__"], None),
 ]
 
 
@@ -144,6 +143,16 @@ def test_every_module_has_a_layer():
         part_of(name)
 
 
+def test_layers_above_the_base_are_folders():
+    """Above the base modules each layer is a list of folders: the tree itself shows the layers, and a module's
+    folder says which layer it is in (the verb modules of data, models and sweep stay in their packages)."""
+    for _, entries, _ in LAYERS[1:]:
+        for entry in entries:
+            for name in (entry if isinstance(entry, tuple) else (entry,)):
+                if name != "fivefold.__main__":
+                    assert (SRC / name.replace(".", "/")).is_dir(), f"{name} is not a folder"
+
+
 def test_imports_point_down_and_parts_do_not_import_each_other():
     assert violations(import_graph()) == []
 
@@ -165,8 +174,10 @@ def test_nothing_below_the_command_line_imports_it():
     ({"fivefold.models.llama": {"fivefold.cli"}}, "models may not import cli"),
     ({"fivefold.planner.time": {"fivefold.train.engine"}}, "planner may not import train"),
     ({"fivefold.planner.memory": {"fivefold.parallel.mesh"}}, "planner may not import parallel"),
-    ({"fivefold.sweep.grid": {"fivefold.bench"}, "fivefold.bench": {"fivefold.sweep.store"}},
-     "fivefold.bench and fivefold.sweep import each other"),
+    ({"fivefold.sweep.grid": {"fivefold.tools.bench"}, "fivefold.tools.bench": {"fivefold.sweep.store"}},
+     "fivefold.sweep and fivefold.tools import each other"),
+    ({"fivefold.train.loop": {"fivefold.planner.predict"}}, "train may not import planner"),
+    ({"fivefold.planner.search": {"fivefold.tools.validate"}}, "planner may not import tools"),
 ])
 def test_the_checker_finds_a_violation(edges, expected):
     """The rule above catches an upward import, a read outside the planner's list and two parts in a cycle."""

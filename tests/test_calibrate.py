@@ -14,12 +14,12 @@ import torch
 from fivefold.cli import main
 from fivefold.config import ConfigError
 from fivefold.planner import comm
-from fivefold.planner.calibrate import Result, fit_link, monotone, profile_tables, to_toml
 from fivefold.planner.hardware import Cluster, get_cluster, interpolate
 from fivefold.planner.layout import FIVEFOLD_CPU, Layout
 from fivefold.planner.memory import layer_activation_bytes, model_state_bytes
 from fivefold.planner.time import linear_shapes, optimizer_tensors, stage_times, step_time
 from fivefold.presets import get_preset
+from fivefold.tools.calibrate import Result, fit_link, monotone, profile_tables, to_toml
 
 TINY = get_preset("tiny")
 
@@ -297,7 +297,7 @@ def test_cpu_operator_counts_are_the_blocks():
 def test_timed_operands_rotate_through_sets_beyond_the_caches():
     """Each timed call of a compute figure finds its operands uncached: the sets rotated through span at least
     `COLD_SPAN_BYTES` (up to `MAX_SETS` copies), and successive calls use different sets."""
-    from fivefold.planner.calibrate import COLD_SPAN_BYTES, MAX_SETS, Clock, operand_sets, time_forward_backward
+    from fivefold.tools.calibrate import COLD_SPAN_BYTES, MAX_SETS, Clock, operand_sets, time_forward_backward
 
     assert operand_sets(3 * 2**20) == math.ceil(COLD_SPAN_BYTES / (3 * 2**20)) <= MAX_SETS
     assert operand_sets(1024) == MAX_SETS and operand_sets(10 * COLD_SPAN_BYTES) == 1
@@ -336,7 +336,7 @@ def test_plan_and_result_reach_the_started_processes_unchanged():
     import argparse
     import json
 
-    from fivefold.planner.calibrate import Plan, make_plan
+    from fivefold.tools.calibrate import Plan, make_plan
 
     args = argparse.Namespace(model="tiny,llama-3.2-1b", seq_len=0, nproc_max=2, quick=True, threads=1)
     plan, levels = make_plan(args, "cpu")

@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 
 from fivefold.cli import main
+from fivefold.cli.plan import load_model
 from fivefold.config import ConfigError, ModelConfig, build_config
 from fivefold.layout import check_layout, layout_problem, stage_count
 from fivefold.models.presets import get_preset
 from fivefold.parallel.schedules import stage_placement
-from fivefold.planner.cli import load_model
 from fivefold.planner.hardware import get_cluster
 from fivefold.planner.layout import FIVEFOLD, Layout
 from fivefold.planner.search import search

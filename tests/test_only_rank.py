@@ -22,12 +22,12 @@ from tests.distributed import run_ranks
 
 from fivefold.cli import main
 from fivefold.config import build_config
-from fivefold.only_rank import measure_rank, rank_description
 from fivefold.parallel.pipeline import stage_layer_counts
 from fivefold.parallel.standin import StandInGroup, init_standin
 from fivefold.planner.layout import FIVEFOLD_CPU
 from fivefold.planner.memory import model_state_bytes
 from fivefold.planner.predict import layout_of
+from fivefold.tools.only_rank import measure_rank, rank_description
 
 BASE = {"train.device": "cpu", "train.dtype": "fp32", "train.seq_len": "32", "train.global_batch_size": "8",
         "train.threads": "1", "data.path": "/nonexistent/only-rank-test"}
@@ -80,7 +80,7 @@ def closed_form(cfg, rank: int) -> dict[str, int]:
 def real_run_bytes(rank: int, world: int, name: str) -> dict[str, int]:
     """One training step of the real run on `world` gloo ranks: this rank's bytes, measured as --only-rank does
     (parameters and gradients before the optimizer step, the optimizer's state after it)."""
-    from fivefold.only_rank import held_bytes
+    from fivefold.tools.only_rank import held_bytes
     from fivefold.train.build import create_engine
     from fivefold.train.loop import split_micro_batches
 
@@ -341,7 +341,7 @@ def test_rank_0_of_each_example_runs_two_steps_on_the_cpu(name, capsys):
 
 
 def test_ranks_to_measure_are_the_first_and_last_pipeline_stage_and_an_expert_rank():
-    from fivefold.only_rank import ranks_to_measure
+    from fivefold.tools.only_rank import ranks_to_measure
 
     assert list(ranks_to_measure(config("tp2-pp2"))) == [0, 2]  # pp rank 1 starts at rank 2 (tp innermost)
     assert list(ranks_to_measure(config("pp2-dp2-ep2-zero3-moe"))) == [0, 2]
@@ -364,7 +364,7 @@ def test_plan_measure_runs_the_layout_alone_and_prints_measured_beside_predicted
 def test_plan_measure_prints_a_table_of_the_first_and_last_stage():
     from io import StringIO
 
-    from fivefold.only_rank import measure_ranks, print_measured
+    from fivefold.tools.only_rank import measure_ranks, print_measured
 
     out = StringIO()
     reports = measure_ranks(config("tp2-pp2"), 1, out)

@@ -17,8 +17,8 @@ from fivefold.planner.hardware import get_cluster
 from fivefold.planner.layout import FIVEFOLD, Layout, parse_layout
 from fivefold.planner.memory import stage_layers
 from fivefold.planner.search import estimate, in_flight, parse_tokens, search
-from fivefold.planner.validate import DEFAULT_DATA, spearman
 from fivefold.presets import get_preset
+from fivefold.tools.validate import DEFAULT_DATA, spearman
 
 PLAYBOOK = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "playbook_benchmark_runs.csv"
 needs_data = pytest.mark.skipif(not PLAYBOOK.is_file(), reason="../shared/data is not beside the repository")
@@ -337,7 +337,7 @@ def test_pad_vocab_lets_tp_split_an_odd_vocabulary(capsys, tmp_path):
 @pytest.mark.slow
 @needs_data
 def test_packaged_profile_is_the_fit_on_one_and_two_nodes():
-    from fivefold.planner.validate import FIT_NODES, TIME_GRID, fit_memory, fit_time, load_profile, read_runs_csv
+    from fivefold.tools.validate import FIT_NODES, TIME_GRID, fit_memory, fit_time, load_profile, read_runs_csv
 
     rows = [r for r in read_runs_csv(PLAYBOOK) if r.nodes in FIT_NODES]
     fw, hw = load_profile(None)

@@ -114,7 +114,7 @@ def test_plan_features_flag(capsys):
 def test_plan_refuses_a_feature_the_framework_does_not_run(capsys, monkeypatch, layout, feature, what):
     """fivefold's engine runs torch.compile only: a plan with float8 or async TP is refused before any search
     (one estimate or the whole search), naming the flag, the value, what fivefold runs and who runs it."""
-    import fivefold.planner.cli as plan_cli
+    import fivefold.cli.plan as plan_cli
 
     def no_search(*args, **kwargs):
         raise AssertionError("searched or estimated a plan the framework cannot run")
@@ -198,7 +198,7 @@ def test_validate_per_row_errors_have_one_sign(capsys):
     """`plan validate --per-row`: every signed error has the sign of the by-nodes breakdown (predicted / measured
     step time - 1, - = predicted faster), said in both headers; each row's against its own tokens/s (the rows hold
     one predicted faster and one slower than measured at least)."""
-    from fivefold.planner.validate import SIGN_CONVENTION
+    from fivefold.tools.validate import SIGN_CONVENTION
 
     argv = ["--data", str(TORCHTITAN_ROWS), "--profile", str(TORCHTITAN), "--per-row"]
     rows = _validate(capsys, *argv)["rows"]

@@ -98,8 +98,8 @@ def test_the_search_tries_hsdp_where_the_framework_runs_it(capsys, tmp_path):
     assert not any(c["layout"]["dp_shard"] for c in json.loads(capsys.readouterr().out)["candidates"])
     # a written HSDP layout is a config fivefold's engine runs: it keeps dp_shard and validates
     out = tmp_path / "hsdp.toml"
+    from fivefold.cli.plan import write_config
     from fivefold.config import build_config
-    from fivefold.planner.cli import write_config
 
     lay = parse_layout("dp=32,zero=3,dp_shard=8,mbs=1,recompute=selective", 32)
     write_config(str(out), get_preset("llama3-8b"), lay, 8192, 32, "bf16", 4, 8)

@@ -341,7 +341,7 @@ def test_the_engine_refuses_a_gelu_mlp():
 def test_gelu_mlp_in_the_search():
     """`--model ...,mlp=gelu` plans a GELU model: its layouts cost a third less MLP compute than the SwiGLU model of
     the same shape, and the trainer's config of it is refused by name (the engine builds SwiGLU only)."""
-    from fivefold.planner.cli import load_model
+    from fivefold.cli.plan import load_model
     from fivefold.planner.hardware import get_cluster
     from fivefold.planner.search import estimate
 
@@ -352,7 +352,7 @@ def test_gelu_mlp_in_the_search():
     hw = get_cluster("h100")
     g, s = (estimate(c, 2048, lay, FIVEFOLD, hw) for c in (gelu, swiglu))
     assert g.step_time_s < s.step_time_s and g.peak_bytes < s.peak_bytes
-    from fivefold.planner.cli import add_arguments, run
+    from fivefold.cli.plan import add_arguments, run
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -367,7 +367,7 @@ def test_plan_reads_gelu_hf_configs(arch, tmp_path, capsys):
     model's weights without biases (and without GPT-2's learned position table); what is not modelled is said."""
     transformers = pytest.importorskip("transformers")
     from fivefold.cli import main
-    from fivefold.planner.cli import load_model
+    from fivefold.cli.plan import load_model
 
     if arch == "gpt_neox":
         hf = transformers.GPTNeoXConfig(hidden_size=128, num_attention_heads=4, intermediate_size=384,

@@ -12,7 +12,7 @@ from fivefold.config import ConfigError
 from fivefold.planner import comm, profile
 from fivefold.planner.hardware import get_cluster
 from fivefold.planner.layout import NANOTRON
-from fivefold.planner.validate import DEFAULT_PROFILE, load_profile
+from fivefold.tools.validate import DEFAULT_PROFILE, load_profile
 
 
 def _plan(args: list[str], capsys) -> str:

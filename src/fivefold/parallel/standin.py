@@ -24,7 +24,7 @@ collective that the engine uses through the group, and fails when PyTorch calls 
 What it cannot serve: PyTorch's functional (traceable) collectives, which DTensor redistribution and async tensor
 parallel use: they resolve the group in C++ and call its C++ backend, which a Python group does not have.
 fivefold's engine does not use them on a training step (its tensor and context parallel call `torch.distributed`
-directly, and `fully_shard` gathers and reduce-scatters through `torch.distributed`); `fivefold.only_rank` refuses
+directly, and `fully_shard` gathers and reduce-scatters through `torch.distributed`); `fivefold.tools.only_rank` refuses
 by name the configurations that would reach them.
 """
 

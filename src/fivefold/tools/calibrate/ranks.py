@@ -20,8 +20,8 @@ import torch.distributed as dist
 import fivefold
 from fivefold.device import local_device
 from fivefold.launch import init_distributed, launch  # the project's launcher
-from fivefold.planner.calibrate.harness import Clock, RankGroups, two_passes
-from fivefold.planner.calibrate.measure_comm import (
+from fivefold.tools.calibrate.harness import Clock, RankGroups, two_passes
+from fivefold.tools.calibrate.measure_comm import (
     measure_collective_wait,
     measure_collectives,
     measure_overlap,
@@ -29,7 +29,7 @@ from fivefold.planner.calibrate.measure_comm import (
     measure_zero3_unit,
     monotone,
 )
-from fivefold.planner.calibrate.measure_compute import (
+from fivefold.tools.calibrate.measure_compute import (
     measure_attention,
     measure_elementwise,
     measure_fixed_cost,
@@ -37,7 +37,7 @@ from fivefold.planner.calibrate.measure_compute import (
     measure_loss,
     measure_optimizer,
 )
-from fivefold.planner.calibrate.targets import Plan, Result
+from fivefold.tools.calibrate.targets import Plan, Result
 
 
 def run_ranks(plan: Plan, device: torch.device, groups: RankGroups) -> Result:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from fivefold.config import TrainConfig
 from fivefold.models.loss import linear_cross_entropy_sum
-from fivefold.planner.calibrate.harness import (
+from fivefold.tools.calibrate.harness import (
     COLD_SPAN_BYTES,
     Clock,
     Say,

@@ -33,9 +33,9 @@ launcher), `fit` (link constants), `profile` (the TOML profile) and `cli` (the `
 
 from __future__ import annotations
 
-from fivefold.planner.calibrate.cli import add_arguments, calibrate, run
-from fivefold.planner.calibrate.fit import fit_link
-from fivefold.planner.calibrate.harness import (
+from fivefold.tools.calibrate.cli import add_arguments, calibrate, run
+from fivefold.tools.calibrate.fit import fit_link
+from fivefold.tools.calibrate.harness import (
            COLD_SPAN_BYTES,
            MAX_SETS,
            Clock,
@@ -43,9 +43,9 @@ from fivefold.planner.calibrate.harness import (
            operand_sets,
            time_forward_backward,
 )
-from fivefold.planner.calibrate.measure_comm import monotone
-from fivefold.planner.calibrate.profile import profile_tables, to_toml
-from fivefold.planner.calibrate.targets import Plan, Result, make_plan, shapes_for
+from fivefold.tools.calibrate.measure_comm import monotone
+from fivefold.tools.calibrate.profile import profile_tables, to_toml
+from fivefold.tools.calibrate.targets import Plan, Result, make_plan, shapes_for
 
 __all__ = ["COLD_SPAN_BYTES", "MAX_SETS", "Clock", "Plan", "RankGroups", "Result", "add_arguments", "calibrate",
            "fit_link", "time_forward_backward", "make_plan", "monotone", "operand_sets", "profile_tables", "run",

@@ -347,7 +347,7 @@ def _fmt_row(e, family: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.action == "validate":
-        from fivefold.planner.validate import run_validate
+        from fivefold.tools.validate import run_validate
 
         return run_validate(args)
     _check_options(args)
@@ -461,7 +461,7 @@ def _estimate_layout(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, 
     for k, v in e.time_parts.items():
         print(f"    {k:20s} {v:9.4f} s")
     if measured:
-        from fivefold.only_rank import print_measured
+        from fivefold.tools.only_rank import print_measured
 
         print_measured(measured)
     return 0
@@ -504,7 +504,7 @@ def _search_layouts(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, h
         return 0
     _print_search(args, result, cfg, fw, hw, space, seq, tokens, compiled_for_config)
     if measured:
-        from fivefold.only_rank import print_measured
+        from fivefold.tools.only_rank import print_measured
 
         print(f"measured, the best layout {result.candidates[0].layout.short()}:")
         print_measured(measured)
@@ -569,8 +569,8 @@ def _print_search(args: argparse.Namespace, result, cfg: ModelConfig, fw: Framew
 
 def measure(args: argparse.Namespace, cfg: ModelConfig, lay: Layout, seq: int, batch_seqs: int,
             fw: Framework) -> list[dict]:
-    """`--measure`: the layout's ranks that hold the most, each alone (`fivefold.only_rank.measure_ranks`)."""
-    from fivefold.only_rank import measure_ranks
+    """`--measure`: the layout's ranks that hold the most, each alone (`fivefold.tools.only_rank.measure_ranks`)."""
+    from fivefold.tools.only_rank import measure_ranks
 
     if args.measure_steps < 1:
         raise CliError(f"--measure-steps = {args.measure_steps} must be >= 1")

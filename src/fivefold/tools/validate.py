@@ -61,7 +61,7 @@ def _checkout_data() -> Path | None:
 
 
 DEFAULT_DATA = _checkout_data()
-DEFAULT_PROFILE = Path(__file__).resolve().parent / "profiles" / "nanotron-h100-efa.toml"
+DEFAULT_PROFILE = Path(__file__).resolve().parents[1] / "planner" / "profiles" / "nanotron-h100-efa.toml"
 FIT_NODES = (1, 2)
 
 

@@ -8,10 +8,10 @@ import os
 from pathlib import Path
 
 from fivefold.config import write_text_atomic
-from fivefold.planner.calibrate.fit import fit_link
-from fivefold.planner.calibrate.targets import Result
 from fivefold.planner.hardware import PRESETS
 from fivefold.planner.predict import default_hardware
+from fivefold.tools.calibrate.fit import fit_link
+from fivefold.tools.calibrate.targets import Result
 
 
 def profile_tables(results: dict[int, Result], device_type: str, threads: int, nproc: int, name: str) -> dict:

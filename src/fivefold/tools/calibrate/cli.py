@@ -12,10 +12,10 @@ from pathlib import Path
 
 from fivefold.config import ConfigError
 from fivefold.errors import CliError
-from fivefold.planner.calibrate.harness import size_text
-from fivefold.planner.calibrate.profile import profile_header, profile_name, profile_tables, write_profile
-from fivefold.planner.calibrate.ranks import measure_group, worker
-from fivefold.planner.calibrate.targets import Result, for_group, make_plan
+from fivefold.tools.calibrate.harness import size_text
+from fivefold.tools.calibrate.profile import profile_header, profile_name, profile_tables, write_profile
+from fivefold.tools.calibrate.ranks import measure_group, worker
+from fivefold.tools.calibrate.targets import Result, for_group, make_plan
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
 
 def refuse_with_only_rank(args: argparse.Namespace) -> None:
     """The flags --only-rank cannot take, refused by name before anything runs."""
-    from fivefold.only_rank import in_launcher
+    from fivefold.tools.only_rank import in_launcher
 
     for flag, given in (("--resume", args.resume), ("--hf", args.hf), ("--slurm", args.slurm),
                         ("--dry-run", args.dry_run), ("--profile", args.profile), ("--nproc", args.nproc > 1),
@@ -160,9 +160,9 @@ def refuse_with_only_rank(args: argparse.Namespace) -> None:
 
 
 def only_rank(cfg: Config, args: argparse.Namespace) -> int:
-    """`--only-rank K`: rank K of the layout alone (`fivefold.only_rank`)."""
+    """`--only-rank K`: rank K of the layout alone (`fivefold.tools.only_rank`)."""
     from fivefold.layout import check_layout
-    from fivefold.only_rank import check_rank, run_only_rank
+    from fivefold.tools.only_rank import check_rank, run_only_rank
 
     check_layout(cfg, cfg.layout.world_size)
     check_rank(cfg, args.only_rank)

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 from fivefold.models.llama import Block, rope_cos_sin
 from fivefold.parallel.tensor_comm import all_gather_into, reduce_scatter_into
-from fivefold.planner.calibrate.harness import Clock, RankGroups, Say, size_text
-from fivefold.planner.calibrate.targets import KIB, Plan
 from fivefold.planner.hardware import loglog
+from fivefold.tools.calibrate.harness import Clock, RankGroups, Say, size_text
+from fivefold.tools.calibrate.targets import KIB, Plan
 
 
 def compute_burst(clock: Clock, dtype: torch.dtype) -> Callable[[], None]:

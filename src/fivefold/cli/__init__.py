@@ -11,15 +11,15 @@ from fivefold.errors import CliError, ConfigError
 
 # verb -> (module, one-line help); modules are imported only when their verb runs or --help is asked
 VERBS: dict[str, tuple[str, str]] = {
-    "train": ("fivefold.train.cli", "train a model (defaults: the built-in corpus on the tiny model)"),
+    "train": ("fivefold.cli.train", "train a model (defaults: the built-in corpus on the tiny model)"),
     "data": ("fivefold.data.cli", "prepare token shards from text, JSONL or Parquet files"),
     "models": ("fivefold.models.cli", "list the model presets with their parameter counts"),
     "export": ("fivefold.models.hf_cli", "export a checkpoint as a Hugging Face Llama directory"),
     "generate": ("fivefold.models.generate", "sample text from a checkpoint or a Hugging Face directory"),
-    "plan": ("fivefold.planner.cli", "search the parallel layouts of a model on a cluster: memory, step time, MFU"),
-    "calibrate": ("fivefold.planner.calibrate", "measure this machine's compute and collectives; write a hardware "
+    "plan": ("fivefold.cli.plan", "search the parallel layouts of a model on a cluster: memory, step time, MFU"),
+    "calibrate": ("fivefold.tools.calibrate", "measure this machine's compute and collectives; write a hardware "
                   "profile for the planner"),
-    "bench": ("fivefold.bench", "time the training step on synthetic tokens (tokens/s, MFU, memory)"),
+    "bench": ("fivefold.tools.bench", "time the training step on synthetic tokens (tokens/s, MFU, memory)"),
     "sweep": ("fivefold.sweep.cli", "run a grid of layouts, each for a few timed steps, into a results store"),
     "report": ("fivefold.sweep.report", "plots and an HTML page from a sweep's results store"),
 }

@@ -22,7 +22,7 @@ from fivefold.config import Config
 from fivefold.device import resolve_device, use_bf16
 from fivefold.flops import training_flops_per_token
 from fivefold.presets import get_preset
-from fivefold.train.build import create_engine
+from fivefold.train.build import build_engine
 from fivefold.train.metrics import resolve_peak_tflops, synchronize
 
 
@@ -53,7 +53,7 @@ def time_steps(step, steps: int, warmup: int, device: torch.device) -> float:
 
 def time_fivefold(cfg: Config, device: torch.device, inputs: torch.Tensor, targets: torch.Tensor, steps: int,
                   warmup: int) -> float:
-    engine = create_engine(cfg, device)
+    engine = build_engine(cfg, device)
 
     def step() -> None:
         engine.forward_backward([(inputs, targets)], inputs.numel())

@@ -128,11 +128,11 @@ def test_resume_with_a_doubled_global_batch(tmp_path, dataset, capsys):  # noqa:
     """End to end: a batch-8 run stopped at its step-3 checkpoint resumes with batch 16. Its first step's loss is the
     loss of the step-3 weights on samples 24-39 of the uninterrupted order (computed here by a fresh engine
     loaded from that checkpoint), and its checkpoint records 3 x 8 + 2 x 16 samples consumed."""
-    from fivefold.train.build import create_engine
+    from fivefold.train.build import build_engine
 
     train(small_config(tmp_path / "run", dataset, **FP32), stop_after=3)
     cfg = small_config(tmp_path / "run", dataset, **{**FP32, "train.global_batch_size": "16", "train.max_steps": "5"})
-    engine = create_engine(cfg, torch.device("cpu"))
+    engine = build_engine(cfg, torch.device("cpu"))
     step3 = ckpt.load_checkpoint(ckpt.checkpoint_dir(tmp_path / "run", 3))
     ckpt.Checkpointer(tmp_path / "run", engine, cfg).load_state(step3)
     old = uninterrupted_sampler(dataset, 8)

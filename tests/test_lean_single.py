@@ -17,7 +17,7 @@ from tests.test_parallel_memory import params_per_tp_rank
 
 from fivefold.models.llama import build_model
 from fivefold.parallel.data import LocalDataParallel
-from fivefold.train.build import Engine, create_engine, single_device_engine
+from fivefold.train.build import Engine, build_engine, single_device_engine
 
 BF16 = {"train.dtype": "bf16"}
 
@@ -36,7 +36,7 @@ def state_bytes(engine: Engine) -> dict[str, int]:
 @pytest.mark.parametrize("fp32_grads", [False, True])
 def test_lean_single_device_bytes_per_parameter(fp32_grads):
     cfg = tiny_config({**BF16, "layout.fp32_grad_accum": str(fp32_grads).lower()})
-    engine = create_engine(cfg, torch.device("cpu"))
+    engine = build_engine(cfg, torch.device("cpu"))
     assert isinstance(engine.data_parallel, LocalDataParallel) and engine.data_parallel.master is not None
     assert all(p.dtype == torch.bfloat16 for p in engine.model.parameters())
     psi = params_per_tp_rank(cfg.model, 1)
@@ -60,7 +60,7 @@ def test_lean_single_device_matches_autocast_engine(fp32_grads):
     update is 6.2e-2 off: a master not stepped, not cast back or stepped on the wrong gradient fails it."""
     overrides = {**BF16, "layout.fp32_grad_accum": str(fp32_grads).lower()}
     cfg = tiny_config(overrides)
-    lean = create_engine(cfg, torch.device("cpu"))
+    lean = build_engine(cfg, torch.device("cpu"))
     losses, norms, _ = train_steps(lean, cfg)
     ref_cfg = tiny_config(BF16)
     ref = single_device_engine(build_model(ref_cfg.model, "cpu", ref_cfg.train.seed), ref_cfg, torch.device("cpu"))
@@ -97,12 +97,12 @@ def test_lean_single_device_resumes_bit_for_bit(tmp_path):
         engine.optimizer_step()
         return loss.item()
 
-    whole = create_engine(cfg, torch.device("cpu"))
+    whole = build_engine(cfg, torch.device("cpu"))
     want = [step(whole, i) for i in range(STEPS)]
-    first = create_engine(cfg, torch.device("cpu"))
+    first = build_engine(cfg, torch.device("cpu"))
     got = [step(first, 0)]
     path = Checkpointer(tmp_path, first, cfg).save(1, tokens_seen=tokens, samples_consumed=cfg.train.global_batch_size)
-    second = create_engine(cfg, torch.device("cpu"))
+    second = build_engine(cfg, torch.device("cpu"))
     Checkpointer(tmp_path, second, cfg).load_state(load_checkpoint(path))
     got += [step(second, i) for i in range(1, STEPS)]
     assert got == want
@@ -117,13 +117,13 @@ def test_fp32_residual_stream_option():
 
     overrides = {**BF16, "model.fp32_residual": "true"}
     cfg = tiny_config(overrides)
-    lean = create_engine(cfg, torch.device("cpu"))
+    lean = build_engine(cfg, torch.device("cpu"))
     seen = []
     lean.model.layers["0"].register_forward_hook(lambda module, args, out: seen.append(out.dtype))
     losses, norms, _ = train_steps(lean, cfg)
     assert seen and set(seen) == {torch.float32}
     assert activation_dtype([lean.model], True) == torch.float32
-    assert activation_dtype([create_engine(tiny_config(BF16), torch.device("cpu")).model], True) == torch.bfloat16
+    assert activation_dtype([build_engine(tiny_config(BF16), torch.device("cpu")).model], True) == torch.bfloat16
     ref_cfg = tiny_config(BF16)
     ref = single_device_engine(build_model(ref_cfg.model, "cpu", ref_cfg.train.seed), ref_cfg, torch.device("cpu"))
     ref_losses, ref_norms, _ = train_steps(ref, ref_cfg)
@@ -142,12 +142,12 @@ def accumulated_grads(fp32_grads: bool, micro_batches: int) -> tuple[list[torch.
     inputs, targets = global_batches(cfg)[0]
     micro = list(zip(inputs.split(1), targets.split(1), strict=True))
     tokens = micro_batches * cfg.train.seq_len
-    engine = create_engine(cfg, torch.device("cpu"))
+    engine = build_engine(cfg, torch.device("cpu"))
     engine.forward_backward(micro, tokens)
     lean = engine.data_parallel
     got = [m.grad if fp32_grads else p.grad for p, m in zip(lean.working, lean.master, strict=True)]
     ref_cfg = tiny_config({**overrides, "layout.fp32_grad_accum": "true"})
-    ref = create_engine(ref_cfg, torch.device("cpu"))
+    ref = build_engine(ref_cfg, torch.device("cpu"))
     want = [torch.zeros_like(m, dtype=torch.float64) for m in ref.data_parallel.master]
     for one in micro:
         ref.forward_backward([one], tokens)

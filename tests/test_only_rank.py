@@ -80,20 +80,19 @@ def closed_form(cfg, rank: int) -> dict[str, int]:
 def real_run_bytes(rank: int, world: int, name: str) -> dict[str, int]:
     """One training step of the real run on `world` gloo ranks: this rank's bytes, measured as --only-rank does
     (parameters and gradients before the optimizer step, the optimizer's state after it)."""
-    from fivefold.tools.only_rank import held_bytes
-    from fivefold.train.build import create_engine
+    from fivefold.train.build import build_engine
     from fivefold.train.loop import split_micro_batches
 
     cfg = config(name)
-    engine = create_engine(cfg, torch.device("cpu"))
+    engine = build_engine(cfg, torch.device("cpu"))
     rows = cfg.train.global_batch_size // engine.dp_size
     tokens = torch.randint(0, cfg.model.vocab_size, (rows, cfg.train.seq_len + 1),
                            generator=torch.Generator().manual_seed(engine.dp_rank))
     batches = split_micro_batches(tokens[:, :-1], tokens[:, 1:], cfg.micro_batch_size, engine.device)
     loss = engine.forward_backward(batches, cfg.train.global_batch_size * cfg.train.seq_len)
-    held = held_bytes(engine)
+    held = engine.state_bytes()
     engine.optimizer_step(loss)
-    held["optimizer"] = held_bytes(engine)["optimizer"]
+    held["optimizer"] = engine.state_bytes()["optimizer"]
     return held
 
 

@@ -223,12 +223,13 @@ def test_cli_refuses_a_bad_expert_layout_before_starting_processes(capsys, tmp_p
 
 
 def test_grid_group_names_each_group_and_refuses_an_unknown_name():
-    """`ProcessGrid.group(name)` is the one accessor: it returns the group the grid holds under that name (the
-    tp_group and grad_group properties are the same objects) and names the groups it has for a wrong name."""
+    """`ProcessGrid.group(name)` is the one accessor: it returns the group the grid holds under that name (no other
+    attribute reaches a group) and names the groups it has for a wrong name."""
     from fivefold.parallel.mesh import ProcessGrid
 
     tp, dp_cp = object(), object()  # stand-ins: no process group is created here
     grid = ProcessGrid(LayoutConfig(dp=2, tp=2), 0, 4, groups={"tp": tp, "dp_cp": dp_cp})
-    assert grid.group("tp") is tp and grid.tp_group is tp and grid.group("dp_cp") is grid.grad_group is dp_cp
+    assert grid.group("tp") is tp and grid.group("dp_cp") is dp_cp
+    assert not hasattr(grid, "tp_group") and not hasattr(grid, "grad_group")
     with pytest.raises(KeyError, match="'edp' is not in this grid; it has tp, dp_cp"):
         grid.group("edp")

@@ -168,12 +168,12 @@ def test_single_device_engine_recomputes(mode):
     """One process honours layout.recompute as the parallel engine does: the forward saves fewer bytes for
     backward than without recompute (the attention core's output or everything but the block inputs), and the
     gradients are the same."""
-    from fivefold.train.build import create_engine
+    from fivefold.train.build import build_engine
 
     def run(recompute: str) -> tuple[int, list[torch.Tensor]]:
         cfg = build_config(None, {"model.preset": "tiny", "layout.recompute": recompute, "train.device": "cpu",
                                   "train.seq_len": "32", "train.global_batch_size": "2"})
-        engine = create_engine(cfg, torch.device("cpu"))
+        engine = build_engine(cfg, torch.device("cpu"))
         tokens = torch.randint(0, cfg.model.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
         saved = []
 

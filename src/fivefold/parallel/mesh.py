@@ -159,10 +159,6 @@ class ProcessGrid:
     def size(self, axis: str) -> int:
         return len(self.group_ranks[axis])
 
-    @property
-    def tp_group(self) -> ProcessGroup:
-        return self.group("tp")
-
     def zero3_meshes(self, device_type: str) -> Zero3Meshes:
         """ZeRO-3's meshes: the dense weights over dp x cp, the routed experts over the edp ranks (none to shard
         with edp = 1). Under HSDP both are 2D, replicate x shard: the shard groups of `hsdp_grids` (for the experts
@@ -181,12 +177,7 @@ class ProcessGrid:
             if la.ep > 1:
                 experts = mesh_2d("hsdp_expert_shard", self.hsdp_expert_ranks)
         else:
-            dense = DeviceMesh.from_group(self.grad_group, device_type)
+            dense = DeviceMesh.from_group(self.group("dp_cp"), device_type)
             if la.ep > 1 and self.size("edp") > 1:
                 experts = DeviceMesh.from_group(self.group("edp"), device_type)
         return Zero3Meshes(dense, experts, la.ep > 1, la.zero_replicas)
-
-    @property
-    def grad_group(self) -> ProcessGroup:
-        """The ranks over which dense gradients are reduced (dp x cp)."""
-        return self.group("dp_cp")

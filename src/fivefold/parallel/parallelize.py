@@ -103,7 +103,7 @@ def apply_model_parallel(model: Llama, cfg: Config, grid: ProcessGrid | None,
     if tp > 1:  # 1. tensor (and sequence) parallel
         from fivefold.parallel.tensor import apply_tensor_parallel
 
-        apply_tensor_parallel(model, grid.tp_group, la.sp)
+        apply_tensor_parallel(model, grid.group("tp"), la.sp)
     if weight_grad_queue is not None:  # the zero-bubble schedules' B / W split
         from fivefold.parallel.pipeline import defer_weight_grads
 
@@ -111,11 +111,11 @@ def apply_model_parallel(model: Llama, cfg: Config, grid: ProcessGrid | None,
     if la.ep > 1:  # 2. expert parallel
         from fivefold.parallel.expert import apply_expert_parallel
 
-        apply_expert_parallel(model, grid.groups["ep"])
+        apply_expert_parallel(model, grid.group("ep"))
     if cp > 1:  # 3. context parallel
         from fivefold.parallel.context import apply_context_parallel
 
-        apply_context_parallel(model, grid.groups["cp"])
+        apply_context_parallel(model, grid.group("cp"))
     if la.recompute != "none":  # 4. activation recomputation
         from fivefold.parallel.recompute import apply_recompute
 
@@ -185,10 +185,10 @@ def bucketed_data_parallel(named: list[tuple[str, nn.Parameter]], tp_sharded: se
         from fivefold.parallel.expert import is_expert_param
 
         experts = BucketedDataParallel([(n, p) for n, p in named if is_expert_param(n)], tp_sharded,
-                                       grid.groups["edp"], la.zero, bucket_bytes, la.fp32_grad_accum,
+                                       grid.group("edp"), la.zero, bucket_bytes, la.fp32_grad_accum,
                                        param_dtype=param_dtype)
         named = [(n, p) for n, p in named if not is_expert_param(n)]
-    dense = BucketedDataParallel(named, tp_sharded, grid.grad_group, la.zero, bucket_bytes, la.fp32_grad_accum,
+    dense = BucketedDataParallel(named, tp_sharded, grid.group("dp_cp"), la.zero, bucket_bytes, la.fp32_grad_accum,
                                  own_bucket, param_dtype)
     return dense, experts
 
@@ -201,7 +201,7 @@ def apply_data_parallel(parts: dict[int, Llama], cfg: Config, grid: ProcessGrid 
     parameters first (under ZeRO-0/1/2 with expert parallel, the experts' second)."""
     la = cfg.layout
     last = parts.get(n_stages(la) - 1)
-    tp_group = grid.tp_group if grid is not None and grid.size("tp") > 1 else None
+    tp_group = grid.group("tp") if grid is not None and grid.size("tp") > 1 else None
     loss_model = LossModel(last, tp_group, la.sp, cfg.train.compile) if last is not None else None
     if grid is None:  # one device: built in place, nothing to reduce
         (model,) = parts.values()
@@ -225,7 +225,7 @@ def apply_data_parallel(parts: dict[int, Llama], cfg: Config, grid: ProcessGrid 
     dense, experts = bucketed_data_parallel(named, tp_sharded, cfg, grid, bucket_bytes, tied,
                                             working_dtype(cfg, device))
     if tied:
-        dense.tie(tied, grid.groups["embed"], counted)
+        dense.tie(tied, grid.group("embed"), counted)
     return loss_model, [dense] + ([experts] if experts is not None else [])
 
 
@@ -252,13 +252,13 @@ def fully_shard_parts(parts: dict[int, Llama], loss_model: LossModel | None, tp_
     meshes, dtype = grid.zero3_meshes(device.type), working_dtype(cfg, device)
     if cfg.layout.pp == 1:
         (model,) = parts.values()
-        fsdp = FullyShardedDataParallel(loss_model, model, tp_sharded, grid.grad_group, meshes, dtype)
+        fsdp = FullyShardedDataParallel(loss_model, model, tp_sharded, grid.group("dp_cp"), meshes, dtype)
         if is_meta(model):
             materialize_shards(model, grid, device, cfg.train.seed, root=loss_model)
         return fsdp
-    tied_group = grid.groups["embed"] if cfg.model.tied_embeddings else None
+    tied_group = grid.group("embed") if cfg.model.tied_embeddings else None
     sharded = PipelineFullyShardedDataParallel(parts, loss_model, n_stages(cfg.layout) - 1, tp_sharded,
-                                               grid.grad_group, meshes, dtype, tied_group)
+                                               grid.group("dp_cp"), meshes, dtype, tied_group)
     for s, stage in parts.items():
         if is_meta(stage):
             materialize_shards(stage, grid, device, cfg.train.seed, root=sharded.roots[s])

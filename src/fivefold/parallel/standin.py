@@ -75,6 +75,13 @@ def _fill(out: torch.Tensor, source: torch.Tensor) -> None:
         flat[n:].zero_()
 
 
+def _each(single, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> _Done:
+    """A coalesced collective: its single form on each (output, input) pair."""
+    for out, inp in zip(outputs, inputs, strict=True):
+        single(out, inp)
+    return _Done(outputs)
+
+
 class StandInGroup(dist.ProcessGroup):
     """Rank `rank` of a group of `size` whose other members are stood in for (see the module docstring)."""
 
@@ -130,9 +137,7 @@ class StandInGroup(dist.ProcessGroup):
         return _Done([output])
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        for out, inp in zip(outputs, inputs, strict=True):
-            self.all_gather_single(out, inp)
-        return _Done(outputs)
+        return _each(self.all_gather_single, outputs, inputs)
 
     def gather(self, output_lists, inputs, opts=None):
         return self.allgather(output_lists, inputs, opts)
@@ -150,9 +155,7 @@ class StandInGroup(dist.ProcessGroup):
         return _Done([output])
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        for out, inp in zip(outputs, inputs, strict=True):
-            self.reduce_scatter_single(out, inp)
-        return _Done(outputs)
+        return _each(self.reduce_scatter_single, outputs, inputs)
 
     def scatter(self, outputs, input_lists, opts=None):
         for out, ins in zip(outputs, input_lists, strict=True):

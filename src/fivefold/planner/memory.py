@@ -142,9 +142,11 @@ def model_state_bytes(cfg: ModelConfig, lay: Layout, fw: Framework, rank: str = 
         out["optimizer"] += fw.master_bytes * rp.total
     out["grad_accum_buffer"] = sharded(fw.accum_bytes, lay.zero >= 2) if lay.fp32_grad_accum and not in_grads else 0
     if lay.zero >= 3 and fw.master_bytes and fw.accum_in_grad_buffers:
-        # fivefold's ZeRO-3 (fully_shard with a bf16 MixedPrecisionPolicy) keeps fp32 shards (the master) and fp32
-        # gradient shards whatever fp32_grad_accum says: 4 + 4 + 8 = the same 16/N_d as 2 + 2 + 12
-        out["gradients"], out["grad_accum_buffer"] = sharded(fw.grad_bytes, True), 0
+        # fivefold's ZeRO-3 (fully_shard with a bf16 MixedPrecisionPolicy) keeps fp32 shards, which are the master
+        # weights, and fp32 gradient shards whatever fp32_grad_accum says: 4 + 4 + 8 per parameter over the group
+        out["parameters"] = sharded(fw.master_bytes, True)
+        out["gradients"], out["grad_accum_buffer"] = sharded(fw.accum_bytes, True), 0
+        out["optimizer"] = sharded(fw.optim_bytes, True)
     return out
 
 

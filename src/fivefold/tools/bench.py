@@ -34,7 +34,7 @@ from fivefold.flops import training_flops_per_token
 from fivefold.launch import local_world_size, start_or_join
 from fivefold.layout import check_layout
 from fivefold.planner.predict import check_fits, device_cluster
-from fivefold.train.build import create_engine
+from fivefold.train.build import build_engine
 from fivefold.train.metrics import gather_ints, peak_memory_bytes, resolve_peak_tflops, synchronize
 from fivefold.train.preflight import check_start
 
@@ -134,7 +134,7 @@ def run_bench(args: argparse.Namespace, cfg: Config) -> dict:
     if device.type == "cpu":
         _warm_up_libraries()
     resident_before = _resident_bytes()
-    engine = create_engine(cfg, device)
+    engine = build_engine(cfg, device)
     # each data-parallel rank its own rows; tensor-parallel ranks of one dp rank share them
     gen = torch.Generator().manual_seed(cfg.train.seed + engine.dp_rank)
     rows = args.micro_batch * args.grad_accum

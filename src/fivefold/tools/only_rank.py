@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch.distributed as dist
 from fivefold.config import Config, ConfigError
 from fivefold.device import resolve_device
 from fivefold.parallel.mesh import coordinates, expert_groups
+from fivefold.train.metrics import peak_memory
 
 __all__ = ["measure_rank", "planner_for_rank", "rank_description", "run_only_rank"]
 
@@ -62,7 +62,7 @@ def planner_for_rank(cfg: Config, rank: int, device_type: str) -> dict:
     last pipeline rank's: the planner models those two, so a middle pipeline rank is compared with the first, and
     `rank_description` says so) and the time one process computes (compute, host waits and the optimizer step)."""
     from fivefold.parallel.pipeline import stage_layer_counts
-    from fivefold.planner.predict import default_hardware, estimate_run, on_one_node, run_framework
+    from fivefold.planner.predict import default_hardware, estimate_run, on_one_node
 
     hw = on_one_node(default_hardware(device_type), cfg.layout.world_size)
     if cfg.layout.pp > 1 and not cfg.layout.stage_layers:  # the engine's split at this sequence length
@@ -72,11 +72,6 @@ def planner_for_rank(cfg: Config, rank: int, device_type: str) -> dict:
     parts = dict(e.memory[which] if which in e.memory else e.memory["first"])
     states = {"parameters": parts.pop("parameters"), "gradients": parts.pop("gradients"),
               "optimizer": parts.pop("optimizer") + parts.pop("grad_accum_buffer", 0.0)}
-    if cfg.layout.zero >= 3 and run_framework(cfg, device_type).master_bytes:
-        # ZeRO-3 under bf16 keeps fp32 shards and fp32 gradient shards (4 + 4 + 8 per parameter over the group), which
-        # the planner books as the same total in 2 + 2 + 12 (`planner.memory.model_state_bytes`): shown as held
-        total = sum(states.values())
-        states = {"parameters": total / 4, "gradients": total / 4, "optimizer": total / 2}
     rest = {"activations": parts.pop("activations") + parts.pop("bf16_weight_copies", 0.0)
             + parts.pop("transient", 0.0),
             "buffers": sum(parts.values())}
@@ -88,23 +83,6 @@ def planner_for_rank(cfg: Config, rank: int, device_type: str) -> dict:
 
 
 # --- measuring ---------------------------------------------------------------------------------------------
-
-
-def peak_memory(device: torch.device) -> dict[str, int]:
-    """Peak allocated and reserved bytes on an accelerator (since the process began), or the peak resident set of
-    this process on the CPU (which counts the interpreter and libraries too)."""
-    if device.type != "cpu":
-        module = torch.get_device_module(device.type)
-        return {"allocated": int(module.max_memory_allocated(device)),
-                "reserved": int(module.max_memory_reserved(device))}
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"resident": int(rss if sys.platform == "darwin" else rss * 1024)}
-
-
-def held_bytes(engine) -> dict[str, int]:
-    """Parameters, gradients and optimizer state this rank holds (`Engine.state_bytes`: the fp32 master weights
-    count with the optimizer)."""
-    return dict(engine.state_bytes())
 
 
 def rank_batches(cfg: Config, engine, notes: list[str]):
@@ -156,13 +134,13 @@ def measure_rank(cfg: Config, rank: int, steps: int | None = None, on_step=None)
 
 def _measure(cfg: Config, rank: int, device: torch.device, steps: int | None, on_step) -> dict:
     from fivefold.models.llama import force_balanced_routing
-    from fivefold.train.build import create_engine
+    from fivefold.train.build import build_engine
     from fivefold.train.loop import split_micro_batches
     from fivefold.train.metrics import synchronize
 
     t = cfg.train
     start = time.perf_counter()
-    engine = create_engine(cfg, device)
+    engine = build_engine(cfg, device)
     balanced = force_balanced_routing(engine.model)
     synchronize(device)
     build_s = time.perf_counter() - start
@@ -175,14 +153,14 @@ def _measure(cfg: Config, rank: int, device: torch.device, steps: int | None, on
         start = time.perf_counter()
         engine.set_lr(step)
         loss_sum = engine.forward_backward(split_micro_batches(inputs, targets, mbs, device), global_tokens)
-        held = held_bytes(engine)  # the gradients exist until the optimizer step
+        held = engine.state_bytes()  # the gradients exist until the optimizer step
         engine.optimizer_step(loss_sum)
         synchronize(device)
         record = {"step": step + 1, "seconds": time.perf_counter() - start, "peak": peak_memory(device)}
         records.append(record)
         if on_step is not None:
             on_step(record)
-    held["optimizer"] = held_bytes(engine)["optimizer"]  # the moments exist after the first step
+    held["optimizer"] = engine.state_bytes()["optimizer"]  # the moments exist after the first step
     return {"rank": rank, "device": str(device), "build_s": build_s, "steps": records, "held_bytes": held,
             "parameters_on_rank": sum(p.numel() for p in engine.parameters()), "moe_layers_balanced": balanced,
             "notes": notes}

@@ -35,7 +35,7 @@ from fivefold.parallel.schedules import build_schedule, stage_placement
 from fivefold.train.engine import Engine
 from fivefold.train.step import LlamaStage, MicroBatchLoop, PipelineSchedule, StepRunner
 
-__all__ = ["Engine", "build_engine", "create_engine", "single_device_engine"]
+__all__ = ["Engine", "build_engine", "single_device_engine"]
 
 
 def build_engine(cfg: Config, device: torch.device, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Engine:
@@ -55,9 +55,6 @@ def build_engine(cfg: Config, device: torch.device, bucket_bytes: int = DEFAULT_
     runner = MicroBatchLoop() if la.pp == 1 else pipeline_runner(parts, loss_model, data_parallels, queue, cfg,
                                                                  device)
     return Engine(cfg, device, parts, loss_model, data_parallels, runner, grid)
-
-
-create_engine = build_engine  # the name the training loop, the benchmark and the tests call (also in train.engine)
 
 
 def model_parts(cfg: Config, grid: ProcessGrid | None, device: torch.device) -> dict[int, Llama]:

@@ -30,7 +30,7 @@ from torch import nn
 from fivefold.checkpoint_format import flat_rects
 from fivefold.config import Config
 from fivefold.device import autocast, use_bf16
-from fivefold.models.llama import Llama, build_model
+from fivefold.models.llama import Llama, build_model, full_parameter_shapes
 from fivefold.parallel.data import DataParallel, Segment, load_shard, local_part
 from fivefold.parallel.mesh import ProcessGrid
 from fivefold.parallel.parallelize import LossModel
@@ -40,7 +40,7 @@ from fivefold.train.checkpoint import Piece
 from fivefold.train.optim import build_adamw, lr_at
 from fivefold.train.step import StepRunner, stage_modules
 
-__all__ = ["MOMENTS", "Engine", "Segment", "create_engine"]
+__all__ = ["MOMENTS", "Engine", "Segment"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -68,7 +68,7 @@ class Engine:
             self.tp_rank, self.tp_size = grid.ranks["tp"], grid.size("tp")
             self.cp_rank, self.cp_size = grid.ranks["cp"], grid.size("cp")
             self.ep_rank, self.ep_size = grid.group_ranks["ep"].index(grid.rank), grid.size("ep")
-            self.pp_rank, self.pp_size, self.pp_group = grid.ranks["pp"], grid.size("pp"), grid.groups["pp"]
+            self.pp_rank, self.pp_size, self.pp_group = grid.ranks["pp"], grid.size("pp"), grid.group("pp")
             self.is_logging_rank = grid.rank == 0
             self.n_devices = grid.world_size
         # what AdamW steps: this rank's share as the data-parallel states hand it over (ZeRO slices, tp and ep
@@ -144,7 +144,7 @@ class Engine:
         if self.grid is None:
             return float(self.drop_fraction)
         # the mean over dp x cp ranks, which route equally many slots
-        return float(self.reduce_for_logging(self.drop_fraction)) / dist.get_world_size(self.grid.grad_group)
+        return float(self.reduce_for_logging(self.drop_fraction)) / dist.get_world_size(self.grid.group("dp_cp"))
 
     def local_grads(self) -> list[torch.Tensor]:
         """The gradients of what the optimizer steps, as plain local tensors (a ZeRO-3 shard's local slice)."""
@@ -156,10 +156,10 @@ class Engine:
         sharded, replicated = self.data_parallel.grad_square_sums()
         for experts_dp in self.data_parallels[1:]:  # each ep rank holds other experts (and under tp, a slice)
             experts = sum(experts_dp.grad_square_sums())
-            dist.all_reduce(experts, group=self.grid.groups["ep"])
+            dist.all_reduce(experts, group=self.grid.group("ep"))
             sharded = sharded + experts
         if self.tp_size > 1:  # each tp rank holds a different slice of the sharded parameters
-            dist.all_reduce(sharded, group=self.grid.tp_group)
+            dist.all_reduce(sharded, group=self.grid.group("tp"))
         total = sharded + replicated
         if self.pp_size > 1:  # each pp rank holds other parameters
             dist.all_reduce(total, group=self.pp_group)
@@ -226,7 +226,7 @@ class Engine:
         if self.grid is None:
             return value
         value = value.clone()
-        dist.all_reduce(value, group=self.grid.grad_group)
+        dist.all_reduce(value, group=self.grid.group("dp_cp"))
         if self.pp_size > 1:
             dist.all_reduce(value, group=self.pp_group)
         return value
@@ -274,11 +274,11 @@ class Engine:
         if self.tp_size > 1:
             from fivefold.parallel.tensor import gather_state
 
-            state = gather_state(state, self.grid.tp_group)
+            state = gather_state(state, self.grid.group("tp"))
         if self.ep_size > 1:
             from fivefold.parallel.expert import gather_expert_state
 
-            state = gather_expert_state(state, self.grid.groups["ep"])
+            state = gather_expert_state(state, self.grid.group("ep"))
         return state
 
     def _sharded_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -346,8 +346,7 @@ class Engine:
 
     def _global_shapes(self) -> dict[str, tuple[int, ...]]:
         if self._shapes is None:
-            meta = build_model(self.cfg.model, device="meta").state_dict()
-            self._shapes = {n: tuple(t.shape) for n, t in meta.items()}
+            self._shapes = {n: tuple(shape) for n, shape in full_parameter_shapes(self.cfg.model).items()}
         return self._shapes
 
     def _placed(self, name: str, local_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
@@ -437,7 +436,9 @@ class Engine:
         master weights under lean mixed precision: the playbook's k = 12)."""
         held = {"parameters": 0, "gradients": 0}
         for dp in self.data_parallels:
-            held = {k: v + dp.state_bytes()[k] for k, v in held.items()}
+            counted = dp.state_bytes()
+            for key in held:
+                held[key] += counted[key]
         optimizer = sum(dp.master_bytes() for dp in self.data_parallels)
         for s in self.optimizer.state.values():
             for key in MOMENTS:
@@ -457,10 +458,3 @@ def stage_owner(name: str, counts: list[int], placement: tuple[int, ...]) -> int
         return placement[stage]
     return placement[-1]  # final norm, output layer
 
-
-def create_engine(cfg: Config, device: torch.device) -> Engine:
-    """The engine for `cfg` on this rank: `fivefold.train.build.build_engine`, under the name callers import from
-    here."""
-    from fivefold.train.build import build_engine  # build.py imports this module
-
-    return build_engine(cfg, device)

@@ -34,7 +34,7 @@ from fivefold.data.format import DataError, tokenizer_fingerprint
 from fivefold.device import resolve_device
 from fivefold.flops import training_flops_per_token
 from fivefold.train import checkpoint as ckpt
-from fivefold.train.build import Engine, create_engine
+from fivefold.train.build import Engine, build_engine
 from fivefold.train.guard import GuardState, StepGuard, StopSignals
 from fivefold.train.metrics import (
     MetricsWriter,
@@ -211,7 +211,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
     world = torch.distributed.get_world_size() if distributed else 1
     data_dir, train_set, sampler, val_data = load_data(cfg, rank == 0, hf_init)
 
-    engine = create_engine(cfg, device)
+    engine = build_engine(cfg, device)
     checkpointer = ckpt.Checkpointer(run_dir, engine, cfg, rank, world, is_first=rank == 0)
     loaded = resume_point(checkpointer, candidates) if resume else None
     if loaded is not None:

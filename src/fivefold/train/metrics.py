@@ -24,15 +24,22 @@ from fivefold.accelerators import device_peak_tflops
 from fivefold.config import ConfigError, LogConfig, write_text_atomic
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory allocated on the accelerator since the last reset, or the process's peak resident set
-    size on CPU (which also counts the Python interpreter and libraries)."""
+def peak_memory(device: torch.device) -> dict[str, int]:
+    """Peak allocated and reserved bytes on the accelerator since the last reset, or the process's peak resident
+    set size on CPU (which also counts the Python interpreter and libraries)."""
     if device.type != "cpu":
         module = torch.get_device_module(device.type)
         if hasattr(module, "max_memory_allocated"):
-            return int(module.max_memory_allocated(device))
+            return {"allocated": int(module.max_memory_allocated(device)),
+                    "reserved": int(module.max_memory_reserved(device))}
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
+    return {"resident": int(rss if sys.platform == "darwin" else rss * 1024)}
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """The peak of `peak_memory`: allocated on an accelerator, resident on the CPU."""
+    peak = peak_memory(device)
+    return peak.get("allocated", peak.get("resident", 0))
 
 
 def gather_ints(values: list[int], device: torch.device) -> list[list[int]]:

@@ -557,8 +557,9 @@ def _print_search(args: argparse.Namespace, result, cfg: ModelConfig, fw: Framew
     if args.write_config:
         from fivefold.train.recipes import launch_lines
 
+        on = f" --gpu {args.gpu}" if args.gpu and not args.hardware else ""  # the device it was planned for
         print(f"wrote {args.write_config}: fill in its data.path, check it with `fivefold train --config "
-              f"{args.write_config} --dry-run`, then start it with:")
+              f"{args.write_config} --dry-run{on}`, then start it with:")
         for line in launch_lines(args.write_config, f"runs/{cfg.name}", args.nodes, hw.gpus_per_node):
             print(f"  {line}")
     if args.explain:

@@ -39,7 +39,7 @@ def test_example_config_validates_fits_and_its_prediction_is_in_the_docs(path, c
     assert t.global_batch_size * t.seq_len == 4 * 2**20  # 4M tokens per step, as Llama 2/3 and OLMoE
     assert cfg.data.path == DATA_PLACEHOLDER and t.compile and t.dtype == "bf16" and t.checkpoint_every > 0
 
-    assert main(["train", "--config", str(path), "--dry-run"]) == 0
+    assert main(["train", "--config", str(path), "--dry-run", "--gpu", "h100"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("config OK") and "fits, peak" in out and "does not exist yet" in out
     header = path.read_text().splitlines()
@@ -79,7 +79,7 @@ def test_write_config_writes_a_real_run(tmp_path, capsys):
     written = out.read_text().splitlines()[0].split(": ", 1)[1].rsplit(" on ", 1)[0]
     assert written == Layout(**{k: v for k, v in best.items() if k not in ("mbs", "grad_acc")}).short()
     step = re.search(r"step ([\d.]+) s", predicted).group(1)
-    assert main(["train", "--config", str(out), "--dry-run"]) == 0
+    assert main(["train", "--config", str(out), "--dry-run", "--gpu", "h100"]) == 0
     assert f"step {step} s" in capsys.readouterr().out
     # writing again over a file the user changed keeps theirs beside the new one
     edited = out.read_text().replace(DATA_PLACEHOLDER, "/data/mine")

@@ -467,3 +467,21 @@ def test_startup_check_agrees_with_plan_layout(capsys: pytest.CaptureFixture) ->
         answers.append(planned["fits"])
     assert answers[:3] == [True, False, False]  # the llama-3.2-1b case fits with full recompute, not without
     assert answers.count(True) >= 4 and answers.count(False) >= 4, answers
+
+
+def test_every_shape_the_search_takes_layout_takes(capsys) -> None:
+    """A GELU shape (GPT-2 small): `plan --layout` estimates each of the search's best layouts to the same step time
+    and peak (it used to refuse the shape through the trainer's config, which builds SwiGLU only)."""
+    model = "layers=12,hidden=768,heads=12,ffn=3072,vocab=50257,mlp=gelu"
+    common = ["plan", "--model", model, "--seq-len", "1024", "--global-batch", "512K", "--json"]
+    assert main(common + ["--top", "5"]) == 0
+    candidates = json.loads(capsys.readouterr().out)["candidates"][:5]
+    for c in candidates:
+        lay = c["layout"]
+        spec = ",".join(f"{k}={lay[k]}" for k in ("dp", "tp", "pp", "cp", "ep", "zero", "mbs", "recompute",
+                                                   "schedule", "vpp"))
+        spec += f",sp={'on' if lay['sp'] else 'off'}"
+        assert main(common + ["--layout", spec]) == 0
+        one = json.loads(capsys.readouterr().out)
+        assert one["step_time_s"] == pytest.approx(c["step_time_s"], rel=1e-9), spec
+        assert one["memory_bytes"]["peak"] == pytest.approx(c["memory_bytes"]["peak"], rel=1e-9), spec

@@ -105,7 +105,7 @@ def test_the_search_tries_hsdp_where_the_framework_runs_it(capsys, tmp_path):
     write_config(str(out), get_preset("llama3-8b"), lay, 8192, 32, "bf16", 4, 8)
     written = build_config(out)
     assert written.layout.dp_shard == 8 and written.layout.zero == 3
-    assert main(["train", "--config", str(out), "--dry-run"]) == 0
+    assert main(["train", "--config", str(out), "--dry-run", "--gpu", "h100"]) == 0
     assert "zero 3, HSDP: 4 replicas of shard groups of 8" in capsys.readouterr().out
 
 

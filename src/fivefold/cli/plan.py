@@ -443,7 +443,9 @@ def _estimate_layout(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, 
     if lay.world_size != n_gpus:
         raise CliError(f"--layout dp x tp x pp x cp = {lay.world_size} but the cluster has {n_gpus} GPUs "
                        f"({args.nodes} nodes x {hw.gpus_per_node}); change the degrees or --nodes")
-    train_config(cfg, lay, seq, batch_seqs, fw.compute_dtype)  # refused as `fivefold train` refuses it
+    # the layout refused as `fivefold train` refuses it: its rules do not depend on the MLP's kind (the engine
+    # alone builds SwiGLU only), so a shape the search takes, a GELU one included, is taken here too
+    train_config(dataclasses.replace(cfg, mlp="swiglu"), lay, seq, batch_seqs, fw.compute_dtype)
     e = estimate(cfg, seq, lay, fw, hw, True, moe_imbalance=args.moe_imbalance)
     e.mfu *= _mfu_scale(args, cfg, seq)
     measured = measure(args, cfg, lay, seq, batch_seqs, fw) if args.measure else None
@@ -557,8 +559,9 @@ def _print_search(args: argparse.Namespace, result, cfg: ModelConfig, fw: Framew
     if args.write_config:
         from fivefold.train.recipes import launch_lines
 
+        on = f" --gpu {args.gpu}" if args.gpu and not args.hardware else ""  # the device it was planned for
         print(f"wrote {args.write_config}: fill in its data.path, check it with `fivefold train --config "
-              f"{args.write_config} --dry-run`, then start it with:")
+              f"{args.write_config} --dry-run{on}`, then start it with:")
         for line in launch_lines(args.write_config, f"runs/{cfg.name}", args.nodes, hw.gpus_per_node):
             print(f"  {line}")
     if args.explain:

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fivefold.config import Config, build_config, load_file, parse_overrides
 from fivefold.errors import CliError
+
+if TYPE_CHECKING:
+    from fivefold.train.expect import Expectation
 
 ACCEPTS_OVERRIDES = True
 
@@ -40,8 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run only rank K of the layout, alone on this machine's device at full size, every other "
                    "rank stood in for; print its peak memory and step time beside the planner's (docs/only-rank.md)")
     p.add_argument("--json", action="store_true", help="--only-rank: print one JSON object")
-    p.add_argument("--gpu", help="--dry-run: the planner's hardware preset for the prediction (default h100, cpu "
-                   "when train.device = cpu); see `fivefold plan --help`")
+    p.add_argument("--gpu", help="--dry-run: the planner's hardware preset for the prediction (default: the device "
+                   "the run will use, train.device; auto picks this machine's); see `fivefold plan --help`")
     p.epilog = ("Any config field can be set as --section.field VALUE, e.g. --layout.dp 2 --train.lr 1e-3; "
                 "sections: model, layout, train, data, log.")
 
@@ -138,11 +143,28 @@ def run(args: argparse.Namespace) -> int:
     try:
         from fivefold.train.checkpoint import CheckpointError
 
-        result = train(cfg, resume=args.resume, hf_init=Path(args.hf) if args.hf else None)
+        expected = plan_expectation(cfg, local_world_size(args.nproc))
+        result = train(cfg, resume=args.resume, hf_init=Path(args.hf) if args.hf else None, expected=expected)
     except (RunDirError, CheckpointError) as e:
         raise CliError(str(e)) from None
     finish_distributed()
     return result.exit_code  # 3 after a streak of non-finite steps, 128 + N when signal N stopped it
+
+
+def plan_expectation(cfg: Config, local_ranks: int) -> Expectation | None:
+    """The planner's prediction of this run on the device it uses, for the logging rank to check the run against
+    (`train.expect`); None on the other ranks."""
+    from fivefold.device import resolve_device
+    from fivefold.planner.predict import device_cluster, estimate_run
+    from fivefold.train.expect import Expectation
+
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None
+    device = resolve_device(cfg.train.device)
+    hardware = device_cluster(device, local_ranks)
+    e = estimate_run(cfg, hardware, device.type)
+    parts = max(e.memory.values(), key=lambda p: sum(p.values()))
+    return Expectation(hardware.name, e.step_time_s, e.peak_bytes, dict(parts))
 
 
 def refuse_with_only_rank(args: argparse.Namespace) -> None:
@@ -180,10 +202,11 @@ def check_slurm_time(value: str) -> None:
 
 def dry_run(cfg: Config, args: argparse.Namespace) -> int:
     """Validate `cfg` for its layout's world size and print what the run would do and the planner's prediction."""
+    from fivefold.device import resolve_device
     from fivefold.flops import count_params
     from fivefold.layout import check_layout
     from fivefold.planner.hardware import get_cluster
-    from fivefold.planner.predict import estimate_run, run_framework
+    from fivefold.planner.predict import default_hardware, estimate_run, run_framework
 
     la, t = cfg.layout, cfg.train
     world = la.world_size
@@ -198,8 +221,8 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
     if cfg.data.path and not Path(cfg.data.path).is_dir():
         print(f"note: data.path = {cfg.data.path!r} does not exist yet; prepare it with `fivefold data prepare FILES "
               "--tokenizer MODEL_DIR --out DIR` before training")
-    gpu = args.gpu or ("cpu" if t.device == "cpu" else "h100")
-    hw = get_cluster(gpu)
+    # the device the run will use (`train.device`, `auto`: this machine's), unless --gpu names another
+    hw = get_cluster(args.gpu) if args.gpu else default_hardware(resolve_device(t.device).type)
     kind = "cpu" if hw.cores or hw.name == "cpu" else "accelerator"  # the kind of device the profile describes
     fw, e = run_framework(cfg, kind), estimate_run(cfg, hw, kind)
     step_s = e.step_time_s

@@ -37,6 +37,7 @@ from fivefold.parallel.parallelize import LossModel
 from fivefold.parallel.pipeline import layer_ranges, stage_layer_counts
 from fivefold.parallel.schedules import stage_placement
 from fivefold.train.checkpoint import Piece
+from fivefold.train.expect import WaitClock
 from fivefold.train.optim import build_adamw, lr_at
 from fivefold.train.step import StepRunner, stage_modules
 
@@ -58,6 +59,7 @@ class Engine:
         self.bf16 = use_bf16(cfg, device)
         self.drop_fraction: torch.Tensor | None = None
         self.step_flags: torch.Tensor | None = None
+        self.waits = WaitClock(device, enabled=grid is not None)  # seconds waited for peers (`train.expect`)
         self._shapes: dict[str, tuple[int, ...]] | None = None  # the plain model's, for checkpoint segments
         if grid is None:
             self.dp_rank = self.tp_rank = self.cp_rank = self.ep_rank = self.pp_rank = 0
@@ -127,8 +129,9 @@ class Engine:
         for dp in self.data_parallels:
             dp.sync = index == count - 1
         yield
-        for dp in self.data_parallels:
-            dp.end_micro_batch()
+        with self.waits():
+            for dp in self.data_parallels:
+                dp.end_micro_batch()
 
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], global_tokens: int) -> (
         torch.Tensor
@@ -191,7 +194,8 @@ class Engine:
     def optimizer_step(self, loss_sum: torch.Tensor | None = None, stop: bool = False) -> torch.Tensor:
         for dp in self.data_parallels:
             dp.attach_grads()
-        norm = self.clip_grad_norm(self.cfg.train.grad_clip)
+        with self.waits():  # the norm's and the agreement's all-reduces: where this rank meets its peers
+            norm = self.clip_grad_norm(self.cfg.train.grad_clip)
         self.step_guarded(norm, loss_sum, stop)
         for dp in self.data_parallels:
             dp.after_step()

@@ -35,6 +35,7 @@ from fivefold.device import resolve_device
 from fivefold.flops import training_flops_per_token
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.build import Engine, build_engine
+from fivefold.train.expect import Expectation, Interval, PlanCheck, injected_delay
 from fivefold.train.guard import GuardState, StepGuard, StopSignals
 from fivefold.train.metrics import (
     MetricsWriter,
@@ -192,7 +193,7 @@ def evaluate(engine: Engine, batches: list[tuple[torch.Tensor, torch.Tensor]], m
 
 
 def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stream: TextIO | None = None,
-          hf_init: Path | None = None) -> TrainResult:
+          hf_init: Path | None = None, expected: Expectation | None = None) -> TrainResult:
     """Train `cfg` in `cfg.run_dir`. `stop_after` ends the call after that many completed steps (as if the
     run were killed right after), which tests use to check resume.
 
@@ -220,11 +221,12 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
         init_from_hf(engine, hf_init)
 
     writer = open_run_dir(cfg, engine, checkpointer.config_toml, train_set, hf_init, resume, loaded, stream)
+    check = PlanCheck(expected, device.type, held_states=sum(engine.state_bytes().values())) if expected else None
     run = Run(cfg=cfg, engine=engine, device=device, checkpointer=checkpointer, sampler=sampler, val_data=val_data,
               writer=writer, result=TrainResult(run_dir=run_dir, steps=loaded.state.step if loaded else 0),
               tokens_seen=loaded.state.tokens_seen if loaded else 0,
               skipped_before=loaded.state.skipped_steps if loaded else 0, stop_after=stop_after,
-              peak=resolve_peak_tflops(cfg.log.peak_tflops, device, "bf16" if engine.bf16 else "fp32"))
+              peak=resolve_peak_tflops(cfg.log.peak_tflops, device, "bf16" if engine.bf16 else "fp32"), check=check)
     if writer is not None:
         run.announce(data_dir, resuming=loaded is not None)
     if run.start == 0:
@@ -321,6 +323,7 @@ class Run:
     skipped_before: int  # steps skipped as non-finite before this call (the checkpoint's count)
     stop_after: int | None
     peak: float | None  # the device's peak TFLOP/s for MFU (None: unknown)
+    check: PlanCheck | None = None  # the comparison with the planner's prediction (`train.expect`)
     peak_seen: int = 0  # the largest peak memory of any rank read so far, in bytes
     # set by __post_init__ (fixed for the call), then by run_steps
     run_dir: Path = field(init=False)
@@ -331,9 +334,12 @@ class Run:
     guard: StepGuard = field(init=False)
     throughput: Throughput = field(init=False)
     tokens_at_start: int = field(init=False)
+    delay: float = field(init=False)  # tests only: a slow rank on purpose (`train.expect.injected_delay`)
+    last_log: tuple[float, int] = field(init=False)  # the time and step of the last logging step
 
     def __post_init__(self) -> None:
         t = self.cfg.train
+        self.delay = injected_delay(torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
         self.run_dir, self.start = self.result.run_dir, self.result.steps
         self.mbs, self.global_tokens = self.cfg.micro_batch_size, t.global_batch_size * t.seq_len
         self.flops_per_token = training_flops_per_token(self.cfg.model, t.seq_len)
@@ -369,6 +375,8 @@ class Run:
             writer.print(f"warning: train.warmup_steps = {t.warmup_steps} exceeds train.max_steps = "
                          f"{t.max_steps}: the learning rate never reaches train.lr = {t.lr:g}; use fewer warm-up "
                          f"steps (e.g. {max(1, t.max_steps // 10)}) or more steps")
+        if self.check is not None:
+            writer.print(self.check.expected.describe())
 
     def run_steps(self) -> float:
         """The steps from `start` until `train.max_steps`, a stop or `stop_after`; the seconds they took."""
@@ -376,6 +384,7 @@ class Run:
         profiler = _profiler(cfg, self.run_dir) if cfg.log.profile and self.engine.is_logging_rank else None
         self.throughput = Throughput()
         loop_start, self.tokens_at_start = time.perf_counter(), self.tokens_seen
+        self.last_log = (loop_start, self.start)
         self.guard = StepGuard(self.device, self.skipped_before)
         result.skipped_steps = self.skipped_before
         with profiler or contextlib.nullcontext(), StopSignals() as signals:
@@ -398,6 +407,8 @@ class Run:
         lr = engine.set_lr(step)
         inputs, targets = self.sampler.rank_batch(step, engine.dp_rank, engine.dp_size)
         micro_batches = split_micro_batches(inputs, targets, self.mbs, self.device)
+        if self.delay:
+            time.sleep(self.delay)
         loss_sum = engine.forward_backward(micro_batches, self.global_tokens)
         faults.note(micro_batch=None, action="optimizer step")
         grad_norm = engine.optimizer_step(loss_sum, signals.asked)
@@ -414,7 +425,7 @@ class Run:
         loss = engine.reduce_for_logging(loss_sum).item() / self.global_tokens
         drop = engine.moe_drop_fraction()  # None but under capacity-based MoE routing
         synchronize(self.device)
-        memory = per_rank_peak_memory(self.device)
+        memory = self.measure(done)
         self.peak_seen = max(self.peak_seen, *memory)
         record = step_record(done, loss, lr, float(grad_norm), self.throughput.report(), engine.n_devices,
                              self.flops_per_token, self.peak, max(memory))
@@ -427,6 +438,20 @@ class Run:
             record["skipped_steps"] = now.skipped
         self.log(record)
         return loss
+
+    def measure(self, done: int) -> list[int]:
+        """Every rank's peak memory, and for the plan check every rank's seconds since the last logging step and
+        seconds waited for its peers (one collective, in rank order); the check's warnings are printed."""
+        now, (then, step) = time.perf_counter(), self.last_log
+        self.last_log = (now, done)
+        ours = [peak_memory_bytes(self.device), round(1e6 * (now - then)), round(1e6 * self.engine.waits.read())]
+        rows = gather_ints(ours, self.device)
+        if self.check is not None and self.writer is not None:
+            interval = Interval(done - step, [r[1] / 1e6 for r in rows], [r[2] / 1e6 for r in rows],
+                                [r[0] for r in rows])
+            for line in self.check.observe(interval):
+                self.writer.print(f"warning: {line}")
+        return [r[0] for r in rows]
 
     def after_step(self, done: int, logged: bool, signals: StopSignals) -> bool:
         """What follows step `done`: a stop (a streak of non-finite steps, a signal), an evaluation, a scheduled
@@ -512,6 +537,9 @@ class Run:
             f"{peak_source(self.cfg.log.peak_tflops, self.device) if mfu is not None else ''}; "
             f"peak memory {self.peak_seen / 2**20:,.0f} MiB"
         )
+        planned = self.check.summary() if self.check is not None else None
+        if planned is not None:
+            writer.print(planned)
         if result.skipped_steps:
             last = result.last_finite_loss
             writer.print(f"{result.skipped_steps} steps skipped for a non-finite loss or gradient norm; last finite "

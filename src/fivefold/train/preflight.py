@@ -99,6 +99,9 @@ def check_extras(cfg: Config) -> None:
     check_logging_backends(cfg.log)
 
 
+LONG_RUN_S = 3600  # a run predicted to take longer than this says so before it starts
+
+
 def warnings(cfg: Config, device: torch.device, step_s: float) -> list[str]:
     """Settings that work but probably were not meant, given the predicted seconds of one optimizer step."""
     t = cfg.train
@@ -109,10 +112,11 @@ def warnings(cfg: Config, device: torch.device, step_s: float) -> list[str]:
     # an evaluation is a forward (a third of a step's work per token) of eval_batches x <= 16 rows
     eval_s = step_s / 3 / t.global_batch_size * 16 * t.eval_batches
     ranks = f"on {max(cfg.layout.world_size, 1)} {device.type} rank(s), as the planner predicts"
-    if run_s > 24 * 3600 or step_s > 600:
-        out.append(f"train.global_batch_size = {t.global_batch_size} x train.seq_len = {t.seq_len} = {tokens:,} "
-                   f"tokens per step: ~{_duration(step_s)} per step and ~{_duration(run_s)} for {t.max_steps} steps "
-                   f"{ranks}")
+    if run_s > LONG_RUN_S or step_s > 600:
+        out.append(f"this run is predicted to take ~{_duration(run_s)}: train.max_steps = {t.max_steps} steps of "
+                   f"train.global_batch_size = {t.global_batch_size} x train.seq_len = {t.seq_len} = {tokens:,} "
+                   f"tokens, ~{_duration(step_s)} per step {ranks}; stop it with Ctrl-C (it saves a checkpoint) if "
+                   "that is not what you meant")
     if eval_s > 600:
         out.append(f"train.eval_batches = {t.eval_batches}: each evaluation takes ~{_duration(eval_s)} ({ranks}); "
                    f"evaluations run at step 0, every train.eval_every = {t.eval_every} steps and at the end")

@@ -196,8 +196,9 @@ class PipelineSchedule:
                 dp.expect_accumulations(lambda p: m * self.uses[id(p)])
         self.expected_micro_batches = m
         total = self._run(engine, micro_batches, global_tokens, training=True)
-        for dp in engine.data_parallels:
-            dp.end_micro_batch()  # reduce what the hooks did not start, and wait
+        with engine.waits():
+            for dp in engine.data_parallels:
+                dp.end_micro_batch()  # reduce what the hooks did not start, and wait
         for dp in engine.data_parallels:
             dp.sum_tied_grads()  # the embedding's and the output layer's gradients are one gradient
         return total

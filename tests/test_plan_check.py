@@ -1,0 +1,136 @@
+"""A run checked against its plan (`fivefold.train.expect`): the comparison on made-up intervals whose answer is
+known, and real 2-process runs on the CPU, one with a rank slowed on purpose (a sleep before each step's forward,
+the test-only `FIVEFOLD_TEST_SLOW_RANK` hook), which must name that rank, and one without, which must not."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fivefold.config import build_config
+from fivefold.planner.hardware import get_cluster
+from fivefold.planner.predict import estimate_run
+from fivefold.train.expect import SLOW_RANK_ENV, Expectation, Interval, PlanCheck, WaitClock, injected_delay
+from fivefold.train.preflight import warnings
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+GIB = 2**30
+
+
+def expected(step_s: float = 1.0, peak: float = 10 * GIB) -> Expectation:
+    return Expectation("h100", step_s, peak, {"parameters": 2 * GIB, "gradients": 2 * GIB, "optimizer": 4 * GIB,
+                                               "activations": 2 * GIB})
+
+
+def interval(seconds: list[float], waited: list[float], peak: int = 9 * GIB, steps: int = 10) -> Interval:
+    return Interval(steps, seconds, waited, [peak] * len(seconds))
+
+
+def test_the_rank_its_peers_wait_for_is_named_once() -> None:
+    check = PlanCheck(expected(), "cuda")
+    # the first interval holds the warm-up: measured, not judged
+    assert check.observe(interval([30.0] * 4, [0.0, 20.0, 20.0, 20.0])) == []
+    # rank 2 is busy the whole 1 s step; its three peers wait 0.4 s of it for rank 2
+    lines = check.observe(interval([10.0] * 4, [4.0, 4.0, 0.1, 4.0]))
+    assert len(lines) == 1 and lines[0].startswith("rank 2 is slower than the others")
+    assert "0.99 s per step against a median 0.6 s of the others, which wait 0.4 s per step" in lines[0]
+    assert check.observe(interval([10.0] * 4, [4.0, 4.0, 0.1, 4.0])) == []  # said once
+    assert check.summary().startswith("plan vs measured (h100 profile): step 1 s predicted, 1 s measured (+0 %)")
+
+
+def test_balanced_ranks_and_small_differences_say_nothing() -> None:
+    check = PlanCheck(expected(), "cuda")
+    check.observe(interval([10.0] * 4, [0.0] * 4))
+    assert check.observe(interval([10.0] * 4, [0.5, 0.4, 0.6, 0.5])) == []  # 5 % waits, alike
+    # one rank 20 % busier than the median, but by less than a tenth of the step: noise
+    assert check.observe(interval([1.0] * 2, [0.0, 0.005], steps=1)) == []
+
+
+def test_every_rank_slow_alike_blames_the_device_profile() -> None:
+    check = PlanCheck(expected(step_s=1.0), "cuda")
+    check.observe(interval([10.0] * 2, [0.0] * 2))
+    lines = check.observe(interval([20.0] * 2, [0.1, 0.1]))
+    assert len(lines) == 1 and "every rank slower alike" in lines[0] and "+100 %" in lines[0]
+    assert "h100 profile does not describe this machine" in lines[0]
+    check = PlanCheck(expected(step_s=1.0), "cuda")
+    check.observe(interval([10.0] * 2, [0.0] * 2))
+    assert "every rank faster alike" in check.observe(interval([5.0] * 2, [0.0] * 2))[0]
+    inside = PlanCheck(expected(step_s=1.0), "cuda")
+    inside.observe(interval([10.0] * 2, [0.0] * 2))
+    assert inside.observe(interval([13.0] * 2, [0.0] * 2)) == []  # +30 %: inside the band
+
+
+def test_memory_above_the_prediction_names_the_part() -> None:
+    # 14 GiB against 10 predicted, model states as predicted (8 GiB): the activations are over
+    check = PlanCheck(expected(), "cuda", held_states=8 * GIB)
+    check.observe(interval([10.0] * 2, [0.0] * 2, peak=14 * GIB))
+    lines = check.observe(interval([10.0] * 2, [0.0] * 2, peak=14 * GIB))
+    assert len(lines) == 1 and "peak memory 14.00 GiB measured against 10.00 GiB predicted (+40 %)" in lines[0]
+    assert "activations and buffers: 6.00 GiB against 2.00 GiB predicted" in lines[0]
+    # the states hold 12 GiB against 8 predicted: they are the excess
+    check = PlanCheck(expected(), "cuda", held_states=12 * GIB)
+    check.observe(interval([10.0] * 2, [0.0] * 2, peak=14 * GIB))
+    assert "the model states: 12.00 GiB held against 8.00 GiB predicted" in check.observe(
+        interval([10.0] * 2, [0.0] * 2, peak=14 * GIB))[0]
+    # on the CPU the resident set holds the interpreter too: a few hundred MiB over says nothing
+    cpu = PlanCheck(expected(peak=0.2 * GIB), "cpu", held_states=0)
+    cpu.observe(interval([10.0] * 2, [0.0] * 2, peak=int(0.7 * GIB)))
+    assert cpu.observe(interval([10.0] * 2, [0.0] * 2, peak=int(0.7 * GIB))) == []
+
+
+def test_the_wait_clock_counts_host_waits_on_the_cpu() -> None:
+    clock = WaitClock(torch.device("cpu"))
+    with clock():
+        time.sleep(0.05)
+    assert 0.04 < clock.read() < 1.0 and clock.read() == 0.0  # read resets
+    off = WaitClock(torch.device("cpu"), enabled=False)
+    with off():
+        time.sleep(0.02)
+    assert off.read() == 0.0
+
+
+def test_the_slow_rank_hook_reads_its_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SLOW_RANK_ENV, "1:0.25")
+    assert (injected_delay(0), injected_delay(1)) == (0.0, 0.25)
+    monkeypatch.delenv(SLOW_RANK_ENV)
+    assert injected_delay(1) == 0.0
+
+
+def test_a_run_predicted_to_take_over_an_hour_says_so_before_it_starts() -> None:
+    def said(preset: str | None, overrides: dict[str, str]) -> list[str]:
+        cfg = build_config(None, overrides, preset)
+        return warnings(cfg, torch.device("cpu"), estimate_run(cfg, get_cluster("cpu"), "cpu").step_time_s)
+
+    # the README's own-data example on 2 cores: smollm-135m for 1,000 steps; and a 1.2B preset by a typo
+    for preset, steps in (("smollm-135m", "1000"), ("llama-3.2-1b", "450")):
+        lines = said(preset, {"train.max_steps": steps})
+        assert any(w.startswith("this run is predicted to take ~") and f"train.max_steps = {steps}" in w
+                   for w in lines), (preset, lines)
+    assert said(None, {}) == []  # the default run: about two minutes, nothing to say
+
+
+def _train(run_dir: Path, slow: str | None) -> str:
+    env = {**os.environ, "PYTHONPATH": SRC}
+    env.pop(SLOW_RANK_ENV, None)
+    if slow:
+        env[SLOW_RANK_ENV] = slow
+    done = subprocess.run(
+        [sys.executable, "-m", "fivefold", "train", "--nproc", "2", "--layout.dp", "2", "--max-steps", "12",
+         "--log.log_every", "4", "--train.eval_batches", "1", "--run-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
+
+
+def test_a_slowed_rank_is_named_and_a_normal_run_gets_no_such_warning(tmp_path: Path) -> None:
+    slowed = _train(tmp_path / "slow", "1:0.5")
+    assert "warning: rank 1 is slower than the others" in slowed, slowed
+    assert "plan (cpu profile): step" in slowed and "plan vs measured (cpu profile)" in slowed
+    normal = _train(tmp_path / "normal", None)
+    assert "is slower than the others" not in normal, normal

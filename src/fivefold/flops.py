@@ -113,6 +113,7 @@ class DocumentLengths:
         return self.tokens / self.documents if self.documents else 0.0
 
 
+@lru_cache(maxsize=256)
 def attention_pairs(seq: int, window: int = 0, docs: DocumentLengths | None = None) -> Fraction:
     """The (query, key) pairs that causal attention over a packed sequence of `seq` tokens executes, expected over
     where the sequence starts in the stream of documents: pairs with 0 <= q - k < `window` (0: no window) inside

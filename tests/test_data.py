@@ -765,7 +765,7 @@ def test_builtin_index_records_documents_and_old_directories_are_prepared_again(
     assert main(["data", "info", str(builtin_dir)]) == 0
     out = capsys.readouterr().out
     mean = index["splits"]["train"]["documents"]["tokens"] / 10
-    assert f"10 documents, mean {mean:,.1f} tokens" in out and "lengths [" in out
+    assert f"documents: 10, mean {mean:,.1f} tokens, longest" in out and "; lengths [" in out
 
     # a directory prepared before the lengths were recorded: still readable, said so, and the built-in corpus
     # is prepared again to record them

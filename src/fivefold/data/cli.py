@@ -134,7 +134,7 @@ def _documents_line(index: dict, split: str) -> str:
         return ("              documents not recorded (prepared before document lengths were): prepare again to "
                 "record them")
     entry = index["splits"][split]["documents"]
-    return (f"              {lengths.documents:,} documents, mean {lengths.mean:,.1f} tokens, longest "
+    return (f"              documents: {lengths.documents:,}, mean {lengths.mean:,.1f} tokens, longest "
             f"{entry['longest']:,}; lengths {histogram_line(lengths)}")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -143,5 +144,35 @@ def test_table_shows_both_mfus(capsys):
                  "--doc-len", "1024"]) == 0
     out = capsys.readouterr().out
     assert "attention: documents of 1,024 tokens on average (--doc-len 1024): 12.0 % of causal attention's" in out
-    header = next(line for line in out.splitlines() if line.startswith("layout"))
-    assert header.split()[-4:] == ["MFU", "%", "MFU", "c.e."]
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("layout"))
+    assert lines[header].split()[-4:] == ["MFU", "%", "MFU", "c.e."]
+    # docs/planner.md's worked example is this output
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "planner.md").read_text()
+    assert "\n".join(lines[header - 1:header + 2]) in doc
+
+
+def test_trainer_mfu_counts_the_executed_attention(tmp_path, capsys):
+    # the trainer's logged FLOPs per token are the planner's: under a document mask, from the data's histogram
+    texts = [" ".join(["w"] * n) for n in (3, 40, 9, 70, 25, 5, 120, 16) * 4]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    data = prepare_dataset([tmp_path / "docs.jsonl"], tmp_path / "data", vocab_size=260, val_fraction=0.1)
+    seq = 64
+    args = ["train", "--data", str(data), "--model.attn_mask", "document", "--max-steps", "1", "--train.seq_len",
+            str(seq), "--train.global_batch_size", "2", "--train.eval_every", "0", "--run-dir", str(tmp_path / "run")]
+    assert main(args) == 0
+    record = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in record if "tflops_per_device" in r)
+    logged = step["tflops_per_device"] * 1e12 / step["tokens_per_s_per_device"]
+    cfg = dataclasses.replace(get_preset("tiny"), attn_mask="document")
+    # the lengths counted from the stream, priced by counting each sequence start's pairs
+    tokens = np.concatenate([np.asarray(s) for s in TokenDataset(data).shards])
+    ends = np.flatnonzero(tokens == 0).tolist()
+    ends += [len(tokens) - 1] if ends[-1] != len(tokens) - 1 else []  # the tail split cuts the last document
+    lengths = np.diff(ends, prepend=-1).tolist()
+    doc = np.repeat(np.arange(len(lengths) * 3), lengths * 3)
+    period = sum(lengths)
+    pairs = sum(int((np.arange(seq) - np.searchsorted(ids, ids) + 1).sum())
+                for ids in (doc[s:s + seq] for s in range(period))) / period
+    assert logged == pytest.approx(executed_flops(cfg, seq, pairs / (seq * (seq + 1) / 2)), rel=1e-9)
+    assert "(causal-equivalent " in capsys.readouterr().out

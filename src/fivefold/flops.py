@@ -131,7 +131,7 @@ def attention_pairs(seq: int, window: int = 0, docs: DocumentLengths | None = No
     m = min(seq, window) if window > 0 else seq
     a1 = m * seq - m * (m - 1) // 2  # sum_{j < m} (seq - j): the pairs of a document longer than the sequence
     a2 = seq * m * (m - 1) // 2 - (m - 1) * m * (2 * m - 1) // 6  # sum_{j < m} j (seq - j)
-    if docs is None:
+    if docs is None or docs.tokens == 0:  # no documents known: one longer than the sequence
         return Fraction(a1)
     total = Fraction(0)
     for b in docs.bins:

@@ -377,6 +377,9 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "scaling":
         from fivefold.planner.scaling import run_scaling
 
+        masked = _attention_line(args, cfg, seq)
+        if masked and not args.json:
+            print(masked)
         return run_scaling(args, cfg, fw, hw, space, seq, batch_seqs, args.docs)
     if args.layout:
         return _estimate_layout(args, cfg, fw, hw, seq, batch_seqs, n_gpus)

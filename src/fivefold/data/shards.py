@@ -47,7 +47,7 @@ class DocumentCounter:
 
     def _count(self, lengths: list[int]) -> None:
         self.lengths = self.lengths.merged(DocumentLengths.of(lengths))
-        self.longest = max(self.longest, *lengths)
+        self.longest = max(self.longest, max(lengths))
 
     def close(self) -> dict[str, Any]:
         """The split's `documents` entry of the index (`format.documents_entry`)."""

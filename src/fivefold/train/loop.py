@@ -337,8 +337,8 @@ class Run:
         self.run_dir, self.start = self.result.run_dir, self.result.steps
         self.mbs, self.global_tokens = self.cfg.micro_batch_size, t.global_batch_size * t.seq_len
         # the attention the model's mask executes (under a document mask: priced from the data's document lengths)
-        self.flops_per_token = training_flops_per_token(self.cfg.model, t.seq_len,
-                                                        docs=self.sampler.dataset.document_lengths)
+        docs = self.sampler.dataset.document_lengths if self.cfg.model.attn_mask == "document" else None
+        self.flops_per_token = training_flops_per_token(self.cfg.model, t.seq_len, docs=docs)
 
     def log(self, record: dict) -> None:
         if self.writer is not None:

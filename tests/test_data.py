@@ -699,3 +699,82 @@ def test_tokenizer_from_a_hf_model_directory_and_its_fingerprint(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="a directory without tokenizer.json"):
         prepare_dataset([tmp_path / "0.txt"], tmp_path / "out2", tokenizer=tmp_path / "empty")
+
+
+# ------------------------------------------------------------------------------------------------------
+# document lengths in the index
+
+
+def lengths_between_eos(tokens: np.ndarray, eos_id: int) -> list[int]:
+    """Each document's length counted from the token stream alone: up to and including each EOS, and the tokens
+    after the last EOS as one more document."""
+    lengths, run = [], 0
+    for token in tokens.tolist():
+        run += 1
+        if token == eos_id:
+            lengths.append(run)
+            run = 0
+    return lengths + ([run] if run else [])
+
+
+def power_of_two_histogram(lengths: list[int]) -> list[dict]:
+    """The documented histogram, built by a plain loop: bin [2^k, 2^(k+1)) with its count and sums of L, L^2, L^3."""
+    bins: dict[int, list[int]] = {}
+    for n in lengths:
+        start = 1
+        while start * 2 <= n:
+            start *= 2
+        acc = bins.setdefault(start, [0, 0, 0, 0])
+        for i in range(4):
+            acc[i] += n ** i
+    return [{"from": s, "to": 2 * s - 1, "documents": a[0], "tokens": a[1], "tokens_squared": a[2],
+             "tokens_cubed": a[3]} for s, a in sorted(bins.items())]
+
+
+def check_documents_entry(path: Path, split: str, expected_lengths: list[int]) -> None:
+    entry = json.loads((path / "index.json").read_text())["splits"][split]["documents"]
+    assert entry["boundary"] == "eos_id"
+    assert entry["count"] == len(expected_lengths) and entry["tokens"] == sum(expected_lengths)
+    assert entry["longest"] == max(expected_lengths)
+    assert entry["mean"] == pytest.approx(sum(expected_lengths) / len(expected_lengths), abs=1e-3)
+    assert entry["histogram"] == power_of_two_histogram(expected_lengths)
+
+
+def test_index_records_the_documents_lengths(tmp_path):
+    # documents of very different lengths, some crossing the 40-token shards
+    records = [{"text": " ".join(f"w{i % 7}" for i in range(n))} for n in (1, 3, 9, 40, 2, 150, 17, 64, 5, 300)]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tokenizer_file = tmp_path / "tok.json"
+    word_level_tokenizer(tokenizer_file, 7)
+    out = prepare_dataset([path], tmp_path / "out", tokenizer=tokenizer_file, val_fraction=0.0, shard_tokens=40)
+    # counted from the texts: each document's words, plus its end-of-document token
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    lengths = [len(tokenizer.encode(r["text"], add_special_tokens=False).ids) + 1 for r in records]
+    assert lengths == [1 + 1, 3 + 1, 9 + 1, 40 + 1, 2 + 1, 150 + 1, 17 + 1, 64 + 1, 5 + 1, 300 + 1]
+    check_documents_entry(out, "train", lengths)
+    assert lengths_between_eos(all_tokens(out, "train"), 1) == lengths
+
+
+def test_builtin_index_records_documents_and_old_directories_are_prepared_again(builtin_dir, tmp_path, capsys):
+    # the tail split cuts the last play: train ends inside it (a document without its EOS), val holds its end
+    for split in ("train", "val"):
+        check_documents_entry(builtin_dir, split, lengths_between_eos(all_tokens(builtin_dir, split), 0))
+    index = json.loads((builtin_dir / "index.json").read_text())
+    assert index["splits"]["train"]["documents"]["count"] == 10 and index["splits"]["val"]["documents"]["count"] == 1
+    assert main(["data", "info", str(builtin_dir)]) == 0
+    out = capsys.readouterr().out
+    mean = index["splits"]["train"]["documents"]["tokens"] / 10
+    assert f"documents: 10, mean {mean:,.1f} tokens, longest" in out and "; lengths [" in out
+
+    # a directory prepared before the lengths were recorded: still readable, said so, and the built-in corpus
+    # is prepared again to record them
+    old = shutil.copytree(builtin_dir, tmp_path / builtin_dir.name)
+    for entry in index["splits"].values():
+        del entry["documents"]
+    (old / "index.json").write_text(json.dumps(index))
+    TokenDataset(old, "train")
+    assert main(["data", "info", str(old)]) == 0
+    assert "documents not recorded (prepared before document lengths were)" in capsys.readouterr().out
+    assert ensure_builtin_dataset(tmp_path) == old
+    assert "documents" in json.loads((old / "index.json").read_text())["splits"]["train"]

@@ -67,6 +67,9 @@ class ModelConfig:
     # the MLP: "swiglu" (gate, up, down; Llama, what the engine builds) or "gelu" (up, GELU, down; GPT-2/NeoX,
     # modelled by the planner only)
     mlp: str = "swiglu"
+    # attention: "causal" over the whole sequence, or "document" (only within a document of the packed sequence)
+    attn_mask: str = "causal"
+    sliding_window: int = 0  # keys within this many positions of the query (Mistral-style); 0 = off
 
     @property
     def head_dim(self) -> int:

@@ -6,7 +6,11 @@ One function per quantity, so that the FLOPs behind a logged MFU and a predicted
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from fractions import Fraction
 from functools import lru_cache
 from typing import Literal
 
@@ -50,22 +54,151 @@ def active_matmul_params(cfg: ModelConfig) -> int:
     return cfg.n_layers * (attn + mlp) + cfg.vocab_size * h
 
 
+# ---------------------------------------------------------------------------------------------
+# Attention actually executed: (query, key) pairs under the causal, document and sliding-window masks
+
+
+@dataclass(frozen=True)
+class LengthBin:
+    """Documents whose length (tokens, each with its end-of-document token) lies in [start, 2 * start): how many,
+    and the sums of their lengths, squared lengths and cubed lengths (the moments that price attention exactly)."""
+
+    start: int
+    documents: int
+    tokens: int
+    tokens_squared: int
+    tokens_cubed: int
+
+
+@dataclass(frozen=True)
+class DocumentLengths:
+    """The distribution of document lengths in power-of-two bins (bin k holds lengths 2^k .. 2^(k+1) - 1), as
+    `fivefold data prepare` records it per split; `attention_pairs` prices attention from it."""
+
+    bins: tuple[LengthBin, ...]
+
+    @classmethod
+    def of(cls, lengths: Iterable[int]) -> DocumentLengths:
+        """The bins of these lengths (each >= 1)."""
+        sums: dict[int, list[int]] = {}
+        for n in lengths:
+            n = int(n)
+            if n < 1:
+                raise ValueError(f"a document length must be >= 1, got {n}")
+            acc = sums.setdefault(1 << (n.bit_length() - 1), [0, 0, 0, 0])
+            acc[0] += 1
+            acc[1] += n
+            acc[2] += n * n
+            acc[3] += n * n * n
+        return cls(tuple(LengthBin(start, *acc) for start, acc in sorted(sums.items())))
+
+    def merged(self, other: DocumentLengths) -> DocumentLengths:
+        sums: dict[int, list[int]] = {}
+        for b in (*self.bins, *other.bins):
+            acc = sums.setdefault(b.start, [0, 0, 0, 0])
+            for i, v in enumerate((b.documents, b.tokens, b.tokens_squared, b.tokens_cubed)):
+                acc[i] += v
+        return DocumentLengths(tuple(LengthBin(start, *acc) for start, acc in sorted(sums.items())))
+
+    @property
+    def documents(self) -> int:
+        return sum(b.documents for b in self.bins)
+
+    @property
+    def tokens(self) -> int:
+        return sum(b.tokens for b in self.bins)
+
+    @property
+    def mean(self) -> float:
+        return self.tokens / self.documents if self.documents else 0.0
+
+
+@lru_cache(maxsize=256)
+def attention_pairs(seq: int, window: int = 0, docs: DocumentLengths | None = None) -> Fraction:
+    """The (query, key) pairs that causal attention over a packed sequence of `seq` tokens executes, expected over
+    where the sequence starts in the stream of documents: pairs with 0 <= q - k < `window` (0: no window) inside
+    one document, a document cut by the sequence's start counting from there (`docs` None: one document longer
+    than any sequence, i.e. plain causal attention, seq (seq + 1) / 2 pairs without a window).
+
+    A query at offset a >= 0 into its document at position q of the sequence sees min(a, q, window - 1) + 1 keys.
+    With the sequence's start uniformly placed in the stream, P(a >= j) = sum over documents of max(L - j, 0)
+    divided by the tokens, so with m = min(seq, window) the expected pairs are sum_{j < m} (seq - j) P(a >= j) =
+    sum over documents of g(L) / tokens, with g(L) = sum_{j < min(L, m)} (seq - j)(L - j): the cubic
+    (-L^3 + 3 seq L^2 + (3 seq + 1) L) / 6 for L <= m and linear in L for L >= m. Each power-of-two bin lies on
+    one side of m whenever m is a power of two, and its moments then give its sum of g exactly; otherwise the one
+    bin holding m is taken as two lengths, its mean plus and minus its standard deviation, half its documents
+    each (its first two moments kept)."""
+    m = min(seq, window) if window > 0 else seq
+    a1 = m * seq - m * (m - 1) // 2  # sum_{j < m} (seq - j): the pairs of a document longer than the sequence
+    a2 = seq * m * (m - 1) // 2 - (m - 1) * m * (2 * m - 1) // 6  # sum_{j < m} j (seq - j)
+    if docs is None or docs.tokens == 0:  # no documents known: one longer than the sequence
+        return Fraction(a1)
+    total = Fraction(0)
+    for b in docs.bins:
+        if 2 * b.start - 1 <= m:  # every length <= m: the cubic
+            total += Fraction(-b.tokens_cubed + 3 * seq * b.tokens_squared + (3 * seq + 1) * b.tokens, 6)
+        elif b.start >= m:  # every length >= m: linear
+            total += a1 * b.tokens - a2 * b.documents
+        else:  # the bin holding m: two lengths with the bin's mean and variance
+            mean = b.tokens / b.documents
+            std = math.sqrt(max(b.tokens_squared / b.documents - mean * mean, 0.0))
+            for x in (mean - std, mean + std):
+                g = (-x ** 3 + 3 * seq * x * x + (3 * seq + 1) * x) / 6 if x <= m else a1 * x - a2
+                total += Fraction(g * b.documents / 2)
+    return total / docs.tokens
+
+
+def causal_pairs(seq: int) -> int:
+    """The pairs of plain causal attention over `seq` tokens (the diagonal included)."""
+    return seq * (seq + 1) // 2
+
+
+def masks_attention(cfg: ModelConfig) -> bool:
+    """Whether the model's attention executes fewer pairs than causal attention (document mask, sliding window)."""
+    return cfg.attn_mask == "document" or cfg.sliding_window > 0
+
+
+def causal_equivalent(cfg: ModelConfig) -> ModelConfig:
+    """The model with plain causal attention: what the causal-equivalent MFU counts."""
+    return dataclasses.replace(cfg, attn_mask="causal", sliding_window=0) if masks_attention(cfg) else cfg
+
+
+def attention_fraction(cfg: ModelConfig, seq: int, docs: DocumentLengths | None = None) -> float:
+    """The share of causal attention's (query, key) pairs that the model's mask executes per sequence of `seq`
+    tokens: 1 for plain causal attention; under document masking, from the documents' lengths `docs` (None: as
+    causal, documents at least as long as the sequence); under a sliding window, its band."""
+    if not masks_attention(cfg):
+        return 1.0
+    docs = docs if cfg.attn_mask == "document" else None
+    return float(attention_pairs(seq, cfg.sliding_window, docs) / causal_pairs(seq))
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int, docs: DocumentLengths | None = None) -> float:
+    """Training FLOPs of the attention scores and the weighted sum per token, as executed: causal attention's
+    6 * layers * seq * n_heads * head_dim (half of the full 12 L s H d, what flash kernels compute) times
+    `attention_fraction` under a document mask or a sliding window."""
+    causal = 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+    return causal if not masks_attention(cfg) else causal * attention_fraction(cfg, seq_len, docs)
+
+
 def training_flops_per_token(
-    cfg: ModelConfig, seq_len: int, attention: Literal["causal", "full"] = "causal"
+    cfg: ModelConfig, seq_len: int, attention: Literal["causal", "full"] = "causal",
+    docs: DocumentLengths | None = None,
 ) -> float:
     """Model FLOPs of one token's forward and backward pass (no recomputation: this is MFU, not HFU).
 
     6 * (active matmul parameters) for the projections, plus the attention scores and the weighted sum:
     forward 2 * 2 * seq * n_heads * head_dim per layer and token, times 3 for forward + backward, i.e.
-    12 * layers * seq * n_heads * head_dim. With `attention="causal"` (the default, what flash kernels
-    compute) that term is halved because the masked half of the score matrix is skipped; `"full"` counts
-    the whole score matrix, as the playbook's `6N + 12 L h s` does (the playbook's N also counts the
-    input embedding, which is a lookup, not a matmul; this function leaves it out).
+    12 * layers * seq * n_heads * head_dim. With `attention="causal"` (the default) the attention the model's
+    mask executes is counted (`attention_flops_per_token`): half of that term for causal attention (the masked
+    half of the score matrix is skipped, as flash kernels do), less under a document mask (`docs`: the documents'
+    lengths) or a sliding window. `"full"` counts the whole score matrix, whatever the mask, as the playbook's
+    `6N + 12 L h s` does (the playbook's N also counts the input embedding, which is a lookup, not a matmul; this
+    function leaves it out).
     """
-    attn = 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
-    if attention == "causal":
-        attn //= 2
-    return 6 * active_matmul_params(cfg) + attn
+    if attention == "full":
+        return 6 * active_matmul_params(cfg) + 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+    return 6 * active_matmul_params(cfg) + attention_flops_per_token(cfg, seq_len, docs)
 
 
 # ---------------------------------------------------------------------------------------------

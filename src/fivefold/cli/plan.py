@@ -79,8 +79,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                  "ep, mbs, zero, schedule, vpp, sp, recompute)")
     p.add_argument("--moe-imbalance", type=float, default=1.0,
                    help="busiest expert's load over the even share (dropless MoE memory)")
-    p.add_argument("--data", help="validate: CSV of runs (default in a clone: ../shared/data/"
-                                  "playbook_benchmark_runs.csv beside the repository; required otherwise)")
+    p.add_argument("--data", help="search, --layout, scaling: a prepared data directory (`fivefold data prepare`) "
+                                  "whose histogram of document lengths prices document-masked attention; validate: "
+                                  "CSV of runs (default in a clone: ../shared/data/playbook_benchmark_runs.csv beside "
+                                  "the repository; required otherwise)")
+    p.add_argument("--doc-len", metavar="N", help="price document masking (attention only within a document) with "
+                   "documents of N tokens each, the end-of-document token included (or --data DIR for the data's "
+                   "lengths)")
+    p.add_argument("--sliding-window", metavar="N", help="price sliding-window attention: each query sees the N "
+                   "latest positions, itself included (1 .. --seq-len; default: the model's own, none for presets)")
     p.add_argument("--results", help="validate: a `fivefold sweep` results store instead of the CSV (with "
                                      "--hardware FILE for the profile to predict with)")
     p.add_argument("--profile", help="validate: TOML of fitted constants (default: the packaged profile)")
@@ -259,7 +266,7 @@ def _mfu_scale(args: argparse.Namespace, cfg: ModelConfig, seq: int) -> float:
     """--mfu-convention: what multiplies fivefold's MFU (`planner/mfu.py`)."""
     from fivefold.planner.mfu import mfu_scale
 
-    return mfu_scale(cfg, seq, getattr(args, "mfu_convention", None) or "fivefold")
+    return mfu_scale(cfg, seq, getattr(args, "mfu_convention", None) or "fivefold", getattr(args, "docs", None))
 
 
 def _features(args: argparse.Namespace) -> tuple[str, ...]:
@@ -341,17 +348,21 @@ def write_config(path: str, cfg: ModelConfig, lay: Layout, seq: int, batch_seqs:
 
 
 def _fmt_row(e, family: str) -> str:
+    masked = f" {100 * e.mfu_causal_equivalent:8.1f}" if e.mfu_causal_equivalent is not None else ""
     return (f"{e.layout.short():58s} {family:30s} {gib(e.peak_bytes):8.1f} {e.step_time_s:9.3f} "
-            f"{e.tokens_per_s_per_device:12,.0f} {100 * e.mfu:6.1f}")
+            f"{e.tokens_per_s_per_device:12,.0f} {100 * e.mfu:6.1f}{masked}")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.action == "validate":
         from fivefold.tools.validate import run_validate
 
+        if args.doc_len is not None or args.sliding_window is not None:
+            raise CliError("--doc-len and --sliding-window price a search, --layout or scaling; plan validate "
+                           "compares the published runs as they ran: drop them")
         return run_validate(args)
     _check_options(args)
-    cfg = _plan_model(args)
+    cfg = _attention_model(args, _plan_model(args))
     hw = _cluster(args)
     fw = _framework(args, hw)
     _resolve_nodes(args)
@@ -366,7 +377,10 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "scaling":
         from fivefold.planner.scaling import run_scaling
 
-        return run_scaling(args, cfg, fw, hw, space, seq, batch_seqs)
+        masked = _attention_line(args, cfg, seq)
+        if masked and not args.json:
+            print(masked)
+        return run_scaling(args, cfg, fw, hw, space, seq, batch_seqs, args.docs)
     if args.layout:
         return _estimate_layout(args, cfg, fw, hw, seq, batch_seqs, n_gpus)
     return _search_layouts(args, cfg, fw, hw, space, seq, tokens, n_gpus)
@@ -382,6 +396,7 @@ def _check_options(args: argparse.Namespace) -> None:
         raise CliError(f"--gpus-per-node = {args.gpus_per_node} must be >= 1 (or 0 for the hardware's)")
     if not math.isfinite(args.moe_imbalance) or args.moe_imbalance <= 0:
         raise CliError(f"--moe-imbalance = {args.moe_imbalance} must be a finite number > 0 (1 = balanced)")
+    _check_attention_options(args)
     if args.write_config:
         target = Path(args.write_config)
         if not target.parent.is_dir():
@@ -390,6 +405,94 @@ def _check_options(args: argparse.Namespace) -> None:
         if target.is_dir():
             raise CliError(f"--write-config {args.write_config!r} is a directory; give a file name such as "
                            "best.toml")
+
+
+def _whole_number(flag: str, value: str, rule: str) -> int:
+    """`value` of `flag` as an integer, else a CliError naming the flag, the value and the rule."""
+    try:
+        return int(value)
+    except ValueError:
+        raise CliError(f"{flag} = {value!r} is not an integer; it must be {rule}") from None
+
+
+def _check_attention_options(args: argparse.Namespace) -> None:
+    """--doc-len, --data and --sliding-window, before any model or data is read."""
+    if args.doc_len is not None:
+        rule = "a whole number of tokens >= 1 (the documents' length, end-of-document token included), e.g. 1024"
+        args.doc_len = _whole_number("--doc-len", args.doc_len, rule)
+        if args.doc_len < 1:
+            raise CliError(f"--doc-len = {args.doc_len} must be {rule}")
+        if args.data is not None:
+            raise CliError(f"--doc-len = {args.doc_len} and --data = {args.data} both give the documents' lengths: "
+                           "give one (--doc-len N: every document N tokens; --data DIR: the data's histogram)")
+    if args.sliding_window is not None:
+        rule = f"a window of 1 .. --seq-len = {args.seq_len} positions (leave it out for none)"
+        args.sliding_window = _whole_number("--sliding-window", args.sliding_window, rule)
+        if not 1 <= args.sliding_window <= args.seq_len:
+            raise CliError(f"--sliding-window = {args.sliding_window} must be {rule}")
+
+
+def _attention_model(args: argparse.Namespace, cfg: ModelConfig) -> ModelConfig:
+    """The model with the attention that --doc-len / --data (a document mask) and --sliding-window price; sets
+    `args.docs` (the documents' lengths, or None) and `args.docs_source` (where they come from)."""
+    from fivefold.flops import DocumentLengths
+
+    args.docs, args.docs_source = None, ""
+    if args.sliding_window is not None:
+        cfg = dataclasses.replace(cfg, sliding_window=args.sliding_window)
+    if args.doc_len is not None:
+        args.docs, args.docs_source = DocumentLengths.of([args.doc_len]), f"--doc-len {args.doc_len}"
+    elif args.data is not None:
+        from fivefold.data.dataset import read_index
+        from fivefold.data.format import DataError, document_lengths
+
+        try:
+            args.docs = document_lengths(read_index(args.data), "train")
+        except DataError as e:
+            raise CliError(f"--data = {args.data}: {e}") from None
+        if args.docs is None:
+            raise CliError(f"--data = {args.data}: its index.json holds no histogram of document lengths (prepared "
+                           "before fivefold recorded them), which document masking is priced from; prepare it again "
+                           f"(`fivefold data prepare INPUT... --out {args.data} --overwrite`) or give --doc-len N")
+        args.docs_source = f"--data {args.data}, train split"
+    if args.docs is not None:
+        cfg = dataclasses.replace(cfg, attn_mask="document")
+    return cfg
+
+
+def _attention_json(args: argparse.Namespace, cfg: ModelConfig, seq: int) -> dict:
+    """What `plan --json` says of a masked model's attention (nothing for plain causal attention)."""
+    from fivefold.flops import attention_fraction, attention_pairs, causal_pairs, masks_attention
+
+    if not masks_attention(cfg):
+        return {}
+    docs = args.docs if cfg.attn_mask == "document" else None
+    described = {"mask": cfg.attn_mask, "sliding_window": cfg.sliding_window}
+    if docs is not None:
+        described["documents"] = {"source": args.docs_source, "count": docs.documents, "mean_tokens": docs.mean}
+    return {"attention": described | {
+        "pairs_per_sequence": float(attention_pairs(seq, cfg.sliding_window, docs)),
+        "causal_pairs_per_sequence": causal_pairs(seq),
+        "pairs_fraction": attention_fraction(cfg, seq, docs),
+        "mfu_convention": "mfu counts the attention executed (fivefold's convention, --mfu-convention applies to "
+                          "it); mfu_causal_equivalent counts causal attention over the whole sequence"}}
+
+
+def _tokens(n: float) -> str:
+    return f"{n:,.0f}" if n == int(n) else f"{n:,.1f}"
+
+
+def _attention_line(args: argparse.Namespace, cfg: ModelConfig, seq: int) -> str | None:
+    """The table's line on a masked model's attention (None for plain causal attention)."""
+    described = _attention_json(args, cfg, seq).get("attention")
+    if described is None:
+        return None
+    what = [f"documents of {_tokens(d['mean_tokens'])} tokens on average ({d['source']})"
+            for d in [described.get("documents")] if d]
+    what += [f"a sliding window of {cfg.sliding_window:,}"] if cfg.sliding_window else []
+    return (f"attention: {' and '.join(what)}: {100 * described['pairs_fraction']:.1f} % of causal attention's "
+            "(q, k) pairs executed; MFU counts them, the causal-equivalent MFU ('MFU c.e.') counts causal attention "
+            "over the whole sequence")
 
 
 def _plan_model(args: argparse.Namespace) -> ModelConfig:
@@ -446,11 +549,12 @@ def _estimate_layout(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, 
     # the layout refused as `fivefold train` refuses it: its rules do not depend on the MLP's kind (the engine
     # alone builds SwiGLU only), so a shape the search takes, a GELU one included, is taken here too
     train_config(dataclasses.replace(cfg, mlp="swiglu"), lay, seq, batch_seqs, fw.compute_dtype)
-    e = estimate(cfg, seq, lay, fw, hw, True, moe_imbalance=args.moe_imbalance)
+    e = estimate(cfg, seq, lay, fw, hw, True, moe_imbalance=args.moe_imbalance, docs=args.docs)
     e.mfu *= _mfu_scale(args, cfg, seq)
     measured = measure(args, cfg, lay, seq, batch_seqs, fw) if args.measure else None
     if args.json:
-        print(json.dumps({**e.to_json(), **({"measured": measured} if measured else {})}, indent=2))
+        print(json.dumps({**e.to_json(), **_attention_json(args, cfg, seq),
+                          **({"measured": measured} if measured else {})}, indent=2))
         return 0
     print(f"{cfg.name} on {n_gpus} x {hw.name}, seq {seq}, batch {batch_seqs} sequences: {lay.short()}")
     print(f"fits: {'yes' if e.fits else 'NO'} (peak {gib(e.peak_bytes):.2f} GiB of {hw.memory_gib} GiB)")
@@ -459,7 +563,11 @@ def _estimate_layout(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, 
         for k, v in parts.items():
             print(f"    {k:20s} {gib(v):9.3f} GiB")
     print(f"  step {e.step_time_s:.4f} s, {e.tokens_per_s_per_device:,.0f} tokens/s per {hw.unit}, "
-          f"MFU {100 * e.mfu:.1f} %")
+          f"MFU {100 * e.mfu:.1f} %" + ("" if e.mfu_causal_equivalent is None else
+                                        f" (causal-equivalent {100 * e.mfu_causal_equivalent:.1f} %)"))
+    line = _attention_line(args, cfg, seq)
+    if line:
+        print(f"  {line}")
     for k, v in e.time_parts.items():
         print(f"    {k:20s} {v:9.4f} s")
     if measured:
@@ -480,7 +588,7 @@ def _search_layouts(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, h
 
         fw = with_features(fw, ("compile",))
     compiled = compiled_for_config or "compile" in _features(args)
-    result = search(cfg, seq, batch_seqs, n_gpus, fw, hw, space, 0, args.moe_imbalance)  # every candidate
+    result = search(cfg, seq, batch_seqs, n_gpus, fw, hw, space, 0, args.moe_imbalance, args.docs)  # every one
     if not result.candidates:
         _no_candidates(result, cfg, hw, n_gpus, batch_seqs, args)
         return 2
@@ -501,6 +609,7 @@ def _search_layouts(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, h
         print(json.dumps({"model": cfg.name, "gpus": n_gpus, "hardware": hw.name, "seq_len": seq,
                           "global_batch_tokens": tokens, "evaluated": result.evaluated,
                           "rejected": dict(result.rejected), "compiled": compiled,
+                          **_attention_json(args, cfg, seq),
                           "candidates": [e.to_json() for e in result.candidates],
                           **({"measured": measured} if measured else {})}, indent=2))
         return 0
@@ -532,7 +641,11 @@ def _print_search(args: argparse.Namespace, result, cfg: ModelConfig, fw: Framew
         from fivefold.planner.mfu import CONVENTIONS
 
         print(f"MFU as {args.mfu_convention} counts it: {CONVENTIONS[args.mfu_convention]}")
-    print(f"{'layout':58s} {'family':30s} {'peak GiB':>8s} {'step s':>9s} {'tok/s/' + hw.unit:>12s} {'MFU %':>6s}")
+    masked = _attention_line(args, cfg, seq)
+    if masked:
+        print(masked)
+    print(f"{'layout':58s} {'family':30s} {'peak GiB':>8s} {'step s':>9s} {'tok/s/' + hw.unit:>12s} {'MFU %':>6s}"
+          + (f" {'MFU c.e.':>8s}" if masked else ""))
     best = result.candidates[0]
     shown: dict = {}
     for e in result.candidates:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from fivefold.data.dataset import TokenDataset, read_index
-from fivefold.data.format import DataError
+from fivefold.data.format import DataError, document_lengths
 from fivefold.data.prepare import (
     DEFAULT_SHARD_TOKENS,
     DEFAULT_VAL_FRACTION,
@@ -60,6 +60,7 @@ def _is_ready(path: Path, vocab_size: int, val_fraction: float, corpus_sha256: s
             or index["split"]["val_fraction"] != val_fraction
             or len(sources) != 1
             or sources[0].get("sha256") != corpus_sha256
+            or document_lengths(index) is None  # prepared before document lengths were recorded
         ):
             return False
         for split in ("train", "val") if val_fraction > 0 else ("train",):

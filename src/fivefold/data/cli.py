@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fivefold.data.format import SPLITS
+from fivefold.data.format import SPLITS, document_lengths, histogram_line
 from fivefold.data.prepare import (
     DEFAULT_SHARD_TOKENS,
     DEFAULT_VAL_FRACTION,
@@ -120,8 +120,22 @@ def summary(directory: str, verify: bool = False) -> str:
             f"  {split:<11} {entry['num_tokens']:,} tokens, {entry['num_documents']:,} whole documents, "
             f"{len(entry['shards'])} shard(s)"
         )
+        if entry["num_tokens"]:
+            lines.append(_documents_line(index, split))
     lines.append(f"  sources     {len(index['sources'])} file(s)" + (", sha256 verified" if verify else ""))
     return "\n".join(lines)
+
+
+def _documents_line(index: dict, split: str) -> str:
+    """The split's documents (delimited by the end-of-document token): count, mean and longest length in tokens,
+    and the power-of-two histogram of lengths; or that the directory predates their record."""
+    lengths = document_lengths(index, split)
+    if lengths is None:
+        return ("              documents not recorded (prepared before document lengths were): prepare again to "
+                "record them")
+    entry = index["splits"][split]["documents"]
+    return (f"              documents: {lengths.documents:,}, mean {lengths.mean:,.1f} tokens, longest "
+            f"{entry['longest']:,}; lengths {histogram_line(lengths)}")
 
 
 def run(args: argparse.Namespace) -> int:

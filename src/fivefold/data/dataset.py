@@ -24,9 +24,11 @@ from fivefold.data.format import (
     SPLITS,
     TOKENIZER_FILE,
     DataError,
+    document_lengths,
     dtype_from_name,
     tokenizer_fingerprint,
 )
+from fivefold.flops import DocumentLengths
 
 
 def read_index(path: str | Path) -> dict[str, Any]:
@@ -93,6 +95,11 @@ class TokenDataset:
             self.shards.append(np.memmap(file, dtype=self.dtype, mode="r", shape=(n,)))
         self.shard_tokens = np.array([s.size for s in self.shards], dtype=np.int64)
         self.num_tokens: int = int(self.shard_tokens.sum())
+
+    @property
+    def document_lengths(self) -> DocumentLengths | None:
+        """The split's documents' lengths as the index records them (None for a directory prepared before)."""
+        return document_lengths(self.index, self.split)
 
     @property
     def tokenizer_path(self) -> Path:

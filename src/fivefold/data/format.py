@@ -5,6 +5,11 @@ A prepared directory holds:
   tokenizer.json      the Hugging Face `tokenizers` tokenizer that produced the tokens
   train_000000.bin    raw little-endian token ids (dtype in the index), documents each followed by EOS
   val_000000.bin      the same for the held-out validation split
+
+Each split's entry in index.json may hold `documents` (directories prepared before it was recorded lack it): the
+document boundaries are the `eos_id` tokens of the stream, and `documents` gives their count, total tokens, mean
+and longest length, and the histogram of lengths (tokens, each document's end-of-document token included) in
+power-of-two bins with the moments that price attention (`fivefold.flops.DocumentLengths`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from fivefold.config import ConfigError
+from fivefold.flops import DocumentLengths, LengthBin
 
 INDEX_FILE = "index.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -27,6 +33,50 @@ SPLITS = ("train", "val")
 
 class DataError(ConfigError):
     """A bad input file, field, tokenizer or prepared directory; the message names it and the rule."""
+
+
+def documents_entry(lengths: DocumentLengths, longest: int) -> dict:
+    """A split's `documents` entry of index.json: how documents are delimited, their count, tokens, mean and
+    longest length, and the power-of-two histogram of lengths (each bin: lengths from..to, its documents and the
+    sums of the lengths, their squares and cubes)."""
+    return {
+        "boundary": "eos_id",
+        "count": lengths.documents,
+        "tokens": lengths.tokens,
+        "mean": round(lengths.mean, 3),
+        "longest": longest,
+        "bins": "power of two: lengths 2^k .. 2^(k+1) - 1",
+        "histogram": [{"from": b.start, "to": 2 * b.start - 1, "documents": b.documents, "tokens": b.tokens,
+                       "tokens_squared": b.tokens_squared, "tokens_cubed": b.tokens_cubed} for b in lengths.bins],
+    }
+
+
+def document_lengths(index: dict, split: str = "train") -> DocumentLengths | None:
+    """The documents' lengths of a split as index.json records them, or None for a directory prepared before they
+    were recorded."""
+    entry = index.get("splits", {}).get(split, {}).get("documents")
+    if not entry:
+        return None
+    try:
+        return DocumentLengths(tuple(LengthBin(int(b["from"]), int(b["documents"]), int(b["tokens"]),
+                                               int(b["tokens_squared"]), int(b["tokens_cubed"]))
+                                     for b in entry["histogram"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise DataError(f"{INDEX_FILE}: the {split} split's documents histogram is damaged ({e!r}); prepare the "
+                        "directory again") from None
+
+
+def _size(n: int) -> str:
+    """1, 2, ..., 512, 1K, 2K, ..., 1M (powers of two)."""
+    for unit, scale in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def histogram_line(lengths: DocumentLengths) -> str:
+    """The histogram compactly: each non-empty bin as `[from,to) count`."""
+    return ", ".join(f"[{_size(b.start)},{_size(2 * b.start)}) {b.documents:,}" for b in lengths.bins)
 
 
 SHARD_NAME = re.compile(r"^(train|val)_\d{6}\.bin$")

@@ -304,7 +304,7 @@ def prepare_documents(
             shutil.copyfile(tokenizer_path, staging / TOKENIZER_FILE)  # the given file, byte for byte
         else:
             tokenizer.save(str(staging / TOKENIZER_FILE))
-        writers = {split: ShardWriter(staging, split, dtype, shard_tokens) for split in ("train", "val")}
+        writers = {split: ShardWriter(staging, split, dtype, shard_tokens, eos_id) for split in ("train", "val")}
 
         # pass 3: tokenize
         _tokenize_documents(stream, plan, tokenizer, writers, eos_id, num_files, report)

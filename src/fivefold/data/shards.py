@@ -19,19 +19,54 @@ from fivefold.data.format import (
     SHARD_NAME,
     TOKENIZER_FILE,
     DataError,
+    documents_entry,
     shard_file_name,
 )
+from fivefold.flops import DocumentLengths
+
+
+class DocumentCounter:
+    """The lengths of the documents in a token stream, read from the stream itself: a document ends at each
+    `eos_id` (its length counts that token), and tokens after the last one form a document of their own."""
+
+    def __init__(self, eos_id: int):
+        self.eos_id = eos_id
+        self.lengths = DocumentLengths(())
+        self.longest = 0
+        self._open = 0  # tokens since the last end-of-document token
+
+    def add(self, ids: np.ndarray) -> None:
+        ends = np.flatnonzero(ids == self.eos_id)
+        if ends.size:
+            lengths = np.diff(ends, prepend=-1)
+            lengths[0] += self._open
+            self._count(lengths.tolist())
+            self._open = int(ids.size - ends[-1] - 1)
+        else:
+            self._open += int(ids.size)
+
+    def _count(self, lengths: list[int]) -> None:
+        self.lengths = self.lengths.merged(DocumentLengths.of(lengths))
+        self.longest = max(self.longest, max(lengths))
+
+    def close(self) -> dict[str, Any]:
+        """The split's `documents` entry of the index (`format.documents_entry`)."""
+        if self._open:
+            self._count([self._open])
+            self._open = 0
+        return documents_entry(self.lengths, self.longest)
 
 
 class ShardWriter:
     """Appends token ids to `<split>_NNNNNN.bin` files of at most `shard_tokens` tokens each, hashing as
-    it writes."""
+    it writes, and counts the documents' lengths (`DocumentCounter`) when given the end-of-document id."""
 
-    def __init__(self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int):
+    def __init__(self, directory: Path, split: str, dtype: np.dtype, shard_tokens: int, eos_id: int | None = None):
         self.directory, self.split, self.dtype, self.shard_tokens = directory, split, dtype, shard_tokens
         self.shards: list[dict[str, Any]] = []
         self.num_tokens = 0
         self.num_documents = 0
+        self.documents = DocumentCounter(eos_id) if eos_id is not None else None
         self._file = None
         self._hash = None
         self._in_shard = 0
@@ -53,6 +88,8 @@ class ShardWriter:
 
     def write(self, ids: np.ndarray) -> None:
         ids = np.asarray(ids).astype(self.dtype, copy=False)
+        if self.documents is not None:
+            self.documents.add(ids)
         while ids.size:
             if self._file is None or self._in_shard == self.shard_tokens:
                 self._open_next()
@@ -66,7 +103,8 @@ class ShardWriter:
 
     def close(self) -> dict[str, Any]:
         self._close_current()
-        return {"num_tokens": self.num_tokens, "num_documents": self.num_documents, "shards": self.shards}
+        entry = {"num_tokens": self.num_tokens, "num_documents": self.num_documents, "shards": self.shards}
+        return entry | ({"documents": self.documents.close()} if self.documents is not None else {})
 
 
 # ---------------------------------------------------------------------------------------------------

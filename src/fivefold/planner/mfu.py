@@ -4,7 +4,7 @@ FLOPs-per-token numerator. The planner's own (and the trainer's) is `fivefold.fl
 from __future__ import annotations
 
 from fivefold.config import ModelConfig
-from fivefold.flops import training_flops_per_token
+from fivefold.flops import DocumentLengths, causal_equivalent, training_flops_per_token
 
 CONVENTIONS = {
     "fivefold": "6 x matmul parameters (the output layer in, the embedding lookup out) + causal attention "
@@ -15,11 +15,13 @@ CONVENTIONS = {
 }
 
 
-def flops_per_token(cfg: ModelConfig, seq: int, convention: str) -> float:
-    """Training FLOPs per token under a convention (norm weights, < 0.01 % of the parameters, left out)."""
+def flops_per_token(cfg: ModelConfig, seq: int, convention: str, docs: DocumentLengths | None = None) -> float:
+    """Training FLOPs per token under a convention (norm weights, < 0.01 % of the parameters, left out). fivefold's
+    counts the attention the model's mask executes (`docs`: the documents' lengths under a document mask); the
+    others count the whole score matrix whatever the mask, as their formulas do for a document mask."""
     if convention == "fivefold":
-        return training_flops_per_token(cfg, seq)
-    full = training_flops_per_token(cfg, seq, "full")
+        return training_flops_per_token(cfg, seq, docs=docs)
+    full = training_flops_per_token(causal_equivalent(cfg), seq, "full")
     if convention == "torchtitan":
         return full
     if convention == "playbook":  # the input embedding's table counted as well (once when tied to the output)
@@ -27,6 +29,6 @@ def flops_per_token(cfg: ModelConfig, seq: int, convention: str) -> float:
     raise ValueError(f"MFU convention {convention!r} is not one of {', '.join(CONVENTIONS)}")
 
 
-def mfu_scale(cfg: ModelConfig, seq: int, convention: str) -> float:
+def mfu_scale(cfg: ModelConfig, seq: int, convention: str, docs: DocumentLengths | None = None) -> float:
     """What multiplies fivefold's MFU to give the convention's."""
-    return flops_per_token(cfg, seq, convention) / training_flops_per_token(cfg, seq)
+    return flops_per_token(cfg, seq, convention, docs) / training_flops_per_token(cfg, seq, docs=docs)

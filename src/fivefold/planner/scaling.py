@@ -18,6 +18,7 @@ from pathlib import Path
 
 from fivefold.config import ModelConfig
 from fivefold.errors import CliError
+from fivefold.flops import DocumentLengths
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.layout import Framework, Layout, check_runs_hsdp, parse_layout
 from fivefold.planner.search import Estimate, SearchSpace, estimate, search
@@ -75,7 +76,7 @@ def scale_layout(lay: Layout, gpus: int, batch_seqs: int) -> Layout:
 
 
 def scaling(cfg: ModelConfig, seq: int, batch_seqs: int, nodes: list[int], weak: bool, fw: Framework, hw: Cluster,
-            space: SearchSpace, layout: str | None = None) -> list[Point]:
+            space: SearchSpace, layout: str | None = None, docs: DocumentLengths | None = None) -> list[Point]:
     points = []
     for n in nodes:
         gpus = n * hw.gpus_per_node
@@ -89,11 +90,11 @@ def scaling(cfg: ModelConfig, seq: int, batch_seqs: int, nodes: list[int], weak:
                                else space.fp32_grad_accum)
             check_runs_hsdp(lay, fw)
             lay = scale_layout(lay, gpus, batch)
-            e = estimate(cfg, seq, lay, fw, hw, True)
+            e = estimate(cfg, seq, lay, fw, hw, True, docs=docs)
             points.append(Point(n, gpus, batch, e if e.fits else None,
                                 "" if e.fits else f"{lay.short()} does not fit ({e.peak_bytes / 2**30:.1f} GiB)"))
             continue
-        result = search(cfg, seq, batch, gpus, fw, hw, space, 1)
+        result = search(cfg, seq, batch, gpus, fw, hw, space, 1, docs=docs)
         if result.candidates:
             points.append(Point(n, gpus, batch, result.candidates[0]))
         else:
@@ -146,12 +147,12 @@ def plot(points: list[Point], base: float, path: str, title: str) -> bool:
 
 
 def run_scaling(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, hw: Cluster, space: SearchSpace,
-                seq: int, batch_seqs: int) -> int:
+                seq: int, batch_seqs: int, docs: DocumentLengths | None = None) -> int:
     if args.weak == args.strong:
         raise CliError("plan scaling needs exactly one of --weak (the batch grows with the nodes) or --strong "
                           "(the batch stays)")
     nodes = parse_nodes(args.nodes_list)
-    points = scaling(cfg, seq, batch_seqs, nodes, args.weak, fw, hw, space, args.layout)
+    points = scaling(cfg, seq, batch_seqs, nodes, args.weak, fw, hw, space, args.layout, docs)
     base, lines = report(points, hw.unit)
     mode = "weak" if args.weak else "strong"
     if args.json:

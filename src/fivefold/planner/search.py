@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 
 from fivefold.config import ModelConfig
 from fivefold.errors import CliError
-from fivefold.flops import training_flops_per_token
+from fivefold.flops import (
+    DocumentLengths,
+    attention_fraction,
+    causal_equivalent,
+    masks_attention,
+    training_flops_per_token,
+)
 from fivefold.layout import (
     batch_problem,
     hsdp_problem,
@@ -57,10 +63,17 @@ class Estimate:
     step_time_s: float
     time_parts: dict[str, float]
     tokens_per_s_per_device: float
-    mfu: float
+    mfu: float  # the attention the model's mask executes counted (`fivefold.flops.training_flops_per_token`)
     notes: list[str] = field(default_factory=list)
+    # under a document mask or a sliding window: the share of causal attention's pairs executed, and the MFU that
+    # counts plain causal attention instead (None without a mask)
+    attention_pairs_fraction: float | None = None
+    mfu_causal_equivalent: float | None = None
 
     def to_json(self) -> dict:
+        masked = {} if self.attention_pairs_fraction is None else {
+            "attention_pairs_fraction": self.attention_pairs_fraction,
+            "mfu_causal_equivalent": self.mfu_causal_equivalent}
         return {
             "layout": self.layout.to_dict(),
             "fits": self.fits,
@@ -70,6 +83,7 @@ class Estimate:
             "tokens_per_s_per_device": self.tokens_per_s_per_device,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_device,  # the previous name, for one release
             "mfu": self.mfu,
+            **masked,
             "time_s": {"step": self.step_time_s, **self.time_parts},
         }
 
@@ -84,20 +98,27 @@ def memory_of(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, moe_imbala
 
 
 def estimate(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, exact: bool = True,
-             memory_limit: float | None = None, moe_imbalance: float = 1.0) -> Estimate:
+             memory_limit: float | None = None, moe_imbalance: float = 1.0,
+             docs: DocumentLengths | None = None) -> Estimate:
+    """One layout's memory, step time and MFU; `docs`: the documents' lengths under the model's document mask."""
     mem = memory_of(cfg, seq, lay, fw, moe_imbalance)
     peak = max(sum(v.values()) for v in mem.values())
     limit = hw.memory_bytes * fw.usable_memory_fraction if memory_limit is None else memory_limit
-    t = step_time(cfg, seq, lay, fw, hw, exact)
+    t = step_time(cfg, seq, lay, fw, hw, exact, docs)
     tokens = lay.dp * lay.micro_batch_size * lay.grad_accum_steps * seq
     n = lay.world_size
     tps = tokens / t.step_time / n
-    mfu = tps * training_flops_per_token(cfg, seq) / hw.peak_flops(fw.compute_dtype)
+    peak_flops = hw.peak_flops(fw.compute_dtype)
+    mfu = tps * training_flops_per_token(cfg, seq, docs=docs) / peak_flops
     notes = [f"pp = {lay.pp} exceeds the {cfg.n_layers} layers"] if lay.pp > cfg.n_layers else []
     split = stage_split_problem(cfg, lay, fw)
     if split:
         notes.append(split)
-    return Estimate(lay, peak <= limit and not notes, mem, peak, t.step_time, t.parts, tps, mfu, notes)
+    e = Estimate(lay, peak <= limit and not notes, mem, peak, t.step_time, t.parts, tps, mfu, notes)
+    if masks_attention(cfg):
+        e.attention_pairs_fraction = attention_fraction(cfg, seq, docs)
+        e.mfu_causal_equivalent = tps * training_flops_per_token(causal_equivalent(cfg), seq) / peak_flops
+    return e
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,7 +158,8 @@ class SearchResult:
 
 
 def search(cfg: ModelConfig, seq: int, global_batch_seqs: int, n_gpus: int, fw: Framework, hw: Cluster,
-           space: SearchSpace | None = None, top: int = 10, moe_imbalance: float = 1.0) -> SearchResult:
+           space: SearchSpace | None = None, top: int = 10, moe_imbalance: float = 1.0,
+           docs: DocumentLengths | None = None) -> SearchResult:
     space = space or SearchSpace()
     if space.fp32_grad_accum is None:
         space = dataclasses.replace(space, fp32_grad_accum=fw.default_fp32_grad_accum)
@@ -158,16 +180,17 @@ def search(cfg: ModelConfig, seq: int, global_batch_seqs: int, n_gpus: int, fw: 
         if not ok:
             reject("does not fit in memory even with full recompute", base.short(), len(space.recompute))
             if closest is None or peak < closest.peak_bytes:
-                closest = estimate(cfg, seq, base, fw, hw, False, moe_imbalance=moe_imbalance)
+                closest = estimate(cfg, seq, base, fw, hw, False, moe_imbalance=moe_imbalance, docs=docs)
             continue
         for rc in space.recompute:
             lay = dataclasses.replace(base, recompute=rc)
             if rc != "full" and not _fits(cfg, seq, lay, fw, hw, moe_imbalance)[0]:
                 reject("does not fit in memory without (more) recompute", lay.short())
                 continue
-            fitting.append(estimate(cfg, seq, lay, fw, hw, False, moe_imbalance=moe_imbalance))
+            fitting.append(estimate(cfg, seq, lay, fw, hw, False, moe_imbalance=moe_imbalance, docs=docs))
     fitting.sort(key=lambda e: -e.tokens_per_s_per_device)
-    best = [estimate(cfg, seq, e.layout, fw, hw, True, moe_imbalance=moe_imbalance) for e in fitting[:SIMULATED_TOP]]
+    best = [estimate(cfg, seq, e.layout, fw, hw, True, moe_imbalance=moe_imbalance, docs=docs)
+            for e in fitting[:SIMULATED_TOP]]
     best.sort(key=lambda e: -e.tokens_per_s_per_device)
     # top = 0: every fitting candidate, the best SIMULATED_TOP simulated and the rest with the closed form
     candidates = best[:top] if top else best + fitting[SIMULATED_TOP:]

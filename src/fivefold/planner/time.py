@@ -19,7 +19,13 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from fivefold.config import ModelConfig
-from fivefold.flops import training_flops_per_token
+from fivefold.flops import (
+    DocumentLengths,
+    attention_flops_per_token,
+    attention_fraction,
+    masks_attention,
+    training_flops_per_token,
+)
 from fivefold.parallel.schedules import build_schedule, simulate
 from fivefold.planner import comm
 from fivefold.planner.hardware import Cluster
@@ -163,17 +169,29 @@ class _BlockSeconds(NamedTuple):
     hbm: float
 
 
+def attention_kernel_length(cfg: ModelConfig, seq: int, cp: int, docs: DocumentLengths | None) -> float:
+    """The sequence length at which the attention kernel's speed is read: a cp rank's chunk; under a document mask
+    or a sliding window, no longer than the causal length with as many keys per query as the mask leaves
+    ((length + 1) / 2 = executed pairs / seq), since the kernel then works on blocks that short."""
+    if not masks_attention(cfg):
+        return seq / cp
+    return min(seq / cp, max(1.0, attention_fraction(cfg, seq, docs) * (seq + 1) - 1))
+
+
 def _block_seconds(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, tokens: float,
-                   chunk: float) -> _BlockSeconds:
+                   chunk: float, docs: DocumentLengths | None = None) -> _BlockSeconds:
     """A block's and the output layer's compute seconds: measured per shape on a calibrated profile, else by kernel
-    class (GEMMs with the shape term, attention from the published table, element-wise by bytes)."""
+    class (GEMMs with the shape term, attention from the published table, element-wise by bytes). Attention is
+    the pairs the model's mask executes (`fivefold.flops.attention_flops_per_token`, `docs` under a document
+    mask)."""
     h, d, tp = cfg.hidden, cfg.head_dim, lay.tp
     ab = fw.act_bytes
     peak = hw.peak_flops(fw.compute_dtype)
     # FLOPs from the one formula: per layer and the output layer, forward only (one third of training)
-    per_token = training_flops_per_token(cfg, seq)
+    per_token = training_flops_per_token(cfg, seq, docs=docs)
     head_flops = 6 * cfg.vocab_size * h
-    attn_flops = 6 * cfg.n_layers * seq * cfg.n_heads * d  # causal: half of 12 L s h
+    attn_flops = attention_flops_per_token(cfg, seq, docs)  # causal: half of 12 L s h; less when masked
+    kernel_seq = attention_kernel_length(cfg, seq, lay.cp, docs)
     layer_fwd = (per_token - head_flops - attn_flops) / cfg.n_layers / 3 * tokens / tp
     attn_fwd = attn_flops / cfg.n_layers / 3 * tokens / tp
     head_fwd = head_flops / 3 * tokens / tp
@@ -186,6 +204,9 @@ def _block_seconds(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: C
         attn = hw.attention_time(lay.micro_batch_size * cfg.n_heads / tp, seq / lay.cp, d) or (0.0, 0.0)
         lin_f, lin_b = sum(t[0] for t in measured), sum(t[1] for t in measured)
         attn_f, attn_b = attn
+        if masks_attention(cfg):  # the measured causal kernel, for the share of its pairs the mask executes
+            share = attention_fraction(cfg, seq, docs)
+            attn_f, attn_b = attn_f * share, attn_b * share
         elementwise = 2 * act_bytes / hw.elementwise_bandwidth(tokens * h * ab / (tp if lay.sp else 1))
         oh_f = fw.kernels_per_layer * hw.kernel_overhead_us * 1e-6 * hw.compute_scale
         oh_b = fw.kernels_per_layer * hw.backward_overhead() * hw.compute_scale
@@ -214,7 +235,7 @@ def _block_seconds(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: C
             cast = FLOAT8_CAST_BYTES * sum(m * k for m, _, k in gemms) / hbm
             lin_f += cast
             lin_b += FLOAT8_CAST_BYTES * sum(m * n for m, n, _ in gemms) / hbm
-        attn_f, attn_b = attention_seconds(attn_fwd, d, seq / lay.cp, fw, hw, dk, peak)
+        attn_f, attn_b = attention_seconds(attn_fwd, d, kernel_seq, fw, hw, dk, peak)
         elementwise = elementwise_bytes(cfg, tokens, tp, lay.sp, fw) / hbm
         kernels = fw.kernels_per_layer + len(gemms) + 1  # with the matmuls and the attention kernel
         oh_f = kernels * hw.kernel_overhead_us * 1e-6
@@ -255,7 +276,8 @@ def _tp_comm(lay: Layout, fw: Framework, hw: Cluster, h: int, tokens: float, chu
     return t_tp, t_tp_b_extra, head_tp, loss_tp
 
 
-def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster) -> StageTimes:
+def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster,
+                docs: DocumentLengths | None = None) -> StageTimes:
     h, d, tp = cfg.hidden, cfg.head_dim, lay.tp
     ab = fw.act_bytes
     tokens = lay.micro_batch_size * seq / lay.cp
@@ -263,7 +285,7 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     # tokens per chunk of the fused output layer + loss (the whole micro-batch for unfused logits), as memory.py
     chunk = min(fw.tp_loss_chunk if tp > 1 else fw.fused_loss_chunk, tokens) if fw.fused_loss_chunk else tokens
     lin_f, lin_b, attn_f, attn_b, elementwise, oh_f, oh_b, head_f, head_b, hbm = _block_seconds(
-        cfg, seq, lay, fw, hw, tokens, chunk)
+        cfg, seq, lay, fw, hw, tokens, chunk, docs)
     t_layer = lin_f + attn_f + elementwise + oh_f
     # tensor parallel: 2 all-reduces (or 2 all-gathers + 2 reduce-scatters with sp) per block and direction
     act = tokens * h * ab
@@ -465,9 +487,10 @@ def _gather_time(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster, time
     return t_gather
 
 
-def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, exact: bool = True) -> TimeReport:
+def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, exact: bool = True,
+              docs: DocumentLengths | None = None) -> TimeReport:
     hw = hw.on_node(min(lay.world_size, hw.gpus_per_node))
-    times = stage_times(cfg, seq, lay, fw, hw)
+    times = stage_times(cfg, seq, lay, fw, hw, docs)
     tokens = lay.micro_batch_size * seq / lay.cp
     # the residual stream crosses stages, in the framework's residual dtype (bf16 in fivefold's lean engine)
     send = tokens * cfg.hidden * fw.residual_bytes / (lay.tp if lay.sp else 1)

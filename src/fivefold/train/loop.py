@@ -32,7 +32,7 @@ from fivefold.config import (
 from fivefold.data import BatchSampler, TokenDataset, default_cache_dir, ensure_builtin_dataset, val_batches
 from fivefold.data.format import DataError, tokenizer_fingerprint
 from fivefold.device import resolve_device
-from fivefold.flops import training_flops_per_token
+from fivefold.flops import causal_equivalent, masks_attention, training_flops_per_token
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.build import Engine, build_engine
 from fivefold.train.expect import Expectation, Interval, PlanCheck, injected_delay
@@ -342,7 +342,9 @@ class Run:
         self.delay = injected_delay(torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
         self.run_dir, self.start = self.result.run_dir, self.result.steps
         self.mbs, self.global_tokens = self.cfg.micro_batch_size, t.global_batch_size * t.seq_len
-        self.flops_per_token = training_flops_per_token(self.cfg.model, t.seq_len)
+        # the attention the model's mask executes (under a document mask: priced from the data's document lengths)
+        docs = self.sampler.dataset.document_lengths if self.cfg.model.attn_mask == "document" else None
+        self.flops_per_token = training_flops_per_token(self.cfg.model, t.seq_len, docs=docs)
 
     def log(self, record: dict) -> None:
         if self.writer is not None:
@@ -529,11 +531,17 @@ class Run:
         tokens_run = self.tokens_seen - self.tokens_at_start
         per_device = tokens_run / max(loop_seconds, 1e-9) / n_devices
         mfu = per_device * self.flops_per_token / 1e12 / self.peak if self.peak else None
+        if mfu is not None and masks_attention(self.cfg.model):  # and the figure that counts causal attention
+            causal = per_device * training_flops_per_token(causal_equivalent(self.cfg.model), t.seq_len) / 1e12
+            mfu_note = f" (causal-equivalent {100 * causal / self.peak:.1f} %)"
+        else:
+            mfu_note = ""
         writer.print(
             f"summary: wall time {format_duration(time.perf_counter() - wall_start)} "
             f"({format_duration(loop_seconds)} in {result.steps - self.start} steps); tokens seen "
             f"{self.tokens_seen:,} ({tokens_run:,} in this run); mean {per_device:,.0f} tokens/s per device on "
             f"{n_devices} device(s); MFU {f'{100 * mfu:.1f} %' if mfu is not None else 'n/a (unknown device peak)'}"
+            f"{mfu_note}"
             f"{peak_source(self.cfg.log.peak_tflops, self.device) if mfu is not None else ''}; "
             f"peak memory {self.peak_seen / 2**20:,.0f} MiB"
         )

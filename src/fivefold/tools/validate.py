@@ -241,7 +241,7 @@ def fit_time(rows: list[Row], fw: Framework, hw: Cluster) -> tuple[Framework, Cl
     best grid value, until a whole round changes nothing). The per-node pipeline wait of the previous model is
     not fitted (set to 0): the host terms replace it."""
     ok = [r for r in rows if r.ok]
-    hw = dataclasses.replace(hw, pp_sync_us_per_node=0.0)
+    hw = dataclasses.replace(hw, pp_sync_us_per_node=0.0, drift_per_node_doubling=0.0)  # the drift: `fit_stall`
 
     def score(f2: Framework, h2: Cluster, among: list[Row] = ok, average=statistics.median) -> float:
         return average(abs(math.log(estimate(r.model, r.seq, r.layout, f2, h2, False).tokens_per_s_per_device

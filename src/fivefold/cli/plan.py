@@ -356,11 +356,6 @@ def _fmt_row(e, family: str, risk: bool = False) -> str:
             f"{e.tokens_per_s_at(p90):12,.0f} {100 * e.stall.probability:7.1f}")
 
 
-def has_risk(hw) -> bool:
-    """Whether the cluster's profile has stall data (else every layout's p90 is its p50, and no risk is shown)."""
-    return hw.stall_hazard_per_node > 0
-
-
 def run(args: argparse.Namespace) -> int:
     if args.action == "validate":
         from fivefold.tools.validate import run_validate
@@ -474,7 +469,7 @@ def _estimate_layout(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, 
             print(f"    {k:20s} {gib(v):9.3f} GiB")
     print(f"  step {e.step_time_s:.4f} s, {e.tokens_per_s_per_device:,.0f} tokens/s per {hw.unit}, "
           f"MFU {100 * e.mfu:.1f} %")
-    if has_risk(hw):
+    if hw.has_stall_data:
         print(f"  stall risk {100 * e.stall.probability:.1f} % (+{e.stall.added_s:.3f} s over {e.stall.handovers} "
               f"hand-overs): p50 step {e.step_time_at(0.5):.4f} s, p90 {e.step_time_at(0.9):.4f} s, expected "
               f"{e.expected_step_time_s:.4f} s")
@@ -541,7 +536,7 @@ def _print_search(args: argparse.Namespace, result, cfg: ModelConfig, fw: Framew
           f"({batch_seqs} sequences), {fw.name} engine: {result.evaluated:,} layouts tried with "
           f"{len(space.recompute)} recompute mode(s) each, {result.evaluated * len(space.recompute):,} in all, "
           f"{len(result.candidates):,} fit")
-    risk = has_risk(hw)
+    risk = hw.has_stall_data
     other = next(rule for rule in RANK_RULES if rule != args.rank)
     print(_ranking(args, compiled_for_config or "compile" in _features(args), compiled_for_config)
           + (f"; by the {args.rank} step time of {hw.name}'s stall model (--rank {other} for the other rule)"

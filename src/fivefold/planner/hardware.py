@@ -93,6 +93,11 @@ class Cluster(Hardware):
         return bool(self.cores) or self.name == "cpu"
 
     @property
+    def has_stall_data(self) -> bool:
+        """Whether the profile carries the cluster's stall risk (else every layout's p90 is its p50)."""
+        return self.stall_hazard_per_node > 0
+
+    @property
     def unit(self) -> str:
         """What one rank runs on, as output names it: a GPU, or on a CPU a device (one process per rank)."""
         return "device" if self.is_cpu else "GPU"

@@ -163,7 +163,7 @@ def run_scaling(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, hw: C
     nodes = parse_nodes(args.nodes_list)
     rank = getattr(args, "rank", "expected")
     points = scaling(cfg, seq, batch_seqs, nodes, args.weak, fw, hw, space, args.layout, rank)
-    risk = hw.stall_hazard_per_node > 0
+    risk = hw.has_stall_data
     base, lines = report(points, hw.unit, risk)
     mode = "weak" if args.weak else "strong"
     if args.json:

@@ -530,9 +530,7 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     nodes = job_nodes(lay, hw)
     t_sync = lay.grad_accum_steps * hw.pp_sync_us_per_node * 1e-6 * nodes if lay.pp > 1 and nodes > 1 else 0.0
     makespan += t_sync
-    total = makespan + t_dp_exposed + t_gather + t_opt
-    t_drift = total * (drift_factor(lay, hw) - 1)
-    total += t_drift
+    total = (makespan + t_dp_exposed + t_gather + t_opt) * drift_factor(lay, hw)
     busiest = max(range(lay.pp), key=lambda r: per_rank[r])
     blocks = sum(n for s, n in enumerate(times.counts) if _rank_of(s, lay) == busiest)
     parts = {k: v * blocks * lay.grad_accum_steps for k, v in times.comm_per_layer.items()}
@@ -544,8 +542,8 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     parts.update({"pipeline_bubble": max(0.0, makespan - t_sync - ideal), "pipeline_wait": t_sync,
                   "dp_comm_exposed": t_dp_exposed,
                   "zero_gather": t_gather, "optimizer": t_opt})
-    if hw.drift_per_node_doubling:  # a cluster with drift data (keeps the parts of the others as they were)
-        parts["scale_drift"] = t_drift
+    # a cluster with drift data has the drift as a part (the parts of the others stay as they were)
+    parts.update({"scale_drift": total - total / drift_factor(lay, hw)} if hw.drift_per_node_doubling else {})
     return TimeReport(total, parts)
 
 

@@ -516,17 +516,7 @@ def run_validate(args: argparse.Namespace) -> int:
     if not by_split:
         print_gates(table, result, hw)
     if getattr(args, "per_row", False):
-        print(f"\nevery row; error: the step time's, {SIGN_CONVENTION} (from tokens/s: measured / predicted - 1)")
-        print(f"{'model':14s} {'nodes':>5s} {'layout':38s} {'seq':>7s} {'split':>8s} {'tok/s/GPU pred':>14s} "
-              f"{'measured':>9s} {'error':>7s} {'GiB pred':>8s} {'measured':>8s}")
-        for r in per_row:
-            err = (f"{100 * signed_step_time_error(r['predicted_tok_s_gpu'], r['measured_tok_s_gpu']):+.0f} %"
-                   if r["measured_tok_s_gpu"] and r["predicted_tok_s_gpu"] else "-")
-            fits = "" if r["fits"] == r["ran"] else (" (predicted OOM)" if r["ran"] else " (predicted to fit)")
-            print(f"{r['model']:14s} {r['nodes']:5d} {r['layout']:38s} {r['seq']:7d} "
-                  f"{'held out' if r['held_out'] else 'fitted':>8s} {r['predicted_tok_s_gpu']:14,.0f} "
-                  f"{r['measured_tok_s_gpu']:9,.0f} {err:>7s} {r['predicted_memory_gib']:8.1f} "
-                  f"{r['measured_memory_gib']:8.1f}{fits}")
+        print_per_row(per_row)
     return 0
 
 
@@ -610,3 +600,18 @@ def print_gates(table: list, result: dict, hw: Cluster) -> None:
           "rule (expected time) of the regret's pick; after: the Spearman gate ranks by the p50 (first run: by the "
           "expected time, 0.699 held out), and the per-node hazard was kept once the held-out stall rates had been "
           "seen (docs/planner.md, \"Gates\")")
+
+
+def print_per_row(per_row: list[dict]) -> None:
+    """`--per-row`: every row's prediction beside its measurement."""
+    print(f"\nevery row; error: the step time's, {SIGN_CONVENTION} (from tokens/s: measured / predicted - 1)")
+    print(f"{'model':14s} {'nodes':>5s} {'layout':38s} {'seq':>7s} {'split':>8s} {'tok/s/GPU pred':>14s} "
+          f"{'measured':>9s} {'error':>7s} {'GiB pred':>8s} {'measured':>8s}")
+    for r in per_row:
+        err = (f"{100 * signed_step_time_error(r['predicted_tok_s_gpu'], r['measured_tok_s_gpu']):+.0f} %"
+               if r["measured_tok_s_gpu"] and r["predicted_tok_s_gpu"] else "-")
+        fits = "" if r["fits"] == r["ran"] else (" (predicted OOM)" if r["ran"] else " (predicted to fit)")
+        print(f"{r['model']:14s} {r['nodes']:5d} {r['layout']:38s} {r['seq']:7d} "
+              f"{'held out' if r['held_out'] else 'fitted':>8s} {r['predicted_tok_s_gpu']:14,.0f} "
+              f"{r['measured_tok_s_gpu']:9,.0f} {err:>7s} {r['predicted_memory_gib']:8.1f} "
+              f"{r['measured_memory_gib']:8.1f}{fits}")

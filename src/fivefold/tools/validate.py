@@ -599,7 +599,7 @@ def print_gates(table: list, result: dict, hw: Cluster) -> None:
           "stall time's form (pp = 2 / pp > 2, per doubling of tp), the drift per doubling of the nodes, the rank "
           "rule (expected time) of the regret's pick; after: the Spearman gate ranks by the p50 (first run: by the "
           "expected time, 0.699 held out), and the per-node hazard was kept once the held-out stall rates had been "
-          "seen (docs/planner.md, \"Gates\")")
+          "seen (docs/planner.md, \"Issue 32: the stall-aware model and its gates\")")
 
 
 def print_per_row(per_row: list[dict]) -> None:

@@ -182,6 +182,8 @@ def test_validate_playbook_held_out(capsys):
     assert held["median_memory_error"] <= 0.15
     assert held["median_spearman"] >= 0.6
     assert held["median_top1_regret"] <= 0.10
+    gates = {g["gate"]: g for g in json.loads(out)["gates"]}  # issue 32's, by held-out node count
+    assert len(gates) == 7 and all(set(g["by_nodes"]) == {"4", "8", "16", "32", "64"} for g in gates.values())
 
 
 def test_validate_without_data_is_a_clear_error(capsys, tmp_path):
@@ -337,7 +339,16 @@ def test_pad_vocab_lets_tp_split_an_odd_vocabulary(capsys, tmp_path):
 @pytest.mark.slow
 @needs_data
 def test_packaged_profile_is_the_fit_on_one_and_two_nodes():
-    from fivefold.tools.validate import FIT_NODES, TIME_GRID, fit_memory, fit_time, load_profile, read_runs_csv
+    from fivefold.tools.validate import (
+        FIT_NODES,
+        STALL_FIELDS,
+        TIME_GRID,
+        fit_memory,
+        fit_stall,
+        fit_time,
+        load_profile,
+        read_runs_csv,
+    )
 
     rows = [r for r in read_runs_csv(PLAYBOOK) if r.nodes in FIT_NODES]
     fw, hw = load_profile(None)
@@ -349,6 +360,11 @@ def test_packaged_profile_is_the_fit_on_one_and_two_nodes():
         fitted, packaged = (fitted_fw, fw) if table == "framework" else (fitted_hw, hw)
         assert getattr(fitted, name) == getattr(packaged, name), name
     assert fitted_hw.pp_sync_us_per_node == hw.pp_sync_us_per_node == 0.0
+    # the stall model and the drift, on the same rows with the fitted constants
+    stall_hw = fit_stall(rows, fitted_fw, fitted_hw)
+    for name in STALL_FIELDS:
+        assert getattr(stall_hw, name) == pytest.approx(getattr(hw, name), abs=1e-4), name
+    assert hw.stall_hazard_per_node > 0
 
 
 def test_validate_reads_fivefold_rows(capsys, tmp_path):

@@ -14,7 +14,7 @@ from fivefold.config import Config, ModelConfig, dump_toml, write_text_atomic
 from fivefold.errors import CliError
 from fivefold.layout import check_layout
 from fivefold.planner.layout import Framework, Layout, check_runs_hsdp, parse_layout
-from fivefold.planner.search import SearchSpace, estimate, gib, parse_tokens, search
+from fivefold.planner.search import RANK_RULES, SearchSpace, estimate, gib, parse_tokens, rank_key, search
 
 _SHAPE_KEYS = {"layers": "n_layers", "hidden": "hidden", "heads": "n_heads", "kv_heads": "n_kv_heads",
                "ffn": "ffn", "vocab": "vocab_size", "experts": "n_experts", "top_k": "top_k",
@@ -45,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--global-batch", default="1M", help="tokens per step; K/M/G are powers of two (1M = 1048576)")
     p.add_argument("--top", type=int, default=10)
+    p.add_argument("--rank", choices=list(RANK_RULES), default="expected",
+                   help="how layouts are ranked where the hardware profile has stall data (a pipelined step may "
+                        "stall at its hand-overs): by the expected step time (default), or by the p90 step time "
+                        "for the risk-averse; without stall data both are the clean step time")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--write-config", help="write the best layout as a `fivefold train` TOML config")
     p.add_argument("--train-tokens", help="--write-config: the run's token budget, e.g. 40G (default: 20 tokens "
@@ -347,10 +351,17 @@ def write_config(path: str, cfg: ModelConfig, lay: Layout, seq: int, batch_seqs:
     return conf
 
 
-def _fmt_row(e, family: str) -> str:
+def _fmt_row(e, family: str, risk: bool = False) -> str:
+    """A row of the search's table; with `risk` (a cluster with stall data) the step time and tokens/s are the
+    p50's, followed by the p90's and the chance of a stall; under an attention mask the causal-equivalent MFU."""
     masked = f" {100 * e.mfu_causal_equivalent:8.1f}" if e.mfu_causal_equivalent is not None else ""
-    return (f"{e.layout.short():58s} {family:30s} {gib(e.peak_bytes):8.1f} {e.step_time_s:9.3f} "
-            f"{e.tokens_per_s_per_device:12,.0f} {100 * e.mfu:6.1f}{masked}")
+    if not risk:
+        return (f"{e.layout.short():58s} {family:30s} {gib(e.peak_bytes):8.1f} {e.step_time_s:9.3f} "
+                f"{e.tokens_per_s_per_device:12,.0f} {100 * e.mfu:6.1f}{masked}")
+    p50, p90 = e.step_time_at(0.5), e.step_time_at(0.9)
+    return (f"{e.layout.short():58s} {family:30s} {gib(e.peak_bytes):8.1f} {p50:9.3f} "
+            f"{e.tokens_per_s_at(p50):12,.0f} {100 * e.mfu * e.step_time_s / p50:6.1f}{masked} {p90:9.3f} "
+            f"{e.tokens_per_s_at(p90):12,.0f} {100 * e.stall.probability:7.1f}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -568,6 +579,10 @@ def _estimate_layout(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, 
     line = _attention_line(args, cfg, seq)
     if line:
         print(f"  {line}")
+    if hw.has_stall_data:
+        print(f"  stall risk {100 * e.stall.probability:.1f} % (+{e.stall.added_s:.3f} s over {e.stall.handovers} "
+              f"hand-overs): p50 step {e.step_time_at(0.5):.4f} s, p90 {e.step_time_at(0.9):.4f} s, expected "
+              f"{e.expected_step_time_s:.4f} s")
     for k, v in e.time_parts.items():
         print(f"    {k:20s} {v:9.4f} s")
     if measured:
@@ -588,7 +603,8 @@ def _search_layouts(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, h
 
         fw = with_features(fw, ("compile",))
     compiled = compiled_for_config or "compile" in _features(args)
-    result = search(cfg, seq, batch_seqs, n_gpus, fw, hw, space, 0, args.moe_imbalance, args.docs)  # every one
+    result = search(cfg, seq, batch_seqs, n_gpus, fw, hw, space, 0, args.moe_imbalance, args.docs,
+                    args.rank)  # every one
     if not result.candidates:
         _no_candidates(result, cfg, hw, n_gpus, batch_seqs, args)
         return 2
@@ -632,7 +648,11 @@ def _print_search(args: argparse.Namespace, result, cfg: ModelConfig, fw: Framew
           f"({batch_seqs} sequences), {fw.name} engine: {result.evaluated:,} layouts tried with "
           f"{len(space.recompute)} recompute mode(s) each, {result.evaluated * len(space.recompute):,} in all, "
           f"{len(result.candidates):,} fit")
-    print(_ranking(args, compiled_for_config or "compile" in _features(args), compiled_for_config))
+    risk = hw.has_stall_data
+    other = next(rule for rule in RANK_RULES if rule != args.rank)
+    print(_ranking(args, compiled_for_config or "compile" in _features(args), compiled_for_config)
+          + (f"; by the {args.rank} step time of {hw.name}'s stall model (--rank {other} for the other rule)"
+             if risk else ""))
     if args.pad_vocab:
         print(f"vocabulary padded to {cfg.vocab_size:,} (a multiple of {args.pad_vocab}, --pad-vocab)")
     print(f"the best of each layout family (tp/pp/cp/ep grid, FSDP or not), best first; 'tie': within "
@@ -644,24 +664,26 @@ def _print_search(args: argparse.Namespace, result, cfg: ModelConfig, fw: Framew
     masked = _attention_line(args, cfg, seq)
     if masked:
         print(masked)
-    print(f"{'layout':58s} {'family':30s} {'peak GiB':>8s} {'step s':>9s} {'tok/s/' + hw.unit:>12s} {'MFU %':>6s}"
-          + (f" {'MFU c.e.':>8s}" if masked else ""))
+    print(f"{'layout':58s} {'family':30s} {'peak GiB':>8s} {'p50 s' if risk else 'step s':>9s} "
+          f"{'tok/s/' + hw.unit:>12s} {'MFU %':>6s}" + (f" {'MFU c.e.':>8s}" if masked else "")
+          + (f" {'p90 s':>9s} {'p90 tok/s':>12s} {'stall %':>7s}" if risk else ""))
     best = result.candidates[0]
+    rate = lambda e: -rank_key(args.rank)(e)  # noqa: E731 - tokens/s per device at the rank rule's step time
     shown: dict = {}
     for e in result.candidates:
         if family(e) not in shown:
             shown[family(e)] = e
     rows = list(shown.values())[:max(args.top, 1)]
     for e in rows:
-        tie = " (tie)" if e is not best and 1 - e.tokens_per_s_per_device / best.tokens_per_s_per_device < TIE else ""
-        print(_fmt_row(e, f"{family_name(e)}{tie}"))
+        tie = " (tie)" if e is not best and 1 - rate(e) / rate(best) < TIE else ""
+        print(_fmt_row(e, f"{family_name(e)}{tie}", risk))
     # the baselines users start from, with their gap, when they are not shown already
     for name, test in BASELINES.items():
         base = next((e for e in result.candidates if test(e)), None)
         if base is None:
             print(f"baseline {name}: " + ("none in the --fix search" if args.fix else "no layout of that family fits"))
         elif base not in rows:
-            gap = 100 * (1 - base.tokens_per_s_per_device / best.tokens_per_s_per_device)
+            gap = 100 * (1 - rate(base) / rate(best))
             print(f"baseline {name}: {base.layout.short()}, {base.tokens_per_s_per_device:,.0f} tokens/s per "
                   f"{hw.unit}, "
                   f"{gap:.1f} % slower than the best")

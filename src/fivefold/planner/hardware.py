@@ -68,6 +68,15 @@ class Cluster(Hardware):
     # per micro-batch of a pipeline that leaves the node, per node of the job: the blocking stage hand-overs wait
     # for the slowest rank of the job, and that wait grows with the nodes (fitted on 2-node runs, docs/planner.md)
     pp_sync_us_per_node: float = 0.0
+    # --- the cluster's risk (`planner/time.py`, `stall_risk`; fitted on the playbook's 1-2-node runs by
+    # `plan validate --fit`; 0 = no stall data: clean runs only, p90 = p50) ---
+    stall_hazard_per_node: float = 0.0  # chance per node of the job that a pipelined step stalls at its hand-overs
+    stall_s_per_handover: float = 0.0  # seconds a stalled hand-over takes at pp = 2, tp = 1
+    stall_s_per_handover_deep: float = 0.0  # the same at pp > 2 (0: as at pp = 2)
+    stall_growth_per_tp_doubling: float = 0.0  # the stalled hand-over's growth per doubling of tp
+    # the step's slowdown per doubling of the job's nodes beyond one: each blocking collective waits for the
+    # slowest node of its ring or tree, whose expected lag grows with the log of the nodes
+    drift_per_node_doubling: float = 0.0
     # (group size, seconds): what a blocking collective costs beyond its own time when ranks compute in between
     collective_wait: tuple[tuple[float, ...], ...] = ()
     compute_scale: float = 1.0  # multiplies compute times (more ranks on a node than were measured)
@@ -82,6 +91,11 @@ class Cluster(Hardware):
     def is_cpu(self) -> bool:
         """A CPU profile (the built-in `cpu`, or one `fivefold calibrate` measured: it has cores)."""
         return bool(self.cores) or self.name == "cpu"
+
+    @property
+    def has_stall_data(self) -> bool:
+        """Whether the profile carries the cluster's stall risk (else every layout's p90 is its p50)."""
+        return self.stall_hazard_per_node > 0
 
     @property
     def unit(self) -> str:
@@ -313,8 +327,11 @@ def _parse_fields(data: dict, where: str) -> dict:
             value = float(value)
             if value < 0 or (value == 0 and key not in ("backward_overhead_us", "optimizer_gbps",
                                                          "optimizer_tensor_us", "comm_overlap", "zero3_unit_us",
-                                                         "posted_p2p_wait_us", "pp_sync_us_per_node")):
+                                                         "posted_p2p_wait_us", "pp_sync_us_per_node")
+                                                      and not key.startswith(("stall_", "drift_"))):
                 raise ConfigError(f"{where} {key} = {value} must be > 0")
+            if key == "stall_hazard_per_node" and value >= 1:
+                raise ConfigError(f"{where} stall_hazard_per_node = {value} must be below 1 (a chance per node)")
         values[key] = value
     return values
 

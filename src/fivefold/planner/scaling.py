@@ -41,7 +41,7 @@ class Point:
         out.update({"layout": e.layout.short(), "layout_knobs": e.layout.to_dict(), "step_time_s": e.step_time_s,
                     "tokens_per_s": e.tokens_per_s_per_device * self.gpus,
                     "tokens_per_s_per_gpu": e.tokens_per_s_per_device, "mfu": e.mfu,
-                    "efficiency": e.tokens_per_s_per_device / base_tps if base_tps else None})
+                    "efficiency": typical_tps(e) / base_tps if base_tps else None, **e.risk_json()})
         return out
 
 
@@ -75,8 +75,14 @@ def scale_layout(lay: Layout, gpus: int, batch_seqs: int) -> Layout:
     return out
 
 
+def typical_tps(e: Estimate) -> float:
+    """Tokens/s per device at the p50 step time (the clean one unless a stall is more likely than not)."""
+    return e.tokens_per_s_at(e.step_time_at(0.5))
+
+
 def scaling(cfg: ModelConfig, seq: int, batch_seqs: int, nodes: list[int], weak: bool, fw: Framework, hw: Cluster,
-            space: SearchSpace, layout: str | None = None, docs: DocumentLengths | None = None) -> list[Point]:
+            space: SearchSpace, layout: str | None = None, docs: DocumentLengths | None = None,
+            rank: str = "expected") -> list[Point]:
     points = []
     for n in nodes:
         gpus = n * hw.gpus_per_node
@@ -94,7 +100,7 @@ def scaling(cfg: ModelConfig, seq: int, batch_seqs: int, nodes: list[int], weak:
             points.append(Point(n, gpus, batch, e if e.fits else None,
                                 "" if e.fits else f"{lay.short()} does not fit ({e.peak_bytes / 2**30:.1f} GiB)"))
             continue
-        result = search(cfg, seq, batch, gpus, fw, hw, space, 1, docs=docs)
+        result = search(cfg, seq, batch, gpus, fw, hw, space, 1, docs=docs, rank=rank)
         if result.candidates:
             points.append(Point(n, gpus, batch, result.candidates[0]))
         else:
@@ -103,20 +109,25 @@ def scaling(cfg: ModelConfig, seq: int, batch_seqs: int, nodes: list[int], weak:
     return points
 
 
-def report(points: list[Point], unit: str = "GPU") -> tuple[float | None, list[str]]:
-    base = next((p.best.tokens_per_s_per_device for p in points if p.best is not None), None)
-    lines = [f"{'nodes':>5s} {unit + 's':>6s} {'batch':>7s} {'layout':50s} {'step s':>8s} {'tokens/s':>12s} "
-             f"{'tok/s/' + unit:>10s} {'MFU %':>6s} {'eff %':>6s}"]
+def report(points: list[Point], unit: str = "GPU", risk: bool = False) -> tuple[float | None, list[str]]:
+    """The table's lines (with `risk`, a cluster with stall data: p50 step time and tokens/s, then the p90 step
+    time and the chance of a stall), and the first size's tokens/s per device that the efficiency divides by."""
+    base = next((typical_tps(p.best) for p in points if p.best is not None), None)
+    lines = [f"{'nodes':>5s} {unit + 's':>6s} {'batch':>7s} {'layout':50s} {'p50 s' if risk else 'step s':>8s} "
+             f"{'tokens/s':>12s} {'tok/s/' + unit:>10s} {'MFU %':>6s} {'eff %':>6s}"
+             + (f" {'p90 s':>8s} {'stall %':>7s}" if risk else "")]
     for p in points:
         if p.best is None:
             lines.append(f"{p.nodes:5d} {p.gpus:6d} {p.global_batch_seqs:7d} {'(none: ' + p.reason + ')'}")
             continue
         e = p.best
-        eff = 100 * e.tokens_per_s_per_device / base if base else float("nan")
+        tps = typical_tps(e)
+        eff = 100 * tps / base if base else float("nan")
         lines.append(f"{p.nodes:5d} {p.gpus:6d} {p.global_batch_seqs:7d} {e.layout.short():50s} "
-                     f"{e.step_time_s:8.3f} {e.tokens_per_s_per_device * p.gpus:12,.0f} "
-                     f"{e.tokens_per_s_per_device:10,.0f} "
-                     f"{100 * e.mfu:6.1f} {eff:6.1f}")
+                     f"{e.step_time_at(0.5):8.3f} {tps * p.gpus:12,.0f} "
+                     f"{tps:10,.0f} "
+                     f"{100 * e.mfu * tps / e.tokens_per_s_per_device:6.1f} {eff:6.1f}"
+                     + (f" {e.step_time_at(0.9):8.3f} {100 * e.stall.probability:7.1f}" if risk else ""))
     return base, lines
 
 
@@ -130,7 +141,7 @@ def plot(points: list[Point], base: float, path: str, title: str) -> bool:
     except ImportError:
         return False
     xs = [p.nodes for p in points if p.best is not None]
-    ys = [100 * p.best.tokens_per_s_per_device / base for p in points if p.best is not None]
+    ys = [100 * typical_tps(p.best) / base for p in points if p.best is not None]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(xs, ys, marker="o")
     ax.set_xscale("log", base=2)
@@ -152,8 +163,10 @@ def run_scaling(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, hw: C
         raise CliError("plan scaling needs exactly one of --weak (the batch grows with the nodes) or --strong "
                           "(the batch stays)")
     nodes = parse_nodes(args.nodes_list)
-    points = scaling(cfg, seq, batch_seqs, nodes, args.weak, fw, hw, space, args.layout, docs)
-    base, lines = report(points, hw.unit)
+    rank = getattr(args, "rank", "expected")
+    points = scaling(cfg, seq, batch_seqs, nodes, args.weak, fw, hw, space, args.layout, docs, rank)
+    risk = hw.has_stall_data
+    base, lines = report(points, hw.unit, risk)
     mode = "weak" if args.weak else "strong"
     if args.json:
         print(json.dumps({"model": cfg.name, "hardware": hw.name, "framework": fw.name, "mode": mode, "seq_len": seq,
@@ -162,6 +175,14 @@ def run_scaling(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, hw: C
         print(f"{cfg.name}, {mode} scaling on {hw.name} ({hw.gpus_per_node} {hw.unit}s per node), {fw.name} engine, "
               f"seq {seq}; efficiency = tokens/s per {hw.unit} over the first size's")
         print("\n".join(lines))
+        if nodes[-1] > 1 and not risk and not hw.drift_per_node_doubling:
+            print(f"{hw.name} has no stall or drift data: every size is predicted as a clean run with collectives as "
+                  "fast as measured alone (on the playbook's cluster, --hardware src/fivefold/planner/profiles/"
+                  "nanotron-h100-efa.toml, pipelined steps stall more often as the nodes grow, and the clean step "
+                  "drifts 1 % slower per doubling)")
+        elif risk:
+            print(f"ranked by the {rank} step time; p50: the typical step, p90: the bad case (a stall at every "
+                  "pipeline hand-over), stall %: the chance that a step stalls")
     if args.png and base:
         if plot(points, base, args.png, f"{cfg.name} {mode} scaling ({fw.name}, {hw.name})"):
             print(f"wrote {args.png}")

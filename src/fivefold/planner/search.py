@@ -35,7 +35,7 @@ from fivefold.layout import (
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.layout import Framework, Layout
 from fivefold.planner.memory import GIB, rank_memory
-from fivefold.planner.time import stage_split_problem, step_time
+from fivefold.planner.time import StallRisk, stage_split_problem, stall_risk, step_time
 
 SIMULATED_TOP = 64
 
@@ -69,6 +69,29 @@ class Estimate:
     # counts plain causal attention instead (None without a mask)
     attention_pairs_fraction: float | None = None
     mfu_causal_equivalent: float | None = None
+    stall: StallRisk = field(default_factory=StallRisk)  # the cluster's risk for this layout (`time.stall_risk`)
+
+    def step_time_at(self, quantile: float) -> float:
+        """The step time at this quantile (0.5: typical, p50; 0.9: a bad case, p90) of the stall model."""
+        return self.stall.quantile(self.step_time_s, quantile)
+
+    @property
+    def expected_step_time_s(self) -> float:
+        return self.stall.expected(self.step_time_s)
+
+    def tokens_per_s_at(self, step_time_s: float) -> float:
+        """Tokens/s per device at another step time of the same layout."""
+        if step_time_s == self.step_time_s:
+            return self.tokens_per_s_per_device
+        return self.tokens_per_s_per_device * self.step_time_s / step_time_s
+
+    def risk_json(self) -> dict:
+        """p50, p90 and expected step time and tokens/s per device, and the stall risk (`plan --json`)."""
+        p50, p90 = self.step_time_at(0.5), self.step_time_at(0.9)
+        return {"step_time_p50_s": p50, "step_time_p90_s": p90, "expected_step_time_s": self.expected_step_time_s,
+                "tokens_per_s_per_device_p50": self.tokens_per_s_at(p50),
+                "tokens_per_s_per_device_p90": self.tokens_per_s_at(p90),
+                "stall_risk": self.stall.probability, "stall_added_s": self.stall.added_s}
 
     def to_json(self) -> dict:
         masked = {} if self.attention_pairs_fraction is None else {
@@ -85,7 +108,22 @@ class Estimate:
             "mfu": self.mfu,
             **masked,
             "time_s": {"step": self.step_time_s, **self.time_parts},
+            **self.risk_json(),
         }
+
+
+# how the search ranks layouts (`plan --rank`): by the expected step time (the clean time plus the stall risk
+# times what a stall adds), or by the p90 step time for the risk-averse; both equal the clean time on a cluster
+# without stall data
+RANK_RULES = {"expected": lambda e: e.expected_step_time_s, "p90": lambda e: e.step_time_at(0.9)}
+
+
+def rank_key(rule: str) -> Callable[[Estimate], float]:
+    """Sort key (smaller first) of a rank rule: minus the tokens/s per device at the rule's step time."""
+    if rule not in RANK_RULES:
+        raise CliError(f"--rank {rule!r} is not a rank rule; use one of: {', '.join(RANK_RULES)}")
+    time_of = RANK_RULES[rule]
+    return lambda e: -e.tokens_per_s_at(time_of(e))
 
 
 def memory_of(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, moe_imbalance: float = 1.0
@@ -114,7 +152,8 @@ def estimate(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster
     split = stage_split_problem(cfg, lay, fw)
     if split:
         notes.append(split)
-    e = Estimate(lay, peak <= limit and not notes, mem, peak, t.step_time, t.parts, tps, mfu, notes)
+    e = Estimate(lay, peak <= limit and not notes, mem, peak, t.step_time, t.parts, tps, mfu, notes,
+                 stall=stall_risk(lay, hw))
     if masks_attention(cfg):
         e.attention_pairs_fraction = attention_fraction(cfg, seq, docs)
         e.mfu_causal_equivalent = tps * training_flops_per_token(causal_equivalent(cfg), seq) / peak_flops
@@ -159,7 +198,9 @@ class SearchResult:
 
 def search(cfg: ModelConfig, seq: int, global_batch_seqs: int, n_gpus: int, fw: Framework, hw: Cluster,
            space: SearchSpace | None = None, top: int = 10, moe_imbalance: float = 1.0,
-           docs: DocumentLengths | None = None) -> SearchResult:
+           docs: DocumentLengths | None = None, rank: str = "expected") -> SearchResult:
+    """Every layout of the space; the fitting ones best first by the rank rule (`RANK_RULES`)."""
+    key = rank_key(rank)
     space = space or SearchSpace()
     if space.fp32_grad_accum is None:
         space = dataclasses.replace(space, fp32_grad_accum=fw.default_fp32_grad_accum)
@@ -188,10 +229,10 @@ def search(cfg: ModelConfig, seq: int, global_batch_seqs: int, n_gpus: int, fw: 
                 reject("does not fit in memory without (more) recompute", lay.short())
                 continue
             fitting.append(estimate(cfg, seq, lay, fw, hw, False, moe_imbalance=moe_imbalance, docs=docs))
-    fitting.sort(key=lambda e: -e.tokens_per_s_per_device)
+    fitting.sort(key=key)
     best = [estimate(cfg, seq, e.layout, fw, hw, True, moe_imbalance=moe_imbalance, docs=docs)
             for e in fitting[:SIMULATED_TOP]]
-    best.sort(key=lambda e: -e.tokens_per_s_per_device)
+    best.sort(key=key)
     # top = 0: every fitting candidate, the best SIMULATED_TOP simulated and the rest with the closed form
     candidates = best[:top] if top else best + fitting[SIMULATED_TOP:]
     return SearchResult(candidates, rejected, examples, evaluated, closest)

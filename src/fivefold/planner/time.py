@@ -550,10 +550,10 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     t_opt = (states["parameters"] + states["gradients"] + states["optimizer"]) / opt_bandwidth \
         + optimizer_tensors(cfg, lay, fw) * hw.optimizer_tensor_us * 1e-6 * hw.compute_scale
     # blocking stage hand-overs across nodes: each micro-batch waits for the slowest rank of the job
-    job_nodes = math.ceil(lay.world_size / hw.gpus_per_node)
-    t_sync = lay.grad_accum_steps * hw.pp_sync_us_per_node * 1e-6 * job_nodes if lay.pp > 1 and job_nodes > 1 else 0.0
+    nodes = job_nodes(lay, hw)
+    t_sync = lay.grad_accum_steps * hw.pp_sync_us_per_node * 1e-6 * nodes if lay.pp > 1 and nodes > 1 else 0.0
     makespan += t_sync
-    total = makespan + t_dp_exposed + t_gather + t_opt
+    total = (makespan + t_dp_exposed + t_gather + t_opt) * drift_factor(lay, hw)
     busiest = max(range(lay.pp), key=lambda r: per_rank[r])
     blocks = sum(n for s, n in enumerate(times.counts) if _rank_of(s, lay) == busiest)
     parts = {k: v * blocks * lay.grad_accum_steps for k, v in times.comm_per_layer.items()}
@@ -565,7 +565,59 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     parts.update({"pipeline_bubble": max(0.0, makespan - t_sync - ideal), "pipeline_wait": t_sync,
                   "dp_comm_exposed": t_dp_exposed,
                   "zero_gather": t_gather, "optimizer": t_opt})
+    # a cluster with drift data has the drift as a part (the parts of the others stay as they were)
+    parts.update({"scale_drift": total - total / drift_factor(lay, hw)} if hw.drift_per_node_doubling else {})
     return TimeReport(total, parts)
+
+
+def job_nodes(lay: Layout, hw: Cluster) -> int:
+    return math.ceil(lay.world_size / hw.gpus_per_node)
+
+
+def drift_factor(lay: Layout, hw: Cluster) -> float:
+    """What multiplies a clean step on `job_nodes` nodes: (1 + `Cluster.drift_per_node_doubling`) per doubling of
+    the nodes beyond one (each blocking collective waits for the slowest node of its ring or tree, and the
+    expected lag of the slowest of n grows with log n); 1 on one node or without drift data."""
+    nodes = job_nodes(lay, hw)
+    return (1 + hw.drift_per_node_doubling) ** math.log2(nodes) if nodes > 1 else 1.0
+
+
+@dataclass(frozen=True)
+class StallRisk:
+    """The chance that a step of a pipelined layout stalls at its stage hand-overs, and the seconds it then
+    adds: every one of the step's 2 (m + p - 1) hand-overs (1F1B: m micro-batches, p stages, forward and backward)
+    waits `per_handover` seconds. A two-point distribution: the step takes the clean time with chance
+    1 - `probability`, the clean time + `added_s` otherwise."""
+
+    probability: float = 0.0
+    added_s: float = 0.0
+    handovers: int = 0
+
+    def quantile(self, clean_s: float, q: float) -> float:
+        """The q-quantile of the step time: clean while at least a share q of steps is clean."""
+        return clean_s if 1 - self.probability >= q else clean_s + self.added_s
+
+    def expected(self, clean_s: float) -> float:
+        return clean_s + self.probability * self.added_s
+
+
+def stall_risk(lay: Layout, hw: Cluster) -> StallRisk:
+    """`StallRisk` of a layout on a cluster: per-node hazard h (`Cluster.stall_hazard_per_node`), so a job of n
+    nodes stalls with chance 1 - (1 - h)^n; each hand-over then waits `stall_s_per_handover` at pp = 2
+    (`stall_s_per_handover_deep` at pp > 2), times (1 + g) per doubling of tp. No risk without a pipeline or
+    without stall data."""
+    if lay.pp <= 1 or not hw.stall_hazard_per_node:
+        return StallRisk()
+    probability = 1 - (1 - hw.stall_hazard_per_node) ** job_nodes(lay, hw)
+    base = hw.stall_s_per_handover_deep if lay.pp > 2 and hw.stall_s_per_handover_deep else hw.stall_s_per_handover
+    per_handover = base * (1 + hw.stall_growth_per_tp_doubling) ** math.log2(lay.tp)
+    return StallRisk(probability, handovers(lay) * per_handover, handovers(lay))
+
+
+def handovers(lay: Layout) -> int:
+    """Stage hand-overs of a pipelined step in which every rank waits on its neighbour: 2 (m + p - 1), the
+    forward's and the backward's (0 without a pipeline)."""
+    return 2 * (lay.grad_accum_steps + lay.pp - 1) if lay.pp > 1 else 0
 
 
 def optimizer_tensors(cfg: ModelConfig, lay: Layout, fw: Framework) -> int:

@@ -42,9 +42,10 @@ from fivefold.planner.predict import compute_dtype, estimate_run, layout_of, loa
 from fivefold.planner.profile import all_frameworks
 from fivefold.planner.score import spearman
 from fivefold.planner.search import estimate, gib, memory_of
-from fivefold.planner.time import stage_split_problem
+from fivefold.planner.time import handovers, stage_split_problem
 from fivefold.sweep.store import StoreError
 from fivefold.sweep.store import read_rows as read_store
+from fivefold.tools.gates import Record, format_gates, gates, is_stalled, stall_counts
 
 DATA_NAME = "playbook_benchmark_runs.csv"
 
@@ -240,7 +241,7 @@ def fit_time(rows: list[Row], fw: Framework, hw: Cluster) -> tuple[Framework, Cl
     best grid value, until a whole round changes nothing). The per-node pipeline wait of the previous model is
     not fitted (set to 0): the host terms replace it."""
     ok = [r for r in rows if r.ok]
-    hw = dataclasses.replace(hw, pp_sync_us_per_node=0.0)
+    hw = dataclasses.replace(hw, pp_sync_us_per_node=0.0, drift_per_node_doubling=0.0)  # the drift: `fit_stall`
 
     def score(f2: Framework, h2: Cluster, among: list[Row] = ok, average=statistics.median) -> float:
         return average(abs(math.log(estimate(r.model, r.seq, r.layout, f2, h2, False).tokens_per_s_per_device
@@ -398,8 +399,11 @@ def validate(rows: list[Row], fw: Framework, hw: Cluster, exact: bool = True) ->
     held_out = [r.held_out if r.held_out is not None else r.nodes not in FIT_NODES for r in rows]
     fitted = [i for i, h in enumerate(held_out) if not h]
     held = [i for i, h in enumerate(held_out) if h]
+    held_records = [record(rows[i], preds[i]) for i in held]
     return {"fitted": metrics([rows[i] for i in fitted], [preds[i] for i in fitted]),
             "held_out": metrics([rows[i] for i in held], [preds[i] for i in held]),
+            "gates": gates(held_records), "stalls": stall_counts(held_records),
+            "stalls_fitted": stall_counts([record(rows[i], preds[i]) for i in fitted]),
             "rows": [{"model": r.model.name, "nodes": r.nodes, "layout": r.layout.short(), "seq": r.seq,
                       "held_out": h, "fits": p.fits, "ran": r.ok, "predicted_tok_s_gpu": round(
                           p.tokens_per_s_per_device, 1), "measured_tok_s_gpu": r.tok_s_gpu,
@@ -471,11 +475,13 @@ def run_validate(args: argparse.Namespace) -> int:
     elif args.fit:
         fw = fit_memory(train, fw)
         fw, hw = fit_time(train, fw, hw)
+        hw = fit_stall(train, fw, hw)
         print(f"fitted on {len(train)} {where}: activation_scale = {fw.activation_scale}, logits_bytes = "
               f"{fw.logits_bytes}, fixed_overhead_gib = {fw.fixed_overhead_gib}, usable_memory_fraction = "
               f"{fw.usable_memory_fraction}, "
               + ", ".join(f"{name} = {getattr(fw if table == 'framework' else hw, name)}"
-                          for table, name, _ in TIME_GRID) + f", inter_latency_us = {hw.inter_latency_us}")
+                          for table, name, _ in TIME_GRID) + f", inter_latency_us = {hw.inter_latency_us}, "
+              + ", ".join(f"{name} = {getattr(hw, name)}" for name in STALL_FIELDS))
     if args.fit and getattr(args, "out", None):
         profile.write(args.out, fw, hw, hw.device if by_split else "h100-efa",
                       f"fitted by `fivefold plan validate --fit` on the {len(train)} {where} of {path.name}")
@@ -485,8 +491,9 @@ def run_validate(args: argparse.Namespace) -> int:
     per_row = result.pop("rows")
     if getattr(args, "per_row", False):
         result["rows"] = per_row
+    table = result.pop("gates")
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps({**result, "gates": gates_json(table)}, indent=2))
         return 0
     frameworks = sorted({fw.name if r.framework in ("nanotron", fw.name) else r.framework for r in rows})
     nodes = "/".join(map(str, FIT_NODES))
@@ -506,16 +513,105 @@ def run_validate(args: argparse.Namespace) -> int:
         print(f"median step-time error by nodes (signed, {SIGN_CONVENTION}): " + ", ".join(
             f"{n}: {100 * e['median_error']:.1f} % ({100 * e['median_signed']:+.1f})"
             for n, e in sorted(by_nodes.items())))
+    if not by_split:
+        print_gates(table, result, hw)
     if getattr(args, "per_row", False):
-        print(f"\nevery row; error: the step time's, {SIGN_CONVENTION} (from tokens/s: measured / predicted - 1)")
-        print(f"{'model':14s} {'nodes':>5s} {'layout':38s} {'seq':>7s} {'split':>8s} {'tok/s/GPU pred':>14s} "
-              f"{'measured':>9s} {'error':>7s} {'GiB pred':>8s} {'measured':>8s}")
-        for r in per_row:
-            err = (f"{100 * signed_step_time_error(r['predicted_tok_s_gpu'], r['measured_tok_s_gpu']):+.0f} %"
-                   if r["measured_tok_s_gpu"] and r["predicted_tok_s_gpu"] else "-")
-            fits = "" if r["fits"] == r["ran"] else (" (predicted OOM)" if r["ran"] else " (predicted to fit)")
-            print(f"{r['model']:14s} {r['nodes']:5d} {r['layout']:38s} {r['seq']:7d} "
-                  f"{'held out' if r['held_out'] else 'fitted':>8s} {r['predicted_tok_s_gpu']:14,.0f} "
-                  f"{r['measured_tok_s_gpu']:9,.0f} {err:>7s} {r['predicted_memory_gib']:8.1f} "
-                  f"{r['measured_memory_gib']:8.1f}{fits}")
+        print_per_row(per_row)
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The stall model and the gates (`tools/gates.py`)
+
+
+def fit_stall(rows: list[Row], fw: Framework, hw: Cluster) -> Cluster:
+    """The cluster's risk fitted on `rows` (the 1-2-node rows): each finished pipelined row stalled or not by the
+    rule fixed on them (`gates.is_stalled`); the per-node hazard h by maximum likelihood (a row of n nodes stalls
+    with chance 1 - (1 - h)^n); the seconds per stalled hand-over by least squares on their log, one level at
+    pp = 2 and one at pp > 2, growing by a factor per doubling of tp; and the drift per doubling of the nodes from
+    the clean rows (the slope of the median log of measured / predicted over log2 nodes, none below 0: more nodes
+    do not make a collective faster)."""
+    import numpy as np
+
+    hw = dataclasses.replace(hw, stall_hazard_per_node=0.0, drift_per_node_doubling=0.0)
+    known = all_frameworks()
+    ok = [r for r in rows if r.ok and r.measured_step_time > 0]
+    records = [record(r, estimate(r.model, r.seq, r.layout, row_framework(r, fw, known), hw, True)) for r in ok]
+    piped = [(r, x) for r, x in zip(ok, records, strict=True) if x.handovers]
+    stalled = [(r, x) for r, x in piped if is_stalled(x)]
+    if not stalled:
+        return hw
+    hazards = [i / 10000 for i in range(1, 5000)]
+    hazard = max(hazards, key=lambda h: sum(math.log(1 - (1 - h) ** r.nodes) if is_stalled(x)
+                                            else r.nodes * math.log(1 - h) for r, x in piped))
+    deep = any(r.layout.pp > 2 for r, _ in stalled) and any(r.layout.pp == 2 for r, _ in stalled)
+    columns = [0, 1, 2] if deep else [0, 2]  # level, the offset at pp > 2, log2 tp
+    design = np.array([[1.0, float(r.layout.pp > 2), math.log2(r.layout.tp)] for r, _ in stalled])[:, columns]
+    target = np.log([(x.measured_s - x.clean_s) / x.handovers for _, x in stalled])
+    coef = np.linalg.lstsq(design, target, rcond=None)[0]
+    clean = [(r, x) for r, x in zip(ok, records, strict=True) if not is_stalled(x)]
+    by_nodes = {n: statistics.median(math.log(x.measured_s / x.clean_s) for r, x in clean if r.nodes == n)
+                for n in sorted({r.nodes for r, _ in clean})}
+    drift = 0.0
+    if len(by_nodes) > 1:
+        slope = np.polyfit([math.log2(n) for n in by_nodes], list(by_nodes.values()), 1)[0]
+        drift = max(0.0, math.exp(slope) - 1)
+    return dataclasses.replace(
+        hw, stall_hazard_per_node=hazard, stall_s_per_handover=round(math.exp(coef[0]), 3),
+        stall_s_per_handover_deep=round(math.exp(coef[0] + coef[1]), 3) if deep else 0.0,
+        stall_growth_per_tp_doubling=round(math.exp(coef[-1]) - 1, 3), drift_per_node_doubling=round(drift, 3))
+
+
+def record(r: Row, p) -> Record:
+    """A row and its estimate as the gates see them (`gates.Record`)."""
+    clean = p.step_time_s
+    return Record(r.nodes, r.group, r.ok, p.fits, handovers(r.layout), clean, clean + p.stall.added_s,
+                  p.stall.probability, r.measured_step_time if r.ok else 0.0,
+                  p.tokens_per_s_per_device * p.step_time_s)
+
+
+def gates_json(table: list) -> list[dict]:
+    return [{"gate": g.label, "holds": g.all_hold,
+             "by_nodes": {n: {"figure": f, "bound": b, "holds": g.holds(f, b)} for n, (f, b) in g.by_nodes.items()},
+             **({"all_held_out": {"figure": g.overall[0], "bound": g.overall[1],
+                                  "holds": g.holds(*g.overall)}} if g.overall else {})} for g in table]
+
+
+STALL_FIELDS = ("stall_hazard_per_node", "stall_s_per_handover", "stall_s_per_handover_deep",
+                "stall_growth_per_tp_doubling", "drift_per_node_doubling")
+
+
+def print_gates(table: list, result: dict, hw: Cluster) -> None:
+    """The gates by node count, the stall counts behind them, and when each rule was fixed."""
+    print(f"\nstall model ({hw.name}, fitted on the 1-2-node rows): " + ", ".join(
+        f"{name} = {getattr(hw, name)}" for name in STALL_FIELDS))
+    counts = {**result["stalls_fitted"], **result["stalls"]}
+    print("stalled / pipelined finished runs (predicted rate): " + ", ".join(
+        f"{n}: {s}/{m} ({p:.2f})" for n, (s, m, p) in sorted(counts.items()) if m))
+    print(f"gates on the held-out rows ({SIGN_CONVENTION}):")
+    for line in format_gates(table):
+        print(line)
+    failing = [g.label for g in table if not g.all_hold]
+    print(f"{len(table) - len(failing)} of {len(table)} gates hold" + (f"; failing: {'; '.join(failing)}"
+                                                                      if failing else ""))
+    print("when the rules were fixed: before the held-out rows were scored, on the 1-2-node rows: the stall rule "
+          "(0.1 s per hand-over above the clean time), the p50 as a run's point prediction, the per-node hazard, the "
+          "stall time's form (pp = 2 / pp > 2, per doubling of tp), the drift per doubling of the nodes, the rank "
+          "rule (expected time) of the regret's pick; after: the Spearman gate ranks by the p50 (first run: by the "
+          "expected time, 0.699 held out), and the per-node hazard was kept once the held-out stall rates had been "
+          "seen (docs/planner.md, \"Issue 32: the stall-aware model and its gates\")")
+
+
+def print_per_row(per_row: list[dict]) -> None:
+    """`--per-row`: every row's prediction beside its measurement."""
+    print(f"\nevery row; error: the step time's, {SIGN_CONVENTION} (from tokens/s: measured / predicted - 1)")
+    print(f"{'model':14s} {'nodes':>5s} {'layout':38s} {'seq':>7s} {'split':>8s} {'tok/s/GPU pred':>14s} "
+          f"{'measured':>9s} {'error':>7s} {'GiB pred':>8s} {'measured':>8s}")
+    for r in per_row:
+        err = (f"{100 * signed_step_time_error(r['predicted_tok_s_gpu'], r['measured_tok_s_gpu']):+.0f} %"
+               if r["measured_tok_s_gpu"] and r["predicted_tok_s_gpu"] else "-")
+        fits = "" if r["fits"] == r["ran"] else (" (predicted OOM)" if r["ran"] else " (predicted to fit)")
+        print(f"{r['model']:14s} {r['nodes']:5d} {r['layout']:38s} {r['seq']:7d} "
+              f"{'held out' if r['held_out'] else 'fitted':>8s} {r['predicted_tok_s_gpu']:14,.0f} "
+              f"{r['measured_tok_s_gpu']:9,.0f} {err:>7s} {r['predicted_memory_gib']:8.1f} "
+              f"{r['measured_memory_gib']:8.1f}{fits}")

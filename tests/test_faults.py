@@ -460,9 +460,9 @@ def test_watchdog_reports_its_own_rank_without_progress() -> None:
 
 
 def _descendants(pid: int) -> list[int]:
-    from fivefold.sweep.runner import _descendants
+    from fivefold.faults import descendants
 
-    return _descendants(pid)
+    return descendants(pid)
 
 
 def _alive(pid: int) -> bool:

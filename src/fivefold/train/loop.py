@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -95,7 +96,7 @@ def check_run_dir(run_dir: Path, resume: bool) -> list[Path]:
         if not found and not (run_dir / "config.toml").is_file():
             raise RunDirError(f"--resume: run directory {run_dir} holds no complete checkpoint to resume from")
         return found
-    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+    if run_dir.exists() and (not run_dir.is_dir() or any(p.name != faults.RUN_LOCK for p in run_dir.iterdir())):
         started = (run_dir / "config.toml").is_file() and not ckpt.checkpoint_dirs(run_dir)
         raise RunDirError(
             f"run directory {run_dir} already holds another run (or other files); pass --resume to continue "
@@ -198,9 +199,28 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
 
     In order: every check that can fail (config, run directory, data, checkpoint), the engine and its starting
     state (a checkpoint, a Hugging Face model or the seed), the run directory's files, then the steps and the
-    summary."""
+    summary. The run directory is this run's alone from the start (`own_run_dir`)."""
     cfg.validate()
     check_logging_backends(cfg.log)
+    with own_run_dir(Path(cfg.run_dir)):
+        return train_owned(cfg, resume, stop_after, stream, hf_init)
+
+
+@contextlib.contextmanager
+def own_run_dir(run_dir: Path):
+    """Hold the run directory's lock (`faults.RunLock`) for the run: in one process it is this process's; in a
+    job of several, the first rank's, unless the launcher that started this process holds it for the job."""
+    distributed = torch.distributed.is_initialized()
+    if distributed and (torch.distributed.get_rank() != 0 or faults.held_by_parent(run_dir)):
+        yield
+        return
+    with faults.RunLock(run_dir):
+        yield
+
+
+def train_owned(cfg: Config, resume: bool, stop_after: int | None, stream: TextIO | None,
+                hf_init: Path | None) -> TrainResult:
+    """`train` once the run directory is this run's."""
     wall_start = time.perf_counter()
     run_dir = Path(cfg.run_dir)
     candidates = check_run_dir(run_dir, resume)
@@ -469,9 +489,10 @@ class Run:
         self.save(done, now)
         result.stopped, result.exit_code = signals.name, 128 + signals.number
         if self.engine.is_logging_rank:
+            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
             print(f"fivefold: stopped by {signals.name or 'a signal on another rank'} after step {done} "
-                  f"with a checkpoint at {ckpt.checkpoint_dir(run_dir, done)}; continue with `fivefold "
-                  f"train --resume --run-dir {run_dir}` (exit code {result.exit_code})", file=sys.stderr)
+                  f"with a checkpoint at {ckpt.checkpoint_dir(run_dir, done)}; continue with "
+                  f"`{resume_command(run_dir, world)}` (exit code {result.exit_code})", file=sys.stderr)
 
     def scheduled_save(self, done: int) -> None:
         """The checkpoint of `train.checkpoint_every` and of the last step (after its validation); a run that ends
@@ -525,6 +546,19 @@ class Run:
         elif result.steps == t.max_steps and not result.stopped:
             writer.print(f"done: {t.max_steps} steps; final train loss {_last_finite(result.losses):.4f}; val loss "
                          f"{result.val_losses.get(t.max_steps, float('nan')):.4f}; checkpoint {result.checkpoint}")
+
+
+def resume_command(run_dir: Path, nproc: int) -> str:
+    return f"fivefold train --resume --run-dir {shlex.quote(str(run_dir))}" + (f" --nproc {nproc}" if nproc > 1 else "")
+
+
+def abandoned_message(run_dir: Path, signal_name: str, nproc: int) -> str:
+    """The line after a second stop signal: the save abandoned, the newest complete checkpoint, how to continue."""
+    newest = ckpt.latest_checkpoint(run_dir)
+    return (f"fivefold: second stop signal ({signal_name}) while stopping: the checkpoint in progress is abandoned "
+            f"(its .tmp directory is never read); newest complete checkpoint: "
+            + (f"{newest}; continue with `{resume_command(run_dir, nproc)}`" if newest else
+               "none (the run starts again at step 0 with --resume)"))
 
 
 def last_finite_loss(engine: Engine, guard: StepGuard, global_tokens: int) -> tuple[int, float] | None:

@@ -14,6 +14,7 @@ import shlex
 import shutil
 import sys
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -50,6 +51,7 @@ from fivefold.train.metrics import (
     synchronize,
     truncate_metrics,
 )
+from fivefold.train.optim import LrSchedule, describe_extension
 
 
 class RunDirError(Exception):
@@ -234,8 +236,10 @@ def train_owned(cfg: Config, resume: bool, stop_after: int | None, stream: TextI
     engine = build_engine(cfg, device)
     checkpointer = ckpt.Checkpointer(run_dir, engine, cfg, rank, world, is_first=rank == 0)
     loaded = resume_point(checkpointer, candidates) if resume else None
+    extension = ""
     if loaded is not None:
         sampler = checkpointer.restore(loaded, sampler)
+        extension = resume_lr_schedule(engine, cfg, loaded)
     elif hf_init is not None:
         init_from_hf(engine, hf_init)
 
@@ -247,6 +251,8 @@ def train_owned(cfg: Config, resume: bool, stop_after: int | None, stream: TextI
               peak=resolve_peak_tflops(cfg.log.peak_tflops, device, "bf16" if engine.bf16 else "fp32"))
     if writer is not None:
         run.announce(data_dir, resuming=loaded is not None)
+        if extension:
+            writer.print(extension)
     if run.start == 0:
         run.validate(0)
     loop_seconds = run.run_steps()
@@ -294,6 +300,15 @@ def resume_point(checkpointer: ckpt.Checkpointer, candidates: list[Path]) -> ckp
         print(f"fivefold: {checkpointer.run_dir} holds no checkpoint yet (the run stopped before its first one); "
               "starting it again at step 0", file=sys.stderr)
     return loaded
+
+
+def resume_lr_schedule(engine: Engine, cfg: Config, loaded: ckpt.LoadedCheckpoint) -> str:
+    """Continue the learning-rate schedule that the checkpoint records, extended (`train.lr_on_extension`) when
+    train.max_steps is now larger: the line that says how ("" when it is not extended)."""
+    phases = loaded.state.lr_phases or [(int(tomllib.loads(loaded.config_toml)["train"]["max_steps"]), "schedule")]
+    saved = LrSchedule(cfg.train, tuple(phases))
+    engine.lr_schedule = saved.resized(cfg.train.max_steps, cfg.train.lr_on_extension)
+    return describe_extension(saved, engine.lr_schedule) if cfg.train.max_steps > phases[-1][0] else ""
 
 
 def init_from_hf(engine: Engine, hf_dir: Path) -> None:

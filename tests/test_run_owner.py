@@ -158,3 +158,41 @@ def test_second_signal_during_the_save_abandons_it(tmp_path, dataset, monkeypatc
     assert main([*argv, "--resume"]) == 0
     assert "resuming at step 2" in capsys.readouterr().out
     assert logged_steps(run) == list(range(1, 7))
+
+
+def signal_pending(pid: int, signum: int) -> bool:
+    """Whether `signum` waits, undelivered, for the (stopped) process `pid`."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    pending = int(re.search(r"^ShdPnd:\s*([0-9a-f]+)", status, re.M)[1], 16)
+    return bool(pending >> (signum - 1) & 1)
+
+
+def test_second_signal_to_the_launcher_abandons_the_save(tmp_path):
+    """The workers stopped (SIGSTOP) so that they are certainly still stopping: SIGTERM to the launcher, which
+    PyTorch's agent forwards to them, then a second SIGTERM while the agent waits for them. The launcher kills them
+    and says in one line that the save is abandoned, naming the newest complete checkpoint, which is unchanged."""
+    run = tmp_path / "run"
+    proc, workers = _start_training(run, 600.0, "--train.checkpoint_every", "2")
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(0.5)  # a save the stop caught in the middle stays as it is
+        newest = ckpt.latest_checkpoint(run)
+        os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while not all(signal_pending(pid, signal.SIGTERM) for pid in workers):
+            assert time.monotonic() < deadline, "the launcher did not forward SIGTERM"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        for pid in workers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    lines = [line for line in out.splitlines() if "second stop signal" in line]
+    assert newest is not None and len(lines) == 1, out[-3000:]
+    assert f"newest complete checkpoint: {newest}; continue with `fivefold train --resume --run-dir {run} --nproc 2`" \
+        in lines[0]
+    assert ckpt.latest_checkpoint(run) == newest and "Traceback" not in out
+    assert not any(_alive(pid) for pid in workers) and not (run / RUN_LOCK).exists()

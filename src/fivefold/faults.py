@@ -12,6 +12,9 @@ makes no progress for `train.collective_timeout_s` ends the job: the lowest-numb
 rank stalled and what it was doing, kills that rank when it runs on the same host, and exits with status
 `WATCHDOG_EXIT`; the launcher then stops the remaining ranks. The process group's own timeout (the same
 `train.collective_timeout_s`, given to `init_process_group`) is the backstop.
+
+`RunLock` makes one process the owner of a run directory (an exclusive `flock` on `RUN_DIR/run.lock`, released by
+the kernel however its holder dies); `SaveAbandoned` is what a second stop signal raises while a run stops.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import ctypes
 import errno
 import json
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -313,7 +317,7 @@ class RunLock:
                            "a run directory under a writable directory") from None
         os.ftruncate(fd, 0)
         holder = {"host": socket.gethostname(), "pid": os.getpid(),
-                  "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv)}
+                  "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": shlex.join(sys.orig_argv)}
         os.write(fd, (json.dumps(holder) + "\n").encode())
         self.fd = fd
         return self

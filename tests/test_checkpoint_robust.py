@@ -137,13 +137,18 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, dataset, capsy
     assert cli.returncode == EXIT_NON_FINITE and f"stopped at step {first_bad + 4}." in err, err[-2000:]
 
 
+def train_argv(run_dir: Path, data: Path, steps: int, *extra: str) -> list[str]:
+    """`fivefold train` arguments of a small run (small_config's model) that logs and checkpoints every step."""
+    return ["train", "--data", str(data), "--run-dir", str(run_dir), "--max-steps", str(steps), "--model.n_layers",
+            "2", "--model.hidden", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.ffn", "128",
+            "--model.vocab_size", "512", "--train.seq_len", "32", "--train.global_batch_size", "8",
+            "--layout.micro_batch_size", "4", "--train.warmup_steps", "2", "--train.eval_every", "0",
+            "--train.eval_batches", "2", "--log.log_every", "1", "--log.progress", "none", "--train.threads", "1",
+            "--train.checkpoint_every", "1", *extra]
+
+
 def run_cli(run_dir: Path, data: Path, steps: int, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "fivefold", "train", "--data", str(data), "--run-dir", str(run_dir), "--max-steps",
-           str(steps), "--model.n_layers", "2", "--model.hidden", "64", "--model.n_heads", "4", "--model.n_kv_heads",
-           "2", "--model.ffn", "128", "--model.vocab_size", "512", "--train.seq_len", "32", "--train.global_batch_size",
-           "8", "--layout.micro_batch_size", "4", "--train.warmup_steps", "2", "--train.eval_every", "0",
-           "--train.eval_batches", "2", "--log.log_every", "1", "--log.progress", "none", "--train.threads", "1",
-           "--train.checkpoint_every", "1", *extra]
+    cmd = [sys.executable, "-m", "fivefold", *train_argv(run_dir, data, steps, *extra)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(SRC)})
 

@@ -460,9 +460,9 @@ def test_watchdog_reports_its_own_rank_without_progress() -> None:
 
 
 def _descendants(pid: int) -> list[int]:
-    from fivefold.sweep.runner import _descendants
+    from fivefold.faults import descendants
 
-    return _descendants(pid)
+    return descendants(pid)
 
 
 def _alive(pid: int) -> bool:
@@ -472,12 +472,12 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _start_training(run: Path, timeout_s: float) -> tuple[subprocess.Popen, list[int]]:
+def _start_training(run: Path, timeout_s: float, *extra: str) -> tuple[subprocess.Popen, list[int]]:
     """`fivefold train --nproc 2` until its third step is logged; the launcher and its two workers."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "fivefold", "train", "--nproc", "2", "--layout.dp", "2", "--max-steps", "100000",
          "--run-dir", str(run), "--train.collective_timeout_s", str(timeout_s), "--log.progress", "plain",
-         "--log.log_every", "1", "--train.eval_every", "0"],
+         "--log.log_every", "1", "--train.eval_every", "0", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": SRC})
     deadline = time.monotonic() + 240
     metrics = run / "metrics.jsonl"

@@ -28,9 +28,9 @@ import pytest
 
 from fivefold.cli import main
 from fivefold.config import ConfigError, config_from_dict
+from fivefold.faults import descendants as _descendants
 from fivefold.layout import check_layout
 from fivefold.sweep.grid import expand, load_grid, run_key
-from fivefold.sweep.runner import _descendants
 from fivefold.sweep.store import Store, read_rows
 
 SRC = Path(__file__).resolve().parents[1] / "src"

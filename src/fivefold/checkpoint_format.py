@@ -68,11 +68,12 @@ def flat_rects(shape: tuple[int, ...], start: int, end: int) -> list[Rect]:
     return out
 
 
-def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]],
+                      metadata: dict[str, str] | None = None) -> str:
     """Write `tensors` as a safetensors file, one tensor at a time (each copied to the CPU alone), fsync it and
-    return its sha256."""
+    return its sha256. The file gets the mode the umask gives (safetensors' own `save_file` makes it 0600)."""
     tensors = list(tensors)
-    header: dict[str, Any] = {}
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name, t in tensors:
         n = t.numel() * t.element_size()

@@ -188,6 +188,9 @@ class TrainConfig:
     warmup_steps: int = 30
     lr_schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     wsd_decay_fraction: float = 0.2
+    # a resume with more train.max_steps than the run's schedule had: hold its final rate, decay from it over the new
+    # steps, or plan train.lr_schedule again over the new total (the rate rises); see docs/training.md
+    lr_on_extension: Literal["hold", "decay", "stretch"] = "hold"
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95

@@ -12,6 +12,9 @@ makes no progress for `train.collective_timeout_s` ends the job: the lowest-numb
 rank stalled and what it was doing, kills that rank when it runs on the same host, and exits with status
 `WATCHDOG_EXIT`; the launcher then stops the remaining ranks. The process group's own timeout (the same
 `train.collective_timeout_s`, given to `init_process_group`) is the backstop.
+
+`RunLock` makes one process the owner of a run directory (an exclusive `flock` on `RUN_DIR/run.lock`, released by
+the kernel however its holder dies); `SaveAbandoned` is what a second stop signal raises while a run stops.
 """
 
 from __future__ import annotations
@@ -19,14 +22,19 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import errno
 import json
 import os
+import shlex
 import signal
 import socket
 import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
+
+from fivefold.errors import CliError
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 WATCHDOG_EXIT = 4  # exit status of the rank that reports a stalled job
@@ -53,6 +61,47 @@ def preexec_die_with_parent() -> None:
     """`subprocess.Popen(preexec_fn=...)`: the child gets SIGTERM when the process that started it exits (its
     own launcher then stops its workers, which die with it in any case)."""
     die_with_parent(signal.SIGTERM)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc; empty elsewhere). The launcher starts its workers in sessions
+    of their own, so signalling its process group would miss them."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+            ppid = int(text.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+class SaveAbandoned(BaseException):
+    """A second stop signal (SIGINT, SIGTERM, SIGHUP) while a run stops on the first one: the checkpoint it was
+    writing is abandoned (a `.tmp` directory without COMPLETE, which no reader trusts). A BaseException, as
+    KeyboardInterrupt, so that no `except Exception` on the way swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+
+
+def quiet_hung_up_terminal() -> None:
+    """After SIGHUP (a closed terminal, a dropped SSH session) writes to the terminal fail: point this process's
+    stdout and stderr at /dev/null where they were a terminal, so that the run can still save and exit."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        with contextlib.suppress(OSError):
+            if os.isatty(fd):
+                os.dup2(null, fd)
+    os.close(null)
 
 
 class Watchdog:
@@ -195,3 +244,139 @@ def note(**fields: object) -> None:
     """Record what this rank is doing for the watchdog (cheap; nothing happens without one)."""
     if _Current.watchdog is not None:
         _Current.watchdog.note(**fields)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One owner per run directory
+
+RUN_LOCK = "run.lock"  # RUN_DIR/run.lock: flock-ed by the run's owner, who writes its host, pid and start time
+
+
+class RunDirBusy(CliError):
+    """The run directory belongs to a run in progress (its lock is held)."""
+
+
+def try_flock(path: Path) -> int | None:
+    """An exclusive `flock` on `path` (created if missing): its descriptor, or None while another open file holds
+    it. The kernel releases it when the holder closes it or dies, however it dies, so a stale lock file is free."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if isinstance(e, BlockingIOError):
+            return None
+        raise
+    return fd
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+class RunLock:
+    """The exclusive lock of a run directory (`RUN_DIR/run.lock`), held by the process that owns the run for its
+    whole life: a one-process run, the launcher of `--nproc N`, or rank 0 of a job started by torchrun. Taken before
+    anything is written into the directory (it creates a missing one); released, the lock file removed, when the
+    run ends, and by the kernel when its holder dies. A second run of the directory is refused (`RunDirBusy`)
+    naming the holder's host, pid and start time."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / RUN_LOCK
+        self.fd: int | None = None
+        self.created: list[Path] = []  # the directories that `acquire` created, parents first
+
+    def acquire(self) -> RunLock:
+        try:
+            while True:
+                self.make_run_dir()
+                try:
+                    fd = try_flock(self.path)
+                except FileNotFoundError:  # another start's write test removed the directory it had created
+                    continue
+                if fd is None:
+                    raise RunDirBusy(f"run directory {self.run_dir} is in use by {describe_holder(self.path)} (it "
+                                     f"holds {self.path}); wait for that run to end or stop it, or choose another "
+                                     "--run-dir")
+                if _same_file(fd, self.path):  # not a file that its last holder removed meanwhile
+                    break
+                os.close(fd)
+        except OSError as e:
+            if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):  # a file system without locks
+                print(f"fivefold: warning: {self.path} cannot be locked ({e.strerror}); nothing stops a second run "
+                      "from using this run directory at the same time", file=sys.stderr)
+                return self
+            raise CliError(f"run directory {self.run_dir} cannot be used: {self.path}: {e.strerror or e}; choose "
+                           "a run directory under a writable directory") from None
+        os.ftruncate(fd, 0)
+        holder = {"host": socket.gethostname(), "pid": os.getpid(),
+                  "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": shlex.join(sys.orig_argv)}
+        os.write(fd, (json.dumps(holder) + "\n").encode())
+        self.fd = fd
+        return self
+
+    def make_run_dir(self) -> None:
+        """Create the run directory and its missing parents, remembering which, to remove them if the run writes
+        nothing (a refused start leaves the file system as it found it)."""
+        missing, path = [], self.run_dir.absolute()
+        while not path.exists() and path.parent != path:
+            missing.append(path)
+            path = path.parent
+        for p in reversed(missing):
+            with contextlib.suppress(FileExistsError):
+                p.mkdir()
+                self.created.append(p)
+
+    def release(self) -> None:
+        """Remove the lock file (while still holding it, so no waiter holds a removed file) and let go; remove the
+        run directory too if this lock created it and nothing else was written."""
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+        os.close(self.fd)
+        self.fd = None
+        for p in reversed(self.created):
+            try:
+                p.rmdir()
+            except OSError:
+                break
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def read_holder(path: Path) -> dict | None:
+    """What the holder of a run lock wrote (None until it wrote it)."""
+    for _ in range(20):  # the holder writes right after it takes the lock
+        with contextlib.suppress(OSError, ValueError):
+            data = json.loads(path.read_text())
+            if isinstance(data, dict):
+                return data
+        time.sleep(0.05)
+    return None
+
+
+def describe_holder(path: Path) -> str:
+    h = read_holder(path)
+    if h is None:
+        return "another process (it has not written its host and pid yet)"
+    return f"pid {h.get('pid')} on host {h.get('host')}, started {h.get('started')}"
+
+
+def held_by_parent(run_dir: str | Path) -> bool:
+    """Whether this process's parent, on this host, holds the run directory's lock: a worker that the launcher of
+    `--nproc N` started, which owns the run for it."""
+    path = Path(run_dir) / RUN_LOCK
+    h = read_holder(path) if path.is_file() else None
+    return bool(h) and h.get("pid") == os.getppid() and h.get("host") == socket.gethostname()

@@ -136,17 +136,22 @@ def run(args: argparse.Namespace) -> int:
         e = check_fits(cfg, device_cluster(device, args.nproc), device.type)
         for line in preflight.warnings(cfg, device, e.step_time_s):
             print(f"fivefold: warning: {line}", file=sys.stderr)
-    # every process must agree on the run directory
-    status = start_or_join(cfg, args.nproc, forwarded_argv(args, cfg.run_dir), "train")
-    if status is not None:
-        return status
-    try:
-        from fivefold.train.checkpoint import CheckpointError
+    from fivefold.faults import SaveAbandoned, held_by_parent
+    from fivefold.train.checkpoint import CheckpointError
+    from fivefold.train.loop import abandoned_message
 
+    try:  # every process must agree on the run directory; the launcher (or the one process) owns it
+        status = start_or_join(cfg, args.nproc, forwarded_argv(args, cfg.run_dir), "train")
+        if status is not None:
+            return status
         expected = plan_expectation(cfg, local_world_size(args.nproc))
         result = train(cfg, resume=args.resume, hf_init=Path(args.hf) if args.hf else None, expected=expected)
     except (RunDirError, CheckpointError) as e:
         raise CliError(str(e)) from None
+    except SaveAbandoned as e:  # said once: by the launcher, the one process, or rank 0 of a torchrun job
+        if int(os.environ.get("RANK", "0")) == 0 and not held_by_parent(cfg.run_dir):
+            print(abandoned_message(Path(cfg.run_dir), e.name, local_world_size(args.nproc)), file=sys.stderr)
+        return 128 + e.signum
     finish_distributed()
     return result.exit_code  # 3 after a streak of non-finite steps, 128 + N when signal N stopped it
 

@@ -10,6 +10,7 @@ command line has checked the layout before (`fivefold.layout.check_layout`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -23,7 +24,15 @@ import torch.distributed as dist
 
 from fivefold.config import Config, ConfigError
 from fivefold.device import local_device, resolve_device
-from fivefold.faults import DEFAULT_COLLECTIVE_TIMEOUT_S, die_with_parent, start_watchdog
+from fivefold.faults import (
+    DEFAULT_COLLECTIVE_TIMEOUT_S,
+    RunLock,
+    SaveAbandoned,
+    descendants,
+    die_with_parent,
+    quiet_hung_up_terminal,
+    start_watchdog,
+)
 
 __all__ = ["init_distributed", "launch", "local_world_size", "start_or_join", "write_slurm_script"]
 
@@ -40,7 +49,7 @@ def start_or_join(cfg: Config, nproc: int, argv: list[str], verb: str) -> int | 
     (the caller goes on)."""
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if nproc > 1 and not launched:
-        return launch(nproc, argv, verb=verb)
+        return launch(nproc, argv, verb=verb, run_dir=Path(cfg.run_dir) if verb == "train" else None)
     if launched:
         init_distributed(resolve_device(cfg.train.device).type, cfg.train.collective_timeout_s)
     return None
@@ -75,9 +84,20 @@ def finish_distributed() -> None:
         dist.destroy_process_group()
 
 
-def launch(nproc: int, argv: list[str], verb: str = "train") -> int:
+def launch(nproc: int, argv: list[str], verb: str = "train", run_dir: Path | None = None) -> int:
     """Run `fivefold VERB ARGV` (train or bench) on `nproc` local processes (single node, a free rendezvous
-    port); returns the exit status (non-zero when any process failed)."""
+    port); returns the exit status (non-zero when any process failed). With `run_dir` (a training run) the launcher
+    owns the run directory for its workers: it holds its lock (`faults.RunLock`) from before the first worker starts
+    until the last one has exited.
+
+    SIGTERM, SIGINT and SIGHUP of the launcher are forwarded to the workers by PyTorch's agent, which waits for
+    them (they finish their step, write a checkpoint and exit with 128 + the signal's number); a second signal
+    while it waits kills them and raises `faults.SaveAbandoned`."""
+    with RunLock(run_dir) if run_dir is not None else contextlib.nullcontext():
+        return run_workers(nproc, argv, verb)
+
+
+def run_workers(nproc: int, argv: list[str], verb: str) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -93,6 +113,13 @@ def launch(nproc: int, argv: list[str], verb: str = "train") -> int:
         code = e.get_first_failure()[1].exitcode  # e.g. 3 after non-finite steps, 143 after SIGTERM: kept
         return code if code > 0 else 1
     except SignalException as e:  # SIGTERM/SIGINT/SIGHUP of the launcher: the agent stopped the workers
+        if e.sigval == signal.SIGHUP:
+            quiet_hung_up_terminal()
+        if isinstance(e.__context__, SignalException):  # raised while the agent waited on the first signal
+            for pid in descendants(os.getpid()):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            raise SaveAbandoned(int(e.sigval)) from None
         print(f"fivefold: stopped by {signal.Signals(e.sigval).name}; the {nproc} processes were stopped",
               file=sys.stderr)
         return 128 + int(e.sigval)

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from fivefold.checkpoint_format import write_safetensors
 from fivefold.config import ConfigError, ModelConfig
 from fivefold.data.prepare import find_eos, load_tokenizer
 from fivefold.models.llama import build_model
@@ -354,20 +355,19 @@ def export_hf(
     `overwrite`, which replaces the files written here, removes a stale `model.safetensors.index.json` and keeps
     any others."""
     out = check_output_dir(out_dir, overwrite)
-    from safetensors.torch import save_file
-
     sd = model_or_state_dict
     if isinstance(sd, nn.Module):
         sd = sd.state_dict()
     hf_sd = {k: v.to("cpu") for k, v in to_hf_state_dict(sd, cfg).items()}
     hf_config = hf_config_from_model_config(cfg, dtype=hf_sd["model.embed_tokens.weight"].dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()  # not mkdtemp, whose 0700 would keep the export from the team whatever the umask
     try:
         if tokenizer_dir is not None:
             hf_config.update(write_tokenizer_files(tokenizer_dir, tmp, cfg))
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        save_file(hf_sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_safetensors(tmp / "model.safetensors", hf_sd.items(), metadata={"format": "pt"})
         if not out.exists():
             os.rename(tmp, out)
             return out

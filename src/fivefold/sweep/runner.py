@@ -25,7 +25,7 @@ from pathlib import Path
 
 import fivefold
 from fivefold.config import dump_toml
-from fivefold.faults import preexec_die_with_parent
+from fivefold.faults import descendants, preexec_die_with_parent, try_flock
 from fivefold.launch import write_slurm_script
 from fivefold.sweep.grid import PlannedRun, config_json
 
@@ -57,17 +57,9 @@ class KeyLock:
         self.fd: int | None = None
 
     def acquire(self) -> bool:
-        import fcntl
-
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        self.fd = fd
-        return True
+        self.fd = try_flock(self.path)
+        return self.fd is not None
 
     def release(self) -> None:
         if self.fd is not None:
@@ -100,28 +92,9 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S")
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (Linux /proc; empty elsewhere). The launcher starts its workers in sessions
-    of their own, so signalling its process group would miss them."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-            ppid = int(text.rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def _stop(proc: subprocess.Popen) -> None:
     """SIGTERM to the run's top process (the launcher stops its workers on it), then SIGKILL to what is left."""
-    family = _descendants(proc.pid)
+    family = descendants(proc.pid)
     try:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=TERM_GRACE_S)
@@ -129,7 +102,7 @@ def _stop(proc: subprocess.Popen) -> None:
         pass
     except ProcessLookupError:
         pass
-    for pid in [proc.pid, *family, *_descendants(proc.pid)]:
+    for pid in [proc.pid, *family, *descendants(proc.pid)]:
         try:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from fivefold import faults
 from fivefold.checkpoint_format import MANIFEST, PieceError, PieceReader, verify_manifest, write_safetensors
@@ -78,6 +78,9 @@ class TrainerState:
     tokens_seen: int
     skipped_steps: int = 0  # steps whose update was skipped for a non-finite loss or gradient norm
     format_version: int = FORMAT_VERSION
+    # the learning-rate schedule's phases, (end step, kind) (`train.optim.LrSchedule`); None: one phase to the
+    # checkpoint's train.max_steps (checkpoints written before runs could be extended)
+    lr_phases: list[tuple[int, str]] | None = None
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -184,7 +187,7 @@ def write_rank_files(tmp: Path, rank: int, pieces: list[Piece], steps: dict[str,
         "pieces": [{"name": p.name, "shape": list(p.shape), "offsets": list(p.offsets),
                     "piece_shape": list(p.tensor.shape), "key": str(i)} for i, p in enumerate(pieces)],
     })
-    save_file(_rng_state(device), str(tmp / f"rng-rank{rank}.safetensors"))
+    write_safetensors(tmp / f"rng-rank{rank}.safetensors", _rng_state(device).items())
 
 
 def finish_checkpoint(tmp: Path, state: TrainerState, config_toml: str, world_size: int,
@@ -194,6 +197,7 @@ def finish_checkpoint(tmp: Path, state: TrainerState, config_toml: str, world_si
     _write_json(tmp / "trainer_state.json", {
         "format_version": state.format_version, "step": state.step, "tokens_seen": state.tokens_seen,
         "skipped_steps": state.skipped_steps, "world_size": world_size, **data,
+        **({"lr_phases": state.lr_phases} if state.lr_phases else {}),
     })
     (tmp / "config.toml").write_text(config_toml)
     for f in tmp.iterdir():
@@ -284,7 +288,9 @@ def load_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> LoadedChe
     try:
         state = TrainerState(step=int(meta["step"]), tokens_seen=int(meta["tokens_seen"]),
                              skipped_steps=int(meta.get("skipped_steps", 0)),
-                             format_version=int(meta["format_version"]))
+                             format_version=int(meta["format_version"]),
+                             lr_phases=[(int(end), str(kind)) for end, kind in meta["lr_phases"]]
+                             if "lr_phases" in meta else None)
         saved_world = int(meta["world_size"])
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint file {path / 'trainer_state.json'} is corrupted: {e}") from None
@@ -469,7 +475,8 @@ class Checkpointer:
         not finite on some rank. Returns the new checkpoint's directory on the logging rank, else None."""
         engine, run_dir, t = self.engine, self.run_dir, self.cfg.train
         faults.note(step=step, micro_batch=None, action="checkpoint")
-        state = TrainerState(step=step, tokens_seen=tokens_seen, skipped_steps=skipped)
+        state = TrainerState(step=step, tokens_seen=tokens_seen, skipped_steps=skipped,
+                             lr_phases=[tuple(p) for p in engine.lr_schedule.phases])
         pieces, steps = engine.state_pieces()  # views of this rank's weights and AdamW state, nothing gathered
         if not all_finite(engine, [p.tensor for p in pieces]):
             if engine.is_logging_rank:

@@ -38,7 +38,7 @@ from fivefold.parallel.pipeline import layer_ranges, stage_layer_counts
 from fivefold.parallel.schedules import stage_placement
 from fivefold.train.checkpoint import Piece
 from fivefold.train.expect import WaitClock
-from fivefold.train.optim import build_adamw, lr_at
+from fivefold.train.optim import LrSchedule, build_adamw
 from fivefold.train.step import StepRunner, stage_modules
 
 __all__ = ["MOMENTS", "Engine", "Segment"]
@@ -61,6 +61,7 @@ class Engine:
         self.step_flags: torch.Tensor | None = None
         self.waits = WaitClock(device, enabled=grid is not None)  # seconds waited for peers (`train.expect`)
         self._shapes: dict[str, tuple[int, ...]] | None = None  # the plain model's, for checkpoint segments
+        self.lr_schedule = LrSchedule.plain(cfg.train)  # a resume that raises train.max_steps extends it
         if grid is None:
             self.dp_rank = self.tp_rank = self.cp_rank = self.ep_rank = self.pp_rank = 0
             self.dp_size = self.tp_size = self.cp_size = self.ep_size = self.pp_size = self.n_devices = 1
@@ -186,7 +187,7 @@ class Engine:
         return norm
 
     def set_lr(self, step: int) -> float:
-        lr = lr_at(step, self.cfg.train)
+        lr = self.lr_schedule.at(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         return lr

@@ -7,8 +7,9 @@ reads them at the steps where it synchronises anyway (logging, checkpoints, the 
 the values of the step before, so it never waits for the step in flight. Every rank reads the same values at the
 same steps, so every rank stops at the same step.
 
-`StopSignals` turns the first SIGTERM or SIGINT into a request that the loop answers after its current step (write a
-checkpoint, exit with 128 + the signal's number); a second SIGINT interrupts at once.
+`StopSignals` turns the first SIGTERM, SIGINT or SIGHUP into a request that the loop answers after its current step
+(write a checkpoint, exit with 128 + the signal's number); a second one of them abandons the step or the save at once
+(`faults.SaveAbandoned`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from types import FrameType
 
 import torch
+
+from fivefold.faults import SaveAbandoned, quiet_hung_up_terminal
 
 
 @dataclass
@@ -67,9 +70,13 @@ class StepGuard:
         return GuardState(step, bad_run, skipped, bool(stop))
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 class StopSignals:
-    """While active (a context manager), the first SIGTERM or SIGINT sets `asked` (and `name`) instead of killing the
-    process; a second SIGINT raises KeyboardInterrupt. Only installs handlers in the main thread."""
+    """While active (a context manager), the first SIGTERM, SIGINT or SIGHUP sets `asked` (and `name`) instead of
+    killing the process; a second one raises `faults.SaveAbandoned`. After SIGHUP (a closed terminal) output to the
+    terminal goes to /dev/null. Only installs handlers in the main thread."""
 
     def __init__(self) -> None:
         self.asked = False
@@ -78,14 +85,15 @@ class StopSignals:
         self.previous: dict[int, object] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.asked and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        if not self.asked:
-            self.asked, self.number, self.name = True, signum, signal.Signals(signum).name
+        if signum == signal.SIGHUP:
+            quiet_hung_up_terminal()
+        if self.asked:
+            raise SaveAbandoned(signum)
+        self.asked, self.number, self.name = True, signum, signal.Signals(signum).name
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGTERM, signal.SIGINT):
+            for signum in STOP_SIGNALS:
                 self.previous[signum] = signal.signal(signum, self._handle)
         return self
 

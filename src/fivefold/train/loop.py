@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 import sys
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -50,6 +52,7 @@ from fivefold.train.metrics import (
     synchronize,
     truncate_metrics,
 )
+from fivefold.train.optim import LrSchedule, describe_extension
 
 
 class RunDirError(Exception):
@@ -96,7 +99,7 @@ def check_run_dir(run_dir: Path, resume: bool) -> list[Path]:
         if not found and not (run_dir / "config.toml").is_file():
             raise RunDirError(f"--resume: run directory {run_dir} holds no complete checkpoint to resume from")
         return found
-    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+    if run_dir.exists() and (not run_dir.is_dir() or any(p.name != faults.RUN_LOCK for p in run_dir.iterdir())):
         started = (run_dir / "config.toml").is_file() and not ckpt.checkpoint_dirs(run_dir)
         raise RunDirError(
             f"run directory {run_dir} already holds another run (or other files); pass --resume to continue "
@@ -199,9 +202,28 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
 
     In order: every check that can fail (config, run directory, data, checkpoint), the engine and its starting
     state (a checkpoint, a Hugging Face model or the seed), the run directory's files, then the steps and the
-    summary."""
+    summary. The run directory is this run's alone from the start (`own_run_dir`)."""
     cfg.validate()
     check_logging_backends(cfg.log)
+    with own_run_dir(Path(cfg.run_dir)):
+        return train_owned(cfg, resume, stop_after, stream, hf_init, expected)
+
+
+@contextlib.contextmanager
+def own_run_dir(run_dir: Path):
+    """Hold the run directory's lock (`faults.RunLock`) for the run: in one process it is this process's; in a
+    job of several, the first rank's, unless the launcher that started this process holds it for the job."""
+    distributed = torch.distributed.is_initialized()
+    if distributed and (torch.distributed.get_rank() != 0 or faults.held_by_parent(run_dir)):
+        yield
+        return
+    with faults.RunLock(run_dir):
+        yield
+
+
+def train_owned(cfg: Config, resume: bool, stop_after: int | None, stream: TextIO | None,
+                hf_init: Path | None, expected: Expectation | None) -> TrainResult:
+    """`train` once the run directory is this run's; `expected`: the planner's prediction to check it against."""
     wall_start = time.perf_counter()
     run_dir = Path(cfg.run_dir)
     candidates = check_run_dir(run_dir, resume)
@@ -215,8 +237,10 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
     engine = build_engine(cfg, device)
     checkpointer = ckpt.Checkpointer(run_dir, engine, cfg, rank, world, is_first=rank == 0)
     loaded = resume_point(checkpointer, candidates) if resume else None
+    extension = ""
     if loaded is not None:
         sampler = checkpointer.restore(loaded, sampler)
+        extension = resume_lr_schedule(engine, cfg, loaded)
     elif hf_init is not None:
         init_from_hf(engine, hf_init)
 
@@ -229,6 +253,8 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
               peak=resolve_peak_tflops(cfg.log.peak_tflops, device, "bf16" if engine.bf16 else "fp32"), check=check)
     if writer is not None:
         run.announce(data_dir, resuming=loaded is not None)
+        if extension:
+            writer.print(extension)
     if run.start == 0:
         run.validate(0)
     loop_seconds = run.run_steps()
@@ -276,6 +302,15 @@ def resume_point(checkpointer: ckpt.Checkpointer, candidates: list[Path]) -> ckp
         print(f"fivefold: {checkpointer.run_dir} holds no checkpoint yet (the run stopped before its first one); "
               "starting it again at step 0", file=sys.stderr)
     return loaded
+
+
+def resume_lr_schedule(engine: Engine, cfg: Config, loaded: ckpt.LoadedCheckpoint) -> str:
+    """Continue the learning-rate schedule that the checkpoint records, extended (`train.lr_on_extension`) when
+    train.max_steps is now larger: the line that says how ("" when it is not extended)."""
+    phases = loaded.state.lr_phases or [(int(tomllib.loads(loaded.config_toml)["train"]["max_steps"]), "schedule")]
+    saved = LrSchedule(cfg.train, tuple(phases))
+    engine.lr_schedule = saved.resized(cfg.train.max_steps, cfg.train.lr_on_extension)
+    return describe_extension(saved, engine.lr_schedule) if cfg.train.max_steps > phases[-1][0] else ""
 
 
 def init_from_hf(engine: Engine, hf_dir: Path) -> None:
@@ -496,9 +531,10 @@ class Run:
         self.save(done, now)
         result.stopped, result.exit_code = signals.name, 128 + signals.number
         if self.engine.is_logging_rank:
+            world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
             print(f"fivefold: stopped by {signals.name or 'a signal on another rank'} after step {done} "
-                  f"with a checkpoint at {ckpt.checkpoint_dir(run_dir, done)}; continue with `fivefold "
-                  f"train --resume --run-dir {run_dir}` (exit code {result.exit_code})", file=sys.stderr)
+                  f"with a checkpoint at {ckpt.checkpoint_dir(run_dir, done)}; continue with "
+                  f"`{resume_command(run_dir, world)}` (exit code {result.exit_code})", file=sys.stderr)
 
     def scheduled_save(self, done: int) -> None:
         """The checkpoint of `train.checkpoint_every` and of the last step (after its validation); a run that ends
@@ -561,6 +597,19 @@ class Run:
         elif result.steps == t.max_steps and not result.stopped:
             writer.print(f"done: {t.max_steps} steps; final train loss {_last_finite(result.losses):.4f}; val loss "
                          f"{result.val_losses.get(t.max_steps, float('nan')):.4f}; checkpoint {result.checkpoint}")
+
+
+def resume_command(run_dir: Path, nproc: int) -> str:
+    return f"fivefold train --resume --run-dir {shlex.quote(str(run_dir))}" + (f" --nproc {nproc}" if nproc > 1 else "")
+
+
+def abandoned_message(run_dir: Path, signal_name: str, nproc: int) -> str:
+    """The line after a second stop signal: the save abandoned, the newest complete checkpoint, how to continue."""
+    newest = ckpt.latest_checkpoint(run_dir)
+    return (f"fivefold: second stop signal ({signal_name}) while stopping: the checkpoint in progress is abandoned "
+            f"(its .tmp directory is never read); newest complete checkpoint: "
+            + (f"{newest}; continue with `{resume_command(run_dir, nproc)}`" if newest else
+               "none (the run starts again at step 0 with --resume)"))
 
 
 def last_finite_loss(engine: Engine, guard: StepGuard, global_tokens: int) -> tuple[int, float] | None:

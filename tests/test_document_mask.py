@@ -88,12 +88,12 @@ def engine_loss_and_grads(engine, cfg: Config, inputs: torch.Tensor, targets: to
     from fivefold.parallel.data import local_part
 
     engine.eos_id = EOS
-    targets = mask_document_targets(inputs, targets, EOS)
-    count = engine.trained_tokens(targets)
     rows = inputs.shape[0] // engine.dp_size
     lo = engine.dp_rank * rows
+    inputs, targets = inputs[lo:lo + rows], mask_document_targets(inputs, targets, EOS)[lo:lo + rows]
+    count = engine.trained_tokens(targets)  # over the dp ranks' rows
     mbs = cfg.micro_batch_size
-    micro = list(zip(inputs[lo:lo + rows].split(mbs), targets[lo:lo + rows].split(mbs), strict=True))
+    micro = list(zip(inputs.split(mbs), targets.split(mbs), strict=True))
     loss_sum = engine.reduce_for_logging(engine.forward_backward(micro, count)).item()
     for dp in engine.data_parallels:
         dp.attach_grads()
@@ -180,9 +180,9 @@ def test_tensor_and_context_parallel_match_each_document_alone():
 
 
 LAYOUTS_SLOW = [
+    {"layout.dp": "2", "layout.ep": "2", **MOE},
     {"layout.pp": "2", "layout.micro_batch_size": "1"},
     {"layout.pp": "2", "layout.schedule": "interleaved", "layout.vpp": "2"},
-    {"layout.dp": "2", "layout.ep": "2", **MOE},
     {"layout.cp": "2", "layout.recompute": "selective", **MOE},
 ]
 
@@ -211,3 +211,18 @@ def test_context_times_tensor_parallel_matches_each_document_alone():
 def test_bad_settings_name_the_field(overrides, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         doc_config(overrides)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_work_sums_to_the_documents_pairs_and_skips_unshared_chunks(cp):
+    """Closed form: over all cp ranks the ring computes sum(len (len + 1) / 2) pairs of the documents (each pair
+    once), the causal ring seq (seq + 1) / 2 per row; a batch of one-token documents costs one pair per token."""
+    from fivefold.parallel.context import ring_work
+
+    inputs, _ = packed_batch()
+    positions = document_positions(inputs, EOS)
+    lengths = [stop - start for _, start, stop in pieces(inputs)]
+    assert sum(ring_work(positions, cp)) == sum(n * (n + 1) // 2 for n in lengths)
+    assert sum(ring_work(positions, cp, causal=True)) == ROWS * SEQ * (SEQ + 1) // 2
+    singles = torch.full((2, SEQ), EOS)
+    assert ring_work(document_positions(singles, EOS), cp) == [2 * SEQ // cp] * cp

@@ -238,6 +238,29 @@ def document_calls(positions: torch.Tensor, rank: int, cp: int, layout: str = "z
     return steps
 
 
+def call_pairs(calls: list[Call], rows: int) -> int:
+    """Query-key pairs that `calls` compute (a causal square of n queries: n(n+1)/2), `rows` rows per call over
+    the whole batch."""
+    total = 0
+    for batch, q_rows, kv_rows, causal in calls:
+        n, m = q_rows.stop - q_rows.start, kv_rows.stop - kv_rows.start
+        total += (n * (n + 1) // 2 if causal else n * m) * (rows if batch == slice(None) else 1)
+    return total
+
+
+def ring_work(positions: torch.Tensor, cp: int, layout: str = "zigzag", causal: bool = False) -> list[int]:
+    """Query-key pairs each cp rank computes over the ring for sequences with document positions [batch, seq]
+    (`causal`: the same sequences under the causal mask): the attention work of each rank, whose largest and
+    smallest show how well the split balances under a document-length distribution."""
+    work = []
+    for rank in range(cp):
+        shard = shard_sequence(positions, rank, cp, layout)
+        steps = (causal_calls(rank, cp, layout, shard.shape[1] // 2) if causal
+                 else document_calls(shard, rank, cp, layout))
+        work.append(sum(call_pairs(calls, positions.shape[0]) for calls in steps))
+    return work
+
+
 def _runs(doc_starts: list[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
     """(first, stop, document start) of the runs of equal document start in doc_starts[lo:hi]."""
     runs, first = [], lo

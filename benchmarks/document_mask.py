@@ -20,6 +20,7 @@ the zig-zag context-parallel split under document masking.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -34,28 +35,40 @@ EOS = 1
 
 
 def packed_rows(rows: int, seq: int, mean_doc: float, vocab: int, seed: int = 0) -> torch.Tensor:
-    """[rows, seq] tokens of documents with geometric lengths of mean `mean_doc`, each ended by EOS."""
+    """[rows, seq] tokens cut from a stream of documents with geometric lengths of mean `mean_doc` (at least one
+    token), each ended by EOS, rescaled so that the documents of the stream average exactly `mean_doc` tokens."""
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(2, vocab, (rows, seq), generator=g)
-    ends = torch.rand(rows, seq, generator=g) < 1.0 / mean_doc
-    return tokens.masked_fill(ends, EOS)
+    lengths = torch.distributions.Geometric(1.0 / mean_doc).sample((4 * rows * seq // int(mean_doc) + 4,)) + 1
+    lengths = (lengths * mean_doc / lengths.mean()).round().clamp(min=1).long()
+    ends = lengths.cumsum(0)
+    ends = ends[ends <= rows * seq] - 1
+    tokens = torch.randint(2, vocab, (rows * seq,), generator=g)
+    tokens[ends] = EOS
+    return tokens.view(rows, seq)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize()
 
 
 def step_seconds(model, tokens: torch.Tensor, positions: torch.Tensor | None, repeats: int) -> float:
     times = []
     for i in range(repeats + 1):
         model.zero_grad(set_to_none=True)
+        synchronize(tokens.device)
         start = time.perf_counter()
         model(tokens, positions).float().logsumexp(-1).mean().backward()
+        synchronize(tokens.device)
         if i:  # the first is a warm-up
             times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def time_steps(args: argparse.Namespace) -> None:
+def time_steps(args: argparse.Namespace) -> dict:
     cfg = ModelConfig(n_layers=args.layers, hidden=args.hidden, n_heads=args.heads, n_kv_heads=args.heads // 2,
                       ffn=3 * args.hidden, vocab_size=2048, max_seq_len=args.seq)
-    tokens = packed_rows(args.rows, args.seq, args.doc, cfg.vocab_size)
+    tokens = packed_rows(args.rows, args.seq, args.doc, cfg.vocab_size).to(args.device)
     positions = document_positions(tokens, EOS)
     mask = DocumentMask(positions)
     docs = sum(len(r) for r in mask.documents)
@@ -63,32 +76,36 @@ def time_steps(args: argparse.Namespace) -> None:
     doc_pairs = sum(mask.key_counts())
     flops = 4 * cfg.head_dim * cfg.n_heads * cfg.n_layers  # forward attention FLOPs per query-key pair
     print(f"model: {cfg.n_layers} layers, hidden {cfg.hidden}, {cfg.n_heads} heads; {args.rows} x {args.seq} tokens, "
-          f"{docs} documents (mean {args.rows * args.seq / docs:.0f} tokens); fp32, "
-          f"{torch.get_num_threads()} threads")
+          f"{docs} document pieces (mean {args.rows * args.seq / docs:.0f} tokens); fp32 on {args.device}, "
+          f"{torch.get_num_threads()} CPU threads")
     print(f"{'variant':<10} {'step s':>8} {'pairs':>14} {'fraction':>9} {'attn GFLOP fwd':>15}")
+    result = {"seq": args.seq, "rows": args.rows, "mean_document": args.rows * args.seq / docs}
     for name, attn_mask, pos, pairs in (("causal", "causal", None, causal_pairs),
                                         ("document", "document", positions, doc_pairs)):
-        model = build_model(ModelConfig(**{**vars(cfg), "attn_mask": attn_mask}), seed=0)
+        model = build_model(ModelConfig(**{**vars(cfg), "attn_mask": attn_mask}), args.device, seed=0)
         seconds = step_seconds(model, tokens, pos, args.repeats)
         print(f"{name:<10} {seconds:8.3f} {pairs:14,d} {pairs / causal_pairs:9.3f} {pairs * flops / 1e9:15.2f}")
+        result[name] = {"step_time_s": seconds, "attention_pairs": pairs,
+                        "attention_gflop_forward": pairs * flops / 1e9}
+    return result
 
 
 def time_flex(args: argparse.Namespace) -> None:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    tokens = packed_rows(args.rows, args.seq, args.doc, 2048)
+    tokens = packed_rows(args.rows, args.seq, args.doc, 2048).to(args.device)
     positions = document_positions(tokens, EOS)
-    index = torch.arange(args.seq)
+    index = torch.arange(args.seq, device=args.device)
     doc_start = index - positions  # [rows, seq]
 
     def same_document(b, h, q, k):
         return (k <= q) & (k >= doc_start[b, q])
 
     d = args.hidden // args.heads
-    q = torch.randn(args.rows, args.heads, args.seq, d)
+    q = torch.randn(args.rows, args.heads, args.seq, d, device=args.device)
     k, v = torch.randn_like(q), torch.randn_like(q)
     start = time.perf_counter()
-    block_mask = create_block_mask(same_document, args.rows, None, args.seq, args.seq, device="cpu")
+    block_mask = create_block_mask(same_document, args.rows, None, args.seq, args.seq, device=args.device.type)
     build = time.perf_counter() - start
     mask = DocumentMask(positions)
     variants = (("varlen SDPA", lambda: document_attention(q, k, v, mask)),
@@ -100,8 +117,10 @@ def time_flex(args: argparse.Namespace) -> None:
         fn()
         times = []
         for _ in range(args.repeats):
+            synchronize(args.device)
             start = time.perf_counter()
             fn()
+            synchronize(args.device)
             times.append(time.perf_counter() - start)
         print(f"  {name:<14} {statistics.median(times):.4f} s")
 
@@ -149,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--doc", type=float, default=256.0, help="mean document length in tokens")
-    p.add_argument("--rows", type=int, default=1)
+    p.add_argument("--rows", type=int, default=4)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
@@ -157,16 +176,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cps", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--long-seq", type=int, default=32768, help="window of the long-document mix")
     p.add_argument("--balance-rows", type=int, default=32)
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads (default 1: on a shared machine more threads time the OpenMP barriers)")
     p.add_argument("--flex", action="store_true", help="also time one layer's forward through FlexAttention")
+    p.add_argument("--device", help="default: the accelerator if there is one, else cpu")
+    p.add_argument("--json", action="store_true", help="also print the step times and work as one JSON line")
     p.add_argument("--dry", action="store_true", help="tiny sizes: a check that the script runs")
     args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    args.device = torch.device(args.device or (accelerator.type if accelerator is not None else "cpu"))
     if args.dry:
         args.seq, args.doc, args.layers, args.hidden, args.heads, args.repeats = 128, 16.0, 1, 32, 2, 1
         args.cps, args.long_seq, args.balance_rows = [2], 256, 2
-    time_steps(args)
+    result = time_steps(args)
     if args.flex:
         time_flex(args)
     balance(args)
+    if args.json:
+        print(json.dumps(result))
     return 0
 
 

@@ -52,7 +52,9 @@ def test_document_mask_trains_and_differs_from_causal(documents, tmp_path):
     assert main(train_args(documents, tmp_path / "causal")) == 0
     doc, causal = logged_losses(tmp_path / "doc"), logged_losses(tmp_path / "causal")
     assert len(doc) == len(causal) == 20 and doc[-1] < doc[0]
-    assert all(abs(a - b) > 1e-4 * b for a, b in zip(doc[1:], causal[1:], strict=True))
+    # step 1 (the same weights): the masks alone differ; later the runs drift apart
+    assert abs(doc[0] - causal[0]) > 1e-4 * causal[0]
+    assert max(abs(a - b) / b for a, b in zip(doc, causal, strict=True)) > 1e-2
 
 
 def test_data_without_boundaries_is_refused_before_any_work(documents, tmp_path, capsys):

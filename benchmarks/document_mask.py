@@ -34,14 +34,21 @@ from fivefold.parallel.context import ring_work
 EOS = 1
 
 
+def geometric(mean: float, n: int, g: torch.Generator) -> torch.Tensor:
+    """`n` lengths >= 1 with a geometric distribution of mean `mean` (inverse CDF, from the generator `g`)."""
+    u = torch.rand(n, generator=g, dtype=torch.float64).clamp(min=1e-12)
+    return (u.log() / torch.log1p(torch.tensor(-1.0 / mean, dtype=torch.float64))).ceil().clamp(min=1).long()
+
+
 def packed_rows(rows: int, seq: int, mean_doc: float, vocab: int, seed: int = 0) -> torch.Tensor:
-    """[rows, seq] tokens cut from a stream of documents with geometric lengths of mean `mean_doc` (at least one
-    token), each ended by EOS, rescaled so that the documents of the stream average exactly `mean_doc` tokens."""
+    """[rows, seq] tokens of rows * seq / mean_doc documents with geometric lengths (at least one token), scaled
+    to fill the rows exactly (so that they average `mean_doc` tokens), each ended by EOS; the rows cut the stream
+    regardless of documents."""
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.distributions.Geometric(1.0 / mean_doc).sample((4 * rows * seq // int(mean_doc) + 4,)) + 1
-    lengths = (lengths * mean_doc / lengths.mean()).round().clamp(min=1).long()
-    ends = lengths.cumsum(0)
-    ends = ends[ends <= rows * seq] - 1
+    n = max(1, round(rows * seq / mean_doc))
+    scaled = geometric(mean_doc, n, g).double() * rows * seq / (n * mean_doc)
+    ends = scaled.cumsum(0).round().long().clamp(max=rows * seq).unique()
+    ends = ends[ends > 0] - 1
     tokens = torch.randint(2, vocab, (rows * seq,), generator=g)
     tokens[ends] = EOS
     return tokens.view(rows, seq)
@@ -142,7 +149,7 @@ def long_mix_windows(seq: int, rows: int, seed: int = 0) -> torch.Tensor:
     lengths: list[int] = []
     while sum(lengths) < rows * seq:
         if torch.rand(1, generator=g).item() < 0.7:
-            lengths.append(1 + int(torch.distributions.Geometric(1 / 300).sample().item()))
+            lengths.append(int(geometric(300, 1, g)))
         else:
             lengths.append(int(torch.randint(4096, 65536, (1,), generator=g)))
     stream = torch.full((sum(lengths),), 2)
@@ -175,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cps", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--long-seq", type=int, default=32768, help="window of the long-document mix")
-    p.add_argument("--balance-rows", type=int, default=32)
+    p.add_argument("--balance-rows", type=int, default=64)
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads (default 1: on a shared machine more threads time the OpenMP barriers)")
     p.add_argument("--flex", action="store_true", help="also time one layer's forward through FlexAttention")

@@ -8,8 +8,9 @@ entropy of its trained targets (the prediction from an EOS token is not trained)
 must give the same summed loss (1e-5 relative) and the same full parameter gradients (1e-5 relative to the
 largest gradient of each tensor) in fp32; the single-process model also the same per-token losses (1e-5).
 
-Fast: one process (plain, selective and full recompute), tp2 + SP, cp2 (zig-zag). Slow (`pytest -m slow`): pp2
-under 1F1B and interleaved, ep2 on the MoE model (dp2 x ep2 on 2 ranks), cp2 x tp2.
+Fast: one process (plain, selective and full recompute), tp2 + SP, cp2 (zig-zag). Slow (`pytest -m slow`): ep2 on
+the MoE model (dp2 x ep2 on 2 ranks), pp2 under every schedule (1F1B, interleaved, AFAB, zero-bubble with full
+recompute, DualPipeV), cp2 with selective recompute on the MoE model, cp2 x tp2 + SP.
 """
 
 from __future__ import annotations
@@ -183,6 +184,9 @@ LAYOUTS_SLOW = [
     {"layout.dp": "2", "layout.ep": "2", **MOE},
     {"layout.pp": "2", "layout.micro_batch_size": "1"},
     {"layout.pp": "2", "layout.schedule": "interleaved", "layout.vpp": "2"},
+    {"layout.pp": "2", "layout.schedule": "afab"},
+    {"layout.pp": "2", "layout.schedule": "zero-bubble", "layout.recompute": "full"},
+    {"layout.pp": "2", "layout.schedule": "dualpipev"},
     {"layout.cp": "2", "layout.recompute": "selective", **MOE},
 ]
 

@@ -54,27 +54,29 @@ def packed_batch(seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     return windows[:, :-1], windows[:, 1:]
 
 
-def pieces(inputs: torch.Tensor) -> list[tuple[int, int, int]]:
+def pieces(inputs: torch.Tensor, eos: int = EOS) -> list[tuple[int, int, int]]:
     """(row, start, stop) of every document piece: each row cut after every EOS (found directly in the tokens)."""
     out = []
     for row, tokens in enumerate(inputs.tolist()):
         start = 0
         for i, token in enumerate(tokens):
-            if token == EOS or i == len(tokens) - 1:
+            if token == eos or i == len(tokens) - 1:
                 out.append((row, start, i + 1))
                 start = i + 1
     return out
 
 
-def reference(cfg: Config, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int, dict]:
+def reference(cfg: Config, inputs: torch.Tensor, targets: torch.Tensor, eos: int = EOS) -> tuple[
+    torch.Tensor, int, dict
+]:
     """Each document piece alone through the plain causal model: (per-token losses [ROWS, SEQ] with 0 where not
     trained, trained count, gradients of the summed loss / count by plain name)."""
     plain = build_model(dataclasses.replace(cfg.model, attn_mask="causal"), "cpu", cfg.train.seed)
-    losses = torch.zeros(ROWS, SEQ)
+    losses = torch.zeros(inputs.shape)
     trained = targets.clone()
-    trained[inputs == EOS] = -100
+    trained[inputs == eos] = -100
     count = int((trained != -100).sum())
-    for row, start, stop in pieces(inputs):
+    for row, start, stop in pieces(inputs, eos):
         logits = plain(inputs[row:row + 1, start:stop])[0]
         piece = F.cross_entropy(logits, trained[row, start:stop], reduction="none", ignore_index=-100)
         losses[row, start:stop] = piece.detach()

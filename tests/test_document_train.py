@@ -57,6 +57,26 @@ def test_document_mask_trains_and_differs_from_causal(documents, tmp_path):
     assert max(abs(a - b) / b for a, b in zip(doc, causal, strict=True)) > 1e-2
 
 
+def test_first_logged_loss_is_the_mean_over_each_document_alone(documents, tmp_path):
+    """The loop's loss convention against the independent reference: step 1's logged loss (the initial weights)
+    equals the mean, over the trained targets, of each document piece of the first batch run alone."""
+    from tests.test_document_mask import reference
+
+    from fivefold.config import build_config
+    from fivefold.data import BatchSampler, TokenDataset
+
+    args = train_args(documents, tmp_path / "run", "--model.attn_mask", "document", "--train.global_batch_size", "2")
+    args[args.index("--max-steps") + 1] = "1"
+    assert main(args) == 0
+    cfg = build_config(tmp_path / "run" / "config.toml")
+    data = TokenDataset(documents, "train")
+    inputs, targets = BatchSampler(data, cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.seed).global_batch(0)
+    losses, count, _ = reference(cfg, inputs, targets, data.eos_id)
+    assert count < targets.numel()  # the EOS inputs' predictions are left out
+    expected = losses.sum().item() / count
+    assert abs(logged_losses(tmp_path / "run")[0] - expected) <= 1e-5 * expected
+
+
 def test_data_without_boundaries_is_refused_before_any_work(documents, tmp_path, capsys):
     index = json.loads((documents / "index.json").read_text())
     bare = tmp_path / "bare"

@@ -21,6 +21,12 @@ are all-reduced over dp x cp, like data-parallel gradients.
 Per block pair (queries of one chunk, keys of another) the work is: none when the key chunk comes after the
 query chunk, a causal (triangular) block on the diagonal, a full block otherwise. `step_calls` groups the
 pairs of one ring step into as few kernel calls as the layout allows.
+
+Under document masking (`model.attn_mask = "document"`) the document positions are sharded like the tokens, and
+`document_calls` plans each ring step per row and document run instead: a causal square on the diagonal chunk, a
+full block against an earlier chunk only where the query's document reaches into it, nothing for a key chunk
+that shares no document with the query chunk (planned once per micro-batch, merged by log-sum-exp as above).
+`ring_work` counts the query-key pairs each rank computes, the balance of the split.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ Steps, in the order they run (the most wanted figures first, so that a lease tha
   c. an MoE step: `fivefold bench` of OLMoE's shape (64 experts, top-8) cut to a few layers;
   e. every pipeline schedule and every data-parallel wrapper once, at small size, through `--only-rank`, so that
      every accelerator code path has run;
+  f. document masking against causal attention (benchmarks/document_mask.py): step time at sequence 2048 with a
+     mean document of 256 tokens, the attention work each executes, FlexAttention's forward beside it;
   b. the side by side with a plain `transformers` loop (benchmarks/hf_side_by_side.py).
 
 Each step runs as its own process with its own time limit; a step that fails or runs out of time is recorded with
@@ -131,6 +133,13 @@ def side_by_side_step(dry: bool) -> Step:
                                       "--json"], 200)
 
 
+def document_mask_step(dry: bool) -> Step:
+    args = ["--dry"] if dry else ["--rows", "8", "--layers", "4", "--hidden", "2048", "--heads", "16", "--repeats",
+                                  "5", "--flex"]
+    return Step("document mask vs causal", "f", [sys.executable, str(ROOT / "benchmarks" / "document_mask.py"),
+                                                 *args, "--json"], 200)
+
+
 def _world_size(config: Path) -> tuple[int, bool]:
     """(world size, whether the layout is pipelined: its first and last ranks hold different parts)."""
     import tomllib
@@ -189,6 +198,10 @@ def summary_line(record: dict) -> str:
                if r.get("fivefold_mfu") else "")
         return head + (f"fivefold {r['fivefold_tokens_per_s']:,.0f} tok/s, transformers "
                        f"{r['transformers_tokens_per_s']:,.0f} tok/s, ratio {r['ratio']:.2f}x{mfu}")
+    if "document" in r and "causal" in r:
+        doc, causal = r["document"], r["causal"]
+        return head + (f"step {doc['step_time_s']:.3f} s document vs {causal['step_time_s']:.3f} s causal, "
+                       f"attention pairs {doc['attention_pairs'] / causal['attention_pairs']:.3f} of causal")
     return head + "; ".join(f"{k} {v}" for k, v in _only_rank_figures(r).items())
 
 
@@ -212,9 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", type=Path, help="directory for suite.json and the steps' run directories")
     p.add_argument("--dry", action="store_true", help="tiny sizes on the CPU, no compile: test the plumbing")
     p.add_argument("--budget-s", type=float, default=500.0, help="start no step after this many seconds")
-    p.add_argument("--only", default="", help="comma-separated step groups to run (a,b,c,d,e); default all")
+    p.add_argument("--only", default="", help="comma-separated step groups to run (a,b,c,d,e,f); default all")
     p.add_argument("--micro-batches", default="4,2,8", help="group a's micro-batches (default 4,2,8)")
-    p.add_argument("--order", default="a,d,c,e,b", help="the groups' order (default a,d,c,e,b)")
+    p.add_argument("--order", default="a,d,c,e,f,b", help="the groups' order (default a,d,c,e,f,b)")
     p.add_argument("--concurrent-e", type=int, default=1, metavar="N",
                    help="run group e's small layouts N at a time (they check code paths, not speed or memory)")
     args = p.parse_args(argv)
@@ -224,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry:
         env.setdefault("OMP_NUM_THREADS", "1")
     micro_batches = tuple(int(m) for m in args.micro_batches.split(","))
-    every = [*bench_steps(args.dry, micro_batches), *only_rank_steps(args.dry, args.out), side_by_side_step(args.dry)]
+    every = [*bench_steps(args.dry, micro_batches), *only_rank_steps(args.dry, args.out), side_by_side_step(args.dry),
+             document_mask_step(args.dry)]
     order = args.order.split(",")
     steps = sorted((s for s in every if not args.only or s.group in args.only.split(",")),
                    key=lambda s: order.index(s.group) if s.group in order else len(order))

@@ -48,11 +48,11 @@ def test_failing_step_is_recorded_and_the_suite_goes_on(tmp_path: Path) -> None:
 
 
 def test_full_size_steps_cover_every_group() -> None:
-    """Without --dry the suite times the full-size shapes, compiled, and covers groups a to e."""
+    """Without --dry the suite times the full-size shapes, compiled, and covers groups a to f."""
     suite = load_suite()
     steps = suite.bench_steps(dry=False) + suite.only_rank_steps(False, Path("/tmp/x")) + [
-        suite.side_by_side_step(False)]
-    assert {s.group for s in steps} == {"a", "b", "c", "d", "e"}
+        suite.side_by_side_step(False), suite.document_mask_step(False)]
+    assert {s.group for s in steps} == {"a", "b", "c", "d", "e", "f"}
     dense = [s for s in steps if s.group == "a"]
     assert sorted(int(s.argv[s.argv.index("--micro-batch") + 1]) for s in dense) == [2, 4, 8]
     assert all("--compile" in s.argv and "4096" in s.argv for s in dense)
@@ -67,3 +67,12 @@ def test_dry_suite_runs_every_step(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "suite.json").read_text())
     failed = [(s["name"], s.get("output_tail", "")[-300:]) for s in report["steps"] if s.get("rc") != 0]
     assert rc == 0 and not failed, failed
+
+
+def test_dry_suite_runs_the_document_mask_step(tmp_path: Path) -> None:
+    suite = load_suite()
+    assert suite.main([str(tmp_path), "--dry", "--only", "f"]) == 0
+    (step,) = json.loads((tmp_path / "suite.json").read_text())["steps"]
+    r = step["result"]
+    assert r["document"]["attention_pairs"] < r["causal"]["attention_pairs"] == 4 * 128 * 129 // 2
+    assert "attention pairs" in suite.summary_line(step)

@@ -33,6 +33,7 @@ def nearest_divisors(n: int, value: int, k: int = 3) -> list[int]:
 
 
 MLP_KINDS = ("swiglu", "gelu")
+ATTN_MASKS = ("causal", "document")  # model.attn_mask (fivefold.models.masking)
 
 
 @dataclass
@@ -67,9 +68,11 @@ class ModelConfig:
     # the MLP: "swiglu" (gate, up, down; Llama, what the engine builds) or "gelu" (up, GELU, down; GPT-2/NeoX,
     # modelled by the planner only)
     mlp: str = "swiglu"
-    # attention: "causal" over the whole sequence, or "document" (only within a document of the packed sequence)
+    # "causal": every token attends to the earlier tokens of its sequence; "document": only to those of its own
+    # document, with rotary positions restarting at each document (fivefold.models.masking)
     attn_mask: str = "causal"
-    sliding_window: int = 0  # keys within this many positions of the query (Mistral-style); 0 = off
+    # each token attends to itself and the sliding_window - 1 tokens before it (Mistral's convention); 0 = off
+    sliding_window: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -107,6 +110,10 @@ class ModelConfig:
                 f"valid n_kv_heads: {_divisors(self.n_heads)}"
             )
         _require(self.mlp in MLP_KINDS, f"{prefix}.mlp", self.mlp, f"must be one of {', '.join(MLP_KINDS)}")
+        _require(self.attn_mask in ATTN_MASKS, f"{prefix}.attn_mask", self.attn_mask,
+                 f"must be one of {', '.join(ATTN_MASKS)}")
+        _require(self.sliding_window >= 0, f"{prefix}.sliding_window", self.sliding_window,
+                 "must be >= 1 (tokens each query sees, itself included), or 0 for no window")
         _require(self.rope_theta > 0, f"{prefix}.rope_theta", self.rope_theta, "must be > 0")
         _require(self.norm_eps > 0, f"{prefix}.norm_eps", self.norm_eps, "must be > 0")
         _require(self.init_std > 0, f"{prefix}.init_std", self.init_std, "must be > 0")
@@ -272,6 +279,19 @@ class Config:
                 f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {self.model.max_seq_len}; "
                 f"use train.seq_len <= {self.model.max_seq_len} or raise model.max_seq_len"
             )
+        if self.model.sliding_window > t.seq_len:
+            raise ConfigError(
+                f"model.sliding_window = {self.model.sliding_window} exceeds train.seq_len = {t.seq_len}: a window "
+                f"longer than the sequence masks nothing; use 1 to {t.seq_len}, or 0 for no window"
+            )
+        masked = self.model.attn_mask == "document" or self.model.sliding_window > 0
+        if masked and t.compile:
+            raise ConfigError(f"model.attn_mask = {self.model.attn_mask!r} with model.sliding_window = "
+                              f"{self.model.sliding_window} cannot run under train.compile = true (its attention "
+                              "runs one kernel per document); use train.compile = false")
+        if self.model.sliding_window > 0 and la.cp > 1:
+            raise ConfigError(f"model.sliding_window = {self.model.sliding_window} does not run under layout.cp = "
+                              f"{la.cp} (ring attention masks documents, not windows); use layout.cp = 1")
         _require(0 < self.data.val_fraction <= 0.5, "data.val_fraction", self.data.val_fraction,
                  "must be in (0, 0.5]")
         _require(self.log.log_every >= 1, "log.log_every", self.log.log_every, "must be >= 1")

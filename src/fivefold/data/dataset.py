@@ -70,7 +70,8 @@ class TokenDataset:
         self.index = read_index(self.path)
         self.dtype = dtype_from_name(self.index["dtype"])
         self.vocab_size: int = int(self.index["vocab_size"])
-        self.eos_id: int = int(self.index["eos_id"])
+        # the end-of-document token, after every document (None in an index that does not record it)
+        self.eos_id: int | None = int(self.index["eos_id"]) if self.index.get("eos_id") is not None else None
         entry = self.index["splits"].get(split, {})
         self.shard_entries: list[dict[str, Any]] = [s for s in entry.get("shards", []) if s["num_tokens"] > 0]
         if not self.shard_entries:

@@ -26,7 +26,8 @@ from fivefold.models.llama import build_model
 
 LLAMA_ARCH = "LlamaForCausalLM"
 MIXTRAL_ARCH = "MixtralForCausalLM"
-_MODEL_TYPES = {"llama": LLAMA_ARCH, "mixtral": MIXTRAL_ARCH}
+MISTRAL_ARCH = "MistralForCausalLM"  # Llama's weights and blocks with a sliding window (`sliding_window`)
+_MODEL_TYPES = {"llama": LLAMA_ARCH, "mixtral": MIXTRAL_ARCH, "mistral": MISTRAL_ARCH}
 _ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # tensors that older HF checkpoints carry but that are recomputed, not learned
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -65,10 +66,10 @@ def _architecture(hf: dict[str, Any]) -> str:
         arch = archs[0]
     else:
         arch = _MODEL_TYPES.get(str(hf.get("model_type", "")), str(hf.get("model_type")))
-    if arch not in (LLAMA_ARCH, MIXTRAL_ARCH):
+    if arch not in (LLAMA_ARCH, MIXTRAL_ARCH, MISTRAL_ARCH):
         raise ConfigError(
-            f"Hugging Face architecture {arch!r} is not supported; fivefold reads {LLAMA_ARCH} and "
-            f"{MIXTRAL_ARCH}"
+            f"Hugging Face architecture {arch!r} is not supported; fivefold reads {LLAMA_ARCH}, {MISTRAL_ARCH} "
+            f"and {MIXTRAL_ARCH}"
         )
     return arch
 
@@ -96,7 +97,8 @@ def _rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, float]]:
 def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None = None) -> ModelConfig:
     """The fivefold ModelConfig of a Hugging Face `config.json` (a dict, the file, or its directory).
 
-    Reads `LlamaForCausalLM` and `MixtralForCausalLM`; raises ConfigError for anything fivefold's
+    Reads `LlamaForCausalLM`, `MistralForCausalLM` and `MixtralForCausalLM` (the last two with their
+    `sliding_window`, null meaning none); raises ConfigError for anything fivefold's
     model cannot represent (another architecture, biases, a head_dim other than hidden / heads, ...).
     """
     hf = read_config_json(config)
@@ -121,10 +123,10 @@ def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None =
             f"Hugging Face head_dim = {head_dim} differs from hidden_size / num_attention_heads = "
             f"{hidden} / {heads} = {hidden // heads}; fivefold assumes head_dim = hidden / heads"
         )
-    if hf.get("sliding_window"):
+    if hf.get("sliding_window") and arch == LLAMA_ARCH:
         raise ConfigError(
-            f"Hugging Face sliding_window = {hf['sliding_window']} is not supported; fivefold attends to the "
-            "whole causal context (use null)"
+            f"Hugging Face sliding_window = {hf['sliding_window']} is not read for {LLAMA_ARCH}, which attends to "
+            f"the whole causal context (use null, or {MISTRAL_ARCH} for a windowed model)"
         )
     theta, scaling = _rope_settings(hf)
     is_mixtral = arch == MIXTRAL_ARCH
@@ -142,6 +144,7 @@ def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None =
         norm_eps=float(hf.get("rms_norm_eps", 1e-5 if is_mixtral else 1e-6)),
         tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_std=float(hf.get("initializer_range", 0.02)),
+        sliding_window=int(hf.get("sliding_window") or 0),
     )
     if is_mixtral:
         cfg.n_experts = int(hf.get("num_local_experts", 8))
@@ -159,7 +162,8 @@ def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None =
 
 def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """The Hugging Face `config.json` dict of a fivefold ModelConfig: LlamaForCausalLM for dense
-    models, MixtralForCausalLM for MoE models (which must have no shared experts).
+    models (MistralForCausalLM with a sliding window), MixtralForCausalLM for MoE models (which must have no
+    shared experts).
 
     Rotary settings are written under both the transformers 4 keys (`rope_theta`, `rope_scaling`) and
     the transformers 5 key (`rope_parameters`), so either version reads them.
@@ -177,9 +181,10 @@ def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.flo
     rope_parameters = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if scaling:
         rope_parameters = {**scaling, "rope_theta": cfg.rope_theta}
+    arch = MIXTRAL_ARCH if cfg.is_moe else MISTRAL_ARCH if cfg.sliding_window else LLAMA_ARCH
     hf: dict[str, Any] = {
-        "architectures": [MIXTRAL_ARCH if cfg.is_moe else LLAMA_ARCH],
-        "model_type": "mixtral" if cfg.is_moe else "llama",
+        "architectures": [arch],
+        "model_type": {v: k for k, v in _MODEL_TYPES.items()}[arch],
         "hidden_size": cfg.hidden,
         "intermediate_size": cfg.expert_ffn if cfg.is_moe else cfg.ffn,
         "num_hidden_layers": cfg.n_layers,
@@ -200,7 +205,9 @@ def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.flo
     }
     if cfg.is_moe:
         hf.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
-                  router_aux_loss_coef=cfg.aux_loss_coef, sliding_window=None)
+                  router_aux_loss_coef=cfg.aux_loss_coef, sliding_window=cfg.sliding_window or None)
+    elif cfg.sliding_window:
+        hf.update(sliding_window=cfg.sliding_window)
     else:
         hf.update(attention_bias=False, mlp_bias=False)
     return hf

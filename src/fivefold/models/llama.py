@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.config import ConfigError, ModelConfig
+from fivefold.models.masking import DocumentMask, band_mask, document_attention
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -82,22 +83,24 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
 
 
 def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape [len(positions), head_dim] (halves repeated, rotate-half layout)."""
+    """cos and sin tables of shape [*positions.shape, head_dim] (halves repeated, rotate-half layout)."""
     inv_freq = rope_frequencies(cfg).to(positions.device)
-    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = positions.float()[..., None] * inv_freq
     emb = torch.cat([angles, angles], dim=-1)
     return emb.cos(), emb.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` of shape [batch, heads, seq, head_dim] by position."""
+    """Rotate `x` of shape [batch, heads, seq, head_dim] by position (cos, sin: [seq, head_dim], or [batch, 1, seq,
+    head_dim] for per-row positions)."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
-    """Grouped-query causal self-attention through `scaled_dot_product_attention`.
+    """Grouped-query causal self-attention through `scaled_dot_product_attention`; within documents and a sliding
+    window when a `DocumentMask` is given (`fivefold.models.masking`).
 
     `n_heads` and `n_kv_heads` are the heads this module computes: the tensor-parallel engine
     divides them by tp when it shards the projections.
@@ -106,17 +109,19 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.window = cfg.sliding_window
         self.q_proj = nn.Linear(cfg.hidden, cfg.n_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: DocumentMask | None = None) -> torch.Tensor:
         q, k, v = self.project_qkv(x)
         b, s, _ = q.shape
         q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q, k, v)
+        out = self.core(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -131,11 +136,10 @@ class Attention(nn.Module):
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
         cache[:] = [k, v]
         past = k.shape[2] - s
-        # new token i sees the cached keys and the new ones up to itself
+        # new token i sees the cached keys and the new ones up to itself (the last `window` of them)
         mask = None
-        if s > 1:
-            mask = torch.arange(k.shape[2], device=x.device)[None, :] <= torch.arange(past, past + s,
-                                                                                       device=x.device)[:, None]
+        if s > 1 or 0 < self.window < k.shape[2]:
+            mask = band_mask(past, past + s, 0, self.window if self.window > 0 else k.shape[2], x.device)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -143,8 +147,12 @@ class Attention(nn.Module):
         """The q, k, v projections [batch, seq, heads * head_dim]; tensor parallelism fuses their input."""
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None = None) -> (
+        torch.Tensor
+    ):
         """The attention kernel on [batch, heads, seq, head_dim]; recompute and context parallel wrap this."""
+        if mask is not None:
+            return document_attention(q, k, v, mask)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -293,8 +301,9 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.mlp: nn.Module = MoE(cfg) if cfg.is_moe else MLP(cfg.hidden, cfg.ffn)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: DocumentMask | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         return x + self.mlp(self.mlp_norm(x))
 
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -343,21 +352,36 @@ class Llama(nn.Module):
         return rope_cos_sin(self.cfg, positions)
 
     def forward_hidden(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids [batch, seq] (or hidden states on a later pipeline stage) -> final hidden states."""
+        """Token ids [batch, seq] (or hidden states on a later pipeline stage) -> final hidden states.
+
+        `positions`: the rotary positions, [seq] (None: 0..seq-1) or, under document masking, the document
+        positions [batch, seq] of `fivefold.models.masking.document_positions`."""
         if positions is None:
             # from the input, before the embedding: under sequence parallelism its output holds a slice
             positions = torch.arange(x.shape[1], device=x.device)
+        mask = self.attention_mask(positions, x.shape[0])
         if self.embed is not None:
             x = self.embed(x)
             if self.cfg.fp32_residual:
                 x = x.float()
         cos, sin = rope_cos_sin(self.cfg, positions)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        if positions.dim() == 2:  # per-row positions: [batch, 1 (heads), seq, head_dim]
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for block in self.layers.values():
-            x = block(x, cos, sin)
+            x = block(x, cos, sin, mask)
         if self.norm is not None:
             x = self.norm(x)
         return x
+
+    def attention_mask(self, positions: torch.Tensor, rows: int) -> DocumentMask | None:
+        """The mask every layer of this forward shares: None for plain causal attention (SDPA's causal kernel),
+        else a `DocumentMask` of the document positions (one document per row under `attn_mask = "causal"`)."""
+        if self.cfg.attn_mask == "causal" and self.cfg.sliding_window <= 0:
+            return None
+        if positions.dim() == 1:
+            positions = positions.expand(rows, -1)
+        return DocumentMask(positions, self.cfg.sliding_window)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         x = self.forward_hidden(tokens, positions)

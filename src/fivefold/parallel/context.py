@@ -21,6 +21,12 @@ are all-reduced over dp x cp, like data-parallel gradients.
 Per block pair (queries of one chunk, keys of another) the work is: none when the key chunk comes after the
 query chunk, a causal (triangular) block on the diagonal, a full block otherwise. `step_calls` groups the
 pairs of one ring step into as few kernel calls as the layout allows.
+
+Under document masking (`model.attn_mask = "document"`) the document positions are sharded like the tokens, and
+`document_calls` plans each ring step per row and document run instead: a causal square on the diagonal chunk, a
+full block against an earlier chunk only where the query's document reaches into it, nothing for a key chunk
+that shares no document with the query chunk (planned once per micro-batch, merged by log-sum-exp as above).
+`ring_work` counts the query-key pairs each rank computes, the balance of the split.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from torch import nn
 
 from fivefold.layout import raise_problem, sequence_length_problem
 from fivefold.models.llama import MoE
+from fivefold.models.masking import DocumentMask
 from fivefold.parallel.attention_ops import attention_backward, attention_forward
 from fivefold.parallel.tensor_comm import all_gather, all_reduce
 
@@ -87,10 +94,14 @@ def unshard_sequence(shards: list[torch.Tensor], layout: str = "zigzag", dim: in
     return torch.cat(chunks, dim=dim)
 
 
-def shard_batch(inputs: torch.Tensor, targets: torch.Tensor, rank: int, cp: int,
-                layout: str = "zigzag") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A [batch, seq] micro-batch as `rank` trains it: (inputs, targets, rotary positions)."""
-    positions = rank_positions(inputs.shape[1], rank, cp, layout, inputs.device)
+def shard_batch(inputs: torch.Tensor, targets: torch.Tensor, rank: int, cp: int, layout: str = "zigzag",
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A [batch, seq] micro-batch as `rank` trains it: (inputs, targets, rotary positions). `positions`: the
+    document positions [batch, seq] under document masking (sharded like the tokens), None for 0..seq-1."""
+    if positions is None:
+        positions = rank_positions(inputs.shape[1], rank, cp, layout, inputs.device)
+    else:
+        positions = shard_sequence(positions, rank, cp, layout)
     return shard_sequence(inputs, rank, cp, layout), shard_sequence(targets, rank, cp, layout), positions
 
 
@@ -193,86 +204,160 @@ def _rows(slots: tuple[int, ...], chunk: int) -> slice:
     return slice(slots[0] * chunk, (slots[-1] + 1) * chunk)
 
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor,
+# One attention kernel call of a ring step, in this rank's local indices: (rows of the batch, query rows of the
+# rank's shard, key rows of the visiting shard, causal diagonal block or not).
+Call = tuple[slice, slice, slice, bool]
+
+
+def causal_calls(rank: int, cp: int, layout: str, chunk: int) -> list[list[Call]]:
+    """The calls of each ring step under the causal mask (`step_calls`), for all rows of the batch at once."""
+    every_row = slice(None)
+    return [[(every_row, _rows(c.q_slots, chunk), _rows(c.kv_slots, chunk), c.causal)
+             for c in step_calls(rank, (rank - step) % cp, cp, layout)] for step in range(cp)]
+
+
+def document_calls(positions: torch.Tensor, rank: int, cp: int, layout: str = "zigzag") -> list[list[Call]]:
+    """The calls of each ring step under document masking, from this rank's document positions [batch, 2 * chunk]
+    (its zig-zag chunks of `document_positions`). A query at global index i with document position p sees the keys
+    i - p <= j <= i. Per row and query chunk, each document's run of queries makes one call per visible key chunk:
+    a causal square on the diagonal chunk, a full block against an earlier chunk, where the document reaches into
+    it (only a chunk's first document can). A key chunk that shares no document with a query chunk costs nothing."""
+    chunk = positions.shape[1] // 2
+    seq_len = 2 * chunk * cp
+    mine = rank_positions(seq_len, rank, cp, layout)
+    starts = (mine - positions.cpu()).tolist()  # global index of each query's document start
+    steps = []
+    for step in range(cp):
+        kv_chunks = rank_chunks((rank - step) % cp, cp, layout)
+        calls: list[Call] = []
+        for b, row in enumerate(starts):
+            for q_slot, q_chunk in enumerate(rank_chunks(rank, cp, layout)):
+                for lo, hi, doc_start in _runs(row, q_slot * chunk, (q_slot + 1) * chunk):
+                    for kv_slot, kv_chunk in enumerate(kv_chunks):
+                        kv_lo = kv_slot * chunk
+                        if kv_chunk == q_chunk:  # the diagonal: the run against itself
+                            calls.append((slice(b, b + 1), slice(lo, hi), slice(lo, hi), True))
+                        elif kv_chunk < q_chunk and doc_start < (kv_chunk + 1) * chunk:
+                            first = max(doc_start - kv_chunk * chunk, 0)
+                            calls.append((slice(b, b + 1), slice(lo, hi), slice(kv_lo + first, kv_lo + chunk), False))
+        steps.append(calls)
+    return steps
+
+
+def call_pairs(calls: list[Call], rows: int) -> int:
+    """Query-key pairs that `calls` compute (a causal square of n queries: n(n+1)/2), `rows` rows per call over
+    the whole batch."""
+    total = 0
+    for batch, q_rows, kv_rows, causal in calls:
+        n, m = q_rows.stop - q_rows.start, kv_rows.stop - kv_rows.start
+        total += (n * (n + 1) // 2 if causal else n * m) * (rows if batch == slice(None) else 1)
+    return total
+
+
+def ring_work(positions: torch.Tensor, cp: int, layout: str = "zigzag", causal: bool = False) -> list[int]:
+    """Query-key pairs each cp rank computes over the ring for sequences with document positions [batch, seq]
+    (`causal`: the same sequences under the causal mask): the attention work of each rank, whose largest and
+    smallest show how well the split balances under a document-length distribution."""
+    work = []
+    for rank in range(cp):
+        shard = shard_sequence(positions, rank, cp, layout)
+        steps = (causal_calls(rank, cp, layout, shard.shape[1] // 2) if causal
+                 else document_calls(shard, rank, cp, layout))
+        work.append(sum(call_pairs(calls, positions.shape[0]) for calls in steps))
+    return work
+
+
+def _runs(doc_starts: list[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """(first, stop, document start) of the runs of equal document start in doc_starts[lo:hi]."""
+    runs, first = [], lo
+    for i in range(lo + 1, hi + 1):
+        if i == hi or doc_starts[i] != doc_starts[first]:
+            runs.append((first, i, doc_starts[first]))
+            first = i
+    return runs
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, rows: tuple[slice, slice, slice], block_out: torch.Tensor,
            block_lse: torch.Tensor) -> None:
     """Online softmax: fold one block's (out, lse) into the running fp32 (out, lse) of the rows."""
-    old_lse = lse[:, :, rows]
+    old_lse = lse[rows]
     new_lse = torch.logaddexp(old_lse, block_lse)
-    out[:, :, rows] = (out[:, :, rows] * torch.exp(old_lse - new_lse).unsqueeze(-1)
-                       + block_out.float() * torch.exp(block_lse - new_lse).unsqueeze(-1))
-    lse[:, :, rows] = new_lse
+    out[rows] = (out[rows] * torch.exp(old_lse - new_lse).unsqueeze(-1)
+                 + block_out.float() * torch.exp(block_lse - new_lse).unsqueeze(-1))
+    lse[rows] = new_lse
 
 
 def ring_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
-                           layout: str = "zigzag", overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward of ring attention, without autograd: (out, lse) of this rank's queries.
+                           layout: str = "zigzag", overlap: bool = True,
+                           calls: list[list[Call]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward of ring attention, without autograd: (out, lse) of this rank's queries. `calls`: the kernel
+    calls of each ring step (`document_calls`); None for the causal mask.
 
     `overlap=False` waits for each key/value transfer before computing the block it held, which serialises
     communication and compute; it exists to measure how much of the transfer time the overlap hides."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    chunk = q.shape[2] // 2
     b, h, s, d = q.shape
+    calls = calls if calls is not None else causal_calls(rank, cp, layout, s // 2)
     # [batch, seq, heads, head_dim] in memory, like SDPA's output: the model's transpose-reshape to [batch, seq,
     # hidden] is then a view, and the output projection saves the same storage as this function
     out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device).transpose(1, 2)
     lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
     kv = torch.stack([k, v])  # one message per hop
     for step in range(cp):
-        source = (rank - step) % cp
         incoming = ring_shift(kv, group, _KV_TAG) if step < cp - 1 else None  # in flight during the compute
         if incoming is not None and not overlap:
             incoming.wait()
-        for call in step_calls(rank, source, cp, layout):
-            rows, cols = _rows(call.q_slots, chunk), _rows(call.kv_slots, chunk)
-            block_out, block_lse = attention_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                                                     call.causal)
-            _merge(out, lse, rows, block_out, block_lse)
+        for batch, rows, cols, causal in calls[step]:
+            block_out, block_lse = attention_forward(q[batch, :, rows], kv[0][batch, :, cols], kv[1][batch, :, cols],
+                                                     causal)
+            _merge(out, lse, (batch, slice(None), rows), block_out, block_lse)
         if incoming is not None:
             kv = incoming.wait()
     return out.to(q.dtype), lse
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's queries against the keys/values of every rank of `group`.
+    """Causal (or document-masked) attention of this rank's queries against the keys/values of every rank of
+    `group`.
 
     q [batch, heads, local_seq, head_dim], k and v [batch, kv_heads, local_seq, head_dim], each rank holding
-    its two chunks as `shard_sequence` lays them out."""
+    its two chunks as `shard_sequence` lays them out; `calls` as in `ring_attention_forward`."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
-                layout: str) -> torch.Tensor:
-        out, lse = ring_attention_forward(q, k, v, group, layout)
+                layout: str, calls: list[list[Call]] | None = None) -> torch.Tensor:
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        calls = calls if calls is not None else causal_calls(rank, cp, layout, q.shape[2] // 2)
+        out, lse = ring_attention_forward(q, k, v, group, layout, calls=calls)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.layout = group, layout
+        ctx.group, ctx.calls = group, calls
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        group, layout = ctx.group, ctx.layout
-        cp, rank = dist.get_world_size(group), dist.get_rank(group)
-        chunk = q.shape[2] // 2
+        group, calls = ctx.group, ctx.calls
+        cp = dist.get_world_size(group)
         grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         grad_kv_transfer: Transfer | None = None
         for step in range(cp):
-            source = (rank - step) % cp
             incoming = ring_shift(kv, group, _KV_TAG) if step < cp - 1 else None
-            grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # for the shard of `source`
-            for call in step_calls(rank, source, cp, layout):
-                rows, cols = _rows(call.q_slots, chunk), _rows(call.kv_slots, chunk)
-                dq, dk, dv = attention_backward(grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
-                                                kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows], call.causal)
-                grad_q[:, :, rows] += dq
-                grad_kv[0][:, :, cols] += dk
-                grad_kv[1][:, :, cols] += dv
+            grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # for the visiting shard
+            for batch, rows, cols, causal in calls[step]:
+                q_rows = (batch, slice(None), rows)
+                dq, dk, dv = attention_backward(grad_out[q_rows], q[q_rows], kv[0][batch, :, cols],
+                                                kv[1][batch, :, cols], out[q_rows], lse[q_rows], causal)
+                grad_q[q_rows] += dq
+                grad_kv[0][batch, :, cols] += dk
+                grad_kv[1][batch, :, cols] += dv
             if grad_kv_transfer is not None:  # what the previous ranks accumulated for the same shard
                 grad_kv += grad_kv_transfer.wait()
             grad_kv_transfer = ring_shift(grad_kv, group, _GRAD_TAG)  # the last hop brings it home
             if incoming is not None:
                 kv = incoming.wait()
         grad_kv = grad_kv_transfer.wait()
-        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None
+        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
@@ -287,14 +372,23 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
 # ---------------------------------------------------------------------------------------------------------
 
 class RingAttentionCore:
-    """Replacement of `Attention.core(q, k, v)`: the same causal attention, over the cp group's ring."""
+    """Replacement of `Attention.core(q, k, v, mask)`: the same causal or document-masked attention, over the cp
+    group's ring."""
 
     def __init__(self, group: dist.ProcessGroup, layout: str = "zigzag") -> None:
         _check_layout(layout)
         self.group, self.layout = group, layout
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return RingAttention.apply(q, k, v, self.group, self.layout)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None = None) -> (
+        torch.Tensor
+    ):
+        if mask is None:
+            return RingAttention.apply(q, k, v, self.group, self.layout)
+        key = ("ring", self.layout)  # the calls of a micro-batch, planned once for all its layers
+        if key not in mask.cache:
+            rank, cp = dist.get_rank(self.group), dist.get_world_size(self.group)
+            mask.cache[key] = document_calls(mask.positions, rank, cp, self.layout)
+        return RingAttention.apply(q, k, v, self.group, self.layout, mask.cache[key])
 
 
 class _AllReduceSum(torch.autograd.Function):

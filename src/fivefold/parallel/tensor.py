@@ -134,10 +134,10 @@ class TensorParallelAttention(Attention):
     tp_group: ProcessGroup
     sequence_parallel: bool
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         if not self.sequence_parallel:
             x = copy_to_tp(x, self.tp_group)
-        return exit_tp_region(super().forward(x, cos, sin), self.tp_group, self.sequence_parallel)
+        return exit_tp_region(super().forward(x, cos, sin, mask), self.tp_group, self.sequence_parallel)
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.sequence_parallel:

@@ -101,6 +101,9 @@ def bench_config(args: argparse.Namespace) -> Config:
         raise ConfigError(f"--steps = {args.steps} must be >= 1 and --warmup = {args.warmup} >= 0")
     if args.micro_batch < 1 or args.grad_accum < 1:
         raise ConfigError(f"--micro-batch = {args.micro_batch} and --grad-accum = {args.grad_accum} must be >= 1")
+    if cfg.model.attn_mask == "document":
+        raise ConfigError("model.attn_mask = 'document' needs document boundaries, which bench's synthetic tokens do "
+                          "not have; time it with benchmarks/document_mask.py, or use model.attn_mask = 'causal'")
     cfg.validate()
     return cfg
 

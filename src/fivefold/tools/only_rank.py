@@ -96,13 +96,18 @@ def rank_batches(cfg: Config, engine, notes: list[str]):
         path = ensure_builtin_dataset(default_cache_dir(), val_fraction=cfg.data.val_fraction)
     if path.is_dir():
         dataset = TokenDataset(path, "train")
-        if dataset.vocab_size <= cfg.model.vocab_size:
+        if dataset.vocab_size <= cfg.model.vocab_size and (cfg.model.attn_mask != "document"
+                                                           or dataset.eos_id is not None):
             sampler = BatchSampler(dataset, t.seq_len, t.global_batch_size, t.seed)
+            engine.eos_id = dataset.eos_id if cfg.model.attn_mask == "document" else None
             return lambda step: sampler.rank_batch(step, engine.dp_rank, engine.dp_size)
         notes.append(f"data: random token ids ({path} has {dataset.vocab_size} ids, more than model.vocab_size)")
     else:
         notes.append(f"data: random token ids (data.path = {cfg.data.path!r} is not a prepared dataset)")
     rows = t.global_batch_size // engine.dp_size
+    if cfg.model.attn_mask == "document":  # random ids have no documents: token 0 stands for the boundary
+        engine.eos_id = 0
+        notes.append("data: document boundaries at token id 0 of the random ids")
 
     def random_rows(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(t.seed * 1_000_003 + step * 1009 + engine.dp_rank)

@@ -28,9 +28,10 @@ import torch.distributed as dist
 from torch import nn
 
 from fivefold.checkpoint_format import flat_rects
-from fivefold.config import Config
+from fivefold.config import Config, ConfigError
 from fivefold.device import autocast, use_bf16
 from fivefold.models.llama import Llama, build_model, full_parameter_shapes
+from fivefold.models.masking import document_positions
 from fivefold.parallel.data import DataParallel, Segment, load_shard, local_part
 from fivefold.parallel.mesh import ProcessGrid
 from fivefold.parallel.parallelize import LossModel
@@ -58,6 +59,8 @@ class Engine:
         self.model = parts[0] if cfg.layout.pp == 1 else stage_modules(parts)
         self.bf16 = use_bf16(cfg, device)
         self.drop_fraction: torch.Tensor | None = None
+        # the data's end-of-document token under `model.attn_mask = "document"` (set by the training loop)
+        self.eos_id: int | None = None
         self.step_flags: torch.Tensor | None = None
         self.waits = WaitClock(device, enabled=grid is not None)  # seconds waited for peers (`train.expect`)
         self._shapes: dict[str, tuple[int, ...]] | None = None  # the plain model's, for checkpoint segments
@@ -88,12 +91,32 @@ class Engine:
     ]:
         """What this rank computes of a micro-batch of whole sequences [rows, seq]: (inputs, targets, rotary
         positions, None meaning 0..seq-1). Under context parallel, this cp rank's zig-zag chunks of every sequence
-        and their rotary positions; otherwise all of it."""
+        and their rotary positions; otherwise all of it. Under document masking the positions are the tokens'
+        positions in their documents [rows, seq] (`models.masking.document_positions`), computed here from the
+        whole sequences, before the cp split, so that every rank and pipeline stage holds the same ones."""
+        positions = self.document_positions(inputs)
         if self.cp_size == 1:
-            return inputs, targets, None
+            return inputs, targets, positions
         from fivefold.parallel.context import shard_batch
 
-        return shard_batch(inputs, targets, self.cp_rank, self.cp_size)
+        return shard_batch(inputs, targets, self.cp_rank, self.cp_size, positions=positions)
+
+    def document_positions(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The document positions of `inputs` [rows, seq] under document masking, else None."""
+        if self.cfg.model.attn_mask != "document":
+            return None
+        if self.eos_id is None:
+            raise ConfigError("model.attn_mask = 'document' needs the data's end-of-document token (the shard "
+                              "index's eos_id); the engine was given none")
+        return document_positions(inputs, self.eos_id)
+
+    def trained_tokens(self, targets: torch.Tensor) -> int:
+        """Targets of the global batch that are trained (not -100), from this data-parallel rank's rows
+        `targets`: summed over dp (the cp, tp and pp ranks of a dp rank hold the same rows)."""
+        count = (targets != -100).sum()
+        if self.grid is not None and self.dp_size > 1:
+            dist.all_reduce(count, group=self.grid.group("dp"))
+        return int(count)
 
     def loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         """Summed token loss of a prepared micro-batch (`LossModel`: the output layer and the loss fused and

@@ -35,6 +35,7 @@ from fivefold.data import BatchSampler, TokenDataset, default_cache_dir, ensure_
 from fivefold.data.format import DataError, tokenizer_fingerprint
 from fivefold.device import resolve_device
 from fivefold.flops import causal_equivalent, masks_attention, training_flops_per_token
+from fivefold.models.masking import mask_document_targets
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.build import Engine, build_engine
 from fivefold.train.expect import Expectation, Interval, PlanCheck, injected_delay
@@ -190,7 +191,7 @@ def evaluate(engine: Engine, batches: list[tuple[torch.Tensor, torch.Tensor]], m
         lo = engine.dp_rank * rows
         total += engine.eval_micro_batches(split_micro_batches(inputs[lo:lo + rows], targets[lo:lo + rows], mbs,
                                                                engine.device)).double()
-        tokens += targets.numel()
+        tokens += int((targets != -100).sum())  # under document masking, the trained targets only
     engine.model.train()
     return float(engine.reduce_for_logging(total).item() / tokens)
 
@@ -235,6 +236,7 @@ def train_owned(cfg: Config, resume: bool, stop_after: int | None, stream: TextI
     data_dir, train_set, sampler, val_data = load_data(cfg, rank == 0, hf_init)
 
     engine = build_engine(cfg, device)
+    engine.eos_id = document_eos(cfg, train_set, data_dir)
     checkpointer = ckpt.Checkpointer(run_dir, engine, cfg, rank, world, is_first=rank == 0)
     loaded = resume_point(checkpointer, candidates) if resume else None
     extension = ""
@@ -283,9 +285,25 @@ def load_data(cfg: Config, is_first: bool, hf_init: Path | None) -> tuple[
     if hf_init is not None:
         check_hf_tokenizer(hf_init, train_set)
     val_set.check_model_vocab(cfg.model.vocab_size)
+    eos_id = document_eos(cfg, train_set, data_dir)
     sampler = BatchSampler(train_set, t.seq_len, t.global_batch_size, t.seed)
     val_rows = max(cfg.layout.dp, min(t.global_batch_size, 16) // cfg.layout.dp * cfg.layout.dp)
-    return data_dir, train_set, sampler, list(val_batches(val_set, t.seq_len, val_rows, t.eval_batches))
+    val_data = list(val_batches(val_set, t.seq_len, val_rows, t.eval_batches))
+    if eos_id is not None:  # no loss across a document boundary (models.masking)
+        val_data = [(inputs, mask_document_targets(inputs, targets, eos_id)) for inputs, targets in val_data]
+    return data_dir, train_set, sampler, val_data
+
+
+def document_eos(cfg: Config, train_set: TokenDataset, data_dir: Path) -> int | None:
+    """The end-of-document token that `model.attn_mask = "document"` cuts documents at (None under "causal");
+    refuses data whose index records none."""
+    if cfg.model.attn_mask != "document":
+        return None
+    if train_set.eos_id is None:
+        raise ConfigError(f"model.attn_mask = 'document' needs document boundaries, but the data {data_dir} "
+                          "records no end-of-document token (eos_id in index.json); prepare it with `fivefold data "
+                          "prepare`, or use model.attn_mask = 'causal'")
+    return train_set.eos_id
 
 
 def resume_point(checkpointer: ckpt.Checkpointer, candidates: list[Path]) -> ckpt.LoadedCheckpoint | None:
@@ -365,6 +383,7 @@ class Run:
     start: int = field(init=False)  # the step this call starts after
     mbs: int = field(init=False)
     global_tokens: int = field(init=False)  # tokens of one step
+    trained_tokens: int = field(init=False)  # trained targets of the last step (fewer under document masking)
     flops_per_token: float = field(init=False)
     guard: StepGuard = field(init=False)
     throughput: Throughput = field(init=False)
@@ -377,6 +396,7 @@ class Run:
         self.delay = injected_delay(torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
         self.run_dir, self.start = self.result.run_dir, self.result.steps
         self.mbs, self.global_tokens = self.cfg.micro_batch_size, t.global_batch_size * t.seq_len
+        self.trained_tokens = self.global_tokens
         # the attention the model's mask executes (under a document mask: priced from the data's document lengths)
         docs = self.sampler.dataset.document_lengths if self.cfg.model.attn_mask == "document" else None
         self.flops_per_token = training_flops_per_token(self.cfg.model, t.seq_len, docs=docs)
@@ -443,10 +463,13 @@ class Run:
         faults.note(step=step + 1, micro_batch=None, action="data")
         lr = engine.set_lr(step)
         inputs, targets = self.sampler.rank_batch(step, engine.dp_rank, engine.dp_size)
+        if engine.eos_id is not None:  # no loss across a document boundary: the mean is over the trained targets
+            targets = mask_document_targets(inputs, targets, engine.eos_id)
+            self.trained_tokens = engine.trained_tokens(targets)
         micro_batches = split_micro_batches(inputs, targets, self.mbs, self.device)
         if self.delay:
             time.sleep(self.delay)
-        loss_sum = engine.forward_backward(micro_batches, self.global_tokens)
+        loss_sum = engine.forward_backward(micro_batches, self.trained_tokens)
         faults.note(micro_batch=None, action="optimizer step")
         grad_norm = engine.optimizer_step(loss_sum, signals.asked)
         self.guard.update(step + 1, engine.step_flags, loss_sum)
@@ -459,7 +482,7 @@ class Run:
     def log_step(self, done: int, loss_sum: torch.Tensor, lr: float, grad_norm: torch.Tensor) -> float:
         """Log step `done`'s record (loss, learning rate, gradient norm, throughput, MFU, peak memory); its loss."""
         engine = self.engine
-        loss = engine.reduce_for_logging(loss_sum).item() / self.global_tokens
+        loss = engine.reduce_for_logging(loss_sum).item() / self.trained_tokens
         drop = engine.moe_drop_fraction()  # None but under capacity-based MoE routing
         synchronize(self.device)
         memory = self.measure(done)

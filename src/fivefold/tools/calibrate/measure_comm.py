@@ -96,8 +96,8 @@ def measure_zero3_unit(clock: Clock, model, collectives: dict, say: Say) -> floa
     def build() -> nn.Module:
         torch.manual_seed(0)
         block = Block(model).to(clock.device)
-        block.attn.core = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                                          enable_gqa=q.shape[1] != k.shape[1])
+        block.attn.core = lambda q, k, v, mask=None: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         return block
 
     class Root(nn.Module):  # the engine's root unit around the whole micro-batch (it holds no parameters here)

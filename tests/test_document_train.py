@@ -1,0 +1,113 @@
+"""`fivefold train --model.attn_mask document` end to end on a prepared jsonl of a few hundred short documents:
+the losses differ from the causal run's (documents no longer see each other), one process and `--nproc 2` under
+cp2 and tp2 log the same losses (1e-4 relative, every step), and data without document boundaries is refused in
+one line before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fivefold.cli import main
+from fivefold.data import prepare_dataset
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+WORDS = ("the king queen lord castle sword river storm night morning bread wine horse field letter ring crown "
+         "battle peace grief laughter song ship sea wind fire stone gold").split()
+
+
+@pytest.fixture(scope="module")
+def documents(tmp_path_factory) -> Path:
+    """300 documents of 3 to 30 words, tokenized with a 320-token BPE vocabulary."""
+    root = tmp_path_factory.mktemp("docs")
+    rng = random.Random(5)
+    lines = [json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 30)))})
+             for _ in range(300)]
+    (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    return prepare_dataset([root / "docs.jsonl"], root / "data", vocab_size=320, val_fraction=0.1)
+
+
+def train_args(data: Path, run_dir: Path, *extra: str) -> list[str]:
+    return ["train", "--data", str(data), "--max-steps", "20", "--run-dir", str(run_dir),
+            "--model.n_layers", "2", "--model.hidden", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+            "--model.ffn", "128", "--model.vocab_size", "320", "--train.seq_len", "64", "--train.global_batch_size",
+            "4", "--train.warmup_steps", "2", "--train.lr", "3e-3", "--train.dtype", "fp32", "--train.device", "cpu",
+            "--train.eval_every", "0", "--train.eval_batches", "1", "--train.checkpoint_every", "0",
+            "--train.threads", "1", "--log.log_every", "1", "--log.progress", "none", *extra]
+
+
+def logged_losses(run_dir: Path) -> list[float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r]
+
+
+def test_document_mask_trains_and_differs_from_causal(documents, tmp_path):
+    assert main(train_args(documents, tmp_path / "doc", "--model.attn_mask", "document")) == 0
+    assert main(train_args(documents, tmp_path / "causal")) == 0
+    doc, causal = logged_losses(tmp_path / "doc"), logged_losses(tmp_path / "causal")
+    assert len(doc) == len(causal) == 20 and doc[-1] < doc[0]
+    # step 1 (the same weights): the masks alone differ; later the runs drift apart
+    assert abs(doc[0] - causal[0]) > 1e-4 * causal[0]
+    assert max(abs(a - b) / b for a, b in zip(doc, causal, strict=True)) > 1e-2
+
+
+def test_first_logged_loss_is_the_mean_over_each_document_alone(documents, tmp_path):
+    """The loop's loss convention against the independent reference: step 1's logged loss (the initial weights)
+    equals the mean, over the trained targets, of each document piece of the first batch run alone."""
+    from tests.test_document_mask import reference
+
+    from fivefold.config import build_config
+    from fivefold.data import BatchSampler, TokenDataset
+
+    args = train_args(documents, tmp_path / "run", "--model.attn_mask", "document", "--train.global_batch_size", "2")
+    args[args.index("--max-steps") + 1] = "1"
+    assert main(args) == 0
+    cfg = build_config(tmp_path / "run" / "config.toml")
+    data = TokenDataset(documents, "train")
+    inputs, targets = BatchSampler(data, cfg.train.seq_len, cfg.train.global_batch_size, cfg.train.seed).global_batch(0)
+    losses, count, _ = reference(cfg, inputs, targets, data.eos_id)
+    assert count < targets.numel()  # the EOS inputs' predictions are left out
+    expected = losses.sum().item() / count
+    assert abs(logged_losses(tmp_path / "run")[0] - expected) <= 1e-5 * expected
+
+
+def test_data_without_boundaries_is_refused_before_any_work(documents, tmp_path, capsys):
+    index = json.loads((documents / "index.json").read_text())
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in documents.iterdir():
+        (bare / f.name).symlink_to(f)
+    (bare / "index.json").unlink()
+    (bare / "index.json").write_text(json.dumps({k: v for k, v in index.items() if k != "eos_id"}))
+    assert main(train_args(bare, tmp_path / "run", "--model.attn_mask", "document")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.attn_mask = 'document' needs document boundaries" in err[0]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_cp2_and_tp2_log_the_losses_of_one_process(documents, tmp_path):
+    assert main(train_args(documents, tmp_path / "one", "--model.attn_mask", "document")) == 0
+    one = logged_losses(tmp_path / "one")
+    for name, layout in (("cp", ["--layout.cp", "2"]), ("tp", ["--layout.tp", "2"])):
+        cmd = [sys.executable, "-m", "fivefold", *train_args(documents, tmp_path / name, "--model.attn_mask",
+                                                             "document", "--nproc", "2", *layout)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "PYTHONPATH": str(SRC)})
+        assert done.returncode == 0, done.stderr[-3000:]
+        two = logged_losses(tmp_path / name)
+        assert len(two) == len(one) == 20
+        for step, (a, b) in enumerate(zip(two, one, strict=True), 1):
+            assert abs(a - b) <= 1e-4 * b, f"{name}2, step {step}: {a} vs one process {b}"
+
+
+def test_bench_refuses_document_masking_on_synthetic_tokens(capsys):
+    assert main(["bench", "--model", "tiny", "--seq-len", "64", "--steps", "1", "--model.attn_mask", "document"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.attn_mask = 'document' needs document boundaries" in err[0]

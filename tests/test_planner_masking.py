@@ -176,3 +176,20 @@ def test_trainer_mfu_counts_the_executed_attention(tmp_path, capsys):
                 for ids in (doc[s:s + seq] for s in range(period))) / period
     assert logged == pytest.approx(executed_flops(cfg, seq, pairs / (seq * (seq + 1) / 2)), rel=1e-9)
     assert "(causal-equivalent " in capsys.readouterr().out
+
+
+def test_a_written_config_under_a_mask_runs_eager_and_validates(tmp_path, capsys):
+    """`--write-config` after `--doc-len` writes the document mask, and so torch.compile off (the masked attention runs
+    one kernel per document and the trainer refuses compile with it): the written file loads and `--dry-run` passes;
+    the header's prediction is the eager one the search ranked by."""
+    from fivefold.config import build_config
+
+    out = tmp_path / "masked.toml"
+    assert main(["plan", "--model", "llama-3.2-1b", "--doc-len", "1024", "--seq-len", "8192", "--global-batch", "1M",
+                 "--write-config", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "ranked eager" in printed
+    cfg = build_config(out)
+    assert cfg.model.attn_mask == "document" and not cfg.train.compile
+    assert "as configured" not in out.read_text().splitlines()[1]
+    assert main(["train", "--config", str(out), "--dry-run", "--gpu", "h100"]) == 0

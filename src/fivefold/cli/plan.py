@@ -12,6 +12,7 @@ from pathlib import Path
 
 from fivefold.config import Config, ModelConfig, dump_toml, write_text_atomic
 from fivefold.errors import CliError
+from fivefold.flops import attention_fraction, attention_pairs, causal_pairs, masks_attention
 from fivefold.layout import check_layout
 from fivefold.planner.layout import Framework, Layout, check_runs_hsdp, parse_layout
 from fivefold.planner.search import RANK_RULES, SearchSpace, estimate, gib, parse_tokens, rank_key, search
@@ -473,7 +474,6 @@ def _attention_model(args: argparse.Namespace, cfg: ModelConfig) -> ModelConfig:
 
 def _attention_json(args: argparse.Namespace, cfg: ModelConfig, seq: int) -> dict:
     """What `plan --json` says of a masked model's attention (nothing for plain causal attention)."""
-    from fivefold.flops import attention_fraction, attention_pairs, causal_pairs, masks_attention
 
     if not masks_attention(cfg):
         return {}
@@ -597,7 +597,9 @@ def _search_layouts(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, h
     """Every layout: the best of each family as a table (or every candidate as JSON), --write-config's file."""
     batch_seqs = tokens // seq
     accelerator = not (hw.cores or hw.name == "cpu")
-    compiled_for_config = bool(args.write_config) and accelerator and fw.fused_elementwise != "all"
+    # the written config compiles on an accelerator (not under an attention mask: `recipes.apply_recipe`)
+    compiled_for_config = (bool(args.write_config) and accelerator and fw.fused_elementwise != "all"
+                           and not masks_attention(cfg))
     if compiled_for_config:  # the written config turns torch.compile on: rank the layouts as that run will go
         from fivefold.planner.features import with_features
 
@@ -614,7 +616,7 @@ def _search_layouts(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, h
                      hw.gpus_per_node, accelerator=accelerator,
                      prediction=f"{gib(best.peak_bytes):.1f} GiB peak per device, step {best.step_time_s:.2f} s, "
                                 f"{best.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {100 * best.mfu:.1f} %"
-                                + (" (with torch.compile, as configured)" if accelerator else ""),
+                                + (" (with torch.compile, as configured)" if compiled_for_config else ""),
                      train_tokens=parse_tokens(args.train_tokens) if args.train_tokens else None)
     for e in result.candidates:  # the written config's header keeps fivefold's MFU (what the trainer logs)
         e.mfu *= _mfu_scale(args, cfg, seq)

@@ -60,7 +60,7 @@ def published_recipe(params: int, is_moe: bool) -> Recipe:
 def apply_recipe(conf: Config, accelerator: bool, train_tokens: int | None = None) -> Recipe:
     """Set `conf.train` to the published recipe of its model for its global batch: LR, warm-up, cosine decay,
     AdamW settings, a token budget (`train_tokens`, default 20 per parameter), evaluation and checkpoints;
-    compile on accelerators; a data path to fill in."""
+    compile on accelerators (not under an attention mask, which runs eager); a data path to fill in."""
     t = conf.train
     params = count_params(conf.model)
     recipe = published_recipe(params, conf.model.is_moe)
@@ -73,7 +73,8 @@ def apply_recipe(conf: Config, accelerator: bool, train_tokens: int | None = Non
     t.weight_decay, t.grad_clip = recipe.weight_decay, recipe.grad_clip
     t.eval_every, t.eval_batches = 1000, 16
     t.checkpoint_every, t.keep_checkpoints = 500, 3
-    t.compile = accelerator
+    # compiled on accelerators, but for an attention mask, whose attention runs one kernel per document
+    t.compile = accelerator and conf.model.attn_mask == "causal" and not conf.model.sliding_window
     conf.data.path = DATA_PLACEHOLDER
     return recipe
 

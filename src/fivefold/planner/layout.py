@@ -211,7 +211,7 @@ FIVEFOLD = Framework(param_bytes=2, grad_bytes=2, master_bytes=4, accum_bytes=4,
 # changes nothing, the gradients being fp32 already).
 FIVEFOLD_CPU = dataclasses.replace(FIVEFOLD, name="fivefold-cpu", compute_dtype="fp32", param_bytes=4, grad_bytes=4,
                                    master_bytes=0, accum_bytes=4, residual_bytes=4, gather_bytes=0,
-                                   logits_bytes=8.0, kernels_per_layer=42, kernels_per_micro_batch=33)
+                                   logits_bytes=8.0, kernels_per_layer=42, kernels_per_micro_batch=32)
 # nanotron as the playbook's benchmark ran it: bf16 parameters and gradients, fp32 master weights sharded by
 # ZeRO-1, a fp32 gradient accumulation buffer, flash attention, TP always with sequence parallel and
 # asynchronous TP communication, whole (vocabulary-parallel) logits. Fitted fields: see docs/planner.md.

@@ -7,6 +7,7 @@ import importlib
 import os
 import sys
 
+from fivefold.config import shown
 from fivefold.errors import CliError, ConfigError
 
 # verb -> (module, one-line help); modules are imported only when their verb runs or --help is asked
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if verb is not None and verb not in VERBS:
-        parser.error(f"unknown verb {verb!r}; choose one of: {', '.join(VERBS)}")
+        parser.error(f"unknown verb {shown(verb)}; choose one of: {', '.join(VERBS)}")
     args, extra = parser.parse_known_args(argv)
     if args.verb is None:
         parser.print_help()

@@ -10,7 +10,7 @@ import math
 import sys
 from pathlib import Path
 
-from fivefold.config import Config, ModelConfig, dump_toml, write_text_atomic
+from fivefold.config import Config, ModelConfig, dump_toml, shown, write_text_atomic
 from fivefold.errors import CliError
 from fivefold.layout import check_layout
 from fivefold.planner.layout import Framework, Layout, check_runs_hsdp, parse_layout
@@ -106,7 +106,7 @@ def load_model(spec: str) -> ModelConfig:
         for part in filter(None, (x.strip() for x in spec.split(","))):
             key, _, value = part.partition("=")
             if key not in _SHAPE_KEYS:
-                raise CliError(f"--model shape key {key!r} is not known; use: {', '.join(_SHAPE_KEYS)}")
+                raise CliError(f"--model shape key {shown(key)} is not known; use: {', '.join(_SHAPE_KEYS)}")
             field = _SHAPE_KEYS[key]
             if field == "tied_embeddings":
                 values[field] = value.lower() in ("1", "true", "yes", "on")
@@ -116,7 +116,7 @@ def load_model(spec: str) -> ModelConfig:
                 try:
                     values[field] = int(value)
                 except ValueError:
-                    raise CliError(f"--model {key} = {value!r} is not an integer") from None
+                    raise CliError(f"--model {key} = {shown(value)} is not an integer") from None
         if "n_kv_heads" not in values and "n_heads" in values:
             values["n_kv_heads"] = values["n_heads"]
         cfg = ModelConfig(**values)
@@ -148,13 +148,13 @@ def _space(args: argparse.Namespace) -> SearchSpace:
     try:
         zero = tuple(int(z) for z in args.zero.split(","))
     except ValueError:
-        raise CliError(f"--zero {args.zero!r} must be a comma-separated list of 0..3") from None
+        raise CliError(f"--zero {shown(args.zero)} must be a comma-separated list of 0..3") from None
     if not zero or any(z not in (0, 1, 2, 3) for z in zero):
-        raise CliError(f"--zero {args.zero!r} must be a comma-separated list of 0..3, e.g. 0,1")
+        raise CliError(f"--zero {shown(args.zero)} must be a comma-separated list of 0..3, e.g. 0,1")
     rc = tuple(args.recompute.split(","))
     for r in rc:
         if r not in ("none", "selective", "full"):
-            raise CliError(f"--recompute {r!r} is not one of none, selective, full")
+            raise CliError(f"--recompute {shown(r)} is not one of none, selective, full")
     sp = {"on": (True,), "off": (False,), "both": (False, True)}[args.sp]
     return SearchSpace(zero=zero, recompute=rc, sp=sp, schedules=tuple(args.schedules.split(",")),
                        cp=not args.no_cp,
@@ -179,29 +179,29 @@ def apply_fix(text: str, space: SearchSpace, n_gpus: int, gpus_per_node: int, ba
     for part in filter(None, (x.strip() for x in text.split(","))):
         key, eq, value = (x.strip() for x in part.partition("="))
         if not eq or key not in _FIX_KEYS:
-            raise CliError(f"--fix item {part!r} is not KEY=VALUE with KEY one of: {', '.join(_FIX_KEYS)}")
+            raise CliError(f"--fix item {shown(part)} is not KEY=VALUE with KEY one of: {', '.join(_FIX_KEYS)}")
         key = "micro_batch_size" if key == "mbs" else key
         if key in fixed or key in updates:
             raise CliError(f"--fix gives {key} twice; keep one value")
         if key == "schedule":
             if value not in SCHEDULES:
-                raise CliError(f"--fix schedule = {value!r} is not one of {', '.join(SCHEDULES)}")
+                raise CliError(f"--fix schedule = {shown(value)} is not one of {', '.join(SCHEDULES)}")
             updates["schedules"] = (value,)
             continue
         if key == "recompute":
             if value not in ("none", "selective", "full"):
-                raise CliError(f"--fix recompute = {value!r} is not one of none, selective, full")
+                raise CliError(f"--fix recompute = {shown(value)} is not one of none, selective, full")
             updates["recompute"] = (value,)
             continue
         if key == "sp":
             if value.lower() not in ("on", "off", "true", "false", "1", "0"):
-                raise CliError(f"--fix sp = {value!r} must be on or off")
+                raise CliError(f"--fix sp = {shown(value)} must be on or off")
             updates["sp"] = (value.lower() in ("on", "true", "1"),)
             continue
         try:
             number = int(value)
         except ValueError:
-            raise CliError(f"--fix {key} = {value!r} is not an integer") from None
+            raise CliError(f"--fix {key} = {shown(value)} is not an integer") from None
         if key == "zero":
             if number not in (0, 1, 2, 3):
                 raise CliError(f"--fix zero = {number} is not a ZeRO stage; use 0, 1, 2 or 3")
@@ -385,10 +385,10 @@ def _check_options(args: argparse.Namespace) -> None:
     if args.write_config:
         target = Path(args.write_config)
         if not target.parent.is_dir():
-            raise CliError(f"--write-config {args.write_config!r}: directory {str(target.parent)!r} does not "
+            raise CliError(f"--write-config {shown(args.write_config)}: directory {shown(str(target.parent))} does not "
                            "exist; create it first or write into an existing one")
         if target.is_dir():
-            raise CliError(f"--write-config {args.write_config!r} is a directory; give a file name such as "
+            raise CliError(f"--write-config {shown(args.write_config)} is a directory; give a file name such as "
                            "best.toml")
 
 
@@ -400,7 +400,7 @@ def _plan_model(args: argparse.Namespace) -> ModelConfig:
 
         print(f"{args.model}: read as a GELU-MLP shape; not modelled: {NOT_MODELLED}")
     if args.write_config and cfg.mlp != "swiglu":
-        raise CliError(f"--write-config: the model's MLP is {cfg.mlp!r}, and the engine builds SwiGLU MLPs only; "
+        raise CliError(f"--write-config: the model's MLP is {shown(cfg.mlp)}, and the engine builds SwiGLU MLPs only; "
                        "plan without --write-config")
     return cfg
 
@@ -414,7 +414,7 @@ def _resolve_nodes(args: argparse.Namespace) -> None:
         try:
             args.nodes = int(args.nodes)
         except ValueError:
-            raise CliError(f"--nodes = {args.nodes!r} must be a number of nodes (a list only for "
+            raise CliError(f"--nodes = {shown(args.nodes)} must be a number of nodes (a list only for "
                            "`plan scaling`)") from None
     if args.nodes < 1:
         raise CliError(f"--nodes = {args.nodes} must be >= 1")

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from fivefold.config import Config, build_config, load_file, parse_overrides
+from fivefold.config import Config, build_config, load_file, parse_overrides, shown
 from fivefold.errors import CliError
 
 ACCEPTS_OVERRIDES = True
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--nodes = {args.nodes} and --nproc = {args.nproc} must both be >= 1")
         check_slurm_time(args.time)
         if args.setup and not Path(args.setup).is_file():
-            raise CliError(f"--setup {args.setup!r} is not a file; give the shell file to source on every node "
+            raise CliError(f"--setup {shown(args.setup)} is not a file; give the shell file to source on every node "
                            "(module loads, `source venv/bin/activate`, NCCL settings)")
         path = write_slurm_script(args.slurm, forwarded_argv(args, cfg.run_dir), args.nodes, args.nproc,
                                   time_limit=args.time, partition=args.partition, account=args.account,
@@ -174,7 +174,7 @@ _SLURM_TIME = re.compile(r"^(\d+-)?\d{1,3}:\d{2}:\d{2}$")
 
 def check_slurm_time(value: str) -> None:
     if not _SLURM_TIME.match(value):
-        raise CliError(f"--time {value!r} is not a SLURM time limit; use HH:MM:SS or D-HH:MM:SS, e.g. 48:00:00 or "
+        raise CliError(f"--time {shown(value)} is not a SLURM time limit; use HH:MM:SS or D-HH:MM:SS, e.g. 48:00:00 or "
                        "2-00:00:00")
 
 
@@ -196,7 +196,8 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
           f"{t.max_steps * t.global_batch_size * t.seq_len:,} tokens; lr {t.lr:g} ({t.lr_schedule}, warm-up "
           f"{t.warmup_steps} steps); run dir {cfg.run_dir}")
     if cfg.data.path and not Path(cfg.data.path).is_dir():
-        print(f"note: data.path = {cfg.data.path!r} does not exist yet; prepare it with `fivefold data prepare FILES "
+        print(f"note: data.path = {shown(cfg.data.path)} does not exist yet; prepare it with `fivefold data "
+              f"prepare FILES "
               "--tokenizer MODEL_DIR --out DIR` before training")
     gpu = args.gpu or ("cpu" if t.device == "cpu" else "h100")
     hw = get_cluster(gpu)

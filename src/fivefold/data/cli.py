@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fivefold.config import shown
 from fivefold.data.format import SPLITS
 from fivefold.data.prepare import (
     DEFAULT_SHARD_TOKENS,
@@ -107,7 +108,7 @@ def summary(directory: str, verify: bool = False) -> str:
     lines = [
         f"{directory}",
         f"  tokenizer   {tokenizer['file']} ({how}); vocab_size {index['vocab_size']}, "
-        f"eos {index['eos_token']!r} = {index['eos_id']}, dtype {index['dtype']}",
+        f"eos {shown(index['eos_token'])} = {index['eos_id']}, dtype {index['dtype']}",
         f"  split       {index['split']['method']}, val_fraction {index['split']['val_fraction']}",
     ]
     for split in SPLITS:

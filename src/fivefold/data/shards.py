@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from fivefold.config import shown
 from fivefold.data.format import (
     FORMAT_NAME,
     INDEX_FILE,
@@ -109,7 +110,7 @@ def check_output(out: Path, overwrite: bool) -> None:
             for e in out.iterdir()
             if not (e.is_file() and (e.name in (INDEX_FILE, TOKENIZER_FILE) or SHARD_NAME.match(e.name)))
         )
-        what = f"holds {foreign[0]!r}, which is not" if foreign else "has no index.json written by"
+        what = f"holds {shown(foreign[0])}, which is not" if foreign else "has no index.json written by"
         raise DataError(
             f"--out {out}: {what} part of a prepared token directory; refusing to delete it "
             "(choose another --out)"

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fivefold.config import Config, ConfigError
+from fivefold.config import Config, ConfigError, shown
 from fivefold.device import local_device, resolve_device
 from fivefold.faults import DEFAULT_COLLECTIVE_TIMEOUT_S, die_with_parent, start_watchdog
 
@@ -123,10 +123,10 @@ def write_slurm_script(path: str | Path, argv: list[str], nodes: int, gpus_per_n
               ("account", account or ""))
     for what, value in (*sbatch, ("verb", verb), ("set-up file", setup or ""), *(("argument", a) for a in argv)):
         if _CONTROL.search(str(value)):
-            raise ConfigError(f"SLURM script {what} {str(value)!r} holds a control character (newline, ...)")
+            raise ConfigError(f"SLURM script {what} {shown(str(value))} holds a control character (newline, ...)")
     for what, value in sbatch:
         if value and not _SBATCH_SAFE.fullmatch(value):  # #SBATCH lines are not shell: no quoting exists there
-            raise ConfigError(f"SLURM script {what} {value!r} may hold only letters, digits and . _ - : / % + = @")
+            raise ConfigError(f"SLURM script {what} {shown(value)} may hold only letters, digits and . _ - : / % + = @")
     command = " ".join(shlex.quote(a) for a in argv)
     trap = f"trap {shlex.quote(f'status=$?; {on_exit}')} EXIT\n" if on_exit else ""
     options = "".join(f"#SBATCH --{k}={v}\n" for k, v in (("partition", partition), ("account", account)) if v)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from fivefold.config import shown
 from fivefold.errors import CliError
 
 
@@ -95,7 +96,7 @@ def _load(args: argparse.Namespace, device: torch.device):
         if note:
             print(note)
         if not (ckpt / "config.toml").is_file():
-            raise CliError(f"checkpoint {str(ckpt)!r} has no config.toml (the run's resolved config)")
+            raise CliError(f"checkpoint {shown(str(ckpt))} has no config.toml (the run's resolved config)")
         cfg = build_config(ckpt / "config.toml").model
         model = build_model(cfg, device="meta")
         model.to_empty(device=device)

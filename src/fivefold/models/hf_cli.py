@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fivefold.config import build_config
+from fivefold.config import build_config, shown
 from fivefold.errors import CliError
 from fivefold.flops import count_params
 
@@ -57,9 +57,10 @@ def find_tokenizer_dir(ckpt: Path, given: str | None) -> Path | None:
 def resolve_checkpoint(path: Path) -> tuple[Path, str | None]:
     """The checkpoint directory to export and, when it was picked from a run, a note saying which."""
     if not path.exists():
-        raise CliError(f"--checkpoint {str(path)!r} does not exist")
+        raise CliError(f"--checkpoint {shown(str(path))} does not exist")
     if not path.is_dir():
-        raise CliError(f"--checkpoint {str(path)!r} is a file; give a checkpoint directory (step_XXXXXXXX) or a run "
+        raise CliError(f"--checkpoint {shown(str(path))} is a file; give a checkpoint directory (step_XXXXXXXX) "
+                       f"or a run "
                        "directory")
     if (path / "model.safetensors").is_file() or (path / "rank0.json").is_file():
         return path, None
@@ -70,8 +71,8 @@ def resolve_checkpoint(path: Path) -> tuple[Path, str | None]:
     if not complete:
         found = ", ".join(p.name for _, p in steps[-5:]) or "none"
         raise CliError(
-            f"--checkpoint {str(path)!r} holds no model.safetensors and no complete checkpoint "
-            f"(step_XXXXXXXX directory with a COMPLETE marker) under {str(root)!r}; "
+            f"--checkpoint {shown(str(path))} holds no model.safetensors and no complete checkpoint "
+            f"(step_XXXXXXXX directory with a COMPLETE marker) under {shown(str(root))}; "
             f"step directories found: {found}"
         )
     newest_step, newest = complete[-1]

@@ -16,7 +16,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from fivefold.config import ModelConfig
+from fivefold.config import ModelConfig, shown
 from fivefold.errors import CliError
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.layout import Framework, Layout, check_runs_hsdp, parse_layout
@@ -48,9 +48,9 @@ def parse_nodes(text: str) -> list[int]:
     try:
         nodes = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise CliError(f"--nodes {text!r} must be a comma-separated list of node counts, e.g. 1,2,4,8") from None
+        raise CliError(f"--nodes {shown(text)} must be a comma-separated list of node counts, e.g. 1,2,4,8") from None
     if not nodes or any(n < 1 for n in nodes) or nodes != sorted(set(nodes)):
-        raise CliError(f"--nodes {text!r} must be increasing node counts >= 1, e.g. 1,2,4,8,16")
+        raise CliError(f"--nodes {shown(text)} must be increasing node counts >= 1, e.g. 1,2,4,8,16")
     return nodes
 
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from fivefold.config import ConfigError
+from fivefold.config import ConfigError, shown
 from fivefold.errors import CliError
 from fivefold.sweep.grid import PlannedRun, config_json, expand, load_grid
 from fivefold.sweep.runner import KeyLock, Outcome, hostname, run_local, slurm_outcome, slurm_shape, submit, write_job
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     retry = tuple(s for s in args.retry.split(",") if s)
     for s in retry:
         if s not in RETRYABLE:
-            raise ConfigError(f"--retry {s!r} is not one of {', '.join(RETRYABLE)}")
+            raise ConfigError(f"--retry {shown(s)} is not one of {', '.join(RETRYABLE)}")
     if args.submit and not args.slurm:
         raise CliError("--submit needs --slurm DIR")
     if args.nproc_max < 0 or args.gpus_per_node < 1:

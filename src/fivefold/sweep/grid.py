@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fivefold.config import Config, ConfigError, build_config, load_file
+from fivefold.config import Config, ConfigError, build_config, load_file, shown
 from fivefold.layout import check_layout
 
 SECTIONS = ("model", "layout", "train", "data", "log")
@@ -86,15 +86,15 @@ def load_grid(path: str | Path) -> Grid:
     for key, value in top.items():
         if key in SECTIONS:
             if not isinstance(value, dict):
-                raise ConfigError(f"grid [{key}] must be a table of config fields, got {value!r}")
+                raise ConfigError(f"grid [{key}] must be a table of config fields, got {shown(value)}")
         elif key not in TOP_KEYS:
-            raise ConfigError(f"grid key {key!r} is not known; top-level keys: {', '.join(TOP_KEYS)}, sections: "
+            raise ConfigError(f"grid key {shown(key)} is not known; top-level keys: {', '.join(TOP_KEYS)}, sections: "
                               f"{', '.join(SECTIONS)}, and [[grid]] tables")
         elif not isinstance(value, TOP_KEYS[key]) or isinstance(value, bool):
-            raise ConfigError(f"grid {key} = {value!r} has the wrong type")
+            raise ConfigError(f"grid {key} = {shown(value)} has the wrong type")
     name = str(top.get("name", path.stem))
     if not name or re.search(r"[\x00-\x1f\x7f]", name):
-        raise ConfigError(f"grid name = {name!r} must be non-empty and hold no control characters (newline, tab, "
+        raise ConfigError(f"grid name = {shown(name)} must be non-empty and hold no control characters (newline, tab, "
                           "...): it names SLURM jobs and reports; e.g. name = \"cpu-sweep\"")
     steps, warmup = int(top.get("steps", 5)), int(top.get("warmup", 2))
     if steps < 1 or warmup < 0:
@@ -110,7 +110,7 @@ def load_grid(path: str | Path) -> Grid:
     for i, entry in enumerate(extra or [{}]):
         for key in entry:
             if key not in SECTIONS and key != "devices":
-                raise ConfigError(f"[[grid]] entry {i + 1}: key {key!r} is not known; use devices or the sections "
+                raise ConfigError(f"[[grid]] entry {i + 1}: key {shown(key)} is not known; use devices or the sections "
                                   f"{', '.join(SECTIONS)}")
         products.append(_merge(base, entry))
     for product in products:
@@ -118,7 +118,7 @@ def load_grid(path: str | Path) -> Grid:
         if devices is not None:
             values = devices if isinstance(devices, list) else [devices]
             if not values or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in values):
-                raise ConfigError(f"grid devices = {devices!r} must be a positive integer or a list of them")
+                raise ConfigError(f"grid devices = {shown(devices)} must be a positive integer or a list of them")
     return Grid(name, steps, warmup, timeout, products)
 
 

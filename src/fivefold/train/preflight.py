@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from fivefold.config import Config, ConfigError, check_device_name
+from fivefold.config import Config, ConfigError, check_device_name, shown
 from fivefold.device import resolve_device
 from fivefold.train.metrics import check_logging_backends
 
@@ -35,11 +35,11 @@ def check_device(name: str) -> torch.device:
     acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     if acc is None or acc.type != device.type:
         have = f"this machine's accelerator is {acc.type}" if acc is not None else "this machine has no accelerator"
-        raise ConfigError(f"train.device = {name!r}: {have}; use train.device = auto or cpu"
+        raise ConfigError(f"train.device = {shown(name)}: {have}; use train.device = auto or cpu"
                           + (f" or {acc.type}" if acc is not None else ""))
     count = torch.accelerator.device_count()
     if device.index is not None and device.index >= count:
-        raise ConfigError(f"train.device = {name!r}: this machine has {count} {device.type} device(s), numbered "
+        raise ConfigError(f"train.device = {shown(name)}: this machine has {count} {device.type} device(s), numbered "
                           f"0 to {count - 1}")
     return device
 
@@ -48,7 +48,8 @@ def check_run_dir_writable(run_dir: Path, resume: bool) -> None:
     """The run directory can be created and written, checked without leaving anything behind."""
     if resume:
         if not run_dir.is_dir():
-            raise ConfigError(f"--resume: run directory {str(run_dir)!r} does not exist; give the --run-dir of the "
+            raise ConfigError(f"--resume: run directory {shown(str(run_dir))} does not exist; give the "
+                              f"--run-dir of the "
                               "run to continue, or drop --resume to start a new one")
         return
     missing: list[Path] = []
@@ -59,7 +60,7 @@ def check_run_dir_writable(run_dir: Path, resume: bool) -> None:
             break
         path = path.parent
     if path.exists() and not path.is_dir():
-        raise ConfigError(f"--run-dir {str(run_dir)!r}: {str(path)!r} is a file, not a directory; choose a "
+        raise ConfigError(f"--run-dir {shown(str(run_dir))}: {shown(str(path))} is a file, not a directory; choose a "
                           "run directory under a writable directory (default: runs/NAME-TIME)")
     try:
         for p in reversed(missing):
@@ -68,7 +69,7 @@ def check_run_dir_writable(run_dir: Path, resume: bool) -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"--run-dir {str(run_dir)!r} cannot be written ({e.strerror or e}); choose a run "
+        raise ConfigError(f"--run-dir {shown(str(run_dir))} cannot be written ({e.strerror or e}); choose a run "
                           "directory under a writable directory (default: runs/NAME-TIME)") from None
     finally:
         for p in missing:  # as we found it
@@ -82,16 +83,18 @@ def check_hf_dir(path: str) -> None:
     """`--hf DIR` holds a config.json and safetensors weights."""
     hf = Path(path)
     if not hf.is_dir():
-        raise ConfigError(f"--hf {path!r} is not a directory; give a Hugging Face Llama directory (config.json and "
+        raise ConfigError(f"--hf {shown(path)} is not a directory; give a Hugging Face Llama directory "
+                          f"(config.json and "
                           "model.safetensors)")
     if not (hf / "config.json").is_file():
-        raise ConfigError(f"--hf {path!r} has no config.json; a Hugging Face Llama directory holds config.json and "
+        raise ConfigError(f"--hf {shown(path)} has no config.json; a Hugging Face Llama directory holds "
+                          f"config.json and "
                           "model.safetensors")
     if not (hf / "model.safetensors").is_file() and not (hf / "model.safetensors.index.json").is_file():
         pickles = sorted(p.name for p in hf.glob("*.bin"))
         hint = f" (found {', '.join(pickles)}: pickled weights are not read; re-save them as safetensors)" \
             if pickles else ""
-        raise ConfigError(f"--hf {path!r} has no model.safetensors or model.safetensors.index.json{hint}")
+        raise ConfigError(f"--hf {shown(path)} has no model.safetensors or model.safetensors.index.json{hint}")
 
 
 def check_extras(cfg: Config) -> None:

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from fivefold.config import ConfigError
+from fivefold.config import ConfigError, shown
 from fivefold.errors import CliError
 from fivefold.tools.calibrate.harness import size_text
 from fivefold.tools.calibrate.profile import profile_header, profile_name, profile_tables, write_profile
@@ -50,7 +50,7 @@ def calibrate(args: argparse.Namespace) -> tuple[Path, dict[int, Result], float]
     out = Path(args.out or f"calibrated-{device_type}.toml")
     if not out.parent.is_dir() or out.is_dir():  # before the minutes of measuring, not after
         why = "is a directory" if out.is_dir() else "its directory does not exist"
-        raise CliError(f"--out {str(out)!r}: {why}; "
+        raise CliError(f"--out {shown(str(out))}: {why}; "
                           "give a file name in an existing directory, e.g. calibrated-cpu.toml")
     print(f"calibrate: {device_type}, ranks {levels[0]}..{levels[-1]}, {len(plan.linear)} linear, "
           f"{len(plan.attention)} attention and {len(plan.loss)} loss shapes, {len(plan.message_bytes)} message sizes"

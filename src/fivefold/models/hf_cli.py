@@ -44,7 +44,7 @@ def find_tokenizer_dir(ckpt: Path, given: str | None) -> Path | None:
         path = Path(given).expanduser()
         directory = path.parent if path.is_file() else path
         if not (directory / "tokenizer.json").is_file():
-            raise CliError(f"--tokenizer {given!r}: no tokenizer.json there; give a tokenizer.json or a Hugging "
+            raise CliError(f"--tokenizer {shown(given)}: no tokenizer.json there; give a tokenizer.json or a Hugging "
                            "Face model directory that holds one")
         return directory
     for candidate in (ckpt / RUN_TOKENIZER_DIR, ckpt.parent.parent / RUN_TOKENIZER_DIR):
@@ -88,15 +88,15 @@ def read_checkpoint_weights(directory: Path) -> dict[str, torch.Tensor]:
     (no model is built; each tensor reads only its pieces' bytes) after its config, piece indexes and piece files
     were checked against the manifest (sha256), or a plain `model.safetensors`. Damaged files raise the format's
     PieceError (a plain file: `models.hf.CheckpointError`)."""
-    from fivefold.checkpoint_format import PieceReader, checkpoint_index, verify_manifest
+    from fivefold.checkpoint_format import PieceReader, checkpoint_index, index_files, verify_manifest
     from fivefold.models.hf import read_safetensors
 
     single = directory / "model.safetensors"
     if single.is_file():
         return read_safetensors(single)
     index = checkpoint_index(directory)
-    files = sorted({piece["file"] for entry in index.values() for piece in entry["pieces"]})
-    verify_manifest(directory, ["config.toml", *(f.name for f in sorted(directory.glob("rank*.json"))), *files])
+    verify_manifest(directory, ["config.toml", *(f.name for f in sorted(directory.glob("rank*.json")))])
+    index_files(directory, index)
     reader = PieceReader(directory, index)
     return {name.removeprefix("model."): reader.read(name) for name in reader.names() if name.startswith("model.")}
 
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         print(note)
     config_file = ckpt / "config.toml"
     if not config_file.is_file():
-        raise CliError(f"checkpoint {str(ckpt)!r} has no config.toml (the run's resolved config)")
+        raise CliError(f"checkpoint {shown(str(ckpt))} has no config.toml (the run's resolved config)")
     cfg = build_config(config_file).model
     cfg.validate()
     weights = ckpt / "model.safetensors" if (ckpt / "model.safetensors").is_file() else ckpt
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     except (CheckpointError, PieceError) as e:
         raise CliError(str(e)) from None
     arch = "MixtralForCausalLM" if cfg.is_moe else "LlamaForCausalLM"
-    print(f"wrote {arch} ({count_params(cfg):,} parameters, model {cfg.name!r}) to {out_dir}")
+    print(f"wrote {arch} ({count_params(cfg):,} parameters, model {shown(cfg.name)}) to {out_dir}")
     if tokenizer_dir is None:
         print("warning: no tokenizer found (the run has no tokenizer/ directory); AutoTokenizer cannot load "
               f"{out_dir}; export again with --tokenizer PATH (the prepared data's tokenizer.json)")

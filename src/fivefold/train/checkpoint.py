@@ -47,6 +47,7 @@ import json
 import os
 import shutil
 import sys
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,8 +57,16 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from fivefold import faults
-from fivefold.checkpoint_format import MANIFEST, PieceError, PieceReader, verify_manifest, write_safetensors
-from fivefold.config import Config, dump_toml, file_sha256
+from fivefold.checkpoint_format import (
+    MANIFEST,
+    PieceError,
+    PieceReader,
+    index_files,
+    merge_index,
+    verify_manifest,
+    write_safetensors,
+)
+from fivefold.config import Config, ConfigError, ModelConfig, config_from_dict, dump_toml, file_sha256, shown
 from fivefold.models.llama import build_model
 
 if TYPE_CHECKING:
@@ -297,14 +306,15 @@ def load_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> LoadedChe
     for name in indexes:
         part = _json_file(path / name)
         try:
-            for p in part["pieces"]:
-                entry = index.setdefault(p["name"], {"shape": p["shape"], "pieces": []})
-                entry["pieces"].append({"file": part["file"], "key": p["key"], "offsets": p["offsets"],
-                                        "shape": p["piece_shape"]})
+            merge_index(part, index)
             for k, v in part["steps"].items():
                 steps[k] = max(steps.get(k, 0.0), float(v))
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"checkpoint file {path / name} is corrupted: {e}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"checkpoint file {path / name} is corrupted: {shown(e)}") from None
+    try:  # every piece file a listed file inside the checkpoint (its checksum: `Checkpointer.load`'s first rank)
+        index_files(path, index, checksums=False)
+    except PieceError as e:
+        raise CheckpointError(str(e)) from None
     rng = None
     if own_rng:
         try:
@@ -325,6 +335,23 @@ def read_model_state(path: Path) -> dict[str, torch.Tensor]:
                 if name.startswith("model.")}
     except PieceError as e:
         raise CheckpointError(str(e)) from None
+
+
+def model_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The plain names and global shapes of a model's weights that a checkpoint stores (no tied output layer)."""
+    meta = build_model(model, device="meta").state_dict()
+    return {k: tuple(v.shape) for k, v in meta.items() if not (k == "lm_head.weight" and model.tied_embeddings)}
+
+
+def checkpoint_model(loaded: LoadedCheckpoint) -> ModelConfig | None:
+    """The model of a checkpoint's own config.toml, or None when it cannot be read as this version's config (an
+    older version's fields): a cross-check of the index, not a requirement."""
+    try:
+        model = config_from_dict(tomllib.loads(loaded.config_toml)).model
+        model.validate()
+        return model
+    except (tomllib.TOMLDecodeError, ConfigError, TypeError, ValueError):
+        return None
 
 
 def check_model_shapes(saved: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], path: Path) -> None:
@@ -398,24 +425,21 @@ class Checkpointer:
         self.config_toml = dump_toml(cfg)  # the resolved config, as the run directory and every checkpoint keep it
 
     def load(self, candidates: list[Path]) -> LoadedCheckpoint | None:
-        """The newest of `candidates` (newest first) that every rank reads and verifies (the first rank verifies
-        every file, the other ranks' shards included); newer ones that fail are reported and set aside as
-        `NAME.bad`. None when there is none at all; a CheckpointError listing the reasons when every one fails."""
+        """The newest of `candidates` (newest first) that every rank reads, verifies (the first rank every file,
+        the other ranks' shards included) and loads into the engine with finite values; newer ones that fail
+        (a file, the manifest, the index, NaN or inf) are reported and set aside as `NAME.bad`. None when there is
+        none at all; a CheckpointError listing the reasons when every one fails, or naming how the newest readable
+        one does not match this run (model shapes, sequence length: nothing is set aside)."""
         engine = self.engine
         rejected: list[tuple[Path, str]] = []
         for path in candidates:
-            try:
-                if not (path / "COMPLETE").is_file():
-                    raise CheckpointError(f"{path} has no COMPLETE marker (its save was interrupted)")
-                loaded = load_checkpoint(path, self.rank, self.world)
-                if self.is_first:
-                    verify_files(path)
-                reason = ""
-            except CheckpointError as e:
-                loaded, reason = None, str(e)
-            failed = engine.agree(torch.tensor([float(bool(reason))], device=engine.device))
-            if not failed.item():
-                break
+            loaded, reason = self._open(path)
+            if not self._failed(reason):
+                reason = self._load_into_engine(loaded)
+                if not self._failed(reason):
+                    if all_finite(engine, [p.tensor for p in engine.state_pieces()[0]]):
+                        break
+                    reason = f"{path} holds NaN or inf in its weights or optimizer state"
             rejected.append((path, reason or "a file that another rank reads failed its verification"))
         else:
             if rejected:
@@ -431,17 +455,40 @@ class Checkpointer:
         engine.barrier()
         return loaded
 
+    def _failed(self, reason: str) -> bool:
+        """Whether any rank has a `reason` to refuse the checkpoint (collective)."""
+        return bool(self.engine.agree(torch.tensor([float(bool(reason))], device=self.engine.device)).item())
+
+    def _open(self, path: Path) -> tuple[LoadedCheckpoint | None, str]:
+        """The checkpoint at `path` opened for this rank (the first rank verifies every file), or why not."""
+        try:
+            if not (path / "COMPLETE").is_file():
+                raise CheckpointError(f"{path} has no COMPLETE marker (its save was interrupted)")
+            loaded = load_checkpoint(path, self.rank, self.world)
+            if self.is_first:
+                verify_files(path)
+            return loaded, ""
+        except CheckpointError as e:
+            return None, str(e)
+
     def restore(self, loaded: LoadedCheckpoint, sampler: BatchSampler) -> BatchSampler:
-        """Continue from `loaded`: its state into the engine, its RNG state (when it has this rank's), and the
-        sampler that continues at its data position."""
-        self.load_state(loaded)
+        """Continue from `loaded` (its state already in the engine: `load`): its RNG state (when it has this
+        rank's), and the sampler that continues at its data position."""
         restore_rng(loaded, self.engine.device)
         return resumed_sampler(sampler, loaded, self.cfg, self.is_first)
 
     def load_state(self, loaded: LoadedCheckpoint) -> None:
-        """Load a checkpoint written under any layout into this rank's part of the engine: the names and global
-        shapes must match the model, and the data position (samples of `train.seq_len` tokens) must mean the same
-        windows."""
+        """Load a checkpoint written under any layout into this rank's part of the engine (see `_load_into_engine`);
+        a CheckpointError for any failure."""
+        reason = self._load_into_engine(loaded)
+        if reason:
+            raise CheckpointError(reason)
+
+    def _load_into_engine(self, loaded: LoadedCheckpoint) -> str:
+        """Load `loaded` into this rank's part of the engine; a reason when the checkpoint is damaged (its index
+        disagrees with its own config, a piece is missing or unreadable). A checkpoint that does not match this run
+        (the model's names and global shapes, the data position's sequence length) raises a CheckpointError: it is
+        not damaged, and another run may use it."""
         cfg, t = self.cfg, self.cfg.train
         saved = loaded.data.get("seq_len", t.seq_len)
         if saved != t.seq_len:
@@ -450,16 +497,20 @@ class Checkpointer:
                 f"{t.seq_len}; the data position counts windows of {saved} tokens in an order drawn over those "
                 f"windows, which another length does not continue without repeating or skipping tokens, so resume "
                 f"with train.seq_len = {saved} (the global batch, layout, world size and micro-batch size may change)")
-        meta = build_model(cfg.model, device="meta").state_dict()
-        expected = {k: tuple(v.shape) for k, v in meta.items()
-                    if not (k == "lm_head.weight" and cfg.model.tied_embeddings)}
         shapes = {k.removeprefix("model."): loaded.reader.shape(k) for k in loaded.reader.names()
                   if k.startswith("model.")}
-        check_model_shapes(shapes, expected, loaded.path)
+        own = checkpoint_model(loaded)
+        if own is not None:
+            try:
+                check_model_shapes(shapes, model_shapes(own), loaded.path)
+            except CheckpointError as e:
+                return f"its piece index disagrees with its own config.toml: {e}"
+        check_model_shapes(shapes, model_shapes(cfg.model), loaded.path)
         try:
             self.engine.load_state_pieces(loaded.reader, loaded.steps)
         except PieceError as e:
-            raise CheckpointError(f"checkpoint {loaded.path}: {e}") from None
+            return f"checkpoint {loaded.path}: {e}"
+        return ""
 
     def save(self, step: int, tokens_seen: int, samples_consumed: int, skipped: int = 0,
              prune: bool = True) -> Path | None:

@@ -7,8 +7,9 @@ import importlib
 import os
 import sys
 
+from fivefold import faults
 from fivefold.config import shown
-from fivefold.errors import CliError, ConfigError
+from fivefold.errors import EXIT_ENVIRONMENT, CliError, ConfigError, EnvironmentFailure
 
 # verb -> (module, one-line help); modules are imported only when their verb runs or --help is asked
 VERBS: dict[str, tuple[str, str]] = {
@@ -53,7 +54,13 @@ def main(argv: list[str] | None = None) -> int:
         return int(module.run(args) or 0)
     except (ConfigError, CliError) as e:
         print(f"fivefold {args.verb}: error: {e}", file=sys.stderr)
+        faults.record_failure(f"{e}", peer=False)
         return 2
+    except EnvironmentFailure as e:
+        if str(e):
+            print(f"fivefold {args.verb}: error: {e}", file=sys.stderr)
+        faults.record_failure(f"{e}", peer=e.peer or not str(e))
+        return EXIT_ENVIRONMENT
     except KeyboardInterrupt:  # Ctrl-C (or SIGTERM turned into it): stop without a traceback
         print(f"fivefold {args.verb}: interrupted", file=sys.stderr)
         return 130

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import re
 import sys
 import time
 from pathlib import Path
 
 from fivefold.config import Config, build_config, load_file, parse_overrides, shown
-from fivefold.errors import CliError
+from fivefold.errors import CliError, EnvironmentFailure
 
 ACCEPTS_OVERRIDES = True
 
@@ -136,13 +137,44 @@ def run(args: argparse.Namespace) -> int:
     if status is not None:
         return status
     try:
-        from fivefold.train.checkpoint import CheckpointError
+        from fivefold.train.checkpoint import CheckpointError, CheckpointWriteError
 
         result = train(cfg, resume=args.resume, hf_init=Path(args.hf) if args.hf else None)
+    except CheckpointWriteError as e:
+        raise EnvironmentFailure(str(e) if e.own else "") from None
     except (RunDirError, CheckpointError) as e:
         raise CliError(str(e)) from None
+    except (OSError, RuntimeError) as e:
+        raise environment_failure(e, Path(cfg.run_dir), args.nproc) from None
     finish_distributed()
     return result.exit_code  # 3 after a streak of non-finite steps, 128 + N when signal N stopped it
+
+
+ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
+PEER_LOST = ("connection", "gloo", "nccl", "timed out", "timeout", "closed", "reset by peer", "broken pipe")
+
+
+def environment_failure(e: OSError | RuntimeError, run_dir: Path, nproc: int) -> BaseException:
+    """An OS error of the machine (no space, a read-only or forbidden path) or a lost rank (a collective whose peer
+    died) as one line: what failed, where, what is safe on disk and how to continue. Any other error is returned
+    as it is (a bug: its traceback)."""
+    import torch.distributed as dist
+
+    from fivefold.train.checkpoint import describe_os_error, latest_checkpoint
+
+    if isinstance(e, OSError) and e.errno in ENVIRONMENT_ERRNOS:
+        what = describe_os_error(e)
+    elif (isinstance(e, RuntimeError) and dist.is_initialized() and dist.get_world_size() > 1
+          and any(k in str(e).lower() for k in PEER_LOST)):
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        what = f"rank {dist.get_rank()} lost another rank in a collective ({shown(first)})"
+    else:
+        return e
+    newest = latest_checkpoint(run_dir)
+    safe = f"the newest complete checkpoint, {newest}, is intact" if newest else "no checkpoint was written yet"
+    nprocs = f" --nproc {nproc}" if nproc > 1 else ""
+    return EnvironmentFailure(f"{what}; {safe}; once the cause is fixed, continue with `fivefold train --resume "
+                              f"--run-dir {run_dir}{nprocs}`", peer=not isinstance(e, OSError))
 
 
 def refuse_with_only_rank(args: argparse.Namespace) -> None:

@@ -43,6 +43,7 @@ are `fivefold.checkpoint_format`):
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -79,6 +80,15 @@ CHECKPOINT_PREFIX = "step_"
 
 class CheckpointError(Exception):
     """A checkpoint that is missing, incomplete, corrupted or does not match the run."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint that could not be written (no space, a read-only or forbidden directory): its partial files
+    removed and the older checkpoints untouched. `own`: this rank's failure (else another rank's, which says it)."""
+
+    def __init__(self, message: str, own: bool = True) -> None:
+        super().__init__(message)
+        self.own = own
 
 
 @dataclass
@@ -527,19 +537,57 @@ class Checkpointer:
                 print(f"fivefold: not writing the checkpoint of step {step}: the weights or optimizer state hold "
                       "NaN or inf; the older checkpoints are kept", file=sys.stderr)
             return None
-        if engine.is_logging_rank:
-            begin_checkpoint(run_dir, step)
-        engine.barrier()
         tmp = checkpoint_dir(run_dir, step).with_name(checkpoint_dir(run_dir, step).name + ".tmp")
-        write_rank_files(tmp, self.rank, pieces, steps, engine.device)
-        del pieces
+        data = {"global_batch_size": t.global_batch_size, "seq_len": t.seq_len, "samples_consumed": samples_consumed}
+        written: list[Path] = []
+        stages = [  # each stage on every rank, then an agreement (the barrier) that no rank failed
+            lambda: begin_checkpoint(run_dir, step) if engine.is_logging_rank else None,
+            lambda: write_rank_files(tmp, self.rank, pieces, steps, engine.device),
+            lambda: written.append(finish_checkpoint(tmp, state, self.config_toml, self.world, data))
+            if engine.is_logging_rank else None,
+        ]
+        for stage in stages:
+            error = _os_error(stage)
+            if self._failed(error):
+                raise self._write_failed(step, tmp, error)
+        if engine.is_logging_rank and prune:
+            error = _os_error(lambda: prune_checkpoints(run_dir, t.keep_checkpoints))
+            if error:
+                print(f"fivefold: warning: could not delete older checkpoints ({error}); the new checkpoint "
+                      f"{written[0].name} is complete", file=sys.stderr)
         engine.barrier()
-        written = None
-        if engine.is_logging_rank:
-            written = finish_checkpoint(tmp, state, self.config_toml, self.world, {
-                "global_batch_size": t.global_batch_size, "seq_len": t.seq_len,
-                "samples_consumed": samples_consumed})
-            if prune:
-                prune_checkpoints(run_dir, t.keep_checkpoints)
-        engine.barrier()
-        return written
+        return written[0] if written else None
+
+    def _write_failed(self, step: int, tmp: Path, error: str) -> CheckpointWriteError:
+        """After a failed save (on some rank): the partial checkpoint removed, so that it holds no space, and the
+        error that says what failed, what is safe on disk and how to continue (this rank's own failure, else a
+        pointer to the rank that failed)."""
+        if self.engine.is_logging_rank:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.engine.barrier()
+        newest = latest_checkpoint(self.run_dir)
+        safe = (f"the newest complete checkpoint, {newest}, is intact" if newest else
+                "no complete checkpoint exists yet")
+        where = error or "another rank's files (see its line)"
+        return CheckpointWriteError(
+            f"could not write the checkpoint of step {step}: {where}; its partial files ({tmp.name}) were removed "
+            f"and {safe}; free space or make {self.run_dir / 'checkpoints'} writable, then continue with "
+            f"`fivefold train --resume --run-dir {self.run_dir}`" + (" (add the run's --nproc and layout)"
+                                                                    if self.world > 1 else ""),
+            own=bool(error))
+
+
+def _os_error(action) -> str:
+    """Run `action`; '' when it succeeds, else one line naming the OS error and the path it concerns."""
+    try:
+        action()
+    except OSError as e:
+        return describe_os_error(e)
+    return ""
+
+
+def describe_os_error(e: OSError) -> str:
+    """`[Errno 28] No space left on device: 'path'` as one line: what failed and where."""
+    code = errno.errorcode.get(e.errno or 0, "")
+    where = f" writing {e.filename}" if e.filename else ""
+    return f"{e.strerror or e}{f' ({code})' if code else ''}{where}"

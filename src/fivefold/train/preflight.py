@@ -45,13 +45,11 @@ def check_device(name: str) -> torch.device:
 
 
 def check_run_dir_writable(run_dir: Path, resume: bool) -> None:
-    """The run directory can be created and written, checked without leaving anything behind."""
-    if resume:
-        if not run_dir.is_dir():
-            raise ConfigError(f"--resume: run directory {shown(str(run_dir))} does not exist; give the "
-                              f"--run-dir of the "
-                              "run to continue, or drop --resume to start a new one")
-        return
+    """The run directory, and its `checkpoints/` when it has one, can be created and written, checked without
+    leaving anything behind."""
+    if resume and not run_dir.is_dir():
+        raise ConfigError(f"--resume: run directory {shown(str(run_dir))} does not exist; give the --run-dir of the "
+                          "run to continue, or drop --resume to start a new one")
     missing: list[Path] = []
     path = run_dir.absolute()
     while not path.exists():
@@ -65,18 +63,26 @@ def check_run_dir_writable(run_dir: Path, resume: bool) -> None:
     try:
         for p in reversed(missing):
             p.mkdir()
-        probe = run_dir / ".fivefold-write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"--run-dir {shown(str(run_dir))} cannot be written ({e.strerror or e}); choose a run "
-                          "directory under a writable directory (default: runs/NAME-TIME)") from None
+        probe_write(run_dir, "--run-dir")
+        if (run_dir / "checkpoints").is_dir():
+            probe_write(run_dir / "checkpoints", "--run-dir")
     finally:
         for p in missing:  # as we found it
             try:
                 p.rmdir()
             except OSError:
                 pass
+
+
+def probe_write(folder: Path, flag: str) -> None:
+    """A file can be created in `folder` (created and removed at once); a ConfigError naming `flag` if not."""
+    probe = folder / ".fivefold-write-test"
+    try:
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{flag} {shown(str(folder))} cannot be written ({e.strerror or e}); make it writable "
+                          "(chmod u+w) or choose a run directory under a writable directory") from None
 
 
 def check_hf_dir(path: str) -> None:

@@ -7,6 +7,7 @@ raises `ConfigError` naming the field, the value, the rule and what would be val
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
@@ -24,10 +25,40 @@ class ConfigError(ValueError):
     """A config value that cannot work; the message names the field, the value and the rule."""
 
 
+MAX_THREADS = 1024  # CPU threads of one process: thousands crash the OpenMP runtime; `check_start` also says cores
+MAX_TIMED_STEPS = 100_000  # steps of a benchmark or a sweep's run: a few are timed; 10^5 is hours at any size
 SHOWN_CHARS = 200  # the most characters of a value that an error message prints
 _SHOWN = reprlib.Repr()
 _SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother = 3, SHOWN_CHARS, SHOWN_CHARS
 _SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 8
+
+
+def finite_float(text: str) -> float:
+    """The argparse type of every float flag of every verb: a finite number (nan and inf pass every comparison and
+    would, e.g., turn a timeout off)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{shown(text)} must be a finite number (nan and inf are refused)")
+    return value
+
+
+def int_in(low: int, high: int, why: str) -> typing.Callable[[str], int]:
+    """The argparse type of an integer flag that multiplies work: `low` <= value <= `high`, `why` the rule's reason
+    (said in the error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{shown(text)} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value:,} is not between {low:,} and {high:,} ({why})")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
 
 
 def shown(value: Any) -> str:
@@ -277,7 +308,8 @@ class Config:
         _require(t.eval_every >= 0, "train.eval_every", t.eval_every, "must be >= 0 (0 = only at the end)")
         _require(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every,
                  "must be >= 0 (0 = only at the end)")
-        _require(t.threads >= 0, "train.threads", t.threads, "must be >= 0")
+        _require(0 <= t.threads <= MAX_THREADS, "train.threads", t.threads,
+                 f"must be between 0 (the default share of the cores) and {MAX_THREADS} (threads of one process)")
         _require(t.collective_timeout_s >= 1, "train.collective_timeout_s", t.collective_timeout_s,
                  "must be >= 1 second (default 600)")
         if t.seq_len > self.model.max_seq_len:

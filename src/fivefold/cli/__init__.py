@@ -6,6 +6,7 @@ import argparse
 import importlib
 import os
 import sys
+import typing
 
 from fivefold import faults
 from fivefold.config import shown
@@ -27,9 +28,17 @@ VERBS: dict[str, tuple[str, str]] = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with its refusals in one line (`fivefold VERB: error: argument --flag: ...`, exit status 2) like
+    every other refusal: no usage block, which `--help` prints."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="fivefold", description="Plan and train Llama-style models.")
+    parser = Parser(prog="fivefold", description="Plan and train Llama-style models.")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     verb = next((a for a in argv if not a.startswith("-")), None)
     for name, (module_name, help_text) in VERBS.items():

@@ -10,7 +10,7 @@ import math
 import sys
 from pathlib import Path
 
-from fivefold.config import Config, ModelConfig, dump_toml, shown, write_text_atomic
+from fivefold.config import Config, ModelConfig, dump_toml, finite_float, int_in, shown, write_text_atomic
 from fivefold.errors import CliError
 from fivefold.layout import check_layout
 from fivefold.planner.layout import Framework, Layout, check_runs_hsdp, parse_layout
@@ -41,10 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weak", action="store_true", help="scaling: the global batch grows with the nodes")
     p.add_argument("--strong", action="store_true", help="scaling: the global batch stays")
     p.add_argument("--png", help="scaling: also plot the efficiency to this PNG (needs matplotlib)")
-    p.add_argument("--gpus-per-node", type=int, default=0, help="default: the hardware's")
-    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--gpus-per-node", type=int_in(0, 1024, "devices of one node"),
+                   default=0, help="default: the hardware's")
+    p.add_argument("--seq-len", type=int_in(2, 1 << 24, "tokens per sequence, up to 16M"), default=4096)
     p.add_argument("--global-batch", default="1M", help="tokens per step; K/M/G are powers of two (1M = 1048576)")
-    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--top", type=int_in(1, 10_000, "rows of the table"), default=10)
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--write-config", help="write the best layout as a `fivefold train` TOML config")
     p.add_argument("--train-tokens", help="--write-config: the run's token budget, e.g. 40G (default: 20 tokens "
@@ -56,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the pick (or --layout) on this machine's device with `fivefold train --only-rank` for "
                    "the ranks that hold the most (first and last pipeline stage, an expert rank) and print measured "
                    "beside predicted")
-    p.add_argument("--measure-steps", type=int, default=2, help="--measure: steps of each rank (default 2)")
+    p.add_argument("--measure-steps", type=int_in(1, 1000, "timed steps of each rank"),
+                   default=2, help="--measure: steps of each rank (default 2)")
     p.add_argument("--framework", choices=sorted(_framework_names()),
                    help="whose implementation to model (default: fivefold-cpu on a CPU profile, else fivefold; "
                         "nanotron: the playbook's benchmark settings)")
@@ -72,12 +74,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sp", choices=["on", "off", "both"], default="both", help="sequence parallel with tp>1")
     p.add_argument("--schedules", default="afab,1f1b,interleaved,zero-bubble,dualpipev")
     p.add_argument("--no-cp", action="store_true", help="do not consider context parallel")
-    p.add_argument("--pad-vocab", type=int, default=0, metavar="MULTIPLE",
+    p.add_argument("--pad-vocab", type=int_in(0, 1 << 16, "a multiple to round the vocabulary to"),
+                   default=0, metavar="MULTIPLE",
                    help="round the vocabulary up to a multiple of this (e.g. 128: 50,257 -> 50,304), as Megatron's "
                         "make-vocab-size-divisible-by does, so that tp can split it; the written config keeps it")
     p.add_argument("--fix", help="search only layouts with these values, e.g. 'tp=8,pp=4' (keys: dp, tp, pp, cp, "
                                  "ep, mbs, zero, schedule, vpp, sp, recompute)")
-    p.add_argument("--moe-imbalance", type=float, default=1.0,
+    p.add_argument("--moe-imbalance", type=finite_float, default=1.0,
                    help="busiest expert's load over the even share (dropless MoE memory)")
     p.add_argument("--data", help="validate: CSV of runs (default in a clone: ../shared/data/"
                                   "playbook_benchmark_runs.csv beside the repository; required otherwise)")
@@ -356,6 +359,10 @@ def run(args: argparse.Namespace) -> int:
     fw = _framework(args, hw)
     _resolve_nodes(args)
     n_gpus = args.nodes * hw.gpus_per_node
+    from fivefold.planner.scaling import parse_nodes
+
+    largest = parse_nodes(args.nodes_list)[-1] if args.action == "scaling" else args.nodes
+    check_search_size(largest, hw.gpus_per_node, hw.unit)
     tokens = parse_tokens(args.global_batch)
     seq = args.seq_len
     if seq < 2 or tokens % seq:
@@ -403,6 +410,22 @@ def _plan_model(args: argparse.Namespace) -> ModelConfig:
         raise CliError(f"--write-config: the model's MLP is {shown(cfg.mlp)}, and the engine builds SwiGLU MLPs only; "
                        "plan without --write-config")
     return cfg
+
+
+MAX_SEARCH_DEVICES = 1 << 20  # the planner's largest cluster: 1,048,576 devices (the largest built hold ~100,000)
+SLOW_SEARCH_DEVICES = 1 << 14  # above this the search takes minutes on a laptop
+
+
+def check_search_size(nodes: int, gpus_per_node: int, unit: str) -> None:
+    """Refuse a cluster beyond MAX_SEARCH_DEVICES (its search would run for hours), warn above SLOW_SEARCH_DEVICES."""
+    devices = nodes * gpus_per_node
+    if devices > MAX_SEARCH_DEVICES:
+        raise CliError(f"--nodes = {nodes:,} x {gpus_per_node} {unit}s per node = {devices:,} devices: the planner "
+                       f"searches clusters of at most {MAX_SEARCH_DEVICES:,} devices (2^20; the largest built hold "
+                       f"about 100,000); use at most {max(MAX_SEARCH_DEVICES // gpus_per_node, 1):,} nodes")
+    if devices > SLOW_SEARCH_DEVICES:
+        print(f"fivefold plan: warning: {devices:,} devices: the layout search takes a minute or more (it weighs "
+              "every divisor of the device count as a degree)", file=sys.stderr)
 
 
 def _resolve_nodes(args: argparse.Namespace) -> None:

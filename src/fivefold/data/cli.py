@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fivefold.config import shown
+from fivefold.config import finite_float, shown
 from fivefold.data.format import SPLITS
 from fivefold.data.prepare import (
     DEFAULT_SHARD_TOKENS,
@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     prepare.add_argument(
         "--val-fraction",
-        type=float,
+        type=finite_float,
         metavar="F",
         default=DEFAULT_VAL_FRACTION,
         help=f"share of the corpus held out for validation (default {DEFAULT_VAL_FRACTION})",

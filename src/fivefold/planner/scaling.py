@@ -44,6 +44,9 @@ class Point:
         return out
 
 
+MAX_SCALING_POINTS = 32
+
+
 def parse_nodes(text: str) -> list[int]:
     try:
         nodes = [int(x) for x in text.split(",") if x.strip()]
@@ -51,6 +54,9 @@ def parse_nodes(text: str) -> list[int]:
         raise CliError(f"--nodes {shown(text)} must be a comma-separated list of node counts, e.g. 1,2,4,8") from None
     if not nodes or any(n < 1 for n in nodes) or nodes != sorted(set(nodes)):
         raise CliError(f"--nodes {shown(text)} must be increasing node counts >= 1, e.g. 1,2,4,8,16")
+    if len(nodes) > MAX_SCALING_POINTS:
+        raise CliError(f"--nodes lists {len(nodes)} node counts; a scaling plot takes at most {MAX_SCALING_POINTS} "
+                       "(each is a whole layout search), e.g. powers of two")
     return nodes
 
 

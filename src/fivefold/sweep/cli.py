@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from fivefold.config import ConfigError, shown
+from fivefold.config import ConfigError, finite_float, int_in, shown
 from fivefold.errors import CliError
 from fivefold.sweep.grid import PlannedRun, config_json, expand, load_grid
 from fivefold.sweep.runner import KeyLock, Outcome, hostname, run_local, slurm_outcome, slurm_shape, submit, write_job
@@ -24,9 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results", required=True, help="SQLite results store (created, or resumed from)")
     p.add_argument("--runs", help="folder of the runs' configs and logs (default: RESULTS without its suffix, "
                                   "plus -runs)")
-    p.add_argument("--nproc-max", type=int, default=0,
+    p.add_argument("--nproc-max", type=int_in(0, 4096, "local processes"), default=0,
                    help="skip runs that need more local processes than this (default: no limit)")
-    p.add_argument("--timeout", type=float, help="seconds per run (default: the grid's timeout, else 600)")
+    p.add_argument("--timeout", type=finite_float, help="seconds per run (default: the grid's timeout, else 600)")
     p.add_argument("--hardware", help="hardware profile for the planner's predictions (TOML, as for `fivefold "
                                       "plan --hardware`; default: the built-in profile of the device kind)")
     p.add_argument("--retry", default="", help="re-run stored runs with these statuses, e.g. crash,timeout "
@@ -36,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                   "filesystem) instead of running locally; run the same command "
                                                   "again to record the jobs that ended")
     p.add_argument("--submit", action="store_true", help="with --slurm: submit the written scripts with sbatch")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="with --slurm: devices per node")
+    p.add_argument("--gpus-per-node", type=int_in(1, 1024, "devices of one node"),
+                   default=8, help="with --slurm: devices per node")
 
 
 class Progress:

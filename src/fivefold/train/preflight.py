@@ -62,7 +62,11 @@ def check_run_dir_writable(run_dir: Path, resume: bool) -> None:
                           "run directory under a writable directory (default: runs/NAME-TIME)")
     try:
         for p in reversed(missing):
-            p.mkdir()
+            try:
+                p.mkdir()
+            except OSError as e:
+                raise ConfigError(f"--run-dir {shown(str(run_dir))} cannot be created ({e.strerror or e}); choose a "
+                                  "run directory under a writable directory (default: runs/NAME-TIME)") from None
         probe_write(run_dir, "--run-dir")
         if (run_dir / "checkpoints").is_dir():
             probe_write(run_dir / "checkpoints", "--run-dir")
@@ -146,6 +150,10 @@ def check_start(cfg: Config, resume: bool = False, run_dir: bool = True) -> torc
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return None
     device = check_device(cfg.train.device)
+    cores = os.cpu_count() or 1
+    if cfg.train.threads > cores:
+        raise ConfigError(f"train.threads = {cfg.train.threads} exceeds this machine's {cores} CPU cores: more "
+                          f"threads than cores only wait for each other; use at most {cores} (0: the default share)")
     check_extras(cfg)
     if run_dir:
         check_run_dir_writable(Path(cfg.run_dir), resume)

@@ -186,7 +186,7 @@ def read_manifest(path: Path) -> dict[str, dict[str, Any]]:
             raise TypeError("'files' is not a table of tables")
     except FileNotFoundError:
         raise PieceError(f"checkpoint file {path / MANIFEST} is missing") from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise PieceError(f"checkpoint file {path / MANIFEST} is corrupted: {shown(e)}") from None
     return listed
 
@@ -242,6 +242,6 @@ def checkpoint_index(directory: Path) -> dict[str, dict[str, Any]]:
     for f in ranks:
         try:
             merge_index(json.loads(f.read_text()), index)
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
             raise PieceError(f"checkpoint file {f} is corrupted: {shown(e)}") from None
     return index

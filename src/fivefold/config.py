@@ -25,6 +25,9 @@ class ConfigError(ValueError):
     """A config value that cannot work; the message names the field, the value and the rule."""
 
 
+MAX_MODULES = 1 << 16  # layers or experts of a model
+MAX_DIM = 2**31 - 1  # one dim of a weight or a sequence
+MAX_INT = 2**53  # any integer field: beyond it a count is not exact as a float, which the planner's arithmetic uses
 MAX_THREADS = 1024  # CPU threads of one process: thousands crash the OpenMP runtime; `check_start` also says cores
 MAX_TIMED_STEPS = 100_000  # steps of a benchmark or a sweep's run: a few are timed; 10^5 is hours at any size
 SHOWN_CHARS = 200  # the most characters of a value that an error message prints
@@ -137,6 +140,12 @@ class ModelConfig:
     def validate(self, prefix: str = "model") -> None:
         for name in ("n_layers", "hidden", "n_heads", "n_kv_heads", "ffn", "vocab_size", "max_seq_len"):
             _require(getattr(self, name) >= 1, f"{prefix}.{name}", getattr(self, name), "must be >= 1")
+        for name in ("n_layers", "n_experts"):  # one module (and one planner row) each
+            _require(getattr(self, name) <= MAX_MODULES, f"{prefix}.{name}", getattr(self, name),
+                     f"must be at most {MAX_MODULES:,} (each is a module of its own; the largest models have ~100)")
+        for name in ("hidden", "n_heads", "n_kv_heads", "ffn", "vocab_size", "max_seq_len", "moe_ffn"):
+            _require(getattr(self, name) <= MAX_DIM, f"{prefix}.{name}", getattr(self, name),
+                     f"must be at most {MAX_DIM:,} (2^31 - 1: a tensor dim that kernels index with 32-bit integers)")
         if self.hidden % self.n_heads:
             raise ConfigError(
                 f"{prefix}.n_heads = {self.n_heads} does not divide {prefix}.hidden = {self.hidden}; "
@@ -342,12 +351,15 @@ class Config:
 
 def _require_finite(cfg: Config) -> None:
     """Every float field a finite number: inf and nan pass the comparisons of `validate` and train to NaN."""
-    for section in ("model", "train", "data", "log"):
+    for section in ("model", "layout", "train", "data", "log"):
         part = getattr(cfg, section)
         for f in dataclasses.fields(part):
             value = getattr(part, f.name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"{section}.{f.name} = {shown(value)} must be a finite number")
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+                raise ConfigError(f"{section}.{f.name} = {shown(value)} is beyond 2^53 = {MAX_INT:,}, the largest "
+                                  "integer a config holds exactly")
         for key, value in (part.rope_scaling.items() if section == "model" else ()):
             if not math.isfinite(value):
                 raise ConfigError(f"model.rope_scaling.{key} = {shown(value)} must be a finite number")
@@ -363,8 +375,9 @@ def check_device_name(name: str) -> None:
     try:
         torch.device(name)
     except (RuntimeError, TypeError, ValueError) as e:
-        raise ConfigError(f"train.device = {shown(name)} is not a device PyTorch knows ({type(e).__name__}: {e}); use "
-                          "auto, cpu, or an accelerator type such as cuda, cuda:1 or xpu") from None
+        raise ConfigError(f"train.device = {shown(name)} is not a device PyTorch knows ({type(e).__name__}: "
+                          f"{shown(str(e))}); use auto, cpu, or an accelerator type such as cuda, cuda:1 or "
+                          "xpu") from None
 
 
 def _require(ok: bool, name: str, value: Any, rule: str) -> None:
@@ -610,6 +623,35 @@ def file_sha256(path: str | Path) -> str:
         while chunk := f.read(1 << 24):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def check_writable_dir(path: Path, flag: str) -> None:
+    """A directory can be created (with its missing parents) and written at `path`: checked by creating what is
+    missing and a probe file, then removing them all, so the check leaves nothing behind; a ConfigError naming
+    `flag` if not."""
+    missing: list[Path] = []
+    top = path.absolute()
+    while not top.exists() and top.parent != top:
+        missing.append(top)
+        top = top.parent
+    if not top.is_dir():
+        raise ConfigError(f"{flag} {shown(str(path))}: {shown(str(top))} is a file, not a directory; choose a "
+                          "directory under a writable directory")
+    try:
+        for p in reversed(missing):
+            p.mkdir()
+        probe = path / ".fivefold-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{flag} {shown(str(path))} cannot be created or written ({e.strerror or e}); choose a "
+                          "directory under a writable directory") from None
+    finally:
+        for p in missing:  # as we found it
+            try:
+                p.rmdir()
+            except OSError:
+                pass
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

@@ -10,7 +10,7 @@ import math
 import sys
 from pathlib import Path
 
-from fivefold.config import Config, ModelConfig, dump_toml, finite_float, int_in, shown, write_text_atomic
+from fivefold.config import Config, ConfigError, ModelConfig, dump_toml, finite_float, int_in, shown, write_text_atomic
 from fivefold.errors import CliError
 from fivefold.layout import check_layout
 from fivefold.planner.layout import Framework, Layout, check_runs_hsdp, parse_layout
@@ -401,7 +401,10 @@ def _check_options(args: argparse.Namespace) -> None:
 
 def _plan_model(args: argparse.Namespace) -> ModelConfig:
     """--model with --pad-vocab applied; a GELU shape is said so, and refused with --write-config."""
-    cfg = pad_vocab(load_model(args.model), args.pad_vocab)
+    try:
+        cfg = pad_vocab(load_model(args.model), args.pad_vocab)
+    except ConfigError as e:  # a preset, a Hugging Face config or NAME=VALUE fields: say which flag
+        raise CliError(f"--model {shown(args.model)}: {e}") from None
     if cfg.mlp == "gelu" and _is_hf_config(args.model):
         from fivefold.planner.shapes import NOT_MODELLED
 

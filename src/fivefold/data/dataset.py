@@ -40,7 +40,7 @@ def read_index(path: str | Path) -> dict[str, Any]:
         )
     try:
         index = json.loads(index_path.read_text("utf-8"))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise DataError(f"{index_path}: unreadable ({e}); prepare the directory again") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT_NAME:
         raise DataError(f"{index_path}: not a fivefold token index (format should be {shown(FORMAT_NAME)})")

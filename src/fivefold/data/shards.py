@@ -83,7 +83,7 @@ def is_prepared_directory(path: Path) -> bool:
     index_path = path / INDEX_FILE
     try:
         index = json.loads(index_path.read_text("utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     if not isinstance(index, dict) or index.get("format") != FORMAT_NAME:
         return False

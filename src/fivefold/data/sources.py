@@ -116,6 +116,8 @@ def _read_jsonl(path: Path, field: str) -> Iterator[str]:
                     raise DataError(
                         f"input {path}, line {line_number}: invalid JSON ({e.msg} at column {e.colno})"
                     ) from None
+                except RecursionError:
+                    raise DataError(f"input {path}, line {line_number}: JSON nested too deep to read") from None
                 if not isinstance(record, dict):
                     raise DataError(
                         f"input {path}, line {line_number}: expected a JSON object with field {shown(field)}, "

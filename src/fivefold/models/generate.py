@@ -116,7 +116,7 @@ def _load(args: argparse.Namespace, device: torch.device):
 
 
 def run(args: argparse.Namespace) -> int:
-    from fivefold.device import resolve_device
+    from fivefold.device import present_device
     from fivefold.models.hf import tokenizer_special_tokens
 
     if args.max_new_tokens < 1:
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--temperature = {args.temperature} must be >= 0 (0 = greedy), e.g. 0.8")
     if not 0 < args.top_p <= 1:
         raise CliError(f"--top-p = {args.top_p} must be in (0, 1], e.g. 0.95")
-    device = resolve_device(args.device)
+    device = present_device(args.device, "--device")
     model, tokenizer_dir = _load(args, device)
     model.eval()
     if tokenizer_dir is None:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fivefold.config import ConfigError, ModelConfig, shown
+from fivefold.config import ConfigError, ModelConfig, load_file, shown
 from fivefold.data.prepare import find_eos, load_tokenizer
 from fivefold.models.llama import build_model
 
@@ -49,13 +49,7 @@ def read_config_json(config: dict[str, Any] | str | Path) -> dict[str, Any]:
         path = path / "config.json"
     if not path.is_file():
         raise ConfigError(f"Hugging Face config {shown(str(path))} does not exist")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"Hugging Face config {shown(str(path))} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"Hugging Face config {shown(str(path))} must hold a JSON object")
-    return data
+    return load_file(path, "Hugging Face config", suffix=".json")  # bounded in size and nesting
 
 
 def _architecture(hf: dict[str, Any]) -> str:
@@ -393,7 +387,7 @@ def tokenizer_special_tokens(tokenizer_dir: Path) -> dict[str, str]:
     named: dict[str, str] = {}
     config = tokenizer_dir / "tokenizer_config.json"
     if config.is_file():
-        data = json.loads(config.read_text())
+        data = load_file(config, "tokenizer config", suffix=".json")
         for key in ("bos_token", "eos_token", "pad_token"):
             value = data.get(key)
             value = value.get("content") if isinstance(value, dict) else value
@@ -433,7 +427,7 @@ def _safetensors_files(hf_dir: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, KeyError, TypeError, RecursionError) as e:
             raise CheckpointError(f"shard index {shown(str(index))} is not valid: {shown(e)}") from None
         files = []
         for name in sorted(set(weight_map.values())):

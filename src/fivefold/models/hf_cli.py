@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fivefold.config import build_config, shown
+from fivefold.config import build_config, check_writable_dir, shown
 from fivefold.errors import CliError
 from fivefold.flops import count_params
 
@@ -115,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_output_dir(out_dir, args.overwrite)
     except CheckpointError as e:
-        raise CliError(str(e)) from None
+        raise CliError(f"--hf: {e}") from None
+    check_writable_dir(out_dir, "--hf")
     ckpt, note = resolve_checkpoint(Path(args.checkpoint))
     if note:
         print(note)

@@ -159,6 +159,9 @@ def run(args: argparse.Namespace) -> int:
                           f"{args.gpus_per_node} >= 1")
     plans, dropped = expand(grid)
     results = Path(args.results)
+    if not args.results or results.is_dir() or not results.absolute().parent.is_dir():
+        why = "is a directory" if args.results and results.is_dir() else "is not a file in an existing directory"
+        raise CliError(f"--results {shown(args.results)} {why}; give the results store's file, e.g. results.db")
     runs = Path(args.slurm or args.runs or results.with_name(results.stem + "-runs"))
     slurm = args.slurm is not None
     # the device kind the runs will use: this machine's, or an accelerator on the SLURM cluster

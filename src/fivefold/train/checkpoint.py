@@ -280,8 +280,8 @@ def _json_file(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} is missing") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint file {path} is corrupted: {e}") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"checkpoint file {path} is corrupted: {shown(e)}") from None
 
 
 def load_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> LoadedCheckpoint:
@@ -293,7 +293,7 @@ def load_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> LoadedChe
     if (path / "trainer_state.json").is_file():
         try:
             version = json.loads((path / "trainer_state.json").read_text()).get("format_version")
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError, RecursionError):
             version = None
         if version is not None and version != FORMAT_VERSION:
             raise CheckpointError(f"{path} has checkpoint format {version}; this fivefold reads format "

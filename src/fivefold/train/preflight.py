@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from fivefold.config import Config, ConfigError, check_device_name, shown
-from fivefold.device import resolve_device
+from fivefold.config import Config, ConfigError, check_writable_dir, shown
+from fivefold.device import present_device
 from fivefold.train.metrics import check_logging_backends
 
 
@@ -28,20 +28,7 @@ def check_nproc(nproc: int, nodes: int = 1) -> None:
 
 def check_device(name: str) -> torch.device:
     """The device `train.device` names, present on this machine."""
-    check_device_name(name)
-    device = resolve_device(name)
-    if device.type == "cpu":
-        return device
-    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    if acc is None or acc.type != device.type:
-        have = f"this machine's accelerator is {acc.type}" if acc is not None else "this machine has no accelerator"
-        raise ConfigError(f"train.device = {shown(name)}: {have}; use train.device = auto or cpu"
-                          + (f" or {acc.type}" if acc is not None else ""))
-    count = torch.accelerator.device_count()
-    if device.index is not None and device.index >= count:
-        raise ConfigError(f"train.device = {shown(name)}: this machine has {count} {device.type} device(s), numbered "
-                          f"0 to {count - 1}")
-    return device
+    return present_device(name, "train.device")
 
 
 def check_run_dir_writable(run_dir: Path, resume: bool) -> None:
@@ -50,32 +37,9 @@ def check_run_dir_writable(run_dir: Path, resume: bool) -> None:
     if resume and not run_dir.is_dir():
         raise ConfigError(f"--resume: run directory {shown(str(run_dir))} does not exist; give the --run-dir of the "
                           "run to continue, or drop --resume to start a new one")
-    missing: list[Path] = []
-    path = run_dir.absolute()
-    while not path.exists():
-        missing.append(path)
-        if path.parent == path:
-            break
-        path = path.parent
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"--run-dir {shown(str(run_dir))}: {shown(str(path))} is a file, not a directory; choose a "
-                          "run directory under a writable directory (default: runs/NAME-TIME)")
-    try:
-        for p in reversed(missing):
-            try:
-                p.mkdir()
-            except OSError as e:
-                raise ConfigError(f"--run-dir {shown(str(run_dir))} cannot be created ({e.strerror or e}); choose a "
-                                  "run directory under a writable directory (default: runs/NAME-TIME)") from None
-        probe_write(run_dir, "--run-dir")
-        if (run_dir / "checkpoints").is_dir():
-            probe_write(run_dir / "checkpoints", "--run-dir")
-    finally:
-        for p in missing:  # as we found it
-            try:
-                p.rmdir()
-            except OSError:
-                pass
+    check_writable_dir(run_dir, "--run-dir")
+    if (run_dir / "checkpoints").is_dir():
+        probe_write(run_dir / "checkpoints", "--run-dir")
 
 
 def probe_write(folder: Path, flag: str) -> None:

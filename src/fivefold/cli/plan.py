@@ -74,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sp", choices=["on", "off", "both"], default="both", help="sequence parallel with tp>1")
     p.add_argument("--schedules", default="afab,1f1b,interleaved,zero-bubble,dualpipev")
     p.add_argument("--no-cp", action="store_true", help="do not consider context parallel")
-    p.add_argument("--pad-vocab", type=int_in(0, 1 << 16, "a multiple to round the vocabulary to"),
+    p.add_argument("--pad-vocab", type=int,
                    default=0, metavar="MULTIPLE",
                    help="round the vocabulary up to a multiple of this (e.g. 128: 50,257 -> 50,304), as Megatron's "
                         "make-vocab-size-divisible-by does, so that tp can split it; the written config keeps it")
@@ -143,6 +143,8 @@ def pad_vocab(cfg: ModelConfig, multiple: int) -> ModelConfig:
         return cfg
     if multiple < 0:
         raise CliError(f"--pad-vocab = {multiple} must be >= 1 (a multiple such as 64 or 128), or 0 for none")
+    if multiple > 1 << 16:
+        raise CliError(f"--pad-vocab = {multiple:,} must be at most 65,536 (a multiple such as 64 or 128)")
     padded = -(-cfg.vocab_size // multiple) * multiple
     return dataclasses.replace(cfg, vocab_size=padded)
 

@@ -102,10 +102,14 @@ def test_bad_profile_fields_are_named(tmp_path):
 
 
 def test_calibrate_refuses_bad_arguments(capsys):
-    assert main(["calibrate", "--device", "cpu", "--threads", "0"]) == 2
-    assert "--threads = 0 must be >= 1" in capsys.readouterr().err
-    assert main(["calibrate", "--device", "cpu", "--nproc-max", "-1"]) == 2
-    assert "--nproc-max = -1 must be >= 1" in capsys.readouterr().err
+    for flag, value, rule in (("--threads", "0", "is not between 1 and"),
+                              ("--threads", "100000", "is not between 1 and"),
+                              ("--nproc-max", "-1", "is not between 0 and 4,096")):
+        with pytest.raises(SystemExit) as refused:  # argparse's refusal, in one line
+            main(["calibrate", "--device", "cpu", flag, value])
+        err = capsys.readouterr().err
+        assert refused.value.code == 2 and err.count("\n") == 1 and f"argument {flag}: {int(value):,} {rule}" in err
+        assert flag != "--threads" or value == "0" or "this machine's CPU cores" in err
 
 
 # ---------------------------------------------------------------------------------------------------------------

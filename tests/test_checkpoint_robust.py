@@ -123,6 +123,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, dataset, capsy
     ref = train(small_config(tmp_path / "ref", dataset, **{**bad, "train.max_steps": str(updated)}))
     kept = ckpt.latest_checkpoint(tmp_path / "nan")
     assert kept.name == f"step_{result.steps:08d}"
+    assert f"continue from {kept.name} with `fivefold train --resume --run-dir {tmp_path / 'nan'}`" in first_err
     a = ckpt.read_model_state(kept)
     b = ckpt.read_model_state(ckpt.latest_checkpoint(tmp_path / "ref"))
     assert all(torch.isfinite(v).all() for v in a.values()) and all(torch.equal(a[k], b[k]) for k in a)
@@ -235,3 +236,71 @@ def test_pruning_killed_half_way_leaves_no_partial_checkpoint(tmp_path, monkeypa
         ckpt.verify_files(path)
     ckpt.prune_checkpoints(tmp_path, 2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002", "step_00000003"]
+
+
+def damaged_newest(tmp_path: Path, dataset: Path, damage) -> tuple[list[float], Path]:  # noqa: F811
+    """The uninterrupted run's losses and a run cut at step 4 whose newest checkpoint `damage(step_4)` changed and
+    re-recorded in its manifest (sizes and checksums that agree: only the content can tell)."""
+    full = train(small_config(tmp_path / "full", dataset, **EVERY_2))
+    train(small_config(tmp_path / "cut", dataset, **EVERY_2), stop_after=4)
+    newest = ckpt.latest_checkpoint(tmp_path / "cut")
+    assert newest.name == "step_00000004"
+    damage(newest)
+    ckpt.write_manifest(newest)
+    return full.losses, newest
+
+
+def edit_index(path: Path, change) -> None:
+    index = json.loads((path / "rank0.json").read_text())
+    change(index)
+    (path / "rank0.json").write_text(json.dumps(index))
+
+
+def resumes_from_step_2(tmp_path: Path, dataset: Path, full_losses: list[float], capsys, why: str) -> None:  # noqa: F811
+    capsys.readouterr()
+    rest = train(small_config(tmp_path / "cut", dataset, **EVERY_2), resume=True)
+    err = capsys.readouterr().err
+    assert re.search(r"checkpoint step_00000004 cannot be used \(.*" + why, err), err
+    assert "resuming from the newest good checkpoint, step_00000002" in err
+    assert rest.losses == full_losses[2:]  # steps 3-6 again, bit for bit: the older weights, not the others
+    assert (tmp_path / "cut" / "checkpoints" / "step_00000004.bad").is_dir()
+
+
+@pytest.mark.parametrize("target", ["../step_00000002/rank0.safetensors", "/abs/rank0.safetensors", "link"])
+def test_piece_index_pointing_outside_the_checkpoint_falls_back(tmp_path, dataset, capsys, target):  # noqa: F811
+    def point_outside(path: Path) -> None:
+        if target == "link":  # a link inside the directory that leads out of it
+            (path / "link").symlink_to(path.parent / "step_00000002" / "rank0.safetensors")
+        edit_index(path, lambda index: index.update(file=target if target != "/abs/rank0.safetensors" else
+                                                    str(path.parent / "step_00000002" / "rank0.safetensors")))
+
+    full_losses, newest = damaged_newest(tmp_path, dataset, point_outside)
+    # export refuses the same checkpoint through the same check
+    assert main(["export", "--checkpoint", str(newest), "--hf", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "not a relative path inside the checkpoint" in err or "resolves outside the checkpoint" in err, err
+    resumes_from_step_2(tmp_path, dataset, full_losses, capsys, "inside the checkpoint|outside the checkpoint")
+
+
+def test_index_at_odds_with_its_own_config_falls_back(tmp_path, dataset, capsys):  # noqa: F811
+    def reshape(path: Path) -> None:
+        def change(index):
+            piece = next(p for p in index["pieces"] if p["name"] == "model.norm.weight")
+            piece["shape"] = piece["piece_shape"] = [32]
+        edit_index(path, change)
+
+    full_losses, _ = damaged_newest(tmp_path, dataset, reshape)
+    resumes_from_step_2(tmp_path, dataset, full_losses, capsys, "disagrees with its own config.toml")
+
+
+def test_checkpoint_with_non_finite_weights_falls_back(tmp_path, dataset, capsys):  # noqa: F811
+    from safetensors.torch import load_file, save_file
+
+    def poison(path: Path) -> None:
+        tensors = load_file(str(path / "rank0.safetensors"))
+        tensors["0"] = torch.full_like(tensors["0"], float("nan"))
+        save_file(tensors, str(path / "rank0.safetensors"))
+        edit_index(path, lambda index: index.update(sha256=ckpt.file_sha256(path / "rank0.safetensors")))
+
+    full_losses, _ = damaged_newest(tmp_path, dataset, poison)
+    resumes_from_step_2(tmp_path, dataset, full_losses, capsys, "holds NaN or inf")

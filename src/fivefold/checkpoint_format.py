@@ -13,7 +13,9 @@ layout wrote them.
 
 Files are plain safetensors (`write_safetensors` streams them tensor by tensor, hashing as it writes, so a writer
 never holds a second copy of its state); `manifest.json` records the size and sha256 of every other file of a
-checkpoint directory (`verify_manifest` checks them).
+checkpoint directory (`verify_manifest` checks them). Every file a reader opens is named by a path relative to the
+checkpoint directory that stays inside it (`member`: no absolute path, no `..`, no link out) and is listed in the
+manifest (`index_files`): an index that points elsewhere is damage, refused by the trainer and `export` alike.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 
 import torch
 
-from fivefold.config import file_sha256
+from fivefold.config import file_sha256, shown
 
 _DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.bfloat16: "BF16", torch.float16: "F16",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -114,10 +116,11 @@ class PieceReader:
         if name not in self._files:
             from safetensors import safe_open
 
+            path = member(self.root, name)
             if self.opened is not None:
                 self.opened(name)
             try:
-                self._files[name] = safe_open(str(self.root / name), framework="pt")
+                self._files[name] = safe_open(str(path), framework="pt")
             except Exception as e:  # safetensors raises its own error type for damaged files
                 raise PieceError(f"checkpoint file {self.root / name} is corrupted or unreadable: {e}") from None
         return self._files[name]
@@ -127,7 +130,7 @@ class PieceReader:
         """The rectangle at `offsets` of `shape` (default: all) of global tensor `name`, from every piece that
         intersects it; a PieceError when the pieces do not cover it."""
         if name not in self.index:
-            raise PieceError(f"the checkpoint has no tensor {name!r}")
+            raise PieceError(f"the checkpoint has no tensor {shown(name)}")
         full = self.shape(name)
         offsets = tuple(offsets) if offsets is not None else (0,) * len(full)
         shape = tuple(shape) if shape is not None else full
@@ -152,7 +155,7 @@ class PieceReader:
             out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets, strict=True))] = part
             covered += part.numel()
         if covered != math.prod(shape) or out is None:
-            raise PieceError(f"the checkpoint's pieces of {name!r} cover {covered} of the {math.prod(shape)} "
+            raise PieceError(f"the checkpoint's pieces of {shown(name)} cover {covered} of the {math.prod(shape)} "
                              f"elements asked for at {offsets} {shape}")
         return out if dtype is None else out.to(dtype)
 
@@ -160,21 +163,42 @@ class PieceReader:
 MANIFEST = "manifest.json"  # of a checkpoint directory: the size and sha256 of every other file
 
 
-def verify_manifest(path: Path, names: list[str] | None = None) -> None:
-    """Check the files `names` (default: every file the manifest lists) of a checkpoint directory against its
-    manifest: each must be listed, present, and of the recorded size and sha256. Raises a PieceError naming the
-    first file that is not."""
+def member(root: Path, name: object) -> Path:
+    """The file `name` of checkpoint directory `root`: a PieceError unless `name` is a relative path without `..`
+    that resolves (links followed) inside `root`."""
+    text = name if isinstance(name, str) else ""
+    parts = Path(text).parts
+    if not text or "\0" in text or Path(text).is_absolute() or ".." in parts:
+        raise PieceError(f"checkpoint {shown(str(root))} names the file {shown(name)}, which is not a relative path "
+                         "inside the checkpoint directory (an absolute path or `..` is refused)")
+    path = root / text
+    if not path.resolve().is_relative_to(root.resolve()):
+        raise PieceError(f"checkpoint {shown(str(root))} names the file {shown(name)}, which resolves outside the "
+                         f"checkpoint directory (to {shown(str(path.resolve()))})")
+    return path
+
+
+def read_manifest(path: Path) -> dict[str, dict[str, Any]]:
+    """The files a checkpoint directory's manifest lists (relative name -> bytes and sha256)."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         listed = manifest["files"]
-        if not isinstance(listed, dict):
-            raise TypeError("'files' is not a table")
+        if not isinstance(listed, dict) or not all(isinstance(v, dict) for v in listed.values()):
+            raise TypeError("'files' is not a table of tables")
     except FileNotFoundError:
         raise PieceError(f"checkpoint file {path / MANIFEST} is missing") from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise PieceError(f"checkpoint file {path / MANIFEST} is corrupted: {e}") from None
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        raise PieceError(f"checkpoint file {path / MANIFEST} is corrupted: {shown(e)}") from None
+    return listed
+
+
+def verify_manifest(path: Path, names: list[str] | None = None, checksums: bool = True) -> None:
+    """Check the files `names` (default: every file the manifest lists) of a checkpoint directory against its
+    manifest: each must be a path inside the directory (`member`), listed, present, and of the recorded size and
+    (with `checksums`) sha256. Raises a PieceError naming the first file that is not."""
+    listed = read_manifest(path)
     for name in listed if names is None else names:
-        f = path / name
+        f = member(path, name)
         if name not in listed:
             raise PieceError(f"checkpoint file {f} is not in the manifest, so it cannot be verified")
         if not f.is_file():
@@ -182,11 +206,32 @@ def verify_manifest(path: Path, names: list[str] | None = None) -> None:
         size, want = f.stat().st_size, listed[name].get("sha256")
         if size != listed[name].get("bytes"):
             raise PieceError(f"checkpoint file {f} is corrupted: {size} bytes, the manifest says "
-                             f"{listed[name].get('bytes')} (an incomplete copy?)")
+                             f"{shown(listed[name].get('bytes'))} (an incomplete copy?)")
+        if not checksums:
+            continue
         got = file_sha256(f)
         if got != want:
             raise PieceError(f"checkpoint file {f} is corrupted: its sha256 is {got[:16]}..., the manifest "
                              f"says {str(want)[:16]}...")
+
+
+def index_files(path: Path, index: dict[str, dict[str, Any]], checksums: bool = True) -> list[str]:
+    """The piece files an index reads, each checked to be a listed file inside the checkpoint directory `path` of
+    the manifest's size (and with `checksums`, sha256): the one check of every reader (resume, `export`)."""
+    files = sorted({str(piece["file"]) for entry in index.values() for piece in entry["pieces"]})
+    for name in files:
+        member(path, name)
+    verify_manifest(path, files, checksums)
+    return files
+
+
+def merge_index(part: dict[str, Any], index: dict[str, dict[str, Any]]) -> None:
+    """Add the pieces of one `rankN.json` to `index` (name -> global shape and pieces); a malformed part raises
+    KeyError, TypeError or ValueError."""
+    for p in part["pieces"]:
+        entry = index.setdefault(str(p["name"]), {"shape": [int(d) for d in p["shape"]], "pieces": []})
+        entry["pieces"].append({"file": part["file"], "key": str(p["key"]), "offsets": [int(o) for o in p["offsets"]],
+                                "shape": [int(d) for d in p["piece_shape"]]})
 
 
 def checkpoint_index(directory: Path) -> dict[str, dict[str, Any]]:
@@ -194,14 +239,10 @@ def checkpoint_index(directory: Path) -> dict[str, dict[str, Any]]:
     index: dict[str, dict[str, Any]] = {}
     ranks = sorted(directory.glob("rank*.json"))
     if not ranks:
-        raise PieceError(f"checkpoint {str(directory)!r} has no model.safetensors and no rankN.json piece index")
+        raise PieceError(f"checkpoint {shown(str(directory))} has no model.safetensors and no rankN.json piece index")
     for f in ranks:
         try:
-            part = json.loads(f.read_text())
-            for p in part["pieces"]:
-                entry = index.setdefault(p["name"], {"shape": p["shape"], "pieces": []})
-                entry["pieces"].append({"file": part["file"], "key": p["key"], "offsets": p["offsets"],
-                                        "shape": p["piece_shape"]})
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise PieceError(f"checkpoint file {f} is corrupted: {e}") from None
+            merge_index(json.loads(f.read_text()), index)
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+            raise PieceError(f"checkpoint file {f} is corrupted: {shown(e)}") from None
     return index

@@ -7,10 +7,12 @@ raises `ConfigError` naming the field, the value, the rule and what would be val
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
 import math
+import reprlib
 import tomllib
 import types
 import typing
@@ -21,6 +23,56 @@ from typing import Any, Literal
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the field, the value and the rule."""
+
+
+MAX_MODULES = 1 << 16  # layers or experts of a model
+MAX_DIM = 2**31 - 1  # one dim of a weight or a sequence
+MAX_INT = 2**53  # any integer field: beyond it a count is not exact as a float, which the planner's arithmetic uses
+MAX_THREADS = 1024  # CPU threads of one process: thousands crash the OpenMP runtime; `check_start` also says cores
+MAX_TIMED_STEPS = 100_000  # steps of a benchmark or a sweep's run: a few are timed; 10^5 is hours at any size
+SHOWN_CHARS = 200  # the most characters of a value that an error message prints
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother = 3, SHOWN_CHARS, SHOWN_CHARS
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 8
+
+
+def finite_float(text: str) -> float:
+    """The argparse type of every float flag of every verb: a finite number (nan and inf pass every comparison and
+    would, e.g., turn a timeout off)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{shown(text)} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{shown(text)} must be a finite number (nan and inf are refused)")
+    return value
+
+
+def int_in(low: int, high: int, why: str) -> typing.Callable[[str], int]:
+    """The argparse type of an integer flag that multiplies work: `low` <= value <= `high`, `why` the rule's reason
+    (said in the error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{shown(text)} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value:,} is not between {low:,} and {high:,} ({why})")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def shown(value: Any) -> str:
+    """The repr of `value` for an error message, at most SHOWN_CHARS characters: a value from a file or a flag may
+    be huge (a string of megabytes, a YAML alias tree that expands to gigabytes), and no message should be. Nested
+    containers are cut after a few items and levels without expanding the rest."""
+    if isinstance(value, BaseException):
+        text = str(value)
+    else:
+        text = _SHOWN.repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 5] + "[...]"
 
 
 def _divisors(n: int) -> list[int]:
@@ -94,6 +146,12 @@ class ModelConfig:
     def validate(self, prefix: str = "model") -> None:
         for name in ("n_layers", "hidden", "n_heads", "n_kv_heads", "ffn", "vocab_size", "max_seq_len"):
             _require(getattr(self, name) >= 1, f"{prefix}.{name}", getattr(self, name), "must be >= 1")
+        for name in ("n_layers", "n_experts"):  # one module (and one planner row) each
+            _require(getattr(self, name) <= MAX_MODULES, f"{prefix}.{name}", getattr(self, name),
+                     f"must be at most {MAX_MODULES:,} (each is a module of its own; the largest models have ~100)")
+        for name in ("hidden", "n_heads", "n_kv_heads", "ffn", "vocab_size", "max_seq_len", "moe_ffn"):
+            _require(getattr(self, name) <= MAX_DIM, f"{prefix}.{name}", getattr(self, name),
+                     f"must be at most {MAX_DIM:,} (2^31 - 1: a tensor dim that kernels index with 32-bit integers)")
         if self.hidden % self.n_heads:
             raise ConfigError(
                 f"{prefix}.n_heads = {self.n_heads} does not divide {prefix}.hidden = {self.hidden}; "
@@ -252,7 +310,8 @@ class Config:
     def validate(self) -> None:
         self.model.validate()
         if self.model.mlp != "swiglu":
-            raise ConfigError(f"model.mlp = {self.model.mlp!r}: the engine builds Llama-style blocks, whose MLP is "
+            raise ConfigError(f"model.mlp = {shown(self.model.mlp)}: the engine builds Llama-style blocks, "
+                              f"whose MLP is "
                               "SwiGLU ('swiglu'); other MLPs are for `fivefold plan` (e.g. --model ...,mlp=gelu)")
         _require_finite(self)
         t, la = self.train, self.layout
@@ -271,7 +330,8 @@ class Config:
         _require(t.eval_every >= 0, "train.eval_every", t.eval_every, "must be >= 0 (0 = only at the end)")
         _require(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every,
                  "must be >= 0 (0 = only at the end)")
-        _require(t.threads >= 0, "train.threads", t.threads, "must be >= 0")
+        _require(0 <= t.threads <= MAX_THREADS, "train.threads", t.threads,
+                 f"must be between 0 (the default share of the cores) and {MAX_THREADS} (threads of one process)")
         _require(t.collective_timeout_s >= 1, "train.collective_timeout_s", t.collective_timeout_s,
                  "must be >= 1 second (default 600)")
         if t.seq_len > self.model.max_seq_len:
@@ -317,15 +377,18 @@ class Config:
 
 def _require_finite(cfg: Config) -> None:
     """Every float field a finite number: inf and nan pass the comparisons of `validate` and train to NaN."""
-    for section in ("model", "train", "data", "log"):
+    for section in ("model", "layout", "train", "data", "log"):
         part = getattr(cfg, section)
         for f in dataclasses.fields(part):
             value = getattr(part, f.name)
             if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{section}.{f.name} = {value!r} must be a finite number")
+                raise ConfigError(f"{section}.{f.name} = {shown(value)} must be a finite number")
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+                raise ConfigError(f"{section}.{f.name} = {shown(value)} is beyond 2^53 = {MAX_INT:,}, the largest "
+                                  "integer a config holds exactly")
         for key, value in (part.rope_scaling.items() if section == "model" else ()):
             if not math.isfinite(value):
-                raise ConfigError(f"model.rope_scaling.{key} = {value!r} must be a finite number")
+                raise ConfigError(f"model.rope_scaling.{key} = {shown(value)} must be a finite number")
 
 
 def check_device_name(name: str) -> None:
@@ -338,13 +401,14 @@ def check_device_name(name: str) -> None:
     try:
         torch.device(name)
     except (RuntimeError, TypeError, ValueError) as e:
-        raise ConfigError(f"train.device = {name!r} is not a device PyTorch knows ({type(e).__name__}: {e}); use "
-                          "auto, cpu, or an accelerator type such as cuda, cuda:1 or xpu") from None
+        raise ConfigError(f"train.device = {shown(name)} is not a device PyTorch knows ({type(e).__name__}: "
+                          f"{shown(str(e))}); use auto, cpu, or an accelerator type such as cuda, cuda:1 or "
+                          "xpu") from None
 
 
 def _require(ok: bool, name: str, value: Any, rule: str) -> None:
     if not ok:
-        raise ConfigError(f"{name} = {value!r} {rule}")
+        raise ConfigError(f"{name} = {shown(value)} {rule}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,7 +425,7 @@ def _coerce(value: Any, typ: Any, name: str) -> Any:
     if origin is Literal:
         choices = typing.get_args(typ)
         if value not in choices:
-            raise ConfigError(f"{name} = {value!r} is not one of {list(choices)}")
+            raise ConfigError(f"{name} = {shown(value)} is not one of {list(choices)}")
         return value
     if origin in (typing.Union, types.UnionType):
         return value
@@ -372,28 +436,28 @@ def _coerce(value: Any, typ: Any, name: str) -> Any:
             return True
         if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
             return False
-        raise ConfigError(f"{name} = {value!r} is not a boolean (true/false)")
+        raise ConfigError(f"{name} = {shown(value)} is not a boolean (true/false)")
     if typ is int:
         if isinstance(value, bool):
-            raise ConfigError(f"{name} = {value!r} is not an integer")
+            raise ConfigError(f"{name} = {shown(value)} is not an integer")
         try:
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
             return int(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{name} = {value!r} is not an integer") from None
+            raise ConfigError(f"{name} = {shown(value)} is not an integer") from None
     if typ is float:
         try:
             return float(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{name} = {value!r} is not a number") from None
+            raise ConfigError(f"{name} = {shown(value)} is not a number") from None
     if typ is str:
         return str(value)
     if origin is list:
         if isinstance(value, str):  # from the command line: "3,3,2"
             value = [v for v in value.replace(" ", "").strip("[]").split(",") if v]
         if not isinstance(value, list | tuple):
-            raise ConfigError(f"{name} = {value!r} is not a list (write it as 3,3,2 or [3, 3, 2])")
+            raise ConfigError(f"{name} = {shown(value)} is not a list (write it as 3,3,2 or [3, 3, 2])")
         item = typing.get_args(typ)[0]
         return [_coerce(v, item, f"{name}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
@@ -401,10 +465,10 @@ def _coerce(value: Any, typ: Any, name: str) -> Any:
             try:
                 value = json.loads(value) if value.strip() else {}
             except json.JSONDecodeError:
-                raise ConfigError(f"{name} = {value!r} is not a JSON object") from None
+                raise ConfigError(f"{name} = {shown(value)} is not a JSON object") from None
         if not isinstance(value, dict):
-            raise ConfigError(f"{name} = {value!r} is not a table/mapping")
-        return {str(k): float(v) for k, v in value.items()}
+            raise ConfigError(f"{name} = {shown(value)} is not a table/mapping")
+        return {str(k): _coerce(v, float, f"{name}.{k}") for k, v in value.items()}
     return value
 
 
@@ -414,45 +478,124 @@ def _apply(obj: Any, values: dict[str, Any], prefix: str) -> None:
         name = f"{prefix}.{key}" if prefix else key
         if key not in types_:
             known = ", ".join(sorted(types_))
-            raise ConfigError(f"unknown config field {name!r}; known fields here: {known}")
+            raise ConfigError(f"unknown config field {shown(name)}; known fields here: {known}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
-                raise ConfigError(f"{name} must be a table of fields, got {value!r}")
+                raise ConfigError(f"{name} must be a table of fields, got {shown(value)}")
             _apply(current, value, name)
         else:
             setattr(obj, key, _coerce(value, types_[key], name))
 
 
-def load_file(path: str | Path, what: str = "config file") -> dict[str, Any]:
-    """Read a TOML, YAML or JSON file (a config, or `what` the caller names in errors) into a plain dict."""
+CONFIG_MAX_BYTES = 1 << 20  # a config, grid or hardware file: far more than any real one
+CONFIG_MAX_DEPTH = 16  # levels of nested tables and lists (a config has 2, a grid 4)
+CONFIG_MAX_NODES = 100_000  # YAML values after alias expansion: a few lines of nested aliases expand to billions
+
+
+def load_file(path: str | Path, what: str = "config file", suffix: str | None = None) -> dict[str, Any]:
+    """Read a TOML, YAML or JSON file (a config, or `what` the caller names in errors; `suffix` ".toml" reads any name
+    as TOML) into a plain dict, within CONFIG_MAX_BYTES, CONFIG_MAX_DEPTH levels and (YAML) CONFIG_MAX_NODES values
+    after alias expansion."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"{what} {str(path)!r} does not exist or is not a file")
-    text = path.read_text()
+        raise ConfigError(f"{what} {shown(str(path))} does not exist or is not a file")
+    suffix = suffix or path.suffix
+    if suffix not in (".toml", ".yaml", ".yml", ".json"):
+        raise ConfigError(f"{what} {shown(str(path))} must end in .toml, .yaml, .yml or .json")
+    size = path.stat().st_size
+    if size > CONFIG_MAX_BYTES:
+        raise ConfigError(f"{what} {shown(str(path))} is {size:,} bytes; a config file may hold at most "
+                          f"{CONFIG_MAX_BYTES:,} bytes")
     try:
-        if path.suffix == ".toml":
-            return tomllib.loads(text)
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{what} {shown(str(path))} cannot be read as UTF-8 text: {shown(e)}") from None
+    return parse_text(text, suffix, f"{what} {shown(str(path))}")
 
-            data = yaml.safe_load(text) or {}
-            if not isinstance(data, dict):
-                raise ConfigError(f"{what} {str(path)!r} must hold a mapping at the top level")
-            return data
-        if path.suffix == ".json":
+
+def parse_text(text: str, suffix: str, where: str) -> dict[str, Any]:
+    """A mapping from the TOML, YAML or JSON `text` (`suffix` names the format), nested at most CONFIG_MAX_DEPTH
+    deep; `where` names the source in errors."""
+    try:
+        if suffix == ".toml":
+            data = tomllib.loads(text)
+        elif suffix in (".yaml", ".yml"):
+            data = _load_yaml(text, where)
+        else:
             data = json.loads(text)
-            if not isinstance(data, dict):
-                raise ConfigError(f"{what} {str(path)!r} must hold a JSON object (sections and fields) at the top "
-                                  f"level, not a {type(data).__name__}")
-            return data
+    except RecursionError:
+        raise ConfigError(f"{where} is nested deeper than {CONFIG_MAX_DEPTH} levels of tables and lists") from None
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{what} {str(path)!r} is not valid: {e}") from None
+        raise ConfigError(f"{where} is not valid: {shown(e)}") from None
     except Exception as e:  # yaml.YAMLError without importing yaml at module level
         if type(e).__module__.startswith("yaml"):
-            raise ConfigError(f"{what} {str(path)!r} is not valid YAML: {e}") from None
+            raise ConfigError(f"{where} is not valid YAML: {shown(e)}") from None
         raise
-    raise ConfigError(f"{what} {str(path)!r} must end in .toml, .yaml, .yml or .json")
+    if data is None and suffix != ".json":
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must hold a mapping (sections and fields) at the top level, not a "
+                          f"{type(data).__name__}")
+    if _depth(data) > CONFIG_MAX_DEPTH:
+        raise ConfigError(f"{where} is nested deeper than {CONFIG_MAX_DEPTH} levels of tables and lists")
+    return data
+
+
+def _depth(data: Any) -> int:
+    """Levels of nested dicts and lists in `data` (iterative: a deep value must not overflow the stack)."""
+    deepest, todo = 0, [(data, 1)]
+    while todo:
+        value, level = todo.pop()
+        if isinstance(value, dict | list):
+            deepest = max(deepest, level)
+            if level <= CONFIG_MAX_DEPTH:
+                todo.extend((v, level + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return deepest
+
+
+def _load_yaml(text: str, where: str) -> Any:
+    """Safe YAML within the bounds: the parser's events (a loop, no recursion) bound the depth before the composer
+    (recursive) runs, and the composed graph's size with every alias expanded is counted, shared nodes once each,
+    before anything is constructed."""
+    import yaml
+
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > CONFIG_MAX_DEPTH:
+                raise ConfigError(f"{where} is nested deeper than {CONFIG_MAX_DEPTH} levels of tables and lists")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    if node is None:
+        return None
+    expanded: dict[int, int] = {}  # values under each node with its aliases expanded, each node counted once
+    open_nodes: set[int] = set()
+    todo: list[tuple[Any, bool]] = [(node, False)]
+    while todo:  # post-order: a node's count after its children's
+        n, children_done = todo.pop()
+        if children_done:
+            open_nodes.discard(id(n))
+            expanded[id(n)] = min(1 + sum(expanded[id(c)] for c in _yaml_children(n)), CONFIG_MAX_NODES + 1)
+            continue
+        if id(n) in open_nodes:
+            raise ConfigError(f"{where} holds a YAML alias inside the value it refers to (a recursive structure)")
+        if id(n) not in expanded:
+            expanded[id(n)] = 0
+            open_nodes.add(id(n))
+            todo.append((n, True))
+            todo.extend((c, False) for c in _yaml_children(n))
+    if expanded[id(node)] > CONFIG_MAX_NODES:
+        raise ConfigError(f"{where} expands to more than {CONFIG_MAX_NODES:,} values once its YAML aliases (*name) "
+                          "are replaced by what they refer to; write the values out or use fewer nested aliases")
+    return yaml.safe_load(text)
+
+
+def _yaml_children(node: Any) -> list[Any]:
+    value = node.value if isinstance(node.value, list) else []
+    return [c for item in value for c in (item if isinstance(item, tuple) else (item,))]
 
 
 def build_config(
@@ -508,6 +651,35 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def check_writable_dir(path: Path, flag: str) -> None:
+    """A directory can be created (with its missing parents) and written at `path`: checked by creating what is
+    missing and a probe file, then removing them all, so the check leaves nothing behind; a ConfigError naming
+    `flag` if not."""
+    missing: list[Path] = []
+    top = path.absolute()
+    while not top.exists() and top.parent != top:
+        missing.append(top)
+        top = top.parent
+    if not top.is_dir():
+        raise ConfigError(f"{flag} {shown(str(path))}: {shown(str(top))} is a file, not a directory; choose a "
+                          "directory under a writable directory")
+    try:
+        for p in reversed(missing):
+            p.mkdir()
+        probe = path / ".fivefold-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{flag} {shown(str(path))} cannot be created or written ({e.strerror or e}); choose a "
+                          "directory under a writable directory") from None
+    finally:
+        for p in missing:  # as we found it
+            try:
+                p.rmdir()
+            except OSError:
+                pass
+
+
 def write_text_atomic(path: str | Path, text: str) -> None:
     """Write `text` to `path` whole or not at all: into a temporary file beside it, then renamed over it."""
     path = Path(path)
@@ -552,7 +724,7 @@ def parse_overrides(extra: list[str]) -> dict[str, str]:
         arg = extra[i]
         if not arg.startswith("--") or "." not in arg.split("=")[0]:
             raise ConfigError(
-                f"unrecognized argument {arg!r}; config fields are given as --section.field VALUE "
+                f"unrecognized argument {shown(arg)}; config fields are given as --section.field VALUE "
                 "(e.g. --layout.dp 2); see `fivefold train --help`"
             )
         key, eq, value = arg[2:].partition("=")

@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from fivefold.config import Config
+from fivefold.config import Config, ConfigError, check_device_name, shown
 
 
 def resolve_device(name: str) -> torch.device:
@@ -18,6 +18,27 @@ def resolve_device(name: str) -> torch.device:
         acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
         return acc if acc is not None else torch.device("cpu")
     return torch.device(name)
+
+
+def present_device(name: str, field: str) -> torch.device:
+    """The device `name` (the value of `field`, named in errors) names, known to PyTorch and present here."""
+    try:
+        check_device_name(name)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("train.device", field, 1)) from None
+    device = resolve_device(name)
+    if device.type == "cpu":
+        return device
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if acc is None or acc.type != device.type:
+        have = f"this machine's accelerator is {acc.type}" if acc is not None else "this machine has no accelerator"
+        raise ConfigError(f"{field} = {shown(name)}: {have}; use {field} = auto or cpu"
+                          + (f" or {acc.type}" if acc is not None else ""))
+    count = torch.accelerator.device_count()
+    if device.index is not None and device.index >= count:
+        raise ConfigError(f"{field} = {shown(name)}: this machine has {count} {device.type} device(s), numbered "
+                          f"0 to {count - 1}")
+    return device
 
 
 def local_device(device_type: str) -> torch.device:

@@ -15,6 +15,10 @@ rank stalled and what it was doing, kills that rank when it runs on the same hos
 
 `RunLock` makes one process the owner of a run directory (an exclusive `flock` on `RUN_DIR/run.lock`, released by
 the kernel however its holder dies); `SaveAbandoned` is what a second stop signal raises while a run stops.
+`wait_for_ranks` meets every rank in the launcher's store before the process group forms, within the same timeout:
+a rank that never arrives (stalled or dead during start-up) is named. `record_failure` leaves a rank's one-line
+error where its launcher reads it (`first_failure`), so the launcher's summary names the rank that failed first
+and its line, not a peer's report of losing it.
 """
 
 from __future__ import annotations
@@ -34,10 +38,11 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from fivefold.errors import CliError
+from fivefold.errors import CliError, EnvironmentFailure
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 WATCHDOG_EXIT = 4  # exit status of the rank that reports a stalled job
+FAILURES_DIR_ENV = "FIVEFOLD_FAILURES_DIR"  # set by the launcher for its workers: where each leaves its error line
 _PR_SET_PDEATHSIG = 1
 
 
@@ -204,20 +209,21 @@ def _end_job(message: str, stalled: dict | None, host: str) -> None:
     """Print the message, kill the stalled rank when it runs on this host (SIGKILL works on a stopped one), and
     exit at once with `WATCHDOG_EXIT`: the launcher then stops every other rank."""
     print(f"fivefold: error: {message}", file=sys.stderr, flush=True)
+    record_failure(message, peer=False)
     if stalled and stalled.get("host") == host:
         with contextlib.suppress(OSError, ValueError, KeyError):
             os.kill(int(stalled["pid"]), signal.SIGKILL)
     os._exit(WATCHDOG_EXIT)
 
 
-def connect_store(timeout_s: float):
+def connect_store(timeout_s: float, prefix: str = "fivefold-watchdog/"):
     """A client of the key-value store the launcher set up (MASTER_ADDR, MASTER_PORT), keys under a prefix of
     our own."""
     import torch.distributed as dist
 
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=max(timeout_s, 30.0)))
-    return dist.PrefixStore("fivefold-watchdog/", store)
+    return dist.PrefixStore(prefix, store)
 
 
 class _Current:
@@ -380,3 +386,62 @@ def held_by_parent(run_dir: str | Path) -> bool:
     path = Path(run_dir) / RUN_LOCK
     h = read_holder(path) if path.is_file() else None
     return bool(h) and h.get("pid") == os.getppid() and h.get("host") == socket.gethostname()
+
+
+def record_failure(line: str, peer: bool) -> None:
+    """Leave this rank's error line for its launcher (in a worker of `launch` only): `peer` when it reports losing
+    another rank rather than a failure of its own."""
+    folder = os.environ.get(FAILURES_DIR_ENV)
+    rank = os.environ.get("RANK")
+    if not folder or rank is None:
+        return
+    with contextlib.suppress(OSError):
+        with open(os.path.join(folder, f"rank{int(rank)}.json"), "w") as f:
+            json.dump({"rank": int(rank), "time": time.time(), "line": line, "peer": peer}, f)
+
+
+def first_failure(folder: str, exit_codes: dict[int, int]) -> tuple[int, str] | None:
+    """(rank, what happened to it) of the rank that failed first: the earliest line of a rank's own failure, else a
+    rank killed by a signal (its peers' lines report losing it), else the earliest line; None without either."""
+    lines = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            with open(os.path.join(folder, name)) as f:
+                r = json.load(f)
+            lines.append((bool(r["peer"]) or not r["line"], float(r["time"]), int(r["rank"]), str(r["line"])))
+    own = sorted(x for x in lines if not x[0])
+    if own:
+        return own[0][2], own[0][3]
+    # a rank killed by a signal, other than the SIGTERM with which the launcher stops the rest of a failed job
+    killed = sorted((code == -signal.SIGTERM, r) for r, code in exit_codes.items() if code < 0)
+    killed = [r for _, r in killed]
+    if killed:
+        with contextlib.suppress(ValueError):
+            return killed[0], f"killed by {signal.Signals(-exit_codes[killed[0]]).name}"
+    lines.sort()
+    return (lines[0][2], lines[0][3] or "lost another rank") if lines else None
+
+
+def wait_for_ranks(rank: int, world: int, timeout_s: float) -> None:
+    """Meet every rank of the job in the launcher's store before the process group forms; a rank missing after
+    `timeout_s` (stalled or dead during start-up) is named in an EnvironmentFailure. Without the launcher's store
+    (MASTER_ADDR unset), returns: the process group's own rendezvous then waits."""
+    if world <= 1:
+        return
+    try:
+        store = connect_store(timeout_s, prefix="fivefold-join/")
+    except (KeyError, ValueError, RuntimeError):
+        return
+    store.set(f"rank{rank}", socket.gethostname())
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [r for r in range(world) if not store.check([f"rank{r}"])]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(min(0.1, timeout_s / 50))
+    if missing:
+        names = ", ".join(map(str, missing))
+        raise EnvironmentFailure(
+            f"rank{'s' if len(missing) > 1 else ''} {names} of {world} did not join the job within "
+            f"train.collective_timeout_s = {timeout_s:g} s (stalled or dead during start-up); nothing was trained or "
+            "written by this start; start the job again (a --resume continues from the newest checkpoint)")

@@ -6,8 +6,11 @@ import argparse
 import importlib
 import os
 import sys
+import typing
 
-from fivefold.errors import CliError, ConfigError
+from fivefold import faults
+from fivefold.config import shown
+from fivefold.errors import EXIT_ENVIRONMENT, CliError, ConfigError, EnvironmentFailure
 
 # verb -> (module, one-line help); modules are imported only when their verb runs or --help is asked
 VERBS: dict[str, tuple[str, str]] = {
@@ -25,9 +28,17 @@ VERBS: dict[str, tuple[str, str]] = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with its refusals in one line (`fivefold VERB: error: argument --flag: ...`, exit status 2) like
+    every other refusal: no usage block, which `--help` prints."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="fivefold", description="Plan and train Llama-style models.")
+    parser = Parser(prog="fivefold", description="Plan and train Llama-style models.")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     verb = next((a for a in argv if not a.startswith("-")), None)
     for name, (module_name, help_text) in VERBS.items():
@@ -38,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if verb is not None and verb not in VERBS:
-        parser.error(f"unknown verb {verb!r}; choose one of: {', '.join(VERBS)}")
+        parser.error(f"unknown verb {shown(verb)}; choose one of: {', '.join(VERBS)}")
     args, extra = parser.parse_known_args(argv)
     if args.verb is None:
         parser.print_help()
@@ -52,7 +63,13 @@ def main(argv: list[str] | None = None) -> int:
         return int(module.run(args) or 0)
     except (ConfigError, CliError) as e:
         print(f"fivefold {args.verb}: error: {e}", file=sys.stderr)
+        faults.record_failure(f"{e}", peer=False)
         return 2
+    except EnvironmentFailure as e:
+        if str(e):
+            print(f"fivefold {args.verb}: error: {e}", file=sys.stderr)
+        faults.record_failure(f"{e}", peer=e.peer or not str(e))
+        return EXIT_ENVIRONMENT
     except KeyboardInterrupt:  # Ctrl-C (or SIGTERM turned into it): stop without a traceback
         print(f"fivefold {args.verb}: interrupted", file=sys.stderr)
         return 130

@@ -10,7 +10,7 @@ import math
 import sys
 from pathlib import Path
 
-from fivefold.config import Config, ModelConfig, dump_toml, write_text_atomic
+from fivefold.config import Config, ConfigError, ModelConfig, dump_toml, finite_float, int_in, shown, write_text_atomic
 from fivefold.errors import CliError
 from fivefold.flops import attention_fraction, attention_pairs, causal_pairs, masks_attention
 from fivefold.layout import check_layout
@@ -42,10 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weak", action="store_true", help="scaling: the global batch grows with the nodes")
     p.add_argument("--strong", action="store_true", help="scaling: the global batch stays")
     p.add_argument("--png", help="scaling: also plot the efficiency to this PNG (needs matplotlib)")
-    p.add_argument("--gpus-per-node", type=int, default=0, help="default: the hardware's")
-    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--gpus-per-node", type=int_in(0, 1024, "devices of one node"),
+                   default=0, help="default: the hardware's")
+    p.add_argument("--seq-len", type=int_in(2, 1 << 24, "tokens per sequence, up to 16M"), default=4096)
     p.add_argument("--global-batch", default="1M", help="tokens per step; K/M/G are powers of two (1M = 1048576)")
-    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--top", type=int_in(1, 10_000, "rows of the table"), default=10)
     p.add_argument("--rank", choices=list(RANK_RULES), default="expected",
                    help="how layouts are ranked where the hardware profile has stall data (a pipelined step may "
                         "stall at its hand-overs): by the expected step time (default), or by the p90 step time "
@@ -61,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run the pick (or --layout) on this machine's device with `fivefold train --only-rank` for "
                    "the ranks that hold the most (first and last pipeline stage, an expert rank) and print measured "
                    "beside predicted")
-    p.add_argument("--measure-steps", type=int, default=2, help="--measure: steps of each rank (default 2)")
+    p.add_argument("--measure-steps", type=int_in(1, 1000, "timed steps of each rank"),
+                   default=2, help="--measure: steps of each rank (default 2)")
     p.add_argument("--framework", choices=sorted(_framework_names()),
                    help="whose implementation to model (default: fivefold-cpu on a CPU profile, else fivefold; "
                         "nanotron: the playbook's benchmark settings)")
@@ -77,12 +79,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sp", choices=["on", "off", "both"], default="both", help="sequence parallel with tp>1")
     p.add_argument("--schedules", default="afab,1f1b,interleaved,zero-bubble,dualpipev")
     p.add_argument("--no-cp", action="store_true", help="do not consider context parallel")
-    p.add_argument("--pad-vocab", type=int, default=0, metavar="MULTIPLE",
+    p.add_argument("--pad-vocab", type=int,
+                   default=0, metavar="MULTIPLE",
                    help="round the vocabulary up to a multiple of this (e.g. 128: 50,257 -> 50,304), as Megatron's "
                         "make-vocab-size-divisible-by does, so that tp can split it; the written config keeps it")
     p.add_argument("--fix", help="search only layouts with these values, e.g. 'tp=8,pp=4' (keys: dp, tp, pp, cp, "
                                  "ep, mbs, zero, schedule, vpp, sp, recompute)")
-    p.add_argument("--moe-imbalance", type=float, default=1.0,
+    p.add_argument("--moe-imbalance", type=finite_float, default=1.0,
                    help="busiest expert's load over the even share (dropless MoE memory)")
     p.add_argument("--data", help="search, --layout, scaling: a prepared data directory (`fivefold data prepare`) "
                                   "whose histogram of document lengths prices document-masked attention; validate: "
@@ -118,7 +121,7 @@ def load_model(spec: str) -> ModelConfig:
         for part in filter(None, (x.strip() for x in spec.split(","))):
             key, _, value = part.partition("=")
             if key not in _SHAPE_KEYS:
-                raise CliError(f"--model shape key {key!r} is not known; use: {', '.join(_SHAPE_KEYS)}")
+                raise CliError(f"--model shape key {shown(key)} is not known; use: {', '.join(_SHAPE_KEYS)}")
             field = _SHAPE_KEYS[key]
             if field == "tied_embeddings":
                 values[field] = value.lower() in ("1", "true", "yes", "on")
@@ -128,7 +131,7 @@ def load_model(spec: str) -> ModelConfig:
                 try:
                     values[field] = int(value)
                 except ValueError:
-                    raise CliError(f"--model {key} = {value!r} is not an integer") from None
+                    raise CliError(f"--model {key} = {shown(value)} is not an integer") from None
         if "n_kv_heads" not in values and "n_heads" in values:
             values["n_kv_heads"] = values["n_heads"]
         cfg = ModelConfig(**values)
@@ -152,6 +155,8 @@ def pad_vocab(cfg: ModelConfig, multiple: int) -> ModelConfig:
         return cfg
     if multiple < 0:
         raise CliError(f"--pad-vocab = {multiple} must be >= 1 (a multiple such as 64 or 128), or 0 for none")
+    if multiple > 1 << 16:
+        raise CliError(f"--pad-vocab = {multiple:,} must be at most 65,536 (a multiple such as 64 or 128)")
     padded = -(-cfg.vocab_size // multiple) * multiple
     return dataclasses.replace(cfg, vocab_size=padded)
 
@@ -160,13 +165,13 @@ def _space(args: argparse.Namespace) -> SearchSpace:
     try:
         zero = tuple(int(z) for z in args.zero.split(","))
     except ValueError:
-        raise CliError(f"--zero {args.zero!r} must be a comma-separated list of 0..3") from None
+        raise CliError(f"--zero {shown(args.zero)} must be a comma-separated list of 0..3") from None
     if not zero or any(z not in (0, 1, 2, 3) for z in zero):
-        raise CliError(f"--zero {args.zero!r} must be a comma-separated list of 0..3, e.g. 0,1")
+        raise CliError(f"--zero {shown(args.zero)} must be a comma-separated list of 0..3, e.g. 0,1")
     rc = tuple(args.recompute.split(","))
     for r in rc:
         if r not in ("none", "selective", "full"):
-            raise CliError(f"--recompute {r!r} is not one of none, selective, full")
+            raise CliError(f"--recompute {shown(r)} is not one of none, selective, full")
     sp = {"on": (True,), "off": (False,), "both": (False, True)}[args.sp]
     return SearchSpace(zero=zero, recompute=rc, sp=sp, schedules=tuple(args.schedules.split(",")),
                        cp=not args.no_cp,
@@ -191,29 +196,29 @@ def apply_fix(text: str, space: SearchSpace, n_gpus: int, gpus_per_node: int, ba
     for part in filter(None, (x.strip() for x in text.split(","))):
         key, eq, value = (x.strip() for x in part.partition("="))
         if not eq or key not in _FIX_KEYS:
-            raise CliError(f"--fix item {part!r} is not KEY=VALUE with KEY one of: {', '.join(_FIX_KEYS)}")
+            raise CliError(f"--fix item {shown(part)} is not KEY=VALUE with KEY one of: {', '.join(_FIX_KEYS)}")
         key = "micro_batch_size" if key == "mbs" else key
         if key in fixed or key in updates:
             raise CliError(f"--fix gives {key} twice; keep one value")
         if key == "schedule":
             if value not in SCHEDULES:
-                raise CliError(f"--fix schedule = {value!r} is not one of {', '.join(SCHEDULES)}")
+                raise CliError(f"--fix schedule = {shown(value)} is not one of {', '.join(SCHEDULES)}")
             updates["schedules"] = (value,)
             continue
         if key == "recompute":
             if value not in ("none", "selective", "full"):
-                raise CliError(f"--fix recompute = {value!r} is not one of none, selective, full")
+                raise CliError(f"--fix recompute = {shown(value)} is not one of none, selective, full")
             updates["recompute"] = (value,)
             continue
         if key == "sp":
             if value.lower() not in ("on", "off", "true", "false", "1", "0"):
-                raise CliError(f"--fix sp = {value!r} must be on or off")
+                raise CliError(f"--fix sp = {shown(value)} must be on or off")
             updates["sp"] = (value.lower() in ("on", "true", "1"),)
             continue
         try:
             number = int(value)
         except ValueError:
-            raise CliError(f"--fix {key} = {value!r} is not an integer") from None
+            raise CliError(f"--fix {key} = {shown(value)} is not an integer") from None
         if key == "zero":
             if number not in (0, 1, 2, 3):
                 raise CliError(f"--fix zero = {number} is not a ZeRO stage; use 0, 1, 2 or 3")
@@ -379,6 +384,10 @@ def run(args: argparse.Namespace) -> int:
     fw = _framework(args, hw)
     _resolve_nodes(args)
     n_gpus = args.nodes * hw.gpus_per_node
+    from fivefold.planner.scaling import parse_nodes
+
+    largest = parse_nodes(args.nodes_list)[-1] if args.action == "scaling" else args.nodes
+    check_search_size(largest, hw.gpus_per_node, hw.unit)
     tokens = parse_tokens(args.global_batch)
     seq = args.seq_len
     if seq < 2 or tokens % seq:
@@ -412,10 +421,10 @@ def _check_options(args: argparse.Namespace) -> None:
     if args.write_config:
         target = Path(args.write_config)
         if not target.parent.is_dir():
-            raise CliError(f"--write-config {args.write_config!r}: directory {str(target.parent)!r} does not "
+            raise CliError(f"--write-config {shown(args.write_config)}: directory {shown(str(target.parent))} does not "
                            "exist; create it first or write into an existing one")
         if target.is_dir():
-            raise CliError(f"--write-config {args.write_config!r} is a directory; give a file name such as "
+            raise CliError(f"--write-config {shown(args.write_config)} is a directory; give a file name such as "
                            "best.toml")
 
 
@@ -508,15 +517,34 @@ def _attention_line(args: argparse.Namespace, cfg: ModelConfig, seq: int) -> str
 
 def _plan_model(args: argparse.Namespace) -> ModelConfig:
     """--model with --pad-vocab applied; a GELU shape is said so, and refused with --write-config."""
-    cfg = pad_vocab(load_model(args.model), args.pad_vocab)
+    try:
+        cfg = pad_vocab(load_model(args.model), args.pad_vocab)
+    except ConfigError as e:  # a preset, a Hugging Face config or NAME=VALUE fields: say which flag
+        raise CliError(f"--model {shown(args.model)}: {e}") from None
     if cfg.mlp == "gelu" and _is_hf_config(args.model):
         from fivefold.planner.shapes import NOT_MODELLED
 
         print(f"{args.model}: read as a GELU-MLP shape; not modelled: {NOT_MODELLED}")
     if args.write_config and cfg.mlp != "swiglu":
-        raise CliError(f"--write-config: the model's MLP is {cfg.mlp!r}, and the engine builds SwiGLU MLPs only; "
+        raise CliError(f"--write-config: the model's MLP is {shown(cfg.mlp)}, and the engine builds SwiGLU MLPs only; "
                        "plan without --write-config")
     return cfg
+
+
+MAX_SEARCH_DEVICES = 1 << 20  # the planner's largest cluster: 1,048,576 devices (the largest built hold ~100,000)
+SLOW_SEARCH_DEVICES = 1 << 14  # above this the search takes minutes on a laptop
+
+
+def check_search_size(nodes: int, gpus_per_node: int, unit: str) -> None:
+    """Refuse a cluster beyond MAX_SEARCH_DEVICES (its search would run for hours), warn above SLOW_SEARCH_DEVICES."""
+    devices = nodes * gpus_per_node
+    if devices > MAX_SEARCH_DEVICES:
+        raise CliError(f"--nodes = {nodes:,} x {gpus_per_node} {unit}s per node = {devices:,} devices: the planner "
+                       f"searches clusters of at most {MAX_SEARCH_DEVICES:,} devices (2^20; the largest built hold "
+                       f"about 100,000); use at most {max(MAX_SEARCH_DEVICES // gpus_per_node, 1):,} nodes")
+    if devices > SLOW_SEARCH_DEVICES:
+        print(f"fivefold plan: warning: {devices:,} devices: the layout search takes a minute or more (it weighs "
+              "every divisor of the device count as a degree)", file=sys.stderr)
 
 
 def _resolve_nodes(args: argparse.Namespace) -> None:
@@ -528,7 +556,7 @@ def _resolve_nodes(args: argparse.Namespace) -> None:
         try:
             args.nodes = int(args.nodes)
         except ValueError:
-            raise CliError(f"--nodes = {args.nodes!r} must be a number of nodes (a list only for "
+            raise CliError(f"--nodes = {shown(args.nodes)} must be a number of nodes (a list only for "
                            "`plan scaling`)") from None
     if args.nodes < 1:
         raise CliError(f"--nodes = {args.nodes} must be >= 1")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import re
 import sys
@@ -10,8 +11,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fivefold.config import Config, build_config, load_file, parse_overrides
-from fivefold.errors import CliError
+from fivefold.config import Config, build_config, load_file, parse_overrides, shown
+from fivefold.errors import CliError, EnvironmentFailure
 
 if TYPE_CHECKING:
     from fivefold.train.expect import Expectation
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--nodes = {args.nodes} and --nproc = {args.nproc} must both be >= 1")
         check_slurm_time(args.time)
         if args.setup and not Path(args.setup).is_file():
-            raise CliError(f"--setup {args.setup!r} is not a file; give the shell file to source on every node "
+            raise CliError(f"--setup {shown(args.setup)} is not a file; give the shell file to source on every node "
                            "(module loads, `source venv/bin/activate`, NCCL settings)")
         path = write_slurm_script(args.slurm, forwarded_argv(args, cfg.run_dir), args.nodes, args.nproc,
                                   time_limit=args.time, partition=args.partition, account=args.account,
@@ -137,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         for line in preflight.warnings(cfg, device, e.step_time_s):
             print(f"fivefold: warning: {line}", file=sys.stderr)
     from fivefold.faults import SaveAbandoned, held_by_parent
-    from fivefold.train.checkpoint import CheckpointError
+    from fivefold.train.checkpoint import CheckpointError, CheckpointWriteError
     from fivefold.train.loop import abandoned_message
 
     try:  # every process must agree on the run directory; the launcher (or the one process) owns it
@@ -146,12 +147,16 @@ def run(args: argparse.Namespace) -> int:
             return status
         expected = plan_expectation(cfg, local_world_size(args.nproc))
         result = train(cfg, resume=args.resume, hf_init=Path(args.hf) if args.hf else None, expected=expected)
+    except CheckpointWriteError as e:
+        raise EnvironmentFailure(str(e) if e.own else "") from None
     except (RunDirError, CheckpointError) as e:
         raise CliError(str(e)) from None
     except SaveAbandoned as e:  # said once: by the launcher, the one process, or rank 0 of a torchrun job
         if int(os.environ.get("RANK", "0")) == 0 and not held_by_parent(cfg.run_dir):
             print(abandoned_message(Path(cfg.run_dir), e.name, local_world_size(args.nproc)), file=sys.stderr)
         return 128 + e.signum
+    except (OSError, RuntimeError) as e:
+        raise environment_failure(e, Path(cfg.run_dir), args.nproc) from None
     finish_distributed()
     return result.exit_code  # 3 after a streak of non-finite steps, 128 + N when signal N stopped it
 
@@ -170,6 +175,33 @@ def plan_expectation(cfg: Config, local_ranks: int) -> Expectation | None:
     e = estimate_run(cfg, hardware, device.type)
     parts = max(e.memory.values(), key=lambda p: sum(p.values()))
     return Expectation(hardware.name, e.step_time_s, e.peak_bytes, dict(parts))
+
+
+ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
+PEER_LOST = ("connection", "gloo", "nccl", "timed out", "timeout", "closed", "reset by peer", "broken pipe")
+
+
+def environment_failure(e: OSError | RuntimeError, run_dir: Path, nproc: int) -> BaseException:
+    """An OS error of the machine (no space, a read-only or forbidden path) or a lost rank (a collective whose peer
+    died) as one line: what failed, where, what is safe on disk and how to continue. Any other error is returned
+    as it is (a bug: its traceback)."""
+    import torch.distributed as dist
+
+    from fivefold.train.checkpoint import describe_os_error, latest_checkpoint
+
+    if isinstance(e, OSError) and e.errno in ENVIRONMENT_ERRNOS:
+        what = describe_os_error(e)
+    elif (isinstance(e, RuntimeError) and dist.is_initialized() and dist.get_world_size() > 1
+          and any(k in str(e).lower() for k in PEER_LOST)):
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        what = f"rank {dist.get_rank()} lost another rank in a collective ({shown(first)})"
+    else:
+        return e
+    newest = latest_checkpoint(run_dir)
+    safe = f"the newest complete checkpoint, {newest}, is intact" if newest else "no checkpoint was written yet"
+    nprocs = f" --nproc {nproc}" if nproc > 1 else ""
+    return EnvironmentFailure(f"{what}; {safe}; once the cause is fixed, continue with `fivefold train --resume "
+                              f"--run-dir {run_dir}{nprocs}`", peer=not isinstance(e, OSError))
 
 
 def refuse_with_only_rank(args: argparse.Namespace) -> None:
@@ -201,7 +233,7 @@ _SLURM_TIME = re.compile(r"^(\d+-)?\d{1,3}:\d{2}:\d{2}$")
 
 def check_slurm_time(value: str) -> None:
     if not _SLURM_TIME.match(value):
-        raise CliError(f"--time {value!r} is not a SLURM time limit; use HH:MM:SS or D-HH:MM:SS, e.g. 48:00:00 or "
+        raise CliError(f"--time {shown(value)} is not a SLURM time limit; use HH:MM:SS or D-HH:MM:SS, e.g. 48:00:00 or "
                        "2-00:00:00")
 
 
@@ -224,7 +256,8 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
           f"{t.max_steps * t.global_batch_size * t.seq_len:,} tokens; lr {t.lr:g} ({t.lr_schedule}, warm-up "
           f"{t.warmup_steps} steps); run dir {cfg.run_dir}")
     if cfg.data.path and not Path(cfg.data.path).is_dir():
-        print(f"note: data.path = {cfg.data.path!r} does not exist yet; prepare it with `fivefold data prepare FILES "
+        print(f"note: data.path = {shown(cfg.data.path)} does not exist yet; prepare it with `fivefold data "
+              f"prepare FILES "
               "--tokenizer MODEL_DIR --out DIR` before training")
     # the device the run will use (`train.device`, `auto`: this machine's), unless --gpu names another
     hw = get_cluster(args.gpu) if args.gpu else default_hardware(resolve_device(t.device).type)

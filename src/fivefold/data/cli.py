@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fivefold.config import finite_float, shown
 from fivefold.data.format import SPLITS, document_lengths, histogram_line
 from fivefold.data.prepare import (
     DEFAULT_SHARD_TOKENS,
@@ -48,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     prepare.add_argument(
         "--val-fraction",
-        type=float,
+        type=finite_float,
         metavar="F",
         default=DEFAULT_VAL_FRACTION,
         help=f"share of the corpus held out for validation (default {DEFAULT_VAL_FRACTION})",
@@ -107,7 +108,7 @@ def summary(directory: str, verify: bool = False) -> str:
     lines = [
         f"{directory}",
         f"  tokenizer   {tokenizer['file']} ({how}); vocab_size {index['vocab_size']}, "
-        f"eos {index['eos_token']!r} = {index['eos_id']}, dtype {index['dtype']}",
+        f"eos {shown(index['eos_token'])} = {index['eos_id']}, dtype {index['dtype']}",
         f"  split       {index['split']['method']}, val_fraction {index['split']['val_fraction']}",
     ]
     for split in SPLITS:

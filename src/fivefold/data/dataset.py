@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from fivefold.config import file_sha256
+from fivefold.config import file_sha256, shown
 from fivefold.data.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -42,14 +42,14 @@ def read_index(path: str | Path) -> dict[str, Any]:
         )
     try:
         index = json.loads(index_path.read_text("utf-8"))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise DataError(f"{index_path}: unreadable ({e}); prepare the directory again") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT_NAME:
-        raise DataError(f"{index_path}: not a fivefold token index (format should be {FORMAT_NAME!r})")
+        raise DataError(f"{index_path}: not a fivefold token index (format should be {shown(FORMAT_NAME)})")
     version = index.get("version")
     if version != FORMAT_VERSION:
         raise DataError(
-            f"{index_path}: format version {version!r}, this fivefold reads version {FORMAT_VERSION}; "
+            f"{index_path}: format version {shown(version)}, this fivefold reads version {FORMAT_VERSION}; "
             "prepare the directory again"
         )
     return index
@@ -65,7 +65,7 @@ class TokenDataset:
     def __init__(self, path: str | Path, split: str = "train"):
         self.path = Path(path).expanduser()
         if split not in SPLITS:
-            raise DataError(f"split {split!r}: unknown; valid: {', '.join(SPLITS)}")
+            raise DataError(f"split {shown(split)}: unknown; valid: {', '.join(SPLITS)}")
         self.split = split
         self.index = read_index(self.path)
         self.dtype = dtype_from_name(self.index["dtype"])
@@ -115,7 +115,7 @@ class TokenDataset:
 
     def __repr__(self) -> str:
         return (
-            f"TokenDataset({str(self.path)!r}, split={self.split!r}: {self.num_tokens:,} tokens in "
+            f"TokenDataset({shown(str(self.path))}, split={shown(self.split)}: {self.num_tokens:,} tokens in "
             f"{len(self.shards)} shard(s), vocab {self.vocab_size})"
         )
 
@@ -191,4 +191,4 @@ class TokenDataset:
 
 def _check_seq_len(seq_len: int) -> None:
     if not isinstance(seq_len, int | np.integer) or seq_len < 1:
-        raise DataError(f"seq_len {seq_len!r}: must be a positive integer")
+        raise DataError(f"seq_len {shown(seq_len)}: must be a positive integer")

@@ -136,7 +136,7 @@ def hf_eos_token(model_dir: str | Path) -> str | None:
         return None
     try:
         eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
-    except (json.JSONDecodeError, AttributeError):
+    except (json.JSONDecodeError, AttributeError, RecursionError):
         return None
     if isinstance(eos, dict):  # an AddedToken written out
         eos = eos.get("content")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from fivefold.config import shown
 from fivefold.data.dataset import TokenDataset
 from fivefold.data.format import DataError
 
@@ -30,7 +31,7 @@ CACHED_EPOCHS = 2  # a batch spans at most two epochs unless the dataset is smal
 
 def _positive_int(name: str, value: int) -> int:
     if not isinstance(value, int | np.integer) or value < 1:
-        raise DataError(f"{name} {value!r}: must be a positive integer")
+        raise DataError(f"{name} {shown(value)}: must be a positive integer")
     return int(value)
 
 
@@ -65,13 +66,13 @@ class BatchSampler:
         self.seq_len = _positive_int("seq_len", seq_len)
         self.global_batch_size = _positive_int("global_batch_size", global_batch_size)
         if not isinstance(seed, int | np.integer) or seed < 0:
-            raise DataError(f"seed {seed!r}: must be a non-negative integer")
+            raise DataError(f"seed {shown(seed)}: must be a non-negative integer")
         self.seed = int(seed)
         self.num_windows = dataset.require_windows(self.seq_len)
         self._permutations: dict[int, np.ndarray] = {}
         for name, value in (("start_step", start_step), ("start_sample", start_sample)):
             if value is not None and (not isinstance(value, int | np.integer) or value < 0):
-                raise DataError(f"{name} {value!r}: must be a non-negative integer")
+                raise DataError(f"{name} {shown(value)}: must be a non-negative integer")
         self.start_step = int(start_step)
         # samples consumed before start_step; by default as many steps of this batch size
         self.start_sample = self.start_step * self.global_batch_size if start_sample is None else int(start_sample)
@@ -79,7 +80,7 @@ class BatchSampler:
     def samples_before(self, step: int) -> int:
         """Samples (windows) consumed by the steps before `step`: the data position a checkpoint records."""
         if not isinstance(step, int | np.integer) or step < self.start_step:
-            raise DataError(f"step {step!r}: must be an integer >= {self.start_step} (the step this run's data "
+            raise DataError(f"step {shown(step)}: must be an integer >= {self.start_step} (the step this run's data "
                             "position starts at)")
         return self.start_sample + (int(step) - self.start_step) * self.global_batch_size
 

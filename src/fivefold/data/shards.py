@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from fivefold.config import shown
 from fivefold.data.format import (
     FORMAT_NAME,
     INDEX_FILE,
@@ -120,7 +121,7 @@ def is_prepared_directory(path: Path) -> bool:
     index_path = path / INDEX_FILE
     try:
         index = json.loads(index_path.read_text("utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     if not isinstance(index, dict) or index.get("format") != FORMAT_NAME:
         return False
@@ -147,7 +148,7 @@ def check_output(out: Path, overwrite: bool) -> None:
             for e in out.iterdir()
             if not (e.is_file() and (e.name in (INDEX_FILE, TOKENIZER_FILE) or SHARD_NAME.match(e.name)))
         )
-        what = f"holds {foreign[0]!r}, which is not" if foreign else "has no index.json written by"
+        what = f"holds {shown(foreign[0])}, which is not" if foreign else "has no index.json written by"
         raise DataError(
             f"--out {out}: {what} part of a prepared token directory; refusing to delete it "
             "(choose another --out)"

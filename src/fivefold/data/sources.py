@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fivefold.config import shown
 from fivefold.data.format import (
     DataError,
 )
@@ -69,7 +70,7 @@ def find_sources(inputs: Sequence[str | Path]) -> list[Source]:
         else:
             if path.suffix.lower() not in SUPPORTED_EXTENSIONS:
                 raise DataError(
-                    f"input {path}: unknown extension {path.suffix or '(none)'!r}; valid: {valid}"
+                    f"input {path}: unknown extension {shown(path.suffix or '(none)')}; valid: {valid}"
                 )
             files = [path]
         for file in files:
@@ -91,7 +92,7 @@ def read_documents(source: Source, field: str) -> Iterator[str]:
     elif source.kind == "parquet":
         yield from _read_parquet(source.path, field)
     else:
-        raise DataError(f"input {source.path}: unknown kind {source.kind!r}")
+        raise DataError(f"input {source.path}: unknown kind {shown(source.kind)}")
 
 
 def _read_text(path: Path) -> str:
@@ -115,22 +116,24 @@ def _read_jsonl(path: Path, field: str) -> Iterator[str]:
                     raise DataError(
                         f"input {path}, line {line_number}: invalid JSON ({e.msg} at column {e.colno})"
                     ) from None
+                except RecursionError:
+                    raise DataError(f"input {path}, line {line_number}: JSON nested too deep to read") from None
                 if not isinstance(record, dict):
                     raise DataError(
-                        f"input {path}, line {line_number}: expected a JSON object with field {field!r}, "
+                        f"input {path}, line {line_number}: expected a JSON object with field {shown(field)}, "
                         f"got a JSON {type(record).__name__}"
                     )
                 if field not in record:
                     fields = ", ".join(repr(k) for k in list(record)[:10]) or "none"
                     raise DataError(
-                        f"input {path}, line {line_number}: no field {field!r} "
+                        f"input {path}, line {line_number}: no field {shown(field)} "
                         f"(fields on this line: {fields}; "
                         "choose one with --field)"
                     )
                 value = record[field]
                 if not isinstance(value, str):
                     raise DataError(
-                        f"input {path}, line {line_number}: field {field!r} must be a string, "
+                        f"input {path}, line {line_number}: field {shown(field)} must be a string, "
                         f"got {type(value).__name__}"
                     )
                 yield value
@@ -155,10 +158,10 @@ def _read_parquet(path: Path, field: str) -> Iterator[str]:
     schema = parquet.schema_arrow
     if field not in schema.names:
         columns = ", ".join(repr(n) for n in schema.names[:20]) or "none"
-        raise DataError(f"input {path}: no column {field!r} (columns: {columns}; choose one with --field)")
+        raise DataError(f"input {path}: no column {shown(field)} (columns: {columns}; choose one with --field)")
     column_type = schema.field(field).type
     if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
-        raise DataError(f"input {path}: column {field!r} must hold strings, it holds {column_type}")
+        raise DataError(f"input {path}: column {shown(field)} must hold strings, it holds {column_type}")
     for batch in parquet.iter_batches(columns=[field], batch_size=1024):
         for value in batch.column(0).to_pylist():
             if value is not None:  # a null row is no document

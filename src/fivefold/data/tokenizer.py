@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+from fivefold.config import shown
 from fivefold.data.format import (
     DataError,
 )
@@ -40,7 +41,7 @@ def find_eos(tokenizer, where: str, eos_token: str | None = None) -> tuple[int, 
         if token_id is not None:
             return int(token_id), token
     if eos_token:
-        raise DataError(f"tokenizer {where}: has no token {eos_token!r} (--eos-token)")
+        raise DataError(f"tokenizer {where}: has no token {shown(eos_token)} (--eos-token)")
     raise DataError(
         f"tokenizer {where}: has none of the end-of-text tokens {', '.join(EOS_CANDIDATES)}; "
         "name its end-of-text token with --eos-token"

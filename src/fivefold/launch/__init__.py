@@ -14,24 +14,29 @@ import contextlib
 import os
 import re
 import shlex
+import shutil
 import signal
 import sys
+import tempfile
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from fivefold.config import Config, ConfigError
+from fivefold.config import Config, ConfigError, shown
 from fivefold.device import local_device, resolve_device
 from fivefold.faults import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
+    FAILURES_DIR_ENV,
     RunLock,
     SaveAbandoned,
     descendants,
     die_with_parent,
+    first_failure,
     quiet_hung_up_terminal,
     start_watchdog,
+    wait_for_ranks,
 )
 
 __all__ = ["init_distributed", "launch", "local_world_size", "start_or_join", "write_slurm_script"]
@@ -63,6 +68,7 @@ def init_distributed(device_type: str, timeout_s: float = DEFAULT_COLLECTIVE_TIM
     if dist.is_initialized():
         return
     die_with_parent()
+    wait_for_ranks(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")), timeout_s)
     timeout = timedelta(seconds=timeout_s)
     if device_type == "cpu":
         dist.init_process_group("gloo", timeout=timeout)
@@ -105,12 +111,17 @@ def run_workers(nproc: int, argv: list[str], verb: str) -> int:
     args = get_args_parser().parse_args(
         ["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc), "--module", "fivefold", verb, *argv]
     )
+    failures = tempfile.mkdtemp(prefix="fivefold-failures-")
+    previous = os.environ.get(FAILURES_DIR_ENV)
+    os.environ[FAILURES_DIR_ENV] = failures  # each worker leaves its one-line error there (faults.record_failure)
     try:
         run(args)
     except ChildFailedError as e:
-        print(f"fivefold: {len(e.failures)} of {nproc} processes failed; see their messages above",
-              file=sys.stderr)
-        code = e.get_first_failure()[1].exitcode  # e.g. 3 after non-finite steps, 143 after SIGTERM: kept
+        codes = {rank: f.exitcode for rank, f in e.failures.items()}
+        first = first_failure(failures, codes) or (e.get_first_failure()[0], "see its messages above")
+        print(f"fivefold: rank {first[0]} failed first: {first[1]} ({len(e.failures)} of {nproc} processes "
+              "failed)", file=sys.stderr)
+        code = codes.get(first[0], e.get_first_failure()[1].exitcode)  # e.g. 3 after non-finite steps: kept
         return code if code > 0 else 1
     except SignalException as e:  # SIGTERM/SIGINT/SIGHUP of the launcher: the agent stopped the workers
         if e.sigval == signal.SIGHUP:
@@ -126,6 +137,12 @@ def run_workers(nproc: int, argv: list[str], verb: str) -> int:
     except KeyboardInterrupt:
         print(f"fivefold: interrupted; the {nproc} processes were stopped", file=sys.stderr)
         return 130
+    finally:
+        shutil.rmtree(failures, ignore_errors=True)
+        if previous is None:
+            os.environ.pop(FAILURES_DIR_ENV, None)
+        else:
+            os.environ[FAILURES_DIR_ENV] = previous
     return 0
 
 
@@ -150,10 +167,10 @@ def write_slurm_script(path: str | Path, argv: list[str], nodes: int, gpus_per_n
               ("account", account or ""))
     for what, value in (*sbatch, ("verb", verb), ("set-up file", setup or ""), *(("argument", a) for a in argv)):
         if _CONTROL.search(str(value)):
-            raise ConfigError(f"SLURM script {what} {str(value)!r} holds a control character (newline, ...)")
+            raise ConfigError(f"SLURM script {what} {shown(str(value))} holds a control character (newline, ...)")
     for what, value in sbatch:
         if value and not _SBATCH_SAFE.fullmatch(value):  # #SBATCH lines are not shell: no quoting exists there
-            raise ConfigError(f"SLURM script {what} {value!r} may hold only letters, digits and . _ - : / % + = @")
+            raise ConfigError(f"SLURM script {what} {shown(value)} may hold only letters, digits and . _ - : / % + = @")
     command = " ".join(shlex.quote(a) for a in argv)
     trap = f"trap {shlex.quote(f'status=$?; {on_exit}')} EXIT\n" if on_exit else ""
     options = "".join(f"#SBATCH --{k}={v}\n" for k, v in (("partition", partition), ("account", account)) if v)

@@ -10,10 +10,12 @@ tokens whose probability reaches `--top-p`. Generation stops at the end-of-text 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
 
+from fivefold.config import finite_float, int_in, shown
 from fivefold.errors import CliError
 
 
@@ -23,12 +25,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a checkpoint directory, or a run directory (its newest complete checkpoint)")
     source.add_argument("--hf", metavar="DIR", help="a Hugging Face Llama/Mixtral directory (e.g. an export)")
     parser.add_argument("--prompt", default="", help="the text to continue (default: start of a document)")
-    parser.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate at most (default 100)")
-    parser.add_argument("--temperature", type=float, default=0.8,
+    parser.add_argument("--max-new-tokens", type=int_in(1, 1 << 20, "no model here attends to more tokens"),
+                        default=100, help="tokens to generate at most (default 100)")
+    parser.add_argument("--temperature", type=finite_float, default=0.8,
                         help="sampling temperature; 0 = greedy, the most likely token (default 0.8)")
-    parser.add_argument("--top-p", type=float, default=0.95,
+    parser.add_argument("--top-p", type=finite_float, default=0.95,
                         help="sample from the most likely tokens whose probabilities sum to this (default 0.95)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    parser.add_argument("--seed", type=int_in(0, 2**63 - 1, "a 64-bit seed"),
+                        default=0, help="sampling seed (default 0)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | ... (default auto)")
     parser.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json or a directory holding one "
                         "(default: the run's or the Hugging Face directory's)")
@@ -95,7 +99,7 @@ def _load(args: argparse.Namespace, device: torch.device):
         if note:
             print(note)
         if not (ckpt / "config.toml").is_file():
-            raise CliError(f"checkpoint {str(ckpt)!r} has no config.toml (the run's resolved config)")
+            raise CliError(f"checkpoint {shown(str(ckpt))} has no config.toml (the run's resolved config)")
         cfg = build_config(ckpt / "config.toml").model
         model = build_model(cfg, device="meta")
         model.to_empty(device=device)
@@ -112,7 +116,7 @@ def _load(args: argparse.Namespace, device: torch.device):
 
 
 def run(args: argparse.Namespace) -> int:
-    from fivefold.device import resolve_device
+    from fivefold.device import present_device
     from fivefold.models.hf import tokenizer_special_tokens
 
     if args.max_new_tokens < 1:
@@ -121,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--temperature = {args.temperature} must be >= 0 (0 = greedy), e.g. 0.8")
     if not 0 < args.top_p <= 1:
         raise CliError(f"--top-p = {args.top_p} must be in (0, 1], e.g. 0.95")
-    device = resolve_device(args.device)
+    device = present_device(args.device, "--device")
     model, tokenizer_dir = _load(args, device)
     model.eval()
     if tokenizer_dir is None:
@@ -132,6 +136,14 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(tokenizer_dir / "tokenizer.json")
     eos_id = tokenizer.token_to_id(tokenizer_special_tokens(tokenizer_dir)["eos_token"])
     prompt_ids = tokenizer.encode(args.prompt).ids if args.prompt else [eos_id]
+    room = model.cfg.max_seq_len - len(prompt_ids)
+    if room < 1:
+        raise CliError(f"--prompt is {len(prompt_ids):,} tokens; the model attends to model.max_seq_len = "
+                       f"{model.cfg.max_seq_len:,} tokens, which leaves none to generate; give a shorter prompt")
+    if args.max_new_tokens > room:
+        print(f"fivefold generate: note: --max-new-tokens = {args.max_new_tokens:,}: at most {room:,} new tokens "
+              f"fit after the {len(prompt_ids):,}-token prompt in model.max_seq_len = {model.cfg.max_seq_len:,}",
+              file=sys.stderr)
     new_ids = generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_p, eos_id, args.seed)
     text = tokenizer.decode([i for i in new_ids if i != eos_id])
     print(args.prompt + text)

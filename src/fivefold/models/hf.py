@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from fivefold.checkpoint_format import write_safetensors
-from fivefold.config import ConfigError, ModelConfig
+from fivefold.config import ConfigError, ModelConfig, load_file, shown
 from fivefold.data.prepare import find_eos, load_tokenizer
 from fivefold.models.llama import build_model
 
@@ -50,14 +50,8 @@ def read_config_json(config: dict[str, Any] | str | Path) -> dict[str, Any]:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise ConfigError(f"Hugging Face config {str(path)!r} does not exist")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"Hugging Face config {str(path)!r} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"Hugging Face config {str(path)!r} must hold a JSON object")
-    return data
+        raise ConfigError(f"Hugging Face config {shown(str(path))} does not exist")
+    return load_file(path, "Hugging Face config", suffix=".json")  # bounded in size and nesting
 
 
 def _architecture(hf: dict[str, Any]) -> str:
@@ -68,7 +62,7 @@ def _architecture(hf: dict[str, Any]) -> str:
         arch = _MODEL_TYPES.get(str(hf.get("model_type", "")), str(hf.get("model_type")))
     if arch not in (LLAMA_ARCH, MIXTRAL_ARCH, MISTRAL_ARCH):
         raise ConfigError(
-            f"Hugging Face architecture {arch!r} is not supported; fivefold reads {LLAMA_ARCH}, {MISTRAL_ARCH} "
+            f"Hugging Face architecture {shown(arch)} is not supported; fivefold reads {LLAMA_ARCH}, {MISTRAL_ARCH} "
             f"and {MIXTRAL_ARCH}"
         )
     return arch
@@ -85,7 +79,7 @@ def _rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, float]]:
         return float(theta), {}
     if rope_type != "llama3":
         raise ConfigError(
-            f"Hugging Face rope_type = {rope_type!r} is not supported; fivefold implements 'default' and "
+            f"Hugging Face rope_type = {shown(rope_type)} is not supported; fivefold implements 'default' and "
             "'llama3'"
         )
     missing = [k for k in _ROPE_SCALING_KEYS if k not in scaling]
@@ -108,11 +102,11 @@ def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None =
     arch = _architecture(hf)
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if key not in hf:
-            raise ConfigError(f"Hugging Face config lacks {key!r}, which {arch} requires")
+            raise ConfigError(f"Hugging Face config lacks {shown(key)}, which {arch} requires")
     hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(
-            f"Hugging Face hidden_act = {hf['hidden_act']!r} is not supported; fivefold uses 'silu'"
+            f"Hugging Face hidden_act = {shown(hf['hidden_act'])} is not supported; fivefold uses 'silu'"
         )
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
@@ -339,10 +333,10 @@ def check_output_dir(out_dir: str | Path, overwrite: bool) -> Path:
     """Refuse a file, or a non-empty directory unless `overwrite`; called before any expensive work."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
-        raise CheckpointError(f"output {str(out)!r} exists and is not a directory")
+        raise CheckpointError(f"output {shown(str(out))} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise CheckpointError(
-            f"output directory {str(out)!r} is not empty; choose an empty or new directory, or pass "
+            f"output directory {shown(str(out))} is not empty; choose an empty or new directory, or pass "
             "overwrite (--overwrite) to replace its config.json and model.safetensors"
         )
     return out
@@ -400,7 +394,7 @@ def tokenizer_special_tokens(tokenizer_dir: Path) -> dict[str, str]:
     named: dict[str, str] = {}
     config = tokenizer_dir / "tokenizer_config.json"
     if config.is_file():
-        data = json.loads(config.read_text())
+        data = load_file(config, "tokenizer config", suffix=".json")
         for key in ("bos_token", "eos_token", "pad_token"):
             value = data.get(key)
             value = value.get("content") if isinstance(value, dict) else value
@@ -440,21 +434,21 @@ def _safetensors_files(hf_dir: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"shard index {str(index)!r} is not valid: {e!r}") from None
+        except (json.JSONDecodeError, KeyError, TypeError, RecursionError) as e:
+            raise CheckpointError(f"shard index {shown(str(index))} is not valid: {shown(e)}") from None
         files = []
         for name in sorted(set(weight_map.values())):
             shard = hf_dir / name
             # a shard name must stay inside the directory
             if Path(name).name != name or not shard.is_file():
                 raise CheckpointError(
-                    f"shard {name!r} listed in {str(index)!r} is not a file in {str(hf_dir)!r}"
+                    f"shard {shown(name)} listed in {shown(str(index))} is not a file in {shown(str(hf_dir))}"
                 )
             files.append(shard)
         return files
     pickles = sorted(p.name for p in hf_dir.glob("*.bin"))
     hint = f" (found {pickles}: pickled weights are not read; re-save them as safetensors)" if pickles else ""
-    raise CheckpointError(f"{str(hf_dir)!r} has no model.safetensors or model.safetensors.index.json{hint}")
+    raise CheckpointError(f"{shown(str(hf_dir))} has no model.safetensors or model.safetensors.index.json{hint}")
 
 
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
@@ -464,7 +458,7 @@ def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except Exception as e:  # safetensors raises its own error type (and OSError) for damaged files
-        raise CheckpointError(f"cannot read safetensors file {str(path)!r}: {e}") from None
+        raise CheckpointError(f"cannot read safetensors file {shown(str(path))}: {e}") from None
 
 
 def load_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -472,7 +466,7 @@ def load_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     ModelConfig and state dict with fivefold names."""
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
-        raise CheckpointError(f"Hugging Face directory {str(hf_dir)!r} does not exist")
+        raise CheckpointError(f"Hugging Face directory {shown(str(hf_dir))} does not exist")
     cfg = model_config_from_hf(hf_dir)
     hf_sd: dict[str, torch.Tensor] = {}
     for f in _safetensors_files(hf_dir):

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fivefold.config import build_config
+from fivefold.config import build_config, check_writable_dir, shown
 from fivefold.errors import CliError
 from fivefold.flops import count_params
 
@@ -44,7 +44,7 @@ def find_tokenizer_dir(ckpt: Path, given: str | None) -> Path | None:
         path = Path(given).expanduser()
         directory = path.parent if path.is_file() else path
         if not (directory / "tokenizer.json").is_file():
-            raise CliError(f"--tokenizer {given!r}: no tokenizer.json there; give a tokenizer.json or a Hugging "
+            raise CliError(f"--tokenizer {shown(given)}: no tokenizer.json there; give a tokenizer.json or a Hugging "
                            "Face model directory that holds one")
         return directory
     for candidate in (ckpt / RUN_TOKENIZER_DIR, ckpt.parent.parent / RUN_TOKENIZER_DIR):
@@ -57,9 +57,10 @@ def find_tokenizer_dir(ckpt: Path, given: str | None) -> Path | None:
 def resolve_checkpoint(path: Path) -> tuple[Path, str | None]:
     """The checkpoint directory to export and, when it was picked from a run, a note saying which."""
     if not path.exists():
-        raise CliError(f"--checkpoint {str(path)!r} does not exist")
+        raise CliError(f"--checkpoint {shown(str(path))} does not exist")
     if not path.is_dir():
-        raise CliError(f"--checkpoint {str(path)!r} is a file; give a checkpoint directory (step_XXXXXXXX) or a run "
+        raise CliError(f"--checkpoint {shown(str(path))} is a file; give a checkpoint directory (step_XXXXXXXX) "
+                       f"or a run "
                        "directory")
     if (path / "model.safetensors").is_file() or (path / "rank0.json").is_file():
         return path, None
@@ -70,8 +71,8 @@ def resolve_checkpoint(path: Path) -> tuple[Path, str | None]:
     if not complete:
         found = ", ".join(p.name for _, p in steps[-5:]) or "none"
         raise CliError(
-            f"--checkpoint {str(path)!r} holds no model.safetensors and no complete checkpoint "
-            f"(step_XXXXXXXX directory with a COMPLETE marker) under {str(root)!r}; "
+            f"--checkpoint {shown(str(path))} holds no model.safetensors and no complete checkpoint "
+            f"(step_XXXXXXXX directory with a COMPLETE marker) under {shown(str(root))}; "
             f"step directories found: {found}"
         )
     newest_step, newest = complete[-1]
@@ -87,15 +88,15 @@ def read_checkpoint_weights(directory: Path) -> dict[str, torch.Tensor]:
     (no model is built; each tensor reads only its pieces' bytes) after its config, piece indexes and piece files
     were checked against the manifest (sha256), or a plain `model.safetensors`. Damaged files raise the format's
     PieceError (a plain file: `models.hf.CheckpointError`)."""
-    from fivefold.checkpoint_format import PieceReader, checkpoint_index, verify_manifest
+    from fivefold.checkpoint_format import PieceReader, checkpoint_index, index_files, verify_manifest
     from fivefold.models.hf import read_safetensors
 
     single = directory / "model.safetensors"
     if single.is_file():
         return read_safetensors(single)
     index = checkpoint_index(directory)
-    files = sorted({piece["file"] for entry in index.values() for piece in entry["pieces"]})
-    verify_manifest(directory, ["config.toml", *(f.name for f in sorted(directory.glob("rank*.json"))), *files])
+    verify_manifest(directory, ["config.toml", *(f.name for f in sorted(directory.glob("rank*.json")))])
+    index_files(directory, index)
     reader = PieceReader(directory, index)
     return {name.removeprefix("model."): reader.read(name) for name in reader.names() if name.startswith("model.")}
 
@@ -114,13 +115,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_output_dir(out_dir, args.overwrite)
     except CheckpointError as e:
-        raise CliError(str(e)) from None
+        raise CliError(f"--hf: {e}") from None
+    check_writable_dir(out_dir, "--hf")
     ckpt, note = resolve_checkpoint(Path(args.checkpoint))
     if note:
         print(note)
     config_file = ckpt / "config.toml"
     if not config_file.is_file():
-        raise CliError(f"checkpoint {str(ckpt)!r} has no config.toml (the run's resolved config)")
+        raise CliError(f"checkpoint {shown(str(ckpt))} has no config.toml (the run's resolved config)")
     cfg = build_config(config_file).model
     cfg.validate()
     weights = ckpt / "model.safetensors" if (ckpt / "model.safetensors").is_file() else ckpt
@@ -135,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     except (CheckpointError, PieceError) as e:
         raise CliError(str(e)) from None
     arch = "MixtralForCausalLM" if cfg.is_moe else "LlamaForCausalLM"
-    print(f"wrote {arch} ({count_params(cfg):,} parameters, model {cfg.name!r}) to {out_dir}")
+    print(f"wrote {arch} ({count_params(cfg):,} parameters, model {shown(cfg.name)}) to {out_dir}")
     if tokenizer_dir is None:
         print("warning: no tokenizer found (the run has no tokenizer/ directory); AutoTokenizer cannot load "
               f"{out_dir}; export again with --tokenizer PATH (the prepared data's tokenizer.json)")

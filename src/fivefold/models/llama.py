@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.config import ConfigError, ModelConfig
+from fivefold.config import ConfigError, ModelConfig, shown
 from fivefold.models.masking import DocumentMask, band_mask, document_attention
 
 
@@ -318,7 +318,7 @@ class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         if cfg.mlp != "swiglu":
-            raise ConfigError(f"model.mlp = {cfg.mlp!r}: the engine builds SwiGLU MLPs only (other MLPs are for "
+            raise ConfigError(f"model.mlp = {shown(cfg.mlp)}: the engine builds SwiGLU MLPs only (other MLPs are for "
                               "`fivefold plan`)")
         self.cfg = cfg
         self.embed: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.hidden)

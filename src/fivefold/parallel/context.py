@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fivefold.config import shown
 from fivefold.layout import raise_problem, sequence_length_problem
 from fivefold.models.llama import MoE
 from fivefold.models.masking import DocumentMask
@@ -59,7 +60,7 @@ def check_sequence_length(seq_len: int, cp: int, field: str = "train.seq_len") -
 
 def _check_layout(layout: str) -> None:
     if layout not in LAYOUTS:
-        raise ValueError(f"context-parallel layout = {layout!r} is not one of {LAYOUTS}")
+        raise ValueError(f"context-parallel layout = {shown(layout)} is not one of {LAYOUTS}")
 
 
 def rank_chunks(rank: int, cp: int, layout: str = "zigzag") -> tuple[int, int]:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from fivefold.config import Config, LayoutConfig
+from fivefold.config import Config, LayoutConfig, shown
 from fivefold.layout import check_layout
 
 if TYPE_CHECKING:
@@ -153,7 +153,7 @@ class ProcessGrid:
         ep and edp (expert parallel), embed (the first and last pipeline ranks, pp > 1), and under HSDP
         hsdp_shard, hsdp_replicate and hsdp_expert_shard."""
         if name not in self.groups:
-            raise KeyError(f"process group {name!r} is not in this grid; it has {', '.join(self.groups)}")
+            raise KeyError(f"process group {shown(name)} is not in this grid; it has {', '.join(self.groups)}")
         return self.groups[name]
 
     def size(self, axis: str) -> int:

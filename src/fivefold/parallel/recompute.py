@@ -24,6 +24,7 @@ import functools
 
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from fivefold.config import shown
 from fivefold.models.llama import Llama
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -49,9 +50,9 @@ def selective_contexts():
 def apply_recompute(model: Llama, mode: str) -> None:
     """Make `model`'s blocks recompute activations in backward according to `mode` (none | selective | full)."""
     if mode not in RECOMPUTE_MODES:
-        raise ValueError(f"layout.recompute = {mode!r} is not a recompute mode; choose one of {RECOMPUTE_MODES}")
+        raise ValueError(f"layout.recompute = {shown(mode)} is not a recompute mode; choose one of {RECOMPUTE_MODES}")
     if getattr(model, "recompute_mode", "none") != "none":
-        raise ValueError(f"recompute is already applied to this model ({model.recompute_mode!r})")
+        raise ValueError(f"recompute is already applied to this model ({shown(model.recompute_mode)})")
     model.recompute_mode = mode
     for block in model.layers.values():
         if mode == "selective":

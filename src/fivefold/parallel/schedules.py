@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from fivefold.config import shown
 from fivefold.layout import SCHEDULES, min_micro_batches
 
 Kind = Literal["F", "B", "W"]
@@ -54,7 +55,7 @@ class ScheduleError(ValueError):
 def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     """The named schedule for p ranks and m micro-batches (v stages per rank for `interleaved`)."""
     if name not in SCHEDULES:
-        raise ScheduleError(f"layout.schedule = {name!r} is not known; choose one of: {', '.join(SCHEDULES)}")
+        raise ScheduleError(f"layout.schedule = {shown(name)} is not known; choose one of: {', '.join(SCHEDULES)}")
     if p < 1 or m < 1:
         raise ScheduleError(f"a pipeline needs p >= 1 and m >= 1 micro-batches, got p = {p}, m = {m}")
     if name != "interleaved" and v != 1:

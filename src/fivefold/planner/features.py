@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fivefold.config import ConfigError
+from fivefold.config import ConfigError, shown
 from fivefold.planner.layout import Framework
 
 FEATURES = {"compile": "torch.compile (fused element-wise kernels)", "float8": "float8 linears",
@@ -27,8 +27,8 @@ def parse_features(text: str, where: str = "--features", sep: str = ",") -> tupl
     names = tuple(f.strip() for f in text.split(sep) if f.strip())
     unknown = [f for f in names if f not in FEATURES]
     if unknown:
-        raise ConfigError(f"{where} {sep.join(unknown)!r} is not known; known features: {', '.join(FEATURES)} "
-                          f"(joined with {sep!r})")
+        raise ConfigError(f"{where} {shown(sep.join(unknown))} is not known; known features: {', '.join(FEATURES)} "
+                          f"(joined with {shown(sep)})")
     return names
 
 
@@ -45,7 +45,7 @@ def check_runs(fw: Framework, features: tuple[str, ...] | list[str], where: str 
 
         others = [n for n, other in all_frameworks().items() if all(f in runs(other) for f in missing)]
         raise ConfigError(
-            f"{where} {','.join(missing)!r}: the {fw.name} framework does not run "
+            f"{where} {shown(','.join(missing))}: the {fw.name} framework does not run "
             f"{' or '.join(FEATURES[f] for f in missing)}, and the planner predicts only what a framework runs "
             f"(its profile's `features`); {fw.name} runs: {', '.join(runs(fw)) or 'none'}; frameworks whose "
             f"profiles declare {','.join(missing)}: {', '.join(others) or 'none'}")
@@ -65,5 +65,5 @@ def with_features(fw: Framework, features: tuple[str, ...] | list[str], where: s
         elif f == "async-tp":
             changes["async_tp"] = True
         else:
-            raise ConfigError(f"feature {f!r} is not known; known features: {', '.join(FEATURES)}")
+            raise ConfigError(f"feature {shown(f)} is not known; known features: {', '.join(FEATURES)}")
     return dataclasses.replace(fw, **changes) if changes else fw

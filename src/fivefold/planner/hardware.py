@@ -30,12 +30,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fivefold.accelerators import HARDWARE, Hardware
-from fivefold.config import ConfigError
+from fivefold.config import ConfigError, load_file, shown
 from fivefold.planner.kernels import device_kernels
 
 
@@ -255,16 +254,11 @@ def get_cluster(name: str | None = None, file: str | Path | None = None) -> Clus
     if file is None:
         key = (name or "h100").lower()
         if key not in PRESETS:
-            raise ConfigError(f"--gpu {name!r} is not known; choose one of: {', '.join(PRESETS)}, "
+            raise ConfigError(f"--gpu {shown(name)} is not known; choose one of: {', '.join(PRESETS)}, "
                               "or describe the hardware in a TOML file (--hardware FILE)")
         return PRESETS[key]
     path = Path(file)
-    if not path.is_file():
-        raise ConfigError(f"--hardware {str(path)!r} does not exist or is not a file")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"--hardware {str(path)!r} is not valid TOML: {e}") from None
+    data = load_file(path, "--hardware", suffix=".toml")
     data = hardware_table(data, str(path))
     base = get_cluster(str(data.pop("base", name or "h100")))
     ranks = data.pop("ranks", {})
@@ -290,10 +284,10 @@ def hardware_table(data: dict, where: str) -> dict:
     nested = data.pop("hardware", None)
     if nested is not None:
         if not isinstance(nested, dict):
-            raise ConfigError(f"--hardware {where!r}: [hardware] must be a table of hardware fields")
+            raise ConfigError(f"--hardware {shown(where)}: [hardware] must be a table of hardware fields")
         clash = sorted(set(nested) & set(data))
         if clash:
-            raise ConfigError(f"--hardware {where!r}: {', '.join(clash)} given both at the top level and under "
+            raise ConfigError(f"--hardware {shown(where)}: {', '.join(clash)} given both at the top level and under "
                               "[hardware]; keep one")
         data = {**nested, **data}
     return data
@@ -310,7 +304,7 @@ def _parse_fields(data: dict, where: str) -> dict:
     values: dict = {}
     for key, value in data.items():
         if key not in fields:
-            raise ConfigError(f"{where} field {key!r} is not known; known fields: {', '.join(sorted(fields))}")
+            raise ConfigError(f"{where} field {shown(key)} is not known; known fields: {', '.join(sorted(fields))}")
         if key in ("busbw_gbps", "gather_busbw_gbps"):
             value = {int(k): float(v) for k, v in value.items()}
         elif key in ("name", "device"):
@@ -344,7 +338,7 @@ def _table(rows, width: int, where: str) -> tuple[tuple[float, ...], ...]:
     for row in rows:
         if not isinstance(row, list) or len(row) != width or not all(isinstance(x, int | float) and x > 0
                                                                     for x in row):
-            raise ConfigError(f"{where} row {row!r} must be {width} positive numbers")
+            raise ConfigError(f"{where} row {shown(row)} must be {width} positive numbers")
         out.append(tuple(float(x) for x in row))
     return tuple(out)
 
@@ -362,7 +356,7 @@ def _collectives(data, where: str) -> dict[str, dict[int, tuple[tuple[float, flo
         table = {}
         for size, rows in groups.items():
             if not str(size).isdigit() or int(size) < 2:
-                raise ConfigError(f"{where} collectives.{kind} group size {size!r} must be a number >= 2")
+                raise ConfigError(f"{where} collectives.{kind} group size {shown(size)} must be a number >= 2")
             table[int(size)] = _table(rows, 2, f"{where} collectives.{kind}.{size}")
         out[kind] = table
     return out

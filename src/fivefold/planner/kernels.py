@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from fivefold.config import ConfigError
+from fivefold.config import ConfigError, shown
 
 KERNELS_FILE = Path(__file__).resolve().parent / "devices" / "kernels.toml"
 GEMM_REFERENCE_DIM = 8192.0  # the shape (8192^3) at which `gemm_efficiency` is stated
@@ -69,7 +69,7 @@ class DeviceKernels:
 def _number(table: dict, key: str, where: str, minimum: float = 0.0) -> float:
     value = table.get(key)
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= minimum:
-        raise ConfigError(f"{where}: {key} = {value!r} must be a number > {minimum}")
+        raise ConfigError(f"{where}: {key} = {shown(value)} must be a number > {minimum}")
     source = table.get(f"{key}_source")
     if not isinstance(source, str) or not source.strip():
         raise ConfigError(f"{where}: {key} has no {key}_source naming where the figure comes from")
@@ -101,15 +101,15 @@ def parse(data: dict, where: str = str(KERNELS_FILE)) -> dict[str, DeviceKernels
             for row in raw_rows[device]:
                 keys = ("kernel", "head_dim", "seq", "fwd_tflops", "bwd_tflops", "source")
                 if not isinstance(row, dict) or any(k not in row for k in keys) or not str(row["source"]).strip():
-                    raise ConfigError(f"{here}: attention row {row!r} must give {', '.join(keys)}")
+                    raise ConfigError(f"{here}: attention row {shown(row)} must give {', '.join(keys)}")
                 if min(row["head_dim"], row["seq"], row["fwd_tflops"], row["bwd_tflops"]) <= 0:
-                    raise ConfigError(f"{here}: attention row {row!r} must have positive numbers")
+                    raise ConfigError(f"{here}: attention row {shown(row)} must have positive numbers")
                 rows.append((str(row["kernel"]), float(row["head_dim"]), float(row["seq"]), float(row["fwd_tflops"]),
                              float(row["bwd_tflops"])))
             sources["attention"] = "; ".join(sorted({str(r["source"]) for r in raw_rows[device]}))
         elif origin != "gemm":
             if origin not in raw_rows or not raw_rows[origin]:
-                raise ConfigError(f"{here}: attention_from = {origin!r} names no device with attention rows")
+                raise ConfigError(f"{here}: attention_from = {shown(origin)} names no device with attention rows")
             scale = _number({"s": table.get("attention_scale"), "s_source": table.get("attention_source")}, "s", here)
             rows = [(str(r["kernel"]), float(r["head_dim"]), float(r["seq"]), scale * float(r["fwd_tflops"]),
                     scale * float(r["bwd_tflops"])) for r in raw_rows[origin]]

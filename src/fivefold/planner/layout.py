@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fivefold.config import ConfigError, LayoutConfig
+from fivefold.config import ConfigError, LayoutConfig, shown
 from fivefold.layout import SCHEDULES, batch_problem, hsdp_problem, raise_problem
 from fivefold.models.loss import LOSS_CHUNK_TOKENS, TP_LOSS_CHUNK_TOKENS
 
@@ -80,24 +80,25 @@ def parse_layout(text: str, global_batch_seqs: int, fp32_grad_accum: bool = True
         key, eq, value = part.partition("=")
         key = key.strip()
         if not eq or key not in _KEYS:
-            raise ConfigError(f"--layout item {part!r} is not KEY=VALUE with KEY one of: {', '.join(sorted(_KEYS))}")
+            raise ConfigError(f"--layout item {shown(part)} is not KEY=VALUE with KEY one of: "
+                              f"{', '.join(sorted(_KEYS))}")
         key = LEGACY_NAMES.get(key, key)
         value = value.strip()
         if key == "recompute":
             if value not in RECOMPUTE:
-                raise ConfigError(f"--layout recompute = {value!r} is not one of {list(RECOMPUTE)}")
+                raise ConfigError(f"--layout recompute = {shown(value)} is not one of {list(RECOMPUTE)}")
         elif key == "schedule":
             if value not in SCHEDULES:
-                raise ConfigError(f"--layout schedule = {value!r} is not one of {list(SCHEDULES)}")
+                raise ConfigError(f"--layout schedule = {shown(value)} is not one of {list(SCHEDULES)}")
         elif key in ("sp", "fp32_grad_accum"):
             if value.lower() not in ("on", "off", "true", "false", "1", "0"):
-                raise ConfigError(f"--layout {key} = {value!r} must be on or off")
+                raise ConfigError(f"--layout {key} = {shown(value)} must be on or off")
             value = value.lower() in ("on", "true", "1")
         else:
             try:
                 value = int(value)
             except ValueError:
-                raise ConfigError(f"--layout {key} = {value!r} is not an integer") from None
+                raise ConfigError(f"--layout {key} = {shown(value)} is not an integer") from None
             if value < (0 if key in ("zero", "dp_shard") else 1):
                 raise ConfigError(f"--layout {key} = {value} must be >= {0 if key in ('zero', 'dp_shard') else 1}")
         values[key] = value

@@ -37,7 +37,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from fivefold.config import ConfigError, ModelConfig
+from fivefold.config import ConfigError, ModelConfig, shown
 from fivefold.flops import balanced_stage_layers
 from fivefold.planner.layout import Framework, Layout
 
@@ -184,7 +184,7 @@ def selective_matmuls(fw: Framework) -> set[str]:
     names = {n.strip() for n in fw.selective_saved_matmuls.split(",") if n.strip()}
     unknown = names - set(SELECTIVE_MATMULS)
     if unknown:
-        raise ConfigError(f"framework {fw.name!r}: selective_saved_matmuls names {', '.join(sorted(unknown))}; "
+        raise ConfigError(f"framework {shown(fw.name)}: selective_saved_matmuls names {', '.join(sorted(unknown))}; "
                           f"known: {', '.join(SELECTIVE_MATMULS)}")
     return names
 

@@ -3,7 +3,7 @@ FLOPs-per-token numerator. The planner's own (and the trainer's) is `fivefold.fl
 
 from __future__ import annotations
 
-from fivefold.config import ModelConfig
+from fivefold.config import ModelConfig, shown
 from fivefold.flops import DocumentLengths, causal_equivalent, training_flops_per_token
 
 CONVENTIONS = {
@@ -26,7 +26,7 @@ def flops_per_token(cfg: ModelConfig, seq: int, convention: str, docs: DocumentL
         return full
     if convention == "playbook":  # the input embedding's table counted as well (once when tied to the output)
         return full + (0 if cfg.tied_embeddings else 6 * cfg.vocab_size * cfg.hidden)
-    raise ValueError(f"MFU convention {convention!r} is not one of {', '.join(CONVENTIONS)}")
+    raise ValueError(f"MFU convention {shown(convention)} is not one of {', '.join(CONVENTIONS)}")
 
 
 def mfu_scale(cfg: ModelConfig, seq: int, convention: str, docs: DocumentLengths | None = None) -> float:

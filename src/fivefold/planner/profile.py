@@ -10,10 +10,9 @@ command reads every profile: the hardware part with `get_cluster`, the framework
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from pathlib import Path
 
-from fivefold.config import ConfigError, write_text_atomic
+from fivefold.config import ConfigError, load_file, shown, write_text_atomic
 from fivefold.planner.hardware import Cluster, get_cluster
 from fivefold.planner.kernels import all_devices
 from fivefold.planner.layout import FRAMEWORKS, Framework
@@ -21,13 +20,7 @@ from fivefold.planner.time import ELEMENTWISE_CLASSES
 
 
 def _read(path: str | Path) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--hardware {str(p)!r} does not exist or is not a file")
-    try:
-        return tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"--hardware {str(p)!r} is not valid TOML: {e}") from None
+    return load_file(path, "--hardware", suffix=".toml")
 
 
 FRAMEWORK_DIR = Path(__file__).resolve().parent / "frameworks"
@@ -58,36 +51,37 @@ def _framework_table(table, where: str, known: dict[str, Framework], default: st
     if table is None:
         return None
     if not isinstance(table, dict):
-        raise ConfigError(f"--hardware {where!r}: [framework] must be a table")
+        raise ConfigError(f"--hardware {shown(where)}: [framework] must be a table")
     table = dict(table)
     name = str(table.pop("name", default or "fivefold"))
     base_name = str(table.pop("base", name))
     if base_name not in known:
-        raise ConfigError(f"--hardware {where!r}: [framework] {'base' if base_name != name else 'name'} = "
-                          f"{base_name!r} is not known; choose one of: {', '.join(sorted(known))}")
+        raise ConfigError(f"--hardware {shown(where)}: [framework] {'base' if base_name != name else 'name'} = "
+                          f"{shown(base_name)} is not known; choose one of: {', '.join(sorted(known))}")
     base = known[base_name]
     fields = {f.name for f in dataclasses.fields(Framework)} - {"name"}
     for key, value in table.items():
         if key not in fields:
-            raise ConfigError(f"--hardware {where!r}: [framework] field {key!r} is not known; known fields: "
+            raise ConfigError(f"--hardware {shown(where)}: [framework] field {shown(key)} is not known; known fields: "
                               f"{', '.join(sorted(fields))}")
         current = getattr(base, key)
         kind = bool if isinstance(current, bool) else (int, float) if isinstance(current, int | float) else str
         if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
-            raise ConfigError(f"--hardware {where!r}: [framework] {key} = {value!r} must be of the type of "
-                              f"its default, {current!r}")
+            raise ConfigError(f"--hardware {shown(where)}: [framework] {key} = {shown(value)} must be of the type of "
+                              f"its default, {shown(current)}")
         if isinstance(current, int) and not isinstance(current, bool) and value != int(value):
-            raise ConfigError(f"--hardware {where!r}: [framework] {key} = {value!r} must be a whole number "
-                              f"(default {current!r})")
+            raise ConfigError(f"--hardware {shown(where)}: [framework] {key} = {shown(value)} must be a whole number "
+                              f"(default {shown(current)})")
         if key == "stage_split" and value not in STAGE_SPLITS:
-            raise ConfigError(f"--hardware {where!r}: [framework] stage_split = {value!r} is not one of "
+            raise ConfigError(f"--hardware {shown(where)}: [framework] stage_split = {shown(value)} is not one of "
                               f"{', '.join(STAGE_SPLITS)} (balanced: by FLOPs, at least one block per stage; "
                               "params: nanotron's split by parameter cost)")
         if key == "fused_elementwise":
             names = [c.strip() for c in str(value).split(",") if c.strip()]
             bad = [c for c in names if c not in (*ELEMENTWISE_CLASSES, "all")]
             if bad:
-                raise ConfigError(f"--hardware {where!r}: [framework] fused_elementwise = {value!r}: {bad[0]!r} is not "
+                raise ConfigError(f"--hardware {shown(where)}: [framework] fused_elementwise = {shown(value)}: "
+                                  f"{shown(bad[0])} is not "
                                   f"a kernel class; use a comma-separated list of {', '.join(ELEMENTWISE_CLASSES)} "
                                   "or all")
         if key == "features":
@@ -95,12 +89,14 @@ def _framework_table(table, where: str, known: dict[str, Framework], default: st
 
             bad = [f.strip() for f in str(value).split(",") if f.strip() and f.strip() not in FEATURES]
             if bad:
-                raise ConfigError(f"--hardware {where!r}: [framework] features = {value!r}: {bad[0]!r} is not a "
+                raise ConfigError(f"--hardware {shown(where)}: [framework] features = {shown(value)}: "
+                                  f"{shown(bad[0])} is not a "
                                   f"feature; use a comma-separated list of {', '.join(FEATURES)} (or \"\": none)")
         if key == "attention_kernel":
             kernels = sorted({row[0] for dk in all_devices().values() for row in dk.attention})
             if value not in kernels:
-                raise ConfigError(f"--hardware {where!r}: [framework] attention_kernel = {value!r} has no rows in "
+                raise ConfigError(f"--hardware {shown(where)}: [framework] attention_kernel = {shown(value)} "
+                                  f"has no rows in "
                                   f"planner/devices/kernels.toml; choose one of: {', '.join(kernels)}")
         table[key] = type(current)(value)
     return dataclasses.replace(base, name=name, **table)
@@ -113,7 +109,7 @@ def load(path: str | Path | None, framework: str | None = None, default_hardware
     its fields only when it names the same framework."""
     known = all_frameworks()
     if framework is not None and framework not in known:
-        raise ConfigError(f"--framework {framework!r} is not known; choose one of: {', '.join(sorted(known))}")
+        raise ConfigError(f"--framework {shown(framework)} is not known; choose one of: {', '.join(sorted(known))}")
     if path is None:
         return (known[framework] if framework else None), get_cluster(default_hardware)
     fw = framework_of(path, framework)

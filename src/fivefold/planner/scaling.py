@@ -16,7 +16,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from fivefold.config import ModelConfig
+from fivefold.config import ModelConfig, shown
 from fivefold.errors import CliError
 from fivefold.flops import DocumentLengths
 from fivefold.planner.hardware import Cluster
@@ -45,13 +45,19 @@ class Point:
         return out
 
 
+MAX_SCALING_POINTS = 32
+
+
 def parse_nodes(text: str) -> list[int]:
     try:
         nodes = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise CliError(f"--nodes {text!r} must be a comma-separated list of node counts, e.g. 1,2,4,8") from None
+        raise CliError(f"--nodes {shown(text)} must be a comma-separated list of node counts, e.g. 1,2,4,8") from None
     if not nodes or any(n < 1 for n in nodes) or nodes != sorted(set(nodes)):
-        raise CliError(f"--nodes {text!r} must be increasing node counts >= 1, e.g. 1,2,4,8,16")
+        raise CliError(f"--nodes {shown(text)} must be increasing node counts >= 1, e.g. 1,2,4,8,16")
+    if len(nodes) > MAX_SCALING_POINTS:
+        raise CliError(f"--nodes lists {len(nodes)} node counts; a scaling plot takes at most {MAX_SCALING_POINTS} "
+                       "(each is a whole layout search), e.g. powers of two")
     return nodes
 
 

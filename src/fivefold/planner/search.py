@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from fivefold.config import ModelConfig
+from fivefold.config import ModelConfig, shown
 from fivefold.errors import CliError
 from fivefold.flops import (
     DocumentLengths,
@@ -330,9 +330,9 @@ def parse_tokens(text: str) -> int:
     try:
         value = float(num) * mult
     except ValueError:
-        raise CliError(f"--global-batch {text!r} is not a token count such as 1M, 4096K or 1048576") from None
+        raise CliError(f"--global-batch {shown(text)} is not a token count such as 1M, 4096K or 1048576") from None
     if value < 1 or not float(value).is_integer():
-        raise CliError(f"--global-batch {text!r} must be a whole number of tokens")
+        raise CliError(f"--global-batch {shown(text)} must be a whole number of tokens")
     return int(value)
 
 

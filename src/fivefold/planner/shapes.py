@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fivefold.config import ConfigError, ModelConfig
+from fivefold.config import ConfigError, ModelConfig, shown
 
 NOT_MODELLED = "biases, LayerNorm shifts, learned position embeddings, parallel residual, partial rotary"
 GELU_ACTIVATIONS = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_python")
@@ -36,7 +36,8 @@ def gelu_shape_from_hf(hf: dict[str, Any], name: str) -> ModelConfig | None:
     if missing:
         raise ConfigError(f"Hugging Face config ({arch}) lacks {', '.join(map(repr, missing))}")
     if act not in GELU_ACTIVATIONS:
-        raise ConfigError(f"Hugging Face config ({arch}): activation {act!r} is not a GELU; the planner models GELU "
+        raise ConfigError(f"Hugging Face config ({arch}): activation {shown(act)} is not a GELU; the planner "
+                          f"models GELU "
                           f"({', '.join(GELU_ACTIVATIONS)}) and SwiGLU MLPs")
     values = {field: int(hf[key]) for field, key in keys.items()}
     if arch == "GPT2LMHeadModel":

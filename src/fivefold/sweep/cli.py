@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from fivefold.config import ConfigError
+from fivefold.config import ConfigError, finite_float, int_in, shown
 from fivefold.errors import CliError
 from fivefold.sweep.grid import PlannedRun, config_json, expand, load_grid
 from fivefold.sweep.runner import KeyLock, Outcome, hostname, run_local, slurm_outcome, slurm_shape, submit, write_job
@@ -24,9 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results", required=True, help="SQLite results store (created, or resumed from)")
     p.add_argument("--runs", help="folder of the runs' configs and logs (default: RESULTS without its suffix, "
                                   "plus -runs)")
-    p.add_argument("--nproc-max", type=int, default=0,
+    p.add_argument("--nproc-max", type=int_in(0, 4096, "local processes"), default=0,
                    help="skip runs that need more local processes than this (default: no limit)")
-    p.add_argument("--timeout", type=float, help="seconds per run (default: the grid's timeout, else 600)")
+    p.add_argument("--timeout", type=finite_float, help="seconds per run (default: the grid's timeout, else 600)")
     p.add_argument("--hardware", help="hardware profile for the planner's predictions (TOML, as for `fivefold "
                                       "plan --hardware`; default: the built-in profile of the device kind)")
     p.add_argument("--retry", default="", help="re-run stored runs with these statuses, e.g. crash,timeout "
@@ -36,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                   "filesystem) instead of running locally; run the same command "
                                                   "again to record the jobs that ended")
     p.add_argument("--submit", action="store_true", help="with --slurm: submit the written scripts with sbatch")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="with --slurm: devices per node")
+    p.add_argument("--gpus-per-node", type=int_in(1, 1024, "devices of one node"),
+                   default=8, help="with --slurm: devices per node")
 
 
 class Progress:
@@ -150,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     retry = tuple(s for s in args.retry.split(",") if s)
     for s in retry:
         if s not in RETRYABLE:
-            raise ConfigError(f"--retry {s!r} is not one of {', '.join(RETRYABLE)}")
+            raise ConfigError(f"--retry {shown(s)} is not one of {', '.join(RETRYABLE)}")
     if args.submit and not args.slurm:
         raise CliError("--submit needs --slurm DIR")
     if args.nproc_max < 0 or args.gpus_per_node < 1:
@@ -158,6 +159,9 @@ def run(args: argparse.Namespace) -> int:
                           f"{args.gpus_per_node} >= 1")
     plans, dropped = expand(grid)
     results = Path(args.results)
+    if not args.results or results.is_dir() or not results.absolute().parent.is_dir():
+        why = "is a directory" if args.results and results.is_dir() else "is not a file in an existing directory"
+        raise CliError(f"--results {shown(args.results)} {why}; give the results store's file, e.g. results.db")
     runs = Path(args.slurm or args.runs or results.with_name(results.stem + "-runs"))
     slurm = args.slurm is not None
     # the device kind the runs will use: this machine's, or an accelerator on the SLURM cluster

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fivefold.config import Config, ConfigError, build_config, load_file
+from fivefold.config import MAX_TIMED_STEPS, Config, ConfigError, build_config, load_file, shown
 from fivefold.layout import check_layout
 
 SECTIONS = ("model", "layout", "train", "data", "log")
@@ -86,19 +86,20 @@ def load_grid(path: str | Path) -> Grid:
     for key, value in top.items():
         if key in SECTIONS:
             if not isinstance(value, dict):
-                raise ConfigError(f"grid [{key}] must be a table of config fields, got {value!r}")
+                raise ConfigError(f"grid [{key}] must be a table of config fields, got {shown(value)}")
         elif key not in TOP_KEYS:
-            raise ConfigError(f"grid key {key!r} is not known; top-level keys: {', '.join(TOP_KEYS)}, sections: "
+            raise ConfigError(f"grid key {shown(key)} is not known; top-level keys: {', '.join(TOP_KEYS)}, sections: "
                               f"{', '.join(SECTIONS)}, and [[grid]] tables")
         elif not isinstance(value, TOP_KEYS[key]) or isinstance(value, bool):
-            raise ConfigError(f"grid {key} = {value!r} has the wrong type")
+            raise ConfigError(f"grid {key} = {shown(value)} has the wrong type")
     name = str(top.get("name", path.stem))
     if not name or re.search(r"[\x00-\x1f\x7f]", name):
-        raise ConfigError(f"grid name = {name!r} must be non-empty and hold no control characters (newline, tab, "
+        raise ConfigError(f"grid name = {shown(name)} must be non-empty and hold no control characters (newline, tab, "
                           "...): it names SLURM jobs and reports; e.g. name = \"cpu-sweep\"")
     steps, warmup = int(top.get("steps", 5)), int(top.get("warmup", 2))
-    if steps < 1 or warmup < 0:
-        raise ConfigError(f"grid steps = {steps} must be >= 1 and warmup = {warmup} >= 0")
+    if not 1 <= steps <= MAX_TIMED_STEPS or not 0 <= warmup <= MAX_TIMED_STEPS:
+        raise ConfigError(f"grid steps = {steps} must be between 1 and {MAX_TIMED_STEPS:,} and warmup = {warmup} "
+                          f"between 0 and {MAX_TIMED_STEPS:,} (a sweep times a few steps of each layout)")
     timeout = float(top.get("timeout", 600))
     if not math.isfinite(timeout) or timeout <= 0:
         raise ConfigError(f"grid timeout = {timeout} must be > 0 seconds")
@@ -110,16 +111,37 @@ def load_grid(path: str | Path) -> Grid:
     for i, entry in enumerate(extra or [{}]):
         for key in entry:
             if key not in SECTIONS and key != "devices":
-                raise ConfigError(f"[[grid]] entry {i + 1}: key {key!r} is not known; use devices or the sections "
+                raise ConfigError(f"[[grid]] entry {i + 1}: key {shown(key)} is not known; use devices or the sections "
                                   f"{', '.join(SECTIONS)}")
+            if key in SECTIONS and not isinstance(entry[key], dict):
+                raise ConfigError(f"[[grid]] entry {i + 1}: {key} = {shown(entry[key])} must be a table of config "
+                                  "fields")
         products.append(_merge(base, entry))
     for product in products:
         devices = product.get("devices")
         if devices is not None:
             values = devices if isinstance(devices, list) else [devices]
             if not values or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in values):
-                raise ConfigError(f"grid devices = {devices!r} must be a positive integer or a list of them")
+                raise ConfigError(f"grid devices = {shown(devices)} must be a positive integer or a list of them")
+    check_grid_size(products, timeout)
     return Grid(name, steps, warmup, timeout, products)
+
+
+MAX_GRID_POINTS = 10_000  # combinations of one sweep: at a minute each, a week of runs
+
+
+def check_grid_size(products: list[dict], timeout: float) -> None:
+    """Refuse a grid of more than MAX_GRID_POINTS combinations, counted from its axes before any is expanded."""
+    points = 0
+    for product in products:
+        devices = product.get("devices")
+        points += len(devices if isinstance(devices, list) else [devices]) * math.prod(
+            len(v) if isinstance(v, list) else 1 for section in SECTIONS
+            for v in (product.get(section) or {}).values())
+    if points > MAX_GRID_POINTS:
+        raise ConfigError(f"the grid has {points:,} combinations of its axes; a sweep runs at most "
+                          f"{MAX_GRID_POINTS:,} (up to {points * timeout / 3600:,.0f} hours at its timeout of "
+                          f"{timeout:g} s each); split it into smaller grids or give fewer values per axis")
 
 
 def _merge(base: dict, over: dict) -> dict:

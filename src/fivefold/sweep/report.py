@@ -28,6 +28,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from fivefold.config import shown
 from fivefold.errors import CliError
 from fivefold.planner.score import spearman
 from fivefold.sweep.store import StoreError, read_rows
@@ -419,7 +420,7 @@ def make_report(results: str | Path, out: str | Path) -> dict:
     plt = _pyplot()  # the optional extra before anything is written
     out = Path(out)
     if out.exists() and not out.is_dir():
-        raise CliError(f"--out {str(out)!r} is a file, not a folder; give a folder for the report")
+        raise CliError(f"--out {shown(str(out))} is a file, not a folder; give a folder for the report")
     out.mkdir(parents=True, exist_ok=True)
     ok = [r for r in rows if r["status"] == "ok"]
     figures: list[tuple[str, str]] = []

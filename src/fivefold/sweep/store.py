@@ -35,6 +35,8 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+from fivefold.config import shown
+
 SCHEMA_VERSION = 1
 COLUMNS: dict[str, str] = {
     "key": "TEXT PRIMARY KEY", "sweep": "TEXT", "label": "TEXT", "model": "TEXT", "status": "TEXT NOT NULL",
@@ -124,7 +126,7 @@ class Store:
         if unknown:
             raise KeyError(f"unknown store columns: {sorted(unknown)}")
         if row.get("status") not in STATUSES:
-            raise ValueError(f"status {row.get('status')!r} is not one of {STATUSES}")
+            raise ValueError(f"status {shown(row.get('status'))} is not one of {STATUSES}")
         values = {k: (json.dumps(v) if k in JSON_COLUMNS and not isinstance(v, str) and v is not None else v)
                   for k, v in row.items()}
         names = ", ".join(values)
@@ -165,7 +167,7 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """The rows of an existing store (refuses a path that is not one)."""
     path = Path(path)
     if not path.is_file():
-        raise StoreError(f"results file {str(path)!r} does not exist; write one with `fivefold sweep GRID.toml "
+        raise StoreError(f"results file {shown(str(path))} does not exist; write one with `fivefold sweep GRID.toml "
                          f"--results {path}`")
     try:
         with Store(path) as store:

@@ -28,7 +28,15 @@ import torch
 import torch.distributed as dist
 
 from fivefold import faults
-from fivefold.config import Config, ConfigError, build_config, parse_overrides, write_text_atomic
+from fivefold.config import (
+    MAX_TIMED_STEPS,
+    Config,
+    ConfigError,
+    build_config,
+    int_in,
+    parse_overrides,
+    write_text_atomic,
+)
 from fivefold.device import resolve_device
 from fivefold.flops import training_flops_per_token
 from fivefold.launch import local_world_size, start_or_join
@@ -41,21 +49,26 @@ from fivefold.train.preflight import check_start
 ACCEPTS_OVERRIDES = True
 
 
+TIMED = "a benchmark times a few steps; 10^5 of them take hours at any size"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="model preset (see `fivefold models`)")
     p.add_argument("--config", help="TOML or YAML config file (model, layout and train sections)")
     p.add_argument("--seq-len", type=int, help="sequence length (default: the config's train.seq_len)")
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch per rank")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
-    p.add_argument("--steps", type=int, default=10, help="timed steps")
-    p.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps")
+    p.add_argument("--micro-batch", type=int_in(1, 1 << 20, "sequences per micro-batch"),
+                   default=1, help="sequences per micro-batch per rank")
+    p.add_argument("--grad-accum", type=int_in(1, 1 << 20, "micro-batches per step"),
+                   default=1, help="micro-batches per step")
+    p.add_argument("--steps", type=int_in(1, MAX_TIMED_STEPS, TIMED), default=10, help="timed steps")
+    p.add_argument("--warmup", type=int_in(0, MAX_TIMED_STEPS, TIMED), default=3, help="untimed warm-up steps")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], help="default: the config's train.dtype (auto)")
     p.add_argument("--compile", action="store_true", help="torch.compile each block")
     p.add_argument("--nproc", type=int, default=1, help="start this many local processes (the layout's world "
                                                        "size: dp x tp x pp x cp)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--out", help="also write the JSON object to this file")
-    p.add_argument("--profile", type=int, default=0, metavar="N",
+    p.add_argument("--profile", type=int_in(0, 1000, "profiled steps, each traced"), default=0, metavar="N",
                    help="after timing, profile N more steps and report the top kernels by device time")
     p.add_argument("--trace", help="with --profile: write the profiler's Chrome trace to this file (rank 0's)")
 

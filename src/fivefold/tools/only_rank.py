@@ -28,7 +28,7 @@ from typing import TextIO
 import torch
 import torch.distributed as dist
 
-from fivefold.config import Config, ConfigError
+from fivefold.config import Config, ConfigError, shown
 from fivefold.device import resolve_device
 from fivefold.parallel.mesh import coordinates, expert_groups
 from fivefold.train.metrics import peak_memory
@@ -103,7 +103,7 @@ def rank_batches(cfg: Config, engine, notes: list[str]):
             return lambda step: sampler.rank_batch(step, engine.dp_rank, engine.dp_size)
         notes.append(f"data: random token ids ({path} has {dataset.vocab_size} ids, more than model.vocab_size)")
     else:
-        notes.append(f"data: random token ids (data.path = {cfg.data.path!r} is not a prepared dataset)")
+        notes.append(f"data: random token ids (data.path = {shown(cfg.data.path)} is not a prepared dataset)")
     rows = t.global_batch_size // engine.dp_size
     if cfg.model.attn_mask == "document":  # random ids have no documents: token 0 stands for the boundary
         engine.eos_id = 0

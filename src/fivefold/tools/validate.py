@@ -32,7 +32,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from fivefold.config import ModelConfig, config_from_dict
+from fivefold.config import ModelConfig, config_from_dict, shown
 from fivefold.errors import CliError
 from fivefold.planner import profile
 from fivefold.planner.features import FEATURES, with_features
@@ -93,7 +93,8 @@ class Row:
 def read_runs_csv(path: Path) -> list[Row]:
     if not path.is_file():
         raise CliError(
-            f"--data {str(path)!r} does not exist. `plan validate` needs the 3,264 runs of the benchmark figure of "
+            f"--data {shown(str(path))} does not exist. `plan validate` needs the 3,264 runs of the benchmark "
+            f"figure of "
             "the Ultra-Scale Playbook (Hugging Face, 2025) as a CSV, playbook_benchmark_runs.csv, which this package "
             "does not ship: it is extracted from the figure's embedded data (GitHub vinjn/nanotron-ultrascale-"
             "playbook, assets/data/benchmarks/benchmarks_interactive.html) and kept in ../shared/data beside the "
@@ -118,7 +119,7 @@ def read_runs_csv(path: Path) -> list[Row]:
             ok = r["status"] == "ok"
             split = (r.get("split") or "").strip()
             if split not in ("", "fit", "held-out"):
-                raise CliError(f"--data {str(path)!r}, row {len(rows) + 2}: split = {split!r}; use 'fit' or "
+                raise CliError(f"--data {shown(str(path))}, row {len(rows) + 2}: split = {shown(split)}; use 'fit' or "
                                   "'held-out' (or leave it empty: rows of 1-2 nodes are fitted, the rest held out)")
             rows.append(Row(cfg, lay, int(r["nodes"]), int(r["seq_len"]), ok,
                             float(r["tok_s_gpu"]) if ok and r["tok_s_gpu"] else 0.0,
@@ -159,7 +160,7 @@ def read_results(path: Path, hardware_file: str | None) -> tuple[list[Row], list
                         (r["model"], f"{r['n_devices']} dev"), r["step_time_s"] if ok else 0.0,
                         estimate_run(cfg, hw, device_type)))
     if not rows:
-        raise CliError(f"--results {str(path)!r} holds no run that finished or ran out of memory")
+        raise CliError(f"--results {shown(str(path))} holds no run that finished or ran out of memory")
     return rows, sorted(other)
 
 
@@ -374,7 +375,7 @@ def check_features(rows: list[Row]) -> dict[str, int]:
     for r in rows:
         unknown = [f for f in r.features if f not in FEATURES]
         if unknown:
-            raise CliError(f"--data: row of {r.model.name} on {r.nodes} node(s) has features {'+'.join(unknown)!r}"
+            raise CliError(f"--data: row of {r.model.name} on {r.nodes} node(s) has features {shown('+'.join(unknown))}"
                               f"; known features: {', '.join(FEATURES)} (joined with '+')")
         for f in r.features:
             counts[f] += 1
@@ -388,7 +389,8 @@ def row_framework(r: Row, fw: Framework, known: dict[str, Framework]) -> Framewo
     if r.framework == "nanotron" or r.framework == fw.name:
         return with_features(fw, r.features)
     if r.framework not in known:
-        raise CliError(f"--data: framework = {r.framework!r} (a row of {r.model.name} on {r.nodes} node(s)) is not "
+        raise CliError(f"--data: framework = {shown(r.framework)} (a row of {r.model.name} on {r.nodes} "
+                       f"node(s)) is not "
                           f"known; known frameworks: {', '.join(sorted(known))}")
     return with_features(known[r.framework], r.features)
 
@@ -465,7 +467,7 @@ def run_validate(args: argparse.Namespace) -> int:
     if fields and not args.fit:
         raise CliError("--fit-fields chooses what --fit fits; add --fit")
     if [f for f in fields if f not in FIT_FIELDS] or (fields and fields != ["matmul_efficiency"]):
-        raise CliError(f"--fit-fields {','.join(fields)!r}: fit either everything (leave it out) or "
+        raise CliError(f"--fit-fields {shown(','.join(fields))}: fit either everything (leave it out) or "
                           "matmul_efficiency alone (e.g. on one row marked split = fit)")
     train = [r for r in rows if (not r.held_out if r.held_out is not None else r.nodes in FIT_NODES)]
     where = "the rows with split = fit" if by_split else "rows of 1-2 nodes"

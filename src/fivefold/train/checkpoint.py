@@ -43,10 +43,12 @@ are `fivefold.checkpoint_format`):
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import sys
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,8 +58,16 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from fivefold import faults
-from fivefold.checkpoint_format import MANIFEST, PieceError, PieceReader, verify_manifest, write_safetensors
-from fivefold.config import Config, dump_toml, file_sha256
+from fivefold.checkpoint_format import (
+    MANIFEST,
+    PieceError,
+    PieceReader,
+    index_files,
+    merge_index,
+    verify_manifest,
+    write_safetensors,
+)
+from fivefold.config import Config, ConfigError, ModelConfig, config_from_dict, dump_toml, file_sha256, shown
 from fivefold.models.llama import build_model
 
 if TYPE_CHECKING:
@@ -70,6 +80,15 @@ CHECKPOINT_PREFIX = "step_"
 
 class CheckpointError(Exception):
     """A checkpoint that is missing, incomplete, corrupted or does not match the run."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint that could not be written (no space, a read-only or forbidden directory): its partial files
+    removed and the older checkpoints untouched. `own`: this rank's failure (else another rank's, which says it)."""
+
+    def __init__(self, message: str, own: bool = True) -> None:
+        super().__init__(message)
+        self.own = own
 
 
 @dataclass
@@ -265,8 +284,8 @@ def _json_file(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} is missing") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint file {path} is corrupted: {e}") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"checkpoint file {path} is corrupted: {shown(e)}") from None
 
 
 def load_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> LoadedCheckpoint:
@@ -278,7 +297,7 @@ def load_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> LoadedChe
     if (path / "trainer_state.json").is_file():
         try:
             version = json.loads((path / "trainer_state.json").read_text()).get("format_version")
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError, RecursionError):
             version = None
         if version is not None and version != FORMAT_VERSION:
             raise CheckpointError(f"{path} has checkpoint format {version}; this fivefold reads format "
@@ -303,14 +322,15 @@ def load_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> LoadedChe
     for name in indexes:
         part = _json_file(path / name)
         try:
-            for p in part["pieces"]:
-                entry = index.setdefault(p["name"], {"shape": p["shape"], "pieces": []})
-                entry["pieces"].append({"file": part["file"], "key": p["key"], "offsets": p["offsets"],
-                                        "shape": p["piece_shape"]})
+            merge_index(part, index)
             for k, v in part["steps"].items():
                 steps[k] = max(steps.get(k, 0.0), float(v))
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"checkpoint file {path / name} is corrupted: {e}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"checkpoint file {path / name} is corrupted: {shown(e)}") from None
+    try:  # every piece file a listed file inside the checkpoint (its checksum: `Checkpointer.load`'s first rank)
+        index_files(path, index, checksums=False)
+    except PieceError as e:
+        raise CheckpointError(str(e)) from None
     rng = None
     if own_rng:
         try:
@@ -331,6 +351,23 @@ def read_model_state(path: Path) -> dict[str, torch.Tensor]:
                 if name.startswith("model.")}
     except PieceError as e:
         raise CheckpointError(str(e)) from None
+
+
+def model_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The plain names and global shapes of a model's weights that a checkpoint stores (no tied output layer)."""
+    meta = build_model(model, device="meta").state_dict()
+    return {k: tuple(v.shape) for k, v in meta.items() if not (k == "lm_head.weight" and model.tied_embeddings)}
+
+
+def checkpoint_model(loaded: LoadedCheckpoint) -> ModelConfig | None:
+    """The model of a checkpoint's own config.toml, or None when it cannot be read as this version's config (an
+    older version's fields): a cross-check of the index, not a requirement."""
+    try:
+        model = config_from_dict(tomllib.loads(loaded.config_toml)).model
+        model.validate()
+        return model
+    except (tomllib.TOMLDecodeError, ConfigError, TypeError, ValueError):
+        return None
 
 
 def check_model_shapes(saved: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], path: Path) -> None:
@@ -404,24 +441,21 @@ class Checkpointer:
         self.config_toml = dump_toml(cfg)  # the resolved config, as the run directory and every checkpoint keep it
 
     def load(self, candidates: list[Path]) -> LoadedCheckpoint | None:
-        """The newest of `candidates` (newest first) that every rank reads and verifies (the first rank verifies
-        every file, the other ranks' shards included); newer ones that fail are reported and set aside as
-        `NAME.bad`. None when there is none at all; a CheckpointError listing the reasons when every one fails."""
+        """The newest of `candidates` (newest first) that every rank reads, verifies (the first rank every file,
+        the other ranks' shards included) and loads into the engine with finite values; newer ones that fail
+        (a file, the manifest, the index, NaN or inf) are reported and set aside as `NAME.bad`. None when there is
+        none at all; a CheckpointError listing the reasons when every one fails, or naming how the newest readable
+        one does not match this run (model shapes, sequence length: nothing is set aside)."""
         engine = self.engine
         rejected: list[tuple[Path, str]] = []
         for path in candidates:
-            try:
-                if not (path / "COMPLETE").is_file():
-                    raise CheckpointError(f"{path} has no COMPLETE marker (its save was interrupted)")
-                loaded = load_checkpoint(path, self.rank, self.world)
-                if self.is_first:
-                    verify_files(path)
-                reason = ""
-            except CheckpointError as e:
-                loaded, reason = None, str(e)
-            failed = engine.agree(torch.tensor([float(bool(reason))], device=engine.device))
-            if not failed.item():
-                break
+            loaded, reason = self._open(path)
+            if not self._failed(reason):
+                reason = self._load_into_engine(loaded)
+                if not self._failed(reason):
+                    if all_finite(engine, [p.tensor for p in engine.state_pieces()[0]]):
+                        break
+                    reason = f"{path} holds NaN or inf in its weights or optimizer state"
             rejected.append((path, reason or "a file that another rank reads failed its verification"))
         else:
             if rejected:
@@ -437,17 +471,40 @@ class Checkpointer:
         engine.barrier()
         return loaded
 
+    def _failed(self, reason: str) -> bool:
+        """Whether any rank has a `reason` to refuse the checkpoint (collective)."""
+        return bool(self.engine.agree(torch.tensor([float(bool(reason))], device=self.engine.device)).item())
+
+    def _open(self, path: Path) -> tuple[LoadedCheckpoint | None, str]:
+        """The checkpoint at `path` opened for this rank (the first rank verifies every file), or why not."""
+        try:
+            if not (path / "COMPLETE").is_file():
+                raise CheckpointError(f"{path} has no COMPLETE marker (its save was interrupted)")
+            loaded = load_checkpoint(path, self.rank, self.world)
+            if self.is_first:
+                verify_files(path)
+            return loaded, ""
+        except CheckpointError as e:
+            return None, str(e)
+
     def restore(self, loaded: LoadedCheckpoint, sampler: BatchSampler) -> BatchSampler:
-        """Continue from `loaded`: its state into the engine, its RNG state (when it has this rank's), and the
-        sampler that continues at its data position."""
-        self.load_state(loaded)
+        """Continue from `loaded` (its state already in the engine: `load`): its RNG state (when it has this
+        rank's), and the sampler that continues at its data position."""
         restore_rng(loaded, self.engine.device)
         return resumed_sampler(sampler, loaded, self.cfg, self.is_first)
 
     def load_state(self, loaded: LoadedCheckpoint) -> None:
-        """Load a checkpoint written under any layout into this rank's part of the engine: the names and global
-        shapes must match the model, and the data position (samples of `train.seq_len` tokens) must mean the same
-        windows."""
+        """Load a checkpoint written under any layout into this rank's part of the engine (see `_load_into_engine`);
+        a CheckpointError for any failure."""
+        reason = self._load_into_engine(loaded)
+        if reason:
+            raise CheckpointError(reason)
+
+    def _load_into_engine(self, loaded: LoadedCheckpoint) -> str:
+        """Load `loaded` into this rank's part of the engine; a reason when the checkpoint is damaged (its index
+        disagrees with its own config, a piece is missing or unreadable). A checkpoint that does not match this run
+        (the model's names and global shapes, the data position's sequence length) raises a CheckpointError: it is
+        not damaged, and another run may use it."""
         cfg, t = self.cfg, self.cfg.train
         saved = loaded.data.get("seq_len", t.seq_len)
         if saved != t.seq_len:
@@ -456,16 +513,20 @@ class Checkpointer:
                 f"{t.seq_len}; the data position counts windows of {saved} tokens in an order drawn over those "
                 f"windows, which another length does not continue without repeating or skipping tokens, so resume "
                 f"with train.seq_len = {saved} (the global batch, layout, world size and micro-batch size may change)")
-        meta = build_model(cfg.model, device="meta").state_dict()
-        expected = {k: tuple(v.shape) for k, v in meta.items()
-                    if not (k == "lm_head.weight" and cfg.model.tied_embeddings)}
         shapes = {k.removeprefix("model."): loaded.reader.shape(k) for k in loaded.reader.names()
                   if k.startswith("model.")}
-        check_model_shapes(shapes, expected, loaded.path)
+        own = checkpoint_model(loaded)
+        if own is not None:
+            try:
+                check_model_shapes(shapes, model_shapes(own), loaded.path)
+            except CheckpointError as e:
+                return f"its piece index disagrees with its own config.toml: {e}"
+        check_model_shapes(shapes, model_shapes(cfg.model), loaded.path)
         try:
             self.engine.load_state_pieces(loaded.reader, loaded.steps)
         except PieceError as e:
-            raise CheckpointError(f"checkpoint {loaded.path}: {e}") from None
+            return f"checkpoint {loaded.path}: {e}"
+        return ""
 
     def save(self, step: int, tokens_seen: int, samples_consumed: int, skipped: int = 0,
              prune: bool = True) -> Path | None:
@@ -483,19 +544,57 @@ class Checkpointer:
                 print(f"fivefold: not writing the checkpoint of step {step}: the weights or optimizer state hold "
                       "NaN or inf; the older checkpoints are kept", file=sys.stderr)
             return None
-        if engine.is_logging_rank:
-            begin_checkpoint(run_dir, step)
-        engine.barrier()
         tmp = checkpoint_dir(run_dir, step).with_name(checkpoint_dir(run_dir, step).name + ".tmp")
-        write_rank_files(tmp, self.rank, pieces, steps, engine.device)
-        del pieces
+        data = {"global_batch_size": t.global_batch_size, "seq_len": t.seq_len, "samples_consumed": samples_consumed}
+        written: list[Path] = []
+        stages = [  # each stage on every rank, then an agreement (the barrier) that no rank failed
+            lambda: begin_checkpoint(run_dir, step) if engine.is_logging_rank else None,
+            lambda: write_rank_files(tmp, self.rank, pieces, steps, engine.device),
+            lambda: written.append(finish_checkpoint(tmp, state, self.config_toml, self.world, data))
+            if engine.is_logging_rank else None,
+        ]
+        for stage in stages:
+            error = _os_error(stage)
+            if self._failed(error):
+                raise self._write_failed(step, tmp, error)
+        if engine.is_logging_rank and prune:
+            error = _os_error(lambda: prune_checkpoints(run_dir, t.keep_checkpoints))
+            if error:
+                print(f"fivefold: warning: could not delete older checkpoints ({error}); the new checkpoint "
+                      f"{written[0].name} is complete", file=sys.stderr)
         engine.barrier()
-        written = None
-        if engine.is_logging_rank:
-            written = finish_checkpoint(tmp, state, self.config_toml, self.world, {
-                "global_batch_size": t.global_batch_size, "seq_len": t.seq_len,
-                "samples_consumed": samples_consumed})
-            if prune:
-                prune_checkpoints(run_dir, t.keep_checkpoints)
-        engine.barrier()
-        return written
+        return written[0] if written else None
+
+    def _write_failed(self, step: int, tmp: Path, error: str) -> CheckpointWriteError:
+        """After a failed save (on some rank): the partial checkpoint removed, so that it holds no space, and the
+        error that says what failed, what is safe on disk and how to continue (this rank's own failure, else a
+        pointer to the rank that failed)."""
+        if self.engine.is_logging_rank:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.engine.barrier()
+        newest = latest_checkpoint(self.run_dir)
+        safe = (f"the newest complete checkpoint, {newest}, is intact" if newest else
+                "no complete checkpoint exists yet")
+        where = error or "another rank's files (see its line)"
+        return CheckpointWriteError(
+            f"could not write the checkpoint of step {step}: {where}; its partial files ({tmp.name}) were removed "
+            f"and {safe}; free space or make {self.run_dir / 'checkpoints'} writable, then continue with "
+            f"`fivefold train --resume --run-dir {self.run_dir}`" + (" (add the run's --nproc and layout)"
+                                                                    if self.world > 1 else ""),
+            own=bool(error))
+
+
+def _os_error(action) -> str:
+    """Run `action`; '' when it succeeds, else one line naming the OS error and the path it concerns."""
+    try:
+        action()
+    except OSError as e:
+        return describe_os_error(e)
+    return ""
+
+
+def describe_os_error(e: OSError) -> str:
+    """`[Errno 28] No space left on device: 'path'` as one line: what failed and where."""
+    code = errno.errorcode.get(e.errno or 0, "")
+    where = f" writing {e.filename}" if e.filename else ""
+    return f"{e.strerror or e}{f' ({code})' if code else ''}{where}"

@@ -29,6 +29,7 @@ from fivefold.config import (
     apply_overrides,
     build_config,
     load_file,
+    shown,
     write_text_atomic,
 )
 from fivefold.data import BatchSampler, TokenDataset, default_cache_dir, ensure_builtin_dataset, val_batches
@@ -81,7 +82,7 @@ def resolve_data(cfg: Config, is_first_rank: bool, barrier) -> Path:
         path = Path(cfg.data.path)
         if not path.is_dir():
             raise ConfigError(
-                f"data.path = {cfg.data.path!r} is not a directory; prepare one with "
+                f"data.path = {shown(cfg.data.path)} is not a directory; prepare one with "
                 "`fivefold data prepare FILES --out DIR`, or leave data.path empty for the built-in corpus"
             )
         return path
@@ -650,8 +651,11 @@ def non_finite_message(seen: GuardState, done: int, max_bad: int, result: TrainR
             f"a row, train.max_bad_steps = {max_bad}; their updates were skipped); stopped at step {done}. "
             f"Last finite train loss of an updating step: " + (f"{last[1]:.4f} at step {last[0]}" if last else
                                                                "none")
-            + f"; newest checkpoint: {newest if newest else 'none'} (older ones are kept). Lower train.lr or set "
-            "train.grad_clip, and continue with --resume")
+            + (f"; the newest checkpoint is {newest} (its weights are finite: a checkpoint never holds NaN or "
+               f"inf): lower train.lr or set train.grad_clip and continue from {newest.name} with `fivefold train "
+               f"--resume --run-dir {run_dir}`, which resumes from the newest checkpoint that loads with finite "
+               "values" if newest else "; no checkpoint was written: lower train.lr or set train.grad_clip and "
+               f"start again (`fivefold train --resume --run-dir {run_dir}` restarts at step 0)"))
 
 
 def per_rank_peak_memory(device: torch.device) -> list[int]:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from fivefold.config import Config, ConfigError, check_device_name
-from fivefold.device import resolve_device
+from fivefold.config import Config, ConfigError, check_writable_dir, shown
+from fivefold.device import present_device
 from fivefold.train.metrics import check_logging_backends
 
 
@@ -28,70 +28,47 @@ def check_nproc(nproc: int, nodes: int = 1) -> None:
 
 def check_device(name: str) -> torch.device:
     """The device `train.device` names, present on this machine."""
-    check_device_name(name)
-    device = resolve_device(name)
-    if device.type == "cpu":
-        return device
-    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    if acc is None or acc.type != device.type:
-        have = f"this machine's accelerator is {acc.type}" if acc is not None else "this machine has no accelerator"
-        raise ConfigError(f"train.device = {name!r}: {have}; use train.device = auto or cpu"
-                          + (f" or {acc.type}" if acc is not None else ""))
-    count = torch.accelerator.device_count()
-    if device.index is not None and device.index >= count:
-        raise ConfigError(f"train.device = {name!r}: this machine has {count} {device.type} device(s), numbered "
-                          f"0 to {count - 1}")
-    return device
+    return present_device(name, "train.device")
 
 
 def check_run_dir_writable(run_dir: Path, resume: bool) -> None:
-    """The run directory can be created and written, checked without leaving anything behind."""
-    if resume:
-        if not run_dir.is_dir():
-            raise ConfigError(f"--resume: run directory {str(run_dir)!r} does not exist; give the --run-dir of the "
-                              "run to continue, or drop --resume to start a new one")
-        return
-    missing: list[Path] = []
-    path = run_dir.absolute()
-    while not path.exists():
-        missing.append(path)
-        if path.parent == path:
-            break
-        path = path.parent
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"--run-dir {str(run_dir)!r}: {str(path)!r} is a file, not a directory; choose a "
-                          "run directory under a writable directory (default: runs/NAME-TIME)")
+    """The run directory, and its `checkpoints/` when it has one, can be created and written, checked without
+    leaving anything behind."""
+    if resume and not run_dir.is_dir():
+        raise ConfigError(f"--resume: run directory {shown(str(run_dir))} does not exist; give the --run-dir of the "
+                          "run to continue, or drop --resume to start a new one")
+    check_writable_dir(run_dir, "--run-dir")
+    if (run_dir / "checkpoints").is_dir():
+        probe_write(run_dir / "checkpoints", "--run-dir")
+
+
+def probe_write(folder: Path, flag: str) -> None:
+    """A file can be created in `folder` (created and removed at once); a ConfigError naming `flag` if not."""
+    probe = folder / ".fivefold-write-test"
     try:
-        for p in reversed(missing):
-            p.mkdir()
-        probe = run_dir / ".fivefold-write-test"
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"--run-dir {str(run_dir)!r} cannot be written ({e.strerror or e}); choose a run "
-                          "directory under a writable directory (default: runs/NAME-TIME)") from None
-    finally:
-        for p in missing:  # as we found it
-            try:
-                p.rmdir()
-            except OSError:
-                pass
+        raise ConfigError(f"{flag} {shown(str(folder))} cannot be written ({e.strerror or e}); make it writable "
+                          "(chmod u+w) or choose a run directory under a writable directory") from None
 
 
 def check_hf_dir(path: str) -> None:
     """`--hf DIR` holds a config.json and safetensors weights."""
     hf = Path(path)
     if not hf.is_dir():
-        raise ConfigError(f"--hf {path!r} is not a directory; give a Hugging Face Llama directory (config.json and "
+        raise ConfigError(f"--hf {shown(path)} is not a directory; give a Hugging Face Llama directory "
+                          f"(config.json and "
                           "model.safetensors)")
     if not (hf / "config.json").is_file():
-        raise ConfigError(f"--hf {path!r} has no config.json; a Hugging Face Llama directory holds config.json and "
+        raise ConfigError(f"--hf {shown(path)} has no config.json; a Hugging Face Llama directory holds "
+                          f"config.json and "
                           "model.safetensors")
     if not (hf / "model.safetensors").is_file() and not (hf / "model.safetensors.index.json").is_file():
         pickles = sorted(p.name for p in hf.glob("*.bin"))
         hint = f" (found {', '.join(pickles)}: pickled weights are not read; re-save them as safetensors)" \
             if pickles else ""
-        raise ConfigError(f"--hf {path!r} has no model.safetensors or model.safetensors.index.json{hint}")
+        raise ConfigError(f"--hf {shown(path)} has no model.safetensors or model.safetensors.index.json{hint}")
 
 
 def check_extras(cfg: Config) -> None:
@@ -141,6 +118,10 @@ def check_start(cfg: Config, resume: bool = False, run_dir: bool = True) -> torc
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return None
     device = check_device(cfg.train.device)
+    cores = os.cpu_count() or 1
+    if cfg.train.threads > cores:
+        raise ConfigError(f"train.threads = {cfg.train.threads} exceeds this machine's {cores} CPU cores: more "
+                          f"threads than cores only wait for each other; use at most {cores} (0: the default share)")
     check_extras(cfg)
     if run_dir:
         check_run_dir_writable(Path(cfg.run_dir), resume)

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from fivefold.config import ConfigError
+from fivefold.config import ConfigError, int_in, shown
 from fivefold.errors import CliError
 from fivefold.tools.calibrate.harness import size_text
 from fivefold.tools.calibrate.profile import profile_header, profile_name, profile_tables, write_profile
@@ -21,13 +21,14 @@ from fivefold.tools.calibrate.targets import Result, for_group, make_plan
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="profile to write (default: calibrated-DEVICE.toml)")
     p.add_argument("--device", default="auto", help="cpu, cuda, xpu, ... (default: the accelerator if any, else cpu)")
-    p.add_argument("--nproc-max", type=int, default=0,
+    p.add_argument("--nproc-max", type=int_in(0, 4096, "local processes"), default=0,
                    help="most ranks to run at once (default: 4 on CPU, the device count on accelerators)")
     p.add_argument("--model", default="",
                    help="comma-separated presets whose shapes to measure (default: tiny on CPU, llama-3.2-1b on GPU)")
-    p.add_argument("--seq-len", type=int, default=0, help="sequence length of those shapes (default: 128 on CPU, "
-                                                          "4096 on GPU)")
-    p.add_argument("--threads", type=int, default=1, help="CPU: intra-op threads per rank (1, as torchrun sets)")
+    p.add_argument("--seq-len", type=int_in(0, 1 << 20, "tokens per sequence of the measured shapes"),
+                   default=0, help="sequence length of those shapes (default: 128 on CPU, 4096 on GPU)")
+    p.add_argument("--threads", type=int_in(1, os.cpu_count() or 1, "at most this machine's CPU cores"),
+                   default=1, help="CPU: intra-op threads per rank (1, as torchrun sets)")
     p.add_argument("--quick", action="store_true",
                    help="a coarse profile in seconds (2 ranks, few shapes and sizes, short timings): for tests")
     # each process that the launcher starts for N ranks: the plan to measure, written by `measure_group`
@@ -50,7 +51,7 @@ def calibrate(args: argparse.Namespace) -> tuple[Path, dict[int, Result], float]
     out = Path(args.out or f"calibrated-{device_type}.toml")
     if not out.parent.is_dir() or out.is_dir():  # before the minutes of measuring, not after
         why = "is a directory" if out.is_dir() else "its directory does not exist"
-        raise CliError(f"--out {str(out)!r}: {why}; "
+        raise CliError(f"--out {shown(str(out))}: {why}; "
                           "give a file name in an existing directory, e.g. calibrated-cpu.toml")
     print(f"calibrate: {device_type}, ranks {levels[0]}..{levels[-1]}, {len(plan.linear)} linear, "
           f"{len(plan.attention)} attention and {len(plan.loss)} loss shapes, {len(plan.message_bytes)} message sizes"

@@ -501,7 +501,9 @@ def _stop_a_rank(tmp_path: Path, timeout_s: float) -> None:
                 os.kill(p, signal.SIGKILL)
     elapsed = time.monotonic() - t0
     assert proc.returncode != 0
-    assert elapsed <= timeout_s + 5, f"the job ended {elapsed:.0f} s after the stop"  # launcher's own grace
+    # the watchdog's timeout, then the launcher's own grace to stop the rest (5 s; on a 2-core machine shared with
+    # other test runs a fresh-clone CI measured 15.3 s in all for an 8 s timeout)
+    assert elapsed <= timeout_s + 15, f"the job ended {elapsed:.0f} s after the stop"
     assert "rank 1 sent no heartbeat" in out and "step" in out, out[-3000:]
     assert not any(_alive(p) for p in workers)
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fivefold.config import Config, build_config, load_file, parse_overrides, shown
+from fivefold.config import Config, build_config, check_device_name, load_file, parse_overrides, shown
 from fivefold.errors import CliError, EnvironmentFailure
 
 if TYPE_CHECKING:
@@ -260,6 +260,7 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
               f"prepare FILES "
               "--tokenizer MODEL_DIR --out DIR` before training")
     # the device the run will use (`train.device`, `auto`: this machine's), unless --gpu names another
+    check_device_name(t.device)
     hw = get_cluster(args.gpu) if args.gpu else default_hardware(resolve_device(t.device).type)
     kind = "cpu" if hw.cores or hw.name == "cpu" else "accelerator"  # the kind of device the profile describes
     fw, e = run_framework(cfg, kind), estimate_run(cfg, hw, kind)

@@ -43,11 +43,17 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
     """Next token ids [batch] from the last position's logits [batch, vocab]."""
     if temperature <= 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    # the largest logit subtracted first: a temperature so small that a difference over it overflows still gives
+    # exp(-inf) = 0 to the others and 1 to the largest (greedy in the limit), never inf / inf; and a temperature
+    # below float32's smallest normal number would round to 0 in the division (0 / 0 for the largest logit)
+    logits = logits.float()
+    temperature = max(temperature, torch.finfo(torch.float32).tiny)
+    probs = torch.softmax((logits - logits.amax(dim=-1, keepdim=True)) / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # keep each token whose preceding tokens' mass is still below top_p (so at least the first)
         keep = sorted_probs.cumsum(-1) - sorted_probs < top_p
+        keep[..., 0] = True  # a top_p below float32's range rounds to 0, and `0 < 0` would keep nothing
         sorted_probs = sorted_probs * keep
         choice = torch.multinomial(sorted_probs, 1, generator=generator)
         return order.gather(-1, choice).squeeze(-1)

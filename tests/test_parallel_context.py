@@ -257,8 +257,8 @@ class _Recomputed(torch.nn.Module):
         super().__init__()
         self.block = block
 
-    def forward(self, x, cos, sin):
-        return checkpoint(self.block, x, cos, sin, use_reentrant=False)
+    def forward(self, x, cos, sin, mask=None):
+        return checkpoint(self.block, x, cos, sin, mask, use_reentrant=False)
 
 
 def _wrapped_blocks_step(rank, world_size, tokens, wrap):

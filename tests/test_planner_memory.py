@@ -133,7 +133,8 @@ def measure_saved_bytes(cfg, batch: int, seq: int, recompute: str = "none", bf16
         model.to(torch.bfloat16)
     if recompute == "full":
         for block in model.layers.values():
-            block.forward = (lambda f: lambda x, c, s: checkpoint(f, x, c, s, use_reentrant=False))(block.forward)
+            block.forward = (lambda f: lambda x, c, s, m=None: checkpoint(f, x, c, s, m, use_reentrant=False))(
+                block.forward)
     elif recompute == "selective":  # the engine's op-level policy; its kept outputs are counted as well
         from tests.test_recompute import held_bytes
 

@@ -93,8 +93,9 @@ def engine_loss_and_grads(engine, cfg: Config, inputs: torch.Tensor, targets: to
     engine.eos_id = EOS
     rows = inputs.shape[0] // engine.dp_size
     lo = engine.dp_rank * rows
-    inputs, targets = inputs[lo:lo + rows], mask_document_targets(inputs, targets, EOS)[lo:lo + rows]
-    count = engine.trained_tokens(targets)  # over the dp ranks' rows
+    targets = mask_document_targets(inputs, targets, EOS)
+    count = int((targets != -100).sum())  # of the global batch, as `BatchSampler.trained_targets` counts
+    inputs, targets = inputs[lo:lo + rows], targets[lo:lo + rows]
     mbs = cfg.micro_batch_size
     micro = list(zip(inputs.split(mbs), targets.split(mbs), strict=True))
     loss_sum = engine.reduce_for_logging(engine.forward_backward(micro, count)).item()

@@ -77,6 +77,23 @@ def test_first_logged_loss_is_the_mean_over_each_document_alone(documents, tmp_p
     assert abs(logged_losses(tmp_path / "run")[0] - expected) <= 1e-5 * expected
 
 
+def test_the_trained_targets_of_a_step_are_read_from_the_data(documents):
+    """Every rank knows the step's trained count without a collective: the sampler's count equals the masked
+    targets of the global batch, and their sum over the data-parallel ranks' rows."""
+    from fivefold.data import BatchSampler, TokenDataset
+    from fivefold.models.masking import mask_document_targets
+
+    data = TokenDataset(documents, "train")
+    sampler = BatchSampler(data, 64, 6, seed=1)
+    for step in range(3):
+        want = int((mask_document_targets(*sampler.global_batch(step), data.eos_id) != -100).sum())
+        assert want < 6 * 64  # the batch holds boundaries
+        assert sampler.trained_targets(step, data.eos_id) == want
+        ranks = [mask_document_targets(*sampler.rank_batch(step, r, 3), data.eos_id) for r in range(3)]
+        assert sum(int((t != -100).sum()) for t in ranks) == want
+    assert sampler.trained_targets(0, None) == 6 * 64
+
+
 def test_data_without_boundaries_is_refused_before_any_work(documents, tmp_path, capsys):
     index = json.loads((documents / "index.json").read_text())
     bare = tmp_path / "bare"
@@ -92,10 +109,10 @@ def test_data_without_boundaries_is_refused_before_any_work(documents, tmp_path,
 
 
 @pytest.mark.slow
-def test_cp2_and_tp2_log_the_losses_of_one_process(documents, tmp_path):
+def test_cp2_tp2_and_dp2_log_the_losses_of_one_process(documents, tmp_path):
     assert main(train_args(documents, tmp_path / "one", "--model.attn_mask", "document")) == 0
     one = logged_losses(tmp_path / "one")
-    for name, layout in (("cp", ["--layout.cp", "2"]), ("tp", ["--layout.tp", "2"])):
+    for name, layout in (("cp", ["--layout.cp", "2"]), ("tp", ["--layout.tp", "2"]), ("dp", ["--layout.dp", "2"])):
         cmd = [sys.executable, "-m", "fivefold", *train_args(documents, tmp_path / name, "--model.attn_mask",
                                                              "document", "--nproc", "2", *layout)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,

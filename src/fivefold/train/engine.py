@@ -110,14 +110,6 @@ class Engine:
                               "index's eos_id); the engine was given none")
         return document_positions(inputs, self.eos_id)
 
-    def trained_tokens(self, targets: torch.Tensor) -> int:
-        """Targets of the global batch that are trained (not -100), from this data-parallel rank's rows
-        `targets`: summed over dp (the cp, tp and pp ranks of a dp rank hold the same rows)."""
-        count = (targets != -100).sum()
-        if self.grid is not None and self.dp_size > 1:
-            dist.all_reduce(count, group=self.grid.group("dp"))
-        return int(count)
-
     def loss_sum(self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         """Summed token loss of a prepared micro-batch (`LossModel`: the output layer and the loss fused and
         chunked, vocabulary-parallel under tp, so the whole batch's fp32 logits are never materialised)."""

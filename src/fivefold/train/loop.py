@@ -466,7 +466,7 @@ class Run:
         inputs, targets = self.sampler.rank_batch(step, engine.dp_rank, engine.dp_size)
         if engine.eos_id is not None:  # no loss across a document boundary: the mean is over the trained targets
             targets = mask_document_targets(inputs, targets, engine.eos_id)
-            self.trained_tokens = engine.trained_tokens(targets)
+            self.trained_tokens = self.sampler.trained_targets(step, engine.eos_id)
         micro_batches = split_micro_batches(inputs, targets, self.mbs, self.device)
         if self.delay:
             time.sleep(self.delay)

@@ -77,6 +77,22 @@ def test_first_logged_loss_is_the_mean_over_each_document_alone(documents, tmp_p
     assert abs(logged_losses(tmp_path / "run")[0] - expected) <= 1e-5 * expected
 
 
+def test_the_last_finite_loss_is_the_logged_mean_over_the_trained_targets(documents, tmp_path):
+    """The loss kept for a non-finite stop and the summary is the logged one: both are divided by the trained
+    targets (not by every token of the batch)."""
+    from fivefold.config import build_config
+    from fivefold.train.loop import train
+
+    args = train_args(documents, tmp_path / "run", "--model.attn_mask", "document")
+    overrides = {flag[2:]: value for flag, value in zip(args[1::2], args[2::2], strict=True)
+                 if flag.startswith("--") and "." in flag}
+    cfg = build_config(None, {**overrides, "data.path": str(documents), "train.max_steps": "3",
+                              "run_dir": str(tmp_path / "run")})
+    result = train(cfg)
+    step, loss = result.last_finite_loss
+    assert step == 3 and abs(loss - result.losses[-1]) <= 1e-6 * result.losses[-1]
+
+
 def test_the_trained_targets_of_a_step_are_read_from_the_data(documents):
     """Every rank knows the step's trained count without a collective: the sampler's count equals the masked
     targets of the global batch, and their sum over the data-parallel ranks' rows."""

@@ -135,8 +135,11 @@ class Engine:
         loss = loss_sum
         aux = self.model.moe_aux_loss()
         if aux is not None:
-            # token-weighted mean of the load-balancing loss over the global batch (this rank's tokens' share)
-            loss = loss + self.cfg.model.aux_loss_coef * aux * targets.numel()
+            # token-weighted mean of the load-balancing loss over the global batch (this rank's tokens' share of
+            # all of its tokens, which the router sees whether or not their targets are trained)
+            t = self.cfg.train
+            loss = loss + self.cfg.model.aux_loss_coef * aux * targets.numel() * global_tokens / (
+                t.global_batch_size * t.seq_len)
         return loss / global_tokens, loss_sum.detach()
 
     @contextlib.contextmanager

@@ -37,15 +37,16 @@ class StepGuard:
     def __init__(self, device: torch.device, skipped_before: int = 0) -> None:
         self.device = device
         self.counts = torch.tensor([0, skipped_before, 0], dtype=torch.int64, device=device)
-        # this rank's summed loss of the last step that updated, and that step (on the device)
-        self.last_loss_sum = torch.full((), float("nan"), device=device)
+        # this rank's part of the mean train loss of the last step that updated, and that step (on the device)
+        self.last_loss = torch.full((), float("nan"), device=device)
         self.last_step = torch.zeros((), dtype=torch.int64, device=device)
         self.pending: deque[tuple[int, torch.Tensor, torch.Event | None]] = deque(maxlen=2)
 
-    def update(self, step: int, flags: torch.Tensor, loss_sum: torch.Tensor) -> None:
-        """Add step `step`'s flags [skipped, stop asked] (device tensor) and start copying the counts to the host."""
+    def update(self, step: int, flags: torch.Tensor, loss: torch.Tensor) -> None:
+        """Add step `step`'s flags [skipped, stop asked] (device tensor) and this rank's part of its mean loss, and
+        start copying the counts to the host."""
         f = flags.to(torch.int64)
-        self.last_loss_sum = torch.where(f[0] > 0, self.last_loss_sum, loss_sum.detach().float())
+        self.last_loss = torch.where(f[0] > 0, self.last_loss, loss.detach().float())
         self.last_step = torch.where(f[0] > 0, self.last_step, step)
         self.counts = torch.stack([(self.counts[0] + f[0]) * f[0], self.counts[1] + f[0],
                                    torch.maximum(self.counts[2], f[1])])

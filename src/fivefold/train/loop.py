@@ -473,7 +473,7 @@ class Run:
         loss_sum = engine.forward_backward(micro_batches, self.trained_tokens)
         faults.note(micro_batch=None, action="optimizer step")
         grad_norm = engine.optimizer_step(loss_sum, signals.asked)
-        self.guard.update(step + 1, engine.step_flags, loss_sum)
+        self.guard.update(step + 1, engine.step_flags, loss_sum / self.trained_tokens)
         self.tokens_seen += self.global_tokens
         self.throughput.add(self.global_tokens)
         done = step + 1
@@ -541,7 +541,7 @@ class Run:
         if now.bad_run > seen.bad_run:  # this step was bad too (`seen` may lag one step): say so
             seen = now
         result.skipped_steps, result.stopped, result.exit_code = now.skipped, "non-finite", EXIT_NON_FINITE
-        result.last_finite_loss = last_finite_loss(self.engine, self.guard, self.global_tokens)
+        result.last_finite_loss = last_finite_loss(self.engine, self.guard)
         self.save(done, now)
         if self.engine.is_logging_rank:
             print(non_finite_message(seen, done, self.cfg.train.max_bad_steps, result, self.run_dir),
@@ -580,7 +580,7 @@ class Run:
         if result.steps > self.start:  # collective; a run that stopped before its first logged step has read none
             self.peak_seen = max(self.peak_seen, *per_rank_peak_memory(self.device))
         if result.steps > self.start and result.stopped != "non-finite":  # collective
-            result.last_finite_loss = last_finite_loss(self.engine, self.guard, self.global_tokens)
+            result.last_finite_loss = last_finite_loss(self.engine, self.guard)
         if self.writer is not None:
             self.summarize(wall_start, loop_seconds)
             self.writer.close()
@@ -636,9 +636,9 @@ def abandoned_message(run_dir: Path, signal_name: str, nproc: int) -> str:
                "none (the run starts again at step 0 with --resume)"))
 
 
-def last_finite_loss(engine: Engine, guard: StepGuard, global_tokens: int) -> tuple[int, float] | None:
+def last_finite_loss(engine: Engine, guard: StepGuard) -> tuple[int, float] | None:
     """(step, train loss) of the last step that updated the weights in this call (collective), or None."""
-    loss = engine.reduce_for_logging(guard.last_loss_sum).item() / global_tokens
+    loss = engine.reduce_for_logging(guard.last_loss).item()
     step = int(guard.last_step)
     return (step, loss) if step else None
 

@@ -27,6 +27,7 @@ import time
 import torch
 
 from fivefold.config import ModelConfig
+from fivefold.flops import causal_pairs
 from fivefold.models.llama import build_model
 from fivefold.models.masking import DocumentMask, document_attention, document_positions
 from fivefold.parallel.context import ring_work
@@ -79,19 +80,19 @@ def time_steps(args: argparse.Namespace) -> dict:
     positions = document_positions(tokens, EOS)
     mask = DocumentMask(positions)
     docs = sum(len(r) for r in mask.documents)
-    causal_pairs = args.rows * args.seq * (args.seq + 1) // 2
-    doc_pairs = sum(mask.key_counts())
+    causal_total = args.rows * causal_pairs(args.seq)
+    doc_pairs = sum(causal_pairs(stop - start) for row in mask.documents for start, stop in row)
     flops = 4 * cfg.head_dim * cfg.n_heads * cfg.n_layers  # forward attention FLOPs per query-key pair
     print(f"model: {cfg.n_layers} layers, hidden {cfg.hidden}, {cfg.n_heads} heads; {args.rows} x {args.seq} tokens, "
           f"{docs} document pieces (mean {args.rows * args.seq / docs:.0f} tokens); fp32 on {args.device}, "
           f"{torch.get_num_threads()} CPU threads")
     print(f"{'variant':<10} {'step s':>8} {'pairs':>14} {'fraction':>9} {'attn GFLOP fwd':>15}")
     result = {"seq": args.seq, "rows": args.rows, "mean_document": args.rows * args.seq / docs}
-    for name, attn_mask, pos, pairs in (("causal", "causal", None, causal_pairs),
+    for name, attn_mask, pos, pairs in (("causal", "causal", None, causal_total),
                                         ("document", "document", positions, doc_pairs)):
         model = build_model(ModelConfig(**{**vars(cfg), "attn_mask": attn_mask}), args.device, seed=0)
         seconds = step_seconds(model, tokens, pos, args.repeats)
-        print(f"{name:<10} {seconds:8.3f} {pairs:14,d} {pairs / causal_pairs:9.3f} {pairs * flops / 1e9:15.2f}")
+        print(f"{name:<10} {seconds:8.3f} {pairs:14,d} {pairs / causal_total:9.3f} {pairs * flops / 1e9:15.2f}")
         result[name] = {"step_time_s": seconds, "attention_pairs": pairs,
                         "attention_gflop_forward": pairs * flops / 1e9}
     return result

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from fivefold.cli import main
 from fivefold.data import prepare_dataset
@@ -104,10 +105,13 @@ def test_the_trained_targets_of_a_step_are_read_from_the_data(documents):
     for step in range(3):
         want = int((mask_document_targets(*sampler.global_batch(step), data.eos_id) != -100).sum())
         assert want < 6 * 64  # the batch holds boundaries
-        assert sampler.trained_targets(step, data.eos_id) == want
-        ranks = [mask_document_targets(*sampler.rank_batch(step, r, 3), data.eos_id) for r in range(3)]
-        assert sum(int((t != -100).sum()) for t in ranks) == want
-    assert sampler.trained_targets(0, None) == 6 * 64
+        ranks = [sampler.step_batch(step, r, 3, data.eos_id) for r in range(3)]
+        for r, (inputs, targets, trained) in enumerate(ranks):
+            assert trained == want
+            assert all(torch.equal(a, b) for a, b in zip((inputs, targets), sampler.rank_batch(step, r, 3),
+                                                         strict=True))
+        assert sum(int((mask_document_targets(i, t, data.eos_id) != -100).sum()) for i, t, _ in ranks) == want
+        assert sampler.step_batch(step, 1, 3)[2] == 6 * 64
 
 
 def test_data_without_boundaries_is_refused_before_any_work(documents, tmp_path, capsys):

@@ -15,6 +15,8 @@ from fivefold.config import Config, build_config, check_device_name, load_file, 
 from fivefold.errors import CliError, EnvironmentFailure
 
 if TYPE_CHECKING:
+    from fivefold.planner.hardware import Cluster
+    from fivefold.planner.search import Estimate
     from fivefold.train.expect import Expectation
 
 ACCEPTS_OVERRIDES = True
@@ -134,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     if device is not None:  # the process the user started: the planner's prediction on the device the run uses
         from fivefold.planner.predict import check_fits, device_cluster
 
-        e = check_fits(cfg, device_cluster(device, args.nproc), device.type)
+        e = check_fits(cfg, hardware := device_cluster(device, args.nproc), device.type)
         for line in preflight.warnings(cfg, device, e.step_time_s):
             print(f"fivefold: warning: {line}", file=sys.stderr)
     from fivefold.faults import SaveAbandoned, held_by_parent
@@ -145,7 +147,9 @@ def run(args: argparse.Namespace) -> int:
         status = start_or_join(cfg, args.nproc, forwarded_argv(args, cfg.run_dir), "train")
         if status is not None:
             return status
-        expected = plan_expectation(cfg, local_world_size(args.nproc))
+        # the estimate made above, in the one process of a one-process run; made again on rank 0 of a job
+        expected = (plan_expectation(cfg, local_world_size(args.nproc)) if device is None or args.nproc > 1
+                    else expectation(e, hardware))
         result = train(cfg, resume=args.resume, hf_init=Path(args.hf) if args.hf else None, expected=expected)
     except CheckpointWriteError as e:
         raise EnvironmentFailure(str(e) if e.own else "") from None
@@ -166,15 +170,20 @@ def plan_expectation(cfg: Config, local_ranks: int) -> Expectation | None:
     (`train.expect`); None on the other ranks."""
     from fivefold.device import resolve_device
     from fivefold.planner.predict import device_cluster, estimate_run
-    from fivefold.train.expect import Expectation
 
     if int(os.environ.get("RANK", "0")) != 0:
         return None
     device = resolve_device(cfg.train.device)
     hardware = device_cluster(device, local_ranks)
-    e = estimate_run(cfg, hardware, device.type)
-    parts = max(e.memory.values(), key=lambda p: sum(p.values()))
-    return Expectation(hardware.name, e.step_time_s, e.peak_bytes, dict(parts))
+    return expectation(estimate_run(cfg, hardware, device.type), hardware)
+
+
+def expectation(e: Estimate, hardware: Cluster) -> Expectation:
+    """`Expectation` of the planner's estimate `e` on `hardware`: the most loaded rank's memory as a run measures it."""
+    from fivefold.planner.predict import engine_parts
+    from fivefold.train.expect import Expectation
+
+    return Expectation(hardware.name, e.step_time_s, e.peak_bytes, engine_parts(e.peak_rank[1]))
 
 
 ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}

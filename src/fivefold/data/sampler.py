@@ -113,16 +113,20 @@ class BatchSampler:
         """(inputs, targets), int64 tensors [global_batch_size, seq_len], of step `step`."""
         return _to_tensors(self.dataset.windows(self.window_indices(step), self.seq_len))
 
-    def trained_targets(self, step: int, eos_id: int | None) -> int:
-        """Targets of the global batch of `step` that are trained under document masking: all of them but those
-        whose input is the end-of-document token `eos_id` (no prediction across a document boundary, the
-        convention of `models.masking.mask_document_targets`); all of them when `eos_id` is None. Read from the
-        data, so that every rank knows the global count without a collective."""
+    def step_batch(self, step: int, dp_rank: int, dp_size: int, eos_id: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """`rank_batch(step, dp_rank, dp_size)` and the number of targets of the whole global batch that are
+        trained: all of them, or under document masking (`eos_id` given) all but those whose input is the
+        end-of-document token (no prediction across a document boundary, the convention of
+        `models.masking.mask_document_targets`). That count is read from the data, so every rank knows it without
+        a collective: with `eos_id` each rank reads the global batch once and keeps its rows."""
         total = self.global_batch_size * self.seq_len
         if eos_id is None:
-            return total
+            return *self.rank_batch(step, dp_rank, dp_size), total
         windows = self.dataset.windows(self.window_indices(step), self.seq_len)
-        return total - int(np.count_nonzero(windows[:, :-1] == eos_id))
+        trained = total - int(np.count_nonzero(windows[:, :-1] == eos_id))
+        rows = _rank_rows(self.global_batch_size, dp_rank, dp_size)
+        return *_to_tensors(windows[rows.start:rows.stop]), trained
 
     def rank_batch(self, step: int, dp_rank: int, dp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [dp_rank * B / dp_size, (dp_rank + 1) * B / dp_size) of global_batch(step)."""

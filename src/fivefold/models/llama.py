@@ -381,7 +381,9 @@ class Llama(nn.Module):
             return None
         if positions.dim() == 1:
             positions = positions.expand(rows, -1)
-        return DocumentMask(positions, self.cfg.sliding_window)
+        # a sliding window over causal attention: one document per row, known without reading the positions
+        whole = [[(0, positions.shape[1])]] * rows if self.cfg.attn_mask == "causal" else None
+        return DocumentMask(positions, self.cfg.sliding_window, whole)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         x = self.forward_hidden(tokens, positions)

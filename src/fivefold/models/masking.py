@@ -17,7 +17,8 @@ The loss convention (Megatron's eod_mask_loss): the prediction made from an EOS 
 the next document's first token, is not trained (its target is -100, `mask_document_targets`).
 
 Kernels. `DocumentMask` is built once per micro-batch (per pipeline stage) from the positions and shared by
-every layer; it finds the documents of each row once (one host sync). On every device the attention then runs
+every layer; it finds the documents of each row once (one host sync; none for a sliding window over plain
+causal attention, whose rows are one document each). On every device the attention then runs
 as variable-length attention: one causal `scaled_dot_product_attention` call per document (so the work is
 sum(len^2)/2 instead of seq^2/2 and SDPA keeps its fused kernels; no dense [batch, 1, seq, seq] mask). A sliding
 window cuts a document longer than the window into query tiles of W tokens, each against its 2W - 1 keys with
@@ -53,11 +54,16 @@ def mask_document_targets(inputs: torch.Tensor, targets: torch.Tensor, eos_id: i
 class DocumentMask:
     """Which keys each query sees, for one micro-batch: `positions` [batch, seq] are the document positions of
     this module's tokens (see the module docstring), `window` the sliding window (0: none). Built once per
-    forward and handed to every layer; the derived tables are computed on first use and kept."""
+    forward and handed to every layer; the derived tables are computed on first use and kept (`documents` may be
+    given when it is known without looking at the positions)."""
 
-    def __init__(self, positions: torch.Tensor, window: int = 0) -> None:
+    def __init__(self, positions: torch.Tensor, window: int = 0,
+                 documents: list[list[tuple[int, int]]] | None = None) -> None:
         self.positions, self.window = positions, window
-        self.cache: dict[str, object] = {}  # what a layout's attention derives from the positions, once per batch
+        # what the attention derives from the positions, once per batch: a layout's plan, the window's band masks
+        self.cache: dict[tuple, object] = {}
+        if documents is not None:
+            self.documents = documents
 
     @functools.cached_property
     def documents(self) -> list[list[tuple[int, int]]]:
@@ -69,16 +75,13 @@ class DocumentMask:
             rows.append(list(zip(starts, starts[1:] + [s], strict=True)))
         return rows
 
-    def key_counts(self) -> list[int]:
-        """Keys each row's queries see in total (the attention work of the row, in query-key pairs)."""
-        return [sum(visible_pairs(stop - start, self.window) for start, stop in row) for row in self.documents]
-
-
-def visible_pairs(length: int, window: int = 0) -> int:
-    """Query-key pairs of causal attention over `length` tokens, with a sliding window of `window` (0: none)."""
-    if window <= 0 or window >= length:
-        return length * (length + 1) // 2
-    return window * (window + 1) // 2 + (length - window) * window
+    def band(self, q0: int, q1: int, k0: int, device: torch.device) -> torch.Tensor:
+        """`band_mask` of a window tile, made once per batch for each shape (every interior tile and every layer
+        share one)."""
+        key = ("band", q1 - q0, q0 - k0)
+        if key not in self.cache:
+            self.cache[key] = band_mask(q0, q1, k0, self.window, device)
+        return self.cache[key]
 
 
 def window_tiles(start: int, stop: int, window: int) -> list[tuple[int, int, int]]:
@@ -110,6 +113,6 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
             for q0, q1, k0 in window_tiles(start, stop, mask.window):
                 parts.append(F.scaled_dot_product_attention(
                     q[b:b + 1, :, q0:q1], k[b:b + 1, :, k0:q1], v[b:b + 1, :, k0:q1],
-                    attn_mask=band_mask(q0, q1, k0, mask.window, q.device), enable_gqa=gqa))
+                    attn_mask=mask.band(q0, q1, k0, q.device), enable_gqa=gqa))
         rows.append(torch.cat(parts, dim=2))
     return torch.cat(rows, dim=0)

@@ -227,13 +227,16 @@ def document_calls(positions: torch.Tensor, rank: int, cp: int, layout: str = "z
     seq_len = 2 * chunk * cp
     mine = rank_positions(seq_len, rank, cp, layout)
     starts = (mine - positions.cpu()).tolist()  # global index of each query's document start
+    # per row and query chunk, the runs of queries of one document: the same at every ring step
+    runs = [[(q_chunk, _runs(row, q_slot * chunk, (q_slot + 1) * chunk))
+             for q_slot, q_chunk in enumerate(rank_chunks(rank, cp, layout))] for row in starts]
     steps = []
     for step in range(cp):
         kv_chunks = rank_chunks((rank - step) % cp, cp, layout)
         calls: list[Call] = []
-        for b, row in enumerate(starts):
-            for q_slot, q_chunk in enumerate(rank_chunks(rank, cp, layout)):
-                for lo, hi, doc_start in _runs(row, q_slot * chunk, (q_slot + 1) * chunk):
+        for b, row_runs in enumerate(runs):
+            for q_chunk, chunk_runs in row_runs:
+                for lo, hi, doc_start in chunk_runs:
                     for kv_slot, kv_chunk in enumerate(kv_chunks):
                         kv_lo = kv_slot * chunk
                         if kv_chunk == q_chunk:  # the diagonal: the run against itself

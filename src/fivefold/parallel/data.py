@@ -88,6 +88,8 @@ class DataParallel(Protocol):
     mixed precision (bf16 working weights, fp32 masters that AdamW steps) lives behind it."""
 
     sync: bool  # synchronise: reduce the gradients on this micro-batch (the last of the accumulation)
+    # whether `end_micro_batch` waits for a reduction of this micro-batch (where a rank meets its peers)
+    reduces_now: bool
 
     def end_micro_batch(self) -> None:
         """After a micro-batch's backward (a pipeline: after the step's schedule): finish the reductions."""
@@ -172,6 +174,8 @@ class LocalDataParallel:
                 master.grad.add_(p.grad)
             p.grad = None
         return hook
+
+    reduces_now = False  # one device
 
     def end_micro_batch(self) -> None:
         """Gradients accumulate in place."""
@@ -373,7 +377,7 @@ class BucketedDataParallel:
             bucket.grad_view(index).add_(p.grad)
             p.grad = None
             bucket.ready += 1
-            if bucket.ready == bucket.expected and (self.sync or self.zero == 2):
+            if bucket.ready == bucket.expected and self.reduces_now:
                 self._launch(bucket)
                 self.launched_in_backward += 1
         return hook
@@ -387,10 +391,15 @@ class BucketedDataParallel:
         out = torch.empty(hi - lo, dtype=bucket.grad_dtype, device=bucket.grad.device)
         bucket.work.append((reduce_scatter_into(out, bucket.grad, group=self.group, async_op=True), out))
 
+    @property
+    def reduces_now(self) -> bool:
+        """The last micro-batch of the accumulation reduces; under ZeRO-2 every one reduce-scatters."""
+        return self.sync or self.zero == 2
+
     def end_micro_batch(self) -> None:
         """After one micro-batch's backward: reduce what the hooks did not (unused parameters), wait, and for
         ZeRO-2 fold the reduced slice into the kept gradient slice and free the full bucket."""
-        if not (self.sync or self.zero == 2):
+        if not self.reduces_now:
             for bucket in self.buckets:
                 bucket.ready = 0
             return
@@ -736,6 +745,8 @@ class FullyShardedDataParallel(ShardedState):
 
     def optimizer_params(self) -> list[nn.Parameter]:
         return list(self.root.parameters())
+
+    reduces_now = False  # fully_shard waits for its reduce-scatters inside the backward
 
     def end_micro_batch(self) -> None:
         """fully_shard has reduce-scattered every block's gradients by the end of backward."""

@@ -117,6 +117,8 @@ class PipelineFullyShardedDataParallel(ShardedState):
     def expect_accumulations(self, uses) -> None:
         """No buckets to count gradient arrivals for."""
 
+    reduces_now = False  # the stages' backwards have waited for their reduce-scatters
+
     def end_micro_batch(self) -> None:
         """The last backward of each stage has reduce-scattered its gradients."""
 

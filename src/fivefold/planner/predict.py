@@ -93,7 +93,7 @@ def predict_run(cfg: Config, hardware: Cluster, device_type: str | None = None) 
     `tokens_per_s_per_device`, `mfu`, `peak_memory_bytes`, `fits`, `time_s` (step time by cause),
     `memory_bytes` (peak by part of the most loaded pipeline rank), `hardware`, `layout`."""
     e = estimate_run(cfg, hardware, device_type)
-    parts = max(e.memory.values(), key=lambda p: sum(p.values()))
+    _, parts = e.peak_rank
     return {
         "step_time_s": e.step_time_s, "tokens_per_s_per_device": e.tokens_per_s_per_device, "mfu": e.mfu,
         "peak_memory_bytes": e.peak_bytes, "fits": e.fits, "time_s": dict(e.time_parts),
@@ -104,6 +104,18 @@ def predict_run(cfg: Config, hardware: Cluster, device_type: str | None = None) 
 
 # the parts of the planner's memory that hold the model's state rather than a micro-batch's activations
 STATE_PARTS = ("parameters", "gradients", "optimizer", "grad_accum_buffer", "bf16_weight_copies")
+
+
+def engine_parts(parts: dict[str, float]) -> dict[str, float]:
+    """One rank's planner memory `parts` grouped as a run measures them: the model states as the engine counts
+    them (`Engine.state_bytes`: parameters, gradients, and optimizer with any separate fp32 accumulation buffer),
+    activations (with the autocast weight copies and the transient of the loss or a recomputed block) and buffers
+    (communication buffers and the fixed overhead)."""
+    rest = dict(parts)
+    states = {"parameters": rest.pop("parameters"), "gradients": rest.pop("gradients"),
+              "optimizer": rest.pop("optimizer") + rest.pop("grad_accum_buffer", 0.0)}
+    activations = rest.pop("activations") + rest.pop("bf16_weight_copies", 0.0) + rest.pop("transient", 0.0)
+    return {**states, "activations": activations, "buffers": sum(rest.values())}
 
 
 def device_cluster(device: torch.device, local_ranks: int) -> Cluster:
@@ -125,7 +137,7 @@ def check_fits(cfg: Config, hardware: Cluster, device_type: str) -> Estimate:
         return e
     if e.notes:
         raise ConfigError(f"layout: {'; '.join(e.notes)}; `fivefold plan` finds a layout that works")
-    rank, parts = max(e.memory.items(), key=lambda item: sum(item[1].values()))
+    rank, parts = e.peak_rank
     usable = hardware.memory_gib * run_framework(cfg, device_type).usable_memory_fraction
     shown = ", ".join(f"{name} {gib(v):,.1f}" for name, v in parts.items() if gib(v) >= 0.05)
     figure = (f"the planner predicts a peak of {gib(e.peak_bytes):,.1f} GiB per device"

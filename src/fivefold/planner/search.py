@@ -71,6 +71,11 @@ class Estimate:
     mfu_causal_equivalent: float | None = None
     stall: StallRisk = field(default_factory=StallRisk)  # the cluster's risk for this layout (`time.stall_risk`)
 
+    @property
+    def peak_rank(self) -> tuple[str, dict[str, float]]:
+        """("first" or "last", its memory by part) of the pipeline rank with the largest peak."""
+        return max(self.memory.items(), key=lambda item: sum(item[1].values()))
+
     def step_time_at(self, quantile: float) -> float:
         """The step time at this quantile (0.5: typical, p50; 0.9: a bad case, p90) of the stall model."""
         return self.stall.quantile(self.step_time_s, quantile)

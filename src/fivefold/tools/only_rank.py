@@ -62,23 +62,18 @@ def planner_for_rank(cfg: Config, rank: int, device_type: str) -> dict:
     last pipeline rank's: the planner models those two, so a middle pipeline rank is compared with the first, and
     `rank_description` says so) and the time one process computes (compute, host waits and the optimizer step)."""
     from fivefold.parallel.pipeline import stage_layer_counts
-    from fivefold.planner.predict import default_hardware, estimate_run, on_one_node
+    from fivefold.planner.predict import default_hardware, engine_parts, estimate_run, on_one_node
 
     hw = on_one_node(default_hardware(device_type), cfg.layout.world_size)
     if cfg.layout.pp > 1 and not cfg.layout.stage_layers:  # the engine's split at this sequence length
         cfg = dataclasses.replace(cfg, layout=dataclasses.replace(cfg.layout, stage_layers=stage_layer_counts(cfg)))
     e = estimate_run(cfg, hw, device_type)
     which = rank_description(cfg, rank)["planner_rank"]
-    parts = dict(e.memory[which] if which in e.memory else e.memory["first"])
-    states = {"parameters": parts.pop("parameters"), "gradients": parts.pop("gradients"),
-              "optimizer": parts.pop("optimizer") + parts.pop("grad_accum_buffer", 0.0)}
-    rest = {"activations": parts.pop("activations") + parts.pop("bf16_weight_copies", 0.0)
-            + parts.pop("transient", 0.0),
-            "buffers": sum(parts.values())}
+    parts = engine_parts(e.memory[which] if which in e.memory else e.memory["first"])
     t = e.time_parts
     compute = t.get("compute", 0.0) + t.get("host_wait", 0.0) + t.get("optimizer", 0.0)
-    return {"hardware": hw.name, "pipeline_rank": which, "memory_bytes": {**states, **rest},
-            "peak_bytes": sum(states.values()) + sum(rest.values()), "compute_s": compute,
+    return {"hardware": hw.name, "pipeline_rank": which, "memory_bytes": parts,
+            "peak_bytes": sum(parts.values()), "compute_s": compute,
             "step_s": e.step_time_s, "time_s": dict(t)}
 
 

@@ -62,7 +62,8 @@ class Engine:
         # the data's end-of-document token under `model.attn_mask = "document"` (set by the training loop)
         self.eos_id: int | None = None
         self.step_flags: torch.Tensor | None = None
-        self.waits = WaitClock(device, enabled=grid is not None)  # seconds waited for peers (`train.expect`)
+        # seconds waited for peers, for the training loop's plan check (`train.expect`), which turns it on
+        self.waits = WaitClock(device, enabled=False)
         self._shapes: dict[str, tuple[int, ...]] | None = None  # the plain model's, for checkpoint segments
         self.lr_schedule = LrSchedule.plain(cfg.train)  # a resume that raises train.max_steps extends it
         if grid is None:
@@ -148,7 +149,7 @@ class Engine:
         for dp in self.data_parallels:
             dp.sync = index == count - 1
         yield
-        with self.waits():
+        with self.waits() if any(dp.reduces_now for dp in self.data_parallels) else contextlib.nullcontext():
             for dp in self.data_parallels:
                 dp.end_micro_batch()
 

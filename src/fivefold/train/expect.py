@@ -31,7 +31,7 @@ SLOW_RANK_RATIO, SLOW_RANK_SHARE = 1.5, 0.20
 # which also holds the interpreter and its libraries (a few hundred MiB the planner's cpu profile leaves out)
 MEMORY_RATIO = 1.10
 CPU_BASELINE_BYTES = 768 * 2**20
-STATE_PARTS = ("parameters", "gradients", "optimizer")
+STATE_PARTS = ("parameters", "gradients", "optimizer")  # of `planner.predict.engine_parts`
 
 
 @dataclass(frozen=True)

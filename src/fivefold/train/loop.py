@@ -395,6 +395,7 @@ class Run:
     def __post_init__(self) -> None:
         t = self.cfg.train
         self.delay = injected_delay(torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
+        self.engine.waits.enabled = self.engine.grid is not None  # peers to wait for: measured for the plan check
         self.run_dir, self.start = self.result.run_dir, self.result.steps
         self.mbs, self.global_tokens = self.cfg.micro_batch_size, t.global_batch_size * t.seq_len
         self.trained_tokens = self.global_tokens
@@ -463,10 +464,10 @@ class Run:
         engine, t = self.engine, self.cfg.train
         faults.note(step=step + 1, micro_batch=None, action="data")
         lr = engine.set_lr(step)
-        inputs, targets = self.sampler.rank_batch(step, engine.dp_rank, engine.dp_size)
+        inputs, targets, self.trained_tokens = self.sampler.step_batch(step, engine.dp_rank, engine.dp_size,
+                                                                       engine.eos_id)
         if engine.eos_id is not None:  # no loss across a document boundary: the mean is over the trained targets
             targets = mask_document_targets(inputs, targets, engine.eos_id)
-            self.trained_tokens = self.sampler.trained_targets(step, engine.eos_id)
         micro_batches = split_micro_batches(inputs, targets, self.mbs, self.device)
         if self.delay:
             time.sleep(self.delay)

@@ -135,6 +135,12 @@ class ModelConfig:
         return self.n_experts > 0
 
     @property
+    def masks_attention(self) -> bool:
+        """Whether attention executes fewer pairs than plain causal attention (a document mask, a sliding window):
+        it then runs one kernel call per document or window tile (`models.masking`)."""
+        return self.attn_mask == "document" or self.sliding_window > 0
+
+    @property
     def expert_ffn(self) -> int:
         return self.moe_ffn or self.ffn
 
@@ -344,8 +350,7 @@ class Config:
                 f"model.sliding_window = {self.model.sliding_window} exceeds train.seq_len = {t.seq_len}: a window "
                 f"longer than the sequence masks nothing; use 1 to {t.seq_len}, or 0 for no window"
             )
-        masked = self.model.attn_mask == "document" or self.model.sliding_window > 0
-        if masked and t.compile:
+        if self.model.masks_attention and t.compile:
             raise ConfigError(f"model.attn_mask = {self.model.attn_mask!r} with model.sliding_window = "
                               f"{self.model.sliding_window} cannot run under train.compile = true (its attention "
                               "runs one kernel per document); use train.compile = false")
@@ -391,9 +396,10 @@ def _require_finite(cfg: Config) -> None:
                 raise ConfigError(f"model.rope_scaling.{key} = {shown(value)} must be a finite number")
 
 
-def check_device_name(name: str) -> None:
-    """`train.device` names a device PyTorch knows (checked, with whether this machine has it, when a run starts
-    on it: a config may name a device of another machine, e.g. a sweep's SLURM jobs)."""
+def check_device_name(name: str, field: str = "train.device") -> None:
+    """`field` (`train.device`, or a flag that names a device) names a device PyTorch knows (checked, with whether
+    this machine has it, when a run starts on it: a config may name a device of another machine, e.g. a sweep's
+    SLURM jobs)."""
     import torch
 
     if name == "auto":
@@ -401,7 +407,7 @@ def check_device_name(name: str) -> None:
     try:
         torch.device(name)
     except (RuntimeError, TypeError, ValueError) as e:
-        raise ConfigError(f"train.device = {shown(name)} is not a device PyTorch knows ({type(e).__name__}: "
+        raise ConfigError(f"{field} = {shown(name)} is not a device PyTorch knows ({type(e).__name__}: "
                           f"{shown(str(e))}); use auto, cpu, or an accelerator type such as cuda, cuda:1 or "
                           "xpu") from None
 
@@ -590,7 +596,11 @@ def _load_yaml(text: str, where: str) -> Any:
     if expanded[id(node)] > CONFIG_MAX_NODES:
         raise ConfigError(f"{where} expands to more than {CONFIG_MAX_NODES:,} values once its YAML aliases (*name) "
                           "are replaced by what they refer to; write the values out or use fewer nested aliases")
-    return yaml.safe_load(text)
+    loader = yaml.SafeLoader("")  # the values of the node already composed (safe tags only), not a third parse
+    try:
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 def _yaml_children(node: Any) -> list[Any]:
@@ -651,15 +661,21 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def check_writable_dir(path: Path, flag: str) -> None:
-    """A directory can be created (with its missing parents) and written at `path`: checked by creating what is
-    missing and a probe file, then removing them all, so the check leaves nothing behind; a ConfigError naming
-    `flag` if not."""
+def missing_dirs(path: Path) -> tuple[list[Path], Path]:
+    """The directories from `path` up that do not exist (deepest first), and the nearest that does."""
     missing: list[Path] = []
     top = path.absolute()
     while not top.exists() and top.parent != top:
         missing.append(top)
         top = top.parent
+    return missing, top
+
+
+def check_writable_dir(path: Path, flag: str) -> None:
+    """A directory can be created (with its missing parents) and written at `path`: checked by creating what is
+    missing and a probe file, then removing them all, so the check leaves nothing behind; a ConfigError naming
+    `flag` if not."""
+    missing, top = missing_dirs(path)
     if not top.is_dir():
         raise ConfigError(f"{flag} {shown(str(path))}: {shown(str(top))} is a file, not a directory; choose a "
                           "directory under a writable directory")

@@ -22,10 +22,7 @@ def resolve_device(name: str) -> torch.device:
 
 def present_device(name: str, field: str) -> torch.device:
     """The device `name` (the value of `field`, named in errors) names, known to PyTorch and present here."""
-    try:
-        check_device_name(name)
-    except ConfigError as e:
-        raise ConfigError(str(e).replace("train.device", field, 1)) from None
+    check_device_name(name, field)
     device = resolve_device(name)
     if device.type == "cpu":
         return device

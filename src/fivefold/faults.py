@@ -38,6 +38,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from fivefold.config import missing_dirs
 from fivefold.errors import CliError, EnvironmentFailure
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
@@ -331,11 +332,7 @@ class RunLock:
     def make_run_dir(self) -> None:
         """Create the run directory and its missing parents, remembering which, to remove them if the run writes
         nothing (a refused start leaves the file system as it found it)."""
-        missing, path = [], self.run_dir.absolute()
-        while not path.exists() and path.parent != path:
-            missing.append(path)
-            path = path.parent
-        for p in reversed(missing):
+        for p in reversed(missing_dirs(self.run_dir)[0]):
             with contextlib.suppress(FileExistsError):
                 p.mkdir()
                 self.created.append(p)

@@ -155,7 +155,7 @@ def causal_pairs(seq: int) -> int:
 
 def masks_attention(cfg: ModelConfig) -> bool:
     """Whether the model's attention executes fewer pairs than causal attention (document mask, sliding window)."""
-    return cfg.attn_mask == "document" or cfg.sliding_window > 0
+    return cfg.masks_attention
 
 
 def causal_equivalent(cfg: ModelConfig) -> ModelConfig:

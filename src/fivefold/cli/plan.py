@@ -408,14 +408,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_options(args: argparse.Namespace) -> None:
-    """The numeric options and --write-config's target, before any model is read."""
-    if args.seq_len < 1:
-        raise CliError(f"--seq-len = {args.seq_len} must be >= 1 (tokens per sequence, e.g. 4096)")
-    if args.top < 1:
-        raise CliError(f"--top = {args.top} must be >= 1")
-    if args.gpus_per_node < 0:
-        raise CliError(f"--gpus-per-node = {args.gpus_per_node} must be >= 1 (or 0 for the hardware's)")
-    if not math.isfinite(args.moe_imbalance) or args.moe_imbalance <= 0:
+    """The numeric options and --write-config's target, before any model is read (argparse has bounded
+    --seq-len, --top and --gpus-per-node, and made every float finite)."""
+    if args.moe_imbalance <= 0:
         raise CliError(f"--moe-imbalance = {args.moe_imbalance} must be a finite number > 0 (1 = balanced)")
     _check_attention_options(args)
     if args.write_config:

@@ -377,7 +377,7 @@ class Llama(nn.Module):
     def attention_mask(self, positions: torch.Tensor, rows: int) -> DocumentMask | None:
         """The mask every layer of this forward shares: None for plain causal attention (SDPA's causal kernel),
         else a `DocumentMask` of the document positions (one document per row under `attn_mask = "causal"`)."""
-        if self.cfg.attn_mask == "causal" and self.cfg.sliding_window <= 0:
+        if not self.cfg.masks_attention:
             return None
         if positions.dim() == 1:
             positions = positions.expand(rows, -1)

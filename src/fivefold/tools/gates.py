@@ -22,6 +22,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from fivefold.planner.score import spearman
+from fivefold.planner.time import StallRisk
 
 # Fixed on the 1-2-node rows before the held-out rows were looked at: a pipelined run stalled when its measured
 # step exceeds the clean prediction by more than this per hand-over (there: the 113 clean pipelined runs by at
@@ -56,12 +57,16 @@ class Record:
     tokens_per_device: float  # tokens per step per device
 
     @property
+    def risk(self) -> StallRisk:
+        return StallRisk(self.stall_probability, self.stalled_s - self.clean_s, self.handovers)
+
+    @property
     def p50_s(self) -> float:
-        return self.clean_s if self.stall_probability <= 0.5 else self.stalled_s
+        return self.risk.quantile(self.clean_s, 0.5)
 
     @property
     def expected_s(self) -> float:
-        return self.clean_s + self.stall_probability * (self.stalled_s - self.clean_s)
+        return self.risk.expected(self.clean_s)
 
     @property
     def measured_tok_s(self) -> float:

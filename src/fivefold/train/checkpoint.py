@@ -68,7 +68,7 @@ from fivefold.checkpoint_format import (
     write_safetensors,
 )
 from fivefold.config import Config, ConfigError, ModelConfig, config_from_dict, dump_toml, file_sha256, shown
-from fivefold.models.llama import build_model
+from fivefold.models.llama import full_parameter_shapes
 
 if TYPE_CHECKING:
     from fivefold.data import BatchSampler
@@ -355,8 +355,8 @@ def read_model_state(path: Path) -> dict[str, torch.Tensor]:
 
 def model_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The plain names and global shapes of a model's weights that a checkpoint stores (no tied output layer)."""
-    meta = build_model(model, device="meta").state_dict()
-    return {k: tuple(v.shape) for k, v in meta.items() if not (k == "lm_head.weight" and model.tied_embeddings)}
+    return {k: tuple(v) for k, v in full_parameter_shapes(model).items()
+            if not (k == "lm_head.weight" and model.tied_embeddings)}
 
 
 def checkpoint_model(loaded: LoadedCheckpoint) -> ModelConfig | None:

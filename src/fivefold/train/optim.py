@@ -39,15 +39,16 @@ def build_adamw(model: nn.Module, cfg: TrainConfig, device: torch.device) -> tor
     )
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
+def lr_at(step: int, cfg: TrainConfig, max_steps: int | None = None) -> float:
     """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine or WSD decay to
-    `min_lr_ratio * lr`, or constant."""
+    `min_lr_ratio * lr` at `max_steps` (default `cfg.max_steps`), or constant."""
     peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    max_steps = cfg.max_steps if max_steps is None else max_steps
     if step < cfg.warmup_steps:
         return peak * (step + 1) / cfg.warmup_steps
     if cfg.lr_schedule == "constant":
         return peak
-    remaining = max(1, cfg.max_steps - cfg.warmup_steps)
+    remaining = max(1, max_steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / remaining)
     if cfg.lr_schedule == "cosine":
         return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
@@ -77,7 +78,7 @@ class LrSchedule:
         i = next((i for i, (end, _) in enumerate(self.phases) if step < end), len(self.phases) - 1)
         start, (end, kind) = self.phases[i - 1][0] if i else 0, self.phases[i]
         if kind == "schedule":
-            return lr_at(step, dataclasses.replace(self.cfg, max_steps=end))
+            return lr_at(step, self.cfg, end)
         rate = LrSchedule(self.cfg, self.phases[:i]).at(start)  # where the phases before this one ended
         if kind == "hold":
             return rate

@@ -26,11 +26,6 @@ def check_nproc(nproc: int, nodes: int = 1) -> None:
         raise ConfigError(f"--nodes = {nodes} must be >= 1")
 
 
-def check_device(name: str) -> torch.device:
-    """The device `train.device` names, present on this machine."""
-    return present_device(name, "train.device")
-
-
 def check_run_dir_writable(run_dir: Path, resume: bool) -> None:
     """The run directory, and its `checkpoints/` when it has one, can be created and written, checked without
     leaving anything behind."""
@@ -117,7 +112,7 @@ def check_start(cfg: Config, resume: bool = False, run_dir: bool = True) -> torc
     prediction on that device and prints `warnings`."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return None
-    device = check_device(cfg.train.device)
+    device = present_device(cfg.train.device, "train.device")
     cores = os.cpu_count() or 1
     if cfg.train.threads > cores:
         raise ConfigError(f"train.threads = {cfg.train.threads} exceeds this machine's {cores} CPU cores: more "

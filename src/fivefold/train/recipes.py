@@ -74,7 +74,7 @@ def apply_recipe(conf: Config, accelerator: bool, train_tokens: int | None = Non
     t.eval_every, t.eval_batches = 1000, 16
     t.checkpoint_every, t.keep_checkpoints = 500, 3
     # compiled on accelerators, but for an attention mask, whose attention runs one kernel per document
-    t.compile = accelerator and conf.model.attn_mask == "causal" and not conf.model.sliding_window
+    t.compile = accelerator and not conf.model.masks_attention
     conf.data.path = DATA_PLACEHOLDER
     return recipe
 

@@ -37,16 +37,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def calibrate(args: argparse.Namespace) -> tuple[Path, dict[int, Result], float]:
     """Measure with 1..N ranks and write the profile: its path, the figures by rank count, the seconds taken."""
-    from fivefold.train.preflight import check_device
+    from fivefold.device import present_device
 
     if args.seq_len < 0:
         raise CliError(f"--seq-len = {args.seq_len} must be >= 1 (or 0 for the default)")
     if args.nproc_max < 0:
         raise CliError(f"--nproc-max = {args.nproc_max} must be >= 1 (or 0 for the default)")
     try:
-        device_type = check_device(args.device).type
+        device_type = present_device(args.device, "--device").type
     except ConfigError as e:
-        raise CliError(str(e).replace("train.device", "--device")) from None
+        raise CliError(str(e)) from None
     plan, levels = make_plan(args, device_type)
     out = Path(args.out or f"calibrated-{device_type}.toml")
     if not out.parent.is_dir() or out.is_dir():  # before the minutes of measuring, not after

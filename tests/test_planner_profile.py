@@ -222,3 +222,24 @@ def test_zero3_expert_gathers_follow_the_edp_units(capsys):
     assert _zero_gather(capsys, shape + "64", whole) == pytest.approx(_zero_gather(capsys, shape + "128", whole))
     sharded = "dp=64,ep=8,zero=3,mbs=1,recompute=none"  # edp = 8
     assert _zero_gather(capsys, shape + "128", sharded) > _zero_gather(capsys, shape + "64", sharded) > 0
+
+
+def test_unsharded_gradients_between_micro_batches_are_a_framework_field(tmp_path):
+    """An engine that keeps whole gradients across the micro-batches of an accumulation (FSDP2 without gradient
+    sync until the last) is described in a data file; the gradients part grows by exactly those bytes per
+    parameter of the rank (closed form), only under ZeRO-2/3 with accumulation."""
+    from fivefold.planner.layout import Layout
+    from fivefold.planner.memory import model_state_bytes, rank_params
+    from fivefold.presets import get_preset
+
+    path = tmp_path / "fsdp-nosync.toml"
+    path.write_text('[framework]\nname = "fsdp-nosync"\nbase = "torchtitan"\nunsharded_accum_grad_bytes = 4\n')
+    fw = profile.framework_of(path)
+    base = profile.all_frameworks()["torchtitan"]
+    assert fw is not None and fw.unsharded_accum_grad_bytes == 4 and base.unsharded_accum_grad_bytes == 0
+    cfg = get_preset("llama-3.1-8b")
+    for zero, accum, added in ((3, 4, True), (2, 4, True), (3, 1, False), (1, 4, False)):
+        lay = Layout(dp=8, tp=2, zero=zero, micro_batch_size=1, grad_accum_steps=accum)
+        rp = rank_params(cfg, lay)
+        got = model_state_bytes(cfg, lay, fw)["gradients"] - model_state_bytes(cfg, lay, base)["gradients"]
+        assert got == (4 * (rp.dense + rp.expert) if added else 0), (zero, accum)

@@ -123,6 +123,11 @@ class Framework:
     # with `layout.fp32_grad_accum` the gradient buffers themselves hold `accum_bytes` per parameter (fivefold's
     # buckets and its single-device engine's fp32 gradients) instead of a separate buffer beside `grad_bytes`
     accum_in_grad_buffers: bool = False
+    # bytes per parameter of whole (unsharded) gradients that a ZeRO-2/3 engine keeps between the micro-batches of
+    # a gradient accumulation, reducing only after the last (FSDP2 with set_requires_gradient_sync(False) keeps them
+    # in its reduce dtype: 4 under fp32 reduction); 0: reduce-scattered after every micro-batch (fivefold's ZeRO-2
+    # and ZeRO-3, FSDP's default), nothing beyond the shards. One FSDP2-based framework ran out of memory this way.
+    unsharded_accum_grad_bytes: int = 0
     # `layout.fp32_grad_accum` where the planner is not told (`plan --fp32-grad-accum`, `--layout`): the framework's
     # own default (fivefold's engine: on, as `fivefold train`)
     default_fp32_grad_accum: bool = False

@@ -147,6 +147,9 @@ def model_state_bytes(cfg: ModelConfig, lay: Layout, fw: Framework, rank: str = 
         out["parameters"] = sharded(fw.master_bytes, True)
         out["gradients"], out["grad_accum_buffer"] = sharded(fw.accum_bytes, True), 0
         out["optimizer"] = sharded(fw.optim_bytes, True)
+    if fw.unsharded_accum_grad_bytes and lay.zero >= 2 and lay.grad_accum_steps > 1:
+        # whole gradients held between micro-batches, beside the shards they are reduced into after the last
+        out["gradients"] += sharded(fw.unsharded_accum_grad_bytes, False)
     return out
 
 

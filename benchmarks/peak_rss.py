@@ -51,22 +51,21 @@ def rss_kib(pid: int) -> int:
     return int(match.group(1)) if match else 0
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--interval", type=float, default=0.1)
-    parser.add_argument("--run-dir", help="the run directory whose checkpoints/ is watched for a save in progress")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
-    args = parser.parse_args()
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    proc = subprocess.Popen(" ".join(command), shell=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, bufsize=1)
+def measure(command: str, run_dir: str | None = None, interval: float = 0.1, echo: bool = True) -> tuple[
+    int, dict[str, int], int
+]:
+    """Run the shell command `command` (its output echoed); (largest VmRSS of any one process over the run in KiB,
+    the same per phase, the command's exit status)."""
+    proc = subprocess.Popen(command, shell=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1)
     phase = ["construction"]
     peaks: dict[str, int] = {}
-    overall = [0]
+    overall = 0
 
     def reader() -> None:
         for line in proc.stdout:
-            sys.stdout.write(line)
+            if echo:
+                sys.stdout.write(line)
             if phase[0] == "construction" and re.match(r"step\s+\d+/", line):
                 phase[0] = "steps"
             final = re.match(r"step\s+(\d+)/(\d+)\s+val_loss", line)
@@ -77,16 +76,31 @@ def main() -> int:
     thread.start()
     while proc.poll() is None:
         largest = max((rss_kib(p) for p in descendants(proc.pid)), default=0)
-        overall[0] = max(overall[0], largest)
+        overall = max(overall, largest)
         peaks[phase[0]] = max(peaks.get(phase[0], 0), largest)
-        checkpoints = Path(args.run_dir or "", "checkpoints")
-        if args.run_dir and checkpoints.is_dir() and any(checkpoints.glob("step_*.tmp")):
+        checkpoints = Path(run_dir or "", "checkpoints")
+        if run_dir and checkpoints.is_dir() and any(checkpoints.glob("step_*.tmp")):
             peaks["writing a checkpoint"] = max(peaks.get("writing a checkpoint", 0), largest)
-        time.sleep(args.interval)
+        time.sleep(interval)
     thread.join()
-    print(f"peak VmRSS of any process: {overall[0] / 1024:.1f} MiB "
-          + " ".join(f"({name}: {kib / 1024:.1f} MiB)" for name, kib in peaks.items()), flush=True)
-    return proc.returncode
+    return overall, peaks, proc.returncode
+
+
+def describe(overall: int, peaks: dict[str, int]) -> str:
+    return (f"peak VmRSS of any process: {overall / 1024:.1f} MiB "
+            + " ".join(f"({name}: {kib / 1024:.1f} MiB)" for name, kib in peaks.items()))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--interval", type=float, default=0.1)
+    parser.add_argument("--run-dir", help="the run directory whose checkpoints/ is watched for a save in progress")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
+    args = parser.parse_args()
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    overall, peaks, status = measure(" ".join(command), args.run_dir, args.interval)
+    print(describe(overall, peaks), flush=True)
+    return status
 
 
 if __name__ == "__main__":

@@ -408,3 +408,52 @@ def test_models_lists_every_alias_it_accepts(capsys):
         assert f"{', '.join(a for a, n in listed.items() if n == name)} = {name}" in line
     with pytest.raises(ConfigError, match="or an alias: llama3.2-1b"):
         get_preset("llama-9")
+
+
+def test_export_streams_one_tensor_at_a_time_into_shards(tmp_path: Path) -> None:
+    """`write_hf_dir` asks for one tensor (or one expert) at a time and has let go of the previous one by then; with a
+    small shard size the files, each within the size (a larger tensor alone), and their index load in
+    `transformers` with the model's logits, and an --overwrite export as one file removes the earlier shards."""
+    import gc
+    import weakref
+
+    from fivefold.models.hf import expected_hf_shapes, write_hf_dir
+
+    cfg = moe_config()
+    model = random_model(cfg)
+    sd = model.state_dict()
+    alive: list[weakref.ref] = []
+
+    def read(name: str, expert: int | None) -> torch.Tensor:
+        gc.collect()
+        assert all(ref() is None for ref in alive), "an earlier tensor is still held"
+        value = (sd[name] if expert is None else sd[name][expert]).clone()
+        alive.append(weakref.ref(value))
+        return value
+
+    limit = 40_000
+    out = write_hf_dir(read, lambda name: sd[name].dtype, cfg, tmp_path / "hf", max_shard_bytes=limit)
+    assert len(alive) == len(expected_hf_shapes(cfg))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and not (out / "model.safetensors").exists()
+    sizes = {k: torch.Size(v).numel() * 4 for k, v in expected_hf_shapes(cfg).items()}
+    assert index["metadata"]["total_size"] == sum(sizes.values())
+    for name in files:
+        held = [k for k, f in index["weight_map"].items() if f == name]
+        assert sum(sizes[k] for k in held) <= limit or len(held) == 1, name
+    toks = tokens(seed=2)
+    diff = hf_logits(load_transformers(out, "MixtralForCausalLM"), toks) - ff_logits(model, toks)
+    assert diff.abs().max().item() < ATOL
+    export_hf(model, cfg, out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_export_cli_refuses_a_bad_shard_size(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    cfg = small_config()
+    write_checkpoint(tmp_path / "ckpt", cfg, build_model(cfg, seed=0))
+    for bad in ("0", "nan", "-1"):
+        assert cli_main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "hf"),
+                         "--max-shard-gb", bad]) == 2
+        assert "--max-shard-gb" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()

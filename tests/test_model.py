@@ -228,10 +228,16 @@ def test_bad_shapes_raise_config_error_naming_the_field(changes: dict, field: st
 
 
 def test_initial_values_of_any_slice_equal_the_full_tensors_slice():
-    """The layout-free init: a slice drawn alone (a tp column block, an ep expert, a ZeRO-3 row chunk, rows that
-    straddle generator blocks) is exactly that slice of the whole tensor, and the whole model built in one process
-    holds the whole tensors."""
-    from fivefold.models.llama import INIT_BLOCK_ELEMENTS, full_parameter_shapes, initial_values
+    """The layout-free init: a slice drawn alone (a tp column block, an ep expert, a ZeRO-3 row chunk, rows and
+    columns that straddle tiles) is exactly that slice of the whole tensor, drawing only the tiles it meets, and the
+    whole model built in one process holds the whole tensors."""
+    from fivefold.models.llama import (
+        INIT_TILE_COLUMNS,
+        draw_initial_values,
+        full_parameter_shapes,
+        init_tile,
+        initial_values,
+    )
 
     cfg = dataclasses.replace(get_preset("tiny"), n_experts=4, top_k=2, moe_ffn=32, n_shared_experts=1)
     model = build_model(cfg, seed=7)
@@ -239,12 +245,22 @@ def test_initial_values_of_any_slice_equal_the_full_tensors_slice():
     for name, param in model.named_parameters():
         full = initial_values(cfg, name, shapes[name], seed=7)
         assert torch.equal(full, param.detach()), name
-    shape = (3 * INIT_BLOCK_ELEMENTS // 64 + 5, 64)  # several generator blocks of rows
+    shape = (700, 3 * INIT_TILE_COLUMNS + 40)  # several tiles along both dims, partial ones at the ends
+    rows, columns = init_tile(shape)
+    assert rows < shape[0] and columns < shape[1]
     full = initial_values(cfg, "layers.0.attn.q_proj.weight", shape, seed=3)
     assert full.std().item() == pytest.approx(cfg.init_std, rel=0.01)
-    for region in [((0, shape[0]), (32, 64)), ((INIT_BLOCK_ELEMENTS // 64 - 3, shape[0] - 2), (0, 64)),
-                   ((17, 18), (5, 9))]:
-        part = initial_values(cfg, "layers.0.attn.q_proj.weight", shape, seed=3, region=region)
-        assert torch.equal(part, full[region[0][0]:region[0][1], region[1][0]:region[1][1]]), region
+    for region in [((0, shape[0]), (32, 64)), ((rows - 3, shape[0] - 2), (0, shape[1])),
+                   ((17, 18), (columns - 5, 2 * columns + 9)), ((0, shape[0]), (shape[1] // 4, shape[1] // 2))]:
+        part = torch.empty([b - a for a, b in region], dtype=torch.float64)
+        drawn = draw_initial_values(part, cfg, "layers.0.attn.q_proj.weight", shape, seed=3, region=region)
+        assert torch.equal(part, full[region[0][0]:region[0][1], region[1][0]:region[1][1]].double()), region
+        # only the tiles the region meets: they reach less than a tile beyond it on each side
+        (r0, r1), (c0, c1) = region
+        assert drawn <= (r1 - r0 + 2 * (rows - 1)) * (c1 - c0 + 2 * (columns - 1)), region
+    # a column quarter (tensor parallel's row-parallel shard) draws about a quarter, not whole rows
+    quarter = ((0, shape[0]), (0, shape[1] // 4))
+    assert draw_initial_values(torch.empty(shape[0], shape[1] // 4), cfg, "layers.0.attn.q_proj.weight", shape, 3,
+                               quarter) <= shape[0] * (shape[1] // 4 + columns)
     other = initial_values(cfg, "layers.1.attn.q_proj.weight", shape, seed=3)
     assert not torch.equal(other, full)  # each parameter draws its own values

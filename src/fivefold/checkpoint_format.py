@@ -25,9 +25,10 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -74,13 +75,34 @@ def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]],
                       metadata: dict[str, str] | None = None) -> str:
     """Write `tensors` as a safetensors file, one tensor at a time (each copied to the CPU alone), fsync it and
     return its sha256. The file gets the mode the umask gives (safetensors' own `save_file` makes it 0600)."""
-    tensors = list(tensors)
+    return stream_safetensors(path, [LazyTensor(name, t.dtype, tuple(t.shape), lambda t=t: t) for name, t in tensors],
+                              metadata)
+
+
+@dataclass(frozen=True)
+class LazyTensor:
+    """A tensor to write, described by its name, dtype and shape, and produced only when its turn comes."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    produce: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def stream_safetensors(path: Path, tensors: list[LazyTensor], metadata: dict[str, str] | None = None) -> str:
+    """Write a safetensors file whose header comes from the descriptions, then each tensor's bytes as it is produced
+    (one at a time, dropped once written: the writer holds one tensor), fsync it and return its sha256. A produced
+    tensor of another dtype or shape than its description is a ValueError."""
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
-    for name, t in tensors:
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
+    for t in tensors:
+        header[t.name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
+                          "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     digest = hashlib.sha256()
@@ -88,13 +110,30 @@ def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]],
         for chunk in (struct.pack("<Q", len(raw)), raw):
             digest.update(chunk)
             f.write(chunk)
-        for _, t in tensors:
-            data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        for t in tensors:
+            value = t.produce()
+            if value.dtype != t.dtype or tuple(value.shape) != tuple(t.shape):
+                raise ValueError(f"tensor {t.name} was described as {t.dtype} {list(t.shape)} but is {value.dtype} "
+                                 f"{list(value.shape)}")
+            data = value.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
             digest.update(data)
             f.write(data)
+            del value, data
         f.flush()
         os.fsync(f.fileno())
     return digest.hexdigest()
+
+
+class TensorReader(Protocol):
+    """Reads rectangles of named global tensors, only their bytes: a checkpoint's pieces (`PieceReader`), a Hugging
+    Face directory's tensors (`models.hf.HfSliceReader`). What `Engine.load_state_pieces` loads from."""
+
+    def names(self) -> list[str]: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def read(self, name: str, offsets: tuple[int, ...] | None = None, shape: tuple[int, ...] | None = None,
+             dtype: torch.dtype | None = None) -> torch.Tensor: ...
 
 
 class PieceReader:
@@ -105,20 +144,42 @@ class PieceReader:
     def __init__(self, root: Path, index: dict[str, dict[str, Any]], opened=None) -> None:
         self.root, self.index, self.opened = root, index, opened
         self._files: dict[str, Any] = {}
+        self._checked: set[str] = set()
 
     def names(self) -> list[str]:
         return list(self.index)
 
+    def close(self) -> None:
+        """Let go of the files opened so far (their mapped pages leave this process's resident memory); a later
+        read opens them again (`opened` is not called again)."""
+        self._files.clear()
+
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.index[name]["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype of global tensor `name`, as its first piece's header records it."""
+        piece = self.index[name]["pieces"][0]
+        try:
+            code = self._file(piece["file"]).get_slice(piece["key"]).get_dtype()
+        except PieceError:
+            raise
+        except Exception as e:
+            raise PieceError(f"checkpoint file {self.root / piece['file']} is corrupted or unreadable: {e}") from None
+        found = [dtype for dtype, written in _DTYPES.items() if written == code]
+        if not found:
+            raise PieceError(f"checkpoint file {self.root / piece['file']} holds {shown(name)} as {shown(code)}, "
+                             f"not one of the dtypes fivefold writes ({', '.join(_DTYPES.values())})")
+        return found[0]
 
     def _file(self, name: str) -> Any:
         if name not in self._files:
             from safetensors import safe_open
 
             path = member(self.root, name)
-            if self.opened is not None:
+            if self.opened is not None and name not in self._checked:
                 self.opened(name)
+            self._checked.add(name)
             try:
                 self._files[name] = safe_open(str(path), framework="pt")
             except Exception as e:  # safetensors raises its own error type for damaged files

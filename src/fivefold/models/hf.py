@@ -9,17 +9,20 @@ Weights are read from safetensors only; pickled checkpoints are never loaded.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from fivefold.checkpoint_format import write_safetensors
+from fivefold.checkpoint_format import LazyTensor, stream_safetensors
 from fivefold.config import ConfigError, ModelConfig, load_file, shown
 from fivefold.data.prepare import find_eos, load_tokenizer
 from fivefold.models.llama import build_model
@@ -248,13 +251,36 @@ def _layer_names(i: int) -> list[tuple[str, str]]:
     return pairs
 
 
-def _dense_mlp_names(i: int) -> list[tuple[str, str]]:
-    return [(f"layers.{i}.mlp.{p}.weight", f"model.layers.{i}.mlp.{p}.weight")
-            for p in ("gate_proj", "up_proj", "down_proj")]
-
-
 # fivefold batched expert weight -> Mixtral per-expert name (w1 = gate, w3 = up, w2 = down)
 _EXPERT_WEIGHTS = (("w_gate", "w1"), ("w_up", "w3"), ("w_down", "w2"))
+
+
+def name_map(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
+    """(Hugging Face name, fivefold name, expert) of every tensor of `cfg`'s Hugging Face directory, in the order
+    they are written (`lm_head` omitted when tied, as HF does). `expert` is None when the two tensors are the same;
+    else the HF tensor is expert `expert` of fivefold's batched weight, transposed (`w_gate [E, hidden, ffn]`[e]
+    is `experts.{e}.w1.weight [ffn, hidden]` transposed)."""
+    out: list[tuple[str, str, int | None]] = [("model.embed_tokens.weight", "embed.weight", None)]
+    for i in range(cfg.n_layers):
+        out += [(hf, ff, None) for ff, hf in _layer_names(i)]
+        if not cfg.is_moe:
+            out += [(f"model.layers.{i}.mlp.{p}.weight", f"layers.{i}.mlp.{p}.weight", None)
+                    for p in ("gate_proj", "up_proj", "down_proj")]
+            continue
+        moe = f"model.layers.{i}.block_sparse_moe."
+        out.append((moe + "gate.weight", f"layers.{i}.mlp.router.weight", None))
+        out += [(f"{moe}experts.{e}.{hf_name}.weight", f"layers.{i}.mlp.{ff_name}", e)
+                for ff_name, hf_name in _EXPERT_WEIGHTS for e in range(cfg.n_experts)]
+    out.append(("model.norm.weight", "norm.weight", None))
+    if not cfg.tied_embeddings:
+        out.append(("lm_head.weight", "lm_head.weight", None))
+    return out
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    """A ConfigError when the model cannot be expressed in Hugging Face's format (shared experts)."""
+    if cfg.is_moe and cfg.n_shared_experts:
+        hf_config_from_model_config(cfg)  # raises the shared-experts error
 
 
 def to_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -263,29 +289,12 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> d
     Raises CheckpointError when the tensors do not match `cfg`, ConfigError when the model cannot be
     expressed in Hugging Face's format (shared experts).
     """
-    if cfg.is_moe and cfg.n_shared_experts:
-        hf_config_from_model_config(cfg)  # raises the shared-experts error
+    check_exportable(cfg)
     sd = dict(state_dict)
     if cfg.tied_embeddings:
         sd.pop("lm_head.weight", None)
     check_tensors({k: tuple(v.shape) for k, v in sd.items()}, expected_shapes(cfg), "the fivefold state dict")
-    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": sd["embed.weight"]}
-    for i in range(cfg.n_layers):
-        for ff, hf in _layer_names(i):
-            out[hf] = sd[ff]
-        if not cfg.is_moe:
-            for ff, hf in _dense_mlp_names(i):
-                out[hf] = sd[ff]
-            continue
-        moe = f"model.layers.{i}.block_sparse_moe."
-        out[moe + "gate.weight"] = sd[f"layers.{i}.mlp.router.weight"]
-        for ff_name, hf_name in _EXPERT_WEIGHTS:
-            batched = sd[f"layers.{i}.mlp.{ff_name}"]
-            for e in range(cfg.n_experts):
-                out[f"{moe}experts.{e}.{hf_name}.weight"] = batched[e].t()
-    out["model.norm.weight"] = sd["norm.weight"]
-    if not cfg.tied_embeddings:
-        out["lm_head.weight"] = sd["lm_head.weight"]
+    out = {hf: sd[ff] if e is None else sd[ff][e].t() for hf, ff, e in name_map(cfg)}
     return {k: v.detach().contiguous() for k, v in out.items()}
 
 
@@ -306,23 +315,84 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
         sd.pop("lm_head.weight", None)
     found = {k: tuple(v.shape) for k, v in sd.items()}
     check_tensors(found, expected_hf_shapes(cfg), "the Hugging Face weights")
-    out: dict[str, torch.Tensor] = {"embed.weight": sd["model.embed_tokens.weight"]}
-    for i in range(cfg.n_layers):
-        for ff, hf in _layer_names(i):
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, list[torch.Tensor]] = {}
+    for hf, ff, e in name_map(cfg):
+        if e is None:
             out[ff] = sd[hf]
-        if not cfg.is_moe:
-            for ff, hf in _dense_mlp_names(i):
-                out[ff] = sd[hf]
-            continue
-        moe = f"model.layers.{i}.block_sparse_moe."
-        out[f"layers.{i}.mlp.router.weight"] = sd[moe + "gate.weight"]
-        for ff_name, hf_name in _EXPERT_WEIGHTS:
-            experts = [sd[f"{moe}experts.{e}.{hf_name}.weight"].t() for e in range(cfg.n_experts)]
-            out[f"layers.{i}.mlp.{ff_name}"] = torch.stack(experts)
-    out["norm.weight"] = sd["model.norm.weight"]
-    if not cfg.tied_embeddings:
-        out["lm_head.weight"] = sd["lm_head.weight"]
+        else:
+            experts.setdefault(ff, []).append(sd[hf].t())
+    out.update({ff: torch.stack(parts) for ff, parts in experts.items()})
     return {k: v.contiguous() for k, v in out.items()}
+
+
+class HfSliceReader:
+    """The weights of a Hugging Face directory as the fivefold-named global tensors of a checkpoint
+    (`model.<param>`, a tied output layer stored once as the embedding), read by rectangles
+    (`checkpoint_format.TensorReader`): `read` takes from each safetensors file only the bytes of the rectangle
+    asked for (`get_slice`), converted on the fly (one Mixtral expert's `[ffn, hidden]`, transposed, is a slot of
+    fivefold's batched `[E, hidden, ffn]`; dense tensors map by name, both sides using the rotate-half rotary
+    layout and separate q/k/v and gate/up projections). The names and shapes in the files' headers are checked
+    against `cfg`'s (built on the meta device) when the reader is made, before any weight is read. Each read opens
+    the file it needs and lets go of it, so that no mapped page stays in this process's memory. `bytes_read`: the
+    bytes of the rectangles read so far."""
+
+    def __init__(self, hf_dir: str | Path, cfg: ModelConfig) -> None:
+        self.hf_dir = Path(hf_dir)
+        if not self.hf_dir.is_dir():
+            raise CheckpointError(f"Hugging Face directory {shown(str(self.hf_dir))} does not exist")
+        self.files: dict[str, Path] = {}
+        found: dict[str, tuple[int, ...]] = {}
+        for path in _safetensors_files(self.hf_dir):
+            for name, shape in safetensors_shapes(path).items():
+                if not name.endswith(_IGNORED_HF_SUFFIXES):
+                    self.files[name], found[name] = path, shape
+        if cfg.tied_embeddings:
+            found.pop("lm_head.weight", None)
+        check_tensors(found, expected_hf_shapes(cfg), f"the Hugging Face weights in {self.hf_dir}")
+        self.sources: dict[str, list[tuple[str, int | None]]] = {}
+        for hf, ff, e in name_map(cfg):
+            self.sources.setdefault(f"model.{ff}", []).append((hf, e))
+        self.shapes = {f"model.{k}": v for k, v in expected_shapes(cfg).items()}
+        self.bytes_read = 0
+
+    def names(self) -> list[str]:
+        return list(self.shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.shapes[name]
+
+    def read(self, name: str, offsets: tuple[int, ...] | None = None, shape: tuple[int, ...] | None = None,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The rectangle at `offsets` of `shape` (default: all) of `name` (in the files' dtype unless `dtype`)."""
+        full = self.shapes[name]
+        offsets = tuple(offsets) if offsets is not None else (0,) * len(full)
+        shape = tuple(shape) if shape is not None else full
+        cut = [slice(o, o + n) for o, n in zip(offsets, shape, strict=True)]
+        out: torch.Tensor | None = None
+        for hf, expert in self.sources[name]:
+            if expert is None:
+                out = self._slice(hf, tuple(cut))
+            elif cut[0].start <= expert < cut[0].stop:
+                part = self._slice(hf, (cut[2], cut[1])).t()  # HF [ffn, hidden] -> fivefold [hidden, ffn]
+                if out is None:
+                    out = torch.empty(shape, dtype=part.dtype)
+                out[expert - cut[0].start] = part
+        assert out is not None, name  # every rectangle of a known name has a source
+        return out if dtype is None else out.to(dtype)
+
+    def _slice(self, hf: str, index: tuple[slice, ...]) -> torch.Tensor:
+        from safetensors import safe_open
+
+        path = self.files[hf]
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                # a copy: safetensors may hand back a view of the file's mapping, which closing it releases
+                part = f.get_slice(hf)[index].clone(memory_format=torch.contiguous_format)
+        except Exception as e:  # safetensors raises its own error type (and OSError) for damaged files
+            raise CheckpointError(f"cannot read {shown(hf)} from safetensors file {shown(str(path))}: {e}") from None
+        self.bytes_read += part.numel() * part.element_size()
+        return part
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,25 +412,59 @@ def check_output_dir(out_dir: str | Path, overwrite: bool) -> Path:
     return out
 
 
+MAX_SHARD_BYTES = 5 * 10**9  # of one safetensors file of an export, as `transformers`' save_pretrained ("5GB")
+INDEX_FILE = "model.safetensors.index.json"
+_SHARD_FILE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+
+
 def export_hf(
     model_or_state_dict: nn.Module | dict[str, torch.Tensor],
     cfg: ModelConfig,
     out_dir: str | Path,
     overwrite: bool = False,
     tokenizer_dir: Path | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> Path:
-    """Write `config.json` and `model.safetensors` that `transformers` loads as LlamaForCausalLM
-    (MixtralForCausalLM for MoE), and with `tokenizer_dir` (a directory holding tokenizer.json) the tokenizer
-    files and generation_config.json, so that AutoTokenizer and `generate` work on it. Files are written to a
-    temporary directory beside `out_dir`, then moved into place. A non-empty `out_dir` is refused unless
-    `overwrite`, which replaces the files written here, removes a stale `model.safetensors.index.json` and keeps
-    any others."""
-    out = check_output_dir(out_dir, overwrite)
+    """Write a model (or its fivefold state dict) as a Hugging Face directory (`write_hf_dir`)."""
     sd = model_or_state_dict
     if isinstance(sd, nn.Module):
         sd = sd.state_dict()
-    hf_sd = {k: v.to("cpu") for k, v in to_hf_state_dict(sd, cfg).items()}
-    hf_config = hf_config_from_model_config(cfg, dtype=hf_sd["model.embed_tokens.weight"].dtype)
+    check_exportable(cfg)
+    sd = dict(sd)
+    if cfg.tied_embeddings:
+        sd.pop("lm_head.weight", None)
+    check_tensors({k: tuple(v.shape) for k, v in sd.items()}, expected_shapes(cfg), "the fivefold state dict")
+    return write_hf_dir(lambda ff, e: sd[ff].detach() if e is None else sd[ff][e].detach(), lambda ff: sd[ff].dtype,
+                        cfg, out_dir, overwrite, tokenizer_dir, max_shard_bytes)
+
+
+def write_hf_dir(read: Callable[[str, int | None], torch.Tensor], dtype_of: Callable[[str], torch.dtype],
+                 cfg: ModelConfig, out_dir: str | Path, overwrite: bool = False, tokenizer_dir: Path | None = None,
+                 max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Write `config.json` and the weights that `transformers` loads as LlamaForCausalLM (MixtralForCausalLM for
+    MoE), and with `tokenizer_dir` (a directory holding tokenizer.json) the tokenizer files and
+    generation_config.json, so that AutoTokenizer and `generate` work on it.
+
+    The weights are streamed: `read(fivefold name, expert)` gives one tensor (expert None) or one expert of a
+    batched weight at a time, when the file being written reaches it, and it is dropped once written, so that the
+    writer holds one tensor (`dtype_of(fivefold name)`: its dtype, for the headers). Files of at most
+    `max_shard_bytes` (one tensor larger than that alone) are written one after the other: `model.safetensors`
+    when one is enough, else `model-0000i-of-0000n.safetensors` and `model.safetensors.index.json`, as
+    `transformers` writes them. Files are written to a temporary directory beside `out_dir`, then moved into
+    place. A non-empty `out_dir` is refused unless `overwrite`, which replaces the files written here, removes the
+    weight files and shard index of an earlier export that this one does not write, and keeps any others."""
+    out = check_output_dir(out_dir, overwrite)
+    shapes = expected_hf_shapes(cfg)
+    tensors = [LazyTensor(hf, dtype_of(ff), shapes[hf], functools.partial(_hf_tensor, read, ff, e))
+               for hf, ff, e in name_map(cfg)]
+    shards: list[list[LazyTensor]] = [[]]
+    for t in tensors:
+        if shards[-1] and sum(x.nbytes for x in shards[-1]) + t.nbytes > max_shard_bytes:
+            shards.append([])
+        shards[-1].append(t)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    hf_config = hf_config_from_model_config(cfg, dtype=dtype_of("embed.weight"))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()  # not mkdtemp, whose 0700 would keep the export from the team whatever the umask
@@ -368,20 +472,32 @@ def export_hf(
         if tokenizer_dir is not None:
             hf_config.update(write_tokenizer_files(tokenizer_dir, tmp, cfg))
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-        write_safetensors(tmp / "model.safetensors", hf_sd.items(), metadata={"format": "pt"})
+        for name, shard in zip(names, shards, strict=True):
+            stream_safetensors(tmp / name, shard, metadata={"format": "pt"})
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
+                     "weight_map": {t.name: name for name, shard in zip(names, shards, strict=True) for t in shard}}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         if not out.exists():
             os.rename(tmp, out)
             return out
+        written = {path.name for path in tmp.iterdir()}
         for path in tmp.iterdir():
             os.replace(path, out / path.name)
-        # a stale shard index would point loaders at the old weights
-        stale_index = out / "model.safetensors.index.json"
-        if stale_index.exists():
-            stale_index.unlink()
+        for path in out.iterdir():  # an earlier export's weights would mislead loaders
+            stale = path.name in ("model.safetensors", INDEX_FILE) or _SHARD_FILE.match(path.name)
+            if stale and path.name not in written:
+                path.unlink()
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
     return out
+
+
+def _hf_tensor(read: Callable[[str, int | None], torch.Tensor], ff: str, expert: int | None) -> torch.Tensor:
+    """The Hugging Face tensor of fivefold tensor `ff` (one expert of it, transposed), contiguous on the CPU."""
+    value = read(ff, expert)
+    return (value if expert is None else value.t()).to("cpu").contiguous()
 
 
 # the files of a Hugging Face tokenizer that an export carries over from the run (others are written)
@@ -430,7 +546,7 @@ def _safetensors_files(hf_dir: Path) -> list[Path]:
     single = hf_dir / "model.safetensors"
     if single.is_file():
         return [single]
-    index = hf_dir / "model.safetensors.index.json"
+    index = hf_dir / INDEX_FILE
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -449,6 +565,17 @@ def _safetensors_files(hf_dir: Path) -> list[Path]:
     pickles = sorted(p.name for p in hf_dir.glob("*.bin"))
     hint = f" (found {pickles}: pickled weights are not read; re-save them as safetensors)" if pickles else ""
     raise CheckpointError(f"{shown(str(hf_dir))} has no model.safetensors or model.safetensors.index.json{hint}")
+
+
+def safetensors_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """The names and shapes of one safetensors file's tensors, from its header alone, or CheckpointError naming it."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except Exception as e:  # safetensors raises its own error type (and OSError) for damaged files
+        raise CheckpointError(f"cannot read safetensors file {shown(str(path))}: {e}") from None
 
 
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:

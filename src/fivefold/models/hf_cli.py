@@ -20,6 +20,9 @@ from fivefold.flops import count_params
 if TYPE_CHECKING:
     import torch
 
+    from fivefold.checkpoint_format import PieceReader
+    from fivefold.config import ModelConfig
+
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -32,6 +35,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "OUT_DIR; other files stay")
     parser.add_argument("--tokenizer", metavar="PATH",
                         help="a tokenizer.json or a directory holding one (default: the run's RUN_DIR/tokenizer/)")
+    parser.add_argument("--max-shard-gb", type=float, default=5.0, metavar="GB",
+                        help="largest safetensors file written, in GB of 10^9 bytes (default 5, as transformers): "
+                        "a larger model is written as model-0000i-of-0000n.safetensors with an index")
+
+
+def shard_bytes(gb: float) -> int:
+    """--max-shard-gb in bytes, refused unless a number from 0.001 (1 MB) to 1,000,000 (1 PB)."""
+    if not 1e-3 <= gb <= 1e6:  # NaN fails too
+        raise CliError(f"--max-shard-gb {gb}: the largest file of an export is a number of GB from 0.001 (1 MB) to "
+                       "1000000; the default is 5, as transformers writes")
+    return int(gb * 10**9)
 
 
 RUN_TOKENIZER_DIR = "tokenizer"
@@ -83,34 +97,56 @@ def resolve_checkpoint(path: Path) -> tuple[Path, str | None]:
     return newest, note
 
 
-def read_checkpoint_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """The plain-named model weights of a checkpoint directory: a sharded one's pieces assembled tensor by tensor
-    (no model is built; each tensor reads only its pieces' bytes) after its config, piece indexes and piece files
-    were checked against the manifest (sha256), or a plain `model.safetensors`. Damaged files raise the format's
+def checkpoint_reader(directory: Path) -> PieceReader:
+    """A reader of the plain-named model weights (`model.<param>`) of a checkpoint directory, nothing read yet: a
+    sharded one's pieces after its config, piece indexes and piece files were checked against the manifest
+    (sha256), or a plain `model.safetensors` (each tensor its one piece). Damaged files raise the format's
     PieceError (a plain file: `models.hf.CheckpointError`)."""
     from fivefold.checkpoint_format import PieceReader, checkpoint_index, index_files, verify_manifest
-    from fivefold.models.hf import read_safetensors
+    from fivefold.models.hf import safetensors_shapes
 
     single = directory / "model.safetensors"
     if single.is_file():
-        return read_safetensors(single)
+        index = {f"model.{name}": {"shape": list(shape), "pieces": [
+            {"file": single.name, "key": name, "offsets": [0] * len(shape), "shape": list(shape)}]}
+            for name, shape in safetensors_shapes(single).items()}
+        return PieceReader(directory, index)
     index = checkpoint_index(directory)
     verify_manifest(directory, ["config.toml", *(f.name for f in sorted(directory.glob("rank*.json")))])
     index_files(directory, index)
-    reader = PieceReader(directory, index)
+    return PieceReader(directory, index)
+
+
+def read_checkpoint_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The plain-named model weights of a checkpoint directory (`checkpoint_reader`), assembled tensor by tensor (no
+    model is built; each tensor reads only its pieces' bytes)."""
+    reader = checkpoint_reader(directory)
     return {name.removeprefix("model."): reader.read(name) for name in reader.names() if name.startswith("model.")}
+
+
+def export_checkpoint(reader: PieceReader, cfg: ModelConfig, out_dir: Path, overwrite: bool,
+                      tokenizer_dir: Path | None, max_shard_bytes: int) -> None:
+    """Write a checkpoint's model as a Hugging Face directory, streamed (`models.hf.write_hf_dir`): one tensor (or one
+    expert of a batched weight) read from the pieces at a time, written, and let go of with the files it mapped,
+    so that host memory holds about one tensor whatever the model's size."""
+    from fivefold.models.hf import write_hf_dir
+
+    def read(name: str, expert: int | None) -> torch.Tensor:
+        key = f"model.{name}"
+        shape = reader.shape(key)
+        value = reader.read(key) if expert is None else reader.read(key, (expert, 0, 0), (1, *shape[1:]))[0]
+        reader.close()
+        return value
+
+    write_hf_dir(read, lambda name: reader.dtype(f"model.{name}"), cfg, out_dir, overwrite, tokenizer_dir,
+                 max_shard_bytes)
 
 
 def run(args: argparse.Namespace) -> int:
     from fivefold.checkpoint_format import PieceError
-    from fivefold.models.hf import (
-        CheckpointError,
-        check_output_dir,
-        check_tensors,
-        expected_shapes,
-        export_hf,
-    )
+    from fivefold.models.hf import CheckpointError, check_exportable, check_output_dir, check_tensors, expected_shapes
 
+    max_shard_bytes = shard_bytes(args.max_shard_gb)
     out_dir = Path(args.hf)
     try:
         check_output_dir(out_dir, args.overwrite)
@@ -125,15 +161,16 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"checkpoint {shown(str(ckpt))} has no config.toml (the run's resolved config)")
     cfg = build_config(config_file).model
     cfg.validate()
+    check_exportable(cfg)
     weights = ckpt / "model.safetensors" if (ckpt / "model.safetensors").is_file() else ckpt
     try:
-        state_dict = read_checkpoint_weights(ckpt)
-        found = {k: tuple(v.shape) for k, v in state_dict.items()}
+        reader = checkpoint_reader(ckpt)
+        found = {k.removeprefix("model."): reader.shape(k) for k in reader.names() if k.startswith("model.")}
         if cfg.tied_embeddings:
             found.pop("lm_head.weight", None)
         check_tensors(found, expected_shapes(cfg), f"{weights}")
         tokenizer_dir = find_tokenizer_dir(ckpt, args.tokenizer)
-        export_hf(state_dict, cfg, out_dir, overwrite=args.overwrite, tokenizer_dir=tokenizer_dir)
+        export_checkpoint(reader, cfg, out_dir, args.overwrite, tokenizer_dir, max_shard_bytes)
     except (CheckpointError, PieceError) as e:
         raise CliError(str(e)) from None
     arch = "MixtralForCausalLM" if cfg.is_moe else "LlamaForCausalLM"

@@ -9,6 +9,7 @@ layer may be `None`, so that a pipeline stage is this same class with some parts
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 
 import torch
@@ -332,11 +333,11 @@ class Llama(nn.Module):
     def init_weights(self, seed: int | None = None,
                      regions: dict[str, tuple[tuple[int, int], ...]] | None = None) -> None:
         """Initialise every parameter (after `to_empty` from the meta device, or to re-seed) by the layout-free
-        scheme of `initial_values`: each parameter's values depend only on (seed, plain name, index in the full
-        tensor). `regions` maps a parameter name to the part of the full plain tensor that this module holds
-        ((start, stop) per dim; a tensor- or expert-parallel shard, a pipeline stage's parameter, a ZeRO-3
-        slice, whose local tensor is `to_local()`); a name not in it holds the whole tensor. Without a seed one
-        is drawn from the global generator."""
+        scheme of `draw_initial_values`, drawn on the parameter's device and only for the part it holds: each
+        parameter's values depend only on (seed, plain name, index in the full tensor). `regions` maps a parameter
+        name to the part of the full plain tensor that this module holds ((start, stop) per dim; a tensor- or
+        expert-parallel shard, a pipeline stage's parameter, a ZeRO-3 slice, whose local tensor is `to_local()`); a
+        name not in it holds the whole tensor. Without a seed one is drawn from the global generator."""
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)))
         shapes = full_parameter_shapes(self.cfg)
@@ -345,7 +346,7 @@ class Llama(nn.Module):
             region = (regions or {}).get(name)
             if local.numel() == 0:
                 continue
-            local.copy_(initial_values(self.cfg, name, shapes[name], seed, region).to(local.dtype))
+            draw_initial_values(local, self.cfg, name, shapes[name], seed, region)  # on the parameter's device
 
     def rope(self, seq_len: int, device: torch.device, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(offset, offset + seq_len, device=device)
@@ -419,8 +420,10 @@ class Llama(nn.Module):
         return torch.stack(losses).sum() if losses else None
 
 
-# Rows of a parameter drawn from one generator: the values depend on the full shape only, never on the layout.
-INIT_BLOCK_ELEMENTS = 1 << 20
+# A parameter's tiles, each drawn from a generator of its own: the values depend on the full shape only, never on the
+# layout, and a rank draws the tiles that its region meets (columns of about 1024 by rows of about 256).
+INIT_TILE_ELEMENTS = 1 << 18
+INIT_TILE_COLUMNS = 1024
 
 
 def full_parameter_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
@@ -442,33 +445,62 @@ def init_rule(cfg: ModelConfig, name: str) -> tuple[str, float]:
     return name, cfg.init_std
 
 
-def block_seed(seed: int, name: str, block: int) -> int:
-    digest = hashlib.sha256(f"{seed}/{name}/{block}".encode()).digest()
+def init_tile(shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
+    """The tile of a parameter of full shape `shape`: up to INIT_TILE_COLUMNS of the last dim by as many of the
+    dim before as make about INIT_TILE_ELEMENTS, one index of each dim before those (one expert of a batched expert
+    weight); runs of INIT_TILE_ELEMENTS of a 1-D tensor."""
+    if len(shape) <= 1:
+        return tuple(min(n, INIT_TILE_ELEMENTS) for n in shape)
+    columns = min(shape[-1], INIT_TILE_COLUMNS)
+    rows = min(shape[-2], max(1, INIT_TILE_ELEMENTS // columns))
+    return (1,) * (len(shape) - 2) + (rows, columns)
+
+
+def tile_seed(seed: int, name: str, tile: tuple[int, ...]) -> int:
+    digest = hashlib.sha256(f"{seed}/{name}/{'.'.join(map(str, tile))}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def initial_values(cfg: ModelConfig, name: str, shape: torch.Size | tuple[int, ...], seed: int,
-                   region: tuple[tuple[int, int], ...] | None = None) -> torch.Tensor:
-    """full[region] (fp32, on the CPU) of the initial value of plain parameter `name` whose full shape is `shape`.
+@torch.no_grad()
+def draw_initial_values(out: torch.Tensor, cfg: ModelConfig, name: str, shape: torch.Size | tuple[int, ...],
+                        seed: int, region: tuple[tuple[int, int], ...] | None = None) -> int:
+    """Write full[region] of the initial value of plain parameter `name` (full shape `shape`) into `out` (the
+    region's shape, any dtype), drawing on `out`'s device; returns the number of values drawn.
 
-    The full tensor is defined in blocks of rows (dim 0) of about `INIT_BLOCK_ELEMENTS` elements; block i is
-    `normal_(0, std)` from a generator seeded with (seed, name, i). So any slice is exact whatever the layout, and
-    only the blocks that hold rows of the region are drawn, one at a time: a rank never allocates more than its
-    slice plus one block (a slice along another dim draws every block of its rows and keeps its columns)."""
+    The full tensor is cut into tiles (`init_tile`); tile i is `normal_(0, std)` from a generator on the device
+    seeded with (seed, name, i). So any region is exact whatever the layout, and only the tiles that the region
+    meets are drawn, one at a time: a tensor-parallel column slice draws its columns' tiles, not whole rows. The
+    values depend on the device's generator (a CPU run and an accelerator run draw different weights, as may two
+    kinds of accelerator; every layout on one kind of device draws the same)."""
     region = tuple(region) if region is not None else tuple((0, n) for n in shape)
-    out_shape = [stop - start for start, stop in region]
     source, std = init_rule(cfg, name)
     if std == 0.0:
-        return torch.ones(out_shape)
-    out = torch.empty(out_shape)
-    (row_start, row_stop), rest = region[0], tuple(slice(a, b) for a, b in region[1:])
-    rows_per_block = max(1, INIT_BLOCK_ELEMENTS // max(1, math.prod(shape[1:])))
-    for block in range(row_start // rows_per_block, -(-row_stop // rows_per_block)):
-        lo, hi = block * rows_per_block, min((block + 1) * rows_per_block, shape[0])
-        generator = torch.Generator().manual_seed(block_seed(seed, source, block))
-        values = torch.empty(hi - lo, *shape[1:]).normal_(0.0, std, generator=generator)
-        keep_lo, keep_hi = max(lo, row_start), min(hi, row_stop)
-        out[keep_lo - row_start:keep_hi - row_start] = values[(slice(keep_lo - lo, keep_hi - lo), *rest)]
+        out.fill_(1.0)
+        return 0
+    tile = init_tile(shape)
+    generator = torch.Generator(device=out.device)
+    drawn = 0
+    for index in itertools.product(*(range(a // t, -(-b // t)) for (a, b), t in zip(region, tile, strict=True))):
+        lo = [i * t for i, t in zip(index, tile, strict=True)]
+        hi = [min(start + t, n) for start, t, n in zip(lo, tile, shape, strict=True)]
+        generator.manual_seed(tile_seed(seed, source, index))
+        values = torch.empty([b - a for a, b in zip(lo, hi, strict=True)], device=out.device)
+        values.normal_(0.0, std, generator=generator)
+        keep = [(max(a, r0), min(b, r1)) for a, b, (r0, r1) in zip(lo, hi, region, strict=True)]
+        out[tuple(slice(k0 - r0, k1 - r0) for (k0, k1), (r0, _) in zip(keep, region, strict=True))] = values[
+            tuple(slice(k0 - a, k1 - a) for (k0, k1), a in zip(keep, lo, strict=True))]
+        drawn += values.numel()
+    return drawn
+
+
+def initial_values(cfg: ModelConfig, name: str, shape: torch.Size | tuple[int, ...], seed: int,
+                   region: tuple[tuple[int, int], ...] | None = None,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+    """full[region] (fp32, on `device`) of the initial value of plain parameter `name` whose full shape is `shape`
+    (`draw_initial_values`)."""
+    region = tuple(region) if region is not None else tuple((0, n) for n in shape)
+    out = torch.empty([b - a for a, b in region], device=device)
+    draw_initial_values(out, cfg, name, shape, seed, region)
     return out
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fivefold.checkpoint_format import flat_rects
+from fivefold.checkpoint_format import TensorReader, flat_rects
 from fivefold.config import Config, ConfigError
 from fivefold.device import autocast, use_bf16
 from fivefold.models.llama import Llama, build_model, full_parameter_shapes
@@ -426,14 +426,16 @@ class Engine:
         return pieces, steps
 
     @torch.no_grad()
-    def load_state_pieces(self, reader, steps: dict[str, float]) -> None:
+    def load_state_pieces(self, reader: TensorReader, steps: dict[str, float]) -> None:
         """Load this rank's weights and AdamW state from a checkpoint's pieces (`checkpoint_format.PieceReader`),
-        whatever layout wrote them: each segment reads the rectangles it covers, only those bytes."""
+        whatever layout wrote them, or its weights alone from a Hugging Face directory (`models.hf.HfSliceReader`):
+        each segment reads the rectangles it covers, only those bytes."""
         segments = self.state_segments()
         with_moments = {}
+        names = set(reader.names())
         for seg in segments:
             src = self._source(seg.name)
-            if all(f"{k}.{src}" in reader.index for k in MOMENTS):
+            if all(f"{k}.{src}" in names for k in MOMENTS):
                 step = steps.get(src, 0.0)
                 with_moments[seg.opt_param] = max(with_moments.get(seg.opt_param, 0.0), step)
         index = {p: i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}

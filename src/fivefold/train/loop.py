@@ -332,13 +332,19 @@ def resume_lr_schedule(engine: Engine, cfg: Config, loaded: ckpt.LoadedCheckpoin
     return describe_extension(saved, engine.lr_schedule) if cfg.train.max_steps > phases[-1][0] else ""
 
 
-def init_from_hf(engine: Engine, hf_dir: Path) -> None:
-    """Start from a Hugging Face model's weights (names and shapes checked against the model)."""
-    from fivefold.models.hf import load_hf
+def init_from_hf(engine: Engine, hf_dir: Path) -> int:
+    """Start from a Hugging Face model's weights: their names and shapes (the files' headers) checked against the
+    model's (on the meta device), then each rank reads only the rectangles of the tensors it holds, straight into
+    its shards (`models.hf.HfSliceReader`; nothing gathered, no rank holds a whole model). Returns the bytes this
+    rank read."""
+    from fivefold.models.hf import CheckpointError, HfSliceReader
 
-    _, state = load_hf(hf_dir)
-    ckpt.check_model_state(state, engine.model_state(), hf_dir)
-    engine.load_model_state(state)
+    try:
+        reader = HfSliceReader(hf_dir, engine.cfg.model)
+        engine.load_state_pieces(reader, {})
+    except CheckpointError as e:
+        raise ckpt.CheckpointError(f"--hf {hf_dir}: {e}") from None
+    return reader.bytes_read
 
 
 def open_run_dir(cfg: Config, engine: Engine, config_toml: str, train_set: TokenDataset, hf_init: Path | None,

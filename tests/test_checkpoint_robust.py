@@ -251,9 +251,14 @@ def damaged_newest(tmp_path: Path, dataset: Path, damage) -> tuple[list[float], 
 
 
 def edit_index(path: Path, change) -> None:
+    """Change rank 0's part of the index, and the checkpoint's one index merged from the parts (as a save writes it)."""
+    from fivefold.checkpoint_format import global_index
+
     index = json.loads((path / "rank0.json").read_text())
     change(index)
     (path / "rank0.json").write_text(json.dumps(index))
+    parts = [json.loads(f.read_text()) for f in sorted(path.glob("rank*.json"))]
+    (path / "index.json").write_text(json.dumps({"format_version": ckpt.FORMAT_VERSION, **global_index(parts)}))
 
 
 def resumes_from_step_2(tmp_path: Path, dataset: Path, full_losses: list[float], capsys, why: str) -> None:  # noqa: F811

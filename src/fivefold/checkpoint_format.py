@@ -192,11 +192,18 @@ def read_manifest(path: Path) -> dict[str, dict[str, Any]]:
     return listed
 
 
-def verify_manifest(path: Path, names: list[str] | None = None, checksums: bool = True) -> None:
+def hash_file(path: Path) -> str:
+    """The sha256 of a checkpoint file, for its check against the manifest (every check hashes through here)."""
+    return file_sha256(path)
+
+
+def verify_manifest(path: Path, names: list[str] | None = None, checksums: bool = True,
+                    listed: dict[str, dict[str, Any]] | None = None) -> None:
     """Check the files `names` (default: every file the manifest lists) of a checkpoint directory against its
-    manifest: each must be a path inside the directory (`member`), listed, present, and of the recorded size and
-    (with `checksums`) sha256. Raises a PieceError naming the first file that is not."""
-    listed = read_manifest(path)
+    manifest (`listed`: the manifest's files, already read): each must be a path inside the directory (`member`),
+    listed, present, and of the recorded size and (with `checksums`) sha256. Raises a PieceError naming the first
+    file that is not."""
+    listed = read_manifest(path) if listed is None else listed
     for name in listed if names is None else names:
         f = member(path, name)
         if name not in listed:
@@ -209,7 +216,7 @@ def verify_manifest(path: Path, names: list[str] | None = None, checksums: bool 
                              f"{shown(listed[name].get('bytes'))} (an incomplete copy?)")
         if not checksums:
             continue
-        got = file_sha256(f)
+        got = hash_file(f)
         if got != want:
             raise PieceError(f"checkpoint file {f} is corrupted: its sha256 is {got[:16]}..., the manifest "
                              f"says {str(want)[:16]}...")
@@ -232,6 +239,33 @@ def merge_index(part: dict[str, Any], index: dict[str, dict[str, Any]]) -> None:
         entry = index.setdefault(str(p["name"]), {"shape": [int(d) for d in p["shape"]], "pieces": []})
         entry["pieces"].append({"file": part["file"], "key": str(p["key"]), "offsets": [int(o) for o in p["offsets"]],
                                 "shape": [int(d) for d in p["piece_shape"]]})
+
+
+GLOBAL_INDEX = "index.json"  # of a checkpoint directory: every rank's pieces, merged at save (`global_index`)
+
+
+def global_index(parts: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """The checkpoint's one index, from every rank's part (`rankN.json`, each read once, by the writer that finishes
+    the checkpoint): {"tensors": name -> global shape and pieces, "steps": AdamW's step of each parameter}. A reader
+    opens it alone, not one part per rank."""
+    tensors: dict[str, dict[str, Any]] = {}
+    steps: dict[str, float] = {}
+    for part in parts:
+        merge_index(part, tensors)
+        for k, v in part["steps"].items():
+            steps[k] = max(steps.get(k, 0.0), float(v))
+    return {"tensors": tensors, "steps": steps}
+
+
+def read_global_index(data: Any) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
+    """(tensors, steps) of a parsed `index.json`, each entry checked for its form; KeyError, TypeError or ValueError
+    for a malformed one."""
+    tensors: dict[str, dict[str, Any]] = {}
+    for name, entry in data["tensors"].items():
+        tensors[str(name)] = {"shape": [int(d) for d in entry["shape"]], "pieces": [
+            {"file": p["file"], "key": str(p["key"]), "offsets": [int(o) for o in p["offsets"]],
+             "shape": [int(d) for d in p["shape"]]} for p in entry["pieces"]]}
+    return tensors, {str(k): float(v) for k, v in data["steps"].items()}
 
 
 def checkpoint_index(directory: Path) -> dict[str, dict[str, Any]]:

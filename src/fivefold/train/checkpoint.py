@@ -2,9 +2,11 @@
 
 The lifecycle, for one run (one `Checkpointer` per rank, built once the engine exists):
     load     at `--resume`, `Checkpointer.load` tries the run's `step_XXXXXXXX` directories newest first. Every rank
-             opens the trainer state, the piece indexes, the config and its own RNG file, each checked against the
-             manifest (sha256); the first rank also verifies every other file, the other ranks' piece files included.
-             The ranks agree on the newest checkpoint that none of them failed.
+             opens the trainer state, the one index of every piece (`index.json`), the config and its own RNG file,
+             each checked against the manifest (sha256), then loads its rectangles, verifying each piece file it
+             reads (size and sha256) when it first opens it: a rank hashes only what it reads, all ranks at once,
+             and no rank hashes the whole checkpoint. The ranks agree on the newest checkpoint that none of them
+             failed.
     fall back  the newer ones that failed are reported and set aside as `NAME.bad` (kept for inspection, never read
              or written again); when every one fails, a CheckpointError lists the reasons.
     restore  `Checkpointer.restore` checks the tensor names and global shapes against the model and the sequence
@@ -32,7 +34,9 @@ are `fivefold.checkpoint_format`):
     rankN.safetensors      rank N's pieces: rectangles of the plain-named global tensors `model.<param>`,
                            `exp_avg.<param>`, `exp_avg_sq.<param>` that rank N owns (one copy in all)
     rankN.json             their index (global shape and offsets of each piece), the sha256 of rankN.safetensors
-                           and AdamW's step of each parameter
+                           and AdamW's step of each parameter (the finishing writer's input for the two below;
+                           `fivefold export` reads them too)
+    index.json             every rank's pieces and steps merged, written once at save: what a resuming rank reads
     rng-rankN.safetensors  rank N's CPU and accelerator RNG states
     trainer_state.json     step, tokens seen, steps skipped as non-finite, world size, global batch, seq length
                            and samples consumed
@@ -59,11 +63,15 @@ from safetensors.torch import load_file
 
 from fivefold import faults
 from fivefold.checkpoint_format import (
+    GLOBAL_INDEX,
     MANIFEST,
     PieceError,
     PieceReader,
-    index_files,
+    global_index,
+    member,
     merge_index,
+    read_global_index,
+    read_manifest,
     verify_manifest,
     write_safetensors,
 )
@@ -223,10 +231,12 @@ def finish_checkpoint(tmp: Path, state: TrainerState, config_toml: str, world_si
         if not f.name.endswith(".safetensors") or f.name.startswith("rng-"):
             with open(f, "rb+") as fh:
                 os.fsync(fh.fileno())
-    known = {}
-    for r in range(world_size):
-        index = json.loads((tmp / f"rank{r}.json").read_text())
-        known[index["file"]] = index["sha256"]
+    known, parts = {}, []
+    for r in range(world_size):  # each rank's part read once, here, and merged into the one index readers open
+        part = json.loads((tmp / f"rank{r}.json").read_text())
+        known[part["file"]] = part["sha256"]
+        parts.append(part)
+    _write_json(tmp / GLOBAL_INDEX, {"format_version": FORMAT_VERSION, **global_index(parts)})
     write_manifest(tmp, known)
     (tmp / "COMPLETE").write_text(f"{state.step}\n")
     _fsync_dir(tmp)
@@ -245,11 +255,12 @@ def write_manifest(directory: Path, known: dict[str, str] | None = None) -> None
     _write_json(directory / MANIFEST, {"format_version": FORMAT_VERSION, "files": files})
 
 
-def verify_files(path: Path, names: list[str] | None = None) -> None:
-    """Check the files `names` (default: every file the manifest lists) against the manifest: each must be listed,
-    present, and of the recorded size and sha256. Raises a CheckpointError naming the first file that is not."""
+def verify_files(path: Path, names: list[str] | None = None, listed: dict[str, dict[str, Any]] | None = None) -> None:
+    """Check the files `names` (default: every file the manifest lists) against the manifest (`listed`: its files,
+    already read): each must be listed, present, and of the recorded size and sha256. Raises a CheckpointError naming
+    the first file that is not."""
     try:
-        verify_manifest(path, names)
+        verify_manifest(path, names, listed=listed)
     except PieceError as e:
         raise CheckpointError(str(e)) from None
 
@@ -289,9 +300,11 @@ def _json_file(path: Path) -> dict[str, Any]:
 
 
 def load_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> LoadedCheckpoint:
-    """Open a checkpoint directory for a rank of a run of `world_size` ranks: the trainer state, the index of
-    every rank's pieces and config (each checked against the manifest). Piece files are read lazily; the caller
-    verifies them (`verify_files`). Every failure is a CheckpointError naming the file."""
+    """Open a checkpoint directory for a rank of a run of `world_size` ranks: the trainer state, the checkpoint's
+    one index (`index.json`; a checkpoint written without one: every rank's `rankN.json`, each read once), the config
+    and this rank's RNG state, each checked against the manifest (sha256). Piece files are read lazily, each
+    verified against the manifest (size and sha256) when the reader first opens it: a rank hashes the files it
+    reads and no other. Every failure is a CheckpointError naming the file (a piece file's: a PieceError when read)."""
     if not (path / "COMPLETE").is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint (no COMPLETE marker)")
     if (path / "trainer_state.json").is_file():
@@ -302,7 +315,11 @@ def load_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> LoadedChe
         if version is not None and version != FORMAT_VERSION:
             raise CheckpointError(f"{path} has checkpoint format {version}; this fivefold reads format "
                                   f"{FORMAT_VERSION} (sharded pieces with a manifest of checksums)")
-    verify_files(path, ["trainer_state.json"])
+    try:
+        listed = read_manifest(path)
+    except PieceError as e:
+        raise CheckpointError(str(e)) from None
+    verify_files(path, ["trainer_state.json"], listed)
     meta = _json_file(path / "trainer_state.json")
     try:
         state = TrainerState(step=int(meta["step"]), tokens_seen=int(meta["tokens_seen"]),
@@ -314,21 +331,25 @@ def load_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> LoadedChe
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint file {path / 'trainer_state.json'} is corrupted: {e}") from None
     data = {k: int(meta[k]) for k in ("global_batch_size", "seq_len", "samples_consumed") if k in meta}
-    indexes = [f"rank{r}.json" for r in range(saved_world)]
+    indexes = [GLOBAL_INDEX] if GLOBAL_INDEX in listed else [f"rank{r}.json" for r in range(saved_world)]
     own_rng = f"rng-rank{rank}.safetensors" if saved_world == world_size else None
-    verify_files(path, ["config.toml", *indexes] + ([own_rng] if own_rng else []))
+    verify_files(path, ["config.toml", *indexes] + ([own_rng] if own_rng else []), listed)
     index: dict[str, dict[str, Any]] = {}
     steps: dict[str, float] = {}
     for name in indexes:
         part = _json_file(path / name)
         try:
+            if name == GLOBAL_INDEX:
+                index, steps = read_global_index(part)
+                continue
             merge_index(part, index)
             for k, v in part["steps"].items():
                 steps[k] = max(steps.get(k, 0.0), float(v))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CheckpointError(f"checkpoint file {path / name} is corrupted: {shown(e)}") from None
-    try:  # every piece file a listed file inside the checkpoint (its checksum: `Checkpointer.load`'s first rank)
-        index_files(path, index, checksums=False)
+    try:  # every piece file a path inside the checkpoint (its size and checksum: when a rank first reads it)
+        for name in {str(piece["file"]) for entry in index.values() for piece in entry["pieces"]}:
+            member(path, name)
     except PieceError as e:
         raise CheckpointError(str(e)) from None
     rng = None
@@ -337,7 +358,8 @@ def load_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> LoadedChe
             rng = load_file(str(path / own_rng))
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"checkpoint file {path / own_rng} is corrupted or unreadable: {e}") from None
-    return LoadedCheckpoint(path=path, state=state, reader=PieceReader(path, index), steps=steps, rng_state=rng,
+    reader = PieceReader(path, index, opened=lambda name: verify_manifest(path, [name], listed=listed))
+    return LoadedCheckpoint(path=path, state=state, reader=reader, steps=steps, rng_state=rng,
                             config_toml=(path / "config.toml").read_text(), world_size=saved_world, data=data)
 
 
@@ -441,8 +463,8 @@ class Checkpointer:
         self.config_toml = dump_toml(cfg)  # the resolved config, as the run directory and every checkpoint keep it
 
     def load(self, candidates: list[Path]) -> LoadedCheckpoint | None:
-        """The newest of `candidates` (newest first) that every rank reads, verifies (the first rank every file,
-        the other ranks' shards included) and loads into the engine with finite values; newer ones that fail
+        """The newest of `candidates` (newest first) that every rank reads, verifies (each rank the files it reads)
+        and loads into the engine with finite values; newer ones that fail
         (a file, the manifest, the index, NaN or inf) are reported and set aside as `NAME.bad`. None when there is
         none at all; a CheckpointError listing the reasons when every one fails, or naming how the newest readable
         one does not match this run (model shapes, sequence length: nothing is set aside)."""
@@ -476,14 +498,12 @@ class Checkpointer:
         return bool(self.engine.agree(torch.tensor([float(bool(reason))], device=self.engine.device)).item())
 
     def _open(self, path: Path) -> tuple[LoadedCheckpoint | None, str]:
-        """The checkpoint at `path` opened for this rank (the first rank verifies every file), or why not."""
+        """The checkpoint at `path` opened for this rank (its small files verified; the piece files it reads are,
+        as it reads them), or why not."""
         try:
             if not (path / "COMPLETE").is_file():
                 raise CheckpointError(f"{path} has no COMPLETE marker (its save was interrupted)")
-            loaded = load_checkpoint(path, self.rank, self.world)
-            if self.is_first:
-                verify_files(path)
-            return loaded, ""
+            return load_checkpoint(path, self.rank, self.world), ""
         except CheckpointError as e:
             return None, str(e)
 

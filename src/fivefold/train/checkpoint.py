@@ -47,11 +47,14 @@ are `fivefold.checkpoint_format`):
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import shutil
 import sys
+import threading
+import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,9 +207,11 @@ class Piece:
     tensor: torch.Tensor
 
 
-def write_rank_files(tmp: Path, rank: int, pieces: list[Piece], steps: dict[str, float], device: torch.device) -> None:
+def write_rank_files(tmp: Path, rank: int, pieces: list[Piece], steps: dict[str, float], device: torch.device,
+                     rng: dict[str, torch.Tensor] | None = None) -> None:
     """One rank's pieces (`rankN.safetensors`, streamed), their index with the sha256 of that file and the AdamW
-    step of each parameter (`rankN.json`), and the rank's RNG state (`rng-rankN.safetensors`)."""
+    step of each parameter (`rankN.json`), and the rank's RNG state (`rng-rankN.safetensors`; `rng`: as taken when
+    the state was copied, else now)."""
     name = f"rank{rank}.safetensors"
     sha = write_safetensors(tmp / name, [(str(i), p.tensor) for i, p in enumerate(pieces)])
     _write_json(tmp / f"rank{rank}.json", {
@@ -214,7 +219,7 @@ def write_rank_files(tmp: Path, rank: int, pieces: list[Piece], steps: dict[str,
         "pieces": [{"name": p.name, "shape": list(p.shape), "offsets": list(p.offsets),
                     "piece_shape": list(p.tensor.shape), "key": str(i)} for i, p in enumerate(pieces)],
     })
-    write_safetensors(tmp / f"rng-rank{rank}.safetensors", _rng_state(device).items())
+    write_safetensors(tmp / f"rng-rank{rank}.safetensors", (rng or _rng_state(device)).items())
 
 
 def finish_checkpoint(tmp: Path, state: TrainerState, config_toml: str, world_size: int,
@@ -450,6 +455,84 @@ def resumed_sampler(sampler: BatchSampler, loaded: LoadedCheckpoint, cfg: Config
                         start_sample=samples)
 
 
+def host_copies(pieces: list[Piece], reuse: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host copies of the pieces' tensors (pinned when they live on an accelerator, so that the copies run at full
+    speed), made now, before the next step changes the state; `reuse`: the copies of the previous save, whose
+    buffers are taken again when their shapes and dtypes still match."""
+    pin = device.type != "cpu"
+    out = []
+    for i, p in enumerate(pieces):
+        src = p.tensor.detach()
+        old = reuse[i] if i < len(reuse) else None
+        buf = old if old is not None and old.shape == src.shape and old.dtype == src.dtype else \
+            torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+        buf.copy_(src, non_blocking=pin)
+        out.append(buf)
+    if pin:
+        torch.accelerator.synchronize()
+    return out
+
+
+class AsyncSave:
+    """One rank's part of a checkpoint written in the background, from host copies taken at the save: a thread
+    writes the rank's files (the same files, checksums and fsyncs as a synchronous save), then leaves the marker
+    `rankN.written` (or `rankN.failed` with its error) in the `.tmp` directory. On the logging rank the same thread
+    then waits for every rank's marker, removes the markers and finishes the checkpoint (trainer state, config,
+    index, manifest, COMPLETE last, the rename) and prunes: the atomic rules of a synchronous save, without a
+    collective, so that training's collectives go on meanwhile. A process killed meanwhile leaves a `.tmp`
+    directory, which no reader trusts."""
+
+    def __init__(self, owner: Checkpointer, step: int, tmp: Path, pieces: list[Piece], steps: dict[str, float],
+                 rng: dict[str, torch.Tensor], finish, prune: bool) -> None:
+        self.owner, self.step, self.tmp, self.pieces, self.steps, self.rng = owner, step, tmp, pieces, steps, rng
+        self.finish, self.prune = finish, prune
+        self.error = ""
+        self.written: Path | None = None
+        self.thread = threading.Thread(target=self._run, name=f"fivefold-checkpoint-{step}", daemon=True)
+
+    def start(self) -> AsyncSave:
+        self.thread.start()
+        return self
+
+    def join(self) -> str:
+        """Wait for this rank's part; '' or its error line."""
+        self.thread.join()
+        return self.error
+
+    def _run(self) -> None:
+        rank, tmp = self.owner.rank, self.tmp
+        error = _os_error(lambda: write_rank_files(tmp, rank, self.pieces, self.steps, self.owner.engine.device,
+                                                   self.rng))
+        self.pieces = []  # the host copies stay with the owner (reused), not with this save
+        marker = tmp / (f"rank{rank}.failed" if error else f"rank{rank}.written")
+        with contextlib.suppress(OSError):
+            marker.write_text(error)
+        if error or self.finish is None:
+            self.error = error
+            return
+        self.error = _os_error(self._finish) or self.error
+
+    def _finish(self) -> None:
+        """The logging rank: every rank's marker, then the shared files and the rename."""
+        timeout = self.owner.cfg.train.collective_timeout_s
+        deadline = time.monotonic() + timeout
+        for r in range(self.owner.world):
+            while not (self.tmp / f"rank{r}.written").exists():
+                if (self.tmp / f"rank{r}.failed").exists():
+                    raise OSError(errno.EIO, f"rank {r} could not write its part "
+                                  f"({(self.tmp / f'rank{r}.failed').read_text().strip() or 'no detail'})")
+                if time.monotonic() > deadline:
+                    raise OSError(errno.ETIMEDOUT, f"rank {r} did not write its part within "
+                                  f"train.collective_timeout_s = {timeout:g} s")
+                time.sleep(0.01)
+        for r in range(self.owner.world):
+            (self.tmp / f"rank{r}.written").unlink()
+        self.finish()
+        self.written = checkpoint_dir(self.owner.run_dir, self.step)
+        if self.prune:
+            self.owner._prune(self.written)
+
+
 class Checkpointer:
     """The checkpoint lifecycle of one run in `run_dir` (see the module docstring): load, fall back, restore, save,
     prune. `rank` of `world` ranks; `is_first` reports and sets aside what fails on load (the first rank of the
@@ -461,6 +544,8 @@ class Checkpointer:
         self.run_dir, self.engine, self.cfg = run_dir, engine, cfg
         self.rank, self.world, self.is_first = rank, world, is_first
         self.config_toml = dump_toml(cfg)  # the resolved config, as the run directory and every checkpoint keep it
+        self.in_flight: AsyncSave | None = None  # the asynchronous save being written (at most one)
+        self.host: list[torch.Tensor] = []  # its host copies, kept for the next save on accelerators (pinned)
 
     def load(self, candidates: list[Path]) -> LoadedCheckpoint | None:
         """The newest of `candidates` (newest first) that every rank reads, verifies (each rank the files it reads)
@@ -549,12 +634,16 @@ class Checkpointer:
         return ""
 
     def save(self, step: int, tokens_seen: int, samples_consumed: int, skipped: int = 0,
-             prune: bool = True) -> Path | None:
+             prune: bool = True, background: bool = False) -> Path | None:
         """Write the checkpoint of `step` (`samples_consumed`: the data position after it; `skipped`: the run's
         steps skipped as non-finite so far), then prune the older ones unless `prune` is false (a checkpoint written
         amid skipped steps keeps them all). Nothing is written, and the older checkpoints stay, when the state is
-        not finite on some rank. Returns the new checkpoint's directory on the logging rank, else None."""
+        not finite on some rank. With `background` (and `train.async_checkpoint`), the state is copied to host
+        memory and written by a thread while training goes on (`AsyncSave`; `wait` collects it); the save in
+        flight, if any, is waited for first. Returns the new checkpoint's directory on the logging rank once it is
+        complete (None for one still being written, or on the other ranks)."""
         engine, run_dir, t = self.engine, self.run_dir, self.cfg.train
+        self.wait()
         faults.note(step=step, micro_batch=None, action="checkpoint")
         state = TrainerState(step=step, tokens_seen=tokens_seen, skipped_steps=skipped,
                              lr_phases=[tuple(p) for p in engine.lr_schedule.phases])
@@ -567,8 +656,18 @@ class Checkpointer:
         tmp = checkpoint_dir(run_dir, step).with_name(checkpoint_dir(run_dir, step).name + ".tmp")
         data = {"global_batch_size": t.global_batch_size, "seq_len": t.seq_len, "samples_consumed": samples_consumed}
         written: list[Path] = []
+        error = _os_error(lambda: begin_checkpoint(run_dir, step) if engine.is_logging_rank else None)
+        if self._failed(error):
+            raise self._write_failed(step, tmp, error)
+        if background and t.async_checkpoint:
+            rng = _rng_state(engine.device)
+            self.host = host_copies(pieces, self.host, engine.device)
+            copies = [Piece(p.name, p.shape, p.offsets, h) for p, h in zip(pieces, self.host, strict=True)]
+            finish = (lambda: finish_checkpoint(tmp, state, self.config_toml, self.world, data)) \
+                if engine.is_logging_rank else None
+            self.in_flight = AsyncSave(self, step, tmp, copies, steps, rng, finish, prune).start()
+            return None
         stages = [  # each stage on every rank, then an agreement (the barrier) that no rank failed
-            lambda: begin_checkpoint(run_dir, step) if engine.is_logging_rank else None,
             lambda: write_rank_files(tmp, self.rank, pieces, steps, engine.device),
             lambda: written.append(finish_checkpoint(tmp, state, self.config_toml, self.world, data))
             if engine.is_logging_rank else None,
@@ -578,12 +677,29 @@ class Checkpointer:
             if self._failed(error):
                 raise self._write_failed(step, tmp, error)
         if engine.is_logging_rank and prune:
-            error = _os_error(lambda: prune_checkpoints(run_dir, t.keep_checkpoints))
-            if error:
-                print(f"fivefold: warning: could not delete older checkpoints ({error}); the new checkpoint "
-                      f"{written[0].name} is complete", file=sys.stderr)
+            self._prune(written[0])
         engine.barrier()
         return written[0] if written else None
+
+    def _prune(self, newest: Path) -> None:
+        error = _os_error(lambda: prune_checkpoints(self.run_dir, self.cfg.train.keep_checkpoints))
+        if error:
+            print(f"fivefold: warning: could not delete older checkpoints ({error}); the new checkpoint "
+                  f"{newest.name} is complete", file=sys.stderr)
+
+    def wait(self) -> Path | None:
+        """Wait for the asynchronous save in flight, if any (collective: every rank calls it at the same point), and
+        agree on its outcome: a CheckpointWriteError when some rank failed (its partial files removed). Returns the
+        finished checkpoint's directory on the logging rank, else None."""
+        save, self.in_flight = self.in_flight, None
+        if save is None:
+            return None
+        error = save.join()
+        if self.engine.device.type == "cpu":  # there the copy is the save's only extra memory: released between saves
+            self.host = []  # (on accelerators the pinned copies are kept for the next save: pinning is slow)
+        if self._failed(error):
+            raise self._write_failed(save.step, save.tmp, error)
+        return save.written
 
     def _write_failed(self, step: int, tmp: Path, error: str) -> CheckpointWriteError:
         """After a failed save (on some rank): the partial checkpoint removed, so that it holds no space, and the

@@ -643,8 +643,8 @@ class Checkpointer:
         flight, if any, is waited for first. Returns the new checkpoint's directory on the logging rank once it is
         complete (None for one still being written, or on the other ranks)."""
         engine, run_dir, t = self.engine, self.run_dir, self.cfg.train
-        self.wait()
         faults.note(step=step, micro_batch=None, action="checkpoint")
+        self.wait()
         state = TrainerState(step=step, tokens_seen=tokens_seen, skipped_steps=skipped,
                              lr_phases=[tuple(p) for p in engine.lr_schedule.phases])
         pieces, steps = engine.state_pieces()  # views of this rank's weights and AdamW state, nothing gathered

@@ -53,12 +53,12 @@ def test_full_disk_at_save_time(tmp_path, dataset, capsys, monkeypatch):  # noqa
     real = ckpt.write_safetensors
     calls = []
 
-    def filling(path, tensors):
+    def filling(path, tensors, **kwargs):
         calls.append(path)
         if "step_00000004" in str(path):  # the second checkpoint: half a file, then the disk is full
             Path(path).write_bytes(b"\0" * 4096)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        return real(path, tensors)
+        return real(path, tensors, **kwargs)
 
     monkeypatch.setattr(ckpt, "write_safetensors", filling)
     run = tmp_path / "run"
@@ -69,11 +69,11 @@ def test_full_disk_at_save_time(tmp_path, dataset, capsys, monkeypatch):  # noqa
     assert ckpt.latest_checkpoint(run).name == "step_00000004"
 
 
-def filling_at_step_4(path, tensors, real=ckpt.write_safetensors):
+def filling_at_step_4(path, tensors, real=ckpt.write_safetensors, **kwargs):
     if "step_00000004" in str(path):
         Path(path).write_bytes(b"\0" * 4096)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-    return real(path, tensors)
+    return real(path, tensors, **kwargs)
 
 
 def test_full_disk_during_an_asynchronous_save(tmp_path, dataset, capsys, monkeypatch):  # noqa: F811

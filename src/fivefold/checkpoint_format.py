@@ -70,10 +70,15 @@ def flat_rects(shape: tuple[int, ...], start: int, end: int) -> list[Rect]:
     return out
 
 
+class WriteCancelled(Exception):
+    """A write given up between two tensors because its writer asked (`write_safetensors`' `cancelled`)."""
+
+
 def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]],
-                      metadata: dict[str, str] | None = None) -> str:
+                      metadata: dict[str, str] | None = None, cancelled=None) -> str:
     """Write `tensors` as a safetensors file, one tensor at a time (each copied to the CPU alone), fsync it and
-    return its sha256. The file gets the mode the umask gives (safetensors' own `save_file` makes it 0600)."""
+    return its sha256. The file gets the mode the umask gives (safetensors' own `save_file` makes it 0600).
+    `cancelled()`, asked before each tensor, gives the write up (WriteCancelled) when true."""
     tensors = list(tensors)
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
@@ -89,6 +94,8 @@ def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]],
             digest.update(chunk)
             f.write(chunk)
         for _, t in tensors:
+            if cancelled is not None and cancelled():
+                raise WriteCancelled(str(path))
             data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
             digest.update(data)
             f.write(data)

@@ -70,6 +70,7 @@ from fivefold.checkpoint_format import (
     MANIFEST,
     PieceError,
     PieceReader,
+    WriteCancelled,
     global_index,
     member,
     merge_index,
@@ -208,12 +209,13 @@ class Piece:
 
 
 def write_rank_files(tmp: Path, rank: int, pieces: list[Piece], steps: dict[str, float], device: torch.device,
-                     rng: dict[str, torch.Tensor] | None = None) -> None:
+                     rng: dict[str, torch.Tensor] | None = None, cancelled=None) -> None:
     """One rank's pieces (`rankN.safetensors`, streamed), their index with the sha256 of that file and the AdamW
     step of each parameter (`rankN.json`), and the rank's RNG state (`rng-rankN.safetensors`; `rng`: as taken when
-    the state was copied, else now)."""
+    the state was copied, else now). `cancelled()`: gives the write up between pieces when true."""
     name = f"rank{rank}.safetensors"
-    sha = write_safetensors(tmp / name, [(str(i), p.tensor) for i, p in enumerate(pieces)])
+    pairs = [(str(i), p.tensor) for i, p in enumerate(pieces)]
+    sha = write_safetensors(tmp / name, pairs, **({"cancelled": cancelled} if cancelled else {}))
     _write_json(tmp / f"rank{rank}.json", {
         "format_version": FORMAT_VERSION, "rank": rank, "file": name, "sha256": sha, "steps": steps,
         "pieces": [{"name": p.name, "shape": list(p.shape), "offsets": list(p.offsets),
@@ -488,6 +490,7 @@ class AsyncSave:
         self.finish, self.prune = finish, prune
         self.error = ""
         self.written: Path | None = None
+        self.cancel = threading.Event()  # set by a stop: give the save up (between pieces) rather than finish it
         self.thread = threading.Thread(target=self._run, name=f"fivefold-checkpoint-{step}", daemon=True)
 
     def start(self) -> AsyncSave:
@@ -501,16 +504,20 @@ class AsyncSave:
 
     def _run(self) -> None:
         rank, tmp = self.owner.rank, self.tmp
-        error = _os_error(lambda: write_rank_files(tmp, rank, self.pieces, self.steps, self.owner.engine.device,
-                                                   self.rng))
-        self.pieces = []  # the host copies stay with the owner (reused), not with this save
-        marker = tmp / (f"rank{rank}.failed" if error else f"rank{rank}.written")
-        with contextlib.suppress(OSError):
-            marker.write_text(error)
-        if error or self.finish is None:
-            self.error = error
-            return
-        self.error = _os_error(self._finish) or self.error
+        try:
+            error = _os_error(lambda: write_rank_files(tmp, rank, self.pieces, self.steps, self.owner.engine.device,
+                                                       self.rng, cancelled=self.cancel.is_set))
+            self.pieces = []  # the host copies stay with the owner (reused), not with this save
+            marker = tmp / (f"rank{rank}.failed" if error else f"rank{rank}.written")
+            with contextlib.suppress(OSError):
+                marker.write_text(error)
+            if error or self.finish is None:
+                self.error = error
+                return
+            self.error = _os_error(self._finish) or self.error
+        except WriteCancelled:
+            return  # given up for a stop's save: its partial directory is removed there
+
 
     def _finish(self) -> None:
         """The logging rank: every rank's marker, then the shared files and the rename."""
@@ -518,6 +525,8 @@ class AsyncSave:
         deadline = time.monotonic() + timeout
         for r in range(self.owner.world):
             while not (self.tmp / f"rank{r}.written").exists():
+                if self.cancel.is_set():
+                    raise WriteCancelled(str(self.tmp))
                 if (self.tmp / f"rank{r}.failed").exists():
                     raise OSError(errno.EIO, f"rank {r} could not write its part "
                                   f"({(self.tmp / f'rank{r}.failed').read_text().strip() or 'no detail'})")
@@ -634,17 +643,19 @@ class Checkpointer:
         return ""
 
     def save(self, step: int, tokens_seen: int, samples_consumed: int, skipped: int = 0,
-             prune: bool = True, background: bool = False) -> Path | None:
+             prune: bool = True, background: bool = False, stopping: bool = False) -> Path | None:
         """Write the checkpoint of `step` (`samples_consumed`: the data position after it; `skipped`: the run's
         steps skipped as non-finite so far), then prune the older ones unless `prune` is false (a checkpoint written
         amid skipped steps keeps them all). Nothing is written, and the older checkpoints stay, when the state is
         not finite on some rank. With `background` (and `train.async_checkpoint`), the state is copied to host
         memory and written by a thread while training goes on (`AsyncSave`; `wait` collects it); the save in
-        flight, if any, is waited for first. Returns the new checkpoint's directory on the logging rank once it is
-        complete (None for one still being written, or on the other ranks)."""
+        flight, if any, is waited for first, or with `stopping` (a stop signal's save, which must fit the grace
+        before the process is killed) given up: the stop's own checkpoint is newer. Returns the new checkpoint's
+        directory on the logging rank once it is complete (None for one still being written, or on the other
+        ranks)."""
         engine, run_dir, t = self.engine, self.run_dir, self.cfg.train
         faults.note(step=step, micro_batch=None, action="checkpoint")
-        self.wait()
+        self.wait(abandon=stopping)
         state = TrainerState(step=step, tokens_seen=tokens_seen, skipped_steps=skipped,
                              lr_phases=[tuple(p) for p in engine.lr_schedule.phases])
         pieces, steps = engine.state_pieces()  # views of this rank's weights and AdamW state, nothing gathered
@@ -687,18 +698,25 @@ class Checkpointer:
             print(f"fivefold: warning: could not delete older checkpoints ({error}); the new checkpoint "
                   f"{newest.name} is complete", file=sys.stderr)
 
-    def wait(self) -> Path | None:
+    def wait(self, abandon: bool = False) -> Path | None:
         """Wait for the asynchronous save in flight, if any (collective: every rank calls it at the same point), and
-        agree on its outcome: a CheckpointWriteError when some rank failed (its partial files removed). Returns the
-        finished checkpoint's directory on the logging rank, else None."""
+        agree on its outcome: a CheckpointWriteError when some rank failed (its partial files removed). With
+        `abandon`, the save is given up between two pieces instead (unless it finished first) and its partial
+        directory removed. Returns the finished checkpoint's directory on the logging rank, else None."""
         save, self.in_flight = self.in_flight, None
         if save is None:
             return None
+        if abandon:
+            save.cancel.set()
         error = save.join()
         if self.engine.device.type == "cpu":  # there the copy is the save's only extra memory: released between saves
             self.host = []  # (on accelerators the pinned copies are kept for the next save: pinning is slow)
         if self._failed(error):
             raise self._write_failed(save.step, save.tmp, error)
+        if abandon and save.written is None:
+            if self.engine.is_logging_rank:  # every rank's thread has ended: nothing writes there any more
+                shutil.rmtree(save.tmp, ignore_errors=True)
+            self.engine.barrier()
         return save.written
 
     def _write_failed(self, step: int, tmp: Path, error: str) -> CheckpointWriteError:

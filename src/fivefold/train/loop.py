@@ -412,11 +412,12 @@ class Run:
         self.result.val_losses[step] = val
         self.log({"step": step, "val_loss": val})
 
-    def save(self, step: int, counts: GuardState, background: bool = False) -> None:
+    def save(self, step: int, counts: GuardState, background: bool = False, stopping: bool = False) -> None:
         """The checkpoint of `step`, with the guard's `counts` after it; prunes nothing amid skipped steps.
-        `background`: written while training goes on (`train.async_checkpoint`; `saved` collects it)."""
+        `background`: written while training goes on (`train.async_checkpoint`; `saved` collects it); `stopping`: a
+        stop signal's, which gives up a background save in flight rather than wait for it."""
         written = self.checkpointer.save(step, self.tokens_seen, self.sampler.samples_before(step), counts.skipped,
-                                         prune=counts.bad_run == 0, background=background)
+                                         prune=counts.bad_run == 0, background=background, stopping=stopping)
         if written is not None:
             self.result.checkpoint = written
 
@@ -560,7 +561,7 @@ class Run:
         result, run_dir = self.result, self.run_dir
         now = self.guard.read(current=True)
         result.skipped_steps = now.skipped
-        self.save(done, now)
+        self.save(done, now, stopping=True)
         result.stopped, result.exit_code = signals.name, 128 + signals.number
         if self.engine.is_logging_rank:
             world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1

@@ -475,6 +475,9 @@ def host_copies(pieces: list[Piece], reuse: list[torch.Tensor], device: torch.de
     return out
 
 
+WRITER_NICENESS = 10  # of a background save's thread (Linux schedules threads apart): training keeps the CPU first
+
+
 class AsyncSave:
     """One rank's part of a checkpoint written in the background, from host copies taken at the save: a thread
     writes the rank's files (the same files, checksums and fsyncs as a synchronous save), then leaves the marker
@@ -504,6 +507,8 @@ class AsyncSave:
 
     def _run(self) -> None:
         rank, tmp = self.owner.rank, self.tmp
+        with contextlib.suppress(OSError, AttributeError):  # Linux: this thread yields the cores to training's
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
         try:
             error = _os_error(lambda: write_rank_files(tmp, rank, self.pieces, self.steps, self.owner.engine.device,
                                                        self.rng, cancelled=self.cancel.is_set))

@@ -523,7 +523,6 @@ class AsyncSave:
         except WriteCancelled:
             return  # given up for a stop's save: its partial directory is removed there
 
-
     def _finish(self) -> None:
         """The logging rank: every rank's marker, then the shared files and the rename."""
         timeout = self.owner.cfg.train.collective_timeout_s
@@ -718,8 +717,8 @@ class Checkpointer:
             self.host = []  # (on accelerators the pinned copies are kept for the next save: pinning is slow)
         if self._failed(error):
             raise self._write_failed(save.step, save.tmp, error)
-        if abandon and save.written is None:
-            if self.engine.is_logging_rank:  # every rank's thread has ended: nothing writes there any more
+        if abandon:  # every rank's thread has ended: nothing writes there any more
+            if self.engine.is_logging_rank and save.written is None:
                 shutil.rmtree(save.tmp, ignore_errors=True)
             self.engine.barrier()
         return save.written

@@ -96,6 +96,11 @@ def test_never_overwrites(tmp_path):
 def test_corrupted_and_mismatched(tmp_path):
     cfg, engine = _trained_state(0)
     path = _save(tmp_path, 4, engine, cfg)
+    (path / "index.json").write_bytes(b"garbage")
+    with pytest.raises(ckpt.CheckpointError, match="index.json is corrupted"):
+        ckpt.load_checkpoint(path)
+    (path / "index.json").unlink()
+    ckpt.write_manifest(path)  # as a checkpoint written before the one index: each rank's part is read
     (path / "rank0.json").write_bytes(b"garbage")
     with pytest.raises(ckpt.CheckpointError, match="rank0.json is corrupted"):
         ckpt.load_checkpoint(path)

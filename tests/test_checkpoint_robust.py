@@ -174,37 +174,56 @@ def test_sigterm_checkpoints_and_resume_continues(tmp_path, dataset):  # noqa: F
     assert list(logged_losses(run).values()) == full.losses  # bit for bit
 
 
-def kill_during_saves(tmp_path: Path, data: Path, tries: int, seed: int) -> None:
+def saving(run: Path) -> bool:
+    """Whether a checkpoint is being written (a `step_*.tmp` directory)."""
+    try:
+        return any(p.name.endswith(".tmp") for p in (run / "checkpoints").iterdir())
+    except OSError:
+        return False
+
+
+def kill_during_saves(tmp_path: Path, data: Path, tries: int, seed: int, *extra: str, in_save: bool = False) -> None:
     """Kill -9 the run at random moments (it saves after every step), resume after each kill; every resume must start
-    from a complete checkpoint and the losses must be the uninterrupted run's."""
+    from a complete checkpoint and the losses must be the uninterrupted run's. `in_save`: the kill lands while a
+    checkpoint's `.tmp` directory exists (with asynchronous saves, while training goes on beside the write)."""
     steps = 12
     full = train(small_config(tmp_path / "full", data, **{"train.max_steps": str(steps), "train.threads": "1",
                                                           "train.checkpoint_every": "1"}))
     run, rng = tmp_path / "cut", random.Random(seed)
+    kills_in_save = 0
     for attempt in range(tries):
-        proc = run_cli(run, data, steps, *(["--resume"] if attempt else []))
+        proc = run_cli(run, data, steps, *extra, *(["--resume"] if attempt else []))
         started = time.time()
         while time.time() - started < 120 and not (run / "metrics.jsonl").is_file():
             time.sleep(0.02)
         time.sleep(rng.uniform(0.0, 1.5))
+        while in_save and not saving(run) and proc.poll() is None and time.time() - started < 120:
+            time.sleep(0.001)
+        kills_in_save += saving(run) and proc.poll() is None
         proc.kill()
         _, err = proc.communicate(timeout=60)
         assert proc.returncode in (-signal.SIGKILL, 0), err[-2000:]
         assert "cannot be used" not in err  # never a half-written checkpoint taken for a complete one
         if proc.returncode == 0:
             break
-    done = run_cli(run, data, steps, "--resume")
+    done = run_cli(run, data, steps, *extra, "--resume")
     _, err = done.communicate(timeout=300)
     if done.returncode != 0:  # the last try had finished the run already
         assert "not before train.max_steps" in err, err[-2000:]
     assert "cannot be used" not in err
     assert list(logged_losses(run).values()) == full.losses  # bit for bit
+    assert kills_in_save or not in_save  # at least one kill landed while a checkpoint was being written
     for path in ckpt.list_checkpoints(run):
         ckpt.verify_files(path)
 
 
-def test_kill_9_during_saves_fast(tmp_path, dataset):  # noqa: F811
-    kill_during_saves(tmp_path, dataset, tries=2, seed=1)
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_kill_9_during_saves_fast(tmp_path, dataset, mode):  # noqa: F811
+    kill_during_saves(tmp_path, dataset, 2, 1, "--train.async_checkpoint", str(mode == "async").lower())
+
+
+def test_kill_9_during_an_asynchronous_save_resumes_from_the_newest_complete(tmp_path, dataset):  # noqa: F811
+    kill_during_saves(tmp_path, dataset, 3, 3, "--train.async_checkpoint", "true", in_save=True)
 
 
 @pytest.mark.slow
@@ -251,9 +270,14 @@ def damaged_newest(tmp_path: Path, dataset: Path, damage) -> tuple[list[float], 
 
 
 def edit_index(path: Path, change) -> None:
+    """Change rank 0's part of the index, and the checkpoint's one index merged from the parts (as a save writes it)."""
+    from fivefold.checkpoint_format import global_index
+
     index = json.loads((path / "rank0.json").read_text())
     change(index)
     (path / "rank0.json").write_text(json.dumps(index))
+    parts = [json.loads(f.read_text()) for f in sorted(path.glob("rank*.json"))]
+    (path / "index.json").write_text(json.dumps({"format_version": ckpt.FORMAT_VERSION, **global_index(parts)}))
 
 
 def resumes_from_step_2(tmp_path: Path, dataset: Path, full_losses: list[float], capsys, why: str) -> None:  # noqa: F811

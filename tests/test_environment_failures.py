@@ -53,12 +53,12 @@ def test_full_disk_at_save_time(tmp_path, dataset, capsys, monkeypatch):  # noqa
     real = ckpt.write_safetensors
     calls = []
 
-    def filling(path, tensors):
+    def filling(path, tensors, **kwargs):
         calls.append(path)
         if "step_00000004" in str(path):  # the second checkpoint: half a file, then the disk is full
             Path(path).write_bytes(b"\0" * 4096)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        return real(path, tensors)
+        return real(path, tensors, **kwargs)
 
     monkeypatch.setattr(ckpt, "write_safetensors", filling)
     run = tmp_path / "run"
@@ -67,6 +67,41 @@ def test_full_disk_at_save_time(tmp_path, dataset, capsys, monkeypatch):  # noqa
     monkeypatch.setattr(ckpt, "write_safetensors", real)
     assert main(train_argv(run, dataset, 4, "--resume")) == 0  # space freed: it continues from step 2
     assert ckpt.latest_checkpoint(run).name == "step_00000004"
+
+
+def filling_at_step_4(path, tensors, real=ckpt.write_safetensors, **kwargs):
+    if "step_00000004" in str(path):
+        Path(path).write_bytes(b"\0" * 4096)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return real(path, tensors, **kwargs)
+
+
+def test_full_disk_during_an_asynchronous_save(tmp_path, dataset, capsys, monkeypatch):  # noqa: F811
+    """Step 4's checkpoint, written in the background, meets a full disk: the next save (step 6's) reports it in one
+    line, its partial files removed, step 2's intact; nothing newer is written."""
+    monkeypatch.setattr(ckpt, "write_safetensors", filling_at_step_4)
+    run = tmp_path / "run"
+    assert main(train_argv(run, dataset, 6, "--train.async_checkpoint", "true")) == EXIT_ENVIRONMENT
+    fails_at_step_4_with_one_line(run, capsys, "No space left on device (ENOSPC)")
+
+
+def fail_on_rank_1(rank: int, world: int, run: Path, data: Path) -> tuple[int, list[str]]:
+    if rank == 1:
+        ckpt.write_safetensors = filling_at_step_4
+    code = main([*train_argv(run, data, 6, "--train.async_checkpoint", "true"), "--layout.dp", "2"])
+    return code, sorted(p.name for p in (run / "checkpoints").iterdir())
+
+
+def test_a_rank_failing_its_asynchronous_part_fails_the_save_on_every_rank(tmp_path, dataset):  # noqa: F811
+    """Rank 1 cannot write its part of step 4's background save: the first rank's finishing thread sees its marker
+    and gives up, every rank raises at the next save with the older checkpoint intact and no partial files left."""
+    from tests.distributed import run_ranks
+
+    run = tmp_path / "run"
+    results = run_ranks(2, fail_on_rank_1, run, dataset)
+    assert [code for code, _ in results] == [EXIT_ENVIRONMENT] * 2
+    assert all(names == ["step_00000002"] for _, names in results), results
+    ckpt.verify_files(run / "checkpoints" / "step_00000002")
 
 
 def test_read_only_checkpoints_at_save_time(tmp_path, dataset, capsys, monkeypatch):  # noqa: F811

@@ -455,6 +455,70 @@ def test_watchdog_reports_its_own_rank_without_progress() -> None:
     assert reports and reports[0][0].startswith("rank 0 made no progress") and "step 7" in reports[0][0]
 
 
+class _CountingStore:
+    """A store that counts the requests it serves (a dict behind `set`, `check`, `get`)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.requests = 0
+
+    def set(self, key: str, value: str) -> None:
+        self.requests += 1
+        self.data[key] = value.encode()
+
+    def check(self, keys: list[str]) -> bool:
+        self.requests += 1
+        return all(k in self.data for k in keys)
+
+    def get(self, key: str) -> bytes:
+        self.requests += 1
+        return self.data[key]
+
+
+def test_watchdog_store_traffic_is_linear_in_the_world_and_a_stalled_rank_is_still_named() -> None:
+    world, stalled = 512, 300
+    store, reports = _CountingStore(), []
+    watches = [Watchdog(r, world, 1.0, store, interval_s=0.05,
+                        on_stall=lambda message, hb, host, r=r: reports.append((r, message))) for r in range(world)]
+    for w in watches:
+        w.note(step=1)
+        w._publish()
+    start = time.monotonic()
+    per_interval = []
+    while not reports and time.monotonic() - start < 10:
+        before = store.requests
+        for w in watches:
+            if w.rank != stalled:  # rank 300 stops beating (as a SIGSTOPped process does)
+                w.note(step=1)
+                w.tick(start)
+        per_interval.append(store.requests - before)
+        time.sleep(0.05)
+    # every rank reading every other rank's heartbeat: 2W(W-1) = 523,264 requests per interval
+    assert max(per_interval[:-1]) <= 3 * world, per_interval[:5]
+    assert len(per_interval) >= 3  # several quiet intervals before the stall is found (0.8 s of a 1-s timeout)
+    assert [r for r, _ in reports] == [stalled - 1]  # its one watcher, alone, names it
+    assert reports[0][1].startswith(f"rank {stalled} sent no heartbeat") and "more ranks not listed" in reports[0][1]
+    # the reporting interval reads at most the listed ranks besides the ring
+    assert per_interval[-1] <= 3 * world + 2 * 16
+
+
+def test_watchdog_watches_past_finished_ranks() -> None:
+    store, reports = _CountingStore(), []
+    watches = [_watch(store, r, 4, 0.5, reports) for r in range(4)]
+    for w in watches:
+        w.note(step=1)
+        w._publish()
+    watches[1].stop()  # rank 1 finished: rank 0 watches rank 2 from now on
+    start = time.monotonic()
+    while not reports and time.monotonic() - start < 5:
+        for w in (watches[0], watches[3]):  # rank 2 stopped beating
+            w.note(step=1)
+            w.tick(start)
+        time.sleep(0.05)
+    assert reports and reports[0][0].startswith("rank 2 sent no heartbeat"), reports
+    assert watches[0].watching == 2
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Whole jobs: a stopped rank, a killed launcher
 

@@ -160,6 +160,40 @@ def test_second_signal_during_the_save_abandons_it(tmp_path, dataset, monkeypatc
     assert logged_steps(run) == list(range(1, 7))
 
 
+def test_stop_gives_up_the_background_save_in_flight(tmp_path, dataset, monkeypatch, capsys):  # noqa: F811
+    """SIGTERM while step 2's checkpoint is written in the background: the stop's own save does not wait for that
+    write (it would make a stop take two saves' time, past torchrun's grace) but gives it up between two pieces and
+    removes its directory; the stop's checkpoint is complete and the run resumes from it."""
+    import threading
+
+    run = tmp_path / "run"
+    real, seen = ckpt.write_safetensors, {}
+
+    def held_write(path, tensors, **kwargs):
+        if Path(path).parent.name == "step_00000002.tmp" and "cancelled" in kwargs:
+            os.kill(os.getpid(), signal.SIGTERM)  # the stop is asked while this write goes on
+            deadline = time.monotonic() + 120
+            while not kwargs["cancelled"]() and time.monotonic() < deadline:
+                time.sleep(0.01)  # a long write: still under way when the stop's save begins
+            seen["cancelled"] = kwargs["cancelled"]()
+            seen["thread"] = threading.current_thread().name
+        return real(path, tensors, **kwargs)
+
+    monkeypatch.setattr(ckpt, "write_safetensors", held_write)
+    argv = train_argv(run, dataset, 8, "--train.checkpoint_every", "2", "--train.async_checkpoint", "true")
+    assert main(argv) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert seen == {"cancelled": True, "thread": "fivefold-checkpoint-2"}
+    stopped = ckpt.list_checkpoints(run)
+    assert [p.name for p in stopped] in (["step_00000003"], ["step_00000004"]), stopped  # step 2's given up
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.endswith(".tmp")]
+    ckpt.verify_files(stopped[0])
+    assert f"stopped by SIGTERM after step {int(stopped[0].name[5:])}" in err
+    monkeypatch.setattr(ckpt, "write_safetensors", real)
+    assert main([*argv, "--resume"]) == 0
+    assert logged_steps(run) == list(range(1, 9))
+
+
 def signal_pending(pid: int, signum: int) -> bool:
     """Whether `signum` waits, undelivered, for the (stopped) process `pid`."""
     status = Path(f"/proc/{pid}/status").read_text()

@@ -71,12 +71,17 @@ def flat_rects(shape: tuple[int, ...], start: int, end: int) -> list[Rect]:
     return out
 
 
+class WriteCancelled(Exception):
+    """A write given up between two tensors because its writer asked (`write_safetensors`' `cancelled`)."""
+
+
 def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]],
-                      metadata: dict[str, str] | None = None) -> str:
+                      metadata: dict[str, str] | None = None, cancelled=None) -> str:
     """Write `tensors` as a safetensors file, one tensor at a time (each copied to the CPU alone), fsync it and
-    return its sha256. The file gets the mode the umask gives (safetensors' own `save_file` makes it 0600)."""
+    return its sha256. The file gets the mode the umask gives (safetensors' own `save_file` makes it 0600).
+    `cancelled()`, asked before each tensor, gives the write up (WriteCancelled) when true."""
     return stream_safetensors(path, [LazyTensor(name, t.dtype, tuple(t.shape), lambda t=t: t) for name, t in tensors],
-                              metadata)
+                              metadata, cancelled)
 
 
 @dataclass(frozen=True)
@@ -93,10 +98,12 @@ class LazyTensor:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def stream_safetensors(path: Path, tensors: list[LazyTensor], metadata: dict[str, str] | None = None) -> str:
+def stream_safetensors(path: Path, tensors: list[LazyTensor], metadata: dict[str, str] | None = None,
+                       cancelled: Callable[[], bool] | None = None) -> str:
     """Write a safetensors file whose header comes from the descriptions, then each tensor's bytes as it is produced
     (one at a time, dropped once written: the writer holds one tensor), fsync it and return its sha256. A produced
-    tensor of another dtype or shape than its description is a ValueError."""
+    tensor of another dtype or shape than its description is a ValueError; `cancelled()`, asked before each tensor,
+    gives the write up (WriteCancelled) when true."""
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for t in tensors:
@@ -111,6 +118,8 @@ def stream_safetensors(path: Path, tensors: list[LazyTensor], metadata: dict[str
             digest.update(chunk)
             f.write(chunk)
         for t in tensors:
+            if cancelled is not None and cancelled():
+                raise WriteCancelled(str(path))
             value = t.produce()
             if value.dtype != t.dtype or tuple(value.shape) != tuple(t.shape):
                 raise ValueError(f"tensor {t.name} was described as {t.dtype} {list(t.shape)} but is {value.dtype} "
@@ -253,11 +262,18 @@ def read_manifest(path: Path) -> dict[str, dict[str, Any]]:
     return listed
 
 
-def verify_manifest(path: Path, names: list[str] | None = None, checksums: bool = True) -> None:
+def hash_file(path: Path) -> str:
+    """The sha256 of a checkpoint file, for its check against the manifest (every check hashes through here)."""
+    return file_sha256(path)
+
+
+def verify_manifest(path: Path, names: list[str] | None = None, checksums: bool = True,
+                    listed: dict[str, dict[str, Any]] | None = None) -> None:
     """Check the files `names` (default: every file the manifest lists) of a checkpoint directory against its
-    manifest: each must be a path inside the directory (`member`), listed, present, and of the recorded size and
-    (with `checksums`) sha256. Raises a PieceError naming the first file that is not."""
-    listed = read_manifest(path)
+    manifest (`listed`: the manifest's files, already read): each must be a path inside the directory (`member`),
+    listed, present, and of the recorded size and (with `checksums`) sha256. Raises a PieceError naming the first
+    file that is not."""
+    listed = read_manifest(path) if listed is None else listed
     for name in listed if names is None else names:
         f = member(path, name)
         if name not in listed:
@@ -270,7 +286,7 @@ def verify_manifest(path: Path, names: list[str] | None = None, checksums: bool 
                              f"{shown(listed[name].get('bytes'))} (an incomplete copy?)")
         if not checksums:
             continue
-        got = file_sha256(f)
+        got = hash_file(f)
         if got != want:
             raise PieceError(f"checkpoint file {f} is corrupted: its sha256 is {got[:16]}..., the manifest "
                              f"says {str(want)[:16]}...")
@@ -293,6 +309,33 @@ def merge_index(part: dict[str, Any], index: dict[str, dict[str, Any]]) -> None:
         entry = index.setdefault(str(p["name"]), {"shape": [int(d) for d in p["shape"]], "pieces": []})
         entry["pieces"].append({"file": part["file"], "key": str(p["key"]), "offsets": [int(o) for o in p["offsets"]],
                                 "shape": [int(d) for d in p["piece_shape"]]})
+
+
+GLOBAL_INDEX = "index.json"  # of a checkpoint directory: every rank's pieces, merged at save (`global_index`)
+
+
+def global_index(parts: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """The checkpoint's one index, from every rank's part (`rankN.json`, each read once, by the writer that finishes
+    the checkpoint): {"tensors": name -> global shape and pieces, "steps": AdamW's step of each parameter}. A reader
+    opens it alone, not one part per rank."""
+    tensors: dict[str, dict[str, Any]] = {}
+    steps: dict[str, float] = {}
+    for part in parts:
+        merge_index(part, tensors)
+        for k, v in part["steps"].items():
+            steps[k] = max(steps.get(k, 0.0), float(v))
+    return {"tensors": tensors, "steps": steps}
+
+
+def read_global_index(data: Any) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
+    """(tensors, steps) of a parsed `index.json`, each entry checked for its form; KeyError, TypeError or ValueError
+    for a malformed one."""
+    tensors: dict[str, dict[str, Any]] = {}
+    for name, entry in data["tensors"].items():
+        tensors[str(name)] = {"shape": [int(d) for d in entry["shape"]], "pieces": [
+            {"file": p["file"], "key": str(p["key"]), "offsets": [int(o) for o in p["offsets"]],
+             "shape": [int(d) for d in p["shape"]]} for p in entry["pieces"]]}
+    return tensors, {str(k): float(v) for k, v in data["steps"].items()}
 
 
 def checkpoint_index(directory: Path) -> dict[str, dict[str, Any]]:

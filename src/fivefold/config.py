@@ -275,6 +275,9 @@ class TrainConfig:
     eval_batches: int = 8
     checkpoint_every: int = 0  # 0 = only at the end
     keep_checkpoints: int = 2
+    # the checkpoints of checkpoint_every written by a background thread from a host copy of the state (pinned on
+    # accelerators) while training goes on, at most one in flight; false: the step waits for the write
+    async_checkpoint: bool = True
     max_bad_steps: int = 5  # stop after this many steps in a row with a non-finite loss or gradient norm (skipped)
     threads: int = 0  # CPU intra-op threads per process; 0 = the cores divided by the local processes
     # longest wait of a collective (and of the watchdog for a stalled rank) before the job ends; see

@@ -7,9 +7,11 @@ with `subprocess.Popen`.)
 
 `Watchdog` runs a thread in every rank of a multi-process job. Each rank records what it is doing (`note`:
 step, micro-batch, schedule action) and publishes a heartbeat into the launcher's key-value store every few
-seconds. A rank whose heartbeat stops (stopped with SIGSTOP, killed, or hung holding the interpreter) or that
-makes no progress for `train.collective_timeout_s` ends the job: the lowest-numbered healthy rank prints which
-rank stalled and what it was doing, kills that rank when it runs on the same host, and exits with status
+seconds, and reads the heartbeat of one rank only: the next one round the ring that has not finished, so that every
+rank is watched by one neighbour and the store serves three requests per rank per interval (not one per pair of
+ranks). A rank whose heartbeat stops (stopped with SIGSTOP, killed, or hung holding the interpreter) or that
+makes no progress for `train.collective_timeout_s` ends the job: its watcher (or the rank itself, for no progress)
+prints which rank stalled and what it was doing, kills that rank when it runs on the same host, and exits with status
 `WATCHDOG_EXIT`; the launcher then stops the remaining ranks. The process group's own timeout (the same
 `train.collective_timeout_s`, given to `init_process_group`) is the backstop.
 
@@ -43,6 +45,7 @@ from fivefold.errors import CliError, EnvironmentFailure
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 WATCHDOG_EXIT = 4  # exit status of the rank that reports a stalled job
+OTHERS_SHOWN = 15  # ranks whose activity a stall report lists besides the stalled one and the reporter
 FAILURES_DIR_ENV = "FIVEFOLD_FAILURES_DIR"  # set by the launcher for its workers: where each leaves its error line
 _PR_SET_PDEATHSIG = 1
 
@@ -128,6 +131,8 @@ class Watchdog:
         self.beats = 0
         self.host = socket.gethostname()
         self.seen: dict[int, tuple[int, float]] = {}  # rank -> (its beat count, our clock when it changed)
+        self.watching = (rank + 1) % world  # the rank whose heartbeat this one reads (`_watched`)
+        self.last_read: dict | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fivefold-watchdog", daemon=True)
 
@@ -166,44 +171,62 @@ class Watchdog:
             return None
         return json.loads(self.store.get(key))
 
+    def _watched(self) -> int | None:
+        """The rank this one watches: the next one round the ring that has not finished (None when every other rank
+        has). Each rank is thus watched by its nearest unfinished predecessor, and reads one heartbeat per interval."""
+        r = self.watching
+        while r != self.rank:
+            hb = self._read(r)
+            if hb is None or not hb.get("done"):
+                self.last_read = hb
+                return r
+            r = (r + 1) % self.world  # finished: watch the next one (each rank is passed over once, for good)
+            self.watching = r
+        return None
+
+    def tick(self, start: float) -> bool:
+        """One interval: publish this rank's heartbeat, read the watched rank's, and report a stall (the watched rank
+        silent for 0.8 x the timeout, or this rank without progress for the timeout). True once it reported. Store
+        requests per interval: one write and two reads (`check`, `get`), whatever the world's size."""
+        self._publish()
+        now = time.monotonic()
+        r = self._watched()
+        stalled = None
+        if r is not None:
+            hb = self.last_read
+            count = hb["beat"] if hb else 0
+            last = self.seen.get(r)
+            if last is None or last[0] != count:
+                self.seen[r] = (count, now if last is not None or hb is not None else start)
+            elif now - last[1] > self.stall_s:
+                stalled = (r, hb, f"sent no heartbeat for {now - last[1]:.0f} s (stopped, killed or hung)")
+        if stalled is None and "step" in self.fields and now - self.changed > self.progress_s:
+            stalled = (self.rank, None, f"made no progress for {now - self.changed:.0f} s")
+        if stalled is None:
+            return False
+        r, hb, why = stalled
+        doing = hb["doing"] if hb else "start-up (no heartbeat yet)"
+        others = [f"rank {self.rank}: {self.describe()}"] if r != self.rank else []
+        shown_ranks = [q for q in range(self.world) if q not in (r, self.rank)]
+        for q in shown_ranks[:OTHERS_SHOWN]:  # read once, when reporting
+            b = self._read(q)
+            others.append(f"rank {q}: {b['doing'] if b and 'doing' in b else ('done' if b else 'unknown')}")
+        if len(shown_ranks) > OTHERS_SHOWN:
+            others.append(f"{len(shown_ranks) - OTHERS_SHOWN} more ranks not listed")
+        message = (f"rank {r} {why}, while at {doing if r != self.rank else self.describe()} "
+                   f"(train.collective_timeout_s = {self.timeout_s:g}); ending the job. Other ranks: "
+                   f"{'; '.join(others) or 'none'}")
+        self.on_stall(message, hb if r != self.rank else None, self.host)
+        return True
+
     def _run(self) -> None:
         start = time.monotonic()
         while not self._stop.wait(self.interval_s):
             try:
-                self._publish()
-                now = time.monotonic()
-                beats = {r: self._read(r) for r in range(self.world) if r != self.rank}
+                if self.tick(start):
+                    return
             except Exception:  # the store went away: the launcher is ending the job
                 return
-            stalled = None
-            for r, hb in beats.items():
-                if hb is not None and hb.get("done"):
-                    continue
-                count = hb["beat"] if hb else 0
-                last = self.seen.get(r)
-                if last is None or last[0] != count:
-                    self.seen[r] = (count, now if last is not None or hb is not None else start)
-                elif now - last[1] > self.stall_s and stalled is None:
-                    stalled = (r, hb, f"sent no heartbeat for {now - last[1]:.0f} s (stopped, killed or hung)")
-            if stalled is None and "step" in self.fields and now - self.changed > self.progress_s:
-                stalled = (self.rank, None, f"made no progress for {now - self.changed:.0f} s")
-            if stalled is None:
-                continue
-            r, hb, why = stalled
-            reporter = min((q for q in range(self.world) if q != r), default=self.rank) if r != self.rank \
-                else self.rank
-            if reporter != self.rank:
-                continue
-            doing = hb["doing"] if hb else "start-up (no heartbeat yet)"
-            others = "; ".join(f"rank {q}: {b['doing'] if b and 'doing' in b else ('done' if b else 'unknown')}"
-                               for q, b in sorted(beats.items()) if q != r)
-            if r != self.rank:
-                others = "; ".join(x for x in (f"rank {self.rank}: {self.describe()}", others) if x)
-            message = (f"rank {r} {why}, while at {doing if r != self.rank else self.describe()} "
-                       f"(train.collective_timeout_s = {self.timeout_s:g}); ending the job. Other ranks: "
-                       f"{others or 'none'}")
-            self.on_stall(message, hb if r != self.rank else None, self.host)
-            return
 
 
 def _end_job(message: str, stalled: dict | None, host: str) -> None:

@@ -10,10 +10,15 @@ torchtitan do), so an ep group is a block of `ep` consecutive ranks of one dp x 
 layers' gradients are reduced over the dp x cp ranks that hold the same experts (`edp`).
 
 `ProcessGrid.build` checks the whole layout against the model, the batch and the initialised world
-(`fivefold.layout.check_layout`, which the command line has run before any process started), then creates every
-group (all ranks create all groups, in the
-same order, as torch requires) and keeps the calling rank's own. The grid is passed explicitly to whatever
-needs it: nothing here is global.
+(`fivefold.layout.check_layout`, which the command line has run before any process started), then creates the
+calling rank's groups: one communicator creation per distinct set of groups of more than one rank (an axis, or an
+axis combination whose groups differ from every earlier one's), so that a rank makes a handful of creations
+whatever the world (`communicator_creations`). On a world initialised eagerly on accelerators (a device bound to the
+default group, as the launcher does on GPUs) each is one `torch.distributed.split_group` over the whole world, which
+every rank calls once (NCCL splits communicators collectively); elsewhere (gloo) each rank calls
+`new_group(its members, use_local_synchronization=True)`, in which only the members take part. Axes of size 1 get no
+group of their own: every name of size 1 is this rank's one-member group, created once. The grid is passed
+explicitly to whatever needs it: nothing here is global.
 """
 
 from __future__ import annotations
@@ -117,10 +122,13 @@ class ProcessGrid:
     group_ranks: dict[str, list[int]] = field(default_factory=dict)
     hsdp_ranks: list[list[int]] = field(default_factory=list)  # HSDP: this rank's 2D array (`hsdp_grids`)
     hsdp_expert_ranks: list[list[int]] = field(default_factory=list)  # HSDP with ep: `hsdp_expert_grids`' one
+    creations: int = 0  # communicator creations this rank made (`_create`)
+    # every group created so far, by its members (as every rank knows them): this rank's own, None for the others'
+    _created: dict[tuple[int, ...], ProcessGroup | None] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, cfg: Config) -> ProcessGrid:
-        """Validate the layout for the initialised world, then create every group."""
+        """Validate the layout for the initialised world, then create this rank's groups (module docstring)."""
         world, rank = dist.get_world_size(), dist.get_rank()
         check_layout(cfg, world)  # the world that was initialised (a run started by torchrun directly, too)
         grid = cls(cfg.layout, rank, world, ranks=coordinates(cfg.layout, rank))
@@ -143,10 +151,28 @@ class ProcessGrid:
         return grid
 
     def _add(self, name: str, rank_lists: list[list[int]]) -> None:
-        for members in rank_lists:  # every rank creates every group, in the same order
-            group = dist.new_group(members)
-            if self.rank in members:
-                self.groups[name], self.group_ranks[name] = group, members
+        """Give this rank its group of `rank_lists` (every group of the name, as every rank computes them): an
+        existing group with the same members, else one creation, on every rank, of the groups not made yet
+        (`_create`). The groups of a size-1 axis are every rank's one-member group, made once for all such axes."""
+        new = [members for members in rank_lists if tuple(members) not in self._created]
+        if new:
+            self._create(new)
+        own = next((members for members in rank_lists if self.rank in members), None)
+        if own is not None:  # (a middle pipeline rank has no embed group)
+            self.groups[name], self.group_ranks[name] = self._created[tuple(own)], own
+
+    def _create(self, rank_lists: list[list[int]]) -> None:
+        """One communicator creation for groups that do not exist yet (the same list on every rank)."""
+        own = next((members for members in rank_lists if self.rank in members), None)
+        group = None
+        if getattr(dist.group.WORLD, "bound_device_id", None) is not None:  # eager NCCL-like: one collective split
+            self.creations += 1
+            group = dist.split_group(split_ranks=rank_lists)
+        elif own is not None:  # only the members take part
+            self.creations += 1
+            group = dist.new_group(own, use_local_synchronization=True)
+        for members in rank_lists:
+            self._created[tuple(members)] = group if members == own else None
 
     def group(self, name: str) -> ProcessGroup:
         """This rank's process group called `name`: an axis or axis set of `GROUP_AXES` (tp, cp, dp, pp, dp_cp),

@@ -2,9 +2,11 @@
 
 The lifecycle, for one run (one `Checkpointer` per rank, built once the engine exists):
     load     at `--resume`, `Checkpointer.load` tries the run's `step_XXXXXXXX` directories newest first. Every rank
-             opens the trainer state, the piece indexes, the config and its own RNG file, each checked against the
-             manifest (sha256); the first rank also verifies every other file, the other ranks' piece files included.
-             The ranks agree on the newest checkpoint that none of them failed.
+             opens the trainer state, the one index of every piece (`index.json`), the config and its own RNG file,
+             each checked against the manifest (sha256), then loads its rectangles, verifying each piece file it
+             reads (size and sha256) when it first opens it: a rank hashes only what it reads, all ranks at once,
+             and no rank hashes the whole checkpoint. The ranks agree on the newest checkpoint that none of them
+             failed.
     fall back  the newer ones that failed are reported and set aside as `NAME.bad` (kept for inspection, never read
              or written again); when every one fails, a CheckpointError lists the reasons.
     restore  `Checkpointer.restore` checks the tensor names and global shapes against the model and the sequence
@@ -32,7 +34,9 @@ are `fivefold.checkpoint_format`):
     rankN.safetensors      rank N's pieces: rectangles of the plain-named global tensors `model.<param>`,
                            `exp_avg.<param>`, `exp_avg_sq.<param>` that rank N owns (one copy in all)
     rankN.json             their index (global shape and offsets of each piece), the sha256 of rankN.safetensors
-                           and AdamW's step of each parameter
+                           and AdamW's step of each parameter (the finishing writer's input for the two below;
+                           `fivefold export` reads them too)
+    index.json             every rank's pieces and steps merged, written once at save: what a resuming rank reads
     rng-rankN.safetensors  rank N's CPU and accelerator RNG states
     trainer_state.json     step, tokens seen, steps skipped as non-finite, world size, global batch, seq length
                            and samples consumed
@@ -43,11 +47,14 @@ are `fivefold.checkpoint_format`):
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import shutil
 import sys
+import threading
+import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,11 +66,16 @@ from safetensors.torch import load_file
 
 from fivefold import faults
 from fivefold.checkpoint_format import (
+    GLOBAL_INDEX,
     MANIFEST,
     PieceError,
     PieceReader,
-    index_files,
+    WriteCancelled,
+    global_index,
+    member,
     merge_index,
+    read_global_index,
+    read_manifest,
     verify_manifest,
     write_safetensors,
 )
@@ -196,17 +208,20 @@ class Piece:
     tensor: torch.Tensor
 
 
-def write_rank_files(tmp: Path, rank: int, pieces: list[Piece], steps: dict[str, float], device: torch.device) -> None:
+def write_rank_files(tmp: Path, rank: int, pieces: list[Piece], steps: dict[str, float], device: torch.device,
+                     rng: dict[str, torch.Tensor] | None = None, cancelled=None) -> None:
     """One rank's pieces (`rankN.safetensors`, streamed), their index with the sha256 of that file and the AdamW
-    step of each parameter (`rankN.json`), and the rank's RNG state (`rng-rankN.safetensors`)."""
+    step of each parameter (`rankN.json`), and the rank's RNG state (`rng-rankN.safetensors`; `rng`: as taken when
+    the state was copied, else now). `cancelled()`: gives the write up between pieces when true."""
     name = f"rank{rank}.safetensors"
-    sha = write_safetensors(tmp / name, [(str(i), p.tensor) for i, p in enumerate(pieces)])
+    pairs = [(str(i), p.tensor) for i, p in enumerate(pieces)]
+    sha = write_safetensors(tmp / name, pairs, **({"cancelled": cancelled} if cancelled else {}))
     _write_json(tmp / f"rank{rank}.json", {
         "format_version": FORMAT_VERSION, "rank": rank, "file": name, "sha256": sha, "steps": steps,
         "pieces": [{"name": p.name, "shape": list(p.shape), "offsets": list(p.offsets),
                     "piece_shape": list(p.tensor.shape), "key": str(i)} for i, p in enumerate(pieces)],
     })
-    write_safetensors(tmp / f"rng-rank{rank}.safetensors", _rng_state(device).items())
+    write_safetensors(tmp / f"rng-rank{rank}.safetensors", (rng or _rng_state(device)).items())
 
 
 def finish_checkpoint(tmp: Path, state: TrainerState, config_toml: str, world_size: int,
@@ -223,10 +238,12 @@ def finish_checkpoint(tmp: Path, state: TrainerState, config_toml: str, world_si
         if not f.name.endswith(".safetensors") or f.name.startswith("rng-"):
             with open(f, "rb+") as fh:
                 os.fsync(fh.fileno())
-    known = {}
-    for r in range(world_size):
-        index = json.loads((tmp / f"rank{r}.json").read_text())
-        known[index["file"]] = index["sha256"]
+    known, parts = {}, []
+    for r in range(world_size):  # each rank's part read once, here, and merged into the one index readers open
+        part = json.loads((tmp / f"rank{r}.json").read_text())
+        known[part["file"]] = part["sha256"]
+        parts.append(part)
+    _write_json(tmp / GLOBAL_INDEX, {"format_version": FORMAT_VERSION, **global_index(parts)})
     write_manifest(tmp, known)
     (tmp / "COMPLETE").write_text(f"{state.step}\n")
     _fsync_dir(tmp)
@@ -245,11 +262,12 @@ def write_manifest(directory: Path, known: dict[str, str] | None = None) -> None
     _write_json(directory / MANIFEST, {"format_version": FORMAT_VERSION, "files": files})
 
 
-def verify_files(path: Path, names: list[str] | None = None) -> None:
-    """Check the files `names` (default: every file the manifest lists) against the manifest: each must be listed,
-    present, and of the recorded size and sha256. Raises a CheckpointError naming the first file that is not."""
+def verify_files(path: Path, names: list[str] | None = None, listed: dict[str, dict[str, Any]] | None = None) -> None:
+    """Check the files `names` (default: every file the manifest lists) against the manifest (`listed`: its files,
+    already read): each must be listed, present, and of the recorded size and sha256. Raises a CheckpointError naming
+    the first file that is not."""
     try:
-        verify_manifest(path, names)
+        verify_manifest(path, names, listed=listed)
     except PieceError as e:
         raise CheckpointError(str(e)) from None
 
@@ -289,9 +307,11 @@ def _json_file(path: Path) -> dict[str, Any]:
 
 
 def load_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> LoadedCheckpoint:
-    """Open a checkpoint directory for a rank of a run of `world_size` ranks: the trainer state, the index of
-    every rank's pieces and config (each checked against the manifest). Piece files are read lazily; the caller
-    verifies them (`verify_files`). Every failure is a CheckpointError naming the file."""
+    """Open a checkpoint directory for a rank of a run of `world_size` ranks: the trainer state, the checkpoint's
+    one index (`index.json`; a checkpoint written without one: every rank's `rankN.json`, each read once), the config
+    and this rank's RNG state, each checked against the manifest (sha256). Piece files are read lazily, each
+    verified against the manifest (size and sha256) when the reader first opens it: a rank hashes the files it
+    reads and no other. Every failure is a CheckpointError naming the file (a piece file's: a PieceError when read)."""
     if not (path / "COMPLETE").is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint (no COMPLETE marker)")
     if (path / "trainer_state.json").is_file():
@@ -302,7 +322,11 @@ def load_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> LoadedChe
         if version is not None and version != FORMAT_VERSION:
             raise CheckpointError(f"{path} has checkpoint format {version}; this fivefold reads format "
                                   f"{FORMAT_VERSION} (sharded pieces with a manifest of checksums)")
-    verify_files(path, ["trainer_state.json"])
+    try:
+        listed = read_manifest(path)
+    except PieceError as e:
+        raise CheckpointError(str(e)) from None
+    verify_files(path, ["trainer_state.json"], listed)
     meta = _json_file(path / "trainer_state.json")
     try:
         state = TrainerState(step=int(meta["step"]), tokens_seen=int(meta["tokens_seen"]),
@@ -314,21 +338,25 @@ def load_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> LoadedChe
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint file {path / 'trainer_state.json'} is corrupted: {e}") from None
     data = {k: int(meta[k]) for k in ("global_batch_size", "seq_len", "samples_consumed") if k in meta}
-    indexes = [f"rank{r}.json" for r in range(saved_world)]
+    indexes = [GLOBAL_INDEX] if GLOBAL_INDEX in listed else [f"rank{r}.json" for r in range(saved_world)]
     own_rng = f"rng-rank{rank}.safetensors" if saved_world == world_size else None
-    verify_files(path, ["config.toml", *indexes] + ([own_rng] if own_rng else []))
+    verify_files(path, ["config.toml", *indexes] + ([own_rng] if own_rng else []), listed)
     index: dict[str, dict[str, Any]] = {}
     steps: dict[str, float] = {}
     for name in indexes:
         part = _json_file(path / name)
         try:
+            if name == GLOBAL_INDEX:
+                index, steps = read_global_index(part)
+                continue
             merge_index(part, index)
             for k, v in part["steps"].items():
                 steps[k] = max(steps.get(k, 0.0), float(v))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CheckpointError(f"checkpoint file {path / name} is corrupted: {shown(e)}") from None
-    try:  # every piece file a listed file inside the checkpoint (its checksum: `Checkpointer.load`'s first rank)
-        index_files(path, index, checksums=False)
+    try:  # every piece file a path inside the checkpoint (its size and checksum: when a rank first reads it)
+        for name in {str(piece["file"]) for entry in index.values() for piece in entry["pieces"]}:
+            member(path, name)
     except PieceError as e:
         raise CheckpointError(str(e)) from None
     rng = None
@@ -337,7 +365,8 @@ def load_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> LoadedChe
             rng = load_file(str(path / own_rng))
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"checkpoint file {path / own_rng} is corrupted or unreadable: {e}") from None
-    return LoadedCheckpoint(path=path, state=state, reader=PieceReader(path, index), steps=steps, rng_state=rng,
+    reader = PieceReader(path, index, opened=lambda name: verify_manifest(path, [name], listed=listed))
+    return LoadedCheckpoint(path=path, state=state, reader=reader, steps=steps, rng_state=rng,
                             config_toml=(path / "config.toml").read_text(), world_size=saved_world, data=data)
 
 
@@ -428,6 +457,95 @@ def resumed_sampler(sampler: BatchSampler, loaded: LoadedCheckpoint, cfg: Config
                         start_sample=samples)
 
 
+def host_copies(pieces: list[Piece], reuse: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host copies of the pieces' tensors (pinned when they live on an accelerator, so that the copies run at full
+    speed), made now, before the next step changes the state; `reuse`: the copies of the previous save, whose
+    buffers are taken again when their shapes and dtypes still match."""
+    pin = device.type != "cpu"
+    out = []
+    for i, p in enumerate(pieces):
+        src = p.tensor.detach()
+        old = reuse[i] if i < len(reuse) else None
+        buf = old if old is not None and old.shape == src.shape and old.dtype == src.dtype else \
+            torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+        buf.copy_(src, non_blocking=pin)
+        out.append(buf)
+    if pin:
+        torch.accelerator.synchronize()
+    return out
+
+
+WRITER_NICENESS = 10  # of a background save's thread (Linux schedules threads apart): training keeps the CPU first
+
+
+class AsyncSave:
+    """One rank's part of a checkpoint written in the background, from host copies taken at the save: a thread
+    writes the rank's files (the same files, checksums and fsyncs as a synchronous save), then leaves the marker
+    `rankN.written` (or `rankN.failed` with its error) in the `.tmp` directory. On the logging rank the same thread
+    then waits for every rank's marker, removes the markers and finishes the checkpoint (trainer state, config,
+    index, manifest, COMPLETE last, the rename) and prunes: the atomic rules of a synchronous save, without a
+    collective, so that training's collectives go on meanwhile. A process killed meanwhile leaves a `.tmp`
+    directory, which no reader trusts."""
+
+    def __init__(self, owner: Checkpointer, step: int, tmp: Path, pieces: list[Piece], steps: dict[str, float],
+                 rng: dict[str, torch.Tensor], finish, prune: bool) -> None:
+        self.owner, self.step, self.tmp, self.pieces, self.steps, self.rng = owner, step, tmp, pieces, steps, rng
+        self.finish, self.prune = finish, prune
+        self.error = ""
+        self.written: Path | None = None
+        self.cancel = threading.Event()  # set by a stop: give the save up (between pieces) rather than finish it
+        self.thread = threading.Thread(target=self._run, name=f"fivefold-checkpoint-{step}", daemon=True)
+
+    def start(self) -> AsyncSave:
+        self.thread.start()
+        return self
+
+    def join(self) -> str:
+        """Wait for this rank's part; '' or its error line."""
+        self.thread.join()
+        return self.error
+
+    def _run(self) -> None:
+        rank, tmp = self.owner.rank, self.tmp
+        with contextlib.suppress(OSError, AttributeError):  # Linux: this thread yields the cores to training's
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+        try:
+            error = _os_error(lambda: write_rank_files(tmp, rank, self.pieces, self.steps, self.owner.engine.device,
+                                                       self.rng, cancelled=self.cancel.is_set))
+            self.pieces = []  # the host copies stay with the owner (reused), not with this save
+            marker = tmp / (f"rank{rank}.failed" if error else f"rank{rank}.written")
+            with contextlib.suppress(OSError):
+                marker.write_text(error)
+            if error or self.finish is None:
+                self.error = error
+                return
+            self.error = _os_error(self._finish) or self.error
+        except WriteCancelled:
+            return  # given up for a stop's save: its partial directory is removed there
+
+    def _finish(self) -> None:
+        """The logging rank: every rank's marker, then the shared files and the rename."""
+        timeout = self.owner.cfg.train.collective_timeout_s
+        deadline = time.monotonic() + timeout
+        for r in range(self.owner.world):
+            while not (self.tmp / f"rank{r}.written").exists():
+                if self.cancel.is_set():
+                    raise WriteCancelled(str(self.tmp))
+                if (self.tmp / f"rank{r}.failed").exists():
+                    raise OSError(errno.EIO, f"rank {r} could not write its part "
+                                  f"({(self.tmp / f'rank{r}.failed').read_text().strip() or 'no detail'})")
+                if time.monotonic() > deadline:
+                    raise OSError(errno.ETIMEDOUT, f"rank {r} did not write its part within "
+                                  f"train.collective_timeout_s = {timeout:g} s")
+                time.sleep(0.01)
+        for r in range(self.owner.world):
+            (self.tmp / f"rank{r}.written").unlink()
+        self.finish()
+        self.written = checkpoint_dir(self.owner.run_dir, self.step)
+        if self.prune:
+            self.owner._prune(self.written)
+
+
 class Checkpointer:
     """The checkpoint lifecycle of one run in `run_dir` (see the module docstring): load, fall back, restore, save,
     prune. `rank` of `world` ranks; `is_first` reports and sets aside what fails on load (the first rank of the
@@ -439,10 +557,12 @@ class Checkpointer:
         self.run_dir, self.engine, self.cfg = run_dir, engine, cfg
         self.rank, self.world, self.is_first = rank, world, is_first
         self.config_toml = dump_toml(cfg)  # the resolved config, as the run directory and every checkpoint keep it
+        self.in_flight: AsyncSave | None = None  # the asynchronous save being written (at most one)
+        self.host: list[torch.Tensor] = []  # its host copies, kept for the next save on accelerators (pinned)
 
     def load(self, candidates: list[Path]) -> LoadedCheckpoint | None:
-        """The newest of `candidates` (newest first) that every rank reads, verifies (the first rank every file,
-        the other ranks' shards included) and loads into the engine with finite values; newer ones that fail
+        """The newest of `candidates` (newest first) that every rank reads, verifies (each rank the files it reads)
+        and loads into the engine with finite values; newer ones that fail
         (a file, the manifest, the index, NaN or inf) are reported and set aside as `NAME.bad`. None when there is
         none at all; a CheckpointError listing the reasons when every one fails, or naming how the newest readable
         one does not match this run (model shapes, sequence length: nothing is set aside)."""
@@ -476,14 +596,12 @@ class Checkpointer:
         return bool(self.engine.agree(torch.tensor([float(bool(reason))], device=self.engine.device)).item())
 
     def _open(self, path: Path) -> tuple[LoadedCheckpoint | None, str]:
-        """The checkpoint at `path` opened for this rank (the first rank verifies every file), or why not."""
+        """The checkpoint at `path` opened for this rank (its small files verified; the piece files it reads are,
+        as it reads them), or why not."""
         try:
             if not (path / "COMPLETE").is_file():
                 raise CheckpointError(f"{path} has no COMPLETE marker (its save was interrupted)")
-            loaded = load_checkpoint(path, self.rank, self.world)
-            if self.is_first:
-                verify_files(path)
-            return loaded, ""
+            return load_checkpoint(path, self.rank, self.world), ""
         except CheckpointError as e:
             return None, str(e)
 
@@ -529,13 +647,19 @@ class Checkpointer:
         return ""
 
     def save(self, step: int, tokens_seen: int, samples_consumed: int, skipped: int = 0,
-             prune: bool = True) -> Path | None:
+             prune: bool = True, background: bool = False, stopping: bool = False) -> Path | None:
         """Write the checkpoint of `step` (`samples_consumed`: the data position after it; `skipped`: the run's
         steps skipped as non-finite so far), then prune the older ones unless `prune` is false (a checkpoint written
         amid skipped steps keeps them all). Nothing is written, and the older checkpoints stay, when the state is
-        not finite on some rank. Returns the new checkpoint's directory on the logging rank, else None."""
+        not finite on some rank. With `background` (and `train.async_checkpoint`), the state is copied to host
+        memory and written by a thread while training goes on (`AsyncSave`; `wait` collects it); the save in
+        flight, if any, is waited for first, or with `stopping` (a stop signal's save, which must fit the grace
+        before the process is killed) given up: the stop's own checkpoint is newer. Returns the new checkpoint's
+        directory on the logging rank once it is complete (None for one still being written, or on the other
+        ranks)."""
         engine, run_dir, t = self.engine, self.run_dir, self.cfg.train
         faults.note(step=step, micro_batch=None, action="checkpoint")
+        self.wait(abandon=stopping)
         state = TrainerState(step=step, tokens_seen=tokens_seen, skipped_steps=skipped,
                              lr_phases=[tuple(p) for p in engine.lr_schedule.phases])
         pieces, steps = engine.state_pieces()  # views of this rank's weights and AdamW state, nothing gathered
@@ -547,8 +671,18 @@ class Checkpointer:
         tmp = checkpoint_dir(run_dir, step).with_name(checkpoint_dir(run_dir, step).name + ".tmp")
         data = {"global_batch_size": t.global_batch_size, "seq_len": t.seq_len, "samples_consumed": samples_consumed}
         written: list[Path] = []
+        error = _os_error(lambda: begin_checkpoint(run_dir, step) if engine.is_logging_rank else None)
+        if self._failed(error):
+            raise self._write_failed(step, tmp, error)
+        if background and t.async_checkpoint:
+            rng = _rng_state(engine.device)
+            self.host = host_copies(pieces, self.host, engine.device)
+            copies = [Piece(p.name, p.shape, p.offsets, h) for p, h in zip(pieces, self.host, strict=True)]
+            finish = (lambda: finish_checkpoint(tmp, state, self.config_toml, self.world, data)) \
+                if engine.is_logging_rank else None
+            self.in_flight = AsyncSave(self, step, tmp, copies, steps, rng, finish, prune).start()
+            return None
         stages = [  # each stage on every rank, then an agreement (the barrier) that no rank failed
-            lambda: begin_checkpoint(run_dir, step) if engine.is_logging_rank else None,
             lambda: write_rank_files(tmp, self.rank, pieces, steps, engine.device),
             lambda: written.append(finish_checkpoint(tmp, state, self.config_toml, self.world, data))
             if engine.is_logging_rank else None,
@@ -558,12 +692,36 @@ class Checkpointer:
             if self._failed(error):
                 raise self._write_failed(step, tmp, error)
         if engine.is_logging_rank and prune:
-            error = _os_error(lambda: prune_checkpoints(run_dir, t.keep_checkpoints))
-            if error:
-                print(f"fivefold: warning: could not delete older checkpoints ({error}); the new checkpoint "
-                      f"{written[0].name} is complete", file=sys.stderr)
+            self._prune(written[0])
         engine.barrier()
         return written[0] if written else None
+
+    def _prune(self, newest: Path) -> None:
+        error = _os_error(lambda: prune_checkpoints(self.run_dir, self.cfg.train.keep_checkpoints))
+        if error:
+            print(f"fivefold: warning: could not delete older checkpoints ({error}); the new checkpoint "
+                  f"{newest.name} is complete", file=sys.stderr)
+
+    def wait(self, abandon: bool = False) -> Path | None:
+        """Wait for the asynchronous save in flight, if any (collective: every rank calls it at the same point), and
+        agree on its outcome: a CheckpointWriteError when some rank failed (its partial files removed). With
+        `abandon`, the save is given up between two pieces instead (unless it finished first) and its partial
+        directory removed. Returns the finished checkpoint's directory on the logging rank, else None."""
+        save, self.in_flight = self.in_flight, None
+        if save is None:
+            return None
+        if abandon:
+            save.cancel.set()
+        error = save.join()
+        if self.engine.device.type == "cpu":  # there the copy is the save's only extra memory: released between saves
+            self.host = []  # (on accelerators the pinned copies are kept for the next save: pinning is slow)
+        if self._failed(error):
+            raise self._write_failed(save.step, save.tmp, error)
+        if abandon:  # every rank's thread has ended: nothing writes there any more
+            if self.engine.is_logging_rank and save.written is None:
+                shutil.rmtree(save.tmp, ignore_errors=True)
+            self.engine.barrier()
+        return save.written
 
     def _write_failed(self, step: int, tmp: Path, error: str) -> CheckpointWriteError:
         """After a failed save (on some rank): the partial checkpoint removed, so that it holds no space, and the

@@ -419,10 +419,18 @@ class Run:
         self.result.val_losses[step] = val
         self.log({"step": step, "val_loss": val})
 
-    def save(self, step: int, counts: GuardState) -> None:
-        """The checkpoint of `step`, with the guard's `counts` after it; prunes nothing amid skipped steps."""
+    def save(self, step: int, counts: GuardState, background: bool = False, stopping: bool = False) -> None:
+        """The checkpoint of `step`, with the guard's `counts` after it; prunes nothing amid skipped steps.
+        `background`: written while training goes on (`train.async_checkpoint`; `saved` collects it); `stopping`: a
+        stop signal's, which gives up a background save in flight rather than wait for it."""
         written = self.checkpointer.save(step, self.tokens_seen, self.sampler.samples_before(step), counts.skipped,
-                                         prune=counts.bad_run == 0)
+                                         prune=counts.bad_run == 0, background=background, stopping=stopping)
+        if written is not None:
+            self.result.checkpoint = written
+
+    def saved(self) -> None:
+        """Wait for the checkpoint being written in the background, if any (collective)."""
+        written = self.checkpointer.wait()
         if written is not None:
             self.result.checkpoint = written
 
@@ -462,6 +470,7 @@ class Run:
                 result.steps = done
                 if self.after_step(done, to_log is not None, signals):
                     break
+            self.saved()
         return time.perf_counter() - loop_start
 
     def step(self, step: int, signals: StopSignals) -> tuple[torch.Tensor, float, torch.Tensor] | None:
@@ -559,7 +568,7 @@ class Run:
         result, run_dir = self.result, self.run_dir
         now = self.guard.read(current=True)
         result.skipped_steps = now.skipped
-        self.save(done, now)
+        self.save(done, now, stopping=True)
         result.stopped, result.exit_code = signals.name, 128 + signals.number
         if self.engine.is_logging_rank:
             world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -575,7 +584,7 @@ class Run:
             self.validate(done)
         now = self.guard.read(current=True)
         result.skipped_steps = now.skipped
-        self.save(done, now)
+        self.save(done, now, background=done != t.max_steps)  # the last one complete before the run ends
         if done == t.max_steps and now.bad_run:
             result.stopped, result.exit_code = "non-finite", EXIT_NON_FINITE
             if self.engine.is_logging_rank:

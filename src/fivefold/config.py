@@ -86,6 +86,7 @@ def nearest_divisors(n: int, value: int, k: int = 3) -> list[int]:
 
 MLP_KINDS = ("swiglu", "gelu")
 ATTN_MASKS = ("causal", "document")  # model.attn_mask (fivefold.models.masking)
+MOE_IMPLS = ("grouped", "padded")  # model.moe_impl (fivefold.models.llama.MoE)
 
 
 @dataclass
@@ -117,6 +118,10 @@ class ModelConfig:
     moe_ffn: int = 0  # hidden size of one expert; 0 means `ffn`
     aux_loss_coef: float = 0.01
     capacity_factor: float = 0.0  # 0 = dropless; > 0 = capacity-based routing that drops overflow
+    # how the routed experts run: "grouped" (tokens sorted by expert on the device, one grouped matmul, no padding,
+    # no host read of the counts without expert parallel) or "padded" (one batched matmul over [experts, busiest
+    # expert's tokens, hidden], sized by a host read; kept for side-by-side comparison)
+    moe_impl: str = "grouped"
     # the MLP: "swiglu" (gate, up, down; Llama, what the engine builds) or "gelu" (up, GELU, down; GPT-2/NeoX,
     # modelled by the planner only)
     mlp: str = "swiglu"
@@ -189,6 +194,8 @@ class ModelConfig:
             _require(self.n_shared_experts >= 0, f"{prefix}.n_shared_experts", self.n_shared_experts, "must be >= 0")
             _require(self.moe_ffn >= 0, f"{prefix}.moe_ffn", self.moe_ffn, "must be >= 0 (0 means ffn)")
             _require(self.aux_loss_coef >= 0, f"{prefix}.aux_loss_coef", self.aux_loss_coef, "must be >= 0")
+            _require(self.moe_impl in MOE_IMPLS, f"{prefix}.moe_impl", self.moe_impl,
+                     f"must be one of {', '.join(MOE_IMPLS)}")
             _require(
                 self.capacity_factor == 0 or self.capacity_factor >= 1.0, f"{prefix}.capacity_factor",
                 self.capacity_factor, "must be 0 (dropless) or >= 1.0",

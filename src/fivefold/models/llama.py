@@ -8,6 +8,7 @@ layer may be `None`, so that a pipeline stage is this same class with some parts
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 
@@ -177,11 +178,22 @@ class MLP(nn.Module):
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts held as one batched weight, plus optional shared experts.
 
-    Tokens are sorted by expert and packed into an [experts, capacity, hidden] tensor so that all
-    experts run as one batched matmul (no Python loop over experts). Dropless routing sizes the
-    capacity to the busiest expert; capacity-based routing fixes it to
-    `capacity_factor * tokens * top_k / experts` and drops the overflow (counted in `drop_fraction`).
-    The Switch-Transformer load-balancing loss is kept in `aux_loss` after each forward.
+    Two implementations of the routed experts (`model.moe_impl`):
+
+    - "grouped" (the default): the routed slots are sorted by expert on the device (a stable argsort of the expert
+      indices; the per-expert counts stay on the device), the experts run as one grouped matmul over the sorted
+      rows (`torch.nn.functional.grouped_mm` where it runs for the device and dtype, see `grouped_mm_runs`; else
+      a loop over the experts that reads their offsets on the host once), and the outputs are scattered back to
+      their tokens by `index_add_`. No padding and, with `grouped_mm`, no host read: the forward and backward of
+      a layer never wait for the device.
+    - "padded" (the earlier prototype, kept for comparison): tokens are packed into an [experts, capacity, hidden]
+      tensor, capacity sized by a host read of the busiest expert's count, and run as one batched matmul.
+
+    Dropless routing keeps every slot. Capacity-based routing (`capacity_factor > 0`) gives each expert
+    `capacity_factor * tokens * top_k / experts` places in token order and drops the overflow (counted in
+    `drop_fraction`); the grouped implementation still computes the dropped slots and weighs them by zero, so
+    that the shapes never depend on the drops. The Switch-Transformer load-balancing loss is kept in `aux_loss`
+    after each forward.
     """
 
     # `fivefold train --only-rank` only (`force_balanced_routing`): every expert gets the same number of slots
@@ -191,6 +203,7 @@ class MoE(nn.Module):
         super().__init__()
         h, f, e = cfg.hidden, cfg.expert_ffn, cfg.n_experts
         self.n_experts, self.top_k, self.capacity_factor = e, cfg.top_k, cfg.capacity_factor
+        self.impl = cfg.moe_impl
         self.init_std = cfg.init_std
         self.router = nn.Linear(h, e, bias=False)
         self.w_gate = nn.Parameter(torch.empty(e, h, f))
@@ -199,6 +212,10 @@ class MoE(nn.Module):
         self.shared = MLP(h, f * cfg.n_shared_experts) if cfg.n_shared_experts else None
         self.aux_loss: torch.Tensor | None = None
         self.drop_fraction: torch.Tensor | None = None
+        # host-read count tables of an expert-parallel dispatch, kept by a recomputed forward for its recomputation
+        # (`fivefold.parallel.recompute`): appended to while recording, taken from while replaying
+        self.recorded_counts: list | None = None
+        self.replayed_counts: list | None = None
 
     def reset_parameters(self) -> None:
         for w in (self.w_gate, self.w_up, self.w_down):
@@ -213,7 +230,7 @@ class MoE(nn.Module):
         else:
             weights, experts = probs.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
-        slot_counts = torch.bincount(experts.reshape(-1), minlength=self.n_experts).float()
+        slot_counts = expert_counts(experts.reshape(-1), self.n_experts).float()
         self.aux_loss = self.load_balancing_loss(slot_counts, probs.sum(0), x.shape[0])
         return experts, weights.to(x.dtype)
 
@@ -229,7 +246,7 @@ class MoE(nn.Module):
         the last tokens that chose an over-full expert. Context parallel replaces this method to count
         positions over the whole sequence."""
         n_experts = self.n_experts
-        counts = torch.bincount(flat_expert, minlength=n_experts)
+        counts = expert_counts(flat_expert, n_experts)
         order = flat_expert.argsort(stable=True)
         starts = torch.cumsum(counts, 0) - counts
         slot = torch.empty_like(flat_expert)
@@ -243,6 +260,25 @@ class MoE(nn.Module):
         """All experts on their packed tokens: [experts, capacity, hidden] -> same shape."""
         hidden = F.silu(torch.bmm(packed, self.w_gate)) * torch.bmm(packed, self.w_up)
         return torch.bmm(hidden, self.w_down)
+
+    def grouped_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts on `rows` [slots, hidden] sorted by expert, `counts[e]` (on the device) of them for expert e
+        -> [slots, hidden]. In autocast's dtype when it is on (as the batched matmuls would be)."""
+        device_type = rows.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else rows.dtype
+        rows = rows.to(dtype)
+        w_gate, w_up, w_down = (w.to(dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        if grouped_mm_runs(device_type, dtype, w_gate.shape[1], w_gate.shape[2]):
+            ends = torch.cumsum(counts, 0, dtype=torch.int32)  # grouped_mm's offsets: the end row of each group
+            hidden = F.silu(F.grouped_mm(rows, w_gate, offs=ends)) * F.grouped_mm(rows, w_up, offs=ends)
+            return F.grouped_mm(hidden, w_down, offs=ends)
+        # without grouped_mm: one matmul per expert on its slice, the slice bounds read on the host once
+        bounds = [0, *torch.cumsum(counts, 0).tolist()]
+        outs = []
+        for e in range(counts.numel()):
+            part = rows[bounds[e]:bounds[e + 1]]
+            outs.append((F.silu(part @ w_gate[e]) * (part @ w_up[e])) @ w_down[e])
+        return torch.cat(outs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -262,11 +298,38 @@ class MoE(nn.Module):
         kept = keep.nonzero().squeeze(1)  # slot index = token * top_k + choice
         return kept, slot[kept], capacity
 
+    def kept_mask(self, flat_expert: torch.Tensor, rows: int) -> torch.Tensor | None:
+        """Which routed slots fit their expert's capacity (None when routing is dropless), without reading
+        anything on the host; records `drop_fraction`."""
+        if self.capacity_factor <= 0:
+            self.drop_fraction = flat_expert.new_zeros((), dtype=torch.float32)
+            return None
+        slot, capacity = self.expert_slots(flat_expert, rows)
+        keep = slot < capacity
+        self.drop_fraction = 1.0 - keep.float().mean()
+        return keep
+
     def dispatch_combine(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                          rows: int = 1) -> torch.Tensor:
+        """Run the routed experts on the tokens of `x` [tokens, hidden] and sum each token's expert outputs scaled
+        by its routing weights, by `model.moe_impl`. Expert parallel replaces this method with a dispatch over the
+        ep ranks."""
+        if self.impl == "padded":
+            return self.padded_dispatch_combine(x, experts, weights, rows)
+        flat = experts.reshape(-1)
+        keep = self.kept_mask(flat, rows)
+        order = flat.argsort(stable=True)  # slot index = token * top_k + choice, grouped by expert
+        token = order // self.top_k
+        out = self.grouped_experts(x[token], expert_counts(flat, self.n_experts))
+        contrib = out.to(x.dtype) * weights.reshape(-1)[order].unsqueeze(-1)
+        if keep is not None:  # dropped slots were computed, like the others, and count for nothing
+            contrib = torch.where(keep[order].unsqueeze(-1), contrib, 0.0)
+        return x.new_zeros(x.shape).index_add_(0, token, contrib)
+
+    def padded_dispatch_combine(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                                rows: int = 1) -> torch.Tensor:
         """Pack the tokens of `x` [tokens, hidden] by expert into [experts, capacity, hidden], run the experts as
-        one batched matmul, and sum each token's expert outputs scaled by its routing weights. Expert
-        parallel replaces this method with a dispatch over the ep ranks."""
+        one batched matmul, and sum each token's expert outputs scaled by its routing weights."""
         kept, slot, capacity = self.kept_slots(experts, rows)
         expert, src_token = experts.reshape(-1)[kept], kept // self.top_k
         packed = x.new_zeros(self.n_experts, capacity, x.shape[1])
@@ -274,6 +337,32 @@ class MoE(nn.Module):
         result = self.experts_forward(packed)
         contrib = result[expert, slot] * weights.reshape(-1)[kept].unsqueeze(-1)
         return x.new_zeros(x.shape).index_add_(0, src_token, contrib)
+
+
+def expert_counts(flat_expert: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """How many of the routed slots `flat_expert` went to each of the `n_experts` experts, on the device and without
+    a host read (`torch.bincount` reads the largest index on the host on accelerators)."""
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat_expert.device)
+    return counts.index_add_(0, flat_expert, torch.ones_like(flat_expert))
+
+
+@functools.cache
+def grouped_mm_runs(device_type: str, dtype: torch.dtype, hidden: int, ffn: int) -> bool:
+    """Whether `torch.nn.functional.grouped_mm` exists in this PyTorch and runs for experts of this shape and dtype
+    on this device type (tried once on two tiny groups, with and without an empty one). It is public from
+    PyTorch 2.10; on accelerators its kernels take some dtypes only (bf16) and rows aligned to 16 bytes."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    device = torch.device(device_type, torch.accelerator.current_device_index()) if device_type != "cpu" else "cpu"
+    try:
+        with torch.no_grad():
+            rows = torch.zeros(4, hidden, dtype=dtype, device=device)
+            weights = torch.zeros(2, hidden, ffn, dtype=dtype, device=device)
+            for ends in ((2, 4), (0, 4)):
+                F.grouped_mm(rows, weights, offs=torch.tensor(ends, dtype=torch.int32, device=device))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
 
 
 def balanced_experts(tokens: int, top_k: int, n_experts: int, device: torch.device) -> torch.Tensor:

@@ -87,6 +87,8 @@ def nearest_divisors(n: int, value: int, k: int = 3) -> list[int]:
 MLP_KINDS = ("swiglu", "gelu")
 ATTN_MASKS = ("causal", "document")  # model.attn_mask (fivefold.models.masking)
 MOE_IMPLS = ("grouped", "padded")  # model.moe_impl (fivefold.models.llama.MoE)
+ROUTER_SCORES = ("softmax", "sigmoid")  # model.router_scores
+AUX_LOSSES = ("switch", "sequence")  # model.aux_loss
 
 
 @dataclass
@@ -122,6 +124,18 @@ class ModelConfig:
     # no host read of the counts without expert parallel) or "padded" (one batched matmul over [experts, busiest
     # expert's tokens, hidden], sized by a host read; kept for side-by-side comparison)
     moe_impl: str = "grouped"
+    # the router's scores: "softmax" over the experts (Mixtral, Qwen, OLMoE) or an independent "sigmoid" per expert
+    # (DeepSeek-V3); norm_topk divides a token's top-k scores by their sum (its routing weights then add up to 1)
+    router_scores: str = "softmax"
+    norm_topk: bool = True
+    # the load-balancing loss weighted by aux_loss_coef: "switch" (Switch Transformer, over the micro-batch's tokens)
+    # or "sequence" (DeepSeek-V3's sequence-wise loss: the same product within each sequence, averaged over them)
+    aux_loss: str = "switch"
+    router_z_loss_coef: float = 0.0  # ST-MoE's router z-loss: mean over tokens of logsumexp(router logits)^2
+    # auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores to choose the top-k (not to
+    # weigh them), moved by this rate after each optimizer step towards the mean load (b_e += rate * sign(mean load -
+    # load_e), the loads of the whole global batch); 0 = off
+    bias_update_rate: float = 0.0
     # the MLP: "swiglu" (gate, up, down; Llama, what the engine builds) or "gelu" (up, GELU, down; GPT-2/NeoX,
     # modelled by the planner only)
     mlp: str = "swiglu"
@@ -196,6 +210,14 @@ class ModelConfig:
             _require(self.aux_loss_coef >= 0, f"{prefix}.aux_loss_coef", self.aux_loss_coef, "must be >= 0")
             _require(self.moe_impl in MOE_IMPLS, f"{prefix}.moe_impl", self.moe_impl,
                      f"must be one of {', '.join(MOE_IMPLS)}")
+            _require(self.router_scores in ROUTER_SCORES, f"{prefix}.router_scores", self.router_scores,
+                     f"must be one of {', '.join(ROUTER_SCORES)}")
+            _require(self.aux_loss in AUX_LOSSES, f"{prefix}.aux_loss", self.aux_loss,
+                     f"must be one of {', '.join(AUX_LOSSES)}")
+            _require(self.router_z_loss_coef >= 0, f"{prefix}.router_z_loss_coef", self.router_z_loss_coef,
+                     "must be >= 0 (0 = off; ST-MoE used 0.001)")
+            _require(self.bias_update_rate >= 0, f"{prefix}.bias_update_rate", self.bias_update_rate,
+                     "must be >= 0 (0 = off; DeepSeek-V3 used 0.001)")
             _require(
                 self.capacity_factor == 0 or self.capacity_factor >= 1.0, f"{prefix}.capacity_factor",
                 self.capacity_factor, "must be 0 (dropless) or >= 1.0",

@@ -204,6 +204,8 @@ class MoE(nn.Module):
         h, f, e = cfg.hidden, cfg.expert_ffn, cfg.n_experts
         self.n_experts, self.top_k, self.capacity_factor = e, cfg.top_k, cfg.capacity_factor
         self.impl = cfg.moe_impl
+        self.router_scores, self.norm_topk, self.aux_loss_kind = cfg.router_scores, cfg.norm_topk, cfg.aux_loss
+        self.router_z_loss_coef, self.bias_update_rate = cfg.router_z_loss_coef, cfg.bias_update_rate
         self.init_std = cfg.init_std
         self.router = nn.Linear(h, e, bias=False)
         self.w_gate = nn.Parameter(torch.empty(e, h, f))
@@ -211,7 +213,12 @@ class MoE(nn.Module):
         self.w_down = nn.Parameter(torch.empty(e, f, h))
         self.shared = MLP(h, f * cfg.n_shared_experts) if cfg.n_shared_experts else None
         self.aux_loss: torch.Tensor | None = None
+        self.z_loss: torch.Tensor | None = None
         self.drop_fraction: torch.Tensor | None = None
+        if cfg.bias_update_rate > 0:  # the balancing bias (not a parameter: no gradient) and the step's loads; not
+            # in the state dict yet, so a resumed run starts its bias from zero again
+            self.register_buffer("expert_bias", torch.zeros(e), persistent=False)
+            self.register_buffer("expert_load", torch.zeros(e, dtype=torch.int64), persistent=False)
         # host-read count tables of an expert-parallel dispatch, kept by a recomputed forward for its recomputation
         # (`fivefold.parallel.recompute`): appended to while recording, taken from while replaying
         self.recorded_counts: list | None = None
@@ -220,25 +227,53 @@ class MoE(nn.Module):
     def reset_parameters(self) -> None:
         for w in (self.w_gate, self.w_up, self.w_down):
             nn.init.normal_(w, std=self.init_std)
+        for buffer in self.buffers():
+            buffer.zero_()
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k expert indices and their renormalised weights for tokens `x` [tokens, hidden]."""
-        probs = F.softmax(self.router(x).float(), dim=-1)
+    def route(self, x: torch.Tensor, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k expert indices and their weights for tokens `x` [tokens, hidden] of `rows` sequences (by
+        `model.router_scores` and `norm_topk`, chosen with the balancing bias when `bias_update_rate > 0`);
+        records the load-balancing loss (`aux_loss`), the router z-loss (`z_loss`) and the step's expert loads."""
+        logits = self.router(x).float()
+        scores = F.softmax(logits, dim=-1) if self.router_scores == "softmax" else torch.sigmoid(logits)
         if self.balanced_routing:
             experts = balanced_experts(x.shape[0], self.top_k, self.n_experts, x.device)
-            weights = probs.gather(1, experts)
-        else:
-            weights, experts = probs.topk(self.top_k, dim=-1)
-        weights = weights / weights.sum(-1, keepdim=True)
-        slot_counts = expert_counts(experts.reshape(-1), self.n_experts).float()
-        self.aux_loss = self.load_balancing_loss(slot_counts, probs.sum(0), x.shape[0])
+        else:  # the bias only chooses: the weights are the scores themselves
+            choice = scores + self.expert_bias if self.bias_update_rate > 0 else scores
+            experts = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        # per sequence and expert: routed slots and the sums of the scores normalised over the experts
+        row_of_slot = torch.arange(x.shape[0], device=x.device).div(x.shape[0] // rows, rounding_mode="floor")
+        slot_counts = expert_counts((row_of_slot.unsqueeze(1) * self.n_experts + experts).reshape(-1),
+                                    rows * self.n_experts).view(rows, self.n_experts)
+        probs = scores if self.router_scores == "softmax" else scores / scores.sum(-1, keepdim=True)
+        self.aux_loss = self.load_balancing_loss(slot_counts.float(), probs.view(rows, -1, self.n_experts).sum(1),
+                                                 x.shape[0])
+        self.z_loss = torch.logsumexp(logits, dim=-1).square().mean() if self.router_z_loss_coef > 0 else None
+        if self.bias_update_rate > 0 and torch.is_grad_enabled() and self.replayed_counts is None:
+            self.expert_load += slot_counts.sum(0)  # training forwards only, once (not again when recomputed)
         return experts, weights.to(x.dtype)
 
     def load_balancing_loss(self, slot_counts: torch.Tensor, prob_sums: torch.Tensor, tokens: int) -> torch.Tensor:
-        """Switch load balancing over `tokens` tokens: E * sum_e (fraction of routed slots that went to e) *
-        (mean router probability of e), from the slot counts and probability sums per expert. Context parallel
-        replaces this method to sum the statistics over the micro-batch's cp ranks first."""
-        return self.n_experts * (slot_counts / (tokens * self.top_k) * (prob_sums / tokens)).sum()
+        """The load-balancing loss over `tokens` tokens of `rows` sequences, from the routed slot counts and the
+        normalised score sums per sequence and expert ([rows, experts] each). Switch: E * sum_e (fraction of the
+        routed slots that went to e) * (mean score of e), over all the tokens; sequence-wise: the same within each
+        sequence, averaged over the sequences. Context parallel replaces this method to sum the statistics over
+        the micro-batch's cp ranks first."""
+        if self.aux_loss_kind == "switch":
+            slot_counts, prob_sums = slot_counts.sum(0, keepdim=True), prob_sums.sum(0, keepdim=True)
+        row_tokens = tokens / slot_counts.shape[0]
+        per_row = (slot_counts / (row_tokens * self.top_k) * (prob_sums / row_tokens)).sum(-1)
+        return self.n_experts * per_row.mean()
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor) -> None:
+        """Move the balancing bias towards the mean load by `bias_update_rate` (DeepSeek-V3's auxiliary-loss-free
+        balancing) from the expert loads `load` of a step, and start counting the next step's."""
+        self.expert_bias += self.bias_update_rate * torch.sign(load.float().mean() - load.float())
+        self.expert_load.zero_()
 
     def expert_slots(self, flat_expert: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
         """(position of each routed slot in its expert's queue, capacity) for the slots `flat_expert` [tokens *
@@ -283,7 +318,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        experts, weights = self.route(x)
+        experts, weights = self.route(x, shape[0])
         out = self.dispatch_combine(x, experts, weights, rows=shape[0])
         if self.shared is not None:
             out = out + self.shared(x)
@@ -435,6 +470,8 @@ class Llama(nn.Module):
             if local.numel() == 0:
                 continue
             local.copy_(initial_values(self.cfg, name, shapes[name], seed, region).to(local.dtype))
+        for buffer in self.buffers():  # the MoE balancing bias and expert loads start at zero
+            buffer.zero_()
 
     def rope(self, seq_len: int, device: torch.device, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(offset, offset + seq_len, device=device)
@@ -499,6 +536,16 @@ class Llama(nn.Module):
         drops = [b.mlp.drop_fraction for b in self.layers.values()
                  if isinstance(b.mlp, MoE) and b.mlp.drop_fraction is not None]
         return torch.stack(drops).mean() if drops else None
+
+    def moe_router_loss(self) -> torch.Tensor | None:
+        """The MoE layers' router losses from the last forward, weighted: `aux_loss_coef` times the summed
+        load-balancing losses plus `router_z_loss_coef` times the summed z-losses (None for dense models)."""
+        aux = self.moe_aux_loss()
+        if aux is None:
+            return None
+        z_losses = [b.mlp.z_loss for b in self.layers.values() if isinstance(b.mlp, MoE) and b.mlp.z_loss is not None]
+        loss = self.cfg.aux_loss_coef * aux
+        return loss + self.cfg.router_z_loss_coef * torch.stack(z_losses).sum() if z_losses else loss
 
     def moe_aux_loss(self) -> torch.Tensor | None:
         """Sum of the MoE layers' load-balancing losses from the last forward (None for dense models)."""

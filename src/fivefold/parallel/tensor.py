@@ -176,7 +176,7 @@ class TensorParallelMoE(MoE):
         x = enter_tp_region(x, group, self.sequence_parallel)
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        experts, weights = self.route(grad_on_first_rank(x, group))
+        experts, weights = self.route(grad_on_first_rank(x, group), shape[0])
         # the weights scale partial expert outputs, so their gradient is partial too: f sums it
         out = self.dispatch_combine(x, experts, copy_to_tp(weights, group), rows=shape[0])
         if self.shared is not None:

@@ -96,6 +96,8 @@ BAD_INPUTS: list[tuple[str, str]] = [
     ("model.router_scores", "train --model.n_experts 4 --model.router_scores tanh"),
     ("model.moe_impl", "train --model.n_experts 4 --model.moe_impl dense"),
     ("layout.ep", "train --nproc 4 --model.n_experts 6 --layout.dp 4 --layout.ep 4"),
+    ("model.qk_norm", "train --model.qk_norm rms"),
+    ("layout.tp", "train --nproc 2 --layout.tp 2 --model.qk_norm full"),
     ("model.rope_scaling", 'train --model.rope_scaling {"factor":2}'),
     ("model.rope_scaling", "train --model.rope_scaling notjson"),
     ("nosuch", "train --preset nosuch"),

@@ -185,6 +185,8 @@ def test_tensor_and_sequence_parallel_and_recompute_match_one_process():
         {"layout.tp": "2"},
         {"layout.tp": "2", "layout.sp": "true", "layout.recompute": "full"},
         {"layout.tp": "2", **MOE},
+        # Qwen3's per-head query/key norms: each tp rank normalises its heads with the same weight
+        {"layout.tp": "2", "layout.sp": "true", "model.qk_norm": "head", **MOE},
     ], world_size=2)
 
 

@@ -89,6 +89,7 @@ ATTN_MASKS = ("causal", "document")  # model.attn_mask (fivefold.models.masking)
 MOE_IMPLS = ("grouped", "padded")  # model.moe_impl (fivefold.models.llama.MoE)
 ROUTER_SCORES = ("softmax", "sigmoid")  # model.router_scores
 AUX_LOSSES = ("switch", "sequence")  # model.aux_loss
+QK_NORMS = ("none", "head", "full")  # model.qk_norm
 
 
 @dataclass
@@ -144,6 +145,9 @@ class ModelConfig:
     attn_mask: str = "causal"
     # each token attends to itself and the sliding_window - 1 tokens before it (Mistral's convention); 0 = off
     sliding_window: int = 0
+    # RMSNorm of the queries and keys before the rotary embedding: "head" normalises each head (Qwen3, one weight of
+    # head_dim shared by the heads), "full" the whole projection (OLMoE, weights of heads x head_dim); "none": Llama
+    qk_norm: str = "none"
 
     @property
     def head_dim(self) -> int:
@@ -189,6 +193,7 @@ class ModelConfig:
         _require(self.mlp in MLP_KINDS, f"{prefix}.mlp", self.mlp, f"must be one of {', '.join(MLP_KINDS)}")
         _require(self.attn_mask in ATTN_MASKS, f"{prefix}.attn_mask", self.attn_mask,
                  f"must be one of {', '.join(ATTN_MASKS)}")
+        _require(self.qk_norm in QK_NORMS, f"{prefix}.qk_norm", self.qk_norm, f"must be one of {', '.join(QK_NORMS)}")
         _require(self.sliding_window >= 0, f"{prefix}.sliding_window", self.sliding_window,
                  "must be >= 1 (tokens each query sees, itself included), or 0 for no window")
         _require(self.rope_theta > 0, f"{prefix}.rope_theta", self.rope_theta, "must be > 0")

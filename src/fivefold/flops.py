@@ -30,9 +30,16 @@ def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
         "embedding": cfg.vocab_size * h,
         "attention": cfg.n_layers * attn,
         "mlp": cfg.n_layers * mlp,
-        "norms": cfg.n_layers * 2 * h + h,
+        "norms": cfg.n_layers * (2 * h + qk_norm_params(cfg)) + h,
         "lm_head": 0 if cfg.tied_embeddings else cfg.vocab_size * h,
     }
+
+
+def qk_norm_params(cfg: ModelConfig) -> int:
+    """The query and key norms' weights of one layer (`model.qk_norm`)."""
+    if cfg.qk_norm == "head":
+        return 2 * cfg.head_dim
+    return (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim if cfg.qk_norm == "full" else 0
 
 
 def count_params(cfg: ModelConfig) -> int:

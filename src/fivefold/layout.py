@@ -125,6 +125,11 @@ def tensor_parallel_problem(model: ModelConfig, tp: int, field: str = "layout.tp
         checks.append(("model.moe_ffn" if model.moe_ffn else "model.ffn (the expert ffn)", model.expert_ffn))
     else:
         checks.append(("model.ffn", model.ffn))
+    if model.qk_norm == "full" and tp > 1:
+        return LayoutProblem(
+            "tp splits the heads that a whole-projection query/key norm spans",
+            f"{field} = {tp} with model.qk_norm = 'full': the norm spans every head of the projection, which tensor "
+            "parallelism splits over the tp ranks; use layout.tp = 1 (qk_norm = 'head' splits)")
     for name, value in checks:
         if value % tp:
             return LayoutProblem(

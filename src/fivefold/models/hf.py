@@ -27,7 +27,12 @@ from fivefold.models.llama import build_model
 LLAMA_ARCH = "LlamaForCausalLM"
 MIXTRAL_ARCH = "MixtralForCausalLM"
 MISTRAL_ARCH = "MistralForCausalLM"  # Llama's weights and blocks with a sliding window (`sliding_window`)
-_MODEL_TYPES = {"llama": LLAMA_ARCH, "mixtral": MIXTRAL_ARCH, "mistral": MISTRAL_ARCH}
+QWEN3_MOE_ARCH = "Qwen3MoeForCausalLM"  # Mixtral's routing with per-head query/key norms, top-k normalisation optional
+OLMOE_ARCH = "OlmoeForCausalLM"  # the same with query/key norms over the whole projections
+_MODEL_TYPES = {"llama": LLAMA_ARCH, "mixtral": MIXTRAL_ARCH, "mistral": MISTRAL_ARCH, "qwen3_moe": QWEN3_MOE_ARCH,
+                "olmoe": OLMOE_ARCH}
+_MOE_ARCHS = (MIXTRAL_ARCH, QWEN3_MOE_ARCH, OLMOE_ARCH)
+_QK_NORMS = {QWEN3_MOE_ARCH: "head", OLMOE_ARCH: "full"}  # model.qk_norm of each architecture (else "none")
 _ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # tensors that older HF checkpoints carry but that are recomputed, not learned
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -60,10 +65,10 @@ def _architecture(hf: dict[str, Any]) -> str:
         arch = archs[0]
     else:
         arch = _MODEL_TYPES.get(str(hf.get("model_type", "")), str(hf.get("model_type")))
-    if arch not in (LLAMA_ARCH, MIXTRAL_ARCH, MISTRAL_ARCH):
+    if arch not in _MODEL_TYPES.values():
         raise ConfigError(
-            f"Hugging Face architecture {shown(arch)} is not supported; fivefold reads {LLAMA_ARCH}, {MISTRAL_ARCH} "
-            f"and {MIXTRAL_ARCH}"
+            f"Hugging Face architecture {shown(arch)} is not supported; fivefold reads "
+            f"{', '.join(_MODEL_TYPES.values())}"
         )
     return arch
 
@@ -122,8 +127,9 @@ def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None =
             f"Hugging Face sliding_window = {hf['sliding_window']} is not read for {LLAMA_ARCH}, which attends to "
             f"the whole causal context (use null, or {MISTRAL_ARCH} for a windowed model)"
         )
+    _refuse_unsupported_moe_features(hf, arch)
     theta, scaling = _rope_settings(hf)
-    is_mixtral = arch == MIXTRAL_ARCH
+    is_mixtral = arch in _MOE_ARCHS
     cfg = ModelConfig(
         name=name or str(hf.get("_name_or_path") or ("hf-mixtral" if is_mixtral else "hf-llama")),
         n_layers=int(hf["num_hidden_layers"]),
@@ -141,17 +147,41 @@ def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None =
         sliding_window=int(hf.get("sliding_window") or 0),
     )
     if is_mixtral:
-        cfg.n_experts = int(hf.get("num_local_experts", 8))
+        cfg.n_experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 8)
         cfg.top_k = int(hf.get("num_experts_per_tok", 2))
         cfg.n_shared_experts = 0
-        cfg.moe_ffn = 0
-        cfg.capacity_factor = 0.0  # Mixtral routing is dropless
+        expert_ffn = int(hf.get("moe_intermediate_size") or 0) if arch == QWEN3_MOE_ARCH else 0
+        cfg.moe_ffn = expert_ffn if expert_ffn != cfg.ffn else 0
+        cfg.capacity_factor = 0.0  # the routing of all three is dropless
         cfg.aux_loss_coef = float(hf.get("router_aux_loss_coef", cfg.aux_loss_coef))
+        cfg.norm_topk = arch == MIXTRAL_ARCH or bool(hf.get("norm_topk_prob", False))
+        cfg.qk_norm = _QK_NORMS.get(arch, "none")
     try:
         cfg.validate()
     except ConfigError as e:
         raise ConfigError(f"the Hugging Face config gives a model fivefold cannot build: {e}") from None
     return cfg
+
+
+# Hugging Face MoE settings that fivefold's model does not have: (key, the value fivefold's model has, what it is)
+_UNSUPPORTED_MOE = (
+    ("decoder_sparse_step", 1, "dense MLPs between the MoE layers"),
+    ("mlp_only_layers", [], "dense MLPs in the listed layers"),
+    ("use_sliding_window", False, "a sliding window in some layers"),
+    ("clip_qkv", None, "clipping of the query, key and value projections"),
+    ("shared_expert_intermediate_size", 0, "a shared expert with a sigmoid gate"),
+)
+
+
+def _refuse_unsupported_moe_features(hf: dict[str, Any], arch: str) -> None:
+    """One line naming a MoE feature of the config that fivefold's model does not have."""
+    if arch not in _MOE_ARCHS:
+        return
+    for key, supported, what in _UNSUPPORTED_MOE:
+        value = hf.get(key)
+        if value is not None and value != supported and not (key == "decoder_sparse_step" and value == 0):
+            raise ConfigError(f"Hugging Face {key} = {shown(value)} ({what}) is not supported; fivefold's MoE "
+                              f"layers need {key} = {shown(supported)}")
 
 
 def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
@@ -163,9 +193,10 @@ def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.flo
     the transformers 5 key (`rope_parameters`), so either version reads them.
     """
     cfg.validate()
+    arch = hf_architecture(cfg)
     if cfg.is_moe and cfg.n_shared_experts:
         raise ConfigError(
-            f"model.n_shared_experts = {cfg.n_shared_experts} cannot be exported: {MIXTRAL_ARCH} has no "
+            f"model.n_shared_experts = {cfg.n_shared_experts} cannot be exported: {arch} has no "
             "shared experts (only models with n_shared_experts = 0 export)"
         )
     scaling: dict[str, Any] | None = None
@@ -175,12 +206,11 @@ def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.flo
     rope_parameters = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if scaling:
         rope_parameters = {**scaling, "rope_theta": cfg.rope_theta}
-    arch = MIXTRAL_ARCH if cfg.is_moe else MISTRAL_ARCH if cfg.sliding_window else LLAMA_ARCH
     hf: dict[str, Any] = {
         "architectures": [arch],
         "model_type": {v: k for k, v in _MODEL_TYPES.items()}[arch],
         "hidden_size": cfg.hidden,
-        "intermediate_size": cfg.expert_ffn if cfg.is_moe else cfg.ffn,
+        "intermediate_size": cfg.expert_ffn if cfg.is_moe and arch != QWEN3_MOE_ARCH else cfg.ffn,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads,
@@ -197,7 +227,12 @@ def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.flo
         "attention_dropout": 0.0,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if cfg.is_moe:
+    if arch in (QWEN3_MOE_ARCH, OLMOE_ARCH):
+        hf.update(num_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k, norm_topk_prob=cfg.norm_topk,
+                  router_aux_loss_coef=cfg.aux_loss_coef, attention_bias=False)
+        if arch == QWEN3_MOE_ARCH:
+            hf.update(moe_intermediate_size=cfg.expert_ffn, decoder_sparse_step=1, mlp_only_layers=[])
+    elif cfg.is_moe:
         hf.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
                   router_aux_loss_coef=cfg.aux_loss_coef, sliding_window=cfg.sliding_window or None)
     elif cfg.sliding_window:
@@ -205,6 +240,28 @@ def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.flo
     else:
         hf.update(attention_bias=False, mlp_bias=False)
     return hf
+
+
+def hf_architecture(cfg: ModelConfig) -> str:
+    """The Hugging Face architecture that holds `cfg`: Llama (Mistral with a sliding window) for dense models, and
+    for MoE models Mixtral, Qwen3-MoE (per-head query/key norms) or OLMoE (whole-projection ones); ConfigError
+    naming the field for what none of them has."""
+    if not cfg.is_moe:
+        if cfg.qk_norm != "none":
+            raise ConfigError(f"model.qk_norm = {shown(cfg.qk_norm)} on a dense model cannot be exported: "
+                              f"{LLAMA_ARCH} has no query/key norms")
+        return MISTRAL_ARCH if cfg.sliding_window else LLAMA_ARCH
+    arch = {"none": MIXTRAL_ARCH, "head": QWEN3_MOE_ARCH, "full": OLMOE_ARCH}[cfg.qk_norm]
+    refused = [("router_scores", cfg.router_scores, "softmax"), ("bias_update_rate", cfg.bias_update_rate, 0.0)]
+    if arch == MIXTRAL_ARCH:
+        refused.append(("norm_topk", cfg.norm_topk, True))
+    if arch != MIXTRAL_ARCH:
+        refused.append(("sliding_window", cfg.sliding_window, 0))
+    for field, value, supported in refused:
+        if value != supported:
+            raise ConfigError(f"model.{field} = {shown(value)} cannot be exported: {arch} routes with "
+                              f"{field} = {shown(supported)}")
+    return arch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,13 +296,22 @@ def check_tensors(
     raise CheckpointError(f"{where} does not match the model config: " + "; ".join(parts))
 
 
-def _layer_names(i: int) -> list[tuple[str, str]]:
+def _layer_names(i: int, cfg: ModelConfig) -> list[tuple[str, str]]:
     """(fivefold, HF) names of layer i's tensors shared by dense and MoE blocks."""
     ff, hf = f"layers.{i}.", f"model.layers.{i}."
     pairs = [(f"{ff}attn.{p}_proj.weight", f"{hf}self_attn.{p}_proj.weight") for p in "qkvo"]
     pairs += [(f"{ff}attn_norm.weight", f"{hf}input_layernorm.weight"),
               (f"{ff}mlp_norm.weight", f"{hf}post_attention_layernorm.weight")]
+    if cfg.qk_norm != "none":
+        pairs += [(f"{ff}attn.{p}_norm.weight", f"{hf}self_attn.{p}_norm.weight") for p in "qk"]
     return pairs
+
+
+def _moe_names(i: int, cfg: ModelConfig) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """(the HF prefix of layer i's MoE block, (fivefold batched expert weight, HF per-expert name) pairs)."""
+    if hf_architecture(cfg) == MIXTRAL_ARCH:
+        return f"model.layers.{i}.block_sparse_moe.", _EXPERT_WEIGHTS
+    return f"model.layers.{i}.mlp.", (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))
 
 
 def _dense_mlp_names(i: int) -> list[tuple[str, str]]:
@@ -271,15 +337,15 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> d
     check_tensors({k: tuple(v.shape) for k, v in sd.items()}, expected_shapes(cfg), "the fivefold state dict")
     out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": sd["embed.weight"]}
     for i in range(cfg.n_layers):
-        for ff, hf in _layer_names(i):
+        for ff, hf in _layer_names(i, cfg):
             out[hf] = sd[ff]
         if not cfg.is_moe:
             for ff, hf in _dense_mlp_names(i):
                 out[hf] = sd[ff]
             continue
-        moe = f"model.layers.{i}.block_sparse_moe."
+        moe, expert_names = _moe_names(i, cfg)
         out[moe + "gate.weight"] = sd[f"layers.{i}.mlp.router.weight"]
-        for ff_name, hf_name in _EXPERT_WEIGHTS:
+        for ff_name, hf_name in expert_names:
             batched = sd[f"layers.{i}.mlp.{ff_name}"]
             for e in range(cfg.n_experts):
                 out[f"{moe}experts.{e}.{hf_name}.weight"] = batched[e].t()
@@ -308,15 +374,15 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
     check_tensors(found, expected_hf_shapes(cfg), "the Hugging Face weights")
     out: dict[str, torch.Tensor] = {"embed.weight": sd["model.embed_tokens.weight"]}
     for i in range(cfg.n_layers):
-        for ff, hf in _layer_names(i):
+        for ff, hf in _layer_names(i, cfg):
             out[ff] = sd[hf]
         if not cfg.is_moe:
             for ff, hf in _dense_mlp_names(i):
                 out[ff] = sd[hf]
             continue
-        moe = f"model.layers.{i}.block_sparse_moe."
+        moe, expert_names = _moe_names(i, cfg)
         out[f"layers.{i}.mlp.router.weight"] = sd[moe + "gate.weight"]
-        for ff_name, hf_name in _EXPERT_WEIGHTS:
+        for ff_name, hf_name in expert_names:
             experts = [sd[f"{moe}experts.{e}.{hf_name}.weight"].t() for e in range(cfg.n_experts)]
             out[f"layers.{i}.mlp.{ff_name}"] = torch.stack(experts)
     out["norm.weight"] = sd["model.norm.weight"]

@@ -115,12 +115,28 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm != "none":
+            per_head = cfg.qk_norm == "head"
+            self.q_norm = RMSNorm(cfg.head_dim if per_head else cfg.n_heads * cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim if per_head else cfg.n_kv_heads * cfg.head_dim, cfg.norm_eps)
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [batch, heads, seq, head_dim] of `x` [batch, seq, hidden], the queries and keys normalised by
+        `model.qk_norm` (before the rotary embedding)."""
+        q, k, v = self.project_qkv(x)
+        b, s, _ = q.shape
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: DocumentMask | None = None) -> torch.Tensor:
-        q, k, v = self.project_qkv(x)
-        b, s, _ = q.shape
-        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        q, k, v = self.heads(x)
+        b, s = x.shape[0], q.shape[2]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.core(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
@@ -129,9 +145,8 @@ class Attention(nn.Module):
                        cache: list[torch.Tensor]) -> torch.Tensor:
         """Inference on new tokens `x` [batch, new, hidden] whose positions follow the cached ones: their keys and
         values are appended to `cache` ([k, v] of [batch, kv_heads, past, head_dim], empty at first)."""
-        q, k, v = self.project_qkv(x)
-        b, s, _ = q.shape
-        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        q, k, v = self.heads(x)
+        b, s = x.shape[0], q.shape[2]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache:
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)

@@ -1,7 +1,8 @@
-"""Today's MoE families through `--hf`: tiny random Qwen3-MoE and OLMoE models made with `transformers` import with
-the same logits (1e-4) and greedy generation token for token; fivefold's models with per-head or whole-projection
-query/key norms export as those architectures and load back unchanged; the features of those configs that
-fivefold's model lacks are refused naming the feature. (Mixtral: tests/test_hf.py.)
+"""Today's MoE families through `--hf`: tiny random Qwen3-MoE, OLMoE and Qwen2-MoE (biased q/k/v, a shared expert with
+its sigmoid gate) models made with `transformers` import with the same logits (1e-4) and greedy generation token for
+token; fivefold's models with per-head or whole-projection query/key norms, or with q/k/v biases and a gated shared
+expert, export as those architectures and load back unchanged; the features of those configs that fivefold's model
+lacks are refused naming the feature. (Mixtral: tests/test_hf.py.)
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ FAMILIES = {
         **SHAPE, intermediate_size=96, moe_intermediate_size=40, num_experts=4, norm_topk_prob=False, **kw)),
     "olmoe": ("OlmoeForCausalLM", lambda **kw: transformers.OlmoeConfig(
         **{k: v for k, v in SHAPE.items() if k != "head_dim"}, intermediate_size=40, num_experts=4, **kw)),
+    "qwen2-moe": ("Qwen2MoeForCausalLM", lambda **kw: transformers.Qwen2MoeConfig(
+        **{k: v for k, v in SHAPE.items() if k != "head_dim"}, intermediate_size=96, moe_intermediate_size=40,
+        shared_expert_intermediate_size=80, num_experts=4, **kw)),
 }
+QK_NORMS = {"olmoe": "full", "qwen2-moe": "none"}  # the others: "head"
 
 
 def transformers_model(family: str, seed: int = 7) -> torch.nn.Module:
@@ -47,7 +52,9 @@ def test_transformers_model_imports_with_equal_logits_and_greedy_tokens(tmp_path
     hf_model = transformers_model(family)
     hf_model.save_pretrained(str(tmp_path / "hf"))
     model = model_from_hf(tmp_path / "hf").eval()
-    assert model.cfg.qk_norm == ("full" if family == "olmoe" else "head")
+    assert model.cfg.qk_norm == QK_NORMS.get(family, "head")
+    if family == "qwen2-moe":  # one shared expert twice the routed experts' width, gated; biased q, k, v
+        assert model.cfg.n_shared_experts == 2 and model.cfg.shared_expert_gate and model.cfg.qkv_bias
     toks = tokens(seed=8)
     diff = (ff_logits(model, toks) - hf_logits(hf_model, toks)).abs().max().item()
     assert diff < ATOL, f"{family}: max |logit diff| vs transformers = {diff}"
@@ -58,11 +65,16 @@ def test_transformers_model_imports_with_equal_logits_and_greedy_tokens(tmp_path
     assert ours == hf_out[0, len(prompt):].tolist() and len(set(ours)) > 5
 
 
-@pytest.mark.parametrize(("qk_norm", "cls_name"), [("head", "Qwen3MoeForCausalLM"), ("full", "OlmoeForCausalLM")])
+QWEN2 = {"qkv_bias": True, "n_shared_experts": 2, "shared_expert_gate": True}
+EXPORTS = [({"qk_norm": "head"}, "Qwen3MoeForCausalLM"), ({"qk_norm": "full"}, "OlmoeForCausalLM"),
+           (QWEN2, "Qwen2MoeForCausalLM")]
+
+
+@pytest.mark.parametrize(("shape", "cls_name"), EXPORTS, ids=[c for _, c in EXPORTS])
 @pytest.mark.parametrize("norm_topk", [True, False])
-def test_export_matches_transformers_and_round_trips(tmp_path: Path, qk_norm: str, cls_name: str,
+def test_export_matches_transformers_and_round_trips(tmp_path: Path, shape: dict, cls_name: str,
                                                      norm_topk: bool) -> None:
-    cfg = small_config(n_experts=4, top_k=2, moe_ffn=48, tied_embeddings=False, qk_norm=qk_norm, norm_topk=norm_topk)
+    cfg = small_config(n_experts=4, top_k=2, moe_ffn=48, tied_embeddings=False, norm_topk=norm_topk, **shape)
     model = random_model(cfg)
     out = export_hf(model, cfg, tmp_path / "hf")
     toks = tokens(seed=1)
@@ -82,8 +94,9 @@ def test_export_matches_transformers_and_round_trips(tmp_path: Path, qk_norm: st
     ("qwen3-moe", {"use_sliding_window": True}, "use_sliding_window"),
     ("qwen3-moe", {"attention_bias": True}, "attention_bias"),
     ("olmoe", {"clip_qkv": 8.0}, "clip_qkv"),
-    ("qwen3-moe", {"architectures": ["Qwen2MoeForCausalLM"], "shared_expert_intermediate_size": 64},
-     "Qwen2MoeForCausalLM"),
+    ("qwen3-moe", {"shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size"),
+    ("qwen2-moe", {"shared_expert_intermediate_size": 60}, "shared_expert_intermediate_size"),
+    ("qwen2-moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
 ])
 def test_unsupported_features_are_refused_naming_them(family: str, change: dict, feature: str) -> None:
     hf = {**FAMILIES[family][1]().to_dict(), "architectures": [FAMILIES[family][0]], **change}
@@ -95,6 +108,8 @@ def test_unsupported_features_are_refused_naming_them(family: str, change: dict,
 @pytest.mark.parametrize(("change", "field"), [
     ({"router_scores": "sigmoid"}, "router_scores"), ({"bias_update_rate": 0.01}, "bias_update_rate"),
     ({"norm_topk": False}, "norm_topk"), ({"n_experts": 0, "qk_norm": "head"}, "qk_norm"),
+    ({"n_experts": 0, "qkv_bias": True}, "qkv_bias"), ({"n_shared_experts": 1}, "n_shared_experts"),
+    ({**QWEN2, "qk_norm": "head"}, "qk_norm"),
 ])
 def test_models_no_family_holds_refuse_export(tmp_path: Path, change: dict, field: str) -> None:
     cfg = small_config(**{"n_experts": 4, "top_k": 2, "tied_embeddings": False, **change})

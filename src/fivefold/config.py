@@ -148,6 +148,9 @@ class ModelConfig:
     # RMSNorm of the queries and keys before the rotary embedding: "head" normalises each head (Qwen3, one weight of
     # head_dim shared by the heads), "full" the whole projection (OLMoE, weights of heads x head_dim); "none": Llama
     qk_norm: str = "none"
+    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
+    # the shared experts' output scaled by sigmoid(a learned linear function of the token) (Qwen2-MoE)
+    shared_expert_gate: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -213,6 +216,8 @@ class ModelConfig:
             _require(self.n_shared_experts >= 0, f"{prefix}.n_shared_experts", self.n_shared_experts, "must be >= 0")
             _require(self.moe_ffn >= 0, f"{prefix}.moe_ffn", self.moe_ffn, "must be >= 0 (0 means ffn)")
             _require(self.aux_loss_coef >= 0, f"{prefix}.aux_loss_coef", self.aux_loss_coef, "must be >= 0")
+            _require(not self.shared_expert_gate or self.n_shared_experts > 0, f"{prefix}.shared_expert_gate",
+                     self.shared_expert_gate, "needs shared experts (n_shared_experts >= 1)")
             _require(self.moe_impl in MOE_IMPLS, f"{prefix}.moe_impl", self.moe_impl,
                      f"must be one of {', '.join(MOE_IMPLS)}")
             _require(self.router_scores in ROUTER_SCORES, f"{prefix}.router_scores", self.router_scores,

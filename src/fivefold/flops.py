@@ -21,9 +21,11 @@ def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
     """Parameters by part, closed form. `lm_head` is 0 when tied to the embedding."""
     h, d = cfg.hidden, cfg.head_dim
     attn = h * cfg.n_heads * d + 2 * h * cfg.n_kv_heads * d + cfg.n_heads * d * h
+    attn += (cfg.n_heads + 2 * cfg.n_kv_heads) * d if cfg.qkv_bias else 0
     if cfg.is_moe:
         f = cfg.expert_ffn
         mlp = h * cfg.n_experts + (cfg.n_experts + cfg.n_shared_experts) * cfg.mlp_matrices * h * f
+        mlp += h if cfg.shared_expert_gate else 0
     else:
         mlp = cfg.mlp_matrices * h * cfg.ffn
     return {

@@ -29,9 +29,10 @@ MIXTRAL_ARCH = "MixtralForCausalLM"
 MISTRAL_ARCH = "MistralForCausalLM"  # Llama's weights and blocks with a sliding window (`sliding_window`)
 QWEN3_MOE_ARCH = "Qwen3MoeForCausalLM"  # Mixtral's routing with per-head query/key norms, top-k normalisation optional
 OLMOE_ARCH = "OlmoeForCausalLM"  # the same with query/key norms over the whole projections
+QWEN2_MOE_ARCH = "Qwen2MoeForCausalLM"  # query/key/value biases and a shared expert with a sigmoid gate
 _MODEL_TYPES = {"llama": LLAMA_ARCH, "mixtral": MIXTRAL_ARCH, "mistral": MISTRAL_ARCH, "qwen3_moe": QWEN3_MOE_ARCH,
-                "olmoe": OLMOE_ARCH}
-_MOE_ARCHS = (MIXTRAL_ARCH, QWEN3_MOE_ARCH, OLMOE_ARCH)
+                "olmoe": OLMOE_ARCH, "qwen2_moe": QWEN2_MOE_ARCH}
+_MOE_ARCHS = (MIXTRAL_ARCH, QWEN3_MOE_ARCH, OLMOE_ARCH, QWEN2_MOE_ARCH)
 _QK_NORMS = {QWEN3_MOE_ARCH: "head", OLMOE_ARCH: "full"}  # model.qk_norm of each architecture (else "none")
 _ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # tensors that older HF checkpoints carry but that are recomputed, not learned
@@ -113,7 +114,7 @@ def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None =
         raise ConfigError(
             f"Hugging Face hidden_act = {shown(hf['hidden_act'])} is not supported; fivefold uses 'silu'"
         )
-    for key in ("attention_bias", "mlp_bias"):
+    for key in ("attention_bias", "mlp_bias", *(("qkv_bias",) if arch != QWEN2_MOE_ARCH else ())):
         if hf.get(key):
             raise ConfigError(f"Hugging Face {key} = true is not supported; fivefold's linears have no bias")
     head_dim = hf.get("head_dim")
@@ -150,12 +151,16 @@ def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None =
         cfg.n_experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 8)
         cfg.top_k = int(hf.get("num_experts_per_tok", 2))
         cfg.n_shared_experts = 0
-        expert_ffn = int(hf.get("moe_intermediate_size") or 0) if arch == QWEN3_MOE_ARCH else 0
+        expert_ffn = int(hf.get("moe_intermediate_size") or 0) if arch in (QWEN3_MOE_ARCH, QWEN2_MOE_ARCH) else 0
         cfg.moe_ffn = expert_ffn if expert_ffn != cfg.ffn else 0
         cfg.capacity_factor = 0.0  # the routing of all three is dropless
         cfg.aux_loss_coef = float(hf.get("router_aux_loss_coef", cfg.aux_loss_coef))
         cfg.norm_topk = arch == MIXTRAL_ARCH or bool(hf.get("norm_topk_prob", False))
         cfg.qk_norm = _QK_NORMS.get(arch, "none")
+        if arch == QWEN2_MOE_ARCH:
+            cfg.qkv_bias = bool(hf.get("qkv_bias", True))
+            cfg.n_shared_experts = _shared_experts(int(hf.get("shared_expert_intermediate_size") or 0), cfg.expert_ffn)
+            cfg.shared_expert_gate = cfg.n_shared_experts > 0
     try:
         cfg.validate()
     except ConfigError as e:
@@ -173,12 +178,23 @@ _UNSUPPORTED_MOE = (
 )
 
 
+def _shared_experts(width: int, expert_ffn: int) -> int:
+    """Qwen2-MoE's shared expert of `width` as fivefold's shared experts, which are `expert_ffn` wide each."""
+    if width % expert_ffn:
+        raise ConfigError(f"Hugging Face shared_expert_intermediate_size = {width} is not a multiple of "
+                          f"moe_intermediate_size = {expert_ffn}; fivefold's shared experts are as wide as the "
+                          "routed ones")
+    return width // expert_ffn
+
+
 def _refuse_unsupported_moe_features(hf: dict[str, Any], arch: str) -> None:
     """One line naming a MoE feature of the config that fivefold's model does not have."""
     if arch not in _MOE_ARCHS:
         return
     for key, supported, what in _UNSUPPORTED_MOE:
         value = hf.get(key)
+        if arch == QWEN2_MOE_ARCH and key == "shared_expert_intermediate_size":
+            continue  # read as shared experts of the routed experts' width
         if value is not None and value != supported and not (key == "decoder_sparse_step" and value == 0):
             raise ConfigError(f"Hugging Face {key} = {shown(value)} ({what}) is not supported; fivefold's MoE "
                               f"layers need {key} = {shown(supported)}")
@@ -194,11 +210,6 @@ def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.flo
     """
     cfg.validate()
     arch = hf_architecture(cfg)
-    if cfg.is_moe and cfg.n_shared_experts:
-        raise ConfigError(
-            f"model.n_shared_experts = {cfg.n_shared_experts} cannot be exported: {arch} has no "
-            "shared experts (only models with n_shared_experts = 0 export)"
-        )
     scaling: dict[str, Any] | None = None
     if cfg.rope_scaling:
         scaling = {"rope_type": "llama3", **{k: float(cfg.rope_scaling[k]) for k in _ROPE_SCALING_KEYS}}
@@ -210,7 +221,7 @@ def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.flo
         "architectures": [arch],
         "model_type": {v: k for k, v in _MODEL_TYPES.items()}[arch],
         "hidden_size": cfg.hidden,
-        "intermediate_size": cfg.expert_ffn if cfg.is_moe and arch != QWEN3_MOE_ARCH else cfg.ffn,
+        "intermediate_size": cfg.expert_ffn if cfg.is_moe and arch in (MIXTRAL_ARCH, OLMOE_ARCH) else cfg.ffn,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads,
@@ -227,11 +238,14 @@ def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.flo
         "attention_dropout": 0.0,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if arch in (QWEN3_MOE_ARCH, OLMOE_ARCH):
+    if arch in (QWEN3_MOE_ARCH, OLMOE_ARCH, QWEN2_MOE_ARCH):
         hf.update(num_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k, norm_topk_prob=cfg.norm_topk,
                   router_aux_loss_coef=cfg.aux_loss_coef, attention_bias=False)
-        if arch == QWEN3_MOE_ARCH:
+        if arch in (QWEN3_MOE_ARCH, QWEN2_MOE_ARCH):
             hf.update(moe_intermediate_size=cfg.expert_ffn, decoder_sparse_step=1, mlp_only_layers=[])
+        if arch == QWEN2_MOE_ARCH:
+            hf.update(qkv_bias=cfg.qkv_bias, shared_expert_intermediate_size=cfg.n_shared_experts * cfg.expert_ffn,
+                      use_sliding_window=False)
     elif cfg.is_moe:
         hf.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
                   router_aux_loss_coef=cfg.aux_loss_coef, sliding_window=cfg.sliding_window or None)
@@ -247,12 +261,21 @@ def hf_architecture(cfg: ModelConfig) -> str:
     for MoE models Mixtral, Qwen3-MoE (per-head query/key norms) or OLMoE (whole-projection ones); ConfigError
     naming the field for what none of them has."""
     if not cfg.is_moe:
-        if cfg.qk_norm != "none":
-            raise ConfigError(f"model.qk_norm = {shown(cfg.qk_norm)} on a dense model cannot be exported: "
-                              f"{LLAMA_ARCH} has no query/key norms")
+        for field, value, supported in (("qk_norm", cfg.qk_norm, "none"), ("qkv_bias", cfg.qkv_bias, False)):
+            if value != supported:
+                raise ConfigError(f"model.{field} = {shown(value)} on a dense model cannot be exported: "
+                                  f"{LLAMA_ARCH} needs {field} = {shown(supported)}")
         return MISTRAL_ARCH if cfg.sliding_window else LLAMA_ARCH
-    arch = {"none": MIXTRAL_ARCH, "head": QWEN3_MOE_ARCH, "full": OLMOE_ARCH}[cfg.qk_norm]
+    qwen2 = cfg.qkv_bias or cfg.shared_expert_gate
+    arch = QWEN2_MOE_ARCH if qwen2 else {"none": MIXTRAL_ARCH, "head": QWEN3_MOE_ARCH, "full": OLMOE_ARCH}[cfg.qk_norm]
     refused = [("router_scores", cfg.router_scores, "softmax"), ("bias_update_rate", cfg.bias_update_rate, 0.0)]
+    if arch == QWEN2_MOE_ARCH:  # its shared expert is always gated
+        refused += [("qk_norm", cfg.qk_norm, "none"), ("shared_expert_gate", cfg.shared_expert_gate, True)]
+    elif cfg.n_shared_experts:
+        raise ConfigError(
+            f"model.n_shared_experts = {cfg.n_shared_experts} cannot be exported: {arch} has no shared experts "
+            f"(only models with n_shared_experts = 0 export, or with shared_expert_gate = true as {QWEN2_MOE_ARCH})"
+        )
     if arch == MIXTRAL_ARCH:
         refused.append(("norm_topk", cfg.norm_topk, True))
     if arch != MIXTRAL_ARCH:
@@ -304,6 +327,12 @@ def _layer_names(i: int, cfg: ModelConfig) -> list[tuple[str, str]]:
               (f"{ff}mlp_norm.weight", f"{hf}post_attention_layernorm.weight")]
     if cfg.qk_norm != "none":
         pairs += [(f"{ff}attn.{p}_norm.weight", f"{hf}self_attn.{p}_norm.weight") for p in "qk"]
+    if cfg.qkv_bias:
+        pairs += [(f"{ff}attn.{p}_proj.bias", f"{hf}self_attn.{p}_proj.bias") for p in "qkv"]
+    if cfg.is_moe and cfg.n_shared_experts:  # Qwen2-MoE's shared expert and its gate
+        pairs += [(f"{ff}mlp.shared.{p}.weight", f"{hf}mlp.shared_expert.{p}.weight")
+                  for p in ("gate_proj", "up_proj", "down_proj")]
+        pairs.append((f"{ff}mlp.shared_gate.weight", f"{hf}mlp.shared_expert_gate.weight"))
     return pairs
 
 

@@ -111,9 +111,9 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.window = cfg.sliding_window
-        self.q_proj = nn.Linear(cfg.hidden, cfg.n_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.q_proj = nn.Linear(cfg.hidden, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden, bias=False)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm != "none":
@@ -227,6 +227,7 @@ class MoE(nn.Module):
         self.w_up = nn.Parameter(torch.empty(e, h, f))
         self.w_down = nn.Parameter(torch.empty(e, f, h))
         self.shared = MLP(h, f * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        self.shared_gate = nn.Linear(h, 1, bias=False) if cfg.shared_expert_gate else None
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
         self.drop_fraction: torch.Tensor | None = None
@@ -336,8 +337,13 @@ class MoE(nn.Module):
         experts, weights = self.route(x, shape[0])
         out = self.dispatch_combine(x, experts, weights, rows=shape[0])
         if self.shared is not None:
-            out = out + self.shared(x)
+            out = out + self.shared_output(x)
         return out.view(shape)
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared experts on tokens `x` [tokens, hidden], scaled by their sigmoid gate when there is one."""
+        out = self.shared(x)
+        return out * torch.sigmoid(self.shared_gate(x)) if self.shared_gate is not None else out
 
     def kept_slots(self, experts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(indices of the routed slots that fit their expert's capacity, in token order; their queue
@@ -607,6 +613,8 @@ def initial_values(cfg: ModelConfig, name: str, shape: torch.Size | tuple[int, .
     region = tuple(region) if region is not None else tuple((0, n) for n in shape)
     out_shape = [stop - start for start, stop in region]
     source, std = init_rule(cfg, name)
+    if name.endswith(".bias"):
+        return torch.zeros(out_shape)
     if std == 0.0:
         return torch.ones(out_shape)
     out = torch.empty(out_shape)

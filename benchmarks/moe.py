@@ -84,7 +84,7 @@ def expert_loads(model: torch.nn.Module, batches: list[torch.Tensor]) -> list[to
     return [loads[i] for i in range(len(moes))]
 
 
-def balance(steps: int) -> None:
+def balance(steps: int, only: str | None = None) -> None:
     from fivefold.train.build import build_engine
     from fivefold.train.loop import load_data, split_micro_batches
 
@@ -94,6 +94,8 @@ def balance(steps: int) -> None:
         "bias 1e-3, no aux loss": {"model.aux_loss_coef": "0", "model.bias_update_rate": "1e-3"},
     }
     for name, changes in settings.items():
+        if only is not None and only != name:
+            continue
         overrides = {"train.seq_len": "256", "train.global_batch_size": "16", "train.max_steps": str(steps),
                      "train.lr": "3e-3", "train.warmup_steps": "10", "train.device": "cpu", "train.dtype": "fp32",
                      "run_dir": tempfile.mkdtemp(), **changes}
@@ -119,12 +121,13 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("what", choices=("speed", "balance"))
     parser.add_argument("--steps", type=int, default=0, help="timed steps (speed, 10) or training steps (balance, 200)")
+    parser.add_argument("--setting", help="balance: only this setting (e.g. 'Switch loss 0.01')")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     if args.what == "speed":
         speed(args.steps or 10)
     else:
-        balance(args.steps or 200)
+        balance(args.steps or 200, args.setting)
 
 
 if __name__ == "__main__":

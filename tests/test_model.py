@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from fivefold.config import ConfigError, ModelConfig
 from fivefold.flops import count_params
+from fivefold.models import llama
 from fivefold.models.llama import MoE, build_model, rope_frequencies
 from fivefold.presets import PRESETS, get_preset
 
@@ -82,6 +83,18 @@ def test_gqa_equals_mha_with_repeated_kv_weights() -> None:
 # --- mixture of experts ----------------------------------------------------------------------------
 
 
+# the MoE implementations: grouped (torch.nn.functional.grouped_mm where it runs), grouped by a loop over the experts
+# (where it does not), padded
+IMPLS = ["grouped", "loop", "padded"]
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request, monkeypatch) -> str:
+    if request.param == "loop":
+        monkeypatch.setattr(llama, "grouped_mm_runs", lambda *args: False)
+    return "padded" if request.param == "padded" else "grouped"
+
+
 def moe_layer(seed: int = 0, **changes) -> MoE:
     cfg = small_config(n_experts=4, top_k=2, moe_ffn=32, **changes)
     torch.manual_seed(seed)
@@ -113,14 +126,30 @@ def reference_moe(moe: MoE, x: torch.Tensor, capacity: int | None = None) -> tup
     return out, dropped / (x.shape[0] * moe.top_k)
 
 
-def test_moe_batched_experts_equal_per_token_loop() -> None:
-    moe = moe_layer(n_shared_experts=1)
+def test_moe_batched_experts_equal_per_token_loop(impl: str) -> None:
+    moe = moe_layer(n_shared_experts=1, moe_impl=impl)
     x = torch.randn(3, 10, 64, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         out = moe(x)
         expected, _ = reference_moe(moe, x.reshape(-1, 64))
     assert torch.allclose(out.reshape(-1, 64), expected, atol=1e-5, rtol=0)
     assert moe.drop_fraction.item() == 0.0
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0])
+def test_moe_gradients_equal_the_per_token_loop(impl: str, capacity_factor: float) -> None:
+    moe = moe_layer(n_shared_experts=1, moe_impl=impl, capacity_factor=capacity_factor)
+    x = skewed_inputs(moe).requires_grad_()
+    capacity = math.ceil(capacity_factor * x.shape[0] * moe.top_k / moe.n_experts) if capacity_factor else None
+    grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
+    grads = []
+    for forward in (moe, lambda t: reference_moe(moe, t, capacity)[0]):
+        moe.zero_grad()
+        x.grad = None
+        (forward(x) * grad_out).sum().backward()
+        grads.append([x.grad.clone(), *(p.grad.clone() for p in moe.parameters())])
+    for got, expected in zip(*grads, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def skewed_inputs(moe: MoE, tokens: int = 40) -> torch.Tensor:
@@ -133,8 +162,8 @@ def skewed_inputs(moe: MoE, tokens: int = 40) -> torch.Tensor:
     return x
 
 
-def test_moe_dropless_drops_nothing_under_imbalance() -> None:
-    moe = moe_layer()
+def test_moe_dropless_drops_nothing_under_imbalance(impl: str) -> None:
+    moe = moe_layer(moe_impl=impl)
     x = skewed_inputs(moe)
     with torch.no_grad():
         out = moe(x)
@@ -145,8 +174,8 @@ def test_moe_dropless_drops_nothing_under_imbalance() -> None:
     assert torch.allclose(out, expected, atol=1e-5, rtol=0)
 
 
-def test_moe_capacity_routing_drops_overflow_and_reports_fraction() -> None:
-    moe = moe_layer(capacity_factor=1.0)
+def test_moe_capacity_routing_drops_overflow_and_reports_fraction(impl: str) -> None:
+    moe = moe_layer(capacity_factor=1.0, moe_impl=impl)
     x = skewed_inputs(moe)
     capacity = math.ceil(1.0 * x.shape[0] * moe.top_k / moe.n_experts)
     with torch.no_grad():
@@ -176,8 +205,8 @@ def test_moe_aux_loss_is_the_switch_formula() -> None:
     assert moe.aux_loss.item() == pytest.approx(1.0, rel=1e-6)
 
 
-def test_moe_gradients_reach_every_expert_and_the_router() -> None:
-    cfg = small_config(n_experts=4, top_k=2, moe_ffn=32, n_layers=1)
+def test_moe_gradients_reach_every_expert_and_the_router(impl: str) -> None:
+    cfg = small_config(n_experts=4, top_k=2, moe_ffn=32, n_layers=1, moe_impl=impl)
     model = build_model(cfg, seed=0)
     toks = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(4))
     loss = F.cross_entropy(model(toks).flatten(0, 1), toks.flatten()) + model.moe_aux_loss()

@@ -185,6 +185,8 @@ def test_tensor_and_sequence_parallel_and_recompute_match_one_process():
         {"layout.tp": "2"},
         {"layout.tp": "2", "layout.sp": "true", "layout.recompute": "full"},
         {"layout.tp": "2", **MOE},
+        # Qwen3's per-head query/key norms: each tp rank normalises its heads with the same weight
+        {"layout.tp": "2", "layout.sp": "true", "model.qk_norm": "head", **MOE},
     ], world_size=2)
 
 
@@ -214,6 +216,9 @@ def test_context_parallel_matches_one_process():
         {"layout.cp": "2"},
         # the MoE load-balancing loss and capacity are computed over the whole sequences, as in one process
         {"layout.cp": "2", "layout.zero": "1", **CAPACITY},
+        # the sequence-wise loss sums each sequence's statistics over cp; the z-loss is a mean over the tokens
+        {"layout.cp": "2", "model.aux_loss": "sequence", "model.router_scores": "sigmoid",
+         "model.router_z_loss_coef": "0.01", **MOE},
     ], world_size=2)
 
 
@@ -237,9 +242,15 @@ def test_context_times_tensor_and_data_parallel_matches_one_process():
     ], world_size=4)
 
 
+# auxiliary-loss-free balancing at a rate that changes the routing within the run (tests/test_moe_routing.py)
+BIASED = {**MOE, "model.bias_update_rate": "0.05"}
+
+
 def test_expert_parallel_matches_one_process():
     assert_equivalent([
         {"layout.dp": "2", "layout.ep": "2", **MOE},
+        # every rank moves the same bias: the loads of the whole global batch
+        {"layout.dp": "2", "layout.ep": "2", "layout.recompute": "full", **BIASED},
         # capacity per source rank and expert as in one process: the same slots dropped
         {"layout.dp": "2", "layout.ep": "2", "layout.zero": "1", **CAPACITY},
     ], world_size=2)

@@ -19,9 +19,9 @@ from fivefold.models.llama import MoE
 from fivefold.parallel.expert import apply_expert_parallel, gather_expert_state, is_expert_param, shard_expert_state
 
 
-def moe_config(capacity_factor: float = 0.0) -> ModelConfig:
+def moe_config(capacity_factor: float = 0.0, impl: str = "grouped") -> ModelConfig:
     return ModelConfig(hidden=32, ffn=48, n_heads=4, n_kv_heads=2, n_experts=4, top_k=2,
-                       capacity_factor=capacity_factor, n_shared_experts=1)
+                       capacity_factor=capacity_factor, n_shared_experts=1, moe_impl=impl)
 
 
 def build_moe(cfg: ModelConfig, skew: bool) -> MoE:
@@ -50,8 +50,8 @@ def single_process(rank: int, cfg: ModelConfig, skew: bool) -> tuple:
     return out.detach(), x.grad, grads, float(moe.drop_fraction)
 
 
-def ep_ranks(rank: int, world_size: int, cases: list[tuple[bool, float]]) -> list[tuple]:
-    return [ep_rank(rank, world_size, moe_config(capacity_factor), skew) for skew, capacity_factor in cases]
+def ep_ranks(rank: int, world_size: int, cases: list[tuple[bool, float, str]]) -> list[tuple]:
+    return [ep_rank(rank, world_size, moe_config(capacity_factor, impl), skew) for skew, capacity_factor, impl in cases]
 
 
 def ep_rank(rank: int, world_size: int, cfg: ModelConfig, skew: bool) -> tuple:
@@ -74,13 +74,15 @@ def ep_rank(rank: int, world_size: int, cfg: ModelConfig, skew: bool) -> tuple:
     return out.detach().numpy(), x.grad.numpy(), {n: g.numpy() for n, g in grads.items()}, float(moe.drop_fraction)
 
 
-CASES = [(False, 0.0), (True, 0.0), (True, 1.0)]  # (skewed routing, capacity factor)
+# (skewed routing, capacity factor, model.moe_impl)
+CASES = [(skew, capacity_factor, impl) for impl in ("grouped", "padded")
+         for skew, capacity_factor in ((False, 0.0), (True, 0.0), (True, 1.0))]
 
 
 def test_expert_dispatch_matches_single_process_moe():
     per_rank = run_ranks(2, ep_ranks, CASES)
-    for index, (skew, capacity_factor) in enumerate(CASES):
-        check_case([cases[index] for cases in per_rank], moe_config(capacity_factor), skew)
+    for index, (skew, capacity_factor, impl) in enumerate(CASES):
+        check_case([cases[index] for cases in per_rank], moe_config(capacity_factor, impl), skew)
 
 
 def check_case(results: list[tuple], cfg: ModelConfig, skew: bool) -> None:

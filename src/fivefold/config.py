@@ -86,6 +86,10 @@ def nearest_divisors(n: int, value: int, k: int = 3) -> list[int]:
 
 MLP_KINDS = ("swiglu", "gelu")
 ATTN_MASKS = ("causal", "document")  # model.attn_mask (fivefold.models.masking)
+MOE_IMPLS = ("grouped", "padded")  # model.moe_impl (fivefold.models.llama.MoE)
+ROUTER_SCORES = ("softmax", "sigmoid")  # model.router_scores
+AUX_LOSSES = ("switch", "sequence")  # model.aux_loss
+QK_NORMS = ("none", "head", "full")  # model.qk_norm
 
 
 @dataclass
@@ -117,6 +121,22 @@ class ModelConfig:
     moe_ffn: int = 0  # hidden size of one expert; 0 means `ffn`
     aux_loss_coef: float = 0.01
     capacity_factor: float = 0.0  # 0 = dropless; > 0 = capacity-based routing that drops overflow
+    # how the routed experts run: "grouped" (tokens sorted by expert on the device, one grouped matmul, no padding,
+    # no host read of the counts without expert parallel) or "padded" (one batched matmul over [experts, busiest
+    # expert's tokens, hidden], sized by a host read; kept for side-by-side comparison)
+    moe_impl: str = "grouped"
+    # the router's scores: "softmax" over the experts (Mixtral, Qwen, OLMoE) or an independent "sigmoid" per expert
+    # (DeepSeek-V3); norm_topk divides a token's top-k scores by their sum (its routing weights then add up to 1)
+    router_scores: str = "softmax"
+    norm_topk: bool = True
+    # the load-balancing loss weighted by aux_loss_coef: "switch" (Switch Transformer, over the micro-batch's tokens)
+    # or "sequence" (DeepSeek-V3's sequence-wise loss: the same product within each sequence, averaged over them)
+    aux_loss: str = "switch"
+    router_z_loss_coef: float = 0.0  # ST-MoE's router z-loss: mean over tokens of logsumexp(router logits)^2
+    # auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores to choose the top-k (not to
+    # weigh them), moved by this rate after each optimizer step towards the mean load (b_e += rate * sign(mean load -
+    # load_e), the loads of the whole global batch); 0 = off
+    bias_update_rate: float = 0.0
     # the MLP: "swiglu" (gate, up, down; Llama, what the engine builds) or "gelu" (up, GELU, down; GPT-2/NeoX,
     # modelled by the planner only)
     mlp: str = "swiglu"
@@ -125,6 +145,12 @@ class ModelConfig:
     attn_mask: str = "causal"
     # each token attends to itself and the sliding_window - 1 tokens before it (Mistral's convention); 0 = off
     sliding_window: int = 0
+    # RMSNorm of the queries and keys before the rotary embedding: "head" normalises each head (Qwen3, one weight of
+    # head_dim shared by the heads), "full" the whole projection (OLMoE, weights of heads x head_dim); "none": Llama
+    qk_norm: str = "none"
+    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
+    # the shared experts' output scaled by sigmoid(a learned linear function of the token) (Qwen2-MoE)
+    shared_expert_gate: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -176,6 +202,7 @@ class ModelConfig:
         _require(self.mlp in MLP_KINDS, f"{prefix}.mlp", self.mlp, f"must be one of {', '.join(MLP_KINDS)}")
         _require(self.attn_mask in ATTN_MASKS, f"{prefix}.attn_mask", self.attn_mask,
                  f"must be one of {', '.join(ATTN_MASKS)}")
+        _require(self.qk_norm in QK_NORMS, f"{prefix}.qk_norm", self.qk_norm, f"must be one of {', '.join(QK_NORMS)}")
         _require(self.sliding_window >= 0, f"{prefix}.sliding_window", self.sliding_window,
                  "must be >= 1 (tokens each query sees, itself included), or 0 for no window")
         _require(self.rope_theta > 0, f"{prefix}.rope_theta", self.rope_theta, "must be > 0")
@@ -195,6 +222,18 @@ class ModelConfig:
             _require(self.n_shared_experts >= 0, f"{prefix}.n_shared_experts", self.n_shared_experts, "must be >= 0")
             _require(self.moe_ffn >= 0, f"{prefix}.moe_ffn", self.moe_ffn, "must be >= 0 (0 means ffn)")
             _require(self.aux_loss_coef >= 0, f"{prefix}.aux_loss_coef", self.aux_loss_coef, "must be >= 0")
+            _require(not self.shared_expert_gate or self.n_shared_experts > 0, f"{prefix}.shared_expert_gate",
+                     self.shared_expert_gate, "needs shared experts (n_shared_experts >= 1)")
+            _require(self.moe_impl in MOE_IMPLS, f"{prefix}.moe_impl", self.moe_impl,
+                     f"must be one of {', '.join(MOE_IMPLS)}")
+            _require(self.router_scores in ROUTER_SCORES, f"{prefix}.router_scores", self.router_scores,
+                     f"must be one of {', '.join(ROUTER_SCORES)}")
+            _require(self.aux_loss in AUX_LOSSES, f"{prefix}.aux_loss", self.aux_loss,
+                     f"must be one of {', '.join(AUX_LOSSES)}")
+            _require(self.router_z_loss_coef >= 0, f"{prefix}.router_z_loss_coef", self.router_z_loss_coef,
+                     "must be >= 0 (0 = off; ST-MoE used 0.001)")
+            _require(self.bias_update_rate >= 0, f"{prefix}.bias_update_rate", self.bias_update_rate,
+                     "must be >= 0 (0 = off; DeepSeek-V3 used 0.001)")
             _require(
                 self.capacity_factor == 0 or self.capacity_factor >= 1.0, f"{prefix}.capacity_factor",
                 self.capacity_factor, "must be 0 (dropless) or >= 1.0",

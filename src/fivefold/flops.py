@@ -21,18 +21,27 @@ def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
     """Parameters by part, closed form. `lm_head` is 0 when tied to the embedding."""
     h, d = cfg.hidden, cfg.head_dim
     attn = h * cfg.n_heads * d + 2 * h * cfg.n_kv_heads * d + cfg.n_heads * d * h
+    attn += (cfg.n_heads + 2 * cfg.n_kv_heads) * d if cfg.qkv_bias else 0
     if cfg.is_moe:
         f = cfg.expert_ffn
         mlp = h * cfg.n_experts + (cfg.n_experts + cfg.n_shared_experts) * cfg.mlp_matrices * h * f
+        mlp += h if cfg.shared_expert_gate else 0
     else:
         mlp = cfg.mlp_matrices * h * cfg.ffn
     return {
         "embedding": cfg.vocab_size * h,
         "attention": cfg.n_layers * attn,
         "mlp": cfg.n_layers * mlp,
-        "norms": cfg.n_layers * 2 * h + h,
+        "norms": cfg.n_layers * (2 * h + qk_norm_params(cfg)) + h,
         "lm_head": 0 if cfg.tied_embeddings else cfg.vocab_size * h,
     }
+
+
+def qk_norm_params(cfg: ModelConfig) -> int:
+    """The query and key norms' weights of one layer (`model.qk_norm`)."""
+    if cfg.qk_norm == "head":
+        return 2 * cfg.head_dim
+    return (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim if cfg.qk_norm == "full" else 0
 
 
 def count_params(cfg: ModelConfig) -> int:

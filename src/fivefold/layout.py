@@ -125,6 +125,16 @@ def tensor_parallel_problem(model: ModelConfig, tp: int, field: str = "layout.tp
         checks.append(("model.moe_ffn" if model.moe_ffn else "model.ffn (the expert ffn)", model.expert_ffn))
     else:
         checks.append(("model.ffn", model.ffn))
+    for name, value in (("model.qkv_bias", model.qkv_bias), ("model.shared_expert_gate", model.shared_expert_gate)):
+        if value and tp > 1:
+            return LayoutProblem(
+                "tp does not shard biases and expert gates",
+                f"{field} = {tp} with {name} = true: tensor parallelism does not shard it yet; use layout.tp = 1")
+    if model.qk_norm == "full" and tp > 1:
+        return LayoutProblem(
+            "tp splits the heads that a whole-projection query/key norm spans",
+            f"{field} = {tp} with model.qk_norm = 'full': the norm spans every head of the projection, which tensor "
+            "parallelism splits over the tp ranks; use layout.tp = 1 (qk_norm = 'head' splits)")
     for name, value in checks:
         if value % tp:
             return LayoutProblem(

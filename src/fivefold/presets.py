@@ -95,6 +95,18 @@ PRESETS: dict[str, tuple[ModelConfig, int | None, str]] = {
                     vocab_size=50304, max_seq_len=4096, tied_embeddings=False, n_experts=64, top_k=8),
         None, "allenai/OLMoE-1B-7B's shape (64 experts, top-8; without its QK-norm)",
     ),
+    "olmoe-1b-7b-0924": (
+        ModelConfig(name="olmoe-1b-7b-0924", n_layers=16, hidden=2048, n_heads=16, n_kv_heads=16, ffn=1024,
+                    vocab_size=50304, max_seq_len=4096, tied_embeddings=False, n_experts=64, top_k=8,
+                    qk_norm="full", norm_topk=False, aux_loss_coef=0.01),
+        None, "allenai/OLMoE-1B-7B-0924 as published: QK-norm over the whole projections, top-8 of 64 unnormalised",
+    ),
+    "mixtral-8x7b": (
+        ModelConfig(name="mixtral-8x7b", n_layers=32, hidden=4096, n_heads=32, n_kv_heads=8, ffn=14336,
+                    vocab_size=32000, max_seq_len=32768, rope_theta=1e6, tied_embeddings=False, n_experts=8,
+                    top_k=2, aux_loss_coef=0.02),
+        46_702_792_704, "mistralai/Mixtral-8x7B-v0.1: 8 experts, top-2",
+    ),
 }
 
 # other names `get_preset` accepts (wherever a preset is named: --preset, plan --model), listed by `fivefold models`

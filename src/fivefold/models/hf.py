@@ -30,7 +30,13 @@ from fivefold.models.llama import build_model
 LLAMA_ARCH = "LlamaForCausalLM"
 MIXTRAL_ARCH = "MixtralForCausalLM"
 MISTRAL_ARCH = "MistralForCausalLM"  # Llama's weights and blocks with a sliding window (`sliding_window`)
-_MODEL_TYPES = {"llama": LLAMA_ARCH, "mixtral": MIXTRAL_ARCH, "mistral": MISTRAL_ARCH}
+QWEN3_MOE_ARCH = "Qwen3MoeForCausalLM"  # Mixtral's routing with per-head query/key norms, top-k normalisation optional
+OLMOE_ARCH = "OlmoeForCausalLM"  # the same with query/key norms over the whole projections
+QWEN2_MOE_ARCH = "Qwen2MoeForCausalLM"  # query/key/value biases and a shared expert with a sigmoid gate
+_MODEL_TYPES = {"llama": LLAMA_ARCH, "mixtral": MIXTRAL_ARCH, "mistral": MISTRAL_ARCH, "qwen3_moe": QWEN3_MOE_ARCH,
+                "olmoe": OLMOE_ARCH, "qwen2_moe": QWEN2_MOE_ARCH}
+_MOE_ARCHS = (MIXTRAL_ARCH, QWEN3_MOE_ARCH, OLMOE_ARCH, QWEN2_MOE_ARCH)
+_QK_NORMS = {QWEN3_MOE_ARCH: "head", OLMOE_ARCH: "full"}  # model.qk_norm of each architecture (else "none")
 _ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # tensors that older HF checkpoints carry but that are recomputed, not learned
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -63,10 +69,10 @@ def _architecture(hf: dict[str, Any]) -> str:
         arch = archs[0]
     else:
         arch = _MODEL_TYPES.get(str(hf.get("model_type", "")), str(hf.get("model_type")))
-    if arch not in (LLAMA_ARCH, MIXTRAL_ARCH, MISTRAL_ARCH):
+    if arch not in _MODEL_TYPES.values():
         raise ConfigError(
-            f"Hugging Face architecture {shown(arch)} is not supported; fivefold reads {LLAMA_ARCH}, {MISTRAL_ARCH} "
-            f"and {MIXTRAL_ARCH}"
+            f"Hugging Face architecture {shown(arch)} is not supported; fivefold reads "
+            f"{', '.join(_MODEL_TYPES.values())}"
         )
     return arch
 
@@ -111,7 +117,7 @@ def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None =
         raise ConfigError(
             f"Hugging Face hidden_act = {shown(hf['hidden_act'])} is not supported; fivefold uses 'silu'"
         )
-    for key in ("attention_bias", "mlp_bias"):
+    for key in ("attention_bias", "mlp_bias", *(("qkv_bias",) if arch != QWEN2_MOE_ARCH else ())):
         if hf.get(key):
             raise ConfigError(f"Hugging Face {key} = true is not supported; fivefold's linears have no bias")
     head_dim = hf.get("head_dim")
@@ -125,8 +131,9 @@ def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None =
             f"Hugging Face sliding_window = {hf['sliding_window']} is not read for {LLAMA_ARCH}, which attends to "
             f"the whole causal context (use null, or {MISTRAL_ARCH} for a windowed model)"
         )
+    _refuse_unsupported_moe_features(hf, arch)
     theta, scaling = _rope_settings(hf)
-    is_mixtral = arch == MIXTRAL_ARCH
+    is_mixtral = arch in _MOE_ARCHS
     cfg = ModelConfig(
         name=name or str(hf.get("_name_or_path") or ("hf-mixtral" if is_mixtral else "hf-llama")),
         n_layers=int(hf["num_hidden_layers"]),
@@ -144,17 +151,56 @@ def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None =
         sliding_window=int(hf.get("sliding_window") or 0),
     )
     if is_mixtral:
-        cfg.n_experts = int(hf.get("num_local_experts", 8))
+        cfg.n_experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 8)
         cfg.top_k = int(hf.get("num_experts_per_tok", 2))
         cfg.n_shared_experts = 0
-        cfg.moe_ffn = 0
-        cfg.capacity_factor = 0.0  # Mixtral routing is dropless
+        expert_ffn = int(hf.get("moe_intermediate_size") or 0) if arch in (QWEN3_MOE_ARCH, QWEN2_MOE_ARCH) else 0
+        cfg.moe_ffn = expert_ffn if expert_ffn != cfg.ffn else 0
+        cfg.capacity_factor = 0.0  # the routing of all three is dropless
         cfg.aux_loss_coef = float(hf.get("router_aux_loss_coef", cfg.aux_loss_coef))
+        cfg.norm_topk = arch == MIXTRAL_ARCH or bool(hf.get("norm_topk_prob", False))
+        cfg.qk_norm = _QK_NORMS.get(arch, "none")
+        if arch == QWEN2_MOE_ARCH:
+            cfg.qkv_bias = bool(hf.get("qkv_bias", True))
+            cfg.n_shared_experts = _shared_experts(int(hf.get("shared_expert_intermediate_size") or 0), cfg.expert_ffn)
+            cfg.shared_expert_gate = cfg.n_shared_experts > 0
     try:
         cfg.validate()
     except ConfigError as e:
         raise ConfigError(f"the Hugging Face config gives a model fivefold cannot build: {e}") from None
     return cfg
+
+
+# Hugging Face MoE settings that fivefold's model does not have: (key, the value fivefold's model has, what it is)
+_UNSUPPORTED_MOE = (
+    ("decoder_sparse_step", 1, "dense MLPs between the MoE layers"),
+    ("mlp_only_layers", [], "dense MLPs in the listed layers"),
+    ("use_sliding_window", False, "a sliding window in some layers"),
+    ("clip_qkv", None, "clipping of the query, key and value projections"),
+    ("shared_expert_intermediate_size", 0, "a shared expert with a sigmoid gate"),
+)
+
+
+def _shared_experts(width: int, expert_ffn: int) -> int:
+    """Qwen2-MoE's shared expert of `width` as fivefold's shared experts, which are `expert_ffn` wide each."""
+    if width % expert_ffn:
+        raise ConfigError(f"Hugging Face shared_expert_intermediate_size = {width} is not a multiple of "
+                          f"moe_intermediate_size = {expert_ffn}; fivefold's shared experts are as wide as the "
+                          "routed ones")
+    return width // expert_ffn
+
+
+def _refuse_unsupported_moe_features(hf: dict[str, Any], arch: str) -> None:
+    """One line naming a MoE feature of the config that fivefold's model does not have."""
+    if arch not in _MOE_ARCHS:
+        return
+    for key, supported, what in _UNSUPPORTED_MOE:
+        value = hf.get(key)
+        if arch == QWEN2_MOE_ARCH and key == "shared_expert_intermediate_size":
+            continue  # read as shared experts of the routed experts' width
+        if value is not None and value != supported and not (key == "decoder_sparse_step" and value == 0):
+            raise ConfigError(f"Hugging Face {key} = {shown(value)} ({what}) is not supported; fivefold's MoE "
+                              f"layers need {key} = {shown(supported)}")
 
 
 def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
@@ -166,11 +212,7 @@ def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.flo
     the transformers 5 key (`rope_parameters`), so either version reads them.
     """
     cfg.validate()
-    if cfg.is_moe and cfg.n_shared_experts:
-        raise ConfigError(
-            f"model.n_shared_experts = {cfg.n_shared_experts} cannot be exported: {MIXTRAL_ARCH} has no "
-            "shared experts (only models with n_shared_experts = 0 export)"
-        )
+    arch = hf_architecture(cfg)
     scaling: dict[str, Any] | None = None
     if cfg.rope_scaling:
         scaling = {"rope_type": "llama3", **{k: float(cfg.rope_scaling[k]) for k in _ROPE_SCALING_KEYS}}
@@ -178,12 +220,11 @@ def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.flo
     rope_parameters = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if scaling:
         rope_parameters = {**scaling, "rope_theta": cfg.rope_theta}
-    arch = MIXTRAL_ARCH if cfg.is_moe else MISTRAL_ARCH if cfg.sliding_window else LLAMA_ARCH
     hf: dict[str, Any] = {
         "architectures": [arch],
         "model_type": {v: k for k, v in _MODEL_TYPES.items()}[arch],
         "hidden_size": cfg.hidden,
-        "intermediate_size": cfg.expert_ffn if cfg.is_moe else cfg.ffn,
+        "intermediate_size": cfg.expert_ffn if cfg.is_moe and arch in (MIXTRAL_ARCH, OLMOE_ARCH) else cfg.ffn,
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads,
@@ -200,7 +241,15 @@ def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.flo
         "attention_dropout": 0.0,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if cfg.is_moe:
+    if arch in (QWEN3_MOE_ARCH, OLMOE_ARCH, QWEN2_MOE_ARCH):
+        hf.update(num_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k, norm_topk_prob=cfg.norm_topk,
+                  router_aux_loss_coef=cfg.aux_loss_coef, attention_bias=False)
+        if arch in (QWEN3_MOE_ARCH, QWEN2_MOE_ARCH):
+            hf.update(moe_intermediate_size=cfg.expert_ffn, decoder_sparse_step=1, mlp_only_layers=[])
+        if arch == QWEN2_MOE_ARCH:
+            hf.update(qkv_bias=cfg.qkv_bias, shared_expert_intermediate_size=cfg.n_shared_experts * cfg.expert_ffn,
+                      use_sliding_window=False)
+    elif cfg.is_moe:
         hf.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
                   router_aux_loss_coef=cfg.aux_loss_coef, sliding_window=cfg.sliding_window or None)
     elif cfg.sliding_window:
@@ -208,6 +257,37 @@ def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.flo
     else:
         hf.update(attention_bias=False, mlp_bias=False)
     return hf
+
+
+def hf_architecture(cfg: ModelConfig) -> str:
+    """The Hugging Face architecture that holds `cfg`: Llama (Mistral with a sliding window) for dense models, and
+    for MoE models Mixtral, Qwen3-MoE (per-head query/key norms) or OLMoE (whole-projection ones); ConfigError
+    naming the field for what none of them has."""
+    if not cfg.is_moe:
+        for field, value, supported in (("qk_norm", cfg.qk_norm, "none"), ("qkv_bias", cfg.qkv_bias, False)):
+            if value != supported:
+                raise ConfigError(f"model.{field} = {shown(value)} on a dense model cannot be exported: "
+                                  f"{LLAMA_ARCH} needs {field} = {shown(supported)}")
+        return MISTRAL_ARCH if cfg.sliding_window else LLAMA_ARCH
+    qwen2 = cfg.qkv_bias or cfg.shared_expert_gate
+    arch = QWEN2_MOE_ARCH if qwen2 else {"none": MIXTRAL_ARCH, "head": QWEN3_MOE_ARCH, "full": OLMOE_ARCH}[cfg.qk_norm]
+    refused = [("router_scores", cfg.router_scores, "softmax"), ("bias_update_rate", cfg.bias_update_rate, 0.0)]
+    if arch == QWEN2_MOE_ARCH:  # its shared expert is always gated
+        refused += [("qk_norm", cfg.qk_norm, "none"), ("shared_expert_gate", cfg.shared_expert_gate, True)]
+    elif cfg.n_shared_experts:
+        raise ConfigError(
+            f"model.n_shared_experts = {cfg.n_shared_experts} cannot be exported: {arch} has no shared experts "
+            f"(only models with n_shared_experts = 0 export, or with shared_expert_gate = true as {QWEN2_MOE_ARCH})"
+        )
+    if arch == MIXTRAL_ARCH:
+        refused.append(("norm_topk", cfg.norm_topk, True))
+    if arch != MIXTRAL_ARCH:
+        refused.append(("sliding_window", cfg.sliding_window, 0))
+    for field, value, supported in refused:
+        if value != supported:
+            raise ConfigError(f"model.{field} = {shown(value)} cannot be exported: {arch} routes with "
+                              f"{field} = {shown(supported)}")
+    return arch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,13 +322,33 @@ def check_tensors(
     raise CheckpointError(f"{where} does not match the model config: " + "; ".join(parts))
 
 
-def _layer_names(i: int) -> list[tuple[str, str]]:
+def _layer_names(i: int, cfg: ModelConfig) -> list[tuple[str, str]]:
     """(fivefold, HF) names of layer i's tensors shared by dense and MoE blocks."""
     ff, hf = f"layers.{i}.", f"model.layers.{i}."
     pairs = [(f"{ff}attn.{p}_proj.weight", f"{hf}self_attn.{p}_proj.weight") for p in "qkvo"]
     pairs += [(f"{ff}attn_norm.weight", f"{hf}input_layernorm.weight"),
               (f"{ff}mlp_norm.weight", f"{hf}post_attention_layernorm.weight")]
+    if cfg.qk_norm != "none":
+        pairs += [(f"{ff}attn.{p}_norm.weight", f"{hf}self_attn.{p}_norm.weight") for p in "qk"]
+    if cfg.qkv_bias:
+        pairs += [(f"{ff}attn.{p}_proj.bias", f"{hf}self_attn.{p}_proj.bias") for p in "qkv"]
+    if cfg.is_moe and cfg.n_shared_experts:  # Qwen2-MoE's shared expert and its gate
+        pairs += [(f"{ff}mlp.shared.{p}.weight", f"{hf}mlp.shared_expert.{p}.weight")
+                  for p in ("gate_proj", "up_proj", "down_proj")]
+        pairs.append((f"{ff}mlp.shared_gate.weight", f"{hf}mlp.shared_expert_gate.weight"))
     return pairs
+
+
+def _moe_names(i: int, cfg: ModelConfig) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """(the HF prefix of layer i's MoE block, (fivefold batched expert weight, HF per-expert name) pairs)."""
+    if hf_architecture(cfg) == MIXTRAL_ARCH:
+        return f"model.layers.{i}.block_sparse_moe.", _EXPERT_WEIGHTS
+    return f"model.layers.{i}.mlp.", (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))
+
+
+def _dense_mlp_names(i: int) -> list[tuple[str, str]]:
+    return [(f"layers.{i}.mlp.{p}.weight", f"model.layers.{i}.mlp.{p}.weight")
+            for p in ("gate_proj", "up_proj", "down_proj")]
 
 
 # fivefold batched expert weight -> Mixtral per-expert name (w1 = gate, w3 = up, w2 = down)
@@ -262,15 +362,14 @@ def name_map(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
     is `experts.{e}.w1.weight [ffn, hidden]` transposed)."""
     out: list[tuple[str, str, int | None]] = [("model.embed_tokens.weight", "embed.weight", None)]
     for i in range(cfg.n_layers):
-        out += [(hf, ff, None) for ff, hf in _layer_names(i)]
+        out += [(hf, ff, None) for ff, hf in _layer_names(i, cfg)]
         if not cfg.is_moe:
-            out += [(f"model.layers.{i}.mlp.{p}.weight", f"layers.{i}.mlp.{p}.weight", None)
-                    for p in ("gate_proj", "up_proj", "down_proj")]
+            out += [(hf, ff, None) for ff, hf in _dense_mlp_names(i)]
             continue
-        moe = f"model.layers.{i}.block_sparse_moe."
+        moe, expert_names = _moe_names(i, cfg)
         out.append((moe + "gate.weight", f"layers.{i}.mlp.router.weight", None))
         out += [(f"{moe}experts.{e}.{hf_name}.weight", f"layers.{i}.mlp.{ff_name}", e)
-                for ff_name, hf_name in _EXPERT_WEIGHTS for e in range(cfg.n_experts)]
+                for ff_name, hf_name in expert_names for e in range(cfg.n_experts)]
     out.append(("model.norm.weight", "norm.weight", None))
     if not cfg.tied_embeddings:
         out.append(("lm_head.weight", "lm_head.weight", None))

@@ -8,6 +8,7 @@ layer may be `None`, so that a pipeline stage is this same class with some parts
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import math
@@ -111,16 +112,32 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.window = cfg.sliding_window
-        self.q_proj = nn.Linear(cfg.hidden, cfg.n_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.q_proj = nn.Linear(cfg.hidden, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm != "none":
+            per_head = cfg.qk_norm == "head"
+            self.q_norm = RMSNorm(cfg.head_dim if per_head else cfg.n_heads * cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim if per_head else cfg.n_kv_heads * cfg.head_dim, cfg.norm_eps)
+
+    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [batch, heads, seq, head_dim] of `x` [batch, seq, hidden], the queries and keys normalised by
+        `model.qk_norm` (before the rotary embedding)."""
+        q, k, v = self.project_qkv(x)
+        b, s, _ = q.shape
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: DocumentMask | None = None) -> torch.Tensor:
-        q, k, v = self.project_qkv(x)
-        b, s, _ = q.shape
-        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        q, k, v = self.heads(x)
+        b, s = x.shape[0], q.shape[2]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.core(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
@@ -129,9 +146,8 @@ class Attention(nn.Module):
                        cache: list[torch.Tensor]) -> torch.Tensor:
         """Inference on new tokens `x` [batch, new, hidden] whose positions follow the cached ones: their keys and
         values are appended to `cache` ([k, v] of [batch, kv_heads, past, head_dim], empty at first)."""
-        q, k, v = self.project_qkv(x)
-        b, s, _ = q.shape
-        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        q, k, v = self.heads(x)
+        b, s = x.shape[0], q.shape[2]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache:
             k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
@@ -178,11 +194,22 @@ class MLP(nn.Module):
 class MoE(nn.Module):
     """Top-k routed SwiGLU experts held as one batched weight, plus optional shared experts.
 
-    Tokens are sorted by expert and packed into an [experts, capacity, hidden] tensor so that all
-    experts run as one batched matmul (no Python loop over experts). Dropless routing sizes the
-    capacity to the busiest expert; capacity-based routing fixes it to
-    `capacity_factor * tokens * top_k / experts` and drops the overflow (counted in `drop_fraction`).
-    The Switch-Transformer load-balancing loss is kept in `aux_loss` after each forward.
+    Two implementations of the routed experts (`model.moe_impl`):
+
+    - "grouped" (the default): the routed slots are sorted by expert on the device (a stable argsort of the expert
+      indices; the per-expert counts stay on the device), the experts run as one grouped matmul over the sorted
+      rows (`torch.nn.functional.grouped_mm` where it runs for the device and dtype, see `grouped_mm_runs`; else
+      a loop over the experts that reads their offsets on the host once), and the outputs are scattered back to
+      their tokens by `index_add_`. No padding and, with `grouped_mm`, no host read: the forward and backward of
+      a layer never wait for the device.
+    - "padded" (the earlier prototype, kept for comparison): tokens are packed into an [experts, capacity, hidden]
+      tensor, capacity sized by a host read of the busiest expert's count, and run as one batched matmul.
+
+    Dropless routing keeps every slot. Capacity-based routing (`capacity_factor > 0`) gives each expert
+    `capacity_factor * tokens * top_k / experts` places in token order and drops the overflow (counted in
+    `drop_fraction`); the grouped implementation still computes the dropped slots and weighs them by zero, so
+    that the shapes never depend on the drops. The Switch-Transformer load-balancing loss is kept in `aux_loss`
+    after each forward.
     """
 
     # `fivefold train --only-rank` only (`force_balanced_routing`): every expert gets the same number of slots
@@ -192,37 +219,78 @@ class MoE(nn.Module):
         super().__init__()
         h, f, e = cfg.hidden, cfg.expert_ffn, cfg.n_experts
         self.n_experts, self.top_k, self.capacity_factor = e, cfg.top_k, cfg.capacity_factor
+        self.impl = cfg.moe_impl
+        self.router_scores, self.norm_topk, self.aux_loss_kind = cfg.router_scores, cfg.norm_topk, cfg.aux_loss
+        self.router_z_loss_coef, self.bias_update_rate = cfg.router_z_loss_coef, cfg.bias_update_rate
         self.init_std = cfg.init_std
         self.router = nn.Linear(h, e, bias=False)
         self.w_gate = nn.Parameter(torch.empty(e, h, f))
         self.w_up = nn.Parameter(torch.empty(e, h, f))
         self.w_down = nn.Parameter(torch.empty(e, f, h))
         self.shared = MLP(h, f * cfg.n_shared_experts) if cfg.n_shared_experts else None
+        self.shared_gate = nn.Linear(h, 1, bias=False) if cfg.shared_expert_gate else None
         self.aux_loss: torch.Tensor | None = None
+        self.z_loss: torch.Tensor | None = None
         self.drop_fraction: torch.Tensor | None = None
+        if cfg.bias_update_rate > 0:  # the balancing bias (not a parameter: no gradient) and the step's loads; not
+            # in the state dict yet, so a resumed run starts its bias from zero again
+            self.register_buffer("expert_bias", torch.zeros(e), persistent=False)
+            self.register_buffer("expert_load", torch.zeros(e, dtype=torch.int64), persistent=False)
+        # host-read count tables of an expert-parallel dispatch, kept by a recomputed forward for its recomputation
+        # (`fivefold.parallel.recompute`): appended to while recording, taken from while replaying
+        self.recorded_counts: list | None = None
+        self.replayed_counts: list | None = None
 
     def reset_parameters(self) -> None:
         for w in (self.w_gate, self.w_up, self.w_down):
             nn.init.normal_(w, std=self.init_std)
+        for buffer in self.buffers():
+            buffer.zero_()
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k expert indices and their renormalised weights for tokens `x` [tokens, hidden]."""
-        probs = F.softmax(self.router(x).float(), dim=-1)
+    def route(self, x: torch.Tensor, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k expert indices and their weights for tokens `x` [tokens, hidden] of `rows` sequences (by
+        `model.router_scores` and `norm_topk`, chosen with the balancing bias when `bias_update_rate > 0`);
+        records the load-balancing loss (`aux_loss`), the router z-loss (`z_loss`) and the step's expert loads."""
+        logits = self.router(x).float()
+        scores = F.softmax(logits, dim=-1) if self.router_scores == "softmax" else torch.sigmoid(logits)
         if self.balanced_routing:
             experts = balanced_experts(x.shape[0], self.top_k, self.n_experts, x.device)
-            weights = probs.gather(1, experts)
-        else:
-            weights, experts = probs.topk(self.top_k, dim=-1)
-        weights = weights / weights.sum(-1, keepdim=True)
-        slot_counts = torch.bincount(experts.reshape(-1), minlength=self.n_experts).float()
-        self.aux_loss = self.load_balancing_loss(slot_counts, probs.sum(0), x.shape[0])
+        else:  # the bias only chooses: the weights are the scores themselves
+            choice = scores + self.expert_bias if self.bias_update_rate > 0 else scores
+            experts = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        # per sequence and expert: routed slots and the sums of the scores normalised over the experts
+        row_of_slot = torch.arange(x.shape[0], device=x.device).div(x.shape[0] // rows, rounding_mode="floor")
+        slot_counts = expert_counts((row_of_slot.unsqueeze(1) * self.n_experts + experts).reshape(-1),
+                                    rows * self.n_experts).view(rows, self.n_experts)
+        probs = scores if self.router_scores == "softmax" else scores / scores.sum(-1, keepdim=True)
+        self.aux_loss = self.load_balancing_loss(slot_counts.float(), probs.view(rows, -1, self.n_experts).sum(1),
+                                                 x.shape[0])
+        self.z_loss = torch.logsumexp(logits, dim=-1).square().mean() if self.router_z_loss_coef > 0 else None
+        if self.bias_update_rate > 0 and torch.is_grad_enabled() and self.replayed_counts is None:
+            self.expert_load += slot_counts.sum(0)  # training forwards only, once (not again when recomputed)
         return experts, weights.to(x.dtype)
 
     def load_balancing_loss(self, slot_counts: torch.Tensor, prob_sums: torch.Tensor, tokens: int) -> torch.Tensor:
-        """Switch load balancing over `tokens` tokens: E * sum_e (fraction of routed slots that went to e) *
-        (mean router probability of e), from the slot counts and probability sums per expert. Context parallel
-        replaces this method to sum the statistics over the micro-batch's cp ranks first."""
-        return self.n_experts * (slot_counts / (tokens * self.top_k) * (prob_sums / tokens)).sum()
+        """The load-balancing loss over `tokens` tokens of `rows` sequences, from the routed slot counts and the
+        normalised score sums per sequence and expert ([rows, experts] each). Switch: E * sum_e (fraction of the
+        routed slots that went to e) * (mean score of e), over all the tokens; sequence-wise: the same within each
+        sequence, averaged over the sequences. Context parallel replaces this method to sum the statistics over
+        the micro-batch's cp ranks first."""
+        if self.aux_loss_kind == "switch":
+            slot_counts, prob_sums = slot_counts.sum(0, keepdim=True), prob_sums.sum(0, keepdim=True)
+        row_tokens = tokens / slot_counts.shape[0]
+        per_row = (slot_counts / (row_tokens * self.top_k) * (prob_sums / row_tokens)).sum(-1)
+        return self.n_experts * per_row.mean()
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor) -> None:
+        """Move the balancing bias towards the mean load by `bias_update_rate` (DeepSeek-V3's auxiliary-loss-free
+        balancing) from the expert loads `load` of a step, and start counting the next step's."""
+        self.expert_bias += self.bias_update_rate * torch.sign(load.float().mean() - load.float())
+        self.expert_load.zero_()
 
     def expert_slots(self, flat_expert: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
         """(position of each routed slot in its expert's queue, capacity) for the slots `flat_expert` [tokens *
@@ -230,7 +298,7 @@ class MoE(nn.Module):
         the last tokens that chose an over-full expert. Context parallel replaces this method to count
         positions over the whole sequence."""
         n_experts = self.n_experts
-        counts = torch.bincount(flat_expert, minlength=n_experts)
+        counts = expert_counts(flat_expert, n_experts)
         order = flat_expert.argsort(stable=True)
         starts = torch.cumsum(counts, 0) - counts
         slot = torch.empty_like(flat_expert)
@@ -245,14 +313,38 @@ class MoE(nn.Module):
         hidden = F.silu(torch.bmm(packed, self.w_gate)) * torch.bmm(packed, self.w_up)
         return torch.bmm(hidden, self.w_down)
 
+    def grouped_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts on `rows` [slots, hidden] sorted by expert, `counts[e]` (on the device) of them for expert e
+        -> [slots, hidden]. In autocast's dtype when it is on (as the batched matmuls would be)."""
+        device_type = rows.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else rows.dtype
+        rows = rows.to(dtype)
+        w_gate, w_up, w_down = (w.to(dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        if grouped_mm_runs(device_type, dtype, w_gate.shape[1], w_gate.shape[2]):
+            ends = torch.cumsum(counts, 0, dtype=torch.int32)  # grouped_mm's offsets: the end row of each group
+            hidden = F.silu(F.grouped_mm(rows, w_gate, offs=ends)) * F.grouped_mm(rows, w_up, offs=ends)
+            return F.grouped_mm(hidden, w_down, offs=ends)
+        # without grouped_mm: one matmul per expert on its slice, the slice bounds read on the host once
+        bounds = [0, *torch.cumsum(counts, 0).tolist()]
+        outs = []
+        for e in range(counts.numel()):
+            part = rows[bounds[e]:bounds[e + 1]]
+            outs.append((F.silu(part @ w_gate[e]) * (part @ w_up[e])) @ w_down[e])
+        return torch.cat(outs)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        experts, weights = self.route(x)
+        experts, weights = self.route(x, shape[0])
         out = self.dispatch_combine(x, experts, weights, rows=shape[0])
         if self.shared is not None:
-            out = out + self.shared(x)
+            out = out + self.shared_output(x)
         return out.view(shape)
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared experts on tokens `x` [tokens, hidden], scaled by their sigmoid gate when there is one."""
+        out = self.shared(x)
+        return out * torch.sigmoid(self.shared_gate(x)) if self.shared_gate is not None else out
 
     def kept_slots(self, experts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(indices of the routed slots that fit their expert's capacity, in token order; their queue
@@ -263,11 +355,38 @@ class MoE(nn.Module):
         kept = keep.nonzero().squeeze(1)  # slot index = token * top_k + choice
         return kept, slot[kept], capacity
 
+    def kept_mask(self, flat_expert: torch.Tensor, rows: int) -> torch.Tensor | None:
+        """Which routed slots fit their expert's capacity (None when routing is dropless), without reading
+        anything on the host; records `drop_fraction`."""
+        if self.capacity_factor <= 0:
+            self.drop_fraction = flat_expert.new_zeros((), dtype=torch.float32)
+            return None
+        slot, capacity = self.expert_slots(flat_expert, rows)
+        keep = slot < capacity
+        self.drop_fraction = 1.0 - keep.float().mean()
+        return keep
+
     def dispatch_combine(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                          rows: int = 1) -> torch.Tensor:
+        """Run the routed experts on the tokens of `x` [tokens, hidden] and sum each token's expert outputs scaled
+        by its routing weights, by `model.moe_impl`. Expert parallel replaces this method with a dispatch over the
+        ep ranks."""
+        if self.impl == "padded":
+            return self.padded_dispatch_combine(x, experts, weights, rows)
+        flat = experts.reshape(-1)
+        keep = self.kept_mask(flat, rows)
+        order = flat.argsort(stable=True)  # slot index = token * top_k + choice, grouped by expert
+        token = order // self.top_k
+        out = self.grouped_experts(x[token], expert_counts(flat, self.n_experts))
+        contrib = out.to(x.dtype) * weights.reshape(-1)[order].unsqueeze(-1)
+        if keep is not None:  # dropped slots were computed, like the others, and count for nothing
+            contrib = torch.where(keep[order].unsqueeze(-1), contrib, 0.0)
+        return x.new_zeros(x.shape).index_add_(0, token, contrib)
+
+    def padded_dispatch_combine(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                                rows: int = 1) -> torch.Tensor:
         """Pack the tokens of `x` [tokens, hidden] by expert into [experts, capacity, hidden], run the experts as
-        one batched matmul, and sum each token's expert outputs scaled by its routing weights. Expert
-        parallel replaces this method with a dispatch over the ep ranks."""
+        one batched matmul, and sum each token's expert outputs scaled by its routing weights."""
         kept, slot, capacity = self.kept_slots(experts, rows)
         expert, src_token = experts.reshape(-1)[kept], kept // self.top_k
         packed = x.new_zeros(self.n_experts, capacity, x.shape[1])
@@ -275,6 +394,32 @@ class MoE(nn.Module):
         result = self.experts_forward(packed)
         contrib = result[expert, slot] * weights.reshape(-1)[kept].unsqueeze(-1)
         return x.new_zeros(x.shape).index_add_(0, src_token, contrib)
+
+
+def expert_counts(flat_expert: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """How many of the routed slots `flat_expert` went to each of the `n_experts` experts, on the device and without
+    a host read (`torch.bincount` reads the largest index on the host on accelerators)."""
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat_expert.device)
+    return counts.index_add_(0, flat_expert, torch.ones_like(flat_expert))
+
+
+@functools.cache
+def grouped_mm_runs(device_type: str, dtype: torch.dtype, hidden: int, ffn: int) -> bool:
+    """Whether `torch.nn.functional.grouped_mm` exists in this PyTorch and runs for experts of this shape and dtype
+    on this device type (tried once on two tiny groups, with and without an empty one). It is public from
+    PyTorch 2.10; on accelerators its kernels take some dtypes only (bf16) and rows aligned to 16 bytes."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    device = torch.device(device_type, torch.accelerator.current_device_index()) if device_type != "cpu" else "cpu"
+    try:
+        with torch.no_grad():
+            rows = torch.zeros(4, hidden, dtype=dtype, device=device)
+            weights = torch.zeros(2, hidden, ffn, dtype=dtype, device=device)
+            for ends in ((2, 4), (0, 4)):
+                F.grouped_mm(rows, weights, offs=torch.tensor(ends, dtype=torch.int32, device=device))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
 
 
 def balanced_experts(tokens: int, top_k: int, n_experts: int, device: torch.device) -> torch.Tensor:
@@ -347,6 +492,8 @@ class Llama(nn.Module):
             if local.numel() == 0:
                 continue
             draw_initial_values(local, self.cfg, name, shapes[name], seed, region)  # on the parameter's device
+        for buffer in self.buffers():  # the MoE balancing bias and expert loads start at zero
+            buffer.zero_()
 
     def rope(self, seq_len: int, device: torch.device, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         positions = torch.arange(offset, offset + seq_len, device=device)
@@ -414,6 +561,16 @@ class Llama(nn.Module):
                  if isinstance(b.mlp, MoE) and b.mlp.drop_fraction is not None]
         return torch.stack(drops).mean() if drops else None
 
+    def moe_router_loss(self) -> torch.Tensor | None:
+        """The MoE layers' router losses from the last forward, weighted: `aux_loss_coef` times the summed
+        load-balancing losses plus `router_z_loss_coef` times the summed z-losses (None for dense models)."""
+        aux = self.moe_aux_loss()
+        if aux is None:
+            return None
+        z_losses = [b.mlp.z_loss for b in self.layers.values() if isinstance(b.mlp, MoE) and b.mlp.z_loss is not None]
+        loss = self.cfg.aux_loss_coef * aux
+        return loss + self.cfg.router_z_loss_coef * torch.stack(z_losses).sum() if z_losses else loss
+
     def moe_aux_loss(self) -> torch.Tensor | None:
         """Sum of the MoE layers' load-balancing losses from the last forward (None for dense models)."""
         losses = [b.mlp.aux_loss for b in self.layers.values() if isinstance(b.mlp, MoE) and b.mlp.aux_loss is not None]
@@ -474,6 +631,9 @@ def draw_initial_values(out: torch.Tensor, cfg: ModelConfig, name: str, shape: t
     kinds of accelerator; every layout on one kind of device draws the same)."""
     region = tuple(region) if region is not None else tuple((0, n) for n in shape)
     source, std = init_rule(cfg, name)
+    if name.endswith(".bias"):  # biases (of q, k, v under model.qkv_bias) start at zero
+        out.zero_()
+        return 0
     if std == 0.0:
         out.fill_(1.0)
         return 0

@@ -409,17 +409,19 @@ class _AllReduceSum(torch.autograd.Function):
 
 
 class ContextParallelLoadBalancing:
-    """Replacement of `MoE.load_balancing_loss`: the Switch loss is a product of two means over the tokens of
-    the micro-batch, which the cp ranks share, so the slot counts and router probability sums (E numbers each)
-    are summed over the cp group first. Every cp rank then holds the single-process loss; the probability
-    sums' backward sums the gradient of every rank's copy."""
+    """Replacement of `MoE.load_balancing_loss`: the Switch and sequence-wise losses are products of two means over
+    the tokens of the micro-batch or of each sequence, which the cp ranks share, so the slot counts and score sums
+    (per sequence and expert) are summed over the cp group first. Every cp rank then holds the single-process
+    loss; the score sums' backward sums the gradient of every rank's copy."""
 
     def __init__(self, moe: MoE, group: dist.ProcessGroup) -> None:
         self.moe, self.group = moe, group
 
     def __call__(self, slot_counts: torch.Tensor, prob_sums: torch.Tensor, tokens: int) -> torch.Tensor:
-        # one all-reduce of the 2E numbers (the counts carry no gradient; the sums' backward sums over the group)
-        counts, sums = _AllReduceSum.apply(torch.cat([slot_counts, prob_sums]), self.group).split(self.moe.n_experts)
+        # one all-reduce of the 2 E numbers per sequence (the counts carry no gradient; the sums' backward sums over
+        # the group)
+        both = _AllReduceSum.apply(torch.cat([slot_counts, prob_sums], -1), self.group)
+        counts, sums = both.split(self.moe.n_experts, -1)
         return MoE.load_balancing_loss(self.moe, counts, sums, tokens * dist.get_world_size(self.group))
 
 

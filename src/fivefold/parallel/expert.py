@@ -18,11 +18,13 @@ top-k and h the hidden size:
 3. dispatch: the kept slots' hidden states, grouped by destination, go out in one all-to-all with uneven
    splits (about T k h elements sent and received per rank when the load is balanced; (ep-1)/ep of it
    leaves the rank);
-4. the local experts run as one batched matmul on the received rows, packed by local expert;
+4. the local experts run on the received rows, sorted by local expert on the device, as one grouped matmul
+   (`MoE.grouped_experts`; or packed into one padded batched matmul under `model.moe_impl = "padded"`);
 5. combine: the expert outputs return by the reverse all-to-all (same volume), and each token sums its
    outputs scaled by its routing weights.
 
-Backward runs the two all-to-alls in reverse order with the splits swapped. The load-balancing loss stays
+Backward runs the two all-to-alls in reverse order with the splits swapped. The host reads the count tables once
+(the split sizes), and a recomputed forward reuses them (`fivefold.parallel.recompute`). The load-balancing loss stays
 local to the rank's micro-batch (summed over cp by `fivefold.parallel.context`), as in one process.
 """
 
@@ -33,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from fivefold.models.llama import Llama, MoE
+from fivefold.models.llama import Llama, MoE, expert_counts
 from fivefold.parallel.expert_comm import all_to_all, exchange_counts
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # batched routed-expert weights; dim 0 is the expert
@@ -65,29 +67,78 @@ def gather_expert_state(state: dict[str, torch.Tensor], ep_group: ProcessGroup) 
 
 class ExpertParallelDispatch:
     """Replacement of `MoE.dispatch_combine`: the kept slots travel to the ranks that hold their experts and
-    come back (see the module docstring)."""
+    come back (see the module docstring).
+
+    The one host read of a dispatch is the table of counts (this rank's sends and receives per expert), for the
+    all-to-all split sizes. Under recompute (`fivefold.parallel.recompute`) the original forward records its
+    tables in the layer's `recorded_counts` and the recomputation reads them back from its `replayed_counts`,
+    so recompute adds none."""
 
     def __init__(self, moe: MoE, group: ProcessGroup) -> None:
         self.moe, self.group = moe, group
         self.ep = dist.get_world_size(group)
         self.local_experts = moe.n_experts // self.ep
 
+    def host_counts(self, send_counts: torch.Tensor, recv_counts: torch.Tensor) -> tuple[list, list]:
+        """(send table, receive table) as Python lists of [ep][local experts]: one host read, or none when the
+        original forward of a recomputation recorded them."""
+        moe = self.moe
+        if moe.replayed_counts:
+            return moe.replayed_counts.pop(0)
+        tables = torch.stack([send_counts, recv_counts]).tolist()
+        if moe.recorded_counts is not None:
+            moe.recorded_counts.append(tables)
+        return tables
+
     def __call__(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, rows: int = 1) -> torch.Tensor:
+        if self.moe.impl == "padded":
+            return self.padded(x, experts, weights, rows)
+        moe, ep, local = self.moe, self.ep, self.local_experts
+        flat = experts.reshape(-1)
+        keep = moe.kept_mask(flat, rows)
+        # dropped slots sort after every expert's (key n_experts) and are not sent
+        key = flat if keep is None else torch.where(keep, flat, moe.n_experts)
+        order = key.argsort(stable=True)  # grouped by expert, hence by destination rank
+        send_counts = expert_counts(key, moe.n_experts + 1)[:moe.n_experts].view(ep, local)
+        sent, received, recv_counts, _, splits = self.dispatch(x, order, send_counts)
+        # received rows come in blocks (source rank, local expert): sort them by local expert (stable, so
+        # earlier source ranks first), run the grouped experts, and put the outputs back in arrival order
+        block = torch.repeat_interleave(torch.arange(ep * local, device=x.device), recv_counts.reshape(-1),
+                                        output_size=sum(splits[1]))
+        by_expert = (block % local).argsort(stable=True)
+        out = moe.grouped_experts(received[by_expert], recv_counts.sum(0))
+        return self.combine(x, torch.empty_like(out).index_copy(0, by_expert, out), sent, weights, splits)
+
+    def dispatch(self, x: torch.Tensor, order: torch.Tensor, send_counts: torch.Tensor) -> tuple:
+        """Send the rows of the slots `order` (slot indices, grouped by expert; those past the counted ones stay
+        home) to their experts' ranks. Returns (the slots sent, the rows received, the receive counts [source
+        rank, local expert] on the device and as a table, (send splits, receive splits))."""
+        recv_counts = exchange_counts(send_counts, self.group)  # [source rank, local expert]
+        send_table, recv_table = self.host_counts(send_counts, recv_counts)
+        splits = [sum(r) for r in send_table], [sum(r) for r in recv_table]
+        sent = order[:sum(splits[0])]  # slot indices (token * top_k + choice) in the order they are sent
+        rows = x[sent // self.moe.top_k]
+        if torch.is_autocast_enabled(x.device.type):  # the experts' matmuls take it in that dtype anyway
+            rows = rows.to(torch.get_autocast_dtype(x.device.type))
+        return sent, all_to_all(rows, *splits, self.group), recv_counts, recv_table, splits
+
+    def combine(self, x: torch.Tensor, result: torch.Tensor, sent: torch.Tensor, weights: torch.Tensor,
+                splits: tuple[list[int], list[int]]) -> torch.Tensor:
+        """Return the expert outputs `result` (in arrival order) to their ranks and sum each token's outputs
+        scaled by its routing weights."""
+        returned = all_to_all(result, splits[1], splits[0], self.group)
+        contrib = returned.to(x.dtype) * weights.reshape(-1)[sent].unsqueeze(-1)
+        return x.new_zeros(x.shape).index_add_(0, sent // self.moe.top_k, contrib)
+
+    def padded(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, rows: int = 1) -> torch.Tensor:
+        """`model.moe_impl = "padded"`: the received rows packed by local expert into [local experts, busiest
+        expert's rows, hidden] and run as one batched matmul."""
         moe, ep, local = self.moe, self.ep, self.local_experts
         kept, _, _ = moe.kept_slots(experts, rows)
         kept_expert = experts.reshape(-1)[kept]
-        order = kept_expert.argsort(stable=True)  # grouped by expert, hence by destination rank
-        sent = kept[order]  # slot indices (token * top_k + choice) in the order they are sent
         send_counts = torch.bincount(kept_expert, minlength=moe.n_experts).view(ep, local)
-        recv_counts = exchange_counts(send_counts, self.group)  # [source rank, local expert]
-        # one host sync for every count the dispatch needs: the split sizes and the packed queue's capacity
-        send_table, recv_table = torch.stack([send_counts, recv_counts]).tolist()
-        send_splits, recv_splits = [sum(r) for r in send_table], [sum(r) for r in recv_table]
-        rows = x[sent // moe.top_k]
-        if torch.is_autocast_enabled(x.device.type):  # the experts' matmuls take it in that dtype anyway
-            rows = rows.to(torch.get_autocast_dtype(x.device.type))
-        received = all_to_all(rows, send_splits, recv_splits, self.group)
-
+        sent, received, recv_counts, recv_table, splits = self.dispatch(
+            x, kept[kept_expert.argsort(stable=True)], send_counts)
         # received rows come in blocks (source rank, local expert); place each in its expert's packed queue,
         # after the rows of the same expert from earlier source ranks
         block_counts = recv_counts.reshape(-1)
@@ -100,10 +151,7 @@ class ExpertParallelDispatch:
         packed = received.new_zeros(local, capacity, x.shape[1])
         packed[local_expert, position] = received
         result = moe.experts_forward(packed)[local_expert, position]
-
-        returned = all_to_all(result, recv_splits, send_splits, self.group)
-        contrib = returned.to(x.dtype) * weights.reshape(-1)[sent].unsqueeze(-1)
-        return x.new_zeros(x.shape).index_add_(0, sent // moe.top_k, contrib)
+        return self.combine(x, result, sent, weights, splits)
 
 
 def apply_expert_parallel(model: Llama, ep_group: ProcessGroup) -> None:

@@ -15,17 +15,22 @@
 
 Under tensor / sequence parallelism the recompute (selective or full) repeats the block's forward communication
 (all-reduce or all-gather) in backward, the same on every tp rank. Apply after tensor parallelism. The
-recomputed forward is the same code on the same inputs, so gradients are unchanged.
+recomputed forward is the same code on the same inputs, so gradients are unchanged. Under expert parallelism
+the recomputed dispatch reuses the count tables that its original forward read on the host (see
+`host_counts_kept`), so recompute adds no host synchronisation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
+from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fivefold.config import shown
-from fivefold.models.llama import Llama
+from fivefold.models.llama import Llama, MoE
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -47,6 +52,32 @@ def selective_contexts():
     return create_selective_checkpoint_contexts(selective_policy)
 
 
+@contextlib.contextmanager
+def host_counts_kept(block: nn.Module, store: list, replay: bool,
+                     inner: contextlib.AbstractContextManager) -> Iterator[None]:
+    """Within `inner`: the MoE layer of `block` appends the count tables that its expert-parallel dispatch reads on
+    the host to `store` (the original forward), or takes them from `store` instead of reading them again (the
+    recomputation, `replay`)."""
+    moe = block.mlp if isinstance(block.mlp, MoE) else None
+    with inner:
+        if moe is not None:
+            moe.replayed_counts, moe.recorded_counts = (list(store), None) if replay else (None, store)
+        try:
+            yield
+        finally:
+            if moe is not None:
+                moe.replayed_counts = moe.recorded_counts = None
+
+
+def block_contexts(block: nn.Module, selective: bool) -> tuple:
+    """`checkpoint`'s context_fn for `block`: the selective policy's contexts (or none) around the recording of
+    the host count tables in the original forward and their replay in the recomputation. The store is made
+    per checkpointed call, so every recomputation reads the tables of its own forward."""
+    forward, recompute = selective_contexts() if selective else (contextlib.nullcontext(), contextlib.nullcontext())
+    store: list = []
+    return host_counts_kept(block, store, False, forward), host_counts_kept(block, store, True, recompute)
+
+
 def apply_recompute(model: Llama, mode: str) -> None:
     """Make `model`'s blocks recompute activations in backward according to `mode` (none | selective | full)."""
     if mode not in RECOMPUTE_MODES:
@@ -55,8 +86,6 @@ def apply_recompute(model: Llama, mode: str) -> None:
         raise ValueError(f"recompute is already applied to this model ({shown(model.recompute_mode)})")
     model.recompute_mode = mode
     for block in model.layers.values():
-        if mode == "selective":
+        if mode in ("selective", "full"):
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False,
-                                              context_fn=selective_contexts)
-        elif mode == "full":
-            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+                                              context_fn=functools.partial(block_contexts, block, mode == "selective"))

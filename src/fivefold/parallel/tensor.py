@@ -176,7 +176,7 @@ class TensorParallelMoE(MoE):
         x = enter_tp_region(x, group, self.sequence_parallel)
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        experts, weights = self.route(grad_on_first_rank(x, group))
+        experts, weights = self.route(grad_on_first_rank(x, group), shape[0])
         # the weights scale partial expert outputs, so their gradient is partial too: f sums it
         out = self.dispatch_combine(x, experts, copy_to_tp(weights, group), rows=shape[0])
         if self.shared is not None:
@@ -255,10 +255,11 @@ def apply_tensor_parallel(model: Llama, tp_group: ProcessGroup, sequence_paralle
             model.lm_head.out_features = model.embed.num_embeddings
         else:
             _shard_linear(model.lm_head, 0, tp_rank, tp_size)
-    if sequence_parallel:
-        for module in model.modules():
-            if isinstance(module, RMSNorm):
-                _to_tp_class(module, SequenceParallelRMSNorm, tp_group, sequence_parallel)
+    for name, module in model.named_modules():
+        # per-head query/key norms see this rank's heads only, so their weight's gradient is partial like a
+        # sequence-parallel norm's: both enter through f
+        if isinstance(module, RMSNorm) and (sequence_parallel or name.endswith(("q_norm", "k_norm"))):
+            _to_tp_class(module, SequenceParallelRMSNorm, tp_group, sequence_parallel)
 
 
 def vocab_parallel_loss_sum(model: Llama, hidden: torch.Tensor, targets: torch.Tensor, tp_group: ProcessGroup,

@@ -30,7 +30,7 @@ from torch import nn
 from fivefold.checkpoint_format import TensorReader, flat_rects
 from fivefold.config import Config, ConfigError
 from fivefold.device import autocast, use_bf16
-from fivefold.models.llama import Llama, build_model, full_parameter_shapes
+from fivefold.models.llama import Llama, MoE, build_model, full_parameter_shapes
 from fivefold.models.masking import document_positions
 from fivefold.parallel.data import DataParallel, Segment, load_shard, local_part
 from fivefold.parallel.mesh import ProcessGrid
@@ -134,13 +134,12 @@ class Engine:
         inputs, targets, positions = self.prepare_micro_batch(inputs, targets)
         loss_sum = self.loss_sum(inputs, targets, positions)
         loss = loss_sum
-        aux = self.model.moe_aux_loss()
-        if aux is not None:
-            # token-weighted mean of the load-balancing loss over the global batch (this rank's tokens' share of
-            # all of its tokens, which the router sees whether or not their targets are trained)
+        router_loss = self.model.moe_router_loss()
+        if router_loss is not None:
+            # token-weighted mean of the router's losses over the global batch (this rank's tokens' share of all of
+            # its tokens, which the router sees whether or not their targets are trained)
             t = self.cfg.train
-            loss = loss + self.cfg.model.aux_loss_coef * aux * targets.numel() * global_tokens / (
-                t.global_batch_size * t.seq_len)
+            loss = loss + router_loss * targets.numel() * global_tokens / (t.global_batch_size * t.seq_len)
         return loss / global_tokens, loss_sum.detach()
 
     @contextlib.contextmanager
@@ -217,10 +216,28 @@ class Engine:
         with self.waits():  # the norm's and the agreement's all-reduces: where this rank meets its peers
             norm = self.clip_grad_norm(self.cfg.train.grad_clip)
         self.step_guarded(norm, loss_sum, stop)
+        self.update_expert_bias()
         for dp in self.data_parallels:
             dp.after_step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+    def update_expert_bias(self) -> None:
+        """Auxiliary-loss-free balancing (`model.bias_update_rate > 0`): each MoE layer's bias moves towards the
+        mean load of the step's global batch: the loads of this rank's micro-batches summed over the ranks that
+        hold other tokens (dp x cp, which ep folds over; tp ranks route the same tokens), in one all-reduce of
+        every layer's loads, so every rank moves the same bias. Outside autograd; not when the step is skipped."""
+        if self.cfg.model.bias_update_rate <= 0:
+            return
+        layers = [m for m in self.model.modules() if isinstance(m, MoE)]
+        if not layers:
+            return
+        loads = torch.stack([m.expert_load for m in layers])
+        if self.grid is not None:
+            dist.all_reduce(loads, group=self.grid.group("dp_cp"))
+        loads = loads * (1 - self.step_flags[0]).to(loads.dtype)  # a skipped step moves nothing
+        for moe, load in zip(layers, loads, strict=True):
+            moe.update_bias(load)
 
     def step_guarded(self, norm: torch.Tensor, loss_sum: torch.Tensor | None, stop: bool) -> None:
         """Step the optimizer unless the loss or the gradient norm is non-finite on some rank: the flag goes to the

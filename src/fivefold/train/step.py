@@ -116,9 +116,9 @@ class LlamaStage:
                 out = self.module.forward_hidden(x, positions)
         if self.training:
             roots = [out]
-            aux = self.module.moe_aux_loss()
-            if aux is not None:  # token-weighted mean of the load-balancing loss over the global batch
-                roots.append(self.cfg.model.aux_loss_coef * aux * targets.numel() / self.global_tokens)
+            router_loss = self.module.moe_router_loss()
+            if router_loss is not None:  # token-weighted mean of the router losses over the global batch
+                roots.append(router_loss * targets.numel() / self.global_tokens)
                 if self.cfg.model.capacity_factor > 0:
                     self.drop_sum += self.module.moe_drop_fraction().detach() * len(self.module.layers)
             self.saved[micro_batch] = (x, roots)

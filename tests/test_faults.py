@@ -603,3 +603,13 @@ def test_killed_launcher_leaves_no_worker(tmp_path: Path, sig: int) -> None:
         assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in out
         assert "stopped by SIGTERM" in out
     json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])  # whole lines only
+
+
+def test_a_rank_killed_from_outside_failed_before_one_that_aborted(tmp_path):
+    """The launcher's summary names the rank killed by SIGKILL, not the peer whose runtime then aborted (SIGABRT),
+    whatever their order; SIGTERM (the launcher stopping the rest) comes last."""
+    from fivefold.faults import first_failure
+
+    assert first_failure(str(tmp_path), {0: -6, 1: -9}) == (1, "killed by SIGKILL")
+    assert first_failure(str(tmp_path), {0: -15, 1: -6}) == (1, "killed by SIGABRT")
+    assert first_failure(str(tmp_path), {0: -9, 1: -9, 2: -15}) == (0, "killed by SIGKILL")

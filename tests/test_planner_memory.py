@@ -170,8 +170,9 @@ SHAPES = [(1, 64), (2, 16), (4, 128), (3, 256)]
 @pytest.mark.parametrize("preset", ["tiny", "tiny-moe-capacity"])
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_activation_bytes_fp32(preset, batch, seq, recompute):
-    if preset == "tiny-moe-capacity":  # capacity routing makes the packed expert tensors' size deterministic
-        cfg = dataclasses.replace(get_preset("tiny-moe"), capacity_factor=1.25)
+    if preset == "tiny-moe-capacity":  # capacity routing makes the packed expert tensors' size deterministic; the
+        # planner counts the padded experts' tensors (the grouped default's are not modelled yet)
+        cfg = dataclasses.replace(get_preset("tiny-moe"), capacity_factor=1.25, moe_impl="padded")
     else:
         cfg = get_preset(preset)
     measured = measure_saved_bytes(cfg, batch, seq, recompute)

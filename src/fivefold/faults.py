@@ -432,9 +432,11 @@ def first_failure(folder: str, exit_codes: dict[int, int]) -> tuple[int, str] | 
     own = sorted(x for x in lines if not x[0])
     if own:
         return own[0][2], own[0][3]
-    # a rank killed by a signal, other than the SIGTERM with which the launcher stops the rest of a failed job
-    killed = sorted((code == -signal.SIGTERM, r) for r, code in exit_codes.items() if code < 0)
-    killed = [r for _, r in killed]
+    # a rank killed by a signal, other than the SIGTERM with which the launcher stops the rest of a failed job; a
+    # rank whose runtime aborted (SIGABRT: gloo's threads can abort a rank whose peer died mid-collective) after one
+    # killed from outside (SIGKILL: the OOM killer, a user)
+    killed = sorted((code == -signal.SIGTERM, code == -signal.SIGABRT, r) for r, code in exit_codes.items() if code < 0)
+    killed = [r for *_, r in killed]
     if killed:
         with contextlib.suppress(ValueError):
             return killed[0], f"killed by {signal.Signals(-exit_codes[killed[0]]).name}"

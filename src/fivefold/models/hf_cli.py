@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fivefold.config import build_config, check_writable_dir, shown
+from fivefold.config import build_config, check_writable_dir, finite_float, shown
 from fivefold.errors import CliError
 from fivefold.flops import count_params
 
@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "OUT_DIR; other files stay")
     parser.add_argument("--tokenizer", metavar="PATH",
                         help="a tokenizer.json or a directory holding one (default: the run's RUN_DIR/tokenizer/)")
-    parser.add_argument("--max-shard-gb", type=float, default=5.0, metavar="GB",
+    parser.add_argument("--max-shard-gb", type=finite_float, default=5.0, metavar="GB",
                         help="largest safetensors file written, in GB of 10^9 bytes (default 5, as transformers): "
                         "a larger model is written as model-0000i-of-0000n.safetensors with an index")
 

@@ -40,7 +40,7 @@ from fivefold.parallel.schedules import stage_placement
 from fivefold.train.checkpoint import Piece
 from fivefold.train.expect import WaitClock
 from fivefold.train.optim import LrSchedule, build_adamw
-from fivefold.train.step import StepRunner, stage_modules
+from fivefold.train.step import StepRunner, router_loss_share, stage_modules
 
 __all__ = ["MOMENTS", "Engine", "Segment"]
 
@@ -133,14 +133,11 @@ class Engine:
         """(loss to backpropagate, summed token loss) of one micro-batch of whole sequences."""
         inputs, targets, positions = self.prepare_micro_batch(inputs, targets)
         loss_sum = self.loss_sum(inputs, targets, positions)
-        loss = loss_sum
+        loss = loss_sum / global_tokens
         router_loss = self.model.moe_router_loss()
         if router_loss is not None:
-            # token-weighted mean of the router's losses over the global batch (this rank's tokens' share of all of
-            # its tokens, which the router sees whether or not their targets are trained)
-            t = self.cfg.train
-            loss = loss + router_loss * targets.numel() * global_tokens / (t.global_batch_size * t.seq_len)
-        return loss / global_tokens, loss_sum.detach()
+            loss = loss + router_loss_share(self.cfg, router_loss, targets.numel())
+        return loss, loss_sum.detach()
 
     @contextlib.contextmanager
     def micro_batch_context(self, index: int, count: int) -> Iterator[None]:

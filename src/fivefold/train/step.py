@@ -29,6 +29,14 @@ if TYPE_CHECKING:
 MicroBatches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+
+def router_loss_share(cfg: Config, router_loss: torch.Tensor, tokens: int) -> torch.Tensor:
+    """A micro-batch's share of the router's losses in the step's loss: their token-weighted mean over every token of
+    the global batch (`tokens` of this micro-batch; the router sees every token, whether or not its target is
+    trained, so the weights sum to one however many targets document masking leaves)."""
+    t = cfg.train
+    return router_loss * tokens / (t.global_batch_size * t.seq_len)
+
 class StepRunner(Protocol):
     """How the engine runs one step's micro-batches."""
 
@@ -117,8 +125,8 @@ class LlamaStage:
         if self.training:
             roots = [out]
             router_loss = self.module.moe_router_loss()
-            if router_loss is not None:  # token-weighted mean of the router losses over the global batch
-                roots.append(router_loss * targets.numel() / self.global_tokens)
+            if router_loss is not None:
+                roots.append(router_loss_share(self.cfg, router_loss, targets.numel()))
                 if self.cfg.model.capacity_factor > 0:
                     self.drop_sum += self.module.moe_drop_fraction().detach() * len(self.module.layers)
             self.saved[micro_batch] = (x, roots)

@@ -132,7 +132,6 @@ class Watchdog:
         self.host = socket.gethostname()
         self.seen: dict[int, tuple[int, float]] = {}  # rank -> (its beat count, our clock when it changed)
         self.watching = (rank + 1) % world  # the rank whose heartbeat this one reads (`_watched`)
-        self.last_read: dict | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fivefold-watchdog", daemon=True)
 
@@ -171,15 +170,15 @@ class Watchdog:
             return None
         return json.loads(self.store.get(key))
 
-    def _watched(self) -> int | None:
-        """The rank this one watches: the next one round the ring that has not finished (None when every other rank
-        has). Each rank is thus watched by its nearest unfinished predecessor, and reads one heartbeat per interval."""
+    def _watched(self) -> tuple[int, dict | None] | None:
+        """(the rank this one watches, its heartbeat): the next one round the ring that has not finished (None when
+        every other rank has). Each rank is thus watched by its nearest unfinished predecessor, and reads one
+        heartbeat per interval."""
         r = self.watching
         while r != self.rank:
             hb = self._read(r)
             if hb is None or not hb.get("done"):
-                self.last_read = hb
-                return r
+                return r, hb
             r = (r + 1) % self.world  # finished: watch the next one (each rank is passed over once, for good)
             self.watching = r
         return None
@@ -190,10 +189,10 @@ class Watchdog:
         requests per interval: one write and two reads (`check`, `get`), whatever the world's size."""
         self._publish()
         now = time.monotonic()
-        r = self._watched()
+        watched = self._watched()
         stalled = None
-        if r is not None:
-            hb = self.last_read
+        if watched is not None:
+            r, hb = watched
             count = hb["beat"] if hb else 0
             last = self.seen.get(r)
             if last is None or last[0] != count:

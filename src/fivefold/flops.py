@@ -162,21 +162,16 @@ def causal_pairs(seq: int) -> int:
     return seq * (seq + 1) // 2
 
 
-def masks_attention(cfg: ModelConfig) -> bool:
-    """Whether the model's attention executes fewer pairs than causal attention (document mask, sliding window)."""
-    return cfg.masks_attention
-
-
 def causal_equivalent(cfg: ModelConfig) -> ModelConfig:
     """The model with plain causal attention: what the causal-equivalent MFU counts."""
-    return dataclasses.replace(cfg, attn_mask="causal", sliding_window=0) if masks_attention(cfg) else cfg
+    return dataclasses.replace(cfg, attn_mask="causal", sliding_window=0) if cfg.masks_attention else cfg
 
 
 def attention_fraction(cfg: ModelConfig, seq: int, docs: DocumentLengths | None = None) -> float:
     """The share of causal attention's (query, key) pairs that the model's mask executes per sequence of `seq`
     tokens: 1 for plain causal attention; under document masking, from the documents' lengths `docs` (None: as
     causal, documents at least as long as the sequence); under a sliding window, its band."""
-    if not masks_attention(cfg):
+    if not cfg.masks_attention:
         return 1.0
     docs = docs if cfg.attn_mask == "document" else None
     return float(attention_pairs(seq, cfg.sliding_window, docs) / causal_pairs(seq))
@@ -187,7 +182,7 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int, docs: DocumentLeng
     6 * layers * seq * n_heads * head_dim (half of the full 12 L s H d, what flash kernels compute) times
     `attention_fraction` under a document mask or a sliding window."""
     causal = 6 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
-    return causal if not masks_attention(cfg) else causal * attention_fraction(cfg, seq_len, docs)
+    return causal if not cfg.masks_attention else causal * attention_fraction(cfg, seq_len, docs)
 
 
 def training_flops_per_token(

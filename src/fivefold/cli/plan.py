@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fivefold.config import Config, ConfigError, ModelConfig, dump_toml, finite_float, int_in, shown, write_text_atomic
 from fivefold.errors import CliError
-from fivefold.flops import attention_fraction, attention_pairs, causal_pairs, masks_attention
+from fivefold.flops import attention_fraction, attention_pairs, causal_pairs
 from fivefold.layout import check_layout
 from fivefold.planner.layout import Framework, Layout, check_runs_hsdp, parse_layout
 from fivefold.planner.search import RANK_RULES, SearchSpace, estimate, gib, parse_tokens, rank_key, search
@@ -479,7 +479,7 @@ def _attention_model(args: argparse.Namespace, cfg: ModelConfig) -> ModelConfig:
 def _attention_json(args: argparse.Namespace, cfg: ModelConfig, seq: int) -> dict:
     """What `plan --json` says of a masked model's attention (nothing for plain causal attention)."""
 
-    if not masks_attention(cfg):
+    if not cfg.masks_attention:
         return {}
     docs = args.docs if cfg.attn_mask == "document" else None
     described = {"mask": cfg.attn_mask, "sliding_window": cfg.sliding_window}
@@ -622,7 +622,7 @@ def _search_layouts(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, h
     accelerator = not (hw.cores or hw.name == "cpu")
     # the written config compiles on an accelerator (not under an attention mask: `recipes.apply_recipe`)
     compiled_for_config = (bool(args.write_config) and accelerator and fw.fused_elementwise != "all"
-                           and not masks_attention(cfg))
+                           and not cfg.masks_attention)
     if compiled_for_config:  # the written config turns torch.compile on: rank the layouts as that run will go
         from fivefold.planner.features import with_features
 

@@ -377,9 +377,8 @@ def name_map(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
 
 
 def check_exportable(cfg: ModelConfig) -> None:
-    """A ConfigError when the model cannot be expressed in Hugging Face's format (shared experts)."""
-    if cfg.is_moe and cfg.n_shared_experts:
-        hf_config_from_model_config(cfg)  # raises the shared-experts error
+    """A ConfigError when no Hugging Face architecture holds the model (`hf_architecture`)."""
+    hf_architecture(cfg)
 
 
 def to_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -398,9 +397,11 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> d
 
 
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor names and shapes of `cfg` (meta device, nothing allocated)."""
-    meta = build_model(cfg, device="meta").state_dict()
-    return {k: tuple(v.shape) for k, v in to_hf_state_dict(meta, cfg).items()}
+    """Hugging Face tensor names and shapes of `cfg` (from the meta model's, nothing allocated): an expert's is its
+    slot of fivefold's batched weight, transposed."""
+    check_exportable(cfg)
+    shapes = expected_shapes(cfg)
+    return {hf: shapes[ff] if e is None else (shapes[ff][2], shapes[ff][1]) for hf, ff, e in name_map(cfg)}
 
 
 def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

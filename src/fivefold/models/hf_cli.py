@@ -144,7 +144,14 @@ def export_checkpoint(reader: PieceReader, cfg: ModelConfig, out_dir: Path, over
 
 def run(args: argparse.Namespace) -> int:
     from fivefold.checkpoint_format import PieceError
-    from fivefold.models.hf import CheckpointError, check_exportable, check_output_dir, check_tensors, expected_shapes
+    from fivefold.models.hf import (
+        CheckpointError,
+        check_exportable,
+        check_output_dir,
+        check_tensors,
+        expected_shapes,
+        hf_architecture,
+    )
 
     max_shard_bytes = shard_bytes(args.max_shard_gb)
     out_dir = Path(args.hf)
@@ -173,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
         export_checkpoint(reader, cfg, out_dir, args.overwrite, tokenizer_dir, max_shard_bytes)
     except (CheckpointError, PieceError) as e:
         raise CliError(str(e)) from None
-    arch = "MixtralForCausalLM" if cfg.is_moe else "LlamaForCausalLM"
+    arch = hf_architecture(cfg)
     print(f"wrote {arch} ({count_params(cfg):,} parameters, model {shown(cfg.name)}) to {out_dir}")
     if tokenizer_dir is None:
         print("warning: no tokenizer found (the run has no tokenizer/ directory); AutoTokenizer cannot load "

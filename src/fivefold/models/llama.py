@@ -261,7 +261,9 @@ class MoE(nn.Module):
         weights = scores.gather(1, experts)
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
-        # per sequence and expert: routed slots and the sums of the scores normalised over the experts
+        # per expert (and per sequence for the sequence-wise loss, which alone needs them): routed slots and the
+        # sums of the scores normalised over the experts
+        rows = rows if self.aux_loss_kind == "sequence" else 1
         row_of_slot = torch.arange(x.shape[0], device=x.device).div(x.shape[0] // rows, rounding_mode="floor")
         slot_counts = expert_counts((row_of_slot.unsqueeze(1) * self.n_experts + experts).reshape(-1),
                                     rows * self.n_experts).view(rows, self.n_experts)
@@ -669,7 +671,7 @@ def build_model(cfg: ModelConfig, device: torch.device | str = "cpu", seed: int 
 
     With `device="meta"` the model stays a description: shapes and parameter counts only. The parallel engines
     keep it on the meta device, shard it, and materialise only each rank's part (`materialize` with regions):
-    the initial values are the same whatever the layout (`initial_values`).
+    the initial values are the same whatever the layout (`draw_initial_values`).
     """
     with torch.device("meta"):
         model = Llama(cfg)

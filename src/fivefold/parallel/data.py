@@ -118,9 +118,6 @@ class DataParallel(Protocol):
     def plain_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's tp/ep-local state with its values in full: fp32 masters, whole `fully_shard` tensors."""
 
-    def load_master(self, values: dict[str, torch.Tensor]) -> None:
-        """Set the fp32 masters from {plain name: whole local parameter} (after the working weights were loaded)."""
-
     def after_load(self) -> None:
         """After a checkpoint's pieces were loaded into the segments: make the working weights agree."""
 
@@ -220,12 +217,6 @@ class LocalDataParallel:
             return state
         return {name: (self.master[self.aliases[name]].detach() if name in self.aliases else t)
                 for name, t in state.items()}
-
-    @torch.no_grad()
-    def load_master(self, values: dict[str, torch.Tensor]) -> None:
-        for name, m in zip(self.names, self.master or [], strict=True):
-            m.copy_(values[name])
-        self.after_step()
 
     def after_load(self) -> None:
         self.after_step()
@@ -480,22 +471,6 @@ class BucketedDataParallel:
             dist.all_reduce(sums, group=self.group)
         return sums[0], sums[1]
 
-    def master_pieces(self) -> list[tuple[str, int, torch.Tensor]]:
-        """Under lean mixed precision, the fp32 master values this rank holds: (plain name, offset in the flattened
-        local parameter, 1-D fp32 tensor) for every parameter overlapping this rank's slice; what a sharded
-        checkpoint saves instead of the bf16 working weights. Empty without master weights."""
-        out = []
-        if not self.master:
-            return out
-        for bucket in self.buckets:
-            lo, hi = self.shard_range(bucket)
-            master = bucket.shard.detach().reshape(-1)
-            for name, p, off in zip(bucket.names, bucket.params, bucket.offsets, strict=True):
-                a, b = max(lo, off), min(hi, off + p.numel())
-                if a < b:
-                    out.append((name, a - off, master[a - lo:b - lo]))
-        return out
-
     @torch.no_grad()
     def full_master_state(self) -> dict[str, torch.Tensor]:
         """{plain name: this rank's whole (tp/ep-local) parameter in fp32} from the master slices, all-gathered over
@@ -512,14 +487,6 @@ class BucketedDataParallel:
             for name, p, off in zip(bucket.names, bucket.params, bucket.offsets, strict=True):
                 out[name] = flat[off:off + p.numel()].view(p.shape).clone()
         return out
-
-    @torch.no_grad()
-    def load_master(self, values: dict[str, torch.Tensor]) -> None:
-        """Set the master slices from {plain name: whole local parameter} (full precision, e.g. a loaded
-        checkpoint); parameters not named keep their master values."""
-        for name, offset, piece in self.master_pieces():
-            if name in values:
-                piece.copy_(values[name].detach().reshape(-1)[offset:offset + piece.numel()])
 
     def master_bytes(self) -> int:
         """Bytes of the fp32 master slices that AdamW steps under lean mixed precision (0 otherwise)."""
@@ -615,13 +582,6 @@ def hsdp_replica(t: torch.Tensor) -> int:
     return mesh.get_local_rank(next(i for i, p in enumerate(t.placements) if p.is_replicate()))
 
 
-@torch.no_grad()
-def load_shard(t: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy this rank's part of the whole tensor `full` into `t` (a `fully_shard` DTensor or a plain tensor)."""
-    index, chunks = dim0_shard(t)
-    local_part(t).copy_(full.chunk(chunks, 0)[index])
-
-
 def shard_square_sums(grads: Iterable[tuple[bool, torch.Tensor]], group: ProcessGroup,
                       replicas: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(tp-sharded, tp-replicated) sums of squares of ZeRO-3's gradients (`grads`: (tp-sharded, gradient) pairs,
@@ -712,9 +672,6 @@ class ShardedState:
     def plain_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The whole tensors (collective over each parameter's mesh); experts whole over edp are plain."""
         return {name: full_value(t) for name, t in state.items()}
-
-    def load_master(self, values: dict[str, torch.Tensor]) -> None:
-        """No separate master copy."""
 
     def after_load(self) -> None:
         """Each rank loaded its own shards."""

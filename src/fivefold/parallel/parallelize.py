@@ -160,7 +160,7 @@ def shard_regions(model: Llama, grid: ProcessGrid) -> dict[str, tuple[tuple[int,
 def materialize_shards(model: Llama, grid: ProcessGrid, device: torch.device, seed: int,
                        root: nn.Module | None = None) -> None:
     """Allocate this rank's shards of a model built and sharded on the meta device, initialised to the same
-    values as the one-process model's slices (`models.llama.initial_values`): no rank allocates a full tensor.
+    values as the one-process model's slices (`models.llama.draw_initial_values`): no rank allocates a full tensor.
     `root`: the outermost module to allocate from (ZeRO-3's root unit, which holds the model)."""
     materialize(model, device, seed, shard_regions(model, grid), root)
 

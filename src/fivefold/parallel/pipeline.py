@@ -9,7 +9,7 @@ DualPipeV, so that rank 0 holds the first and the last stage). The blocks per st
 FLOPs (`flops.balanced_stage_layers`, the planner's split too: the last stage's output layer and loss count as a
 fraction of a block, the embedding lookup as none), or given explicitly as `layout.stage_layers`. Every rank
 describes the full model on the meta device and keeps only its stages, which it allocates (after tensor and expert
-parallel have shrunk them to its shards) with the one-process model's initial values (`models.llama.initial_values`
+parallel have shrunk them to its shards) with the one-process model's initial values (`models.llama.draw_initial_values`
 depends on the seed and the parameter name, not the layout): each stage is the plain `Llama` with the other blocks
 removed (blocks keep their global index, so parameter names are the plain model's) and the embedding, norm and
 output layer None where not held. With tied embeddings and the first and last stages on different ranks, both
@@ -91,7 +91,7 @@ def build_stages(cfg: ModelConfig, counts: list[int], placement: tuple[int, ...]
                  device: torch.device, seed: int) -> dict[int, Llama]:
     """This rank's stages {global stage: Llama}: the full model is described on the meta device and only this
     rank's stages are kept; on `device` they are then allocated and initialised from the seed (the values of the
-    one-process model, `models.llama.initial_values`). With `device="meta"` they stay descriptions, for the
+    one-process model, `models.llama.draw_initial_values`). With `device="meta"` they stay descriptions, for the
     engine to shard first (`train.build.build_engine`: `parallelize.apply_model_parallel` on each stage,
     then `parallelize.apply_data_parallel` once)."""
     full = build_model(cfg, device="meta")

@@ -21,7 +21,6 @@ from fivefold.flops import (
     DocumentLengths,
     attention_fraction,
     causal_equivalent,
-    masks_attention,
     training_flops_per_token,
 )
 from fivefold.layout import (
@@ -159,7 +158,7 @@ def estimate(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster
         notes.append(split)
     e = Estimate(lay, peak <= limit and not notes, mem, peak, t.step_time, t.parts, tps, mfu, notes,
                  stall=stall_risk(lay, hw))
-    if masks_attention(cfg):
+    if cfg.masks_attention:
         e.attention_pairs_fraction = attention_fraction(cfg, seq, docs)
         e.mfu_causal_equivalent = tps * training_flops_per_token(causal_equivalent(cfg), seq) / peak_flops
     return e

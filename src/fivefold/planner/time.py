@@ -23,7 +23,6 @@ from fivefold.flops import (
     DocumentLengths,
     attention_flops_per_token,
     attention_fraction,
-    masks_attention,
     training_flops_per_token,
 )
 from fivefold.parallel.schedules import build_schedule, simulate
@@ -173,7 +172,7 @@ def attention_kernel_length(cfg: ModelConfig, seq: int, cp: int, docs: DocumentL
     """The sequence length at which the attention kernel's speed is read: a cp rank's chunk; under a document mask
     or a sliding window, no longer than the causal length with as many keys per query as the mask leaves
     ((length + 1) / 2 = executed pairs / seq), since the kernel then works on blocks that short."""
-    if not masks_attention(cfg):
+    if not cfg.masks_attention:
         return seq / cp
     return min(seq / cp, max(1.0, attention_fraction(cfg, seq, docs) * (seq + 1) - 1))
 
@@ -204,7 +203,7 @@ def _block_seconds(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: C
         attn = hw.attention_time(lay.micro_batch_size * cfg.n_heads / tp, seq / lay.cp, d) or (0.0, 0.0)
         lin_f, lin_b = sum(t[0] for t in measured), sum(t[1] for t in measured)
         attn_f, attn_b = attn
-        if masks_attention(cfg):  # the measured causal kernel, for the share of its pairs the mask executes
+        if cfg.masks_attention:  # the measured causal kernel, for the share of its pairs the mask executes
             share = attention_fraction(cfg, seq, docs)
             attn_f, attn_b = attn_f * share, attn_b * share
         elementwise = 2 * act_bytes / hw.elementwise_bandwidth(tokens * h * ab / (tp if lay.sp else 1))

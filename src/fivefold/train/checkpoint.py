@@ -375,6 +375,7 @@ def read_model_state(path: Path) -> dict[str, torch.Tensor]:
     pieces; verifies the files it reads."""
     loaded = load_checkpoint(path)
     verify_files(path)
+    loaded.reader.opened = None  # every file was just verified: not hashed again as it is opened
     try:
         return {name.removeprefix("model."): loaded.reader.read(name) for name in loaded.reader.names()
                 if name.startswith("model.")}
@@ -410,12 +411,6 @@ def check_model_shapes(saved: dict[str, tuple[int, ...]], expected: dict[str, tu
         raise CheckpointError(
             f"checkpoint {path} does not match the configured model: {'; '.join(problems[:5])}{more}"
         )
-
-
-def check_model_state(loaded: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], path: Path) -> None:
-    """Refuse a state whose tensor names or shapes differ from the model's, listing the differences."""
-    check_model_shapes({k: tuple(v.shape) for k, v in loaded.items()},
-                       {k: tuple(v.shape) for k, v in expected.items()}, path)
 
 
 def restore_rng(loaded: LoadedCheckpoint, device: torch.device) -> None:

@@ -21,6 +21,7 @@ and names the pieces of the plain-model state this rank holds for checkpoints (`
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -32,7 +33,7 @@ from fivefold.config import Config, ConfigError
 from fivefold.device import autocast, use_bf16
 from fivefold.models.llama import Llama, MoE, build_model, full_parameter_shapes
 from fivefold.models.masking import document_positions
-from fivefold.parallel.data import DataParallel, Segment, load_shard, local_part
+from fivefold.parallel.data import DataParallel, Segment, local_part
 from fivefold.parallel.mesh import ProcessGrid
 from fivefold.parallel.parallelize import LossModel
 from fivefold.parallel.pipeline import layer_ranges, stage_layer_counts
@@ -219,15 +220,18 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 
+    @functools.cached_property
+    def moe_layers(self) -> list[MoE]:
+        """This rank's MoE layers (found once: the model's modules do not change after the build)."""
+        return [m for m in self.model.modules() if isinstance(m, MoE)]
+
     def update_expert_bias(self) -> None:
         """Auxiliary-loss-free balancing (`model.bias_update_rate > 0`): each MoE layer's bias moves towards the
         mean load of the step's global batch: the loads of this rank's micro-batches summed over the ranks that
         hold other tokens (dp x cp, which ep folds over; tp ranks route the same tokens), in one all-reduce of
         every layer's loads, so every rank moves the same bias. Outside autograd; not when the step is skipped."""
-        if self.cfg.model.bias_update_rate <= 0:
-            return
-        layers = [m for m in self.model.modules() if isinstance(m, MoE)]
-        if not layers:
+        layers = self.moe_layers
+        if self.cfg.model.bias_update_rate <= 0 or not layers:
             return
         loads = torch.stack([m.expert_load for m in layers])
         if self.grid is not None:
@@ -286,12 +290,6 @@ class Engine:
             state.pop("lm_head.weight", None)
         return state
 
-    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Load a plain-named state as `model_state` returns it (tied weights once)."""
-        if self.cfg.model.tied_embeddings:
-            state = {**state, "lm_head.weight": state["embed.weight"]}
-        self.load_full_model_state(state)
-
     def _parts_state(self) -> dict[str, torch.Tensor]:
         """The state of this rank's parts, plain-named, as the modules hold it (after freeing gathered weights)."""
         for dp in self.data_parallels:
@@ -319,18 +317,6 @@ class Engine:
             state = gather_expert_state(state, self.grid.group("ep"))
         return state
 
-    def _sharded_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's tp and ep shards of a plain state (the reverse of `_gathered_state`)."""
-        if self.tp_size > 1:
-            from fivefold.parallel.tensor import shard_state
-
-            state = shard_state(state, self.tp_rank, self.tp_size)
-        if self.ep_size > 1:
-            from fivefold.parallel.expert import shard_expert_state
-
-            state = shard_expert_state(state, self.ep_rank, self.ep_size)
-        return state
-
     def full_model_state(self) -> dict[str, torch.Tensor]:
         """The full plain-named state on every rank (under pipeline parallel a tied output layer left out: each
         stage's parameters, whole over tp and ep, broadcast from their pp rank over the pp group)."""
@@ -350,26 +336,6 @@ class Engine:
             dist.broadcast(tensor, group=self.pp_group, group_src=owner)
             full[name] = tensor
         return full
-
-    @torch.no_grad()
-    def load_full_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Load a plain-named state with every parameter of the model into this rank's part of it, in place (bucket
-        views stay views; `fully_shard` parameters keep their dim-0 shard), then the fp32 masters."""
-        own = self._parts_state()
-        missing = set(own) - set(state)
-        if missing:
-            raise KeyError(f"model state lacks {sorted(missing)}")
-        extra = set(state) - set(own)
-        if extra and self.pp_size == 1:
-            raise KeyError(f"model state has names the model lacks: {sorted(extra)}")
-        state = self._sharded_state({name: state[name] for name in own})
-        for name, t in own.items():  # dim 0 over each parameter's own mesh (dp x cp, or edp for experts)
-            if tuple(t.shape) != tuple(state[name].shape):
-                raise ValueError(f"model state {name}: shape {tuple(state[name].shape)}, the model's is "
-                                 f"{tuple(t.shape)}")
-            load_shard(t, state[name])
-        for dp in self.data_parallels:
-            dp.load_master(state)
 
     # --- sharded checkpoints: this rank's pieces of the named fp32 state ---------------------------
     def named_plain_parameters(self) -> list[tuple[str, nn.Parameter]]:

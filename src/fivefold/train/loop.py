@@ -35,7 +35,7 @@ from fivefold.config import (
 from fivefold.data import BatchSampler, TokenDataset, default_cache_dir, ensure_builtin_dataset, val_batches
 from fivefold.data.format import DataError, tokenizer_fingerprint
 from fivefold.device import resolve_device
-from fivefold.flops import causal_equivalent, masks_attention, training_flops_per_token
+from fivefold.flops import causal_equivalent, training_flops_per_token
 from fivefold.models.masking import mask_document_targets
 from fivefold.train import checkpoint as ckpt
 from fivefold.train.build import Engine, build_engine
@@ -607,7 +607,7 @@ class Run:
         tokens_run = self.tokens_seen - self.tokens_at_start
         per_device = tokens_run / max(loop_seconds, 1e-9) / n_devices
         mfu = per_device * self.flops_per_token / 1e12 / self.peak if self.peak else None
-        if mfu is not None and masks_attention(self.cfg.model):  # and the figure that counts causal attention
+        if mfu is not None and self.cfg.model.masks_attention:  # and the figure that counts causal attention
             causal = per_device * training_flops_per_token(causal_equivalent(self.cfg.model), t.seq_len) / 1e12
             mfu_note = f" (causal-equivalent {100 * causal / self.peak:.1f} %)"
         else:

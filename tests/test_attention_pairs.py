@@ -20,13 +20,13 @@ from fivefold.flops import (
 from fivefold.presets import get_preset
 
 
-def pairs_in(document_ids: np.ndarray, window: int) -> int:
-    """Pairs (q, k) of one sequence with k <= q in the same document and q - k < window (0: no window), counted
+def pairs_in(document_ids: np.ndarray, window: int | None) -> int:
+    """Pairs (q, k) of one sequence with k <= q in the same document and q - k < window (None: no window), counted
     from the whole mask."""
     s = len(document_ids)
     q, k = np.meshgrid(np.arange(s), np.arange(s), indexing="ij")
     allowed = (k <= q) & (document_ids[:, None] == document_ids[None, :])
-    if window:
+    if window is not None:
         allowed &= q - k < window
     return int(allowed.sum())
 
@@ -36,20 +36,20 @@ def stream_ids(lengths: list[int], repeats: int) -> np.ndarray:
     return np.repeat(np.arange(len(lengths) * repeats), lengths * repeats)
 
 
-@pytest.mark.parametrize("seq,window", [(1, 0), (7, 0), (64, 0), (64, 1), (64, 16), (64, 63), (64, 64), (64, 100),
-                                        (33, 5)])
+@pytest.mark.parametrize("seq,window", [(1, None), (7, None), (64, None), (64, 1), (64, 16), (64, 63), (64, 64),
+                                        (64, 100), (33, 5)])
 def test_window_pairs_closed_form_and_mask(seq, window):
-    m = min(seq, window) if window else seq
+    m = seq if window is None else min(seq, window)
     closed = sum(seq - j for j in range(m))  # query q sees min(q + 1, window) keys
     assert attention_pairs(seq, window) == closed == pairs_in(np.zeros(seq, dtype=int), window)
-    if not window or window >= seq:
+    if window is None or window >= seq:
         assert closed == causal_pairs(seq)
 
 
 def test_documents_of_one_length_cut_as_the_dataset_cuts_windows():
     # documents of L tokens, windows every `seq` tokens: with gcd(L, seq) = 1 the first L windows start at every
     # offset into a document once, so their mean is the expectation exactly
-    for length, seq, window in ((5, 16, 0), (37, 64, 0), (37, 64, 8), (99, 64, 0), (3, 8, 2), (301, 128, 32)):
+    for length, seq, window in ((5, 16, None), (37, 64, None), (37, 64, 8), (99, 64, None), (3, 8, 2), (301, 128, 32)):
         ids = stream_ids([length], seq + 2)
         counts = [pairs_in(ids[i * seq:(i + 1) * seq], window) for i in range(length)]
         assert Fraction(sum(counts), length) == attention_pairs(seq, window, DocumentLengths.of([length]))
@@ -65,7 +65,7 @@ def test_mixed_documents_every_start_offset(seed):
     period = sum(lengths)
     ids = stream_ids(lengths, 2 + 256 // period)
     docs = DocumentLengths.of(lengths)
-    for seq, window, exact in ((32, 0, True), (64, 0, True), (64, 16, True), (128, 32, True), (48, 0, False),
+    for seq, window, exact in ((32, None, True), (64, None, True), (64, 16, True), (128, 32, True), (48, None, False),
                                (64, 24, False)):
         brute = Fraction(sum(pairs_in(ids[s:s + seq], window) for s in range(period)), period)
         priced = attention_pairs(seq, window, docs)
@@ -93,7 +93,7 @@ def test_model_mask_scales_only_the_attention_term():
     masked = dataclasses.replace(cfg, attn_mask="document")
     fraction = attention_fraction(masked, seq, docs)
     # documents of 1024 in windows of 8192: about seq (doc + 1) / 2 pairs of seq (seq + 1) / 2, less the cut ones
-    assert fraction == pytest.approx(float(attention_pairs(seq, 0, docs)) / (seq * (seq + 1) / 2))
+    assert fraction == pytest.approx(float(attention_pairs(seq, None, docs)) / (seq * (seq + 1) / 2))
     assert 0.1 < fraction < (doc + 1) / (seq + 1)
     assert training_flops_per_token(masked, seq, docs=docs) == pytest.approx(causal - attention * (1 - fraction))
     assert training_flops_per_token(masked, seq) == causal  # no lengths: priced as causal

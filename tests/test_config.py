@@ -98,3 +98,25 @@ def test_list_fields_from_the_command_line_and_files(tmp_path):
     assert build_config(None).layout.stage_layers == []
     with pytest.raises(ConfigError, match=r"layout\.stage_layers\[1\] = 'x' is not an integer"):
         build_config(None, {"layout.stage_layers": "3,x"})
+
+
+def test_an_optional_field_reads_null_and_survives_toml_which_has_no_null(tmp_path):
+    assert build_config(None, {"model.sliding_window": "16"}).model.sliding_window == 16
+    for none in ("null", "None"):
+        assert build_config(None, {"model.sliding_window": none}).model.sliding_window is None
+    for window in (None, 16):
+        cfg = build_config(None, {"model.sliding_window": str(window)})
+        path = tmp_path / f"{window}.toml"
+        path.write_text(dump_toml(cfg))
+        assert ("sliding_window" in path.read_text()) == (window is not None)
+        assert build_config(path).model.sliding_window == window
+
+
+def test_a_run_saved_when_a_window_of_0_meant_none_resumes_without_one(tmp_path):
+    from fivefold.train.loop import load_run_config
+
+    cfg = build_config(None, {"model.sliding_window": "16"})
+    (tmp_path / "config.toml").write_text(dump_toml(cfg).replace("sliding_window = 16", "sliding_window = 0"))
+    resumed = load_run_config(tmp_path, {}, None)
+    assert resumed.model.sliding_window is None
+    resumed.validate()

@@ -226,6 +226,8 @@ def test_context_times_tensor_parallel_matches_each_document_alone():
 
 @pytest.mark.parametrize("overrides, field", [
     ({"model.sliding_window": "-1"}, "model.sliding_window = -1"),
+    ({"model.sliding_window": "0"}, "model.sliding_window = 0 must be >= 1"),
+    ({"model.sliding_window": "wide"}, "model.sliding_window = 'wide' is not an integer"),
     ({"model.sliding_window": "33"}, "model.sliding_window = 33 exceeds train.seq_len = 32"),
     ({"model.attn_mask": "packed"}, "model.attn_mask"),
     ({"model.sliding_window": "8", "layout.cp": "2", "layout.dp": "1"}, "layout.cp = 2"),

@@ -47,9 +47,9 @@ def test_mistral_imports_with_its_window_and_equal_logits(mistral):
         ours, theirs = model(toks), hf_model(toks).logits
     assert (ours - theirs).abs().max().item() < 1e-4
     without = model_from_hf(path).eval()
-    without.cfg.sliding_window = 0
+    without.cfg.sliding_window = None
     for block in without.layers.values():
-        block.attn.window = 0
+        block.attn.window = None
     with torch.no_grad():  # the window matters on this sequence: without it the logits differ
         assert (without(toks) - theirs).abs().max().item() > 1e-2
 

@@ -143,8 +143,9 @@ class ModelConfig:
     # "causal": every token attends to the earlier tokens of its sequence; "document": only to those of its own
     # document, with rotary positions restarting at each document (fivefold.models.masking)
     attn_mask: str = "causal"
-    # each token attends to itself and the sliding_window - 1 tokens before it (Mistral's convention); 0 = off
-    sliding_window: int = 0
+    # each token attends to itself and the sliding_window - 1 tokens before it (Mistral's convention); None
+    # (null, or left out) for no window
+    sliding_window: int | None = None
     # RMSNorm of the queries and keys before the rotary embedding: "head" normalises each head (Qwen3, one weight of
     # head_dim shared by the heads), "full" the whole projection (OLMoE, weights of heads x head_dim); "none": Llama
     qk_norm: str = "none"
@@ -164,7 +165,7 @@ class ModelConfig:
     def masks_attention(self) -> bool:
         """Whether attention executes fewer pairs than plain causal attention (a document mask, a sliding window):
         it then runs one kernel call per document or window tile (`models.masking`)."""
-        return self.attn_mask == "document" or self.sliding_window > 0
+        return self.attn_mask == "document" or self.sliding_window is not None
 
     @property
     def expert_ffn(self) -> int:
@@ -203,8 +204,9 @@ class ModelConfig:
         _require(self.attn_mask in ATTN_MASKS, f"{prefix}.attn_mask", self.attn_mask,
                  f"must be one of {', '.join(ATTN_MASKS)}")
         _require(self.qk_norm in QK_NORMS, f"{prefix}.qk_norm", self.qk_norm, f"must be one of {', '.join(QK_NORMS)}")
-        _require(self.sliding_window >= 0, f"{prefix}.sliding_window", self.sliding_window,
-                 "must be >= 1 (tokens each query sees, itself included), or 0 for no window")
+        _require(self.sliding_window is None or self.sliding_window >= 1, f"{prefix}.sliding_window",
+                 self.sliding_window, "must be >= 1 (tokens each query sees, itself included), or null (left out) "
+                 "for no window")
         _require(self.rope_theta > 0, f"{prefix}.rope_theta", self.rope_theta, "must be > 0")
         _require(self.norm_eps > 0, f"{prefix}.norm_eps", self.norm_eps, "must be > 0")
         _require(self.init_std > 0, f"{prefix}.init_std", self.init_std, "must be > 0")
@@ -387,16 +389,16 @@ class Config:
                 f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {self.model.max_seq_len}; "
                 f"use train.seq_len <= {self.model.max_seq_len} or raise model.max_seq_len"
             )
-        if self.model.sliding_window > t.seq_len:
+        if self.model.sliding_window is not None and self.model.sliding_window > t.seq_len:
             raise ConfigError(
                 f"model.sliding_window = {self.model.sliding_window} exceeds train.seq_len = {t.seq_len}: a window "
-                f"longer than the sequence masks nothing; use 1 to {t.seq_len}, or 0 for no window"
+                f"longer than the sequence masks nothing; use 1 to {t.seq_len}, or leave it out (null) for no window"
             )
         if self.model.masks_attention and t.compile:
             raise ConfigError(f"model.attn_mask = {self.model.attn_mask!r} with model.sliding_window = "
                               f"{self.model.sliding_window} cannot run under train.compile = true (its attention "
                               "runs one kernel per document); use train.compile = false")
-        if self.model.sliding_window > 0 and la.cp > 1:
+        if self.model.sliding_window is not None and la.cp > 1:
             raise ConfigError(f"model.sliding_window = {self.model.sliding_window} does not run under layout.cp = "
                               f"{la.cp} (ring attention masks documents, not windows); use layout.cp = 1")
         _require(0 < self.data.val_fraction <= 0.5, "data.val_fraction", self.data.val_fraction,
@@ -476,7 +478,11 @@ def _coerce(value: Any, typ: Any, name: str) -> Any:
             raise ConfigError(f"{name} = {shown(value)} is not one of {list(choices)}")
         return value
     if origin in (typing.Union, types.UnionType):
-        return value
+        kinds = [a for a in typing.get_args(typ) if a is not type(None)]
+        if len(kinds) < len(typing.get_args(typ)) and (
+                value is None or isinstance(value, str) and value.strip().lower() in ("null", "none")):
+            return None
+        return _coerce(value, kinds[0], name) if len(kinds) == 1 else value
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -751,14 +757,14 @@ def dump_toml(cfg: Config) -> str:
     lines: list[str] = []
     top = cfg.to_dict()
     for key, value in top.items():
-        if not isinstance(value, dict):
+        if not isinstance(value, dict) and value is not None:
             lines.append(f"{key} = {_toml_value(value)}")
     for section, values in top.items():
         if not isinstance(values, dict):
             continue
         lines.append(f"\n[{section}]")
-        for key, value in values.items():
-            lines.append(f"{key} = {_toml_value(value)}")
+        # TOML has no null: a field left out reads back as its default, which is None for every optional field
+        lines += [f"{key} = {_toml_value(value)}" for key, value in values.items() if value is not None]
     return "\n".join(lines) + "\n"
 
 

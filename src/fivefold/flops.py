@@ -123,9 +123,9 @@ class DocumentLengths:
 
 
 @lru_cache(maxsize=256)
-def attention_pairs(seq: int, window: int = 0, docs: DocumentLengths | None = None) -> Fraction:
+def attention_pairs(seq: int, window: int | None = None, docs: DocumentLengths | None = None) -> Fraction:
     """The (query, key) pairs that causal attention over a packed sequence of `seq` tokens executes, expected over
-    where the sequence starts in the stream of documents: pairs with 0 <= q - k < `window` (0: no window) inside
+    where the sequence starts in the stream of documents: pairs with 0 <= q - k < `window` (None: no window) inside
     one document, a document cut by the sequence's start counting from there (`docs` None: one document longer
     than any sequence, i.e. plain causal attention, seq (seq + 1) / 2 pairs without a window).
 
@@ -137,7 +137,7 @@ def attention_pairs(seq: int, window: int = 0, docs: DocumentLengths | None = No
     one side of m whenever m is a power of two, and its moments then give its sum of g exactly; otherwise the one
     bin holding m is taken as two lengths, its mean plus and minus its standard deviation, half its documents
     each (its first two moments kept)."""
-    m = min(seq, window) if window > 0 else seq
+    m = seq if window is None else min(seq, window)
     a1 = m * seq - m * (m - 1) // 2  # sum_{j < m} (seq - j): the pairs of a document longer than the sequence
     a2 = seq * m * (m - 1) // 2 - (m - 1) * m * (2 * m - 1) // 6  # sum_{j < m} j (seq - j)
     if docs is None or docs.tokens == 0:  # no documents known: one longer than the sequence
@@ -164,7 +164,7 @@ def causal_pairs(seq: int) -> int:
 
 def causal_equivalent(cfg: ModelConfig) -> ModelConfig:
     """The model with plain causal attention: what the causal-equivalent MFU counts."""
-    return dataclasses.replace(cfg, attn_mask="causal", sliding_window=0) if cfg.masks_attention else cfg
+    return dataclasses.replace(cfg, attn_mask="causal", sliding_window=None) if cfg.masks_attention else cfg
 
 
 def attention_fraction(cfg: ModelConfig, seq: int, docs: DocumentLengths | None = None) -> float:

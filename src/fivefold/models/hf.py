@@ -30,11 +30,12 @@ from fivefold.models.llama import build_model
 LLAMA_ARCH = "LlamaForCausalLM"
 MIXTRAL_ARCH = "MixtralForCausalLM"
 MISTRAL_ARCH = "MistralForCausalLM"  # Llama's weights and blocks with a sliding window (`sliding_window`)
+QWEN2_ARCH = "Qwen2ForCausalLM"  # Llama's with query/key/value biases, and a window in none or every layer
 QWEN3_MOE_ARCH = "Qwen3MoeForCausalLM"  # Mixtral's routing with per-head query/key norms, top-k normalisation optional
 OLMOE_ARCH = "OlmoeForCausalLM"  # the same with query/key norms over the whole projections
 QWEN2_MOE_ARCH = "Qwen2MoeForCausalLM"  # query/key/value biases and a shared expert with a sigmoid gate
-_MODEL_TYPES = {"llama": LLAMA_ARCH, "mixtral": MIXTRAL_ARCH, "mistral": MISTRAL_ARCH, "qwen3_moe": QWEN3_MOE_ARCH,
-                "olmoe": OLMOE_ARCH, "qwen2_moe": QWEN2_MOE_ARCH}
+_MODEL_TYPES = {"llama": LLAMA_ARCH, "mixtral": MIXTRAL_ARCH, "mistral": MISTRAL_ARCH, "qwen2": QWEN2_ARCH,
+                "qwen3_moe": QWEN3_MOE_ARCH, "olmoe": OLMOE_ARCH, "qwen2_moe": QWEN2_MOE_ARCH}
 _MOE_ARCHS = (MIXTRAL_ARCH, QWEN3_MOE_ARCH, OLMOE_ARCH, QWEN2_MOE_ARCH)
 _QK_NORMS = {QWEN3_MOE_ARCH: "head", OLMOE_ARCH: "full"}  # model.qk_norm of each architecture (else "none")
 _ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -100,9 +101,9 @@ def _rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, float]]:
 def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None = None) -> ModelConfig:
     """The fivefold ModelConfig of a Hugging Face `config.json` (a dict, the file, or its directory).
 
-    Reads `LlamaForCausalLM`, `MistralForCausalLM` and `MixtralForCausalLM` (the last two with their
-    `sliding_window`, null meaning none); raises ConfigError for anything fivefold's
-    model cannot represent (another architecture, biases, a head_dim other than hidden / heads, ...).
+    Reads the architectures of `_MODEL_TYPES` (Mistral and Mixtral with their `sliding_window`, null meaning none;
+    Qwen2 with its window when `use_sliding_window` puts it in every layer); raises ConfigError for anything
+    fivefold's model cannot represent (another architecture, biases, a head_dim other than hidden / heads, ...).
     """
     hf = read_config_json(config)
     if name is None and not isinstance(config, dict):
@@ -126,7 +127,8 @@ def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None =
             f"Hugging Face head_dim = {head_dim} differs from hidden_size / num_attention_heads = "
             f"{hidden} / {heads} = {hidden // heads}; fivefold assumes head_dim = hidden / heads"
         )
-    if hf.get("sliding_window") and arch == LLAMA_ARCH:
+    window = _qwen2_window(hf) if arch == QWEN2_ARCH else hf.get("sliding_window")
+    if window and arch == LLAMA_ARCH:
         raise ConfigError(
             f"Hugging Face sliding_window = {hf['sliding_window']} is not read for {LLAMA_ARCH}, which attends to "
             f"the whole causal context (use null, or {MISTRAL_ARCH} for a windowed model)"
@@ -148,7 +150,8 @@ def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None =
         norm_eps=float(hf.get("rms_norm_eps", 1e-5 if is_mixtral else 1e-6)),
         tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_std=float(hf.get("initializer_range", 0.02)),
-        sliding_window=int(hf.get("sliding_window") or 0),
+        sliding_window=int(window) if window else None,
+        qkv_bias=arch == QWEN2_ARCH,  # Qwen2's query, key and value projections always have biases
     )
     if is_mixtral:
         cfg.n_experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 8)
@@ -181,6 +184,24 @@ _UNSUPPORTED_MOE = (
 )
 
 
+def _qwen2_window(hf: dict[str, Any]) -> int | None:
+    """Qwen2's sliding window, which fivefold runs only in every layer or in none: from `layer_types`
+    (transformers 5) or else `use_sliding_window` with `max_window_layers` (the layers from that index on slide)."""
+    layers = int(hf["num_hidden_layers"])
+    kinds = hf.get("layer_types")
+    if kinds is None:
+        start = int(hf.get("max_window_layers", layers)) if hf.get("use_sliding_window") else layers
+        kinds = ["full_attention"] * min(start, layers) + ["sliding_attention"] * max(0, layers - start)
+    if set(kinds) - {"full_attention", "sliding_attention"} or len(set(kinds)) > 1:
+        raise ConfigError(f"Hugging Face layer_types = {shown(sorted(set(kinds)))} (a sliding window in some "
+                          "layers) is not supported; fivefold's window is in every layer or in none")
+    if kinds and kinds[0] == "sliding_attention":
+        if not hf.get("sliding_window"):
+            raise ConfigError("Hugging Face use_sliding_window = true without a sliding_window size")
+        return int(hf["sliding_window"])
+    return None
+
+
 def _shared_experts(width: int, expert_ffn: int) -> int:
     """Qwen2-MoE's shared expert of `width` as fivefold's shared experts, which are `expert_ffn` wide each."""
     if width % expert_ffn:
@@ -204,9 +225,9 @@ def _refuse_unsupported_moe_features(hf: dict[str, Any], arch: str) -> None:
 
 
 def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """The Hugging Face `config.json` dict of a fivefold ModelConfig: LlamaForCausalLM for dense
-    models (MistralForCausalLM with a sliding window), MixtralForCausalLM for MoE models (which must have no
-    shared experts).
+    """The Hugging Face `config.json` dict of a fivefold ModelConfig, of the architecture `hf_architecture` names
+    (for dense models LlamaForCausalLM, MistralForCausalLM with a sliding window, Qwen2ForCausalLM with q/k/v
+    biases).
 
     Rotary settings are written under both the transformers 4 keys (`rope_theta`, `rope_scaling`) and
     the transformers 5 key (`rope_parameters`), so either version reads them.
@@ -251,7 +272,12 @@ def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.flo
                       use_sliding_window=False)
     elif cfg.is_moe:
         hf.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
-                  router_aux_loss_coef=cfg.aux_loss_coef, sliding_window=cfg.sliding_window or None)
+                  router_aux_loss_coef=cfg.aux_loss_coef, sliding_window=cfg.sliding_window)
+    elif arch == QWEN2_ARCH:
+        window = cfg.sliding_window is not None
+        hf.update(use_sliding_window=window, sliding_window=cfg.sliding_window,
+                  max_window_layers=0 if window else cfg.n_layers,
+                  layer_types=["sliding_attention" if window else "full_attention"] * cfg.n_layers)
     elif cfg.sliding_window:
         hf.update(sliding_window=cfg.sliding_window)
     else:
@@ -260,14 +286,16 @@ def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.flo
 
 
 def hf_architecture(cfg: ModelConfig) -> str:
-    """The Hugging Face architecture that holds `cfg`: Llama (Mistral with a sliding window) for dense models, and
+    """The Hugging Face architecture that holds `cfg`: Llama (Mistral with a sliding window, Qwen2 with query/key/value
+    biases) for dense models, and
     for MoE models Mixtral, Qwen3-MoE (per-head query/key norms) or OLMoE (whole-projection ones); ConfigError
     naming the field for what none of them has."""
     if not cfg.is_moe:
-        for field, value, supported in (("qk_norm", cfg.qk_norm, "none"), ("qkv_bias", cfg.qkv_bias, False)):
-            if value != supported:
-                raise ConfigError(f"model.{field} = {shown(value)} on a dense model cannot be exported: "
-                                  f"{LLAMA_ARCH} needs {field} = {shown(supported)}")
+        if cfg.qk_norm != "none":
+            raise ConfigError(f"model.qk_norm = {shown(cfg.qk_norm)} on a dense model cannot be exported: "
+                              f"{LLAMA_ARCH}, {MISTRAL_ARCH} and {QWEN2_ARCH} need qk_norm = 'none'")
+        if cfg.qkv_bias:
+            return QWEN2_ARCH
         return MISTRAL_ARCH if cfg.sliding_window else LLAMA_ARCH
     qwen2 = cfg.qkv_bias or cfg.shared_expert_gate
     arch = QWEN2_MOE_ARCH if qwen2 else {"none": MIXTRAL_ARCH, "head": QWEN3_MOE_ARCH, "full": OLMOE_ARCH}[cfg.qk_norm]
@@ -282,7 +310,7 @@ def hf_architecture(cfg: ModelConfig) -> str:
     if arch == MIXTRAL_ARCH:
         refused.append(("norm_topk", cfg.norm_topk, True))
     if arch != MIXTRAL_ARCH:
-        refused.append(("sliding_window", cfg.sliding_window, 0))
+        refused.append(("sliding_window", cfg.sliding_window, None))
     for field, value, supported in refused:
         if value != supported:
             raise ConfigError(f"model.{field} = {shown(value)} cannot be exported: {arch} routes with "

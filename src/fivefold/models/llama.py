@@ -155,8 +155,8 @@ class Attention(nn.Module):
         past = k.shape[2] - s
         # new token i sees the cached keys and the new ones up to itself (the last `window` of them)
         mask = None
-        if s > 1 or 0 < self.window < k.shape[2]:
-            mask = band_mask(past, past + s, 0, self.window if self.window > 0 else k.shape[2], x.device)
+        if s > 1 or self.window is not None and self.window < k.shape[2]:
+            mask = band_mask(past, past + s, 0, k.shape[2] if self.window is None else self.window, x.device)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 

@@ -53,11 +53,11 @@ def mask_document_targets(inputs: torch.Tensor, targets: torch.Tensor, eos_id: i
 
 class DocumentMask:
     """Which keys each query sees, for one micro-batch: `positions` [batch, seq] are the document positions of
-    this module's tokens (see the module docstring), `window` the sliding window (0: none). Built once per
+    this module's tokens (see the module docstring), `window` the sliding window (None: none). Built once per
     forward and handed to every layer; the derived tables are computed on first use and kept (`documents` may be
     given when it is known without looking at the positions)."""
 
-    def __init__(self, positions: torch.Tensor, window: int = 0,
+    def __init__(self, positions: torch.Tensor, window: int | None = None,
                  documents: list[list[tuple[int, int]]] | None = None) -> None:
         self.positions, self.window = positions, window
         # what the attention derives from the positions, once per batch: a layout's plan, the window's band masks
@@ -105,7 +105,7 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     for b, documents in enumerate(mask.documents):
         parts = []
         for start, stop in documents:
-            if mask.window <= 0 or stop - start <= mask.window:
+            if mask.window is None or stop - start <= mask.window:
                 parts.append(F.scaled_dot_product_attention(q[b:b + 1, :, start:stop], k[b:b + 1, :, start:stop],
                                                             v[b:b + 1, :, start:stop], is_causal=True,
                                                             enable_gqa=gqa))

@@ -27,7 +27,6 @@ from fivefold.config import (
     ConfigError,
     apply_dict,
     apply_overrides,
-    build_config,
     load_file,
     shown,
     write_text_atomic,
@@ -123,7 +122,12 @@ def load_run_config(run_dir: Path, overrides: dict[str, str], file: str | None) 
         print(f"fivefold: {base} is missing; using the config saved with checkpoint {saved[-1].parent.name}",
               file=sys.stderr)
         base = saved[-1]
-    cfg = build_config(base, {})
+    saved = load_file(base)
+    model = saved.get("model")
+    if isinstance(model, dict) and model.get("sliding_window") == 0:
+        del model["sliding_window"]  # written when 0 meant no window (now left out, i.e. null)
+    cfg = Config()
+    apply_dict(cfg, saved)
     if file:
         apply_dict(cfg, load_file(file))
     apply_overrides(cfg, overrides)

@@ -110,8 +110,9 @@ def test_resume_under_tensor_parallel_and_zero2_is_exact(tmp_path, dataset):  # 
 
 
 def test_resume_under_context_parallel_and_zero3_is_exact(tmp_path, dataset):  # noqa: F811
-    # ZeRO-3 shards over dp x cp; capacity-based MoE routing logs its drop rate
-    moe = {"model.n_experts": "4", "model.top_k": "2", "model.capacity_factor": "1.0"}
+    # ZeRO-3 shards over dp x cp; capacity-based MoE routing logs its drop rate; the balancing bias, written by
+    # the first cp rank, is read back by both
+    moe = {"model.n_experts": "4", "model.top_k": "2", "model.capacity_factor": "1.0", "model.bias_update_rate": "0.05"}
     check_resume(tmp_path, dataset, 2, {"layout.cp": "2", "layout.zero": "3", **moe})
     records = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
     drops = [r["moe_drop_fraction"] for r in records if "loss" in r]
@@ -120,8 +121,8 @@ def test_resume_under_context_parallel_and_zero3_is_exact(tmp_path, dataset):  #
 
 @pytest.mark.slow
 def test_resume_under_expert_parallel_and_zero2_is_exact(tmp_path, dataset):  # noqa: F811
-    # every rank saves its own experts' optimizer states; the model file holds every expert
-    moe = {"model.n_experts": "4", "model.top_k": "2", "model.capacity_factor": "1.0"}
+    # every rank saves its own experts' optimizer states; the model file holds every expert; the balancing bias
+    moe = {"model.n_experts": "4", "model.top_k": "2", "model.capacity_factor": "1.0", "model.bias_update_rate": "0.05"}
     check_resume(tmp_path, dataset, 2, {"layout.dp": "2", "layout.ep": "2", "layout.zero": "2", **moe})
     model = read_model_state(latest_checkpoint(tmp_path / "full"))
     assert model["layers.0.mlp.w_gate"].shape[0] == 4

@@ -232,8 +232,8 @@ class MoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
         self.drop_fraction: torch.Tensor | None = None
-        if cfg.bias_update_rate > 0:  # the balancing bias (not a parameter: no gradient) and the step's loads; not
-            # in the state dict yet, so a resumed run starts its bias from zero again
+        if cfg.bias_update_rate > 0:  # the balancing bias (not a parameter: no gradient; checkpoints keep it,
+            # `Engine.balancing_biases`) and the step's loads
             self.register_buffer("expert_bias", torch.zeros(e), persistent=False)
             self.register_buffer("expert_load", torch.zeros(e, dtype=torch.int64), persistent=False)
         # host-read count tables of an expert-parallel dispatch, kept by a recomputed forward for its recomputation

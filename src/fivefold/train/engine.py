@@ -403,7 +403,16 @@ class Engine:
                         begin = seg.opt_start + lo - seg.start
                         pieces.append(Piece(f"{key}.{seg.name}", seg.shape, where,
                                             flat[begin:begin + hi - lo].view(shape)))
+        if self.dp_rank == self.cp_rank == self.tp_rank == 0:  # the biases' one writer in each pipeline stage
+            pieces += [Piece(name, tuple(b.shape), (0,), b) for name, b in self.balancing_biases().items()]
         return pieces, steps
+
+    def balancing_biases(self) -> dict[str, torch.Tensor]:
+        """This rank's auxiliary-loss-free balancing biases (`model.bias_update_rate > 0`) by checkpoint name,
+        `buffer.<plain MoE layer name>.expert_bias`: whole on every rank of a pipeline stage, which all move them
+        alike (`update_expert_bias`)."""
+        return {f"buffer.{name}.expert_bias": m.expert_bias for part in self.parts.values()
+                for name, m in part.named_modules() if isinstance(m, MoE) and m.bias_update_rate > 0}
 
     @torch.no_grad()
     def load_state_pieces(self, reader: TensorReader, steps: dict[str, float]) -> None:
@@ -434,6 +443,9 @@ class Engine:
                     begin = seg.opt_start + lo - seg.start
                     local_part(state[key]).view(-1)[begin:begin + hi - lo].copy_(
                         reader.read(f"{key}.{src}", where, shape).view(-1))
+        for name, bias in self.balancing_biases().items():  # none in released weights: they start at zero
+            if name in names:
+                bias.copy_(reader.read(name))
         for dp in self.data_parallels:
             dp.after_load()
 

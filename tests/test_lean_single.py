@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.test_parallel_equivalence import STEPS, global_batches, tiny_config, train_steps
+from tests.test_parallel_equivalence import global_batches, resumed_after_one_step, tiny_config, train_steps
 from tests.test_parallel_memory import params_per_tp_rank
 
 from fivefold.models.llama import build_model
@@ -83,28 +83,7 @@ def test_lean_single_device_matches_autocast_engine(fp32_grads):
 def test_lean_single_device_resumes_bit_for_bit(tmp_path):
     """Save the pieces after step 1 (fp32 masters and moments), load them into a fresh engine, train on: the same
     losses and masters as without the interruption."""
-    from fivefold.train.checkpoint import Checkpointer, load_checkpoint
-
-    cfg = tiny_config(BF16)
-    batches = global_batches(cfg)
-    tokens = cfg.train.global_batch_size * cfg.train.seq_len
-
-    def step(engine, i):
-        inputs, targets = batches[i]
-        micro = list(zip(inputs.split(cfg.micro_batch_size), targets.split(cfg.micro_batch_size), strict=True))
-        engine.set_lr(i)
-        loss = engine.forward_backward(micro, tokens)
-        engine.optimizer_step()
-        return loss.item()
-
-    whole = build_engine(cfg, torch.device("cpu"))
-    want = [step(whole, i) for i in range(STEPS)]
-    first = build_engine(cfg, torch.device("cpu"))
-    got = [step(first, 0)]
-    path = Checkpointer(tmp_path, first, cfg).save(1, tokens_seen=tokens, samples_consumed=cfg.train.global_batch_size)
-    second = build_engine(cfg, torch.device("cpu"))
-    Checkpointer(tmp_path, second, cfg).load_state(load_checkpoint(path))
-    got += [step(second, i) for i in range(1, STEPS)]
+    want, got, whole, _, second = resumed_after_one_step(tiny_config(BF16), tmp_path)
     assert got == want
     for name, value in whole.model_state().items():
         assert torch.equal(second.model_state()[name], value), name

@@ -172,35 +172,11 @@ def test_bad_routing_settings_are_refused_naming_the_field(changes: dict, field:
 def test_a_resumed_run_keeps_the_balancing_bias_bit_for_bit(tmp_path) -> None:
     """Save after step 1 and load into a fresh engine: the same losses and biases as without the interruption (a
     bias that restarted at zero routes differently and changes the losses)."""
-    from tests.test_parallel_equivalence import BIASED, STEPS, global_batches, tiny_config
+    from tests.test_parallel_equivalence import BIASED, resumed_after_one_step, tiny_config
 
-    from fivefold.train.build import build_engine
-    from fivefold.train.checkpoint import Checkpointer, load_checkpoint
-
-    cfg = tiny_config(BIASED)
-    batches = global_batches(cfg)
-    tokens = cfg.train.global_batch_size * cfg.train.seq_len
-
-    def step(engine, i):
-        inputs, targets = batches[i]
-        micro = list(zip(inputs.split(cfg.micro_batch_size), targets.split(cfg.micro_batch_size), strict=True))
-        engine.set_lr(i)
-        loss = engine.forward_backward(micro, tokens)
-        engine.optimizer_step()
-        return loss.item()
-
-    whole = build_engine(cfg, torch.device("cpu"))
-    want = [step(whole, i) for i in range(STEPS)]
-    first = build_engine(cfg, torch.device("cpu"))
-    got = [step(first, 0)]
-    saved = {name: bias.clone() for name, bias in first.balancing_biases().items()}
-    assert sorted(saved) == ["buffer.layers.0.mlp.expert_bias", "buffer.layers.1.mlp.expert_bias"]
-    assert all(b.abs().sum() > 0 for b in saved.values())
-    path = Checkpointer(tmp_path, first, cfg).save(1, tokens_seen=tokens, samples_consumed=cfg.train.global_batch_size)
-    second = build_engine(cfg, torch.device("cpu"))
-    Checkpointer(tmp_path, second, cfg).load_state(load_checkpoint(path))
-    assert all(torch.equal(second.balancing_biases()[name], bias) for name, bias in saved.items())
-    got += [step(second, i) for i in range(1, STEPS)]
+    want, got, whole, first, second = resumed_after_one_step(tiny_config(BIASED), tmp_path)
+    assert sorted(first.balancing_biases()) == ["buffer.layers.0.mlp.expert_bias", "buffer.layers.1.mlp.expert_bias"]
+    assert all(b.abs().sum() > 0 for b in first.balancing_biases().values())
     assert got == want
     for name, bias in whole.balancing_biases().items():
         assert torch.equal(second.balancing_biases()[name], bias), name

@@ -61,6 +61,35 @@ def global_batches(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+def resumed_after_one_step(cfg: Config, path) -> tuple[list[float], list[float], Engine, Engine, Engine]:
+    """One process on the global batches: STEPS steps uninterrupted, and one step, a checkpoint in `path`, a fresh
+    engine loaded from it and the other steps. (uninterrupted losses, interrupted losses, the uninterrupted
+    engine, the one that saved, the one that loaded)."""
+    from fivefold.train.build import build_engine
+    from fivefold.train.checkpoint import Checkpointer, load_checkpoint
+
+    batches = global_batches(cfg)
+    tokens = cfg.train.global_batch_size * cfg.train.seq_len
+
+    def step(engine: Engine, i: int) -> float:
+        inputs, targets = batches[i]
+        micro = list(zip(inputs.split(cfg.micro_batch_size), targets.split(cfg.micro_batch_size), strict=True))
+        engine.set_lr(i)
+        loss = engine.forward_backward(micro, tokens)
+        engine.optimizer_step()
+        return loss.item()
+
+    whole = build_engine(cfg, torch.device("cpu"))
+    want = [step(whole, i) for i in range(STEPS)]
+    first = build_engine(cfg, torch.device("cpu"))
+    got = [step(first, 0)]
+    saved = Checkpointer(path, first, cfg).save(1, tokens_seen=tokens, samples_consumed=cfg.train.global_batch_size)
+    second = build_engine(cfg, torch.device("cpu"))
+    Checkpointer(path, second, cfg).load_state(load_checkpoint(saved))
+    got += [step(second, i) for i in range(1, STEPS)]
+    return want, got, whole, first, second
+
+
 def train_steps(engine: Engine, cfg: Config) -> tuple[list[float], list[float], list[float | None]]:
     """STEPS optimizer steps on this engine's rows of the global batches; (losses, grad norms, MoE drop fractions)
     per step, and last the evaluation loss of the first batch after training (as a one-element list)."""

@@ -199,6 +199,27 @@ def test_tensor_and_context_parallel_match_each_document_alone():
         assert_matches_documents(overrides, *result)
 
 
+ROUTER_LOSSES = {"model.n_experts": "4", "model.top_k": "2", "model.aux_loss_coef": "0.5",
+                 "model.router_z_loss_coef": "0.1", "layout.micro_batch_size": "1"}
+
+
+def test_pipelined_moe_router_losses_under_document_masking_match_one_process():
+    """The router losses couple the documents of a micro-batch, so the reference is one process on the same
+    micro-batches: their weight in the step's loss is the micro-batch's share of the global batch's tokens (every
+    token is routed), not of the trained targets, on the pipeline's stages as on one process."""
+    from fivefold.train.build import build_engine
+
+    (loss_sum, grads, halves), = run_ranks(2, layouts_on_ranks, [{**ROUTER_LOSSES, "layout.pp": "2"}])[0]
+    cfg = doc_config(ROUTER_LOSSES)
+    want_sum, want, want_halves = engine_loss_and_grads(build_engine(cfg, torch.device("cpu")), cfg, *packed_batch())
+    assert abs(loss_sum - want_sum) <= 1e-5 * want_sum
+    assert all(abs(a - b) <= 1e-5 * b for a, b in zip(halves, want_halves, strict=True))
+    for name, w in want.items():
+        error = (grads[name] - w).abs().max().item() / w.abs().max().item()
+        assert error <= 1e-5, f"gradient of {name} differs by {error:.2e} (relative to its largest)"
+    assert want["layers.0.mlp.router.weight"].abs().max() > 0
+
+
 LAYOUTS_SLOW = [
     {"layout.dp": "2", "layout.ep": "2", **MOE},
     {"layout.pp": "2", "layout.micro_batch_size": "1"},

@@ -37,6 +37,7 @@ def router_loss_share(cfg: Config, router_loss: torch.Tensor, tokens: int) -> to
     t = cfg.train
     return router_loss * tokens / (t.global_batch_size * t.seq_len)
 
+
 class StepRunner(Protocol):
     """How the engine runs one step's micro-batches."""
 

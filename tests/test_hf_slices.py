@@ -1,8 +1,9 @@
-"""Starting from Hugging Face weights by slices (`--hf`, `models.hf.HfSliceReader`), checked against `transformers`
-and the whole-file import: under tp2 x pp2 every rank reads exactly the bytes of the rectangles it holds (counted),
-never gathers the model to check shapes, and holds the same weights and computes the same loss as one process
-started from the same directory and as `transformers` itself; any rectangle of a Mixtral expert tensor read alone
-equals that rectangle of the whole-file import."""
+"""Starting from Hugging Face weights by slices (`--hf`, `models.hf.HfSliceReader`), checked against `transformers` and
+the whole-file import: a Llama, a Mixtral and a Qwen2 (q/k/v biases); under tp2 x pp2 every rank reads exactly the
+bytes of the rectangles it holds (counted), never gathers the model to check shapes, and holds the same weights and
+computes the same loss as one process started from the same directory and as `transformers` itself; any rectangle of
+a Mixtral expert tensor read alone equals that rectangle of the whole-file import.
+"""
 
 from __future__ import annotations
 
@@ -21,20 +22,25 @@ VOCAB, SEQ, ROWS = 96, 16, 4
 REL = 1e-5  # fp32 on both sides; the sums differ only in order (tp all-reduces, the pipeline's loss)
 
 
-def save_transformers(path: Path, moe: bool) -> Path:
-    """A random Llama (untied, GQA, in two safetensors files) or Mixtral written by `transformers`, its norms random
-    too so that a misplaced tensor shows."""
+CLASSES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def save_transformers(path: Path, kind: str) -> Path:
+    """A random Llama (untied, GQA, in several safetensors files), Mixtral or Qwen2 written by `transformers`, its
+    norms (and Qwen2's q/k/v biases) random too so that a misplaced tensor shows."""
     common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False)
     torch.manual_seed(11)
-    if moe:
+    if kind == "mixtral":
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
             intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **common))
+    elif kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(intermediate_size=96, **common))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(intermediate_size=96, **common))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "proj.bias")):
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(str(path), max_shard_size="100KB")
     return path
@@ -45,8 +51,8 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def transformers_loss(hf_dir: Path, moe: bool) -> float:
-    cls = transformers.MixtralForCausalLM if moe else transformers.LlamaForCausalLM
+def transformers_loss(hf_dir: Path, kind: str) -> float:
+    cls = getattr(transformers, CLASSES[kind])
     model = cls.from_pretrained(str(hf_dir), attn_implementation="eager").float().eval()
     inputs, targets = batch()
     with torch.no_grad():
@@ -92,15 +98,16 @@ def start_from_hf(rank: int, world_size: int, hf_dirs: list[Path], layout: dict[
 
 
 def test_tp2_pp2_ranks_read_only_their_rectangles_and_match_one_process(tmp_path: Path) -> None:
-    """A Llama and a Mixtral (its experts tp-sharded: rectangles of transposed per-expert tensors)."""
-    hf_dirs = [save_transformers(tmp_path / "llama", moe=False), save_transformers(tmp_path / "mixtral", moe=True)]
+    """A Llama, a Mixtral (its experts tp-sharded: rectangles of transposed per-expert tensors) and a Qwen2 (its q/k/v
+    biases tp-sharded with their weights' rows)."""
+    hf_dirs = [save_transformers(tmp_path / kind, kind) for kind in CLASSES]
     one = start_from_hf(0, 1, hf_dirs, {})
     four = run_ranks(4, start_from_hf, hf_dirs, {"layout.tp": "2", "layout.pp": "2"})
     for case, hf_dir in enumerate(hf_dirs):
         assert len(list(hf_dir.glob("model-*.safetensors"))) > 1  # a sharded directory: rectangles across files
         _, reference = load_hf(hf_dir)
         whole_bytes = sum(v.numel() * 4 for v in reference.values())
-        expected_loss = transformers_loss(hf_dir, moe=case == 1)
+        expected_loss = transformers_loss(hf_dir, hf_dir.name)
         assert one[case]["read"] == whole_bytes
         for rank, ranks in enumerate(four):
             # exactly the bytes of what the rank holds (its stage's tp shards, its replicated norms)
@@ -118,7 +125,7 @@ def test_tp2_pp2_ranks_read_only_their_rectangles_and_match_one_process(tmp_path
 def test_any_rectangle_of_an_expert_tensor_reads_alone(tmp_path: Path) -> None:
     """Rectangles across experts and across both transposed dims read only their bytes and equal the whole
     import's; a directory whose tensors do not match the model is refused from the headers, naming the tensor."""
-    hf_dir = save_transformers(tmp_path / "hf", moe=True)
+    hf_dir = save_transformers(tmp_path / "hf", "mixtral")
     cfg, whole = load_hf(hf_dir)
     reader = HfSliceReader(hf_dir, cfg)
     for name, offsets, shape in [("layers.0.mlp.w_gate", (1, 8, 5), (2, 40, 30)),

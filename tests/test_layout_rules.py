@@ -11,7 +11,7 @@ import pytest
 from fivefold.cli import main
 from fivefold.cli.plan import load_model
 from fivefold.config import ConfigError, ModelConfig, build_config
-from fivefold.layout import check_layout, layout_problem, stage_count
+from fivefold.layout import check_layout, layout_problem, stage_count, tensor_parallel_problem
 from fivefold.models.presets import get_preset
 from fivefold.parallel.schedules import stage_placement
 from fivefold.planner.hardware import get_cluster
@@ -130,3 +130,11 @@ def test_check_layout_raises_the_first_problem():
     problem = layout_problem(get_preset("tiny"), cfg.layout, world_size=24, seq_len=128, global_batch_size=8)
     assert problem is not None and problem.rule.startswith("tp does not divide")
     assert "layout.tp = 3 does not divide model.n_heads = 4" in problem.message
+
+
+def test_tp_splits_qkv_biases_and_refuses_the_shared_expert_gate():
+    assert tensor_parallel_problem(dataclasses.replace(get_preset("tiny"), qkv_bias=True), 2) is None
+    gated = dataclasses.replace(get_preset("tiny-moe"), n_shared_experts=1, shared_expert_gate=True)
+    problem = tensor_parallel_problem(gated, 2)
+    assert problem is not None and "layout.tp = 2 with model.shared_expert_gate = true" in problem.message
+    assert tensor_parallel_problem(gated, 1) is None

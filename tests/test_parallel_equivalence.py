@@ -216,6 +216,9 @@ def test_tensor_and_sequence_parallel_and_recompute_match_one_process():
         {"layout.tp": "2", **MOE},
         # Qwen3's per-head query/key norms: each tp rank normalises its heads with the same weight
         {"layout.tp": "2", "layout.sp": "true", "model.qk_norm": "head", **MOE},
+        # Qwen2's q/k/v biases, split with their weights' rows (added after the all-gathered matmuls under SP)
+        {"layout.tp": "2", "model.qkv_bias": "true"},
+        {"layout.tp": "2", "layout.sp": "true", "model.qkv_bias": "true"},
     ], world_size=2)
 
 

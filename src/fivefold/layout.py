@@ -125,11 +125,11 @@ def tensor_parallel_problem(model: ModelConfig, tp: int, field: str = "layout.tp
         checks.append(("model.moe_ffn" if model.moe_ffn else "model.ffn (the expert ffn)", model.expert_ffn))
     else:
         checks.append(("model.ffn", model.ffn))
-    for name, value in (("model.qkv_bias", model.qkv_bias), ("model.shared_expert_gate", model.shared_expert_gate)):
-        if value and tp > 1:
-            return LayoutProblem(
-                "tp does not shard biases and expert gates",
-                f"{field} = {tp} with {name} = true: tensor parallelism does not shard it yet; use layout.tp = 1")
+    if model.shared_expert_gate and tp > 1:
+        return LayoutProblem(
+            "tp does not shard expert gates",
+            f"{field} = {tp} with model.shared_expert_gate = true: tensor parallelism does not shard it yet; use "
+            "layout.tp = 1")
     if model.qk_norm == "full" and tp > 1:
         return LayoutProblem(
             "tp splits the heads that a whole-projection query/key norm spans",

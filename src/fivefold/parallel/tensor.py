@@ -63,6 +63,7 @@ EXPERT_ROW = 1
 _SHARD_DIMS = {
     "embed.weight": COLUMN, "lm_head.weight": COLUMN,
     "q_proj.weight": COLUMN, "k_proj.weight": COLUMN, "v_proj.weight": COLUMN, "o_proj.weight": ROW,
+    "q_proj.bias": 0, "k_proj.bias": 0, "v_proj.bias": 0,  # (model.qkv_bias) split with their weights' rows
     "gate_proj.weight": COLUMN, "up_proj.weight": COLUMN, "down_proj.weight": ROW,
     "w_gate": EXPERT_COLUMN, "w_up": EXPERT_COLUMN, "w_down": EXPERT_ROW,
 }
@@ -140,10 +141,12 @@ class TensorParallelAttention(Attention):
         return exit_tp_region(super().forward(x, cos, sin, mask), self.tp_group, self.sequence_parallel)
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.sequence_parallel:
-            return gather_linears(x, self.tp_group, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight,
-                                  weight_grad_queue=getattr(self, "weight_grad_queue", None))
-        return super().project_qkv(x)
+        if not self.sequence_parallel:
+            return super().project_qkv(x)
+        linears = (self.q_proj, self.k_proj, self.v_proj)
+        out = gather_linears(x, self.tp_group, *(m.weight for m in linears),
+                             weight_grad_queue=getattr(self, "weight_grad_queue", None))
+        return tuple(y if m.bias is None else y + m.bias for y, m in zip(out, linears, strict=True))
 
 
 class TensorParallelMLP(MLP):
@@ -205,6 +208,11 @@ def _shard_param(module: nn.Module, attr: str, dim: int, tp_rank: int, tp_size: 
 def _shard_linear(linear: nn.Linear, dim: int, tp_rank: int, tp_size: int) -> None:
     _shard_param(linear, "weight", dim, tp_rank, tp_size)
     linear.out_features, linear.in_features = linear.weight.shape
+    if linear.bias is not None:  # split with the output rows (column parallel); a row-parallel bias would be
+        # added once after the reduction, and no such linear has one
+        if dim != COLUMN:
+            raise ValueError(f"a row-parallel linear with a bias ({linear}): tensor parallelism adds none")
+        _shard_param(linear, "bias", 0, tp_rank, tp_size)
 
 
 def _shard_mlp(mlp: MLP, tp_rank: int, tp_size: int) -> None:

@@ -218,7 +218,9 @@ def test_tensor_and_sequence_parallel_and_recompute_match_one_process():
         {"layout.tp": "2", "layout.sp": "true", "model.qk_norm": "head", **MOE},
         # Qwen2's q/k/v biases, split with their weights' rows (added after the all-gathered matmuls under SP)
         {"layout.tp": "2", "model.qkv_bias": "true"},
-        {"layout.tp": "2", "layout.sp": "true", "model.qkv_bias": "true"},
+        # Qwen2-MoE: the biases and a shared expert whose gate scales each rank's partial output
+        {"layout.tp": "2", "layout.sp": "true", "model.qkv_bias": "true", "model.n_shared_experts": "1",
+         "model.shared_expert_gate": "true", **MOE},
     ], world_size=2)
 
 

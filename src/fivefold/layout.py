@@ -125,11 +125,6 @@ def tensor_parallel_problem(model: ModelConfig, tp: int, field: str = "layout.tp
         checks.append(("model.moe_ffn" if model.moe_ffn else "model.ffn (the expert ffn)", model.expert_ffn))
     else:
         checks.append(("model.ffn", model.ffn))
-    if model.shared_expert_gate and tp > 1:
-        return LayoutProblem(
-            "tp does not shard expert gates",
-            f"{field} = {tp} with model.shared_expert_gate = true: tensor parallelism does not shard it yet; use "
-            "layout.tp = 1")
     if model.qk_norm == "full" and tp > 1:
         return LayoutProblem(
             "tp splits the heads that a whole-projection query/key norm spans",

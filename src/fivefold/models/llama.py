@@ -346,7 +346,13 @@ class MoE(nn.Module):
     def shared_output(self, x: torch.Tensor) -> torch.Tensor:
         """The shared experts on tokens `x` [tokens, hidden], scaled by their sigmoid gate when there is one."""
         out = self.shared(x)
-        return out * torch.sigmoid(self.shared_gate(x)) if self.shared_gate is not None else out
+        if self.shared_gate is None:
+            return out
+        return out * torch.sigmoid(F.linear(x, self.shared_gate_weight()))
+
+    def shared_gate_weight(self) -> torch.Tensor:
+        """The shared experts' gate weight as the forward uses it (tensor parallelism replaces this)."""
+        return self.shared_gate.weight
 
     def kept_slots(self, experts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(indices of the routed slots that fit their expert's capacity, in token order; their queue

@@ -183,8 +183,14 @@ class TensorParallelMoE(MoE):
         # the weights scale partial expert outputs, so their gradient is partial too: f sums it
         out = self.dispatch_combine(x, experts, copy_to_tp(weights, group), rows=shape[0])
         if self.shared is not None:
-            out = out + self.shared(x)
+            out = out + self.shared_output(x)
         return exit_tp_region(out.view(shape), group, self.sequence_parallel)
+
+    def shared_gate_weight(self) -> torch.Tensor:
+        # the gate (replicated) scales each rank's partial shared-expert output, so its weight's gradient is partial
+        # too: the weight enters through f, whose backward sums it over tp (the input's share is summed by the
+        # region's own f)
+        return copy_to_tp(self.shared_gate.weight, self.tp_group)
 
 
 class SequenceParallelRMSNorm(RMSNorm):

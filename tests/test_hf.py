@@ -207,7 +207,7 @@ def test_config_round_trip_and_rope_keys_of_both_transformers_versions() -> None
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"head_dim": 32}, "head_dim"),
+    ({"head_dim": 31}, "head_size = 31 is odd"),
     ({"architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_parameters": None}, "yarn"),
     ({"hidden_act": "gelu"}, "hidden_act"),

@@ -25,6 +25,10 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attentio
 FAMILIES = {
     "qwen3-moe": ("Qwen3MoeForCausalLM", lambda **kw: transformers.Qwen3MoeConfig(
         **SHAPE, intermediate_size=96, moe_intermediate_size=40, num_experts=4, norm_topk_prob=True, **kw)),
+    # Qwen3-30B-A3B's heads: 4 x 32 = 128 query and output width against hidden 64 (model.head_size)
+    "qwen3-moe-wide-heads": ("Qwen3MoeForCausalLM", lambda **kw: transformers.Qwen3MoeConfig(
+        **{**SHAPE, "head_dim": 32}, intermediate_size=96, moe_intermediate_size=40, num_experts=4,
+        norm_topk_prob=True, **kw)),
     "qwen3-moe-unnormalised": ("Qwen3MoeForCausalLM", lambda **kw: transformers.Qwen3MoeConfig(
         **SHAPE, intermediate_size=96, moe_intermediate_size=40, num_experts=4, norm_topk_prob=False, **kw)),
     "olmoe": ("OlmoeForCausalLM", lambda **kw: transformers.OlmoeConfig(
@@ -53,6 +57,7 @@ def test_transformers_model_imports_with_equal_logits_and_greedy_tokens(tmp_path
     hf_model.save_pretrained(str(tmp_path / "hf"))
     model = model_from_hf(tmp_path / "hf").eval()
     assert model.cfg.qk_norm == QK_NORMS.get(family, "head")
+    assert model.cfg.head_size == (32 if family == "qwen3-moe-wide-heads" else None)
     if family == "qwen2-moe":  # one shared expert twice the routed experts' width, gated; biased q, k, v
         assert model.cfg.n_shared_experts == 2 and model.cfg.shared_expert_gate and model.cfg.qkv_bias
     toks = tokens(seed=8)
@@ -66,11 +71,11 @@ def test_transformers_model_imports_with_equal_logits_and_greedy_tokens(tmp_path
 
 
 QWEN2 = {"qkv_bias": True, "n_shared_experts": 2, "shared_expert_gate": True}
-EXPORTS = [({"qk_norm": "head"}, "Qwen3MoeForCausalLM"), ({"qk_norm": "full"}, "OlmoeForCausalLM"),
-           (QWEN2, "Qwen2MoeForCausalLM")]
+EXPORTS = [({"qk_norm": "head"}, "Qwen3MoeForCausalLM"), ({"qk_norm": "head", "head_size": 32}, "Qwen3MoeForCausalLM"),
+           ({"qk_norm": "full"}, "OlmoeForCausalLM"), (QWEN2, "Qwen2MoeForCausalLM")]
 
 
-@pytest.mark.parametrize(("shape", "cls_name"), EXPORTS, ids=[c for _, c in EXPORTS])
+@pytest.mark.parametrize(("shape", "cls_name"), EXPORTS, ids=[f"{c}-{len(s)}" for s, c in EXPORTS])
 @pytest.mark.parametrize("norm_topk", [True, False])
 def test_export_matches_transformers_and_round_trips(tmp_path: Path, shape: dict, cls_name: str,
                                                      norm_topk: bool) -> None:
@@ -107,7 +112,8 @@ def test_unsupported_features_are_refused_naming_them(family: str, change: dict,
 
 @pytest.mark.parametrize(("change", "field"), [
     ({"router_scores": "sigmoid"}, "router_scores"), ({"bias_update_rate": 0.01}, "bias_update_rate"),
-    ({"norm_topk": False}, "norm_topk"), ({"n_experts": 0, "qk_norm": "head"}, "qk_norm"),
+    ({"norm_topk": False}, "norm_topk"), ({"n_experts": 0, "qk_norm": "full"}, "qk_norm"),
+    ({"n_experts": 0, "qk_norm": "head", "qkv_bias": True}, "qkv_bias"),
     ({"n_shared_experts": 1}, "n_shared_experts"),
     ({**QWEN2, "qk_norm": "head"}, "qk_norm"),
 ])

@@ -214,8 +214,9 @@ def test_tensor_and_sequence_parallel_and_recompute_match_one_process():
         {"layout.tp": "2"},
         {"layout.tp": "2", "layout.sp": "true", "layout.recompute": "full"},
         {"layout.tp": "2", **MOE},
-        # Qwen3's per-head query/key norms: each tp rank normalises its heads with the same weight
-        {"layout.tp": "2", "layout.sp": "true", "model.qk_norm": "head", **MOE},
+        # Qwen3's per-head query/key norms: each tp rank normalises its heads with the same weight; heads twice as
+        # wide as hidden / n_heads (model.head_size, Qwen3-MoE)
+        {"layout.tp": "2", "layout.sp": "true", "model.qk_norm": "head", "model.head_size": "32", **MOE},
         # Qwen2's q/k/v biases, split with their weights' rows (added after the all-gathered matmuls under SP)
         {"layout.tp": "2", "model.qkv_bias": "true"},
         # Qwen2-MoE: the biases and a shared expert whose gate scales each rank's partial output
@@ -248,6 +249,7 @@ CAPACITY = {**MOE, "model.capacity_factor": "1.0"}
 def test_context_parallel_matches_one_process():
     assert_equivalent([
         {"layout.cp": "2"},
+        {"layout.cp": "2", "model.head_size": "32"},  # the ring's blocks as wide as the heads, not hidden / n_heads
         # the MoE load-balancing loss and capacity are computed over the whole sequences, as in one process
         {"layout.cp": "2", "layout.zero": "1", **CAPACITY},
         # the sequence-wise loss sums each sequence's statistics over cp; the z-loss is a mean over the tokens

@@ -152,10 +152,14 @@ class ModelConfig:
     qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2)
     # the shared experts' output scaled by sigmoid(a learned linear function of the token) (Qwen2-MoE)
     shared_expert_gate: bool = False
+    # the width of one attention head when it is not hidden / n_heads (Qwen3-MoE, Gemma: n_heads x head_size query
+    # and output projections); None (null, or left out): hidden / n_heads
+    head_size: int | None = None
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.n_heads
+        """The width of one attention head: `head_size`, or hidden / n_heads."""
+        return self.hidden // self.n_heads if self.head_size is None else self.head_size
 
     @property
     def is_moe(self) -> bool:
@@ -185,16 +189,18 @@ class ModelConfig:
         for name in ("hidden", "n_heads", "n_kv_heads", "ffn", "vocab_size", "max_seq_len", "moe_ffn"):
             _require(getattr(self, name) <= MAX_DIM, f"{prefix}.{name}", getattr(self, name),
                      f"must be at most {MAX_DIM:,} (2^31 - 1: a tensor dim that kernels index with 32-bit integers)")
-        if self.hidden % self.n_heads:
+        if self.head_size is not None:
+            _require(1 <= self.head_size <= MAX_DIM, f"{prefix}.head_size", self.head_size,
+                     f"must be between 1 and {MAX_DIM:,}, or null (left out) for hidden / n_heads")
+        elif self.hidden % self.n_heads:
             raise ConfigError(
                 f"{prefix}.n_heads = {self.n_heads} does not divide {prefix}.hidden = {self.hidden}; "
-                f"valid n_heads for this hidden size: {nearest_divisors(self.hidden, self.n_heads, 5)}"
+                f"valid n_heads for this hidden size: {nearest_divisors(self.hidden, self.n_heads, 5)} (or give "
+                f"{prefix}.head_size)"
             )
         if self.head_dim % 2:
-            raise ConfigError(
-                f"{prefix}.hidden / {prefix}.n_heads = {self.head_dim} is odd; rotary embeddings need an "
-                "even head dimension"
-            )
+            what = f"{prefix}.head_size" if self.head_size is not None else f"{prefix}.hidden / {prefix}.n_heads"
+            raise ConfigError(f"{what} = {self.head_dim} is odd; rotary embeddings need an even head dimension")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 f"{prefix}.n_kv_heads = {self.n_kv_heads} does not divide {prefix}.n_heads = {self.n_heads}; "

@@ -101,6 +101,24 @@ PRESETS: dict[str, tuple[ModelConfig, int | None, str]] = {
                     qk_norm="full", norm_topk=False, aux_loss_coef=0.01),
         None, "allenai/OLMoE-1B-7B-0924 as published: QK-norm over the whole projections, top-8 of 64 unnormalised",
     ),
+    "qwen2.5-7b": (
+        ModelConfig(name="qwen2.5-7b", n_layers=28, hidden=3584, n_heads=28, n_kv_heads=4, ffn=18944,
+                    vocab_size=152064, max_seq_len=131072, rope_theta=1e6, norm_eps=1e-6, tied_embeddings=False,
+                    qkv_bias=True),
+        7_615_616_512, "Qwen/Qwen2.5-7B: q/k/v biases",
+    ),
+    "qwen3-8b": (
+        ModelConfig(name="qwen3-8b", n_layers=36, hidden=4096, n_heads=32, n_kv_heads=8, ffn=12288,
+                    vocab_size=151936, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6, tied_embeddings=False,
+                    qk_norm="head"),
+        8_190_735_360, "Qwen/Qwen3-8B: per-head query/key norms",
+    ),
+    "qwen3-30b-a3b": (
+        ModelConfig(name="qwen3-30b-a3b", n_layers=48, hidden=2048, n_heads=32, n_kv_heads=4, head_size=128,
+                    ffn=6144, moe_ffn=768, vocab_size=151936, max_seq_len=40960, rope_theta=1e6, norm_eps=1e-6,
+                    tied_embeddings=False, n_experts=128, top_k=8, qk_norm="head", aux_loss_coef=0.001),
+        30_532_122_624, "Qwen/Qwen3-30B-A3B: 128 experts, top-8; heads of 128 (4,096 wide against hidden 2,048)",
+    ),
     "mixtral-8x7b": (
         ModelConfig(name="mixtral-8x7b", n_layers=32, hidden=4096, n_heads=32, n_kv_heads=8, ffn=14336,
                     vocab_size=32000, max_seq_len=32768, rope_theta=1e6, tied_embeddings=False, n_experts=8,

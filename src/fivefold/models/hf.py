@@ -31,13 +31,15 @@ LLAMA_ARCH = "LlamaForCausalLM"
 MIXTRAL_ARCH = "MixtralForCausalLM"
 MISTRAL_ARCH = "MistralForCausalLM"  # Llama's weights and blocks with a sliding window (`sliding_window`)
 QWEN2_ARCH = "Qwen2ForCausalLM"  # Llama's with query/key/value biases, and a window in none or every layer
+QWEN3_ARCH = "Qwen3ForCausalLM"  # Llama's with per-head query/key norms, and a window as Qwen2's
 QWEN3_MOE_ARCH = "Qwen3MoeForCausalLM"  # Mixtral's routing with per-head query/key norms, top-k normalisation optional
 OLMOE_ARCH = "OlmoeForCausalLM"  # the same with query/key norms over the whole projections
 QWEN2_MOE_ARCH = "Qwen2MoeForCausalLM"  # query/key/value biases and a shared expert with a sigmoid gate
 _MODEL_TYPES = {"llama": LLAMA_ARCH, "mixtral": MIXTRAL_ARCH, "mistral": MISTRAL_ARCH, "qwen2": QWEN2_ARCH,
-                "qwen3_moe": QWEN3_MOE_ARCH, "olmoe": OLMOE_ARCH, "qwen2_moe": QWEN2_MOE_ARCH}
+                "qwen3": QWEN3_ARCH, "qwen3_moe": QWEN3_MOE_ARCH, "olmoe": OLMOE_ARCH, "qwen2_moe": QWEN2_MOE_ARCH}
 _MOE_ARCHS = (MIXTRAL_ARCH, QWEN3_MOE_ARCH, OLMOE_ARCH, QWEN2_MOE_ARCH)
-_QK_NORMS = {QWEN3_MOE_ARCH: "head", OLMOE_ARCH: "full"}  # model.qk_norm of each architecture (else "none")
+# model.qk_norm of each architecture (else "none")
+_QK_NORMS = {QWEN3_ARCH: "head", QWEN3_MOE_ARCH: "head", OLMOE_ARCH: "full"}
 _ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # tensors that older HF checkpoints carry but that are recomputed, not learned
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -103,7 +105,7 @@ def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None =
 
     Reads the architectures of `_MODEL_TYPES` (Mistral and Mixtral with their `sliding_window`, null meaning none;
     Qwen2 with its window when `use_sliding_window` puts it in every layer); raises ConfigError for anything
-    fivefold's model cannot represent (another architecture, biases, a head_dim other than hidden / heads, ...).
+    fivefold's model cannot represent (another architecture, biases on other linears, ...).
     """
     hf = read_config_json(config)
     if name is None and not isinstance(config, dict):
@@ -121,13 +123,9 @@ def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None =
     for key in ("attention_bias", "mlp_bias", *(("qkv_bias",) if arch != QWEN2_MOE_ARCH else ())):
         if hf.get(key):
             raise ConfigError(f"Hugging Face {key} = true is not supported; fivefold's linears have no bias")
-    head_dim = hf.get("head_dim")
-    if head_dim is not None and heads and int(head_dim) != hidden // heads:
-        raise ConfigError(
-            f"Hugging Face head_dim = {head_dim} differs from hidden_size / num_attention_heads = "
-            f"{hidden} / {heads} = {hidden // heads}; fivefold assumes head_dim = hidden / heads"
-        )
-    window = _qwen2_window(hf) if arch == QWEN2_ARCH else hf.get("sliding_window")
+    head_dim = hf.get("head_dim")  # read as model.head_size when it is not hidden / heads (Qwen3-MoE)
+    head_size = int(head_dim) if head_dim is not None and heads and int(head_dim) * heads != hidden else None
+    window = _qwen2_window(hf) if arch in (QWEN2_ARCH, QWEN3_ARCH) else hf.get("sliding_window")
     if window and arch == LLAMA_ARCH:
         raise ConfigError(
             f"Hugging Face sliding_window = {hf['sliding_window']} is not read for {LLAMA_ARCH}, which attends to "
@@ -152,6 +150,8 @@ def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None =
         init_std=float(hf.get("initializer_range", 0.02)),
         sliding_window=int(window) if window else None,
         qkv_bias=arch == QWEN2_ARCH,  # Qwen2's query, key and value projections always have biases
+        head_size=head_size,
+        qk_norm=_QK_NORMS.get(arch, "none"),
     )
     if is_mixtral:
         cfg.n_experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 8)
@@ -162,7 +162,6 @@ def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None =
         cfg.capacity_factor = 0.0  # the routing of all three is dropless
         cfg.aux_loss_coef = float(hf.get("router_aux_loss_coef", cfg.aux_loss_coef))
         cfg.norm_topk = arch == MIXTRAL_ARCH or bool(hf.get("norm_topk_prob", False))
-        cfg.qk_norm = _QK_NORMS.get(arch, "none")
         if arch == QWEN2_MOE_ARCH:
             cfg.qkv_bias = bool(hf.get("qkv_bias", True))
             cfg.n_shared_experts = _shared_experts(int(hf.get("shared_expert_intermediate_size") or 0), cfg.expert_ffn)
@@ -273,7 +272,7 @@ def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.flo
     elif cfg.is_moe:
         hf.update(num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
                   router_aux_loss_coef=cfg.aux_loss_coef, sliding_window=cfg.sliding_window)
-    elif arch == QWEN2_ARCH:
+    elif arch in (QWEN2_ARCH, QWEN3_ARCH):
         window = cfg.sliding_window is not None
         hf.update(use_sliding_window=window, sliding_window=cfg.sliding_window,
                   max_window_layers=0 if window else cfg.n_layers,
@@ -291,9 +290,12 @@ def hf_architecture(cfg: ModelConfig) -> str:
     for MoE models Mixtral, Qwen3-MoE (per-head query/key norms) or OLMoE (whole-projection ones); ConfigError
     naming the field for what none of them has."""
     if not cfg.is_moe:
-        if cfg.qk_norm != "none":
-            raise ConfigError(f"model.qk_norm = {shown(cfg.qk_norm)} on a dense model cannot be exported: "
-                              f"{LLAMA_ARCH}, {MISTRAL_ARCH} and {QWEN2_ARCH} need qk_norm = 'none'")
+        if cfg.qk_norm == "full" or cfg.qk_norm == "head" and cfg.qkv_bias:
+            raise ConfigError(f"model.qk_norm = {shown(cfg.qk_norm)} on a dense model cannot be exported"
+                              + (" with model.qkv_bias = true" if cfg.qk_norm == "head" else "")
+                              + f": {QWEN3_ARCH} has per-head norms ('head') and no biases")
+        if cfg.qk_norm == "head":
+            return QWEN3_ARCH
         if cfg.qkv_bias:
             return QWEN2_ARCH
         return MISTRAL_ARCH if cfg.sliding_window else LLAMA_ARCH

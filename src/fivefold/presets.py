@@ -119,6 +119,13 @@ PRESETS: dict[str, tuple[ModelConfig, int | None, str]] = {
                     tied_embeddings=False, n_experts=128, top_k=8, qk_norm="head", aux_loss_coef=0.001),
         30_532_122_624, "Qwen/Qwen3-30B-A3B: 128 experts, top-8; heads of 128 (4,096 wide against hidden 2,048)",
     ),
+    "qwen1.5-moe-a2.7b": (
+        ModelConfig(name="qwen1.5-moe-a2.7b", n_layers=24, hidden=2048, n_heads=16, n_kv_heads=16, ffn=5632,
+                    moe_ffn=1408, vocab_size=151936, max_seq_len=8192, rope_theta=1e6, norm_eps=1e-6,
+                    tied_embeddings=False, n_experts=60, top_k=4, norm_topk=False, n_shared_experts=4,
+                    shared_expert_gate=True, qkv_bias=True),
+        14_315_784_192, "Qwen/Qwen1.5-MoE-A2.7B (Qwen2-MoE): 60 experts, top-4, a gated shared expert 4x as wide",
+    ),
     "mixtral-8x7b": (
         ModelConfig(name="mixtral-8x7b", n_layers=32, hidden=4096, n_heads=32, n_kv_heads=8, ffn=14336,
                     vocab_size=32000, max_seq_len=32768, rope_theta=1e6, tied_embeddings=False, n_experts=8,

@@ -32,7 +32,8 @@ The atomic rules:
 Layout of `RUN_DIR/checkpoints/step_XXXXXXXX/` (format 3, sharded; see docs/training.md; the pieces and the manifest
 are `fivefold.checkpoint_format`):
     rankN.safetensors      rank N's pieces: rectangles of the plain-named global tensors `model.<param>`,
-                           `exp_avg.<param>`, `exp_avg_sq.<param>` that rank N owns (one copy in all)
+                           `exp_avg.<param>`, `exp_avg_sq.<param>` that rank N owns (one copy in all), and the
+                           MoE balancing biases `buffer.<layer>.expert_bias` (whole, from one rank per stage)
     rankN.json             their index (global shape and offsets of each piece), the sha256 of rankN.safetensors
                            and AdamW's step of each parameter (the finishing writer's input for the two below;
                            `fivefold export` reads them too)
@@ -199,8 +200,9 @@ def begin_checkpoint(run_dir: Path, step: int) -> Path:
 
 @dataclass
 class Piece:
-    """A rectangle of a named global tensor that one rank writes: `name` is `model.<parameter>` or
-    `exp_avg.<parameter>` / `exp_avg_sq.<parameter>` (AdamW's moments), with the plain single-process name."""
+    """A rectangle of a named global tensor that one rank writes: `name` is `model.<parameter>`,
+    `exp_avg.<parameter>` / `exp_avg_sq.<parameter>` (AdamW's moments) or `buffer.<module>.<buffer>` (state that is
+    not a parameter: the MoE balancing bias), with the plain single-process name."""
 
     name: str
     shape: tuple[int, ...]  # of the global tensor

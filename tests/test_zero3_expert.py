@@ -4,7 +4,10 @@ that hold the same experts (edp = dp x cp / ep), against one process.
 - Equivalence (the harness of tests/test_parallel_equivalence.py: K = 3 steps, accumulation 2, fp32, lr 1e-2):
   dp2 x ep2 (edp 1: the experts stay whole on their rank, no unit shards them) in the default run, dp4 x ep2
   (edp 2: the experts' own fully_shard units) slow. Losses and gradient norms within 1e-5 relative, each final
-  parameter within 1e-5 (relative norm of the difference). The largest element difference, 3.0e-5 on an expert
+  parameter within 1e-5 (relative norm of the difference), 5e-5 for dp4 x ep2: there the parameters move up to
+  1.6e-5 apart whatever the ZeRO stage (measured 2026-11-27: ZeRO-0 1.62e-5 and ZeRO-1 1.63e-5 on
+  layers.0.attn.v_proj.weight, ZeRO-3 1.33e-5; the embedding 1.31e-5, 1.32e-5 and 1.15e-5), dp4's own summation
+  order. The largest element difference, 3.0e-5 on an expert
   weight, is expert parallel's own: ZeRO-1 x ep2 differs from one process by the same 2.98e-5 on the same element
   (the experts' matmuls group the tokens otherwise, and AdamW's normalisation magnifies rounding on elements whose
   gradient is near zero), so an element-wise 1e-5 would fail whatever the ZeRO stage. Slow too: tp2 x dp2 x ep2
@@ -68,7 +71,7 @@ def test_zero3_with_expert_parallel_dp2_ep2_matches_one_process():
 
 @pytest.mark.slow
 def test_zero3_with_expert_parallel_dp4_ep2_matches_one_process():
-    assert_matches(DP4_EP2, 4)
+    assert_matches(DP4_EP2, 4, param_rel=5e-5)
 
 
 @pytest.mark.slow

@@ -75,6 +75,12 @@ def shown(value: Any) -> str:
     return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 5] + "[...]"
 
 
+def one_line(text: str) -> str:
+    """`text` with every character that is not printable (a carriage return or line feed in a path from a flag,
+    any other control or line-separator character) written as its escape, so that a refusal stays one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

@@ -9,7 +9,7 @@ import sys
 import typing
 
 from fivefold import faults
-from fivefold.config import shown
+from fivefold.config import one_line, shown
 from fivefold.errors import EXIT_ENVIRONMENT, CliError, ConfigError, EnvironmentFailure
 
 # verb -> (module, one-line help); modules are imported only when their verb runs or --help is asked
@@ -33,7 +33,7 @@ class Parser(argparse.ArgumentParser):
     every other refusal: no usage block, which `--help` prints."""
 
     def error(self, message: str) -> typing.NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {one_line(message)}\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,12 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(module.run(args) or 0)
     except (ConfigError, CliError) as e:
-        print(f"fivefold {args.verb}: error: {e}", file=sys.stderr)
+        print(f"fivefold {args.verb}: error: {one_line(str(e))}", file=sys.stderr)
         faults.record_failure(f"{e}", peer=False)
         return 2
     except EnvironmentFailure as e:
         if str(e):
-            print(f"fivefold {args.verb}: error: {e}", file=sys.stderr)
+            print(f"fivefold {args.verb}: error: {one_line(str(e))}", file=sys.stderr)
         faults.record_failure(f"{e}", peer=e.peer or not str(e))
         return EXIT_ENVIRONMENT
     except KeyboardInterrupt:  # Ctrl-C (or SIGTERM turned into it): stop without a traceback

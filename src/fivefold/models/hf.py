@@ -104,7 +104,7 @@ def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None =
     """The fivefold ModelConfig of a Hugging Face `config.json` (a dict, the file, or its directory).
 
     Reads the architectures of `_MODEL_TYPES` (Mistral and Mixtral with their `sliding_window`, null meaning none;
-    Qwen2 with its window when `use_sliding_window` puts it in every layer); raises ConfigError for anything
+    Qwen2 and Qwen3 with their window when `use_sliding_window` puts it in every layer); raises ConfigError for anything
     fivefold's model cannot represent (another architecture, biases on other linears, ...).
     """
     hf = read_config_json(config)
@@ -125,7 +125,7 @@ def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None =
             raise ConfigError(f"Hugging Face {key} = true is not supported; fivefold's linears have no bias")
     head_dim = hf.get("head_dim")  # read as model.head_size when it is not hidden / heads (Qwen3-MoE)
     head_size = int(head_dim) if head_dim is not None and heads and int(head_dim) * heads != hidden else None
-    window = _qwen2_window(hf) if arch in (QWEN2_ARCH, QWEN3_ARCH) else hf.get("sliding_window")
+    window = _layer_window(hf) if arch in (QWEN2_ARCH, QWEN3_ARCH) else hf.get("sliding_window")
     if window and arch == LLAMA_ARCH:
         raise ConfigError(
             f"Hugging Face sliding_window = {hf['sliding_window']} is not read for {LLAMA_ARCH}, which attends to "
@@ -183,8 +183,8 @@ _UNSUPPORTED_MOE = (
 )
 
 
-def _qwen2_window(hf: dict[str, Any]) -> int | None:
-    """Qwen2's sliding window, which fivefold runs only in every layer or in none: from `layer_types`
+def _layer_window(hf: dict[str, Any]) -> int | None:
+    """Qwen2's and Qwen3's sliding window, which fivefold runs only in every layer or in none: from `layer_types`
     (transformers 5) or else `use_sliding_window` with `max_window_layers` (the layers from that index on slide)."""
     layers = int(hf["num_hidden_layers"])
     kinds = hf.get("layer_types")
@@ -226,7 +226,7 @@ def _refuse_unsupported_moe_features(hf: dict[str, Any], arch: str) -> None:
 def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """The Hugging Face `config.json` dict of a fivefold ModelConfig, of the architecture `hf_architecture` names
     (for dense models LlamaForCausalLM, MistralForCausalLM with a sliding window, Qwen2ForCausalLM with q/k/v
-    biases).
+    biases, Qwen3ForCausalLM with per-head query/key norms).
 
     Rotary settings are written under both the transformers 4 keys (`rope_theta`, `rope_scaling`) and
     the transformers 5 key (`rope_parameters`), so either version reads them.
@@ -286,7 +286,7 @@ def hf_config_from_model_config(cfg: ModelConfig, dtype: torch.dtype = torch.flo
 
 def hf_architecture(cfg: ModelConfig) -> str:
     """The Hugging Face architecture that holds `cfg`: Llama (Mistral with a sliding window, Qwen2 with query/key/value
-    biases) for dense models, and
+    biases, Qwen3 with per-head query/key norms) for dense models, and
     for MoE models Mixtral, Qwen3-MoE (per-head query/key norms) or OLMoE (whole-projection ones); ConfigError
     naming the field for what none of them has."""
     if not cfg.is_moe:
@@ -406,10 +406,6 @@ def name_map(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
     return out
 
 
-def check_exportable(cfg: ModelConfig) -> None:
-    """A ConfigError when no Hugging Face architecture holds the model (`hf_architecture`)."""
-    hf_architecture(cfg)
-
 
 def to_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """fivefold names -> Hugging Face names (contiguous tensors; `lm_head` omitted when tied, as HF does).
@@ -417,7 +413,7 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> d
     Raises CheckpointError when the tensors do not match `cfg`, ConfigError when the model cannot be
     expressed in Hugging Face's format (shared experts).
     """
-    check_exportable(cfg)
+    hf_architecture(cfg)  # refuses what no Hugging Face architecture holds
     sd = dict(state_dict)
     if cfg.tied_embeddings:
         sd.pop("lm_head.weight", None)
@@ -429,7 +425,7 @@ def to_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> d
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor names and shapes of `cfg` (from the meta model's, nothing allocated): an expert's is its
     slot of fivefold's batched weight, transposed."""
-    check_exportable(cfg)
+    hf_architecture(cfg)  # refuses what no Hugging Face architecture holds
     shapes = expected_shapes(cfg)
     return {hf: shapes[ff] if e is None else (shapes[ff][2], shapes[ff][1]) for hf, ff, e in name_map(cfg)}
 
@@ -559,7 +555,7 @@ def export_hf(
     sd = model_or_state_dict
     if isinstance(sd, nn.Module):
         sd = sd.state_dict()
-    check_exportable(cfg)
+    hf_architecture(cfg)  # refuses what no Hugging Face architecture holds
     sd = dict(sd)
     if cfg.tied_embeddings:
         sd.pop("lm_head.weight", None)

@@ -146,7 +146,6 @@ def run(args: argparse.Namespace) -> int:
     from fivefold.checkpoint_format import PieceError
     from fivefold.models.hf import (
         CheckpointError,
-        check_exportable,
         check_output_dir,
         check_tensors,
         expected_shapes,
@@ -168,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"checkpoint {shown(str(ckpt))} has no config.toml (the run's resolved config)")
     cfg = build_config(config_file).model
     cfg.validate()
-    check_exportable(cfg)
+    hf_architecture(cfg)  # refuses what no Hugging Face architecture holds
     weights = ckpt / "model.safetensors" if (ckpt / "model.safetensors").is_file() else ckpt
     try:
         reader = checkpoint_reader(ckpt)

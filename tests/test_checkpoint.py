@@ -130,3 +130,27 @@ def test_pickles_are_never_loaded(tmp_path):
     ckpt.write_manifest(path)
     with pytest.raises(ckpt.CheckpointError, match="rank0.safetensors is corrupted"):
         ckpt.read_model_state(path)
+
+
+def test_background_save_writes_the_synchronous_files_and_skips_a_non_finite_state(tmp_path, capsys):
+    """A background save (`AsyncSave`: host copies written by a thread) writes the same bytes as a synchronous save of
+    the same state, even when the state changes while the thread writes; a state with NaN is not written and the
+    older checkpoint stays, as for a synchronous save."""
+    cfg, engine = _trained_state(0)
+    sync = _save(tmp_path / "sync", 1, engine, cfg)
+    saver = ckpt.Checkpointer(tmp_path / "async", engine, cfg)
+    assert saver.save(1, 10, cfg.train.global_batch_size, background=True) is None  # still being written
+    with torch.no_grad():  # the next step's update, while the thread may still write
+        for p in engine.model.parameters():
+            p.add_(1.0)
+    written = saver.wait()
+    assert written is not None and (written / "COMPLETE").exists()
+    for name in ("rank0.safetensors", "index.json", "trainer_state.json"):
+        assert (written / name).read_bytes() == (sync / name).read_bytes(), name
+    with torch.no_grad():
+        next(engine.model.parameters())[0] = float("nan")
+    assert saver.save(2, 20, 2 * cfg.train.global_batch_size, background=True) is None
+    assert saver.wait() is None
+    assert "not writing the checkpoint of step 2: the weights or optimizer state hold NaN or inf" in \
+        capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "async" / "checkpoints").iterdir()] == [written.name]

@@ -95,6 +95,12 @@ REFUSED = [
      "train.global_batch_size = 8 is not divisible by layout.dp = 3"),
     ("tiny", ["--preset", "tiny"], 2, 128, 8, {"dp": 2, "micro_batch_size": 3},
      "layout.micro_batch_size = 3 does not divide the per-rank batch"),
+    ("tiny", ["--preset", "tiny"], 2, 128, 8, {"dp": 2, "zero": 3, "dp_bucket_size": 1000},
+     "layout.dp_bucket_size = 1000 with layout.zero = 3"),
+    ("tiny", ["--preset", "tiny"], 2, 128, 8, {"dp": 2, "dp_overlap_param_gather": "true"},
+     "layout.dp_overlap_param_gather = true with layout.zero = 0, dp x cp = 2"),
+    ("tiny", ["--preset", "tiny"], 2, 128, 8, {"dp": 2, "zero": 3, "dp_overlap_param_gather": "true"},
+     "layout.dp_overlap_param_gather = true with layout.zero = 3"),
 ]
 
 
@@ -135,3 +141,21 @@ def test_check_layout_raises_the_first_problem():
 def test_tp_splits_qkv_biases_and_the_gated_shared_expert():
     gated = dataclasses.replace(get_preset("tiny-moe"), n_shared_experts=1, shared_expert_gate=True, qkv_bias=True)
     assert tensor_parallel_problem(gated, 2) is None
+
+
+def test_a_bucket_of_no_elements_is_refused_and_megatrons_rule_is_the_default(capsys):
+    """`layout.dp_bucket_size` 0 is refused in one line naming the field; left out, the buckets follow Megatron's
+    rule, max(40 M, 1 M x dp x cp) elements; and the planner prices the parameter all-gather of ZeRO-1 as exposed
+    only with its overlap switched off."""
+    assert _error(capsys, ["train", "--preset", "tiny", "--layout.dp_bucket_size", "0"]).startswith(
+        "layout.dp_bucket_size = 0 must be >= 1 (elements per gradient bucket)")
+    assert build_config(None, {"layout.dp": "8", "layout.cp": "8"}).layout.dp_bucket_elements == 64_000_000
+    assert build_config(None, {"layout.dp": "2"}).layout.dp_bucket_elements == 40_000_000
+    assert build_config(None, {"layout.dp_bucket_size": "1000"}).layout.dp_bucket_elements == 1000
+    from fivefold.planner.time import step_time
+
+    cfg, hw = load_model("llama3-8b"), get_cluster("h100")
+    parts = {on: step_time(cfg, 4096, Layout(dp=8, zero=1, dp_overlap_param_gather=on, grad_accum_steps=4), FIVEFOLD,
+                           hw).parts for on in (None, False)}
+    gathered = [k for k in parts[False] if "gather" in k]
+    assert gathered and all(parts[None][k] < parts[False][k] for k in gathered), (parts[None], parts[False])

@@ -33,7 +33,7 @@ from fivefold.config import Config, build_config
 from fivefold.train.build import Engine, single_device_engine
 
 STEPS, ACCUM = 3, 2
-SMALL_BUCKET = 64 * 1024  # bytes: several buckets per class, so overlap and bucket boundaries are exercised
+SMALL_BUCKET = 16 * 1024  # elements: several buckets per class, so overlap and bucket boundaries are exercised
 
 
 def tiny_config(overrides: dict[str, str]) -> Config:
@@ -47,6 +47,8 @@ def tiny_config(overrides: dict[str, str]) -> Config:
     dp = cfg.layout.dp
     if "layout.micro_batch_size" not in overrides:
         cfg.layout.micro_batch_size = cfg.train.global_batch_size // (dp * ACCUM)
+    if cfg.layout.zero < 3 and "layout.dp_bucket_size" not in overrides:
+        cfg.layout.dp_bucket_size = SMALL_BUCKET
     cfg.validate()
     return cfg
 
@@ -134,7 +136,7 @@ def layouts_on_ranks(rank: int, world_size: int, layouts: list[dict[str, str]]) 
     results = []
     for overrides in layouts:
         cfg = tiny_config(overrides)
-        engine = build_engine(cfg, torch.device("cpu"), bucket_bytes=SMALL_BUCKET)
+        engine = build_engine(cfg, torch.device("cpu"))
         check_local_shards(engine, cfg)
         losses, norms, drops = train_steps(engine, cfg)
         state = engine.model_state()
@@ -158,7 +160,9 @@ def check_local_shards(engine, cfg: Config) -> None:
 
 def check_overlap(engine, cfg: Config) -> None:
     """Every bucket's reduction started from a gradient hook, i.e. while backward was still running: once per
-    step (the last micro-batch) for data parallel and ZeRO-1, on every micro-batch for ZeRO-2."""
+    step (the last micro-batch) for data parallel and ZeRO-1, on every micro-batch for ZeRO-2. Under ZeRO-1/2 every
+    bucket's parameter all-gather after a step was still in flight when the next forward began and was waited for
+    by the block (embedding, final norm) that needs it, unless `layout.dp_overlap_param_gather` is false."""
     from fivefold.parallel.data import BucketedDataParallel
 
     dp = engine.data_parallel
@@ -166,6 +170,10 @@ def check_overlap(engine, cfg: Config) -> None:
         per_step = ACCUM if cfg.layout.zero == 2 else 1
         assert len(dp.buckets) > 2
         assert dp.launched_in_backward == len(dp.buckets) * STEPS * per_step
+        overlapped = cfg.layout.overlaps_param_gather
+        # every step's gathers, but the last's, met the next step's forward; the last's the evaluation's
+        assert dp.gathers_waited_in_forward == (len(dp.buckets) * STEPS if overlapped else 0)
+        assert not dp.gathers and not (overlapped and dp.unwaited)
 
 
 def assert_equivalent(layouts: list[dict[str, str]], world_size: int) -> None:
@@ -207,6 +215,23 @@ def test_data_parallel_and_zero_stages_match_one_process():
         {"layout.dp": "2", "layout.zero": "3"},
         {"layout.dp": "2", **MOE},
     ], world_size=2)
+
+
+def test_parameter_gather_overlap_changes_no_loss():
+    """ZeRO-1/2 with the parameter all-gather under the next forward and with the step waiting for it: the same
+    losses and gradient norms (within 1e-6), both matching one process."""
+    layouts = [{"layout.dp": "2", "layout.zero": z, "layout.dp_overlap_param_gather": on}
+               for z in ("1", "2") for on in ("true", "false")]
+    assert_switch_changes_nothing(layouts, run_ranks(2, layouts_on_ranks, layouts)[0])
+
+
+def assert_switch_changes_nothing(layouts: list[dict[str, str]], results: list) -> None:
+    """`layouts` in pairs, a switch on then off: the first of each pair matches one process, and the two have the
+    same losses and gradient norms within 1e-6."""
+    for overrides, result, other in zip(layouts[::2], results[::2], results[1::2], strict=True):
+        assert_matches_one_process(overrides, *result)
+        for a, b in zip(result[0] + result[1], other[0] + other[1], strict=True):
+            assert abs(a - b) <= 1e-6 * abs(b), overrides
 
 
 def test_tensor_and_sequence_parallel_and_recompute_match_one_process():
@@ -297,6 +322,9 @@ def test_expert_parallel_over_context_parallel_matches_one_process():
     assert_equivalent([
         {"layout.cp": "2", "layout.ep": "2", "layout.zero": "2", "layout.recompute": "full", **CAPACITY},
         {"layout.dp": "2", "layout.ep": "2", "layout.recompute": "selective", "model.n_shared_experts": "1", **MOE},
+        # the balancing bias moved by the loads of both cp halves of every sequence, and under ZeRO-3
+        {"layout.cp": "2", "layout.ep": "2", **BIASED},
+        {"layout.dp": "2", "layout.ep": "2", "layout.zero": "3", **BIASED},
     ], world_size=2)
 
 

@@ -20,9 +20,9 @@ import pytest
 import torch
 from tests.distributed import run_ranks
 from tests.test_parallel_equivalence import (
-    SMALL_BUCKET,
     STEPS,
     assert_matches_one_process,
+    assert_switch_changes_nothing,
     tiny_config,
     train_steps,
 )
@@ -50,7 +50,7 @@ def pipeline_on_ranks(rank: int, world_size: int, layouts: list[dict[str, str]])
     results = []
     for overrides in layouts:
         cfg = tiny_config(overrides)
-        engine = build_engine(cfg, torch.device("cpu"), bucket_bytes=SMALL_BUCKET)
+        engine = build_engine(cfg, torch.device("cpu"))
         losses, norms, drops = train_steps(engine, cfg)
         schedule = engine.runner.schedule(cfg.grad_accum_steps)
         assert [r.action for r in engine.runner.traces[True]] == list(schedule.actions[engine.pp_rank])
@@ -112,12 +112,13 @@ def executor_on_ranks(rank: int, world_size: int) -> None:
 
     group = dist.new_group(list(range(world_size)))
     cases = [("afab", 4, 1), ("1f1b", 5, 1), ("interleaved", 6, 2), ("zero-bubble", 5, 1), ("dualpipev", 7, 1)]
-    for (name, m, v), dtype in itertools.product(cases, (torch.float32, torch.bfloat16)):
+    for (name, m, v), dtype, overlap in itertools.product(cases, (torch.float32, torch.bfloat16), (False, True)):
         for schedule in (build_schedule(name, world_size, m, v), forward_schedule(name, world_size, m, v)):
             calls: list = []
             stages = {s: RoutingStage(s, schedule.n_stages, calls, dtype) for s, r in enumerate(schedule.stage_rank)
                       if r == rank}
-            trace = PipelineExecutor(group, rank, (2, 3), dtype, torch.device("cpu")).run(schedule, stages)
+            executor = PipelineExecutor(group, rank, (2, 3), dtype, torch.device("cpu"), overlap=overlap)
+            trace = executor.run(schedule, stages)
             expected = []
             for a in schedule.actions[rank]:
                 expected.append(tuple(a))
@@ -128,9 +129,10 @@ def executor_on_ranks(rank: int, world_size: int) -> None:
 
 
 def test_executor_runs_each_rank_s_actions_in_order_and_routes_every_message():
-    """Three ranks, every schedule and its forward-only variant, in fp32 and bf16: each stage is called in exactly
-    the order of its rank's action list, and every activation and gradient reaches the action that needs it, in
-    the dtype the stages produce."""
+    """Three ranks, every schedule and its forward-only variant, in fp32 and bf16, with the point-to-point overlap
+    (`layout.pp_comm_overlap`: receives waited for alone, a whole backward's input gradient posted before its weight
+    gradients) and without: each stage is called in exactly the order of its rank's action list, and every
+    activation and gradient reaches the action that needs it, in the dtype the stages produce."""
     run_ranks(3, executor_on_ranks)
 
 
@@ -240,6 +242,15 @@ def test_pp2_1f1b_and_zero_bubble_match_one_process():
     ], world_size=2)
 
 
+def test_pipeline_overlap_changes_no_loss():
+    """1F1B and AFAB (whole backwards, whose weight gradients the overlap defers behind the input gradient's send)
+    with `layout.pp_comm_overlap` on and off: the same losses and gradient norms (within 1e-6), matching one
+    process."""
+    layouts = [{**PP, "layout.pp": "2", "layout.schedule": schedule, "layout.pp_comm_overlap": on}
+               for schedule in ("1f1b", "afab") for on in ("true", "false")]
+    assert_switch_changes_nothing(layouts, run_ranks(2, pipeline_on_ranks, layouts)[0])
+
+
 @pytest.mark.slow
 def test_pp2_other_schedules_match_one_process():
     """AFAB with an explicit split; interleaved with v = 2 (4 stages, rank r holding stages r and r + 2); DualPipeV
@@ -269,6 +280,9 @@ def test_pp2_with_zero_and_tensor_parallel_matches_one_process():
         # expert parallel folded over dp2 on each stage: the experts' own buckets are reduced over edp
         {**PP_DP, **MOE, "model.capacity_factor": "1.0", "layout.pp": "2", "layout.dp": "2", "layout.ep": "2",
          "layout.zero": "1", "layout.schedule": "zero-bubble"},
+        # the balancing bias of each stage's MoE layers, moved alike on both stages' ep ranks
+        {**PP_DP, **MOE, "model.bias_update_rate": "0.05", "layout.pp": "2", "layout.dp": "2", "layout.ep": "2",
+         "layout.zero": "1"},
     ], world_size=4)
 
 

@@ -279,6 +279,31 @@ class LayoutConfig:
     # HSDP: ZeRO-3 shards over groups of dp_shard x cp ranks and replicates over the dp / dp_shard groups (each
     # shard's gradient all-reduced across them); 0 = over all of dp x cp (FSDP)
     dp_shard: int = 0
+    # elements per gradient bucket of ZeRO-0/1/2 (each bucket reduced as soon as backward has filled it); null (left
+    # out) = Megatron's rule, max(40,000,000, 1,000,000 x dp x cp) (`dp_bucket_elements`); ZeRO-3 shards by block
+    dp_bucket_size: int | None = None
+    # ZeRO-1/2: the updated parameters' all-gather after the optimizer step runs under the next forward, bucket by
+    # bucket (each block waits for its own buckets first); null = on wherever it applies, false = the step waits
+    dp_overlap_param_gather: bool | None = None
+    # pipeline: a receive waits for itself alone (not for the sends posted with it), and a whole backward sends its
+    # input gradient before it computes its weight gradients (deferred as the zero-bubble schedules' W passes);
+    # null = on wherever pp > 1, false = today's strict order (to debug, or to measure the overlap)
+    pp_comm_overlap: bool | None = None
+
+    @property
+    def dp_bucket_elements(self) -> int:
+        """Elements per gradient bucket: `dp_bucket_size`, or Megatron's rule max(40 M, 1 M x the ranks reducing)."""
+        return self.dp_bucket_size or max(40_000_000, 1_000_000 * self.dp * self.cp)
+
+    @property
+    def overlaps_param_gather(self) -> bool:
+        """Whether ZeRO-1/2's parameter all-gather runs under the next forward (`dp_overlap_param_gather`)."""
+        return self.dp_overlap_param_gather is not False and 1 <= self.zero <= 2 and self.dp * self.cp > 1
+
+    @property
+    def overlaps_pp_comm(self) -> bool:
+        """Whether the pipeline's point-to-point overlaps compute (`pp_comm_overlap`)."""
+        return self.pp_comm_overlap is not False and self.pp > 1
 
     @property
     def world_size(self) -> int:

@@ -231,6 +231,32 @@ def hsdp_problem(layout: LayoutConfig) -> LayoutProblem | None:
     return None
 
 
+def communication_problem(layout: LayoutConfig) -> LayoutProblem | None:
+    """The gradient buckets' size and the overlap switches (ZeRO-1/2's parameter all-gather, the pipeline's
+    point-to-point): set only where they mean something."""
+    size = layout.dp_bucket_size
+    if size is not None and size < 1:
+        return LayoutProblem("bucket size below one element",
+                             f"layout.dp_bucket_size = {size} must be >= 1 (elements per gradient bucket), or null "
+                             "(left out) for Megatron's rule, max(40,000,000, 1,000,000 x dp x cp)")
+    if size is not None and layout.zero == 3:
+        return LayoutProblem("bucket size under ZeRO-3",
+                             f"layout.dp_bucket_size = {size} with layout.zero = 3: ZeRO-3 reduce-scatters each "
+                             "block's gradients as one unit and has no buckets; leave dp_bucket_size out, or use "
+                             "layout.zero = 0, 1 or 2")
+    if layout.dp_overlap_param_gather and not (1 <= layout.zero <= 2 and layout.dp * layout.cp > 1):
+        return LayoutProblem("parameter all-gather overlap without ZeRO-1/2",
+                             f"layout.dp_overlap_param_gather = true with layout.zero = {layout.zero}, dp x cp = "
+                             f"{layout.dp * layout.cp}: only ZeRO-1/2 over two or more ranks all-gather the "
+                             "parameters after the step (ZeRO-3 gathers each block before its forward, ZeRO-0 "
+                             "gathers nothing); leave it out, or use layout.zero = 1 or 2 with dp x cp >= 2")
+    if layout.pp_comm_overlap and layout.pp == 1:
+        return LayoutProblem("pipeline overlap without a pipeline",
+                             "layout.pp_comm_overlap = true with layout.pp = 1: there is no point-to-point to "
+                             "overlap; leave it out, or use layout.pp >= 2")
+    return None
+
+
 def zero_problem(layout: LayoutConfig) -> LayoutProblem | None:
     if layout.zero > 0 and layout.dp * layout.cp == 1:
         return LayoutProblem(
@@ -325,6 +351,7 @@ def layout_problem(model: ModelConfig, layout: LayoutConfig, *, world_size: int,
         lambda: expert_parallel_problem(model, layout),
         lambda: zero_problem(layout),
         lambda: hsdp_problem(layout),
+        lambda: communication_problem(layout),
         lambda: batch_problem(layout, global_batch_size),
         lambda: pipeline_problem(model, layout, seq_len, global_batch_size),
     )

@@ -3,14 +3,19 @@
 What is sharded and what is communicated (Ψ = this tp rank's parameters, N_d = dp, fp32 master weights):
 
 * **ZeRO-0 (plain data parallel).** Every rank holds all parameters (4Ψ bytes), gradients (4Ψ) and Adam
-  states (8Ψ). Gradients live in flat buckets (about `bucket_bytes` each, parameters in reverse order of
-  definition, so roughly the order backward produces them). A bucket's all-reduce is launched
+  states (8Ψ). Gradients live in flat buckets (about `layout.dp_bucket_elements` elements each: Megatron's rule
+  max(40 M, 1 M x dp x cp) unless `layout.dp_bucket_size` says; parameters in reverse order of definition, so
+  roughly the order backward produces them). A bucket's all-reduce is launched
   asynchronously from the gradient hooks as soon as backward has produced its last gradient, while backward
   goes on with the earlier layers; it is skipped on every micro-batch but the last, where gradients only
   accumulate in the bucket.
 * **ZeRO-1.** Same buckets, but the last micro-batch reduce-scatters each bucket (Ψ) instead of
   all-reducing it; each rank steps AdamW on its 1/N_d slice only (8Ψ/N_d of states) and then all-gathers the
-  updated parameters (Ψ).
+  updated parameters (Ψ): bucket by bucket in the order the next forward needs them, without waiting
+  (`layout.dp_overlap_param_gather`, on by default); each transformer block waits for its own buckets just before
+  its forward (the embedding for its own, the final norm for its own and the output layer's, which the loss reads
+  directly), so the gathers of later blocks run under the forward of earlier ones. Anything that reads or writes
+  the state first waits for them all (`reshard`).
 * **ZeRO-2.** As ZeRO-1, but a rank keeps only its gradient slice (4Ψ/N_d): every micro-batch reduce-scatters
   each bucket as soon as it is complete and adds the result into the slice, then frees the bucket (a full
   gradient can only be accumulated where it is kept).
@@ -56,7 +61,6 @@ if TYPE_CHECKING:
 
     from fivefold.parallel.mesh import Zero3Meshes
 
-DEFAULT_BUCKET_BYTES = 25 * 2**20  # 25 MiB, as DDP and nanotron
 
 
 @dataclass
@@ -266,7 +270,7 @@ class Bucket:
 
 
 def make_buckets(named_params: list[tuple[str, nn.Parameter]], tp_sharded: set[str], dp_size: int,
-                 bucket_bytes: int, fp32_grad_accum: bool, own_bucket: frozenset[str] = frozenset(),
+                 bucket_elements: int, fp32_grad_accum: bool, own_bucket: frozenset[str] = frozenset(),
                  param_dtype: torch.dtype | None = None) -> list[Bucket]:
     """Flat buckets of parameters that share a weight-decay class, a tp-sharding class and a dtype (so that
     one slice of a bucket is one optimizer group, and the gradient norm can tell sharded from replicated).
@@ -278,11 +282,11 @@ def make_buckets(named_params: list[tuple[str, nn.Parameter]], tp_sharded: set[s
     for name, p in reversed(named_params):
         key = (p.ndim >= 2, name in tp_sharded, p.dtype, name if name in own_bucket else "")
         lists = classes.setdefault(key, [[]])
-        if lists[-1] and sizes[key] + p.numel() * p.element_size() > bucket_bytes:
+        if lists[-1] and sizes[key] + p.numel() > bucket_elements:
             lists.append([])
             sizes[key] = 0
         lists[-1].append((name, p))
-        sizes[key] = sizes.get(key, 0) + p.numel() * p.element_size()
+        sizes[key] = sizes.get(key, 0) + p.numel()
     buckets = []
     for (decay, sharded, dtype, _), lists in classes.items():
         for members in lists:
@@ -310,12 +314,19 @@ class BucketedDataParallel:
     """ZeRO-0/1/2 over `group` for the parameters of `named_params` (see the module docstring)."""
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], tp_sharded: set[str], group: ProcessGroup,
-                 zero: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES, fp32_grad_accum: bool = True,
-                 own_bucket: frozenset[str] = frozenset(), param_dtype: torch.dtype | None = None) -> None:
+                 zero: int, bucket_elements: int = 40_000_000, fp32_grad_accum: bool = True,
+                 own_bucket: frozenset[str] = frozenset(), param_dtype: torch.dtype | None = None,
+                 overlap_param_gather: bool = False) -> None:
         self.group, self.zero = group, zero
         self.dp_size, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
-        self.buckets = make_buckets(named_params, tp_sharded, self.dp_size, bucket_bytes, fp32_grad_accum,
+        self.buckets = make_buckets(named_params, tp_sharded, self.dp_size, bucket_elements, fp32_grad_accum,
                                     own_bucket, param_dtype)
+        # ZeRO-1/2's parameter all-gathers in flight after the step: bucket index -> handle; `waits_before`
+        # registers who waits for which (until then, and without overlap, the step waits for them)
+        self.overlap_param_gather = overlap_param_gather and zero in (1, 2) and self.dp_size > 1
+        self.gathers: dict[int, dist.Work] = {}
+        self.unwaited: set[int] = set(range(len(self.buckets)))  # buckets no forward hook waits for
+        self.gathers_waited_in_forward = 0  # gathers still in flight when a forward hook needed them (overlapped)
         # lean mixed precision: AdamW steps an fp32 master copy of this rank's slice, not the working weights
         self.master = any(b.master_source is not None for b in self.buckets)
         self.sync = True  # reduce on this micro-batch (the last of the accumulation)
@@ -438,11 +449,22 @@ class BucketedDataParallel:
 
     def after_step(self) -> None:
         """ZeRO-1/2: all-gather the updated slices into every rank's full parameters (cast once to the working
-        dtype under lean mixed precision); zero the gradients."""
-        for bucket in self.buckets:
+        dtype under lean mixed precision), in the order the next forward needs them (the last buckets hold the
+        first layers) and, with `overlap_param_gather`, without waiting (`waits_before`); zero the gradients."""
+        self.wait_param_gathers()
+        for index in reversed(range(len(self.buckets))):
+            bucket = self.buckets[index]
             if self.zero >= 1:
-                updated = bucket.shard.detach().reshape(-1).to(bucket.flat_params.dtype, copy=True)
-                all_gather_into(bucket.flat_params, updated, group=self.group)
+                # in place: this rank's slice of the flat parameters is the gather's input (the updated values
+                # themselves, or under lean mixed precision their cast from the master, written into it once)
+                lo, hi = self.shard_range(bucket)
+                own = bucket.flat_params[lo:hi]
+                if own.data_ptr() != bucket.shard.data_ptr():
+                    own.copy_(bucket.shard.detach().reshape(-1))
+                if self.overlap_param_gather:
+                    self.gathers[index] = all_gather_into(bucket.flat_params, own, group=self.group, async_op=True)
+                else:
+                    all_gather_into(bucket.flat_params, own, group=self.group)
                 bucket.shard.grad = None
             elif self.master:
                 bucket.flat_params.copy_(bucket.shard.detach().reshape(-1))
@@ -453,6 +475,45 @@ class BucketedDataParallel:
             for buf in (bucket.grad, bucket.shard_grad):
                 if buf is not None:
                     buf.zero_()
+        self.wait_param_gathers(self.unwaited)  # buckets whose parameters no forward hook covers
+
+    def _waiter(self, indices: list[int]):
+        def hook(_module: nn.Module, _args: tuple) -> None:
+            self.gathers_waited_in_forward += sum(index in self.gathers for index in indices)
+            self.wait_param_gathers(indices)
+        return hook
+
+    def wait_param_gathers(self, indices: Iterable[int] | None = None) -> None:
+        """Wait for the parameter all-gathers in flight of the buckets `indices` (default: all)."""
+        for index in list(self.gathers) if indices is None else indices:
+            pending = self.gathers.pop(index, None)
+            if pending is not None:
+                pending.wait()
+
+    def waits_before(self, parts: Iterable[nn.Module]) -> None:
+        """Let the next forward overlap ZeRO-1/2's parameter all-gathers: a forward pre-hook on each unit of the
+        model parts waits for the buckets of its parameters, the unit being a parameter's transformer block
+        (`layers.N`), the embedding, or the final norm for itself and the output layer (whose weight the loss
+        reads directly, after the norm). The buckets of any other parameter are waited for at the end of the
+        step. No effect without `overlap_param_gather`."""
+        if not self.overlap_param_gather:
+            return
+        bucket_of = {id(p): index for index, bucket in enumerate(self.buckets) for p in bucket.params}
+        units: dict[nn.Module, set[int]] = {}
+        covered: set[int] = set()
+        for part in parts:
+            for name, p in part.named_parameters():
+                if id(p) not in bucket_of:
+                    continue
+                head, _, rest = name.partition(".")
+                unit = part.layers[rest.partition(".")[0]] if head == "layers" else \
+                    part.embed if head == "embed" else part.norm if head in ("norm", "lm_head") else None
+                if unit is not None:
+                    units.setdefault(unit, set()).add(bucket_of[id(p)])
+                    covered.add(bucket_of[id(p)])
+        for unit, indices in units.items():
+            unit.register_forward_pre_hook(self._waiter(sorted(indices)))
+        self.unwaited = set(range(len(self.buckets))) - covered
 
     def grad_square_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of squares of tp-sharded gradients, of tp-replicated ones) that this rank holds; under ZeRO the
@@ -508,7 +569,8 @@ class BucketedDataParallel:
             dist.all_reduce(self.reduced_grad(bucket), group=self.tied_group)
 
     def reshard(self) -> None:
-        """Buckets hold every parameter whole."""
+        """Buckets hold every parameter whole: wait for the parameter all-gathers still in flight."""
+        self.wait_param_gathers()
 
     def plain_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Under lean mixed precision the fp32 master values (all-gathered over the group: collective)."""

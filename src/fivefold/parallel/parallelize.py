@@ -36,7 +36,6 @@ from fivefold.layout import n_stages
 from fivefold.models.llama import Llama, full_parameter_shapes, materialize
 from fivefold.models.loss import model_loss_sum
 from fivefold.parallel.data import (
-    DEFAULT_BUCKET_BYTES,
     BucketedDataParallel,
     DataParallel,
     FullyShardedDataParallel,
@@ -172,29 +171,31 @@ def working_dtype(cfg: Config, device: torch.device | None) -> torch.dtype | Non
 
 
 def bucketed_data_parallel(named: list[tuple[str, nn.Parameter]], tp_sharded: set[str], cfg: Config,
-                           grid: ProcessGrid, bucket_bytes: int, own_bucket: frozenset[str] = frozenset(),
+                           grid: ProcessGrid, own_bucket: frozenset[str] = frozenset(),
                            param_dtype: torch.dtype | None = None) -> (
     tuple[BucketedDataParallel, BucketedDataParallel | None]
 ):
     """Step 6 for ZeRO-0/1/2: the dense parameters' state over dp x cp and, under ep, the experts' over the ranks
     that hold the same experts; with `param_dtype` (bf16) the lean mixed precision of `parallel.data` (bf16
-    working weights, fp32 master slices)."""
+    working weights, fp32 master slices). Buckets of `layout.dp_bucket_elements` elements; the parameter all-gather
+    after the step overlapped with the next forward under `layout.dp_overlap_param_gather`."""
     la = cfg.layout
+    options = {"bucket_elements": la.dp_bucket_elements, "fp32_grad_accum": la.fp32_grad_accum,
+               "param_dtype": param_dtype, "overlap_param_gather": la.overlaps_param_gather}
     experts = None
     if la.ep > 1:
         from fivefold.parallel.expert import is_expert_param
 
         experts = BucketedDataParallel([(n, p) for n, p in named if is_expert_param(n)], tp_sharded,
-                                       grid.group("edp"), la.zero, bucket_bytes, la.fp32_grad_accum,
-                                       param_dtype=param_dtype)
+                                       grid.group("edp"), la.zero, **options)
         named = [(n, p) for n, p in named if not is_expert_param(n)]
-    dense = BucketedDataParallel(named, tp_sharded, grid.group("dp_cp"), la.zero, bucket_bytes, la.fp32_grad_accum,
-                                 own_bucket, param_dtype)
+    dense = BucketedDataParallel(named, tp_sharded, grid.group("dp_cp"), la.zero, own_bucket=own_bucket, **options)
     return dense, experts
 
 
-def apply_data_parallel(parts: dict[int, Llama], cfg: Config, grid: ProcessGrid | None, device: torch.device,
-                        bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[LossModel | None, list[DataParallel]]:
+def apply_data_parallel(parts: dict[int, Llama], cfg: Config, grid: ProcessGrid | None, device: torch.device) -> (
+    tuple[LossModel | None, list[DataParallel]]
+):
     """Step 6, once, over this rank's model parts ({global stage: part}; the whole model is stage 0 of one), after
     steps 1 to 5: allocate this rank's shards of parts built on the meta device and return the loss module of the
     last stage (None when this rank does not hold it) and the data-parallel states, the one of the dense
@@ -222,10 +223,12 @@ def apply_data_parallel(parts: dict[int, Llama], cfg: Config, grid: ProcessGrid 
                 seen.add(id(p))
                 named.append((name, p))
     tied, counted = tied_copy(cfg, grid)
-    dense, experts = bucketed_data_parallel(named, tp_sharded, cfg, grid, bucket_bytes, tied,
-                                            working_dtype(cfg, device))
+    dense, experts = bucketed_data_parallel(named, tp_sharded, cfg, grid, tied, working_dtype(cfg, device))
     if tied:
         dense.tie(tied, grid.group("embed"), counted)
+    for dp in (dense, experts):
+        if dp is not None:
+            dp.waits_before(parts.values())
     return loss_model, [dense] + ([experts] if experts is not None else [])
 
 

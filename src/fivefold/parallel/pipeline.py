@@ -255,8 +255,11 @@ class PipelineExecutor:
     ranks), one batch per action (`pipeline_comm`). `trace` holds what the last `run` executed, in order."""
 
     def __init__(self, group: ProcessGroup, rank: int, shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, overlap: bool = False) -> None:
         self.group, self.rank, self.shape, self.dtype, self.device = group, rank, shape, dtype, device
+        # `layout.pp_comm_overlap`: a receive waits for itself alone, and a whole backward's input gradient is
+        # posted before its weight gradients are computed (the stages defer them, as for a split schedule's W)
+        self.overlap = overlap
         self.trace: list[Ran] = []
 
     def run(self, schedule: Schedule, stages: Mapping[int, PipelineStage]) -> list[Ran]:
@@ -264,7 +267,7 @@ class PipelineExecutor:
         if set(stages) != mine:
             raise ValueError(f"pp rank {self.rank} holds stages {sorted(mine)} of schedule {schedule.name}, "
                              f"got stages {sorted(stages)}")
-        p2p = PointToPoint(schedule, self.rank, self.group, self.shape, self.dtype, self.device)
+        p2p = PointToPoint(schedule, self.rank, self.group, self.shape, self.dtype, self.device, self.overlap)
         last = schedule.n_stages - 1
         local: dict[tuple[str, int, int], torch.Tensor] = {}  # handed between two stages of this rank
         where = schedule.stage_rank
@@ -286,6 +289,7 @@ class PipelineExecutor:
             faults.note(micro_batch=mb, action=f"{kind} of stage {s}")
             stage = stages[s]
             sent: dict[tuple[str, int, int], torch.Tensor] = {}
+            posted = False
             if kind == "F":
                 x = None if s == 0 else take("F", mb, s - 1)
                 start = time.perf_counter()
@@ -296,15 +300,20 @@ class PipelineExecutor:
                 grad = None if s == last else take("B", mb, s + 1)
                 start = time.perf_counter()
                 grad_input = stage.backward_input(mb, grad)
-                if not schedule.split_backward:  # a whole backward: its input gradient leaves when it is done
-                    stage.backward_weight(mb)
+                if not schedule.split_backward and not self.overlap:  # a whole backward: its input gradient
+                    stage.backward_weight(mb)  # leaves when it is done
                 if s > 0:
                     give("B", mb, s, grad_input)
+                if not schedule.split_backward and self.overlap:  # the input gradient leaves (with the receives
+                    p2p.post(index + 1, sent)  # that follow it) while this rank computes the weight gradients
+                    posted = True
+                    stage.backward_weight(mb)
             else:
                 start = time.perf_counter()
                 stage.backward_weight(mb)
             self.trace.append(Ran(action, start, time.perf_counter()))
-            p2p.post(index + 1, sent)  # this action's send with the receives that follow it, as one batch
+            if not posted:
+                p2p.post(index + 1, sent)  # this action's send with the receives that follow it, as one batch
         p2p.finish()
         if local:
             raise RuntimeError(f"pipeline step ended with local hand-overs unused: {sorted(local)}")

@@ -15,8 +15,13 @@ Each rank posts its own sends and receives, to and from every peer, in that glob
 `batch_isend_irecv` per action (`posting_plan`): before the first action, the receives that come before its first
 send; after each action that sends, its send together with the receives that follow it in the order, up to the
 next send (usually including the next action's input, as Megatron's send-forward-receive-backward does). An
-action that sends nothing posts nothing. A receive is waited for (its whole batch, as a backend with one stream
-per rank would) just before the action that needs it; sends are waited for at the end of the step.
+action that sends nothing posts nothing. A receive is waited for just before the action that needs it: its whole
+batch, as a backend with one stream per rank would, or under `layout.pp_comm_overlap` (the default) itself alone
+where the backend gives each operation its own handle (gloo), so that a rank does not wait for its peer to take
+what it sent; sends are waited for at the end of the step. Under that overlap a whole backward (the schedules
+without a B / W split) also posts its batch once its input gradient exists, before it computes its weight
+gradients, which its stage defers as a split schedule's W pass: the peer's backward starts meanwhile. Only the
+moment of posting moves, never the order, so the argument below holds for both.
 
 Why this cannot deadlock on a backend that runs a rank's point-to-point operations in issue order on one stream
 (NCCL on one communicator: a group of sends and receives launches as one unit, its operations progress
@@ -150,11 +155,15 @@ class PointToPoint:
     `receive(key)` for an action's input."""
 
     def __init__(self, schedule: Schedule, rank: int, group: ProcessGroup, shape: tuple[int, ...],
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, wait_own: bool = False) -> None:
         self.group, self.rank, self.shape, self.dtype, self.device = group, rank, shape, dtype, device
         self.plan = posting_plan(schedule, rank)
         self.batches: dict[int, tuple[list[dist.Work], list[torch.Tensor]]] = {}  # in flight: works, sent tensors
         self.received: dict[tuple[str, int, int], tuple[int, torch.Tensor]] = {}  # key -> (batch, buffer)
+        # `wait_own`: a receive waits for its own operation only, where the backend gives one handle per operation
+        # (gloo); a batch launched as one unit (NCCL's group) has one handle, and a receive waits for it whole
+        self.wait_own = wait_own
+        self.own: dict[tuple[str, int, int], dist.Work] = {}  # key -> the receive's own handle (wait_own)
 
     def post(self, index: int, sent: dict[tuple[str, int, int], torch.Tensor]) -> None:
         ops = self.plan[index]
@@ -179,7 +188,10 @@ class PointToPoint:
                 self.received[op.message.key] = (index, buffer)
                 p2p.append(dist.P2POp(dist.irecv, buffer, group=self.group, tag=op.tag, group_peer=op.peer()))
         if p2p:
-            self.batches[index] = (list(dist.batch_isend_irecv(p2p)), tensors)
+            works = list(dist.batch_isend_irecv(p2p))
+            self.batches[index] = (works, tensors)
+            if self.wait_own and len(works) == len(p2p):
+                self.own.update((op.message.key, work) for op, work in zip(ops, works, strict=True) if not op.send)
 
     def _release(self) -> None:
         """Let go of the sent tensors of batches that have completed."""
@@ -195,7 +207,14 @@ class PointToPoint:
         if key not in self.received:
             raise RuntimeError(f"pipeline message {key} is needed before its receive was posted")
         index, buffer = self.received.pop(key)
-        self._wait(index)
+        own = self.own.pop(key, None)
+        if own is None:
+            self._wait(index)
+        else:  # not the sends posted with it: they complete when their peers get to them
+            works = self.batches.get(index, ((), ()))[0]
+            if any(w is own for w in works):  # each handle waited once (a gloo receive waited again waits for a
+                works[:] = [w for w in works if w is not own]  # second message); gone if its batch was released
+                own.wait()
         return buffer
 
     def finish(self) -> None:

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from fivefold.config import ConfigError, LayoutConfig, shown
-from fivefold.layout import SCHEDULES, batch_problem, hsdp_problem, raise_problem
+from fivefold.layout import SCHEDULES, batch_problem, communication_problem, hsdp_problem, raise_problem
 from fivefold.models.loss import LOSS_CHUNK_TOKENS, TP_LOSS_CHUNK_TOKENS
 
 RECOMPUTE = ("none", "selective", "full")
@@ -90,7 +90,7 @@ def parse_layout(text: str, global_batch_seqs: int, fp32_grad_accum: bool = True
         elif key == "schedule":
             if value not in SCHEDULES:
                 raise ConfigError(f"--layout schedule = {shown(value)} is not one of {list(SCHEDULES)}")
-        elif key in ("sp", "fp32_grad_accum"):
+        elif key in ("sp", "fp32_grad_accum", "dp_overlap_param_gather", "pp_comm_overlap"):
             if value.lower() not in ("on", "off", "true", "false", "1", "0"):
                 raise ConfigError(f"--layout {key} = {shown(value)} must be on or off")
             value = value.lower() in ("on", "true", "1")
@@ -104,6 +104,7 @@ def parse_layout(text: str, global_batch_seqs: int, fp32_grad_accum: bool = True
         values[key] = value
     lay = Layout(**values)
     raise_problem(hsdp_problem(lay))
+    raise_problem(communication_problem(lay))
     raise_problem(batch_problem(lay, global_batch_seqs))
     return dataclasses.replace(lay, grad_accum_steps=global_batch_seqs // (lay.dp * lay.micro_batch_size))
 
@@ -151,7 +152,11 @@ class Framework:
     compiled_selective_saved_matmuls: str = ""
     activation_scale: float = 1.0  # multiplies the counted saved activations (fitted for other frameworks)
     tp_overlap: float = 0.0  # share of tensor-parallel communication hidden behind compute
-    dp_bucket_mib: float = 25.0  # gradient buckets (MiB)
+    dp_bucket_mib: float = 25.0  # gradient buckets (MiB); the memory model's reserve for buffers in flight
+    # the step-time model takes the gradient bucket size (`layout.dp_bucket_size`, Megatron's rule by default) and
+    # the overlap of ZeRO-1/2's parameter all-gather (`layout.dp_overlap_param_gather`) from the layout: fivefold's
+    # engine, whose switches they are (the fields above describe other frameworks)
+    layout_dp_options: bool = False
     fixed_overhead_gib: float = 0.0  # allocator and library workspace beyond what is counted
     usable_memory_fraction: float = 0.95  # a layout fits when its peak stays below this share of the device
     zero1_allgather_exposed: bool = True  # ZeRO-1/2 all-gather the parameters after the step, not overlapped
@@ -210,7 +215,7 @@ class Framework:
 # It runs torch.compile, not float8 linears or async tensor parallel.
 FIVEFOLD = Framework(param_bytes=2, grad_bytes=2, master_bytes=4, accum_bytes=4, autocast_weight_copies=False,
                      residual_bytes=2, gather_bytes=2, hsdp=True, accum_in_grad_buffers=True,
-                     default_fp32_grad_accum=True, features="compile")
+                     default_fp32_grad_accum=True, features="compile", layout_dp_options=True)
 # On CPU every operator runs eagerly on the host, so its fixed cost counts: the operators of fivefold's block
 # and of its embedding + loss as the profiler counts them (tests/test_calibrate.py checks the counts). fp32
 # everything: the parameters are the master weights (4 + 4 + 8 bytes per parameter; `layout.fp32_grad_accum`

@@ -452,6 +452,15 @@ class TimeReport:
     parts: dict[str, float]
 
 
+def dp_bucket_bytes(lay: Layout, fw: Framework, elem_bytes: float) -> float:
+    """Bytes of one gradient bucket: the layout's `dp_bucket_elements` of `elem_bytes` each for fivefold's engine
+    under ZeRO-0/1/2 (`Framework.layout_dp_options`), else the framework's `dp_bucket_mib` (ZeRO-3's smallest
+    message)."""
+    if fw.layout_dp_options and lay.zero < 3:
+        return lay.dp_bucket_elements * elem_bytes
+    return fw.dp_bucket_mib * 2**20
+
+
 def _gather_time(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster, times: StageTimes, rp: RankParams,
                  states: dict, st: dict) -> float:
     """Exposed seconds of ZeRO's parameter all-gathers in a step: ZeRO-1/2's after the optimizer step where the
@@ -461,8 +470,13 @@ def _gather_time(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster, time
     zg = lay.zero_group  # the ranks ZeRO-3 gathers over: dp x cp, or HSDP's shard group
     param_full = states["parameters"] * (zg if lay.zero >= 3 else 1)
     t_gather = 0.0
-    if dpc > 1 and 1 <= lay.zero <= 2 and fw.zero1_allgather_exposed:
+    if dpc > 1 and 1 <= lay.zero <= 2:
         t_gather = comm.all_gather(param_full / fw.param_bytes * min(fw.param_bytes, 2), dpc, st["dpcp"], hw)
+        if fw.layout_dp_options and lay.overlaps_param_gather:
+            # under the next step's first forward, bucket by bucket: exposed where it outlasts that forward
+            t_gather = exposed(t_gather, times.f[0], overlap)
+        elif not fw.layout_dp_options and not fw.zero1_allgather_exposed:
+            t_gather = 0.0
     if dpc > 1 and lay.zero >= 3:  # gathered one block ahead: exposed where a block's gather outlasts its compute
         n_layers = max(1, -(-cfg.n_layers // lay.pp))
         gathered = fw.gather_bytes or fw.param_bytes
@@ -507,7 +521,7 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     rp = rank_params(cfg, lay, "first")
     elem_bytes = reduced_grad_bytes(lay, fw)
     red_bytes = rp.total * elem_bytes
-    bucket = fw.dp_bucket_mib * 2**20
+    bucket = dp_bucket_bytes(lay, fw, elem_bytes)
     overlap = hw.comm_overlap  # share of a collective that compute running at once can hide
 
     def reduce_time(nbytes: float, size: int, stride: int, shards: int) -> float:
@@ -625,7 +639,7 @@ def optimizer_tensors(cfg: ModelConfig, lay: Layout, fw: Framework) -> int:
     if 1 <= lay.zero <= 2 and lay.dp * lay.cp > 1:
         grads = model_state_bytes(cfg, lay, fw, "first")["gradients"] * lay.dp * lay.cp
         classes = 2 if lay.tp == 1 else 4
-        return classes + int(grads // (fw.dp_bucket_mib * 2**20))
+        return classes + int(grads // dp_bucket_bytes(lay, fw, reduced_grad_bytes(lay, fw)))
     per_layer = 9 if not cfg.is_moe else 6 + 4 + (3 if cfg.n_shared_experts else 0)
     layers = -(-cfg.n_layers // lay.pp)
     return layers * per_layer + 2 + (0 if cfg.tied_embeddings else 1)

@@ -20,7 +20,7 @@ import torch
 from fivefold.config import Config
 from fivefold.device import autocast, use_bf16
 from fivefold.models.llama import Llama, build_model
-from fivefold.parallel.data import DEFAULT_BUCKET_BYTES, DataParallel, LocalDataParallel
+from fivefold.parallel.data import DataParallel, LocalDataParallel
 from fivefold.parallel.mesh import ProcessGrid
 from fivefold.parallel.parallelize import LossModel, apply_data_parallel, apply_model_parallel
 from fivefold.parallel.pipeline import (
@@ -38,20 +38,22 @@ from fivefold.train.step import LlamaStage, MicroBatchLoop, PipelineSchedule, St
 __all__ = ["Engine", "build_engine", "single_device_engine"]
 
 
-def build_engine(cfg: Config, device: torch.device, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Engine:
+def build_engine(cfg: Config, device: torch.device) -> Engine:
     """The engine for `cfg` on this rank (see the module docstring). Under a grid this validates the layout
     against the initialised world first; every rank allocates only its shards, initialised from the seed to the
     values one process would hold."""
     la = cfg.layout
     grid = ProcessGrid.build(cfg) if la.world_size > 1 or la.ep > 1 else None
     queue = None
-    if la.pp > 1:  # the zero-bubble schedules' B / W split defers the linears' weight gradients
+    if la.pp > 1:  # the zero-bubble schedules' B / W split defers the linears' weight gradients, and so does the
+        # overlap of the other schedules, whose whole backward sends its input gradient before its weight gradients
+        # (not under ZeRO-3, whose stages reduce-scatter gradients that fully_shard's backward hooks collect)
         split = build_schedule(la.schedule, la.pp, cfg.grad_accum_steps, la.vpp).split_backward
-        queue = WeightGradQueue() if split else None
+        queue = WeightGradQueue() if split or (la.overlaps_pp_comm and la.zero < 3) else None
     parts = model_parts(cfg, grid, device)
     for part in parts.values():
         apply_model_parallel(part, cfg, grid, queue)
-    loss_model, data_parallels = apply_data_parallel(parts, cfg, grid, device, bucket_bytes)
+    loss_model, data_parallels = apply_data_parallel(parts, cfg, grid, device)
     runner = MicroBatchLoop() if la.pp == 1 else pipeline_runner(parts, loss_model, data_parallels, queue, cfg,
                                                                  device)
     return Engine(cfg, device, parts, loss_model, data_parallels, runner, grid)

@@ -1,0 +1,89 @@
+"""What an overlap switch hides: the same `fivefold train` with the switch off and on, and `--only-rank 0` of the
+same layout (every other rank stood in for: the rank's compute alone), side by side on the CPU (gloo).
+
+Per case it prints the mean step time (steps 2 .. N, the first warms up) with the overlap off, on, the compute-only
+time, the exposed communication (off - compute) and the share of it that the overlap hides ((off - on) / (off -
+compute)). Cases (`--case`, repeatable; default all):
+
+    dp2-zero1   data parallel over 2 processes, ZeRO-1: `layout.dp_overlap_param_gather` (the updated parameters'
+                all-gather under the next forward, bucket by bucket, against after the step)
+    pp2-1f1b    a 2-stage 1F1B pipeline, 4 micro-batches: `layout.pp_comm_overlap` (receives waited for alone, a
+                backward's input gradient sent before its weight gradients); here the exposed time holds the
+                pipeline's bubble too, which no overlap hides
+
+    PYTHONPATH=src python benchmarks/comm_overlap.py [--steps 6] [--case dp2-zero1] [-- train flags]
+
+Default train flags: the 300M-parameter untied Llama of docs/benchmarks.md (4 blocks of smollm-1.7b, vocabulary
+8192), sequence 128, global batch 4, one thread per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+DEFAULT = ["--preset", "smollm-1.7b", "--model.n_layers", "4", "--model.vocab_size", "8192",
+           "--model.tied_embeddings", "false", "--train.seq_len", "128", "--train.global_batch_size", "4",
+           "--train.threads", "1", "--train.eval_every", "0", "--train.eval_batches", "1", "--log.progress", "none",
+           "--train.checkpoint_every", "0"]
+# name -> (layout flags, the overlap switch's field)
+CASES = {"dp2-zero1": (["--layout.dp", "2", "--layout.zero", "1"], "layout.dp_overlap_param_gather"),
+         "pp2-1f1b": (["--layout.pp", "2", "--layout.schedule", "1f1b", "--layout.micro_batch_size", "1"],
+                      "layout.pp_comm_overlap")}
+
+
+def fivefold(args: list[str]) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "fivefold", *args], capture_output=True, text=True, env=os.environ)
+    if out.returncode != 0:
+        sys.exit(f"failed ({out.returncode}): fivefold {' '.join(args)}\n{out.stderr[-3000:]}")
+    return out
+
+
+def step_seconds(train_flags: list[str], steps: int, nproc: int, extra: list[str]) -> float:
+    """Mean seconds of steps 2 .. `steps` of a real run, from its per-step log."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        run = Path(run_dir) / "run"
+        fivefold(["train", *train_flags, *extra, "--max-steps", str(steps), "--nproc", str(nproc), "--run-dir",
+                  str(run), "--log.log_every", "1"])
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    tokens = int(train_flags[train_flags.index("--train.global_batch_size") + 1]) * \
+        int(train_flags[train_flags.index("--train.seq_len") + 1])
+    seconds = [tokens / r["tokens_per_s"] for r in records if "tokens_per_s" in r][1:]
+    return sum(seconds) / len(seconds)
+
+
+def compute_seconds(train_flags: list[str], steps: int, extra: list[str]) -> float:
+    """`--only-rank 0`'s mean compute seconds per step (every other rank stood in for)."""
+    out = fivefold(["train", *train_flags, *extra, "--max-steps", str(steps), "--only-rank", "0", "--json"])
+    return json.loads(out.stdout.strip().splitlines()[-1])["compute_s"]["measured"]
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    train_flags = argv[argv.index("--") + 1:] if "--" in argv else DEFAULT
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--case", action="append", choices=sorted(CASES))
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    for name in args.case or sorted(CASES):
+        layout, switch = CASES[name]
+        nproc = 1
+        for axis in ("dp", "tp", "pp", "cp"):
+            if f"--layout.{axis}" in layout:
+                nproc *= int(layout[layout.index(f"--layout.{axis}") + 1])
+        off = step_seconds(train_flags, args.steps, nproc, [*layout, f"--{switch}", "false"])
+        on = step_seconds(train_flags, args.steps, nproc, [*layout, f"--{switch}", "true"])
+        compute = compute_seconds(train_flags, args.steps, layout)
+        exposed = off - compute
+        hidden = (off - on) / exposed if exposed > 0 else float("nan")
+        print(f"{name} ({switch}): step {off:.3f} s off, {on:.3f} s on, {compute:.3f} s compute only (--only-rank 0); "
+              f"exposed communication {exposed:.3f} s off, {on - compute:.3f} s on; hidden {hidden:.1%}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

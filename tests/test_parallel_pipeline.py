@@ -243,11 +243,12 @@ def test_pp2_1f1b_and_zero_bubble_match_one_process():
 
 
 def test_pipeline_overlap_changes_no_loss():
-    """1F1B and AFAB (whole backwards, whose weight gradients the overlap defers behind the input gradient's send)
-    with `layout.pp_comm_overlap` on and off: the same losses and gradient norms (within 1e-6), matching one
-    process."""
-    layouts = [{**PP, "layout.pp": "2", "layout.schedule": schedule, "layout.pp_comm_overlap": on}
-               for schedule in ("1f1b", "afab") for on in ("true", "false")]
+    """1F1B and AFAB (whole backwards, whose weight gradients the overlap defers behind the input gradient's send;
+    q/k/v with biases keep theirs in the backward) with `layout.pp_comm_overlap` on and off: the same losses and
+    gradient norms (within 1e-6), matching one process."""
+    layouts = [{**PP, "layout.pp": "2", "layout.schedule": schedule, "layout.pp_comm_overlap": on, **extra}
+               for schedule, extra in (("1f1b", {}), ("afab", {}), ("1f1b", {"model.qkv_bias": "true"}))
+               for on in ("true", "false")]
     assert_switch_changes_nothing(layouts, run_ranks(2, pipeline_on_ranks, layouts)[0])
 
 

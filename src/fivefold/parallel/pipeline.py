@@ -209,14 +209,14 @@ class DeferredGradLinear(nn.Linear):
 
 
 def defer_weight_grads(stage: Llama, queue: WeightGradQueue) -> None:
-    """Make the linear layers of `stage`'s blocks defer their weight gradients to `queue` (after tensor parallel,
-    whose modules keep their linears). Modules that fuse their input projections (sequence parallel) read
-    `weight_grad_queue` too."""
+    """Make the bias-free linear layers of `stage`'s blocks defer their weight gradients to `queue` (after tensor
+    parallel, whose modules keep their linears); a linear with a bias (Qwen2's q/k/v) computes its gradients in the
+    backward itself. Modules that fuse their input projections (sequence parallel) read `weight_grad_queue` too."""
     for block in stage.layers.values():
         for module in block.modules():
             if type(module) is nn.Linear:
                 if module.bias is not None:
-                    raise ValueError("deferred weight gradients support bias-free linears only")
+                    continue
                 module.__class__ = DeferredGradLinear
             if isinstance(module, DeferredGradLinear) or hasattr(module, "sequence_parallel"):
                 module.weight_grad_queue = queue

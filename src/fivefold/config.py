@@ -296,9 +296,14 @@ class LayoutConfig:
         return self.dp_bucket_size or max(40_000_000, 1_000_000 * self.dp * self.cp)
 
     @property
+    def gathers_params_after_step(self) -> bool:
+        """Whether the parameters are all-gathered after the optimizer step: ZeRO-1/2 over dp x cp >= 2."""
+        return 1 <= self.zero <= 2 and self.dp * self.cp > 1
+
+    @property
     def overlaps_param_gather(self) -> bool:
         """Whether ZeRO-1/2's parameter all-gather runs under the next forward (`dp_overlap_param_gather`)."""
-        return self.dp_overlap_param_gather is not False and 1 <= self.zero <= 2 and self.dp * self.cp > 1
+        return self.dp_overlap_param_gather is not False and self.gathers_params_after_step
 
     @property
     def overlaps_pp_comm(self) -> bool:

@@ -244,7 +244,7 @@ def communication_problem(layout: LayoutConfig) -> LayoutProblem | None:
                              f"layout.dp_bucket_size = {size} with layout.zero = 3: ZeRO-3 reduce-scatters each "
                              "block's gradients as one unit and has no buckets; leave dp_bucket_size out, or use "
                              "layout.zero = 0, 1 or 2")
-    if layout.dp_overlap_param_gather and not (1 <= layout.zero <= 2 and layout.dp * layout.cp > 1):
+    if layout.dp_overlap_param_gather and not layout.gathers_params_after_step:
         return LayoutProblem("parameter all-gather overlap without ZeRO-1/2",
                              f"layout.dp_overlap_param_gather = true with layout.zero = {layout.zero}, dp x cp = "
                              f"{layout.dp * layout.cp}: only ZeRO-1/2 over two or more ranks all-gather the "

@@ -406,7 +406,6 @@ def name_map(cfg: ModelConfig) -> list[tuple[str, str, int | None]]:
     return out
 
 
-
 def to_hf_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """fivefold names -> Hugging Face names (contiguous tensors; `lm_head` omitted when tied, as HF does).
 

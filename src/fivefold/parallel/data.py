@@ -323,7 +323,7 @@ class BucketedDataParallel:
                                     own_bucket, param_dtype)
         # ZeRO-1/2's parameter all-gathers in flight after the step: bucket index -> handle; `waits_before`
         # registers who waits for which (until then, and without overlap, the step waits for them)
-        self.overlap_param_gather = overlap_param_gather and zero in (1, 2) and self.dp_size > 1
+        self.overlap_param_gather = overlap_param_gather and self.dp_size > 1  # (experts' edp may be 1)
         self.gathers: dict[int, dist.Work] = {}
         self.unwaited: set[int] = set(range(len(self.buckets)))  # buckets no forward hook waits for
         self.gathers_waited_in_forward = 0  # gathers still in flight when a forward hook needed them (overlapped)
@@ -458,8 +458,8 @@ class BucketedDataParallel:
                 # in place: this rank's slice of the flat parameters is the gather's input (the updated values
                 # themselves, or under lean mixed precision their cast from the master, written into it once)
                 lo, hi = self.shard_range(bucket)
-                own = bucket.flat_params[lo:hi]
-                if own.data_ptr() != bucket.shard.data_ptr():
+                own = bucket.flat_params[lo:hi]  # without a master, the shard AdamW stepped is this view itself
+                if self.master:
                     own.copy_(bucket.shard.detach().reshape(-1))
                 if self.overlap_param_gather:
                     self.gathers[index] = all_gather_into(bucket.flat_params, own, group=self.group, async_op=True)
@@ -479,16 +479,20 @@ class BucketedDataParallel:
 
     def _waiter(self, indices: list[int]):
         def hook(_module: nn.Module, _args: tuple) -> None:
-            self.gathers_waited_in_forward += sum(index in self.gathers for index in indices)
-            self.wait_param_gathers(indices)
+            self.gathers_waited_in_forward += self.wait_param_gathers(indices)
         return hook
 
-    def wait_param_gathers(self, indices: Iterable[int] | None = None) -> None:
-        """Wait for the parameter all-gathers in flight of the buckets `indices` (default: all)."""
+    def wait_param_gathers(self, indices: Iterable[int] | None = None) -> int:
+        """Wait for the parameter all-gathers in flight of the buckets `indices` (default: all); how many were."""
+        if not self.gathers:  # every micro-batch's forward but the step's first, and every step without overlap
+            return 0
+        waited = 0
         for index in list(self.gathers) if indices is None else indices:
             pending = self.gathers.pop(index, None)
             if pending is not None:
                 pending.wait()
+                waited += 1
+        return waited
 
     def waits_before(self, parts: Iterable[nn.Module]) -> None:
         """Let the next forward overlap ZeRO-1/2's parameter all-gathers: a forward pre-hook on each unit of the
@@ -507,7 +511,7 @@ class BucketedDataParallel:
                     continue
                 head, _, rest = name.partition(".")
                 unit = part.layers[rest.partition(".")[0]] if head == "layers" else \
-                    part.embed if head == "embed" else part.norm if head in ("norm", "lm_head") else None
+                    {"embed": part.embed, "norm": part.norm, "lm_head": part.norm}.get(head)
                 if unit is not None:
                     units.setdefault(unit, set()).add(bucket_of[id(p)])
                     covered.add(bucket_of[id(p)])

@@ -300,13 +300,12 @@ class PipelineExecutor:
                 grad = None if s == last else take("B", mb, s + 1)
                 start = time.perf_counter()
                 grad_input = stage.backward_input(mb, grad)
-                if not schedule.split_backward and not self.overlap:  # a whole backward: its input gradient
-                    stage.backward_weight(mb)  # leaves when it is done
                 if s > 0:
                     give("B", mb, s, grad_input)
-                if not schedule.split_backward and self.overlap:  # the input gradient leaves (with the receives
-                    p2p.post(index + 1, sent)  # that follow it) while this rank computes the weight gradients
-                    posted = True
+                if not schedule.split_backward:  # a whole backward: its input gradient leaves when it is done, or
+                    if self.overlap:  # (overlap) with the receives that follow it while this rank computes the
+                        p2p.post(index + 1, sent)  # weight gradients
+                        posted = True
                     stage.backward_weight(mb)
             else:
                 start = time.perf_counter()

@@ -159,11 +159,11 @@ class PointToPoint:
         self.group, self.rank, self.shape, self.dtype, self.device = group, rank, shape, dtype, device
         self.plan = posting_plan(schedule, rank)
         self.batches: dict[int, tuple[list[dist.Work], list[torch.Tensor]]] = {}  # in flight: works, sent tensors
-        self.received: dict[tuple[str, int, int], tuple[int, torch.Tensor]] = {}  # key -> (batch, buffer)
+        # key -> (batch, buffer, the receive's own handle or None)
+        self.received: dict[tuple[str, int, int], tuple[int, torch.Tensor, dist.Work | None]] = {}
         # `wait_own`: a receive waits for its own operation only, where the backend gives one handle per operation
         # (gloo); a batch launched as one unit (NCCL's group) has one handle, and a receive waits for it whole
         self.wait_own = wait_own
-        self.own: dict[tuple[str, int, int], dist.Work] = {}  # key -> the receive's own handle (wait_own)
 
     def post(self, index: int, sent: dict[tuple[str, int, int], torch.Tensor]) -> None:
         ops = self.plan[index]
@@ -185,13 +185,15 @@ class PointToPoint:
                 p2p.append(dist.P2POp(dist.isend, tensor, group=self.group, tag=op.tag, group_peer=op.peer()))
             else:
                 buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                self.received[op.message.key] = (index, buffer)
+                self.received[op.message.key] = (index, buffer, None)
                 p2p.append(dist.P2POp(dist.irecv, buffer, group=self.group, tag=op.tag, group_peer=op.peer()))
         if p2p:
             works = list(dist.batch_isend_irecv(p2p))
             self.batches[index] = (works, tensors)
             if self.wait_own and len(works) == len(p2p):
-                self.own.update((op.message.key, work) for op, work in zip(ops, works, strict=True) if not op.send)
+                for op, work in zip(ops, works, strict=True):
+                    if not op.send:
+                        self.received[op.message.key] = (index, self.received[op.message.key][1], work)
 
     def _release(self) -> None:
         """Let go of the sent tensors of batches that have completed."""
@@ -206,15 +208,19 @@ class PointToPoint:
     def receive(self, key: tuple[str, int, int]) -> torch.Tensor:
         if key not in self.received:
             raise RuntimeError(f"pipeline message {key} is needed before its receive was posted")
-        index, buffer = self.received.pop(key)
-        own = self.own.pop(key, None)
+        index, buffer, own = self.received.pop(key)
         if own is None:
             self._wait(index)
-        else:  # not the sends posted with it: they complete when their peers get to them
-            works = self.batches.get(index, ((), ()))[0]
-            if any(w is own for w in works):  # each handle waited once (a gloo receive waited again waits for a
-                works[:] = [w for w in works if w is not own]  # second message); gone if its batch was released
+            return buffer
+        # not the sends posted with it: they complete when their peers get to them. Each handle is waited once (a
+        # gloo receive waited again waits for a second message): taken out of its batch, unless the batch was
+        # released whole already
+        works = self.batches[index][0] if index in self.batches else []
+        for i, work in enumerate(works):
+            if work is own:
+                del works[i]
                 own.wait()
+                break
         return buffer
 
     def finish(self) -> None:

@@ -59,6 +59,7 @@ LEGACY_NAMES = {"mbs": "micro_batch_size", "grad_acc": "grad_accum_steps"}
 
 
 _KEYS = {f.name for f in dataclasses.fields(LayoutConfig)} - {"stage_layers"} | {"mbs"}
+_ON_OFF = {f.name for f in dataclasses.fields(LayoutConfig) if str(f.type).startswith("bool")}  # sp, switches
 
 
 def check_runs_hsdp(lay: Layout, fw: Framework) -> None:
@@ -90,7 +91,7 @@ def parse_layout(text: str, global_batch_seqs: int, fp32_grad_accum: bool = True
         elif key == "schedule":
             if value not in SCHEDULES:
                 raise ConfigError(f"--layout schedule = {shown(value)} is not one of {list(SCHEDULES)}")
-        elif key in ("sp", "fp32_grad_accum", "dp_overlap_param_gather", "pp_comm_overlap"):
+        elif key in _ON_OFF:
             if value.lower() not in ("on", "off", "true", "false", "1", "0"):
                 raise ConfigError(f"--layout {key} = {shown(value)} must be on or off")
             value = value.lower() in ("on", "true", "1")

@@ -26,11 +26,13 @@ def test_dry_suite_runs_bench_moe_and_side_by_side(tmp_path: Path) -> None:
     assert suite.main([str(tmp_path), "--dry", "--only", "b,c"]) == 0
     report = json.loads((tmp_path / "suite.json").read_text())
     assert report["dry"] and report["device"] == "cpu"
-    by_group = {s["group"]: s for s in report["steps"]}
-    assert set(by_group) == {"b", "c"}
-    moe = by_group["c"]["result"]
-    assert moe["model"] == "tiny-moe" and moe["tokens_per_s"] > 0 and moe["micro_batch_size"] == 2
-    side = by_group["b"]["result"]
+    by_name = {s["name"]: s for s in report["steps"]}
+    assert {s["group"] for s in report["steps"]} == {"b", "c"}
+    for name, impl in (("bench moe", "grouped"), ("bench moe padded", "padded")):
+        moe = by_name[name]["result"]
+        assert moe["model"] == "tiny-moe" and moe["tokens_per_s"] > 0 and moe["micro_batch_size"] == 2
+        assert moe["moe_impl"] == impl
+    side = by_name["side by side"]["result"]
     assert side["fivefold_tokens_per_s"] > 0 and side["transformers_tokens_per_s"] > 0
 
 

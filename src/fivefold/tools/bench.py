@@ -227,7 +227,7 @@ def run_bench(args: argparse.Namespace, cfg: Config) -> dict:
         "model": cfg.model.name, "device": str(device),
         "device_name": module.get_device_name() if module is not None else "cpu",
         "torch": torch.__version__, "seq_len": seq, "micro_batch_size": args.micro_batch,
-        "grad_accum_steps": args.grad_accum,
+        "grad_accum_steps": args.grad_accum, "moe_impl": cfg.model.moe_impl if cfg.model.n_experts else None,
         "dtype": "bf16" if engine.bf16 else "fp32", "compile": cfg.train.compile,
         "n_devices": engine.n_devices, "layout": dict(vars(cfg.layout)),
         "steps": args.steps, "step_time_s": median, "step_times_s": step_seconds, "tokens_per_s": tokens_per_s,

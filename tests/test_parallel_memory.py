@@ -173,3 +173,40 @@ def test_default_gradients_are_fp32_under_a_pipeline():
     """The same default on a pipeline's stages (pp2, 1F1B over two micro-batches): fp32 buckets on both ranks."""
     for grads, stepped, _ in run_ranks(2, default_gradient_dtypes, 0, 2):
         assert grads == {torch.float32} and stepped == {torch.float32}
+
+
+def zero2_full_buckets(rank: int, world_size: int, pp: int, schedule: str) -> tuple[int, int, int]:
+    """ZeRO-2 over dp2 (of a pp-stage pipeline), four micro-batches, small buckets: (the most full gradient buckets
+    alive at any gradient arrival, counted by hooks of the test's own after the engine's, the rank's buckets, the
+    gradient slice's bytes after the step's backward)."""
+    from fivefold.train.build import build_engine
+
+    cfg = build_config(None, {**MODEL, "layout.dp": str(world_size // pp), "layout.pp": str(pp),
+                              "layout.schedule": schedule, "layout.zero": "2", "layout.dp_bucket_size": "3000",
+                              "layout.micro_batch_size": "1", "train.seq_len": "8", "train.global_batch_size": "8",
+                              "train.device": "cpu", "train.dtype": "fp32"})
+    engine = build_engine(cfg, torch.device("cpu"))
+    dp = engine.data_parallel
+    most = [0]
+
+    def count(_p: torch.Tensor) -> None:
+        most[0] = max(most[0], sum(b.grad is not None for b in dp.buckets))
+
+    for bucket in dp.buckets:
+        for p in bucket.params:
+            p.register_post_accumulate_grad_hook(count)
+    tokens = torch.randint(0, 384, (4, 9), generator=torch.Generator().manual_seed(rank))
+    engine.forward_backward([(tokens[i:i + 1, :-1], tokens[i:i + 1, 1:]) for i in range(4)], 64)
+    return most[0], len(dp.buckets), engine.state_bytes()["gradients"]
+
+
+@pytest.mark.parametrize("pp,schedule", [(1, "1f1b"), (2, "1f1b"), (2, "zero-bubble")])
+def test_zero2_holds_at_most_three_full_gradient_buckets(pp, schedule):
+    """ZeRO-2 frees a full bucket once its reduce-scatter is done, at most `ZERO2_IN_FLIGHT` (2) in flight beside
+    the one filling, also in a pipeline, whose micro-batches end only with the step (before, every bucket lived
+    until then: the 70B example's first stage held its whole fp32 gradient beside its slice)."""
+    from fivefold.parallel.data import ZERO2_IN_FLIGHT
+
+    for most, buckets, _ in run_ranks(2 * pp, zero2_full_buckets, pp, schedule):
+        assert buckets >= 2 * (ZERO2_IN_FLIGHT + 1), "too few buckets for the bound to show"
+        assert most <= ZERO2_IN_FLIGHT + 1, (most, buckets)

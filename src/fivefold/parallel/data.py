@@ -18,7 +18,10 @@ What is sharded and what is communicated (Ψ = this tp rank's parameters, N_d = 
   the state first waits for them all (`reshard`).
 * **ZeRO-2.** As ZeRO-1, but a rank keeps only its gradient slice (4Ψ/N_d): every micro-batch reduce-scatters
   each bucket as soon as it is complete and adds the result into the slice, then frees the bucket (a full
-  gradient can only be accumulated where it is kept).
+  gradient can only be accumulated where it is kept). At most `ZERO2_IN_FLIGHT` (2) reduce-scatters are in
+  flight: launching a third finishes the oldest, so a rank holds at most three full buckets, the one filling
+  included, whatever the schedule (before, a pipeline's buckets lived until the step's end: the 70B example's
+  first stage held its whole fp32 gradient, 19 GB, beside the slice).
 * **ZeRO-3.** Parameters are sharded too (all /N_d), through PyTorch's `fully_shard` (FSDP2) with one unit per
   transformer block plus a root unit (embedding, final norm, output layer): each block's weights are
   all-gathered just before its forward (the next block's gather is prefetched), freed after it, gathered again
@@ -44,6 +47,7 @@ says.
 
 from __future__ import annotations
 
+import collections
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -55,6 +59,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from fivefold.parallel.tensor_comm import all_gather_into, reduce_scatter_into
+
+# ZeRO-2's reduce-scatters in flight before the oldest is finished and its full bucket freed
+ZERO2_IN_FLIGHT = 2
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -333,6 +340,10 @@ class BucketedDataParallel:
         self.tied_buckets: list[Bucket] = []  # a tied weight's copy on this rank (pipeline), summed over tied_group
         self.tied_group: ProcessGroup | None = None
         self.launched_in_backward = 0  # buckets whose reduction started from a gradient hook (overlap)
+        # ZeRO-2: the full buckets whose reduce-scatter is in flight, oldest first. Launching one more than
+        # `ZERO2_IN_FLIGHT` finishes (and frees) the oldest, so a rank never holds more than that many full buckets
+        # beside the one filling, also in a pipeline, whose step ends its micro-batches only at its end
+        self.in_flight: collections.deque[Bucket] = collections.deque()
         for bucket in self.buckets:
             if zero == 0 or zero == 1:
                 bucket.grad = torch.zeros(bucket.numel, dtype=bucket.grad_dtype, device=bucket.flat_params.device)
@@ -392,6 +403,10 @@ class BucketedDataParallel:
         lo, hi = self.shard_range(bucket)
         out = torch.empty(hi - lo, dtype=bucket.grad_dtype, device=bucket.grad.device)
         bucket.work.append((reduce_scatter_into(out, bucket.grad, group=self.group, async_op=True), out))
+        if self.zero == 2:
+            self.in_flight.append(bucket)
+            while len(self.in_flight) > ZERO2_IN_FLIGHT:
+                self._finish(self.in_flight[0])
 
     @property
     def reduces_now(self) -> bool:
@@ -428,6 +443,7 @@ class BucketedDataParallel:
         bucket.ready, bucket.launched = 0, False
         if self.zero == 2:
             bucket.grad = None
+            self.in_flight = collections.deque(b for b in self.in_flight if b is not bucket)  # (identity)
 
     def reduced_grad(self, bucket: Bucket) -> torch.Tensor:
         """The part of the bucket's reduced gradient this rank keeps (after `end_micro_batch` of the step)."""

@@ -201,15 +201,17 @@ def test_stages_hold_their_blocks_and_initialise_as_one_process():
         assert all(torch.equal(seen[k], full[k]) for k in full), name
 
 
-def test_weight_gradients_wait_for_the_w_pass():
+@pytest.mark.parametrize("first_block_only", [False, True])
+def test_weight_gradients_wait_for_the_w_pass(first_block_only):
     """The B / W split: after B the linears of the blocks have no gradient (the norms do), W adds it, and the
-    result equals a plain backward's."""
+    result equals a plain backward's. A whole backward's overlap (`first_block_only`) defers the first block's
+    alone: the others' linears have their gradients after B."""
     from fivefold.models.llama import build_model
     from fivefold.parallel.pipeline import WeightGradQueue, defer_weight_grads
 
     cfg = tiny_config(PP)
     reference, model = build_model(cfg.model, "cpu", seed=3), build_model(cfg.model, "cpu", seed=3)
-    queue = WeightGradQueue()
+    queue = WeightGradQueue(first_block_only)
     defer_weight_grads(model, queue)
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     grad = torch.randn(2, 16, cfg.model.hidden, generator=torch.Generator().manual_seed(1))
@@ -217,9 +219,11 @@ def test_weight_gradients_wait_for_the_w_pass():
     with queue.collect((0, 0)):
         model.forward_hidden(tokens).backward(grad)
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("layers.")]
-    assert len(queue) == len(linears) == 7 * cfg.model.n_layers
+    deferred = [n for n in linears if n.startswith("layers.0.")] if first_block_only else linears
+    assert len(linears) == 7 * cfg.model.n_layers and len(queue) == len(deferred) == 7 * (
+        1 if first_block_only else cfg.model.n_layers)
     params = dict(model.named_parameters())
-    assert all(params[f"{n}.weight"].grad is None for n in linears)
+    assert all((params[f"{n}.weight"].grad is None) == (n in deferred) for n in linears)
     assert params["layers.0.attn_norm.weight"].grad is not None and params["embed.weight"].grad is not None
     queue.run((0, 0))
     assert len(queue) == 0

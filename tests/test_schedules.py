@@ -13,6 +13,7 @@ from fivefold.parallel.schedules import (
     ScheduleError,
     build_schedule,
     closed_form_bubble,
+    held_points,
     render,
     simulate,
 )
@@ -120,7 +121,7 @@ def test_interleaved(p, m, v):
     assert sim.bubble < simulate(build_schedule("1f1b", p, m), 1.0, 2.0).bubble
 
 
-@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 12), (8, 32)])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 12), (8, 32), (4, 64)])
 def test_zero_bubble_h1(p, m):
     s = build_schedule("zero-bubble", p, m)
     check_complete(s)
@@ -133,6 +134,20 @@ def test_zero_bubble_h1(p, m):
     assert one.makespan - max(one.busy) == pytest.approx((p - 1) * 3.0)
     for r, acts in enumerate(s.actions):
         assert kinds_prefix(acts) == min(p - r, m)  # 1F1B's warm-up, then the first steady forward
+    # held from F to W: rank r at most p - r activations and r pending W passes (r + 1 between a B and its W), p
+    # in all, whatever m (W passes that drift to the cool-down instead pile up with m: 56 pending on the first of 4
+    # ranks at m = 64)
+    for r, points in enumerate(held_points("zero-bubble", p, m)):
+        assert max(a for a, _ in points) == min(p - r, m) and max(w for _, w in points) <= r + 1
+        assert max(a + w for a, w in points) <= p
+
+
+def test_held_points_count_pending_weight_passes():
+    """Counted from the action list independently: 1F1B holds no W; ZB-H1's last rank ends holding one micro-batch's
+    activations and p - 1 pending W passes, then p."""
+    assert held_points("1f1b", 4, 8)[0] == ((4.0, 0.0),)
+    assert held_points("zero-bubble", 4, 8)[3] == ((0.0, 4.0), (1.0, 3.0))
+    assert held_points("zero-bubble", 4, 64) == held_points("zero-bubble", 4, 8)
 
 
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 10), (8, 16)])

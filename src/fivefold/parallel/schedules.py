@@ -17,6 +17,7 @@ touches torch.distributed.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -139,58 +140,27 @@ def _interleaved(p: int, m: int, v: int) -> Schedule:
 
 
 def _zero_bubble_h1(p: int, m: int) -> Schedule:
-    """ZB-H1 (Qi et al. 2023): the backward split into B and W, at 1F1B's memory. Rank r keeps at most
-    p - r micro-batches between F and B, as 1F1B does; a B runs as soon as its gradient arrives, and the W
-    passes fill the time a rank would otherwise wait. The order is found by running that rule with the
-    paper's equal F, B and W times, so the warm-up is 1F1B's (p - r - 1 forwards) and the W passes drift into
-    the cool-down bubbles."""
-    pending_w: list[list[int]] = [[] for _ in range(p)]
-    next_f, next_b = [0] * p, [0] * p
-    clock = [0.0] * p
-    end: dict[tuple[str, int, int], float] = {}
-    per_rank: list[list[Action]] = [[] for _ in range(p)]
-    done = 0
-    def options(r: int) -> list[tuple[float, int, Action]]:
-        """(ready time, priority, action) of what rank r may run next: B first, then F, then a W."""
-        out = []
-        i = next_b[r]
-        if i < next_f[r]:
-            dep = end.get(("F", i, r)) if r == p - 1 else end.get(("B", i, r + 1))
-            if dep is not None:
-                out.append((dep, 0, Action("B", i, r)))
-        i = next_f[r]
-        if i < m and next_f[r] - next_b[r] < p - r:
-            dep = 0.0 if r == 0 else end.get(("F", i, r - 1))
-            if dep is not None:
-                out.append((dep, 1, Action("F", i, r)))
-        if pending_w[r]:
-            out.append((clock[r], 2, Action("W", pending_w[r][0], r)))
-        return out
-
-    while done < 3 * m * p:
-        active = sorted((k for k in range(p) if len(per_rank[k]) < 3 * m), key=lambda k: (clock[k], k))
-        for r in active:
-            now = [o for o in options(r) if o[0] <= clock[r]]
-            if now:
-                break
-        else:  # nobody can act at its own clock: move the earliest ranks to the next finishing action
-            t0 = clock[active[0]]
-            t1 = min(t for t in end.values() if t > t0)
-            for k in active:
-                clock[k] = max(clock[k], t1)
-            continue
-        a = min(now, key=lambda o: o[1])[2]
-        end[(a.kind, a.micro_batch, r)] = clock[r] = clock[r] + 1.0
-        per_rank[r].append(a)
-        done += 1
-        if a.kind == "F":
-            next_f[r] += 1
-        elif a.kind == "B":
-            next_b[r] += 1
-            pending_w[r].append(a.micro_batch)
-        else:
-            pending_w[r].pop(0)
-    return Schedule("zero-bubble", p, m, 1, tuple(tuple(a) for a in per_rank), tuple(range(p)), True)
+    """ZB-H1 (Qi et al. 2023): the backward split into B and W, at 1F1B's peak memory. Rank r runs 1F1B's
+    warm-up (p - r forwards), then per micro-batch i its B, the W of micro-batch i - r (the first r W passes
+    wait, filling the bubbles that 1F1B leaves), and the next F; the r W passes left run at the end. Rank r holds
+    at most p - r micro-batches between F and B and r pending W passes (each keeps its linears' inputs and output
+    gradients): p micro-batches from F to W, 1F1B's first rank's count, whatever m. The bubble is
+    (p - 1)(F + B - W), a third of 1F1B's with equal F, B and W."""
+    per_rank: list[tuple[Action, ...]] = []
+    for r in range(p):
+        acts = [Action("F", i, r) for i in range(min(p - r, m))]
+        next_f, next_w = len(acts), 0
+        for i in range(m):
+            acts.append(Action("B", i, r))
+            if i >= r:
+                acts.append(Action("W", next_w, r))
+                next_w += 1
+            if next_f < m:
+                acts.append(Action("F", next_f, r))
+                next_f += 1
+        acts += [Action("W", i, r) for i in range(next_w, m)]
+        per_rank.append(tuple(acts))
+    return Schedule("zero-bubble", p, m, 1, tuple(per_rank), tuple(range(p)), True)
 
 
 def _dualpipev(p: int, m: int) -> Schedule:
@@ -364,6 +334,31 @@ def _peak_in_flight(schedule: Schedule) -> tuple[float, ...]:
             elif a.kind == last:
                 held -= 1
         out.append(peak / schedule.v)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=512)
+def held_points(name: str, p: int, m: int, v: int = 1) -> tuple[tuple[tuple[float, float], ...], ...]:
+    """Per rank, what it holds after each of its actions, as (stage activations, pending weight-gradient passes)
+    in whole-stage units, reduced to the pairs that no other pair exceeds in both: an F holds activations until
+    its B; under a split backward the B hands the micro-batch to its W, which keeps the linear layers' inputs and
+    output gradients until it runs. A memory model weighs the two (`planner.memory`) and takes the largest."""
+    schedule = build_schedule(name, p, m, v)
+    out = []
+    for acts in schedule.actions:
+        held = pending = 0
+        points = set()
+        for a in acts:
+            if a.kind == "F":
+                held += 1
+            elif a.kind == "B":
+                held -= 1
+                pending += schedule.split_backward
+            else:
+                pending -= 1
+            points.add((held / v, pending / v))
+        out.append(tuple(sorted(x for x in points
+                                if not any(y != x and y[0] >= x[0] and y[1] >= x[1] for y in points))))
     return tuple(out)
 
 

@@ -245,6 +245,30 @@ def layer_activation_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Frame
     return {"attention": attn_total, "mlp": mlp_total, "total": total}
 
 
+def layer_weight_grad_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Framework) -> float:
+    """Bytes one block's pending W pass keeps for one micro-batch of `tokens` tokens on this rank (a split backward:
+    zero-bubble, DualPipeV): the inputs and output gradients of the linears that defer their weight gradient (the
+    bias-free projections of attention, the dense or shared-expert MLP and the router; the routed experts compute
+    theirs in B). Under sequence parallel the gathered linears keep their local input and gather it again in W."""
+    h, d, tp, ab = cfg.hidden, cfg.head_dim, lay.tp, fw.act_bytes
+    t_in = tokens / tp if (lay.sp and tp > 1) else tokens
+    heads, kv = cfg.n_heads // tp, max(cfg.n_kv_heads // tp, 1)
+    total = 0.0
+    if not cfg.qkv_bias:  # biased q/k/v compute their gradients in B
+        total += t_in * h + tokens * (heads + 2 * kv) * d
+    total += tokens * heads * d + tokens * h  # o: its input and its output's gradient
+    matrices = cfg.mlp_matrices - 1  # the column linears reading the norm output (gate and up, or up)
+    if cfg.is_moe:
+        f = cfg.n_shared_experts * cfg.expert_ffn // tp
+        total += tokens * h + tokens * cfg.n_experts  # the router
+        if f:
+            total += t_in * h + matrices * tokens * f + tokens * f + tokens * h
+    else:
+        f = cfg.ffn // tp
+        total += t_in * h + matrices * tokens * f + tokens * f + tokens * h  # gate/up, down
+    return total * ab
+
+
 def stage_activation_bytes(cfg: ModelConfig, tokens: int, seq_local: int, lay: Layout, fw: Framework,
                            rp: RankParams, moe_imbalance: float = 1.0) -> float:
     """Saved bytes of one micro-batch on a rank holding `rp` (all its layers, embedding and loss parts)."""
@@ -298,13 +322,20 @@ class MemoryReport:
 
 
 def rank_memory(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, in_flight: float, rank: str = "first",
-                moe_imbalance: float = 1.0) -> MemoryReport:
-    """Peak bytes of the first or last pipeline rank, with `in_flight` micro-batches of stage activations."""
+                moe_imbalance: float = 1.0, held: tuple[tuple[float, float], ...] = ()) -> MemoryReport:
+    """Peak bytes of the first or last pipeline rank, with `in_flight` micro-batches of stage activations; or,
+    for a split backward, at the largest of `held`'s (activations, pending W passes) pairs
+    (`parallel.schedules.held_points`)."""
     rp = rank_params(cfg, lay, rank)
     rep = MemoryReport(rank, dict(model_state_bytes(cfg, lay, fw, rank)))
     tokens = lay.micro_batch_size * seq // lay.cp
     act = stage_activation_bytes(cfg, tokens, seq // lay.cp, lay, fw, rp, moe_imbalance)
     rep.parts["activations"] = act * in_flight
+    rep.parts["pending_weight_grads"] = 0.0
+    if held and lay.recompute == "none":  # (a recomputed block's W keeps what its recompute rebuilt: not modelled)
+        w = rp.layers * layer_weight_grad_bytes(cfg, tokens, lay, fw)
+        acts, pending = max(held, key=lambda x: x[0] * act + x[1] * w)
+        rep.parts["activations"], rep.parts["pending_weight_grads"] = acts * act, pending * w
     copies = 0.0
     if fw.autocast_weight_copies and lay.recompute == "none":  # selective recomputes the casts too
         copies = 2 * rp.matmul * in_flight

@@ -31,12 +31,16 @@ from fivefold.layout import (
     sequence_length_problem,
     tensor_parallel_problem,
 )
+from fivefold.parallel.schedules import held_points
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.layout import Framework, Layout
 from fivefold.planner.memory import GIB, rank_memory
 from fivefold.planner.time import StallRisk, stage_split_problem, stall_risk, step_time
 
 SIMULATED_TOP = 64
+
+
+SPLIT_SCHEDULES = ("zero-bubble", "dualpipev")  # backward split into B and W (the W passes hold memory)
 
 
 def in_flight(schedule: str, p: int, m: int, v: int) -> tuple[float, float]:
@@ -133,9 +137,13 @@ def rank_key(rule: str) -> Callable[[Estimate], float]:
 def memory_of(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, moe_imbalance: float = 1.0
               ) -> dict[str, dict[str, float]]:
     first, last = in_flight(lay.schedule, lay.pp, lay.grad_accum_steps, lay.vpp)
-    out = {"first": rank_memory(cfg, seq, lay, fw, first, "first", moe_imbalance).parts}
+    held: tuple[tuple[tuple[float, float], ...], ...] = ((), ())
+    if lay.pp > 1 and lay.schedule in SPLIT_SCHEDULES:  # pending W passes hold memory beside the activations
+        points = held_points(lay.schedule, lay.pp, lay.grad_accum_steps, lay.vpp)
+        held = (points[0], points[-1])
+    out = {"first": rank_memory(cfg, seq, lay, fw, first, "first", moe_imbalance, held[0]).parts}
     if lay.pp > 1:
-        out["last"] = rank_memory(cfg, seq, lay, fw, last, "last", moe_imbalance).parts
+        out["last"] = rank_memory(cfg, seq, lay, fw, last, "last", moe_imbalance, held[1]).parts
     return out
 
 

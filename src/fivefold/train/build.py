@@ -49,7 +49,8 @@ def build_engine(cfg: Config, device: torch.device) -> Engine:
         # overlap of the other schedules, whose whole backward sends its input gradient before its weight gradients
         # (not under ZeRO-3, whose stages reduce-scatter gradients that fully_shard's backward hooks collect)
         split = build_schedule(la.schedule, la.pp, cfg.grad_accum_steps, la.vpp).split_backward
-        queue = WeightGradQueue() if split or (la.overlaps_pp_comm and la.zero < 3) else None
+        overlap = la.overlaps_pp_comm and la.zero < 3
+        queue = WeightGradQueue(first_block_only=not split) if split or overlap else None
     parts = model_parts(cfg, grid, device)
     for part in parts.values():
         apply_model_parallel(part, cfg, grid, queue)

@@ -31,7 +31,9 @@ def flag(args: list[str], name: str, default: str) -> int:
     return int(args[args.index(name) + 1]) if name in args else int(default)
 
 
-def steps_per_second(steps: int, nproc: int, extra: list[str], train_flags: list[str]) -> float:
+def logged_step_seconds(steps: int, nproc: int, extra: list[str], train_flags: list[str]) -> list[float]:
+    """Seconds of each step of a real `fivefold train` run (`train_flags` then `extra`), from its own per-step log
+    (`log.log_every 1`)."""
     with tempfile.TemporaryDirectory() as run_dir:
         run = Path(run_dir) / "run"
         cmd = [sys.executable, "-m", "fivefold", "train", *train_flags, "--max-steps", str(steps), "--nproc",
@@ -41,8 +43,11 @@ def steps_per_second(steps: int, nproc: int, extra: list[str], train_flags: list
             sys.exit(f"failed ({out.returncode}): {' '.join(cmd)}\n{out.stderr[-3000:]}")
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     tokens_per_step = flag(train_flags, "--train.global_batch_size", "8") * flag(train_flags, "--train.seq_len", "256")
-    seconds = sum(tokens_per_step / r["tokens_per_s"] for r in records if "tokens_per_s" in r)
-    return steps / seconds
+    return [tokens_per_step / r["tokens_per_s"] for r in records if "tokens_per_s" in r]
+
+
+def steps_per_second(steps: int, nproc: int, extra: list[str], train_flags: list[str]) -> float:
+    return steps / sum(logged_step_seconds(steps, nproc, extra, train_flags))
 
 
 def main() -> None:

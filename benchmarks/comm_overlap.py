@@ -24,8 +24,8 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
+
+from async_checkpoint import logged_step_seconds
 
 DEFAULT = ["--preset", "smollm-1.7b", "--model.n_layers", "4", "--model.vocab_size", "8192",
            "--model.tied_embeddings", "false", "--train.seq_len", "128", "--train.global_batch_size", "4",
@@ -46,14 +46,7 @@ def fivefold(args: list[str]) -> subprocess.CompletedProcess:
 
 def step_seconds(train_flags: list[str], steps: int, nproc: int, extra: list[str]) -> float:
     """Mean seconds of steps 2 .. `steps` of a real run, from its per-step log."""
-    with tempfile.TemporaryDirectory() as run_dir:
-        run = Path(run_dir) / "run"
-        fivefold(["train", *train_flags, *extra, "--max-steps", str(steps), "--nproc", str(nproc), "--run-dir",
-                  str(run), "--log.log_every", "1"])
-        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    tokens = int(train_flags[train_flags.index("--train.global_batch_size") + 1]) * \
-        int(train_flags[train_flags.index("--train.seq_len") + 1])
-    seconds = [tokens / r["tokens_per_s"] for r in records if "tokens_per_s" in r][1:]
+    seconds = logged_step_seconds(steps, nproc, extra, train_flags)[1:]
     return sum(seconds) / len(seconds)
 
 

@@ -249,7 +249,7 @@ class LocalDataParallel:
         return sum(m.numel() * m.element_size() for m in self.master or [])
 
 
-@dataclass
+@dataclass(eq=False)  # a bucket is itself, compared by identity (`in_flight`)
 class Bucket:
     """A flat group of parameters with one gradient buffer. Parameters are views into `flat_params`."""
 
@@ -443,7 +443,8 @@ class BucketedDataParallel:
         bucket.ready, bucket.launched = 0, False
         if self.zero == 2:
             bucket.grad = None
-            self.in_flight = collections.deque(b for b in self.in_flight if b is not bucket)  # (identity)
+            if bucket in self.in_flight:
+                self.in_flight.remove(bucket)
 
     def reduced_grad(self, bucket: Bucket) -> torch.Tensor:
         """The part of the bucket's reduced gradient this rank keeps (after `end_micro_batch` of the step)."""

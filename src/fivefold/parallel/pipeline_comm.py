@@ -173,6 +173,7 @@ class PointToPoint:
                                f"{sorted(planned)}")
         self._release()
         p2p, tensors = [], []
+        receives: list[tuple[tuple[str, int, int], torch.Tensor, int]] = []  # key, buffer, its place in p2p
         for op in ops:
             if op.send:
                 tensor = sent[op.message.key].detach()
@@ -185,15 +186,14 @@ class PointToPoint:
                 p2p.append(dist.P2POp(dist.isend, tensor, group=self.group, tag=op.tag, group_peer=op.peer()))
             else:
                 buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                self.received[op.message.key] = (index, buffer, None)
+                receives.append((op.message.key, buffer, len(p2p)))
                 p2p.append(dist.P2POp(dist.irecv, buffer, group=self.group, tag=op.tag, group_peer=op.peer()))
         if p2p:
             works = list(dist.batch_isend_irecv(p2p))
             self.batches[index] = (works, tensors)
-            if self.wait_own and len(works) == len(p2p):
-                for op, work in zip(ops, works, strict=True):
-                    if not op.send:
-                        self.received[op.message.key] = (index, self.received[op.message.key][1], work)
+            own = self.wait_own and len(works) == len(p2p)  # one handle per operation (gloo), not one per batch
+            for key, buffer, place in receives:
+                self.received[key] = (index, buffer, works[place] if own else None)
 
     def _release(self) -> None:
         """Let go of the sent tensors of batches that have completed."""

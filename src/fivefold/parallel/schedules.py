@@ -26,6 +26,8 @@ from fivefold.config import shown
 from fivefold.layout import SCHEDULES, min_micro_batches
 
 Kind = Literal["F", "B", "W"]
+# the schedules whose backward is split into B (input gradient) and W (weight gradient): their W passes hold memory
+SPLIT_BACKWARD = ("zero-bubble", "dualpipev")
 
 
 class Action(NamedTuple):
@@ -319,31 +321,11 @@ def simulate(schedule: Schedule, t_f: float | Sequence[float], t_b: float | Sequ
                      _peak_in_flight(schedule), start, end)
 
 
-def _peak_in_flight(schedule: Schedule) -> tuple[float, ...]:
-    """Per rank, the most micro-batch activations held at once, counted in whole-stage units (a chunk of an
-    interleaved or V schedule holds 1/v of a stage's layers). Activations are held from F until B; a pending
-    W keeps only the inputs of the linear layers, which are not counted here."""
-    out = []
-    last = "B"
-    for acts in schedule.actions:
-        held = peak = 0
-        for a in acts:
-            if a.kind == "F":
-                held += 1
-                peak = max(peak, held)
-            elif a.kind == last:
-                held -= 1
-        out.append(peak / schedule.v)
-    return tuple(out)
-
-
-@functools.lru_cache(maxsize=512)
-def held_points(name: str, p: int, m: int, v: int = 1) -> tuple[tuple[tuple[float, float], ...], ...]:
-    """Per rank, what it holds after each of its actions, as (stage activations, pending weight-gradient passes)
-    in whole-stage units, reduced to the pairs that no other pair exceeds in both: an F holds activations until
+def _holdings(schedule: Schedule) -> list[set[tuple[float, float]]]:
+    """Per rank, the (stage activations, pending W passes) it holds after each of its actions, in whole-stage
+    units (a chunk of an interleaved or V schedule holds 1/v of a stage's layers): an F holds activations until
     its B; under a split backward the B hands the micro-batch to its W, which keeps the linear layers' inputs and
-    output gradients until it runs. A memory model weighs the two (`planner.memory`) and takes the largest."""
-    schedule = build_schedule(name, p, m, v)
+    output gradients until it runs."""
     out = []
     for acts in schedule.actions:
         held = pending = 0
@@ -356,10 +338,24 @@ def held_points(name: str, p: int, m: int, v: int = 1) -> tuple[tuple[tuple[floa
                 pending += schedule.split_backward
             else:
                 pending -= 1
-            points.add((held / v, pending / v))
-        out.append(tuple(sorted(x for x in points
-                                if not any(y != x and y[0] >= x[0] and y[1] >= x[1] for y in points))))
-    return tuple(out)
+            points.add((held / schedule.v, pending / schedule.v))
+        out.append(points)
+    return out
+
+
+def _peak_in_flight(schedule: Schedule) -> tuple[float, ...]:
+    """Per rank, the most micro-batch activations held at once, counted in whole-stage units (a chunk of an
+    interleaved or V schedule holds 1/v of a stage's layers). Activations are held from F until B; a pending
+    W keeps only the inputs of the linear layers, which are not counted here."""
+    return tuple(max(a for a, _ in points) for points in _holdings(schedule))
+
+
+@functools.lru_cache(maxsize=512)
+def held_points(name: str, p: int, m: int, v: int = 1) -> tuple[tuple[tuple[float, float], ...], ...]:
+    """Per rank, `_holdings` of the schedule reduced to the pairs that no other pair exceeds in both. A memory
+    model weighs activations against pending W passes (`planner.memory`) and takes the largest."""
+    return tuple(tuple(sorted(x for x in points if not any(y != x and y[0] >= x[0] and y[1] >= x[1] for y in points)))
+                 for points in _holdings(build_schedule(name, p, m, v)))
 
 
 def closed_form_bubble(name: str, p: int, m: int, v: int = 1) -> float:

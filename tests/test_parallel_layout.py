@@ -30,11 +30,24 @@ def test_ranks_are_laid_out_tp_innermost_then_cp_dp_pp():
 
 
 def test_expert_parallel_folds_over_dp_times_cp():
-    layout = LayoutConfig(dp=2, cp=2, tp=2, ep=2)
+    layout = LayoutConfig(dp=2, cp=2, tp=2, ep=2, etp=2)  # experts split over tp: each tp rank its own ep groups
     ep, edp = expert_groups(layout)
     # the dp x cp group of tp rank 0 is [0, 2, 4, 6]: ep blocks of 2, replicas at the same block position
     assert ep[:2] == [[0, 2], [4, 6]] and edp[:2] == [[0, 4], [2, 6]]
     assert sorted(r for g in ep for r in g) == list(range(8))
+    assert sorted(r for g in edp for r in g) == list(range(8)) and len(edp) == 4
+
+
+def test_whole_experts_reduce_over_the_tp_ranks_too():
+    """etp = 1 (the default): the tp ranks route different tokens and hold the same experts, so each edp group joins
+    the replicas of every tp rank of its pipeline stage; the ep groups stay inside one tp rank."""
+    layout = LayoutConfig(dp=2, cp=2, tp=2, ep=2, pp=2)
+    ep, edp = expert_groups(layout)
+    assert ep[:2] == [[0, 2], [4, 6]]
+    assert edp == [[0, 1, 4, 5], [2, 3, 6, 7], [8, 9, 12, 13], [10, 11, 14, 15]]
+    assert len(edp[0]) == layout.expert_zero_group == 4
+    # ep = 1: the experts of every rank of a stage are the same, reduced over tp x dp x cp
+    assert expert_groups(LayoutConfig(dp=2, tp=2))[1] == [[0, 1, 2, 3]]
 
 
 def config(**fields: str):

@@ -264,6 +264,11 @@ class LayoutConfig:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    # expert tensor parallel: the tp ranks each routed expert's ffn dim is split over, 1 or layout.tp. 1 (the
+    # default): experts stay whole and each tp rank routes and dispatches its own 1/tp of the tokens, so tokens
+    # travel once per tp group and the tp ranks hold the same experts (their gradients reduced with the edp
+    # ranks'); layout.tp: every expert split like a dense MLP, each tp rank routing all the tokens
+    etp: int = 1
     zero: int = 0
     micro_batch_size: int = 0  # sequences per micro-batch per rank; 0 = the whole per-rank batch at once
     recompute: Literal["none", "selective", "full"] = "none"
@@ -321,10 +326,23 @@ class LayoutConfig:
         return (self.dp_shard or self.dp) * self.cp
 
     @property
+    def splits_tokens_over_tp(self) -> bool:
+        """Whether each tp rank routes its own 1/tp of an MoE layer's tokens (tp > 1 with whole experts, etp = 1)."""
+        return self.tp > 1 and self.etp == 1
+
+    @property
+    def experts_apart(self) -> bool:
+        """Whether an MoE model's routed experts reduce (and shard) over groups of their own, the ranks that hold the
+        same experts (edp), rather than with the dense weights: under ep, and with whole experts on tp ranks that
+        route different tokens (etp = 1)."""
+        return self.ep > 1 or self.splits_tokens_over_tp
+
+    @property
     def expert_zero_group(self) -> int:
         """The ranks one ZeRO shard set of an ep rank's routed experts spans: those of the zero group that hold
-        the same experts (zero_group / ep; dp x cp / ep without HSDP)."""
-        return max(self.zero_group // self.ep, 1)
+        the same experts (zero_group / ep; dp x cp / ep without HSDP), times tp when the experts are whole on every
+        tp rank (etp = 1)."""
+        return max(self.zero_group // self.ep, 1) * (self.tp if self.splits_tokens_over_tp else 1)
 
     @property
     def zero_replicas(self) -> int:
@@ -448,7 +466,7 @@ class Config:
         _require(self.log.log_every >= 1, "log.log_every", self.log.log_every, "must be >= 1")
         _require(self.log.peak_tflops >= 0, "log.peak_tflops", self.log.peak_tflops, "must be >= 0 (0 = look up)")
         _require(self.log.profile_steps >= 1, "log.profile_steps", self.log.profile_steps, "must be >= 1")
-        for name in ("dp", "tp", "pp", "cp", "ep", "vpp"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "etp", "vpp"):
             _require(getattr(la, name) >= 1, f"layout.{name}", getattr(la, name), "must be >= 1")
         _require(la.zero in (0, 1, 2, 3), "layout.zero", la.zero, "must be 0, 1, 2 or 3")
         _require(la.micro_batch_size >= 0, "layout.micro_batch_size", la.micro_batch_size,

@@ -207,6 +207,25 @@ def expert_parallel_problem(model: ModelConfig, layout: LayoutConfig) -> LayoutP
     return None
 
 
+def expert_tensor_parallel_problem(model: ModelConfig, layout: LayoutConfig, seq_len: int) -> LayoutProblem | None:
+    """etp (the tp ranks a routed expert is split over) is 1 or tp; with whole experts (etp = 1) under tp each tp
+    rank routes its own part of every sequence, so the (cp-local) sequence must split over tp."""
+    if layout.etp not in (1, layout.tp):
+        return LayoutProblem(
+            "etp neither 1 nor tp",
+            f"layout.etp = {layout.etp} must be 1 (whole experts, tokens split over the tp ranks) or layout.tp = "
+            f"{layout.tp} (every expert's ffn dim split over tp)")
+    if not model.is_moe or not layout.splits_tokens_over_tp or (seq_len // layout.cp) % layout.tp == 0:
+        return None
+    local = "" if layout.cp == 1 else f" (the cp-local length train.seq_len / layout.cp = {seq_len // layout.cp})"
+    multiple = layout.tp * layout.cp * (2 if layout.cp > 1 else 1)
+    return LayoutProblem(
+        "whole experts with seq not divisible by tp",
+        f"train.seq_len = {seq_len}{local} is not divisible by layout.tp = {layout.tp}: with whole experts "
+        f"(layout.etp = 1) each tp rank routes its own 1/tp of every sequence; nearest valid seq_len: "
+        f"{nearest_multiples(seq_len, multiple)}, or layout.etp = {layout.tp} (experts split over tp)")
+
+
 def hsdp_problem(layout: LayoutConfig) -> LayoutProblem | None:
     """HSDP (`dp_shard`): ZeRO-3 sharded inside groups of dp_shard x cp ranks, replicated across dp / dp_shard."""
     s = layout.dp_shard
@@ -349,6 +368,7 @@ def layout_problem(model: ModelConfig, layout: LayoutConfig, *, world_size: int,
         lambda: context_parallel_problem(layout, seq_len),
         lambda: sequence_parallel_problem(layout, seq_len),
         lambda: expert_parallel_problem(model, layout),
+        lambda: expert_tensor_parallel_problem(model, layout, seq_len),
         lambda: zero_problem(layout),
         lambda: hsdp_problem(layout),
         lambda: communication_problem(layout),

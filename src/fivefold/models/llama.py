@@ -251,7 +251,7 @@ class MoE(nn.Module):
         """Top-k expert indices and their weights for tokens `x` [tokens, hidden] of `rows` sequences (by
         `model.router_scores` and `norm_topk`, chosen with the balancing bias when `bias_update_rate > 0`);
         records the load-balancing loss (`aux_loss`), the router z-loss (`z_loss`) and the step's expert loads."""
-        logits = self.router(x).float()
+        logits = self.router_logits(x).float()
         scores = F.softmax(logits, dim=-1) if self.router_scores == "softmax" else torch.sigmoid(logits)
         if self.balanced_routing:
             experts = balanced_experts(x.shape[0], self.top_k, self.n_experts, x.device)
@@ -274,6 +274,10 @@ class MoE(nn.Module):
         if self.bias_update_rate > 0 and torch.is_grad_enabled() and self.replayed_counts is None:
             self.expert_load += slot_counts.sum(0)  # training forwards only, once (not again when recomputed)
         return experts, weights.to(x.dtype)
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The router's logits for tokens `x` (tensor parallel with whole experts replaces this)."""
+        return self.router(x)
 
     def load_balancing_loss(self, slot_counts: torch.Tensor, prob_sums: torch.Tensor, tokens: int) -> torch.Tensor:
         """The load-balancing loss over `tokens` tokens of `rows` sequences, from the routed slot counts and the

@@ -452,8 +452,19 @@ def apply_context_parallel(model: nn.Module, cp_group: dist.ProcessGroup, layout
     to `forward` / `forward_hidden`; the rest of the model is per token and unchanged."""
     for block in model.layers.values():
         block.attn.core = RingAttentionCore(cp_group, layout)
-        if isinstance(block.mlp, MoE):
-            block.mlp.load_balancing_loss = ContextParallelLoadBalancing(block.mlp, cp_group)
-            if block.mlp.capacity_factor > 0:  # dropless routing needs no positions beyond the rank's own
-                block.mlp.expert_slots = ContextParallelExpertSlots(block.mlp, cp_group, layout)
+        moe = block.mlp
+        if isinstance(moe, MoE):
+            moe.load_balancing_loss = install_inner(moe.load_balancing_loss, ContextParallelLoadBalancing(moe, cp_group))
+            if moe.capacity_factor > 0:  # dropless routing needs no positions beyond the rank's own
+                moe.expert_slots = install_inner(moe.expert_slots, ContextParallelExpertSlots(moe, cp_group, layout))
     return model
+
+
+def install_inner(current, split):
+    """`split` as a routing statistic's replacement: in place of the plain method, or as the `inner` of the outer
+    split already installed (tensor parallel's token split, `fivefold.parallel.tensor.TokenSplitMoE`), which gathers
+    over tp first and passes the cp-local whole to `split`."""
+    if hasattr(current, "inner"):
+        current.inner = split
+        return current
+    return split

@@ -7,7 +7,8 @@ then cp, then dp, and pp outermost:
 
 Expert parallel does not add ranks: it folds over the dp x cp ranks of the expert layers (as Megatron and
 torchtitan do), so an ep group is a block of `ep` consecutive ranks of one dp x cp group, and the expert
-layers' gradients are reduced over the dp x cp ranks that hold the same experts (`edp`).
+layers' gradients are reduced over the dp x cp ranks that hold the same experts (`edp`), and over the tp ranks
+as well when the experts stay whole under tp (`layout.etp = 1`, where each tp rank routes its own tokens).
 
 `ProcessGrid.build` checks the whole layout against the model, the batch and the initialised world
 (`fivefold.layout.check_layout`, which the command line has run before any process started), then creates the
@@ -66,13 +67,21 @@ def axis_groups(layout: LayoutConfig, axes: tuple[str, ...]) -> list[list[int]]:
 def expert_groups(layout: LayoutConfig) -> tuple[list[list[int]], list[list[int]]]:
     """(ep groups, expert-data-parallel groups): ep folds over each dp x cp group, whose ranks are split
     into blocks of `ep` consecutive members; ranks at the same position of every block replicate the same
-    experts and reduce their gradients together."""
+    experts and reduce their gradients together. With whole experts under tp (etp = 1) the tp ranks route
+    different tokens and hold the same experts, so an edp group spans the tp ranks of its pipeline stage too."""
     ep_lists, edp_lists = [], []
+    merged: dict[tuple[int, int], list[int]] = {}  # etp = 1: (pp rank, position in the ep block) -> members
     for members in axis_groups(layout, ("dp", "cp")):
         blocks = [members[i:i + layout.ep] for i in range(0, len(members), layout.ep)]
         ep_lists += blocks
-        edp_lists += [list(column) for column in zip(*blocks, strict=True)]
-    return ep_lists, edp_lists
+        columns = [list(column) for column in zip(*blocks, strict=True)]
+        if not layout.splits_tokens_over_tp:
+            edp_lists += columns
+            continue
+        stage = coordinates(layout, members[0])["pp"]
+        for j, column in enumerate(columns):
+            merged.setdefault((stage, j), []).extend(column)
+    return ep_lists, edp_lists + [sorted(m) for m in merged.values()]
 
 
 def hsdp_grids(layout: LayoutConfig) -> list[list[list[int]]]:
@@ -86,9 +95,20 @@ def hsdp_grids(layout: LayoutConfig) -> list[list[list[int]]]:
 def hsdp_expert_grids(layout: LayoutConfig) -> list[list[list[int]]]:
     """HSDP's 2D arrays for the routed experts: per HSDP array (`hsdp_grids`) and position j in an ep block, row r
     holds replica r's shard-group members at position j (every ep-th: those that hold the same experts, whose
-    experts shard over them), column k the replicas of that shard. Their columns are columns of `hsdp_grids`."""
+    experts shard over them), column k the replicas of that shard. Their columns are columns of `hsdp_grids`.
+    With whole experts under tp (etp = 1) the arrays of a pipeline stage's tp ranks are joined row by row (each row
+    in rank order, which orders every row's members alike, so the columns stay replicas of one shard)."""
     ep = layout.ep
-    return [[row[j::ep] for row in grid] for grid in hsdp_grids(layout) for j in range(ep)]
+    grids = [[row[j::ep] for row in grid] for grid in hsdp_grids(layout) for j in range(ep)]
+    if not layout.splits_tokens_over_tp:
+        return grids
+    joined: dict[tuple[int, int], list[list[int]]] = {}
+    for index, grid in enumerate(grids):
+        key = (coordinates(layout, grid[0][0])["pp"], index % ep)
+        rows = joined.setdefault(key, [[] for _ in grid])
+        for row, part in zip(rows, grid, strict=True):
+            row.extend(part)
+    return [[sorted(row) for row in grid] for grid in joined.values()]
 
 
 @dataclass(frozen=True)
@@ -144,7 +164,7 @@ class ProcessGrid:
             grid._add("hsdp_shard", [row for g in grids for row in g])
             grid._add("hsdp_replicate", [list(col) for g in grids for col in zip(*g, strict=True)])
             grid.hsdp_ranks = next(g for g in grids if any(rank in row for row in g))
-            if cfg.layout.ep > 1:  # the experts shard over the members of a shard group that hold the same experts
+            if cfg.layout.experts_apart:  # the experts shard over the members of a shard group that hold them
                 expert_grids = hsdp_expert_grids(cfg.layout)
                 grid._add("hsdp_expert_shard", [row for g in expert_grids for row in g])
                 grid.hsdp_expert_ranks = next(g for g in expert_grids if any(rank in row for row in g))
@@ -200,10 +220,10 @@ class ProcessGrid:
                                              mesh=torch.tensor(ranks), mesh_dim_names=("replicate", "shard"))
 
             dense = mesh_2d("hsdp_shard", self.hsdp_ranks)
-            if la.ep > 1:
+            if la.experts_apart:
                 experts = mesh_2d("hsdp_expert_shard", self.hsdp_expert_ranks)
         else:
             dense = DeviceMesh.from_group(self.group("dp_cp"), device_type)
-            if la.ep > 1 and self.size("edp") > 1:
+            if la.experts_apart and self.size("edp") > 1:
                 experts = DeviceMesh.from_group(self.group("edp"), device_type)
-        return Zero3Meshes(dense, experts, la.ep > 1, la.zero_replicas)
+        return Zero3Meshes(dense, experts, la.experts_apart, la.zero_replicas)

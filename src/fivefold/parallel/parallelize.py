@@ -84,13 +84,26 @@ def is_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
-def tp_sharded_names(model: nn.Module, tp: int) -> set[str]:
-    """Names of the parameters split over tp (the others are replicated on every tp rank)."""
+def tp_sharded_names(model: nn.Module, tp: int, split_experts: bool = True) -> set[str]:
+    """Names of the parameters split over tp (the others are replicated on every tp rank; the routed experts too
+    unless `split_experts`, `layout.etp > 1`)."""
     if tp == 1:
         return set()
     from fivefold.parallel.tensor import tp_shard_dim
 
-    return {name for name, _ in model.named_parameters() if tp_shard_dim(name) is not None}
+    return {name for name, _ in model.named_parameters() if tp_shard_dim(name, split_experts) is not None}
+
+
+def norm_tp_sharded_names(model: nn.Module, cfg: Config, tp: int) -> set[str]:
+    """Names of the parameters whose squared gradients a rank sums over tp for the global norm: those split over tp,
+    and under ZeRO-3 with whole experts split over tp ranks' tokens (etp = 1) the routed experts, whose shards over
+    the edp ranks (which span tp) are disjoint between tp ranks."""
+    names = tp_sharded_names(model, tp, cfg.layout.etp > 1)
+    if cfg.layout.zero == 3 and cfg.layout.splits_tokens_over_tp:
+        from fivefold.parallel.expert import is_expert_param
+
+        names |= {name for name, _ in model.named_parameters() if is_expert_param(name)}
+    return names
 
 
 def apply_model_parallel(model: Llama, cfg: Config, grid: ProcessGrid | None,
@@ -102,7 +115,7 @@ def apply_model_parallel(model: Llama, cfg: Config, grid: ProcessGrid | None,
     if tp > 1:  # 1. tensor (and sequence) parallel
         from fivefold.parallel.tensor import apply_tensor_parallel
 
-        apply_tensor_parallel(model, grid.group("tp"), la.sp)
+        apply_tensor_parallel(model, grid.group("tp"), la.sp, split_experts=la.etp > 1)
     if weight_grad_queue is not None:  # the zero-bubble schedules' B / W split
         from fivefold.parallel.pipeline import defer_weight_grads
 
@@ -138,7 +151,7 @@ def shard_regions(model: Llama, grid: ProcessGrid) -> dict[str, tuple[tuple[int,
     regions = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         region = [(0, n) for n in shapes[name]]
-        dim = tp_shard_dim(name) if tp > 1 else None
+        dim = tp_shard_dim(name, grid.layout.etp > 1) if tp > 1 else None
         if dim is not None:
             size = shapes[name][dim] // tp
             region[dim] = (tp_rank * size, (tp_rank + 1) * size)
@@ -183,11 +196,11 @@ def bucketed_data_parallel(named: list[tuple[str, nn.Parameter]], tp_sharded: se
     options = {"bucket_elements": la.dp_bucket_elements, "fp32_grad_accum": la.fp32_grad_accum,
                "param_dtype": param_dtype, "overlap_param_gather": la.overlaps_param_gather}
     experts = None
-    if la.ep > 1:
-        from fivefold.parallel.expert import is_expert_param
+    from fivefold.parallel.expert import is_expert_param
 
-        experts = BucketedDataParallel([(n, p) for n, p in named if is_expert_param(n)], tp_sharded,
-                                       grid.group("edp"), la.zero, **options)
+    routed = [(n, p) for n, p in named if is_expert_param(n)]
+    if la.experts_apart and routed:
+        experts = BucketedDataParallel(routed, tp_sharded, grid.group("edp"), la.zero, **options)
         named = [(n, p) for n, p in named if not is_expert_param(n)]
     dense = BucketedDataParallel(named, tp_sharded, grid.group("dp_cp"), la.zero, own_bucket=own_bucket, **options)
     return dense, experts
@@ -207,9 +220,10 @@ def apply_data_parallel(parts: dict[int, Llama], cfg: Config, grid: ProcessGrid 
     if grid is None:  # one device: built in place, nothing to reduce
         (model,) = parts.values()
         return loss_model, [LocalDataParallel(model, working_dtype(cfg, device) is not None, la.fp32_grad_accum)]
-    tp_sharded = set().union(*(tp_sharded_names(part, grid.size("tp")) for part in parts.values()))
     if la.zero == 3:
+        tp_sharded = set().union(*(norm_tp_sharded_names(part, cfg, grid.size("tp")) for part in parts.values()))
         return loss_model, [fully_shard_parts(parts, loss_model, tp_sharded, cfg, grid, device)]
+    tp_sharded = set().union(*(tp_sharded_names(part, grid.size("tp"), la.etp > 1) for part in parts.values()))
     for part in parts.values():  # each rank allocates only its parts' shards
         if is_meta(part):
             materialize_shards(part, grid, device, cfg.train.seed)

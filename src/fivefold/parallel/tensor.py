@@ -43,12 +43,17 @@ from fivefold.layout import raise_problem, tensor_parallel_problem
 from fivefold.models.llama import MLP, Attention, Llama, MoE, RMSNorm
 from fivefold.models.loss import TP_LOSS_CHUNK_TOKENS
 from fivefold.parallel.tensor_comm import (
+    all_gather,
+    all_reduce,
     copy_to_tp,
     enter_tp_region,
     exit_tp_region,
     gather_linears,
     gather_sequence,
+    gather_sequence_parts,
     grad_on_first_rank,
+    own_sequence_part,
+    reduce_from_tp,
     vocab_parallel_cross_entropy_sum,
 )
 
@@ -69,8 +74,11 @@ _SHARD_DIMS = {
 }
 
 
-def tp_shard_dim(param_name: str) -> int | None:
-    """The dim of plain-model parameter `param_name` split over the tp ranks; None when replicated."""
+def tp_shard_dim(param_name: str, split_experts: bool = True) -> int | None:
+    """The dim of plain-model parameter `param_name` split over the tp ranks; None when replicated (the routed
+    experts' weights too unless `split_experts`: whole experts, `layout.etp = 1`)."""
+    if not split_experts and param_name.rsplit(".", 1)[-1] in ("w_gate", "w_up", "w_down"):
+        return None
     for suffix, dim in _SHARD_DIMS.items():
         if param_name == suffix or param_name.endswith("." + suffix):
             return dim
@@ -86,17 +94,20 @@ def shard_for_rank(full_tensor: torch.Tensor, dim: int | None, tp_rank: int, tp_
     return full_tensor.chunk(tp_size, dim)[tp_rank]
 
 
-def shard_state(full_state: dict[str, torch.Tensor], tp_rank: int, tp_size: int) -> dict[str, torch.Tensor]:
+def shard_state(full_state: dict[str, torch.Tensor], tp_rank: int, tp_size: int,
+                split_experts: bool = True) -> dict[str, torch.Tensor]:
     """This tp rank's shards of a full plain-model state (e.g. a loaded checkpoint)."""
-    return {name: shard_for_rank(t, tp_shard_dim(name), tp_rank, tp_size).clone() for name, t in full_state.items()}
+    return {name: shard_for_rank(t, tp_shard_dim(name, split_experts), tp_rank, tp_size).clone()
+            for name, t in full_state.items()}
 
 
-def gather_state(local_state: dict[str, torch.Tensor], tp_group: ProcessGroup) -> dict[str, torch.Tensor]:
+def gather_state(local_state: dict[str, torch.Tensor], tp_group: ProcessGroup,
+                 split_experts: bool = True) -> dict[str, torch.Tensor]:
     """The full plain-model state from every tp rank's shards (collective: every tp rank calls it)."""
     size = dist.get_world_size(tp_group)
     full = {}
     for name, t in local_state.items():
-        dim = tp_shard_dim(name)
+        dim = tp_shard_dim(name, split_experts)
         if dim is None or size == 1:
             full[name] = t.detach().clone()
             continue
@@ -193,6 +204,86 @@ class TensorParallelMoE(MoE):
         return copy_to_tp(self.shared_gate.weight, self.tp_group)
 
 
+class TokenSplitMoE(TensorParallelMoE):
+    """Whole routed experts under tp (`layout.etp = 1`): each tp rank routes and dispatches its own 1/tp of every
+    sequence (its sequence-parallel slice; without SP the same slice of the replicated input), so each token
+    travels to its experts once per tp group, and the expert outputs come back whole. The shared experts are
+    split over tp like a dense MLP (f or the all-gather in, g or the reduce-scatter out).
+
+    Gradients. The router sees only the rank's tokens, so its weight enters through f (summed over tp). The
+    experts' weights are whole and their gradients partial per tp rank: the tp ranks reduce them with the edp
+    ranks (`fivefold.parallel.mesh.expert_groups`). The routing statistics that span the micro-batch are summed
+    over tp by `split_routing_over_tp` (tp the outer split, context parallel's inside it); the
+    z-loss, a mean over the rank's tokens, is averaged over tp. Without SP the routed outputs are all-gathered
+    along the sequence, whose backward keeps the rank's part of the (replicated) gradient."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group, sp = self.tp_group, self.sequence_parallel
+        full = enter_tp_region(x, group, sp) if self.shared is not None or not sp else None
+        shared = None
+        if self.shared is not None:
+            shared = exit_tp_region(self.shared_output(full.reshape(-1, full.shape[-1])).view(full.shape), group, sp)
+        local = x if sp else own_sequence_part(full, group)
+        rows = local.shape[0]
+        flat = local.reshape(-1, local.shape[-1])
+        experts, weights = self.route(flat, rows)
+        out = self.dispatch_combine(flat, experts, weights, rows=rows).view(local.shape)
+        if self.capacity_factor > 0:  # the mean over the micro-batch's tokens (logged only)
+            self.drop_fraction = all_reduce(self.drop_fraction.detach().clone(), group) / dist.get_world_size(group)
+        if not sp:
+            out = gather_sequence_parts(out, group)
+        return out if shared is None else out + shared
+
+    def route(self, x: torch.Tensor, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        experts, weights = super().route(x, rows)
+        if self.z_loss is not None:  # a mean over this rank's tokens: the micro-batch's is the mean over tp
+            self.z_loss = reduce_from_tp(self.z_loss, self.tp_group) / dist.get_world_size(self.tp_group)
+        return experts, weights
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        # the rank's tokens only: the weight's gradient is partial, summed over tp by f
+        return F.linear(x, copy_to_tp(self.router.weight, self.tp_group))
+
+
+class TokenSplitLoadBalancing:
+    """Replacement of a token-split MoE layer's `load_balancing_loss`: its slot counts and score sums are summed
+    over tp (forward all-reduce; backward the rank's own gradient, since every tp rank holds the same loss, as it
+    holds the same language-model loss), then passed on to the next split (context parallel's, or the plain loss)."""
+
+    def __init__(self, inner, group: ProcessGroup) -> None:
+        self.inner, self.group = inner, group
+
+    def __call__(self, slot_counts: torch.Tensor, prob_sums: torch.Tensor, tokens: int) -> torch.Tensor:
+        both = reduce_from_tp(torch.cat([slot_counts, prob_sums], -1), self.group)
+        counts, sums = both.split(slot_counts.shape[-1], -1)
+        return self.inner(counts, sums, tokens * dist.get_world_size(self.group))
+
+
+class TokenSplitExpertSlots:
+    """Replacement of a token-split MoE layer's `expert_slots` for capacity-based routing: the expert choices of
+    the tp ranks' parts are all-gathered along the sequence, the next split (context parallel's, or the plain
+    count) gives the queue positions of the whole, and the rank keeps its part's."""
+
+    def __init__(self, inner, group: ProcessGroup, top_k: int) -> None:
+        self.inner, self.group, self.top_k = inner, group, top_k
+
+    def __call__(self, flat_expert: torch.Tensor, rows: int) -> tuple[torch.Tensor, int]:
+        part = flat_expert.view(rows, -1, self.top_k)
+        whole = all_gather(part, 1, self.group)
+        slot, capacity = self.inner(whole.reshape(-1), rows)
+        own = slot.view(whole.shape).chunk(dist.get_world_size(self.group), 1)[dist.get_rank(self.group)]
+        return own.reshape(-1), capacity
+
+
+def split_routing_over_tp(moe: MoE, tp_group: ProcessGroup) -> None:
+    """Make a token-split MoE layer's routing statistics span the tp ranks' parts (`TokenSplitLoadBalancing`, and
+    `TokenSplitExpertSlots` for capacity-based routing), in place. Context parallel, applied later, installs its
+    own as their `inner` (`fivefold.parallel.context.install_inner`): tp is the outer split, gathered first."""
+    moe.load_balancing_loss = TokenSplitLoadBalancing(moe.load_balancing_loss, tp_group)
+    if moe.capacity_factor > 0:
+        moe.expert_slots = TokenSplitExpertSlots(moe.expert_slots, tp_group, moe.top_k)
+
+
 class SequenceParallelRMSNorm(RMSNorm):
     """A norm on this rank's sequence slice. Its weight's gradient is then a partial sum over the slice, so
     the weight enters through f (backward all-reduce over tp): the gradient is full and identical on every
@@ -231,9 +322,11 @@ def _to_tp_class(module: nn.Module, cls: type, tp_group: ProcessGroup, sequence_
     module.tp_group, module.sequence_parallel = tp_group, sequence_parallel
 
 
-def apply_tensor_parallel(model: Llama, tp_group: ProcessGroup, sequence_parallel: bool) -> None:
+def apply_tensor_parallel(model: Llama, tp_group: ProcessGroup, sequence_parallel: bool,
+                          split_experts: bool = True) -> None:
     """Shard `model` in place over `tp_group` (see the module docstring). The model must hold the same
-    full weights on every tp rank (built from the same seed) and have no optimizer yet."""
+    full weights on every tp rank (built from the same seed) and have no optimizer yet. The routed experts stay
+    whole (`TokenSplitMoE`) unless `split_experts` (`layout.etp = layout.tp`)."""
     tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
     validate_tensor_parallel(model.cfg, tp_size)
     if tp_size == 1:
@@ -248,11 +341,14 @@ def apply_tensor_parallel(model: Llama, tp_group: ProcessGroup, sequence_paralle
         _to_tp_class(attn, TensorParallelAttention, tp_group, sequence_parallel)
         mlp = block.mlp
         if isinstance(mlp, MoE):
-            for name in ("w_gate", "w_up", "w_down"):
-                _shard_param(mlp, name, tp_shard_dim(name), tp_rank, tp_size)
+            if split_experts:
+                for name in ("w_gate", "w_up", "w_down"):
+                    _shard_param(mlp, name, tp_shard_dim(name), tp_rank, tp_size)
             if mlp.shared is not None:
                 _shard_mlp(mlp.shared, tp_rank, tp_size)
-            _to_tp_class(mlp, TensorParallelMoE, tp_group, sequence_parallel)
+            _to_tp_class(mlp, TensorParallelMoE if split_experts else TokenSplitMoE, tp_group, sequence_parallel)
+            if not split_experts:
+                split_routing_over_tp(mlp, tp_group)
         else:
             _shard_mlp(mlp, tp_rank, tp_size)
             _to_tp_class(mlp, TensorParallelMLP, tp_group, sequence_parallel)

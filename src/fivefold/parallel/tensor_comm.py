@@ -108,6 +108,18 @@ class _ScatterSequence(torch.autograd.Function):
         return all_gather(grad, SEQ_DIM, ctx.group), None
 
 
+class _GatherSequenceParts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return all_gather(x, SEQ_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(size, SEQ_DIM)[rank].contiguous(), None
+
+
 class _GradOnFirstRank(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -179,6 +191,20 @@ def gather_sequence(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 def scatter_sequence(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Sequence-parallel g: reduce-scatter the partial sums [b, s, h] -> this rank's slice [b, s/tp, h]."""
     return x if _single(group) else _ScatterSequence.apply(x, group)
+
+
+def own_sequence_part(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """This rank's 1/tp of the sequence of `x` [b, s, h], held whole on every tp rank (inside a region entered by
+    f, whose backward sums the ranks' parts of the gradient)."""
+    size = dist.get_world_size(group)
+    return x if size == 1 else x.chunk(size, SEQ_DIM)[dist.get_rank(group)]
+
+
+def gather_sequence_parts(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """All-gather the tp ranks' whole results for their parts of the sequence [b, s/tp, h] -> [b, s, h]; the
+    gradient that comes back is the same on every rank (the region's output is replicated), so backward keeps the
+    rank's part of it (no sum, unlike `gather_sequence`)."""
+    return x if _single(group) else _GatherSequenceParts.apply(x, group)
 
 
 def gather_linears(x: torch.Tensor, group: ProcessGroup, *weights: torch.Tensor, weight_grad_queue=None) -> (

@@ -177,7 +177,10 @@ class Engine:
         for experts_dp in self.data_parallels[1:]:  # each ep rank holds other experts (and under tp, a slice)
             experts = sum(experts_dp.grad_square_sums())
             dist.all_reduce(experts, group=self.grid.group("ep"))
-            sharded = sharded + experts
+            if self.cfg.layout.splits_tokens_over_tp:  # whole experts: reduced over edp, which spans tp
+                replicated = replicated + experts
+            else:
+                sharded = sharded + experts
         if self.tp_size > 1:  # each tp rank holds a different slice of the sharded parameters
             dist.all_reduce(sharded, group=self.grid.group("tp"))
         total = sharded + replicated
@@ -228,14 +231,16 @@ class Engine:
     def update_expert_bias(self) -> None:
         """Auxiliary-loss-free balancing (`model.bias_update_rate > 0`): each MoE layer's bias moves towards the
         mean load of the step's global batch: the loads of this rank's micro-batches summed over the ranks that
-        hold other tokens (dp x cp, which ep folds over; tp ranks route the same tokens), in one all-reduce of
-        every layer's loads, so every rank moves the same bias. Outside autograd; not when the step is skipped."""
+        hold other tokens (dp x cp, which ep folds over; and tp with whole experts, where each tp rank routes its own
+        part of the tokens), in one all-reduce of every layer's loads per group, so every rank moves the same bias. Outside autograd; not when the step is skipped."""
         layers = self.moe_layers
         if self.cfg.model.bias_update_rate <= 0 or not layers:
             return
         loads = torch.stack([m.expert_load for m in layers])
         if self.grid is not None:
             dist.all_reduce(loads, group=self.grid.group("dp_cp"))
+            if self.cfg.layout.splits_tokens_over_tp:  # whole experts: each tp rank routed its own tokens
+                dist.all_reduce(loads, group=self.grid.group("tp"))
         loads = loads * (1 - self.step_flags[0]).to(loads.dtype)  # a skipped step moves nothing
         for moe, load in zip(layers, loads, strict=True):
             moe.update_bias(load)
@@ -310,7 +315,7 @@ class Engine:
         if self.tp_size > 1:
             from fivefold.parallel.tensor import gather_state
 
-            state = gather_state(state, self.grid.group("tp"))
+            state = gather_state(state, self.grid.group("tp"), self.cfg.layout.etp > 1)
         if self.ep_size > 1:
             from fivefold.parallel.expert import gather_expert_state
 
@@ -355,9 +360,12 @@ class Engine:
 
     def _placed(self, name: str, local_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
         """(global shape, offsets of this rank's tp/ep part in it, whether this rank is its first tp replica):
-        a dim smaller than the global one is split over ep (dim 0 of an expert weight) or tp."""
+        a dim smaller than the global one is split over ep (dim 0 of an expert weight) or tp. Whole experts under tp
+        (etp = 1) have no tp replicas: the tp ranks are among the edp ranks that their data parallel cuts them over
+        (and writes them from)."""
         from fivefold.parallel.expert import is_expert_param
 
+        whole_expert = self.cfg.layout.splits_tokens_over_tp and is_expert_param(name)
         shape = self._global_shapes()[name]
         offsets, tp_split = [], False
         for d, (local, full) in enumerate(zip(local_shape, shape, strict=True)):
@@ -368,7 +376,7 @@ class Engine:
             else:
                 offsets.append(self.tp_rank * local)
                 tp_split = True
-        return shape, tuple(offsets), tp_split or self.tp_rank == 0
+        return shape, tuple(offsets), tp_split or self.tp_rank == 0 or whole_expert
 
     def state_segments(self) -> list[Segment]:
         """Every element of the training state this rank holds, by plain parameter name (see `Segment`): its tp/ep

@@ -454,7 +454,8 @@ def apply_context_parallel(model: nn.Module, cp_group: dist.ProcessGroup, layout
         block.attn.core = RingAttentionCore(cp_group, layout)
         moe = block.mlp
         if isinstance(moe, MoE):
-            moe.load_balancing_loss = install_inner(moe.load_balancing_loss, ContextParallelLoadBalancing(moe, cp_group))
+            balancing = ContextParallelLoadBalancing(moe, cp_group)
+            moe.load_balancing_loss = install_inner(moe.load_balancing_loss, balancing)
             if moe.capacity_factor > 0:  # dropless routing needs no positions beyond the rank's own
                 moe.expert_slots = install_inner(moe.expert_slots, ContextParallelExpertSlots(moe, cp_group, layout))
     return model

@@ -232,7 +232,8 @@ class Engine:
         """Auxiliary-loss-free balancing (`model.bias_update_rate > 0`): each MoE layer's bias moves towards the
         mean load of the step's global batch: the loads of this rank's micro-batches summed over the ranks that
         hold other tokens (dp x cp, which ep folds over; and tp with whole experts, where each tp rank routes its own
-        part of the tokens), in one all-reduce of every layer's loads per group, so every rank moves the same bias. Outside autograd; not when the step is skipped."""
+        part of the tokens), in one all-reduce of every layer's loads per group, so every rank moves the same bias.
+        Outside autograd; not when the step is skipped."""
         layers = self.moe_layers
         if self.cfg.model.bias_update_rate <= 0 or not layers:
             return

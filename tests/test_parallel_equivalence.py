@@ -146,12 +146,13 @@ def layouts_on_ranks(rank: int, world_size: int, layouts: list[dict[str, str]]) 
 
 
 def check_local_shards(engine, cfg: Config) -> None:
-    """What the rank really holds and computes: n_experts / ep experts per MoE layer, seq_len / cp tokens of each
-    sequence."""
+    """What the rank really holds and computes: n_experts / ep experts per MoE layer, each whole under tp unless
+    layout.etp = tp, seq_len / cp tokens of each sequence."""
     la, m = cfg.layout, cfg.model
     for block in engine.model.layers.values():
         if m.is_moe:
             assert block.mlp.w_gate.shape[0] == m.n_experts // la.ep
+            assert block.mlp.w_gate.shape[2] == m.expert_ffn // la.etp
     rows = torch.zeros(1, cfg.train.seq_len, dtype=torch.long)
     inputs, targets, positions = engine.prepare_micro_batch(rows, rows)
     assert inputs.shape == targets.shape == (1, cfg.train.seq_len // la.cp)
@@ -205,6 +206,9 @@ def assert_matches_one_process(overrides: dict[str, str], losses: list[float], n
 
 
 MOE = {"model.n_experts": "4", "model.top_k": "2"}
+CAPACITY = {**MOE, "model.capacity_factor": "1.0"}
+# auxiliary-loss-free balancing at a rate that changes the routing within the run (tests/test_moe_routing.py)
+BIASED = {**MOE, "model.bias_update_rate": "0.05"}
 
 
 def test_data_parallel_and_zero_stages_match_one_process():
@@ -238,7 +242,11 @@ def test_tensor_and_sequence_parallel_and_recompute_match_one_process():
     assert_equivalent([
         {"layout.tp": "2"},
         {"layout.tp": "2", "layout.sp": "true", "layout.recompute": "full"},
-        {"layout.tp": "2", **MOE},
+        {"layout.tp": "2", **MOE},  # whole experts (layout.etp = 1): each tp rank routes half of every sequence
+        {"layout.tp": "2", "layout.etp": "2", **MOE},  # every expert split over tp, each rank routing all the tokens
+        # the balancing bias moved by both tp ranks' loads; capacity positions over both halves (the same drops)
+        {"layout.tp": "2", "layout.sp": "true", **BIASED},
+        {"layout.tp": "2", **CAPACITY, "model.router_z_loss_coef": "0.01", "model.aux_loss": "sequence"},
         # Qwen3's per-head query/key norms: each tp rank normalises its heads with the same weight; heads twice as
         # wide as hidden / n_heads (model.head_size, Qwen3-MoE)
         {"layout.tp": "2", "layout.sp": "true", "model.qk_norm": "head", "model.head_size": "32", **MOE},
@@ -268,7 +276,6 @@ def test_data_times_tensor_parallel_matches_one_process():
     ], world_size=4)
 
 
-CAPACITY = {**MOE, "model.capacity_factor": "1.0"}
 
 
 def test_context_parallel_matches_one_process():
@@ -300,11 +307,11 @@ def test_context_times_tensor_and_data_parallel_matches_one_process():
         {"layout.cp": "2", "layout.dp": "2"},
         {"layout.cp": "2", "layout.dp": "2", "layout.zero": "3"},
         {"layout.cp": "2", "layout.tp": "2", "layout.sp": "true", "layout.zero": "1", **MOE},
+        # capacity positions over the tp parts of each cp shard, then over the cp shards (tp the outer split)
+        {"layout.cp": "2", "layout.tp": "2", "layout.zero": "3", **CAPACITY},
     ], world_size=4)
 
 
-# auxiliary-loss-free balancing at a rate that changes the routing within the run (tests/test_moe_routing.py)
-BIASED = {**MOE, "model.bias_update_rate": "0.05"}
 
 
 def test_expert_parallel_matches_one_process():
@@ -331,7 +338,9 @@ def test_expert_parallel_over_context_parallel_matches_one_process():
 @pytest.mark.slow
 def test_expert_times_tensor_and_data_parallel_matches_one_process():
     assert_equivalent([
-        {"layout.dp": "2", "layout.tp": "2", "layout.ep": "2", **MOE},
+        # experts whole on the tp ranks (etp = 1), reduced over edp = tp x dp / ep; and split over tp (etp = 2)
+        {"layout.dp": "2", "layout.tp": "2", "layout.ep": "2", **BIASED},
+        {"layout.dp": "2", "layout.tp": "2", "layout.ep": "2", "layout.etp": "2", **MOE},
         {"layout.dp": "2", "layout.tp": "2", "layout.ep": "2", "layout.sp": "true", "layout.zero": "2", **CAPACITY},
         # two ranks hold the same experts: expert gradients reduced over them (edp), ZeRO slices over them
         {"layout.dp": "4", "layout.ep": "2", "layout.zero": "1", **MOE},

@@ -113,3 +113,92 @@ def test_expert_parameter_names():
     shard = shard_expert_state(state, 1, 2)
     assert shard["layers.0.mlp.w_up"].tolist() == [[4.0, 5.0], [6.0, 7.0]] and shard["embed.weight"] is state[
         "embed.weight"]
+
+
+def dispatched_rows(rank: int, world_size: int, etps: tuple[str, ...]) -> list[int]:
+    """Per etp: the rows this rank sent through the expert all-to-alls (dispatch and combine) in one training step
+    of dp2 x tp2 x ep2."""
+    from tests.test_parallel_equivalence import MOE, tiny_config
+
+    import fivefold.parallel.expert as expert
+    from fivefold.train.build import build_engine
+
+    sent = [0]
+    original = expert.all_to_all
+
+    def counting(rows, send_splits, recv_splits, group):
+        sent[0] += sum(send_splits)
+        return original(rows, send_splits, recv_splits, group)
+
+    expert.all_to_all = counting
+    counts = []
+    try:
+        for etp in etps:
+            cfg = tiny_config({"layout.dp": "2", "layout.tp": "2", "layout.ep": "2", "layout.etp": etp, **MOE})
+            engine = build_engine(cfg, torch.device("cpu"))
+            tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch_size // 2, cfg.train.seq_len + 1),
+                                   generator=torch.Generator().manual_seed(engine.dp_rank))
+            sent[0] = 0
+            engine.forward_backward([(tokens[:, :-1], tokens[:, 1:])], cfg.train.global_batch_size * cfg.train.seq_len)
+            counts.append(sent[0])
+    finally:
+        expert.all_to_all = original
+    return counts
+
+
+def test_whole_experts_dispatch_each_token_once_per_tp_group():
+    """dp2 x tp2 x ep2: with whole experts (etp = 1) the four ranks together send every routed slot of the global
+    batch once to its expert and once back, 2 x tokens x top_k x layers rows; with experts split over tp (etp = 2)
+    each tp rank sends all of its dp rank's slots, twice as many."""
+    from tests.test_parallel_equivalence import tiny_config
+
+    per_rank = run_ranks(4, dispatched_rows, ("1", "2"))
+    cfg = tiny_config({"model.n_experts": "4", "model.top_k": "2"})
+    slots = cfg.train.global_batch_size * cfg.train.seq_len * cfg.model.top_k * cfg.model.n_layers
+    whole, split = (sum(rank[i] for rank in per_rank) for i in range(2))
+    assert whole == 2 * slots, (whole, slots)
+    assert split == 2 * 2 * slots, (split, slots)
+    assert per_rank[0][0] > 0 and per_rank[1][0] > 0  # both tp ranks of a dp rank dispatch (their own halves)
+
+
+def shared_beside_dispatch(rank: int, world_size: int, impl: str) -> list[str]:
+    """The forward's order of events on this rank of an ep2 MoE layer with a shared expert: each all-to-all launched
+    (async or not), each wait of an asynchronous one, the shared expert's forward."""
+    import fivefold.parallel.expert_comm as comm
+
+    events: list[str] = []
+    original = comm.dist.all_to_all_single
+
+    def recording(*args, async_op: bool = False, **kwargs):
+        work = original(*args, async_op=async_op, **kwargs)
+        events.append("launch async" if async_op else "all-to-all")
+        if work is None:
+            return None
+
+        class Recorded:
+            def wait(self, *a, **k):
+                events.append("wait")
+                return work.wait(*a, **k)
+
+        return Recorded()
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleDict({"0": torch.nn.Module()})
+    model.layers["0"].mlp = build_moe(moe_config(impl=impl), skew=False)
+    apply_expert_parallel(model, dist.group.WORLD)
+    moe = model.layers["0"].mlp
+    moe.shared.register_forward_hook(lambda *_: events.append("shared"))
+    comm.dist.all_to_all_single = recording
+    try:
+        moe(rank_tokens(rank, moe_config(impl=impl)))
+    finally:
+        comm.dist.all_to_all_single = original
+    return events
+
+
+def test_shared_experts_run_while_the_dispatch_travels():
+    """Every rank: the counts' all-to-all, the dispatch launched asynchronously, the shared expert, the wait for the
+    dispatched rows, then the combine's all-to-all (the values themselves: test_expert_dispatch_matches_...)."""
+    for impl in ("grouped", "padded"):
+        for events in run_ranks(2, shared_beside_dispatch, impl):
+            assert events == ["all-to-all", "launch async", "shared", "wait", "all-to-all"], (impl, events)

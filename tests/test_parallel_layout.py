@@ -246,3 +246,35 @@ def test_grid_group_names_each_group_and_refuses_an_unknown_name():
     assert not hasattr(grid, "tp_group") and not hasattr(grid, "grad_group")
     with pytest.raises(KeyError, match="'edp' is not in this grid; it has tp, dp_cp"):
         grid.group("edp")
+
+
+def test_hsdp_expert_arrays_join_the_tp_ranks_with_whole_experts():
+    """HSDP x ep with whole experts under tp: each expert array's rows (shard groups) hold the members of both tp
+    ranks at one ep position, as many as `expert_zero_group`; its columns are replica groups of the dense arrays (so
+    fully_shard's replicate dimension all-reduces each shard over its replicas), and every rank is in one row."""
+    from fivefold.parallel.mesh import hsdp_expert_grids, hsdp_grids
+
+    layout = LayoutConfig(dp=4, tp=2, ep=2, pp=2, zero=3, dp_shard=2)
+    replicas = {tuple(col) for g in hsdp_grids(layout) for col in zip(*g, strict=True)}
+    grids = hsdp_expert_grids(layout)
+    ep_blocks = expert_groups(layout)[0]
+    position = {r: block.index(r) for block in ep_blocks for r in block}
+    assert len(grids) == layout.pp * layout.ep
+    for grid in grids:
+        assert len(grid) == layout.zero_replicas
+        for row in grid:
+            assert len(row) == layout.expert_zero_group == 2 and row == sorted(row)
+            assert len({position[r] for r in row}) == 1 and len({r % layout.tp for r in row}) == layout.tp
+        assert all(tuple(col) in replicas for col in zip(*grid, strict=True)), grid
+    assert sorted(r for g in grids for row in g for r in row) == list(range(layout.world_size))
+
+
+def test_expert_tensor_parallel_degree_is_one_or_tp():
+    moe = {"model__n_experts": "4", "model__top_k": "2"}
+    msg = refused(config(layout__tp="2", layout__etp="4", **moe), 2)
+    assert "layout.etp = 4 must be 1" in msg and "layout.tp = 2" in msg
+    # whole experts split each sequence over the tp ranks: the sequence must divide (without SP too)
+    msg = refused(config(layout__tp="2", train__seq_len="33", **moe), 2)
+    assert "train.seq_len = 33 is not divisible by layout.tp = 2" in msg and "layout.etp = 2" in msg
+    config(layout__tp="2", layout__etp="2", train__seq_len="33", **moe).validate()  # split experts route it all
+    check_layout(config(layout__tp="2", layout__etp="2", train__seq_len="33", **moe), 2)

@@ -251,7 +251,7 @@ class MoE(nn.Module):
         """Top-k expert indices and their weights for tokens `x` [tokens, hidden] of `rows` sequences (by
         `model.router_scores` and `norm_topk`, chosen with the balancing bias when `bias_update_rate > 0`);
         records the load-balancing loss (`aux_loss`), the router z-loss (`z_loss`) and the step's expert loads."""
-        logits = self.router_logits(x).float()
+        logits = self.router(x).float()
         scores = F.softmax(logits, dim=-1) if self.router_scores == "softmax" else torch.sigmoid(logits)
         if self.balanced_routing:
             experts = balanced_experts(x.shape[0], self.top_k, self.n_experts, x.device)
@@ -274,10 +274,6 @@ class MoE(nn.Module):
         if self.bias_update_rate > 0 and torch.is_grad_enabled() and self.replayed_counts is None:
             self.expert_load += slot_counts.sum(0)  # training forwards only, once (not again when recomputed)
         return experts, weights.to(x.dtype)
-
-    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The router's logits for tokens `x` (tensor parallel with whole experts replaces this)."""
-        return self.router(x)
 
     def load_balancing_loss(self, slot_counts: torch.Tensor, prob_sums: torch.Tensor, tokens: int) -> torch.Tensor:
         """The load-balancing loss over `tokens` tokens of `rows` sequences, from the routed slot counts and the
@@ -342,10 +338,13 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         experts, weights = self.route(x, shape[0])
-        out = self.dispatch_combine(x, experts, weights, rows=shape[0])
-        if self.shared is not None:
-            out = out + self.shared_output(x)
-        return out.view(shape)
+        out, shared = self.dispatch_combine(x, experts, weights, rows=shape[0], beside=self.shared_beside(x))
+        return (out if shared is None else out + shared).view(shape)
+
+    def shared_beside(self, x: torch.Tensor):
+        """The shared experts on tokens `x` as a callable for `dispatch_combine` to run beside the dispatch (None
+        without shared experts)."""
+        return None if self.shared is None else functools.partial(self.shared_output, x)
 
     def shared_output(self, x: torch.Tensor) -> torch.Tensor:
         """The shared experts on tokens `x` [tokens, hidden], scaled by their sigmoid gate when there is one."""
@@ -378,11 +377,18 @@ class MoE(nn.Module):
         self.drop_fraction = 1.0 - keep.float().mean()
         return keep
 
-    def dispatch_combine(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                         rows: int = 1) -> torch.Tensor:
+    def dispatch_combine(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, rows: int = 1,
+                         beside=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run the routed experts on the tokens of `x` [tokens, hidden] and sum each token's expert outputs scaled
-        by its routing weights, by `model.moe_impl`. Expert parallel replaces this method with a dispatch over the
-        ep ranks."""
+        by its routing weights, by `model.moe_impl`; returns that and the result of `beside()` (the shared experts,
+        or None). Expert parallel replaces this method with a dispatch over the ep ranks, which runs `beside` while
+        the tokens travel; here it runs first."""
+        shared = beside() if beside is not None else None
+        return self.local_dispatch_combine(x, experts, weights, rows), shared
+
+    def local_dispatch_combine(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                               rows: int = 1) -> torch.Tensor:
+        """`dispatch_combine`'s routed experts on this rank, by `model.moe_impl`."""
         if self.impl == "padded":
             return self.padded_dispatch_combine(x, experts, weights, rows)
         flat = experts.reshape(-1)

@@ -23,6 +23,14 @@ top-k and h the hidden size:
 5. combine: the expert outputs return by the reverse all-to-all (same volume), and each token sums its
    outputs scaled by its routing weights.
 
+The shared experts run while the dispatch's rows travel (`expert_comm.all_to_all_beside`): the exchange is launched
+asynchronously, the shared experts' matmuls run, then the layer waits for the rows. On accelerators the exchange
+runs on the communicator's stream beside the compute stream; on the CPU gloo moves the rows in its own thread while
+the main thread computes. The order on every rank is: counts exchange, dispatch launched, shared experts, wait,
+routed experts, combine. Backward exchanges synchronously (see `_AllToAllStart`). Under tensor parallel the shared
+experts' collectives (f/g, or the all-gather and reduce-scatter) stay outside that window, so no two
+communicators' collectives are ever in flight at once.
+
 Backward runs the two all-to-alls in reverse order with the splits swapped. The host reads the count tables once
 (the split sizes), and a recomputed forward reuses them (`fivefold.parallel.recompute`). The load-balancing loss stays
 local to the rank's micro-batch (summed over cp by `fivefold.parallel.context`), as in one process.
@@ -36,7 +44,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from fivefold.models.llama import Llama, MoE, expert_counts
-from fivefold.parallel.expert_comm import all_to_all, exchange_counts
+from fivefold.parallel.expert_comm import all_to_all, all_to_all_beside, exchange_counts
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # batched routed-expert weights; dim 0 is the expert
 
@@ -90,9 +98,10 @@ class ExpertParallelDispatch:
             moe.recorded_counts.append(tables)
         return tables
 
-    def __call__(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, rows: int = 1) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, rows: int = 1,
+                 beside=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.moe.impl == "padded":
-            return self.padded(x, experts, weights, rows)
+            return self.padded(x, experts, weights, rows, beside)
         moe, ep, local = self.moe, self.ep, self.local_experts
         flat = experts.reshape(-1)
         keep = moe.kept_mask(flat, rows)
@@ -100,19 +109,20 @@ class ExpertParallelDispatch:
         key = flat if keep is None else torch.where(keep, flat, moe.n_experts)
         order = key.argsort(stable=True)  # grouped by expert, hence by destination rank
         send_counts = expert_counts(key, moe.n_experts + 1)[:moe.n_experts].view(ep, local)
-        sent, received, recv_counts, _, splits = self.dispatch(x, order, send_counts)
+        sent, received, recv_counts, _, splits, shared = self.dispatch(x, order, send_counts, beside)
         # received rows come in blocks (source rank, local expert): sort them by local expert (stable, so
         # earlier source ranks first), run the grouped experts, and put the outputs back in arrival order
         block = torch.repeat_interleave(torch.arange(ep * local, device=x.device), recv_counts.reshape(-1),
                                         output_size=sum(splits[1]))
         by_expert = (block % local).argsort(stable=True)
         out = moe.grouped_experts(received[by_expert], recv_counts.sum(0))
-        return self.combine(x, torch.empty_like(out).index_copy(0, by_expert, out), sent, weights, splits)
+        return self.combine(x, torch.empty_like(out).index_copy(0, by_expert, out), sent, weights, splits), shared
 
-    def dispatch(self, x: torch.Tensor, order: torch.Tensor, send_counts: torch.Tensor) -> tuple:
+    def dispatch(self, x: torch.Tensor, order: torch.Tensor, send_counts: torch.Tensor, beside=None) -> tuple:
         """Send the rows of the slots `order` (slot indices, grouped by expert; those past the counted ones stay
-        home) to their experts' ranks. Returns (the slots sent, the rows received, the receive counts [source
-        rank, local expert] on the device and as a table, (send splits, receive splits))."""
+        home) to their experts' ranks, running `beside()` (the shared experts) while they travel. Returns (the
+        slots sent, the rows received, the receive counts [source rank, local expert] on the device and as a table,
+        (send splits, receive splits), what `beside` returned or None)."""
         recv_counts = exchange_counts(send_counts, self.group)  # [source rank, local expert]
         send_table, recv_table = self.host_counts(send_counts, recv_counts)
         splits = [sum(r) for r in send_table], [sum(r) for r in recv_table]
@@ -120,7 +130,10 @@ class ExpertParallelDispatch:
         rows = x[sent // self.moe.top_k]
         if torch.is_autocast_enabled(x.device.type):  # the experts' matmuls take it in that dtype anyway
             rows = rows.to(torch.get_autocast_dtype(x.device.type))
-        return sent, all_to_all(rows, *splits, self.group), recv_counts, recv_table, splits
+        if beside is None:
+            return sent, all_to_all(rows, *splits, self.group), recv_counts, recv_table, splits, None
+        received, shared = all_to_all_beside(rows, *splits, self.group, beside)
+        return sent, received, recv_counts, recv_table, splits, shared
 
     def combine(self, x: torch.Tensor, result: torch.Tensor, sent: torch.Tensor, weights: torch.Tensor,
                 splits: tuple[list[int], list[int]]) -> torch.Tensor:
@@ -130,15 +143,16 @@ class ExpertParallelDispatch:
         contrib = returned.to(x.dtype) * weights.reshape(-1)[sent].unsqueeze(-1)
         return x.new_zeros(x.shape).index_add_(0, sent // self.moe.top_k, contrib)
 
-    def padded(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, rows: int = 1) -> torch.Tensor:
+    def padded(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, rows: int = 1,
+               beside=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`model.moe_impl = "padded"`: the received rows packed by local expert into [local experts, busiest
         expert's rows, hidden] and run as one batched matmul."""
         moe, ep, local = self.moe, self.ep, self.local_experts
         kept, _, _ = moe.kept_slots(experts, rows)
         kept_expert = experts.reshape(-1)[kept]
         send_counts = torch.bincount(kept_expert, minlength=moe.n_experts).view(ep, local)
-        sent, received, recv_counts, recv_table, splits = self.dispatch(
-            x, kept[kept_expert.argsort(stable=True)], send_counts)
+        sent, received, recv_counts, recv_table, splits, shared = self.dispatch(
+            x, kept[kept_expert.argsort(stable=True)], send_counts, beside)
         # received rows come in blocks (source rank, local expert); place each in its expert's packed queue,
         # after the rows of the same expert from earlier source ranks
         block_counts = recv_counts.reshape(-1)
@@ -151,7 +165,7 @@ class ExpertParallelDispatch:
         packed = received.new_zeros(local, capacity, x.shape[1])
         packed[local_expert, position] = received
         result = moe.experts_forward(packed)[local_expert, position]
-        return self.combine(x, result, sent, weights, splits)
+        return self.combine(x, result, sent, weights, splits), shared
 
 
 def apply_expert_parallel(model: Llama, ep_group: ProcessGroup) -> None:

@@ -37,6 +37,50 @@ class _AllToAll(torch.autograd.Function):
         return sent_grad, None, None, None
 
 
+class _AllToAllStart(torch.autograd.Function):
+    """`_AllToAll` whose forward only launches the exchange (`async_op`): the received rows are valid after
+    `_AllToAllWait`. Backward exchanges the gradients synchronously: the work that autograd may run beside it
+    (the shared experts' backward) can hold tensor-parallel collectives, and collectives of two communicators in
+    flight at once are what NCCL does not order."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: ProcessGroup,
+                pending: list) -> torch.Tensor:
+        ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
+        received = rows.new_empty(sum(recv_splits), *rows.shape[1:])
+        pending.append(dist.all_to_all_single(received, rows.contiguous(), recv_splits, send_splits, group=group,
+                                              async_op=True))
+        return received
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        sent_grad = grad.new_empty(sum(ctx.send_splits), *grad.shape[1:])
+        dist.all_to_all_single(sent_grad, grad.contiguous(), ctx.send_splits, ctx.recv_splits, group=ctx.group)
+        return sent_grad, None, None, None, None
+
+
+class _AllToAllWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, received: torch.Tensor, pending: list) -> torch.Tensor:
+        pending.pop().wait()
+        return received.view_as(received)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def all_to_all_beside(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: ProcessGroup,
+                      beside) -> tuple[torch.Tensor, object]:
+    """`all_to_all` with `beside()` (compute without collectives: the shared experts) run while the rows travel;
+    returns (the rows received, what `beside` returned). On accelerators the exchange runs on the communicator's
+    own stream while `beside` runs on the compute stream; on the CPU gloo moves the rows in its own thread."""
+    pending: list = []
+    received = _AllToAllStart.apply(rows, send_splits, recv_splits, group, pending)
+    result = beside()
+    return _AllToAllWait.apply(received, pending), result
+
+
 def all_to_all(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int],
                group: ProcessGroup) -> torch.Tensor:
     """Send the first `send_splits[0]` rows of `rows` to ep rank 0, the next `send_splits[1]` to rank 1, ...;

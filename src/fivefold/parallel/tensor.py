@@ -192,9 +192,9 @@ class TensorParallelMoE(MoE):
         x = x.reshape(-1, shape[-1])
         experts, weights = self.route(grad_on_first_rank(x, group), shape[0])
         # the weights scale partial expert outputs, so their gradient is partial too: f sums it
-        out = self.dispatch_combine(x, experts, copy_to_tp(weights, group), rows=shape[0])
-        if self.shared is not None:
-            out = out + self.shared_output(x)
+        out, shared = self.dispatch_combine(x, experts, copy_to_tp(weights, group), rows=shape[0],
+                                            beside=self.shared_beside(x))
+        out = out if shared is None else out + shared
         return exit_tp_region(out.view(shape), group, self.sequence_parallel)
 
     def shared_gate_weight(self) -> torch.Tensor:
@@ -210,7 +210,7 @@ class TokenSplitMoE(TensorParallelMoE):
     travels to its experts once per tp group, and the expert outputs come back whole. The shared experts are
     split over tp like a dense MLP (f or the all-gather in, g or the reduce-scatter out).
 
-    Gradients. The router sees only the rank's tokens, so its weight enters through f (summed over tp). The
+    Gradients. The router sees only the rank's tokens, so its weight enters through f (`TokenSplitRouter`). The
     experts' weights are whole and their gradients partial per tp rank: the tp ranks reduce them with the edp
     ranks (`fivefold.parallel.mesh.expert_groups`). The routing statistics that span the micro-batch are summed
     over tp by `split_routing_over_tp` (tp the outer split, context parallel's inside it); the
@@ -220,14 +220,16 @@ class TokenSplitMoE(TensorParallelMoE):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group, sp = self.tp_group, self.sequence_parallel
         full = enter_tp_region(x, group, sp) if self.shared is not None or not sp else None
-        shared = None
-        if self.shared is not None:
-            shared = exit_tp_region(self.shared_output(full.reshape(-1, full.shape[-1])).view(full.shape), group, sp)
         local = x if sp else own_sequence_part(full, group)
         rows = local.shape[0]
         flat = local.reshape(-1, local.shape[-1])
         experts, weights = self.route(flat, rows)
-        out = self.dispatch_combine(flat, experts, weights, rows=rows).view(local.shape)
+        # the shared experts' matmuls (no collective) run beside the dispatch; their g / reduce-scatter after it
+        beside = None if full is None else self.shared_beside(full.reshape(-1, full.shape[-1]))
+        out, shared = self.dispatch_combine(flat, experts, weights, rows=rows, beside=beside)
+        out = out.view(local.shape)
+        if shared is not None:
+            shared = exit_tp_region(shared.view(full.shape), group, sp)
         if self.capacity_factor > 0:  # the mean over the micro-batch's tokens (logged only)
             self.drop_fraction = all_reduce(self.drop_fraction.detach().clone(), group) / dist.get_world_size(group)
         if not sp:
@@ -240,9 +242,17 @@ class TokenSplitMoE(TensorParallelMoE):
             self.z_loss = reduce_from_tp(self.z_loss, self.tp_group) / dist.get_world_size(self.tp_group)
         return experts, weights
 
-    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        # the rank's tokens only: the weight's gradient is partial, summed over tp by f
-        return F.linear(x, copy_to_tp(self.router.weight, self.tp_group))
+
+
+class TokenSplitRouter(nn.Linear):
+    """The router of a token-split MoE layer: it sees the rank's tokens only, so its weight's gradient is partial and
+    the weight enters through f (summed over tp). A module of its own, so that the weight it reads is the one that
+    ZeRO-3's unit has gathered before its forward."""
+
+    tp_group: ProcessGroup
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, copy_to_tp(self.weight, self.tp_group))
 
 
 class TokenSplitLoadBalancing:
@@ -349,6 +359,7 @@ def apply_tensor_parallel(model: Llama, tp_group: ProcessGroup, sequence_paralle
             _to_tp_class(mlp, TensorParallelMoE if split_experts else TokenSplitMoE, tp_group, sequence_parallel)
             if not split_experts:
                 split_routing_over_tp(mlp, tp_group)
+                mlp.router.__class__, mlp.router.tp_group = TokenSplitRouter, tp_group
         else:
             _shard_mlp(mlp, tp_rank, tp_size)
             _to_tp_class(mlp, TensorParallelMLP, tp_group, sequence_parallel)

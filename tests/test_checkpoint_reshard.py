@@ -76,6 +76,22 @@ def test_dp2_tp2_checkpoint_resumes_under_pp2_and_one_process(tmp_path, dataset)
     assert written == sum(t.numel() for t in model.values())
 
 
+def test_whole_experts_under_tp_checkpoint_resumes_in_one_process_and_split(tmp_path, dataset):  # noqa: F811
+    """dp2 x tp2 with whole experts (etp = 1) under ZeRO-1: the experts' AdamW moments are cut over the edp ranks,
+    all four here (both tp ranks of both dp ranks), so every rank writes its own slices (the dense weights' second
+    tp replica writes none of theirs); together one copy of every tensor, and the checkpoint resumes in one process
+    and with experts split over tp."""
+    check_change(tmp_path, dataset, (4, {"layout.dp": "2", "layout.tp": "2", "layout.zero": "1"}),
+                 [(1, {}), (2, {"layout.tp": "2", "layout.etp": "2"})], model=MOE)
+    path = ckpt.checkpoint_dir(tmp_path / "full", 3)
+    pieces = [p for r in range(4) for p in json.loads((path / f"rank{r}.json").read_text())["pieces"]]
+    written = sum(math.prod(p["piece_shape"]) for p in pieces if p["name"].startswith("model."))
+    assert written == sum(t.numel() for t in ckpt.read_model_state(path).values())
+    for r in range(4):  # the tp rank 1s too: their slices of the experts' moments exist nowhere else
+        names = [p["name"] for p in json.loads((path / f"rank{r}.json").read_text())["pieces"]]
+        assert any(n.startswith("exp_avg.") and n.rsplit(".", 1)[-1] in ("w_gate", "w_up", "w_down") for n in names), r
+
+
 def test_hsdp_checkpoint_resumes_under_fsdp_and_one_process(tmp_path, dataset):  # noqa: F811
     """HSDP (dp4, shard groups of 2, 2 replicas): each shard is written once, by its first replica, and the
     checkpoint resumes under plain ZeRO-3 over dp2, under one process and under HSDP x pp2."""

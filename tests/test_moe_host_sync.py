@@ -122,3 +122,25 @@ def test_expert_parallel_reads_the_split_sizes_once_per_layer_recompute_included
                 assert reads == ["Tensor.tolist"] * LAYERS, (recompute, reads)
             else:  # the loop over the local experts reads their offsets once more per layer and recomputation
                 assert reads.count("Tensor.tolist") <= LAYERS * (3 if recompute != "none" else 2), (recompute, reads)
+
+
+def tp_reads(rank: int, world_size: int, cases: list[tuple[bool, float]]) -> list[list[str]]:
+    from fivefold.parallel.tensor import apply_tensor_parallel
+
+    results = []
+    for sp, capacity_factor in cases:
+        model = build_model(moe_config("grouped", capacity_factor), seed=0)
+        apply_tensor_parallel(model, dist.group.WORLD, sp, split_experts=False)
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+        results.append(reads_in_step(model, tokens))
+    return results
+
+
+def test_whole_experts_under_tp_read_nothing_on_the_host() -> None:
+    """tp2 with whole experts (each tp rank routing its half of the tokens; the statistics, capacity queues and drop
+    fraction summed over tp by collectives, which read nothing): no host read, with and without SP and capacity."""
+    if not grouped_mm_on_cpu():
+        pytest.skip("torch.nn.functional.grouped_mm does not run on this PyTorch's CPU")
+    cases = [(sp, capacity_factor) for sp in (False, True) for capacity_factor in (0.0, 1.0)]
+    for calls in run_ranks(2, tp_reads, cases):
+        assert calls == [[]] * len(cases), calls

@@ -133,14 +133,18 @@ def test_pickles_are_never_loaded(tmp_path):
 
 
 def test_background_save_writes_the_synchronous_files_and_skips_a_non_finite_state(tmp_path, capsys):
-    """A background save (`AsyncSave`: host copies written by a thread) writes the same bytes as a synchronous save of
-    the same state, even when the state changes while the thread writes; a state with NaN is not written and the
-    older checkpoint stays, as for a synchronous save."""
+    """A background save (`AsyncSave`: a thread writes the state, on the CPU the live tensors themselves) writes the
+    same bytes as a synchronous save of the same state, even when the state changes right after the save: the next
+    step's update first waits for the writer to have read it (`Engine.wait_for_state_readers`, as `optimizer_step`
+    does); a state with NaN is not written and the older checkpoint stays, as for a synchronous save."""
     cfg, engine = _trained_state(0)
     sync = _save(tmp_path / "sync", 1, engine, cfg)
     saver = ckpt.Checkpointer(tmp_path / "async", engine, cfg)
     assert saver.save(1, 10, cfg.train.global_batch_size, background=True) is None  # still being written
-    with torch.no_grad():  # the next step's update, while the thread may still write
+    assert engine.state_readers  # the live state is being read: the next update must wait
+    engine.wait_for_state_readers()
+    assert not engine.state_readers
+    with torch.no_grad():  # the next step's update, while the thread may still finish the checkpoint
         for p in engine.model.parameters():
             p.add_(1.0)
     written = saver.wait()
@@ -154,3 +158,20 @@ def test_background_save_writes_the_synchronous_files_and_skips_a_non_finite_sta
     assert "not writing the checkpoint of step 2: the weights or optimizer state hold NaN or inf" in \
         capsys.readouterr().err
     assert [p.name for p in (tmp_path / "async" / "checkpoints").iterdir()] == [written.name]
+
+
+def test_the_finiteness_check_sees_one_bad_element_and_no_false_one():
+    """`all_finite` reads each tensor's sum and only looks element by element where the sum is not finite: one NaN or
+    infinity anywhere is found, and large finite values whose sum overflows are still finite."""
+    from types import SimpleNamespace
+
+    from fivefold.train.checkpoint import all_finite
+
+    engine = SimpleNamespace(device=torch.device("cpu"), agree=lambda t: t)
+    big = torch.full((1000,), 3e38)  # finite, but their sum overflows to inf
+    assert all_finite(engine, [torch.randn(10, 10), big, torch.arange(5), big.bfloat16()])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        t = torch.randn(100_000)
+        t[77_777] = bad
+        assert not all_finite(engine, [torch.randn(3), t]), bad
+        assert not all_finite(engine, [big, t.bfloat16()]), bad

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -279,3 +280,31 @@ def test_hf_init_refuses_data_prepared_with_another_tokenizer(tmp_path, dataset)
     with pytest.raises(DataError, match="prepared with another tokenizer than the model's"):
         train(small_config(tmp_path / "r", other, **{"train.max_steps": "1"}), hf_init=tmp_path / "hf")
     assert not (tmp_path / "r").exists()
+
+
+def test_a_slow_background_save_holds_the_state_of_its_step(tmp_path, dataset, monkeypatch):
+    """On the CPU the asynchronous save writes the live weights and moments without a copy; the next optimizer step
+    waits until the writer has read them. With a writer slowed down by a second per save, the checkpoint of step 3
+    still holds step 3's state: resumed from it, steps 4-6 equal the uninterrupted run's bit for bit (without the
+    wait the writer would read weights that step 4 had already changed)."""
+    import time
+
+    from fivefold.train import checkpoint as ckpt
+
+    full = train(small_config(tmp_path / "full", dataset))
+    write = ckpt.write_rank_files
+
+    def slow(*args, **kwargs):
+        time.sleep(1.0)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "write_rank_files", slow)
+    cut = small_config(tmp_path / "cut", dataset, **{"train.async_checkpoint": "true"})
+    first = train(cut, stop_after=5)  # the save of step 3 in the background, while steps 4 and 5 run
+    monkeypatch.setattr(ckpt, "write_rank_files", write)
+    assert first.losses == full.losses[:5]
+    for newer in ckpt.list_checkpoints(tmp_path / "cut"):  # keep step 3's checkpoint only
+        if newer.name != "step_00000003":
+            shutil.rmtree(newer)
+    rest = train(small_config(tmp_path / "cut", dataset), resume=True)
+    assert rest.losses == full.losses[3:]

@@ -429,9 +429,16 @@ def all_finite(engine: Engine, tensors: list[torch.Tensor]) -> bool:
     a time: a mask of a whole piece (a byte per element, tens of MiB for a large layer) would stay in the process's
     heap and make the save the largest resident memory of the run."""
     ok = torch.ones((), dtype=torch.bool, device=engine.device)
-    for v in tensors:
-        for chunk in v.reshape(-1).split(FINITE_CHUNK):
-            ok &= torch.isfinite(chunk).all()
+    floats = [v for v in tensors if v.is_floating_point()]  # integers are finite
+    # a finite sum proves every element of a tensor finite (a NaN or an infinity makes any sum NaN or infinite): one
+    # read of each tensor without temporaries, and one host read; only a tensor whose sum is not finite (an overflow
+    # of large finite values, or a real NaN) is checked element by element
+    sums = torch.isfinite(torch.stack([v.sum().float() for v in floats])) if floats else None
+    if sums is not None and not bool(sums.all()):
+        for v, finite in zip(floats, sums.tolist(), strict=True):
+            if not finite:
+                for chunk in v.reshape(-1).split(FINITE_CHUNK):
+                    ok &= torch.isfinite(chunk).all()
     return not engine.agree((~ok).float().reshape(1)).item()
 
 
@@ -476,7 +483,8 @@ WRITER_NICENESS = 10  # of a background save's thread (Linux schedules threads a
 
 
 class AsyncSave:
-    """One rank's part of a checkpoint written in the background, from host copies taken at the save: a thread
+    """One rank's part of a checkpoint written in the background, from host copies taken at the save (on the CPU from
+    the live state itself, which the next optimizer step waits to change until `state_read` is set): a thread
     writes the rank's files (the same files, checksums and fsyncs as a synchronous save), then leaves the marker
     `rankN.written` (or `rankN.failed` with its error) in the `.tmp` directory. On the logging rank the same thread
     then waits for every rank's marker, removes the markers and finishes the checkpoint (trainer state, config,
@@ -491,11 +499,19 @@ class AsyncSave:
         self.error = ""
         self.written: Path | None = None
         self.cancel = threading.Event()  # set by a stop: give the save up (between pieces) rather than finish it
+        self.state_read = threading.Event()  # set once the rank's pieces are written (or the write has ended)
         self.thread = threading.Thread(target=self._run, name=f"fivefold-checkpoint-{step}", daemon=True)
 
     def start(self) -> AsyncSave:
         self.thread.start()
         return self
+
+    def release(self, abandon_if) -> None:
+        """Return once this save reads the live state no more; give it up (between two pieces) if `abandon_if()`
+        turns true meanwhile."""
+        while not self.state_read.wait(0.05):
+            if abandon_if():
+                self.cancel.set()
 
     def join(self) -> str:
         """Wait for this rank's part; '' or its error line."""
@@ -507,9 +523,13 @@ class AsyncSave:
         with contextlib.suppress(OSError, AttributeError):  # Linux: this thread yields the cores to training's
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
         try:
-            error = _os_error(lambda: write_rank_files(tmp, rank, self.pieces, self.steps, self.owner.engine.device,
-                                                       self.rng, cancelled=self.cancel.is_set))
-            self.pieces = []  # the host copies stay with the owner (reused), not with this save
+            try:
+                error = _os_error(lambda: write_rank_files(tmp, rank, self.pieces, self.steps,
+                                                           self.owner.engine.device, self.rng,
+                                                           cancelled=self.cancel.is_set))
+            finally:  # whatever happened, this thread reads the pieces no more
+                self.pieces = []  # (host copies stay with the owner, reused; the live state with the engine)
+                self.state_read.set()
             marker = tmp / (f"rank{rank}.failed" if error else f"rank{rank}.written")
             with contextlib.suppress(OSError):
                 marker.write_text(error)
@@ -555,7 +575,7 @@ class Checkpointer:
         self.rank, self.world, self.is_first = rank, world, is_first
         self.config_toml = dump_toml(cfg)  # the resolved config, as the run directory and every checkpoint keep it
         self.in_flight: AsyncSave | None = None  # the asynchronous save being written (at most one)
-        self.host: list[torch.Tensor] = []  # its host copies, kept for the next save on accelerators (pinned)
+        self.host: list[torch.Tensor] = []  # its host copies on accelerators, kept for the next save (pinned)
 
     def load(self, candidates: list[Path]) -> LoadedCheckpoint | None:
         """The newest of `candidates` (newest first) that every rank reads, verifies (each rank the files it reads)
@@ -673,10 +693,16 @@ class Checkpointer:
             raise self._write_failed(step, tmp, error)
         if background and t.async_checkpoint:
             rng = _rng_state(engine.device)
-            self.host = host_copies(pieces, self.host, engine.device)
-            copies = [Piece(p.name, p.shape, p.offsets, h) for p, h in zip(pieces, self.host, strict=True)]
             finish = (lambda: finish_checkpoint(tmp, state, self.config_toml, self.world, data)) \
                 if engine.is_logging_rank else None
+            if engine.device.type == "cpu":
+                # no copy: the writer reads the live state, which nothing changes before the next optimizer step,
+                # and that step waits for the writer to have read it (`Engine.state_readers`)
+                self.in_flight = AsyncSave(self, step, tmp, pieces, steps, rng, finish, prune).start()
+                engine.state_readers.append(self.in_flight.release)
+                return None
+            self.host = host_copies(pieces, self.host, engine.device)
+            copies = [Piece(p.name, p.shape, p.offsets, h) for p, h in zip(pieces, self.host, strict=True)]
             self.in_flight = AsyncSave(self, step, tmp, copies, steps, rng, finish, prune).start()
             return None
         stages = [  # each stage on every rank, then an agreement (the barrier) that no rank failed
@@ -710,8 +736,6 @@ class Checkpointer:
         if abandon:
             save.cancel.set()
         error = save.join()
-        if self.engine.device.type == "cpu":  # there the copy is the save's only extra memory: released between saves
-            self.host = []  # (on accelerators the pinned copies are kept for the next save: pinning is slow)
         if self._failed(error):
             raise self._write_failed(save.step, save.tmp, error)
         if abandon:  # every rank's thread has ended: nothing writes there any more

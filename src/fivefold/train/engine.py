@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -67,6 +67,11 @@ class Engine:
         self.waits = WaitClock(device, enabled=False)
         self._shapes: dict[str, tuple[int, ...]] | None = None  # the plain model's, for checkpoint segments
         self.lr_schedule = LrSchedule.plain(cfg.train)  # a resume that raises train.max_steps extends it
+        # waits of the background readers of the live weights and optimizer state (the CPU's asynchronous checkpoint
+        # writes them without a copy): each returns once its reader is done, before the next step changes them, or
+        # gives the reader up when its argument turns true (a stop, whose own checkpoint is newer)
+        self.state_readers: list[Callable[[Callable[[], bool]], None]] = []
+        self.stop_asked: Callable[[], bool] = lambda: False  # set by the training loop (its stop signals)
         if grid is None:
             self.dp_rank = self.tp_rank = self.cp_rank = self.ep_rank = self.pp_rank = 0
             self.dp_size = self.tp_size = self.cp_size = self.ep_size = self.pp_size = self.n_devices = 1
@@ -216,12 +221,20 @@ class Engine:
             dp.attach_grads()
         with self.waits():  # the norm's and the agreement's all-reduces: where this rank meets its peers
             norm = self.clip_grad_norm(self.cfg.train.grad_clip)
+        self.wait_for_state_readers(stop)
         self.step_guarded(norm, loss_sum, stop)
         self.update_expert_bias()
         for dp in self.data_parallels:
             dp.after_step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+    def wait_for_state_readers(self, stop: bool = False) -> None:
+        """Wait until every background reader of the live state (`state_readers`) is done with it: the optimizer step
+        is the first thing that changes the weights and AdamW's moments after a checkpoint. With `stop` (or a stop
+        asked meanwhile) the readers are given up instead: the stop's own checkpoint is newer."""
+        while self.state_readers:
+            self.state_readers.pop()(lambda: stop or self.stop_asked())
 
     @functools.cached_property
     def moe_layers(self) -> list[MoE]:

@@ -465,6 +465,8 @@ class Run:
         self.guard = StepGuard(self.device, self.skipped_before)
         result.skipped_steps = self.skipped_before
         with profiler or contextlib.nullcontext(), StopSignals() as signals:
+            # a stop asked while a step waits for a background save to read the state gives that save up
+            self.engine.stop_asked = lambda: signals.asked
             for step in range(self.start, cfg.train.max_steps):
                 to_log = self.step(step, signals)
                 if profiler is not None:

@@ -151,7 +151,7 @@ def estimate(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster
     mem = memory_of(cfg, seq, lay, fw, moe_imbalance)
     peak = max(sum(v.values()) for v in mem.values())
     limit = hw.memory_bytes * fw.usable_memory_fraction if memory_limit is None else memory_limit
-    t = step_time(cfg, seq, lay, fw, hw, exact, docs)
+    t = step_time(cfg, seq, lay, fw, hw, exact, docs, moe_imbalance)
     tokens = lay.dp * lay.micro_batch_size * lay.grad_accum_steps * seq
     n = lay.world_size
     tps = tokens / t.step_time / n

@@ -39,14 +39,17 @@ _TP_DIM = {"q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "o_proj.w
            "w_up": 2, "w_down": 1}
 
 
-def per_rank_numel(model: torch.nn.Module, tp: int, ep: int) -> tuple[int, int]:
-    """(dense, expert) parameters one rank holds, from the module's real shapes."""
+def per_rank_numel(model: torch.nn.Module, tp: int, ep: int, split_experts: bool = True) -> tuple[int, int]:
+    """(dense, expert) parameters one rank holds, from the module's real shapes (the routed experts' ffn dim split
+    over tp only when `split_experts`, `layout.etp = tp`)."""
     dense = expert = 0
     for name, p in model.named_parameters():  # tied weights appear once
         dim = next((d for suffix, d in _TP_DIM.items() if name.endswith(suffix)), None)
         shape = list(p.shape)
         if name.endswith(("w_gate", "w_up", "w_down")):
             shape[0] //= ep
+            if not split_experts:
+                dim = None
         if name.endswith(("k_proj.weight", "v_proj.weight")):  # kv heads split, or replicated when tp > kv heads
             shape[0] = max(shape[0] // model.cfg.head_dim // tp, 1) * model.cfg.head_dim
         elif dim is not None:
@@ -59,20 +62,25 @@ def per_rank_numel(model: torch.nn.Module, tp: int, ep: int) -> tuple[int, int]:
     return dense, expert
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+@pytest.mark.parametrize("preset,etp", [("tiny", 1), ("tiny-moe", 1), ("tiny-moe", "tp")])
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("dp,zero", [(1, 0), (2, 0), (2, 1), (2, 2), (4, 3), (3, 3)])
-def test_model_state_bytes_exact(preset, tp, dp, zero):
+def test_model_state_bytes_exact(preset, etp, tp, dp, zero):
+    """Whole experts (etp = 1, the default) are held whole by every tp rank and ZeRO-sharded over dp / ep x tp
+    ranks (the tp ranks reduce them with the edp ranks); with etp = tp each tp rank holds 1/tp of every expert's
+    ffn dim, sharded over dp / ep."""
     cfg = get_preset(preset)
     model = build_model(cfg, "meta")
     ep = 2 if cfg.is_moe and dp % 2 == 0 else 1
-    lay = Layout(dp=dp, tp=tp, zero=zero, ep=ep)
-    dense, expert = per_rank_numel(model, tp, ep)
+    etp = tp if etp == "tp" else etp
+    lay = Layout(dp=dp, tp=tp, zero=zero, ep=ep, etp=etp)
+    whole = tp > 1 and etp == 1
+    dense, expert = per_rank_numel(model, tp, ep, split_experts=not whole)
 
     def shard(n: int, parts: int, on: bool) -> int:
         return -(-n // parts) if on else n
 
-    dpe = dp // ep
+    dpe = dp // ep * (tp if whole else 1)
     want = {
         "parameters": 4 * (shard(dense, dp, zero >= 3) + shard(expert, dpe, zero >= 3)),
         "gradients": 4 * (shard(dense, dp, zero >= 2) + shard(expert, dpe, zero >= 2)),

@@ -86,7 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fix", help="search only layouts with these values, e.g. 'tp=8,pp=4' (keys: dp, tp, pp, cp, "
                                  "ep, mbs, zero, schedule, vpp, sp, recompute)")
     p.add_argument("--moe-imbalance", type=finite_float, default=1.0,
-                   help="busiest expert's load over the even share (dropless MoE memory)")
+                   help="MoE routing: the busiest expert's load over the even share, >= 1 (default 1: balanced, as "
+                        "published MoE benchmarks force it); prices the busiest ep rank's memory and step time")
     p.add_argument("--data", help="search, --layout, scaling: a prepared data directory (`fivefold data prepare`) "
                                   "whose histogram of document lengths prices document-masked attention; validate: "
                                   "CSV of runs (default in a clone: ../shared/data/playbook_benchmark_runs.csv beside "
@@ -380,6 +381,7 @@ def run(args: argparse.Namespace) -> int:
         return run_validate(args)
     _check_options(args)
     cfg = _attention_model(args, _plan_model(args))
+    check_moe_imbalance(args.moe_imbalance, cfg)
     hw = _cluster(args)
     fw = _framework(args, hw)
     _resolve_nodes(args)
@@ -410,8 +412,9 @@ def run(args: argparse.Namespace) -> int:
 def _check_options(args: argparse.Namespace) -> None:
     """The numeric options and --write-config's target, before any model is read (argparse has bounded
     --seq-len, --top and --gpus-per-node, and made every float finite)."""
-    if args.moe_imbalance <= 0:
-        raise CliError(f"--moe-imbalance = {args.moe_imbalance} must be a finite number > 0 (1 = balanced)")
+    if args.moe_imbalance < 1:
+        raise CliError(f"--moe-imbalance = {args.moe_imbalance} must be >= 1: the busiest expert's load over the even "
+                       "share (1 = balanced routing, the default)")
     _check_attention_options(args)
     if args.write_config:
         target = Path(args.write_config)
@@ -421,6 +424,38 @@ def _check_options(args: argparse.Namespace) -> None:
         if target.is_dir():
             raise CliError(f"--write-config {shown(args.write_config)} is a directory; give a file name such as "
                            "best.toml")
+
+
+def check_moe_imbalance(imbalance: float, cfg: ModelConfig) -> None:
+    """--moe-imbalance against the model: an expert sees a token at most once, so its load is at most every token,
+    n_experts / top_k times the even share (and a dense model has no routing to skew)."""
+    if imbalance == 1.0:
+        return
+    if not cfg.is_moe:
+        raise CliError(f"--moe-imbalance = {imbalance} applies to MoE models; {cfg.name} is dense: leave it out")
+    most = cfg.n_experts / cfg.top_k
+    if imbalance > most:
+        raise CliError(f"--moe-imbalance = {imbalance} must be at most n_experts / top_k = {cfg.n_experts} / "
+                       f"{cfg.top_k} = {most:g}: an expert gets each token at most once")
+
+
+def moe_routing_json(cfg: ModelConfig, imbalance: float) -> dict:
+    """What `plan --json` says of an MoE model's routing (nothing for a dense model)."""
+    if not cfg.is_moe:
+        return {}
+    return {"moe_routing": {"imbalance": imbalance, "balanced": imbalance == 1.0,
+                            "source": "assumed balanced, as published MoE benchmarks force it" if imbalance == 1.0
+                            else "--moe-imbalance"}}
+
+
+def moe_routing_line(cfg: ModelConfig, imbalance: float) -> str | None:
+    """The plan's line on an MoE model's routing (None for a dense model)."""
+    if not cfg.is_moe:
+        return None
+    if imbalance == 1.0:
+        return "routing assumed balanced (as published MoE benchmarks force it); --moe-imbalance to change"
+    return (f"routing: the busiest expert gets {imbalance:g} x the even share (--moe-imbalance): the busiest ep "
+            "rank's memory and step time follow it")
 
 
 def _whole_number(flag: str, value: str, rule: str) -> int:
@@ -587,7 +622,7 @@ def _estimate_layout(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, 
     e.mfu *= _mfu_scale(args, cfg, seq)
     measured = measure(args, cfg, lay, seq, batch_seqs, fw) if args.measure else None
     if args.json:
-        print(json.dumps({**e.to_json(), **_attention_json(args, cfg, seq),
+        print(json.dumps({**e.to_json(), **_attention_json(args, cfg, seq), **moe_routing_json(cfg, args.moe_imbalance),
                           **({"measured": measured} if measured else {})}, indent=2))
         return 0
     print(f"{cfg.name} on {n_gpus} x {hw.name}, seq {seq}, batch {batch_seqs} sequences: {lay.short()}")
@@ -599,9 +634,9 @@ def _estimate_layout(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, 
     print(f"  step {e.step_time_s:.4f} s, {e.tokens_per_s_per_device:,.0f} tokens/s per {hw.unit}, "
           f"MFU {100 * e.mfu:.1f} %" + ("" if e.mfu_causal_equivalent is None else
                                         f" (causal-equivalent {100 * e.mfu_causal_equivalent:.1f} %)"))
-    line = _attention_line(args, cfg, seq)
-    if line:
-        print(f"  {line}")
+    for line in (_attention_line(args, cfg, seq), moe_routing_line(cfg, args.moe_imbalance)):
+        if line:
+            print(f"  {line}")
     if hw.has_stall_data:
         print(f"  stall risk {100 * e.stall.probability:.1f} % (+{e.stall.added_s:.3f} s over {e.stall.handovers} "
               f"hand-overs): p50 step {e.step_time_at(0.5):.4f} s, p90 {e.step_time_at(0.9):.4f} s, expected "
@@ -650,7 +685,7 @@ def _search_layouts(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, h
         print(json.dumps({"model": cfg.name, "gpus": n_gpus, "hardware": hw.name, "seq_len": seq,
                           "global_batch_tokens": tokens, "evaluated": result.evaluated,
                           "rejected": dict(result.rejected), "compiled": compiled,
-                          **_attention_json(args, cfg, seq),
+                          **_attention_json(args, cfg, seq), **moe_routing_json(cfg, args.moe_imbalance),
                           "candidates": [e.to_json() for e in result.candidates],
                           **({"measured": measured} if measured else {})}, indent=2))
         return 0
@@ -689,6 +724,9 @@ def _print_search(args: argparse.Namespace, result, cfg: ModelConfig, fw: Framew
     masked = _attention_line(args, cfg, seq)
     if masked:
         print(masked)
+    routing = moe_routing_line(cfg, args.moe_imbalance)
+    if routing:
+        print(routing)
     print(f"{'layout':58s} {'family':30s} {'peak GiB':>8s} {'p50 s' if risk else 'step s':>9s} "
           f"{'tok/s/' + hw.unit:>12s} {'MFU %':>6s}" + (f" {'MFU c.e.':>8s}" if masked else "")
           + (f" {'p90 s':>9s} {'p90 tok/s':>12s} {'stall %':>7s}" if risk else ""))

@@ -18,6 +18,7 @@ by kind, group size and message bytes (`Cluster.collective_time`), once per buck
 
 from __future__ import annotations
 
+import functools
 import math
 
 from fivefold.planner.hardware import Cluster
@@ -32,10 +33,13 @@ def nodes_spanned(size: int, stride: int, gpus_per_node: int) -> int:
     return max(1, math.ceil(size * stride / gpus_per_node))
 
 
-def _time(kind: str, nbytes: float, size: int, stride: int, hw: Cluster, bucket: float = 0.0) -> float:
+def _time(kind: str, nbytes: float, size: int, stride: int, hw: Cluster, bucket: float = 0.0,
+          nodes: int = 0) -> float:
+    """Seconds of one collective; `nodes`: the nodes the group spans where the caller knows them (else from `size`
+    and `stride`)."""
     if size <= 1 or nbytes <= 0:
         return 0.0
-    nodes = nodes_spanned(size, stride, hw.gpus_per_node)
+    nodes = nodes or nodes_spanned(size, stride, hw.gpus_per_node)
     buckets = max(1, math.ceil(nbytes / bucket)) if bucket else 1
     measured = hw.collective_time(kind, nbytes / buckets, size) if nodes <= 1 else None
     if measured is not None:
@@ -74,9 +78,9 @@ def _time(kind: str, nbytes: float, size: int, stride: int, hw: Cluster, bucket:
     raise ValueError(kind)
 
 
-def all_reduce(nbytes: float, size: int, stride: int, hw: Cluster, bucket: float = 0.0) -> float:
+def all_reduce(nbytes: float, size: int, stride: int, hw: Cluster, bucket: float = 0.0, nodes: int = 0) -> float:
     """`nbytes` is the size of the buffer each rank contributes (and receives), sent in `bucket`-byte pieces."""
-    return _time("all_reduce", nbytes, size, stride, hw, bucket)
+    return _time("all_reduce", nbytes, size, stride, hw, bucket, nodes)
 
 
 def all_gather(nbytes: float, size: int, stride: int, hw: Cluster) -> float:
@@ -84,13 +88,55 @@ def all_gather(nbytes: float, size: int, stride: int, hw: Cluster) -> float:
     return _time("all_gather", nbytes, size, stride, hw)
 
 
-def reduce_scatter(nbytes: float, size: int, stride: int, hw: Cluster, bucket: float = 0.0) -> float:
+def reduce_scatter(nbytes: float, size: int, stride: int, hw: Cluster, bucket: float = 0.0, nodes: int = 0
+                   ) -> float:
     """`nbytes` is the size of the full buffer before scattering."""
-    return _time("reduce_scatter", nbytes, size, stride, hw, bucket)
+    return _time("reduce_scatter", nbytes, size, stride, hw, bucket, nodes)
 
 
 def all_to_all(nbytes: float, size: int, stride: int, hw: Cluster) -> float:
-    return _time("all_to_all", nbytes, size, stride, hw)
+    """`nbytes` is what each rank sends (its whole send buffer, its own share included) to `size` ranks `stride`
+    apart, evenly: inside a node at the node's (measured or nominal) bandwidth; across nodes each rank sends the
+    share for its own node's peers over the node's links and the rest over its own network link at once (an
+    all-to-all is point-to-point: no ring, no NIC shared between ranks), so the slower of the two sets the time."""
+    return expert_all_to_all(nbytes, size, nodes_spanned(size, stride, hw.gpus_per_node), hw)
+
+
+def expert_all_to_all(nbytes: float, size: int, nodes: int, hw: Cluster) -> float:
+    """An all-to-all of `nbytes` per rank over `size` ranks spread over `nodes` nodes (`all_to_all`): inside one
+    node (n - 1) / n of the bytes at the intra-node bandwidth (or the measured table); across nodes the rank with
+    the fewest peers on its node (size // nodes of the group there) sends (local - 1) / n of them over the node's
+    links and (n - local) / n over its network link, at once; one latency per peer."""
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    if nodes <= 1:
+        return _time("all_to_all", nbytes, size, 1, hw, nodes=1)
+    local = max(1, size // nodes)
+    intra = (local - 1) / size * nbytes / (hw.intra_node_gbps * 1e9)
+    inter = (size - local) / size * nbytes / (hw.inter_node_gbps * 1e9)
+    return max(intra, inter) + (size - 1) * hw.latency(nodes)
+
+
+def ep_group_nodes(lay: Layout, gpus_per_node: int) -> int:
+    """The most nodes that one ep group of `lay` spans (every ep group runs its all-to-alls at once, so the slowest
+    sets the step). An ep group is `ep` consecutive members of a dp x cp group (`parallel.mesh.expert_groups`),
+    which lie tp ranks apart: global ranks pp_rank x (dp cp tp) + (b ep + j) tp + t, j < ep, for block b and tp
+    rank t (rank = ((pp_rank dp + dp_rank) cp + cp_rank) tp + tp_rank). So a group spans ep x tp consecutive-rank
+    positions: inside one node when ep x tp divides the node's devices (the blocks are aligned to ep x tp), else
+    counted over every offset such a block can start at on a node."""
+    return _ep_group_nodes(lay.ep, lay.tp, lay.dp * lay.cp, lay.pp, gpus_per_node)
+
+
+@functools.lru_cache(maxsize=4096)
+def _ep_group_nodes(ep: int, tp: int, dpcp: int, pp: int, gpn: int) -> int:
+    if ep <= 1:
+        return 1
+    # the offsets (mod gpn) a group's first rank can take: pp_rank dpcp tp + b ep tp + t, each term periodic mod gpn
+    starts = {0}
+    for step, count in ((dpcp * tp, pp), (ep * tp, dpcp // ep), (1, tp)):
+        terms = {(i * step) % gpn for i in range(min(count, gpn))}
+        starts = {(a + b) % gpn for a in starts for b in terms}
+    return max(len({(o + j * tp) // gpn for j in range(ep)}) for o in starts)
 
 
 def send_recv(nbytes: float, stride: int, hw: Cluster) -> float:

@@ -3,7 +3,8 @@
 The step-time model (`time.py`) costs a block's work by kernel class when no calibrated profile measures it:
 GEMMs at the device's large-GEMM efficiency times a shape term (small dimensions run slower), causal attention
 from a table of published FlashAttention speeds by head dim and sequence length, element-wise kernels (norms,
-rotary, SwiGLU, residual adds, the optimizer step) by HBM bandwidth at the device's achieved share.
+rotary, SwiGLU, residual adds, the optimizer step) by HBM bandwidth at the device's achieved share, and an MoE
+layer's routed experts as grouped GEMMs at the device's achieved share for them (`grouped_gemm_efficiency`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from fivefold.config import ConfigError, shown
 KERNELS_FILE = Path(__file__).resolve().parent / "devices" / "kernels.toml"
 GEMM_REFERENCE_DIM = 8192.0  # the shape (8192^3) at which `gemm_efficiency` is stated
 ATTENTION_BACKWARD_FLOPS = 2.5  # FlashAttention's convention: the backward counts 2.5 x the forward's FLOPs
-FIGURES = ("gemm_efficiency", "gemm_half_dim", "fp8_gemm_speedup", "hbm_efficiency")
+FIGURES = ("gemm_efficiency", "gemm_half_dim", "fp8_gemm_speedup", "hbm_efficiency", "grouped_gemm_efficiency")
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,9 @@ class DeviceKernels:
     gemm_half_dim: float
     fp8_gemm_speedup: float
     hbm_efficiency: float
+    # achieved share of the dense peak of an MoE layer's routed experts as dropless grouped GEMMs
+    # (`torch.nn.functional.grouped_mm` on accelerators; one matmul per expert on the CPU)
+    grouped_gemm_efficiency: float = 0.0
     tiles: int = 1
     # (kernel, head_dim, seq, forward TFLOP/s, backward TFLOP/s), already scaled for this device
     attention: tuple[tuple[str, float, float, float, float], ...] = ()

@@ -28,8 +28,10 @@ class Layout(LayoutConfig):
 
     @property
     def edp(self) -> int:
-        """The ranks that hold the same routed experts and reduce their gradients: dp x cp / ep."""
-        return max(self.dp * self.cp // self.ep, 1)
+        """The ranks that hold the same routed experts and reduce their gradients: dp x cp / ep, times tp with whole
+        experts on every tp rank (`layout.etp = 1` under tp, where each tp rank routes its own tokens;
+        `parallel.mesh.expert_groups`)."""
+        return max(self.dp * self.cp // self.ep, 1) * (self.tp if self.splits_tokens_over_tp else 1)
 
     def short(self) -> str:
         s = f"dp{self.dp} tp{self.tp}{'+sp' if self.sp and self.tp > 1 else ''} pp{self.pp}"
@@ -37,6 +39,8 @@ class Layout(LayoutConfig):
             s += f" cp{self.cp}"
         if self.ep > 1:
             s += f" ep{self.ep}"
+        if self.tp > 1 and self.etp > 1:  # experts split over tp (whole experts, etp = 1, is the default)
+            s += f" etp{self.etp}"
         s += f" z{self.zero}" + (f" hsdp{self.dp_shard}" if self.dp_shard else "")
         s += f" mbs{self.micro_batch_size} ga{self.grad_accum_steps} rc:{self.recompute}"
         if self.pp > 1:

@@ -48,9 +48,11 @@ GIB = 2**30
 # Parameters per rank
 
 
-def layer_params(cfg: ModelConfig, tp: int = 1, ep: int = 1) -> dict[str, int]:
+def layer_params(cfg: ModelConfig, tp: int = 1, ep: int = 1, etp: int | None = None) -> dict[str, int]:
     """Parameters of one block held by one rank: `sharded` (split by tp), `replicated` (norms, router) and
-    `expert` (routed experts, split by ep and tp). `matmul` counts the weights autocast casts to bf16."""
+    `expert` (routed experts, split by ep and by etp: `layout.etp`, 1 for whole experts on every tp rank, tp when
+    each expert's ffn dim is split over the tp ranks; tp when not given). `matmul` counts the weights autocast casts
+    to bf16."""
     h, d = cfg.hidden, cfg.head_dim
     kv_local = max(cfg.n_kv_heads // tp, 1)
     attn = (h * cfg.n_heads * d // tp) + 2 * h * kv_local * d + (cfg.n_heads * d * h // tp)
@@ -59,7 +61,7 @@ def layer_params(cfg: ModelConfig, tp: int = 1, ep: int = 1) -> dict[str, int]:
     if cfg.is_moe:
         f = cfg.expert_ffn
         replicated += h * cfg.n_experts  # router
-        expert = (cfg.n_experts // ep) * cfg.mlp_matrices * h * (f // tp)
+        expert = (cfg.n_experts // ep) * cfg.mlp_matrices * h * (f // (tp if etp is None else etp))
         mlp = cfg.n_shared_experts * cfg.mlp_matrices * h * f // tp
     else:
         mlp = cfg.mlp_matrices * h * cfg.ffn // tp
@@ -100,7 +102,7 @@ def rank_params(cfg: ModelConfig, lay: Layout, rank: str = "first") -> RankParam
         mine = [r + k * lay.pp for k in range(lay.vpp)]
     n = sum(chunks[s] for s in mine)
     n_stages = len(chunks)
-    lp = layer_params(cfg, lay.tp, lay.ep)
+    lp = layer_params(cfg, lay.tp, lay.ep, lay.etp)
     dense = n * (lp["sharded"] + lp["replicated"])
     matmul = n * lp["matmul"]
     holds_first = 0 in mine
@@ -192,6 +194,30 @@ def selective_matmuls(fw: Framework) -> set[str]:
     return names
 
 
+def routed_tokens(tokens: float, lay: Layout) -> float:
+    """Tokens one rank's router sees and dispatches per MoE layer out of the `tokens` of its micro-batch (after cp):
+    all of them with experts split over tp (`layout.etp = tp`, every tp rank routing the gathered sequence), its
+    own 1/tp with whole experts under tp (`layout.etp = 1`, `LayoutConfig.splits_tokens_over_tp`)."""
+    return tokens / lay.tp if lay.splits_tokens_over_tp else tokens
+
+
+def expert_ffn_local(cfg: ModelConfig, lay: Layout) -> int:
+    """The ffn width of one routed expert on a rank: whole (`layout.etp = 1`) or split over tp (`etp = tp`)."""
+    return cfg.expert_ffn // lay.etp if lay.tp > 1 else cfg.expert_ffn
+
+
+def busiest_rank_load(cfg: ModelConfig, ep: int, imbalance: float = 1.0) -> float:
+    """The busiest ep rank's routed slots over the even share (1: balanced routing), when the busiest expert gets
+    `imbalance` times the even share and the other E - 1 experts split the rest evenly: that expert and E/ep - 1
+    others, [X + (E/ep - 1)(E - X)/(E - 1)] / (E/ep). 1 without ep (one rank runs every expert, dropless), X with
+    one expert per rank."""
+    e = cfg.n_experts
+    local = e // ep
+    if imbalance == 1.0 or local == e or e <= 1:
+        return 1.0
+    return (imbalance + (local - 1) * (e - imbalance) / (e - 1)) / local
+
+
 def layer_activation_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Framework,
                            moe_imbalance: float = 1.0) -> dict[str, float]:
     """Bytes one block saves for backward for one micro-batch of `tokens` tokens on this rank (after cp)."""
@@ -199,6 +225,7 @@ def layer_activation_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Frame
     ab, rb = fw.act_bytes, residual_bytes(cfg, fw)
     t_seq = tokens / tp if (lay.sp and tp > 1) else tokens  # the sequence-sharded norm/residual regions
     t_in = tokens if (fw.sp_saves_gathered_input or not lay.sp) else t_seq  # what the column linears save
+    t_route = routed_tokens(tokens, lay)  # what this rank's router sees (its own 1/tp with whole experts)
     norm = t_seq * (h * rb + 4 + (h * 4 if fw.norm_saves_normalized else 0))  # input, 1/rms, normalised input
     if lay.recompute == "full":
         return {"block_input": t_seq * h * rb, "total": t_seq * h * rb}
@@ -210,7 +237,7 @@ def layer_activation_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Frame
         attn = tokens * (heads * d + sum(w for n, w in widths.items() if n in kept)) * ab + tokens * heads * 4
         if cfg.is_moe:  # router logits and the shared experts' gate, up, down (the routed experts' bmm recompute)
             fs = cfg.n_shared_experts * cfg.expert_ffn // tp
-            mlp = tokens * (cfg.n_experts + ((cfg.mlp_matrices - 1) * fs + h if fs else 0)) * ab
+            mlp = (t_route * cfg.n_experts + tokens * ((cfg.mlp_matrices - 1) * fs + h if fs else 0)) * ab
         else:
             f_local = cfg.ffn // tp
             widths = {"gate": f_local, "up": f_local, "down": h} if cfg.mlp == "swiglu" else {"up": f_local, "down": h}
@@ -224,18 +251,29 @@ def layer_activation_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Frame
     attn = tokens * (2 * heads * d + 2 * kv * d) * ab
     lse = tokens * heads * 4
     attn_total = norm + casts * t_in * h * ab + attn + lse
-    # the norm output, cast per linear reading it (gate and up; up alone for GELU); MoE gathers before routing
-    mlp_in = (cfg.mlp_matrices - 1 if per_op else 1) * (tokens if cfg.is_moe else t_in) * h * ab
+    # the norm output, cast per linear reading it (gate and up; up alone for GELU); MoE gathers before routing,
+    # except with whole experts under sp, whose router reads the rank's slice (the shared experts the gathered input)
+    moe_in = tokens
+    if lay.splits_tokens_over_tp and lay.sp:
+        moe_in = t_route + (tokens if cfg.n_shared_experts else 0)
+    mlp_in = (cfg.mlp_matrices - 1 if per_op else 1) * (moe_in if cfg.is_moe else t_in) * h * ab
     # saved per element of the MLP width: gate and up outputs, silu(gate) and the product (SwiGLU); the up output
     # (GELU's input) and GELU's output
     saved = 4 if cfg.mlp == "swiglu" else 2
     if cfg.is_moe:
         e, k = cfg.n_experts, cfg.top_k
-        cap = moe_capacity(cfg, tokens, moe_imbalance)  # the router sees the whole (gathered) sequence
+        t_r = t_route  # the whole (gathered) sequence, or with whole experts under tp the rank's 1/tp
         e_local = e // lay.ep
-        f = cfg.expert_ffn // tp
-        routing = tokens * (e * 4 + k * 8 + 4 + k * 4) + e * 4 + 4 * tokens * k * 8 + tokens * k * 4
-        experts = e_local * cap * lay.ep * (h + saved * f) * ab + 2 * tokens * k * h * ab
+        f = expert_ffn_local(cfg, lay)
+        routing = t_r * (e * 4 + k * 8 + 4 + k * 4) + e * 4 + 4 * t_r * k * 8 + t_r * k * 4
+        if cfg.moe_impl == "grouped" and cfg.capacity_factor == 0:
+            # dropless grouped GEMMs: the slots this rank's experts receive, no padding; the busiest ep rank's
+            slots = t_r * k * busiest_rank_load(cfg, lay.ep, moe_imbalance)
+        else:  # every local expert padded to the capacity (the busiest expert's load) from each of the ep ranks;
+            # a capacity factor counts it over the whole (cp-local) sequence, whichever tp rank routes which part
+            cap_tokens = tokens if cfg.capacity_factor > 0 else t_r
+            slots = e_local * moe_capacity(cfg, int(cap_tokens), moe_imbalance) * lay.ep
+        experts = slots * (h + saved * f) * ab + 2 * t_r * k * h * ab
         shared = saved * tokens * cfg.n_shared_experts * cfg.expert_ffn // tp * ab
         mlp = routing + experts + shared
     else:
@@ -260,7 +298,8 @@ def layer_weight_grad_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Fram
     matrices = cfg.mlp_matrices - 1  # the column linears reading the norm output (gate and up, or up)
     if cfg.is_moe:
         f = cfg.n_shared_experts * cfg.expert_ffn // tp
-        total += tokens * h + tokens * cfg.n_experts  # the router
+        t_route = routed_tokens(tokens, lay)
+        total += t_route * h + t_route * cfg.n_experts  # the router (the rank's own tokens with whole experts)
         if f:
             total += t_in * h + matrices * tokens * f + tokens * f + tokens * h
     else:
@@ -354,7 +393,7 @@ def rank_memory(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, in_fligh
         kept = layer_activation_bytes(cfg, tokens, lay, fw, moe_imbalance)
         transient = max(transient, none["total"] - (kept["total"] if lay.recompute == "selective" else 0))
     rep.parts["transient"] = transient
-    lp = layer_params(cfg, lay.tp, lay.ep)
+    lp = layer_params(cfg, lay.tp, lay.ep, lay.etp)
     comm = 0.0
     if lay.dp * lay.cp > 1:
         comm += 2 * fw.dp_bucket_mib * 2**20  # a bucket being reduced while the next one fills
@@ -363,14 +402,15 @@ def rank_memory(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, in_fligh
         # step and their gradients unsharded until each stage's last backward (accumulated in fp32 under bf16
         # gathers, fully_shard's reduce dtype); under ep the experts are gathered over edp, or with edp = 1 stay whole
         # (plain tensors, counted with the model states), as in plain ZeRO-3
-        held = rp.dense + (rp.expert if lay.ep == 1 or lay.edp > 1 else 0)
+        held = rp.dense + (rp.expert if not lay.experts_apart or lay.edp > 1 else 0)
         gathered = fw.gather_bytes or fw.param_bytes
         comm += held * gathered + held * (4 if fw.gather_bytes else fw.grad_bytes)
     elif lay.zero >= 3:
         dense = lp["sharded"] + lp["replicated"]
         gathered = fw.gather_bytes or fw.param_bytes
-        if lay.ep > 1:  # the experts are a unit of their own over edp, gathered in the MoE's own passes (not
-            # prefetched with the block); with edp = 1 they stay whole, counted with the model states
+        if lay.experts_apart:  # the experts are a unit of their own over edp (under ep, or whole on every tp rank
+            # with etp = 1), gathered in the MoE's own passes (not prefetched with the block); with edp = 1 they stay
+            # whole, counted with the model states
             experts = lp["expert"] if lay.edp > 1 else 0
             comm += (2 * dense + experts) * gathered + (dense + experts) * fw.grad_bytes
         else:

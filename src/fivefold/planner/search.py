@@ -1,6 +1,7 @@
 """Estimate one layout, and search every layout that reaches the global batch exactly.
 
-The search enumerates tp (inside a node), cp, pp, dp (the rest of the devices), ep (MoE), the micro-batch
+The search enumerates tp (inside a node), cp, pp, dp (the rest of the devices), ep (MoE) and for MoE under tp
+the expert tensor parallel degree etp (1: whole experts, or tp), the micro-batch
 size (the gradient accumulation follows), ZeRO 0-3, recompute, sequence parallel, and the pipeline schedule
 with its virtual stages. Cheap pruning: divisibility first, then memory (recompute only lowers memory, so a
 family whose full-recompute variant does not fit is dropped whole); every survivor is timed with the closed-form
@@ -151,7 +152,7 @@ def estimate(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster
     mem = memory_of(cfg, seq, lay, fw, moe_imbalance)
     peak = max(sum(v.values()) for v in mem.values())
     limit = hw.memory_bytes * fw.usable_memory_fraction if memory_limit is None else memory_limit
-    t = step_time(cfg, seq, lay, fw, hw, exact, docs)
+    t = step_time(cfg, seq, lay, fw, hw, exact, docs, moe_imbalance)
     tokens = lay.dp * lay.micro_batch_size * lay.grad_accum_steps * seq
     n = lay.world_size
     tps = tokens / t.step_time / n
@@ -300,9 +301,11 @@ def _inner(cfg: ModelConfig, seq: int, dp: int, tp: int, pp: int, cp: int, batch
         for (sched, v), zero in itertools.product(_schedules(pp, space), space.zero):
             if zero and dp * cp == 1:
                 continue  # ZeRO has nothing to shard: the same layout as zero = 0
-            for sp in space.sp if tp > 1 else (False,):
-                lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, micro_batch_size=mbs, recompute="full",
-                             sp=sp, schedule=sched, vpp=v, fp32_grad_accum=space.fp32_grad_accum,
+            # MoE under tp: whole experts (etp = 1) and experts split over tp (etp = tp)
+            etps = (1, tp) if cfg.is_moe and tp > 1 else (1,)
+            for sp, etp in itertools.product(space.sp if tp > 1 else (False,), etps):
+                lay = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, zero=zero, micro_batch_size=mbs,
+                             recompute="full", sp=sp, schedule=sched, vpp=v, fp32_grad_accum=space.fp32_grad_accum,
                              grad_accum_steps=ga)
                 problem = layout_problem(cfg, lay, world_size=n_gpus, seq_len=seq, global_batch_size=batch)
                 if problem:

@@ -32,11 +32,14 @@ from fivefold.planner.kernels import ATTENTION_BACKWARD_FLOPS, DeviceKernels, de
 from fivefold.planner.layout import Framework, Layout
 from fivefold.planner.memory import (
     RankParams,
+    busiest_rank_load,
+    expert_ffn_local,
     layer_activation_bytes,
     layer_params,
     model_state_bytes,
     rank_params,
     reduced_grad_bytes,
+    routed_tokens,
     stage_layers,
 )
 
@@ -129,10 +132,13 @@ class StageTimes:
     host_wait: list[float] = field(default_factory=list)  # per stage and micro-batch: the GPU waiting for the host
 
 
-def linear_shapes(cfg: ModelConfig, tokens: float, tp: int, fused: bool) -> list[tuple[float, float, float]]:
+def linear_shapes(cfg: ModelConfig, tokens: float, tp: int, fused: bool, etp: int | None = None,
+                  load: float = 1.0) -> list[tuple[float, float, float]]:
     """(m, n, k) of each linear layer of a block on one tp rank: q, k, v, o, gate, up, down (the fused
     q|k|v and gate|up of frameworks that fuse them; no gate in a GELU MLP); MoE experts as their share of the
-    routed tokens."""
+    routed tokens: all the tokens on 1/tp of each expert's ffn dim (`etp` = tp, the default here), or under tp with
+    whole experts (`etp` = 1) the rank's own 1/tp of the tokens on whole experts (the same FLOPs); `load` times
+    the even share of them (the busiest ep rank's, `memory.busiest_rank_load`)."""
     ins = cfg.mlp_matrices - 1  # the MLP's input projections: gate and up, or up
     h, d = cfg.hidden, cfg.head_dim
     kv = max(cfg.n_kv_heads // tp, 1) * d
@@ -140,12 +146,14 @@ def linear_shapes(cfg: ModelConfig, tokens: float, tp: int, fused: bool) -> list
     attn = [(tokens, q + 2 * kv, h)] if fused else [(tokens, q, h), (tokens, kv, h), (tokens, kv, h)]
     attn.append((tokens, h, q))
     if cfg.is_moe:
-        f = cfg.expert_ffn // tp
-        routed = tokens * cfg.top_k / cfg.n_experts
+        whole = tp > 1 and etp == 1
+        f = cfg.expert_ffn // (1 if whole else tp)
+        mine = tokens / tp if whole else tokens  # the tokens this rank routes
+        routed = mine * cfg.top_k / cfg.n_experts * load
         mlp = [(routed, f, h)] * (ins * cfg.n_experts) + [(routed, h, f)] * cfg.n_experts \
-            + [(tokens, cfg.n_experts, h)]
+            + [(mine, cfg.n_experts, h)]
         if cfg.n_shared_experts:
-            fs = f * cfg.n_shared_experts
+            fs = cfg.expert_ffn // tp * cfg.n_shared_experts
             mlp += [(tokens, fs, h)] * ins + [(tokens, h, fs)]
         return attn + mlp
     f = cfg.ffn // tp
@@ -177,8 +185,31 @@ def attention_kernel_length(cfg: ModelConfig, seq: int, cp: int, docs: DocumentL
     return min(seq / cp, max(1.0, attention_fraction(cfg, seq, docs) * (seq + 1) - 1))
 
 
+def routed_expert_seconds(cfg: ModelConfig, tokens: float, lay: Layout, fw: Framework, hw: Cluster,
+                          dk: DeviceKernels, moe_imbalance: float = 1.0) -> float:
+    """Forward seconds of one MoE block's routed experts on the busiest ep rank, by kernel class: their forward FLOPs
+    (2 x matrices x hidden x expert ffn per routed slot; per rank the tokens x top_k / tp slots, whichever way etp
+    splits them) times that rank's load over the even share (`memory.busiest_rank_load`), at the device's grouped
+    GEMM efficiency (`DeviceKernels.grouped_gemm_efficiency`, dropless `grouped_mm`); the padded batched matmul
+    (`model.moe_impl = "padded"`) at the large-GEMM efficiency of the expert shape, every expert padded to the
+    busiest one's load (the imbalance itself)."""
+    if not cfg.is_moe:
+        return 0.0
+    peak = hw.peak_flops(fw.compute_dtype)
+    flops = 2 * cfg.mlp_matrices * cfg.hidden * cfg.expert_ffn * cfg.top_k * tokens / lay.tp
+    if cfg.moe_impl == "padded" or cfg.capacity_factor > 0:
+        load = max(moe_imbalance, cfg.capacity_factor) if cfg.capacity_factor > 0 else moe_imbalance
+        slots = routed_tokens(tokens, lay) * cfg.top_k / cfg.n_experts * load
+        f = expert_ffn_local(cfg, lay)
+        eff = _weighted_eff([(slots, f, cfg.hidden), (slots, cfg.hidden, f)], fw.act_bytes, hw, dk)
+        return flops * load / (peak * eff)
+    # a profile's fitted matmul_efficiency scales the class in proportion, as it scales attention
+    eff = dk.grouped_gemm_efficiency * hw.matmul_efficiency / dk.gemm_efficiency
+    return flops * busiest_rank_load(cfg, lay.ep, moe_imbalance) / (peak * eff)
+
+
 def _block_seconds(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, tokens: float,
-                   chunk: float, docs: DocumentLengths | None = None) -> _BlockSeconds:
+                   chunk: float, docs: DocumentLengths | None = None, moe_imbalance: float = 1.0) -> _BlockSeconds:
     """A block's and the output layer's compute seconds: measured per shape on a calibrated profile, else by kernel
     class (GEMMs with the shape term, attention from the published table, element-wise by bytes). Attention is
     the pairs the model's mask executes (`fivefold.flops.attention_flops_per_token`, `docs` under a document
@@ -196,9 +227,11 @@ def _block_seconds(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: C
     head_fwd = head_flops / 3 * tokens / tp
     kv = max(cfg.n_kv_heads // tp, 1)
     hbm = hw.hbm_gbps * 1e9
-    act_bytes = layer_activation_bytes(cfg, int(tokens), Layout(tp=tp, sp=lay.sp), fw)["total"]
+    act_bytes = layer_activation_bytes(cfg, int(tokens), Layout(tp=tp, sp=lay.sp, etp=lay.etp), fw)["total"]
     # forward (f) and backward (b) seconds of a block's linears, attention core, element-wise work, fixed costs
-    measured = [hw.linear_time(*shape) for shape in linear_shapes(cfg, tokens, tp, fw.fused_projections)]
+    load = busiest_rank_load(cfg, lay.ep, moe_imbalance) if cfg.is_moe else 1.0
+    measured = [hw.linear_time(*shape) for shape in linear_shapes(cfg, tokens, tp, fw.fused_projections, lay.etp,
+                                                                  load)]
     if all(measured) and measured:  # a calibrated profile: measured per shape
         attn = hw.attention_time(lay.micro_batch_size * cfg.n_heads / tp, seq / lay.cp, d) or (0.0, 0.0)
         lin_f, lin_b = sum(t[0] for t in measured), sum(t[1] for t in measured)
@@ -222,12 +255,16 @@ def _block_seconds(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: C
         head_b = n_chunks * head[1] + fw.kernels_per_micro_batch * hw.backward_overhead() * hw.compute_scale
     else:  # by kernel class: GEMMs with the shape term, attention from the published table, element-wise by bytes
         dk = device_kernels(hw.device)
-        mlp = (cfg.expert_ffn * (cfg.top_k + cfg.n_shared_experts) if cfg.is_moe else cfg.ffn) // tp
-        gemms = [(tokens, (cfg.n_heads // tp + 2 * kv) * d, h), (tokens, h, cfg.n_heads * d // tp),
-                 (tokens, (cfg.mlp_matrices - 1) * mlp, h), (tokens, h, mlp)]
-        lin_f = layer_fwd / (peak * _weighted_eff(gemms, ab, hw, dk))
+        # the dense linears (the shared experts for MoE): the routed experts are a class of their own
+        mlp = (cfg.expert_ffn * cfg.n_shared_experts if cfg.is_moe else cfg.ffn) // tp
+        gemms = [(tokens, (cfg.n_heads // tp + 2 * kv) * d, h), (tokens, h, cfg.n_heads * d // tp)]
+        if mlp:
+            gemms += [(tokens, (cfg.mlp_matrices - 1) * mlp, h), (tokens, h, mlp)]
+        routed_flops = 2 * cfg.mlp_matrices * h * cfg.expert_ffn * cfg.top_k * tokens / tp if cfg.is_moe else 0.0
+        lin_f = (layer_fwd - routed_flops) / (peak * _weighted_eff(gemms, ab, hw, dk))
         if fw.float8_linears:  # the block's linears in float8 (the output layer stays bf16), plus the scale casts
             lin_f /= dk.fp8_gemm_speedup
+        lin_f += routed_expert_seconds(cfg, tokens, lay, fw, hw, dk, moe_imbalance)  # bf16 grouped GEMMs
         lin_b = 2 * lin_f
         hbm = hw.hbm_gbps * 1e9 * dk.hbm_efficiency
         if fw.float8_linears:
@@ -276,7 +313,7 @@ def _tp_comm(lay: Layout, fw: Framework, hw: Cluster, h: int, tokens: float, chu
 
 
 def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster,
-                docs: DocumentLengths | None = None) -> StageTimes:
+                docs: DocumentLengths | None = None, moe_imbalance: float = 1.0) -> StageTimes:
     h, d, tp = cfg.hidden, cfg.head_dim, lay.tp
     ab = fw.act_bytes
     tokens = lay.micro_batch_size * seq / lay.cp
@@ -284,7 +321,7 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     # tokens per chunk of the fused output layer + loss (the whole micro-batch for unfused logits), as memory.py
     chunk = min(fw.tp_loss_chunk if tp > 1 else fw.fused_loss_chunk, tokens) if fw.fused_loss_chunk else tokens
     lin_f, lin_b, attn_f, attn_b, elementwise, oh_f, oh_b, head_f, head_b, hbm = _block_seconds(
-        cfg, seq, lay, fw, hw, tokens, chunk, docs)
+        cfg, seq, lay, fw, hw, tokens, chunk, docs, moe_imbalance)
     t_layer = lin_f + attn_f + elementwise + oh_f
     # tensor parallel: 2 all-reduces (or 2 all-gathers + 2 reduce-scatters with sp) per block and direction
     act = tokens * h * ab
@@ -306,13 +343,21 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
         t_cp_f += (lay.cp - 1) * wait
         t_cp_b += (2 * lay.cp - 1) * wait
     # expert parallel: dispatch and combine all-to-alls over the ep group (consecutive members of a dp x cp
-    # group), not overlapped
+    # group), not overlapped, priced by the nodes the group spans (`comm.ep_group_nodes`); each rank sends the slots
+    # of the tokens it routes (all of them, or its 1/tp with whole experts), the busiest rank receiving its load
     t_ep = 0.0
     if cfg.is_moe and lay.ep > 1:
-        t_ep = 2 * comm.all_to_all(tokens * cfg.top_k * h * ab, lay.ep, st["dpcp"], hw)
+        slots = routed_tokens(tokens, lay) * cfg.top_k * busiest_rank_load(cfg, lay.ep, moe_imbalance)
+        t_ep = 2 * comm.expert_all_to_all(slots * h * ab, lay.ep, comm.ep_group_nodes(lay, hw.gpus_per_node), hw)
+    # whole experts under tp without sp: the tp ranks' routed outputs all-gathered along the sequence (forward only)
+    if cfg.is_moe and lay.splits_tokens_over_tp and not lay.sp:
+        t_tp_f_extra = comm.all_gather(tokens * h * ab, tp, st["tp"], hw) * (1 - fw.tp_overlap)
+    else:
+        t_tp_f_extra = 0.0
     # selective recompute reruns the attention core, which under cp is the ring's forward with its transfers
-    recompute = {"none": 0.0, "selective": attn_f + t_cp_f, "full": t_layer + t_tp + t_cp_f + t_ep}[lay.recompute]
-    f_layer = t_layer + t_tp + t_cp_f + t_ep
+    recompute = {"none": 0.0, "selective": attn_f + t_cp_f,
+                 "full": t_layer + t_tp + t_tp_f_extra + t_cp_f + t_ep}[lay.recompute]
+    f_layer = t_layer + t_tp + t_tp_f_extra + t_cp_f + t_ep
     # backward: the linears' input-gradient half in B, weight-gradient half in W; a third of the fixed costs in W
     b_layer = lin_b / 2 + attn_b + elementwise + oh_b * 2 / 3 + t_tp + t_tp_b_extra + t_cp_b + t_ep + recompute
     w_layer = lin_b / 2 + elementwise + oh_b / 3  # (by kernel class: the backward's element-wise is B's + W's share)
@@ -326,7 +371,7 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     b[-1] += head_b / 2
     w[-1] += head_b / 2
     if fw.grad_accum_copy_bytes and lay.fp32_grad_accum:  # the accumulation after each micro-batch's backward
-        lp = layer_params(cfg, tp, lay.ep)
+        lp = layer_params(cfg, tp, lay.ep, lay.etp)
         per_block = lp["sharded"] + lp["replicated"] + lp["expert"]
         table = cfg.vocab_size // tp * h
         for s, n in enumerate(counts):
@@ -336,7 +381,8 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     host = host_floor(cfg, lay, fw, hw, counts, f, b, w)
     again = 1 if lay.recompute == "full" else 0  # full recompute repeats the forward's communication
     again_cp = 1 if lay.recompute != "none" else 0  # selective recompute too (the ring is the recomputed core)
-    per_layer = {"tp_comm": (2 + again) * t_tp + t_tp_b_extra, "cp_comm": (1 + again_cp) * t_cp_f + t_cp_b,
+    per_layer = {"tp_comm": (2 + again) * t_tp + t_tp_b_extra + (1 + again) * t_tp_f_extra,
+                 "cp_comm": (1 + again_cp) * t_cp_f + t_cp_b,
                  "ep_comm": (2 + again) * t_ep,
                  # the recomputed forward's own compute (its communication is counted above)
                  "recompute": {"none": 0.0, "selective": attn_f, "full": t_layer}[lay.recompute]}
@@ -480,11 +526,12 @@ def _gather_time(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster, time
     if dpc > 1 and lay.zero >= 3:  # gathered one block ahead: exposed where a block's gather outlasts its compute
         n_layers = max(1, -(-cfg.n_layers // lay.pp))
         gathered = fw.gather_bytes or fw.param_bytes
-        if lay.ep > 1:  # the routed experts are units of their own over the edp ranks holding the same experts
-            # (`parallel.data.FullyShardedDataParallel`); with edp = 1 they stay whole and are not gathered
+        if lay.experts_apart and cfg.is_moe:  # the routed experts are units of their own over the edp ranks
+            # holding the same experts (`parallel.data.FullyShardedDataParallel`); with edp = 1 they stay whole
             ag = comm.all_gather(rp.dense * gathered / n_layers, zg, st["dpcp"], hw)
             if lay.expert_zero_group > 1:  # over the ranks of the shard group that hold the same experts
-                ag += comm.all_gather(rp.expert * gathered / n_layers, lay.expert_zero_group, st["dpcp"] * lay.ep, hw)
+                stride = lay.ep if lay.splits_tokens_over_tp else st["dpcp"] * lay.ep
+                ag += comm.all_gather(rp.expert * gathered / n_layers, lay.expert_zero_group, stride, hw)
         else:
             ag = comm.all_gather(rp.total * gathered / n_layers, zg, st["dpcp"], hw)  # a block, as gathered
         # the compute of one block of the first stage (interleaved: a stage holds 1/v of the rank's blocks)
@@ -494,16 +541,17 @@ def _gather_time(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster, time
         t_gather = gathers * n_layers * exposed(ag, per_block / 3, overlap)
         # what each unit (the blocks and the root) costs per micro-batch beyond its collectives, as measured
         units = n_layers + 1
-        if lay.ep > 1 and cfg.is_moe:  # per MoE layer: the router's unit, the shared experts', the experts'
+        if lay.experts_apart and cfg.is_moe:  # per MoE layer: the router's unit, the shared experts', the experts'
             units += n_layers * (1 + (cfg.n_shared_experts > 0) + (lay.edp > 1))
         t_gather += lay.grad_accum_steps * units * hw.zero3_unit_us * 1e-6
     return t_gather
 
 
 def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, exact: bool = True,
-              docs: DocumentLengths | None = None) -> TimeReport:
+              docs: DocumentLengths | None = None, moe_imbalance: float = 1.0) -> TimeReport:
+    """`moe_imbalance`: the busiest expert's load over the even share (1: balanced routing)."""
     hw = hw.on_node(min(lay.world_size, hw.gpus_per_node))
-    times = stage_times(cfg, seq, lay, fw, hw, docs)
+    times = stage_times(cfg, seq, lay, fw, hw, docs, moe_imbalance)
     tokens = lay.micro_batch_size * seq / lay.cp
     # the residual stream crosses stages, in the framework's residual dtype (bf16 in fivefold's lean engine)
     send = tokens * cfg.hidden * fw.residual_bytes / (lay.tp if lay.sp else 1)
@@ -524,24 +572,26 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     bucket = dp_bucket_bytes(lay, fw, elem_bytes)
     overlap = hw.comm_overlap  # share of a collective that compute running at once can hide
 
-    def reduce_time(nbytes: float, size: int, stride: int, shards: int) -> float:
-        """`size` ranks `stride` apart reduce `nbytes`; under ZeRO-3 the first `shards` of them hold one shard set
-        (all of them, or HSDP's shard group), the rest its replicas."""
+    def reduce_time(nbytes: float, size: int, stride: int, shards: int, nodes: int = 0) -> float:
+        """`size` ranks `stride` apart reduce `nbytes` (spanning `nodes` nodes where given); under ZeRO-3 the first
+        `shards` of them hold one shard set (all of them, or HSDP's shard group), the rest its replicas."""
+        nodes = nodes if shards == size else 0
         if lay.zero >= 3:  # ZeRO-3 reduce-scatters each unit's (block's) gradients as its backward ends
             unit = max(bucket, nbytes / max(1, -(-cfg.n_layers // lay.pp)))
-            t = comm.reduce_scatter(nbytes, shards, stride, hw, unit)
+            t = comm.reduce_scatter(nbytes, shards, stride, hw, unit, nodes)
             if size > shards:  # HSDP: then each shard is all-reduced over the replicas
                 t += comm.all_reduce(nbytes / shards, size // shards, stride * shards, hw, unit / shards)
             # under pp only each stage's last backward of the step reduce-scatters (`parallel.pipeline_zero3`)
             return t * (1 if lay.pp > 1 else lay.grad_accum_steps)
         if lay.zero >= 2:  # ZeRO-2 keeps only a gradient shard, so every micro-batch reduce-scatters
-            return comm.reduce_scatter(nbytes, size, stride, hw, bucket) * lay.grad_accum_steps
-        return comm.all_reduce(nbytes, size, stride, hw, bucket)
+            return comm.reduce_scatter(nbytes, size, stride, hw, bucket, nodes) * lay.grad_accum_steps
+        return comm.all_reduce(nbytes, size, stride, hw, bucket, nodes)
 
     t_dp = 0.0
     if dpc > 1:
         t_dp = reduce_time(rp.dense * elem_bytes, dpc, st["dpcp"], lay.zero_group)
-        t_dp += reduce_time(rp.expert * elem_bytes, lay.edp, st["dpcp"] * lay.ep, lay.expert_zero_group)
+        t_dp += reduce_time(rp.expert * elem_bytes, lay.edp, st["dpcp"] * lay.ep, lay.expert_zero_group,
+                            edp_nodes(lay, hw.gpus_per_node))
         last_bucket = t_dp * min(1.0, bucket / max(red_bytes, 1.0))
         window = sum(times.b[s] + times.w[s] for s in range(len(times.f)) if _rank_of(s, lay) == 0) if lay.pp > 1 \
             else times.b[0] + times.w[0]
@@ -581,6 +631,13 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     # a cluster with drift data has the drift as a part (the parts of the others stay as they were)
     parts.update({"scale_drift": total - total / drift_factor(lay, hw)} if hw.drift_per_node_doubling else {})
     return TimeReport(total, parts)
+
+
+def edp_nodes(lay: Layout, gpus_per_node: int) -> int:
+    """Nodes an edp group (the ranks that reduce the same routed experts' gradients) spans: its members at one
+    position of every ep block of a dp x cp group lie ep x tp ranks apart, and with whole experts (etp = 1) each
+    brings its tp ranks along, which share its node (tp stays inside a node)."""
+    return comm.nodes_spanned(max(lay.dp * lay.cp // lay.ep, 1), lay.ep * lay.tp, gpus_per_node)
 
 
 def job_nodes(lay: Layout, hw: Cluster) -> int:

@@ -88,3 +88,24 @@ def test_validate_results_per_row_one_sign_per_device(capsys, tmp_path):
     assert "tok/s/device pred" in table[1] and "GPU" not in text
     line = next(x for x in table if x.split()[1:3] == ["1", "dp2"])
     assert f"{100 * (1000.0 / predicted - 1):+.0f} %" in line and line.split()[-7] == "-"  # split: nothing fitted
+
+
+def test_only_rank_summary_states_its_sign():
+    """--only-rank's differences are measured / planner - 1, as its header says: a rank that held 10 % more than
+    predicted shows +10.0 %, one that computed 20 % less -20.0 %."""
+    import io
+
+    from fivefold.tools.only_rank import print_summary
+
+    mib = 2**20
+    memory = {part: {"measured": m * mib, "predicted": 100 * mib}
+              for part, m in (("parameters", 100), ("gradients", 100), ("optimizer", 100),
+                              ("activations_and_buffers", 110), ("peak", 110))}
+    summary = {"rank": 0, "device": "cpu", "peak_memory_bytes": {"resident": 110 * mib}, "memory_bytes": memory,
+               "coordinates": {"planner_rank": "first", "planner_rank_exact": True, "world_size": 2},
+               "compute_s": {"measured": 0.8, "predicted": 1.0}, "planner": {"hardware": "cpu"}}
+    out = io.StringIO()
+    print_summary(summary, out)
+    lines = out.getvalue().splitlines()
+    assert lines[1].rstrip().endswith("difference  (measured / planner - 1)")
+    assert lines[-2].split()[-2:] == ["+10.0", "%"] and lines[-1].split()[-2:] == ["-20.0", "%"]

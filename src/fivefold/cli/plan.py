@@ -296,6 +296,13 @@ def _ranking(args: argparse.Namespace, compiled: bool, for_config: bool) -> str:
             "on an accelerator for the config it writes)")
 
 
+def _predicted(compiled: bool) -> str:
+    """Whether --layout's or scaling's prediction is of compiled or eager steps (`plan --layout --json`: "compiled")."""
+    if compiled:
+        return "predicted with torch.compile (--features compile)"
+    return "predicted eager, without torch.compile (--features compile predicts compiled steps)"
+
+
 def _framework(args: argparse.Namespace, hw) -> Framework:
     """--framework, else the [framework] of the --hardware profile, else fivefold (fivefold-cpu on a CPU); with
     the run's --features (torch.compile, float8, async TP: `planner/features.py`)."""
@@ -403,6 +410,8 @@ def run(args: argparse.Namespace) -> int:
         masked = _attention_line(args, cfg, seq)
         if masked and not args.json:
             print(masked)
+        if not args.json:
+            print(_predicted("compile" in _features(args)))
         return run_scaling(args, cfg, fw, hw, space, seq, batch_seqs, args.docs)
     if args.layout:
         return _estimate_layout(args, cfg, fw, hw, seq, batch_seqs, n_gpus)
@@ -608,6 +617,9 @@ def _fixed_space(args: argparse.Namespace, n_gpus: int, gpus_per_node: int, batc
 def _estimate_layout(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, hw, seq: int, batch_seqs: int,
                      n_gpus: int) -> int:
     """--layout: the one layout's memory by part and step time by cause (or its JSON)."""
+    if args.write_config:
+        raise CliError("--write-config writes the best layout of a search, not --layout's: drop --layout, and pin "
+                       "the layout's values with --fix (e.g. --fix 'dp=4,tp=2,pp=1') to have that layout written")
     lay = parse_layout(args.layout, batch_seqs, fw.default_fp32_grad_accum if args.fp32_grad_accum is None
                        else args.fp32_grad_accum == "on")
     lay = dataclasses.replace(lay, fp32_grad_accum=lay.fp32_grad_accum or args.fp32_grad_accum == "on")
@@ -621,11 +633,14 @@ def _estimate_layout(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, 
     e = estimate(cfg, seq, lay, fw, hw, True, moe_imbalance=args.moe_imbalance, docs=args.docs)
     e.mfu *= _mfu_scale(args, cfg, seq)
     measured = measure(args, cfg, lay, seq, batch_seqs, fw) if args.measure else None
+    compiled = "compile" in _features(args)
     if args.json:
         print(json.dumps({**e.to_json(), **_attention_json(args, cfg, seq), **moe_routing_json(cfg, args.moe_imbalance),
+                          "compiled": compiled,
                           **({"measured": measured} if measured else {})}, indent=2))
         return 0
     print(f"{cfg.name} on {n_gpus} x {hw.name}, seq {seq}, batch {batch_seqs} sequences: {lay.short()}")
+    print(_predicted(compiled))
     print(f"fits: {'yes' if e.fits else 'NO'} (peak {gib(e.peak_bytes):.2f} GiB of {hw.memory_gib} GiB)")
     for rank, parts in e.memory.items():
         print(f"  memory, {rank} pipeline rank:")

@@ -169,6 +169,10 @@ def _measure(cfg: Config, rank: int, device: torch.device, steps: int | None, on
 # --- reporting ---------------------------------------------------------------------------------------------
 
 
+# the sign of every difference --only-rank prints (per step and in the summary): + = more than the planner predicted
+DIFFERENCE = "measured / planner - 1"
+
+
 def _diff(measured: float, predicted: float) -> str:
     if not predicted:
         return "n/a"
@@ -218,7 +222,7 @@ def print_summary(s: dict, out: TextIO) -> None:
                                                     " (the planner models the first and the last)")
     print(f"only-rank {s['rank']} of {c['world_size']} on {s['device']}: planner's prediction is for the {which}, "
           f"{s['planner']['hardware']} profile", file=out)
-    print(f"  {'':30}{'measured':>14}{'planner':>14}{'difference':>14}", file=out)
+    print(f"  {'':30}{'measured':>14}{'planner':>14}{'difference':>14}  ({DIFFERENCE})", file=out)
     for part, v in s["memory_bytes"].items():
         name = part.replace("_", " ")
         print(f"  {name + ' (MiB)':30}{v['measured'] / MIB:>14,.1f}{v['predicted'] / MIB:>14,.1f}"

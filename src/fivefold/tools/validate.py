@@ -406,11 +406,16 @@ def validate(rows: list[Row], fw: Framework, hw: Cluster, exact: bool = True) ->
             "held_out": metrics([rows[i] for i in held], [preds[i] for i in held]),
             "gates": gates(held_records), "stalls": stall_counts(held_records),
             "stalls_fitted": stall_counts([record(rows[i], preds[i]) for i in fitted]),
-            "rows": [{"model": r.model.name, "nodes": r.nodes, "layout": r.layout.short(), "seq": r.seq,
-                      "held_out": h, "fits": p.fits, "ran": r.ok, "predicted_tok_s_gpu": round(
-                          p.tokens_per_s_per_device, 1), "measured_tok_s_gpu": r.tok_s_gpu,
-                      "predicted_memory_gib": round(gib(p.peak_bytes), 1), "measured_memory_gib": r.mem_gib}
-                     for r, p, h in zip(rows, preds, held_out, strict=True)]}
+            "rows": [row_record(r, p, h) for r, p, h in zip(rows, preds, held_out, strict=True)]}
+
+
+def row_record(r: Row, p, held_out: bool | None) -> dict:
+    """One row of `--per-row`: its prediction `p` beside its measurement (`held_out` None: a sweep's run, which
+    nothing was fitted on)."""
+    return {"model": r.model.name, "nodes": r.nodes, "layout": r.layout.short(), "seq": r.seq, "held_out": held_out,
+            "fits": p.fits, "ran": r.ok, "predicted_tok_s_gpu": round(p.tokens_per_s_per_device, 1),
+            "measured_tok_s_gpu": r.tok_s_gpu, "predicted_memory_gib": round(gib(p.peak_bytes), 1),
+            "measured_memory_gib": r.mem_gib}
 
 
 _LABELS = [("rows (finished)", None), ("fits/OOM agreement", "fits_agreement"),
@@ -436,6 +441,9 @@ def run_validate_results(args: argparse.Namespace) -> int:
     path = Path(args.results)
     rows, other_profiles = read_results(path, args.hardware)
     result = {"results": metrics(rows, [r.estimate for r in rows])}
+    per_row = [row_record(r, r.estimate, None) for r in rows] if getattr(args, "per_row", False) else []
+    if per_row:
+        result["rows"] = per_row
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -446,6 +454,8 @@ def run_validate_results(args: argparse.Namespace) -> int:
               "score it)")
     for label, key in _LABELS:
         print(f"{label:34s} {_cell(result['results'], key):>20s}")
+    if per_row:  # a sweep's runs: processes on CPUs or GPUs, one per device
+        print_per_row(per_row, "device")
     return 0
 
 
@@ -604,16 +614,24 @@ def print_gates(table: list, result: dict, hw: Cluster) -> None:
           "seen (docs/planner.md, \"Issue 32: the stall-aware model and its gates\")")
 
 
-def print_per_row(per_row: list[dict]) -> None:
-    """`--per-row`: every row's prediction beside its measurement."""
+def _split(held_out: bool | None) -> str:
+    """A row's split column: fitted, held out, or "-" (a sweep's run: nothing is fitted on those)."""
+    return "-" if held_out is None else "held out" if held_out else "fitted"
+
+
+def print_per_row(per_row: list[dict], unit: str = "GPU") -> None:
+    """`--per-row`: every row's prediction beside its measurement, tokens/s per `unit` (GPU: the published runs;
+    device: a sweep's, whose processes may run on CPUs)."""
     print(f"\nevery row; error: the step time's, {SIGN_CONVENTION} (from tokens/s: measured / predicted - 1)")
-    print(f"{'model':14s} {'nodes':>5s} {'layout':38s} {'seq':>7s} {'split':>8s} {'tok/s/GPU pred':>14s} "
+    pred = f"tok/s/{unit} pred"
+    width = max(14, len(pred))
+    print(f"{'model':14s} {'nodes':>5s} {'layout':38s} {'seq':>7s} {'split':>8s} {pred:>{width}s} "
           f"{'measured':>9s} {'error':>7s} {'GiB pred':>8s} {'measured':>8s}")
     for r in per_row:
         err = (f"{100 * signed_step_time_error(r['predicted_tok_s_gpu'], r['measured_tok_s_gpu']):+.0f} %"
                if r["measured_tok_s_gpu"] and r["predicted_tok_s_gpu"] else "-")
         fits = "" if r["fits"] == r["ran"] else (" (predicted OOM)" if r["ran"] else " (predicted to fit)")
         print(f"{r['model']:14s} {r['nodes']:5d} {r['layout']:38s} {r['seq']:7d} "
-              f"{'held out' if r['held_out'] else 'fitted':>8s} {r['predicted_tok_s_gpu']:14,.0f} "
+              f"{_split(r['held_out']):>8s} {r['predicted_tok_s_gpu']:{width},.0f} "
               f"{r['measured_tok_s_gpu']:9,.0f} {err:>7s} {r['predicted_memory_gib']:8.1f} "
               f"{r['measured_memory_gib']:8.1f}{fits}")

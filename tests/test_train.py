@@ -284,9 +284,9 @@ def test_hf_init_refuses_data_prepared_with_another_tokenizer(tmp_path, dataset)
 
 def test_a_slow_background_save_holds_the_state_of_its_step(tmp_path, dataset, monkeypatch):
     """On the CPU the asynchronous save writes the live weights and moments without a copy; the next optimizer step
-    waits until the writer has read them. With a writer slowed down by a second per save, the checkpoint of step 3
-    still holds step 3's state: resumed from it, steps 4-6 equal the uninterrupted run's bit for bit (without the
-    wait the writer would read weights that step 4 had already changed)."""
+    waits until the writer has handed them to the file. With a writer slowed down by a second per save, the checkpoint
+    of step 3 still holds step 3's state: resumed from it, steps 4-6 equal the uninterrupted run's bit for bit
+    (without the wait the writer would read weights that step 4 had already changed)."""
     import time
 
     from fivefold.train import checkpoint as ckpt
@@ -294,11 +294,13 @@ def test_a_slow_background_save_holds_the_state_of_its_step(tmp_path, dataset, m
     full = train(small_config(tmp_path / "full", dataset))
     write = ckpt.write_rank_files
 
-    def slow(*args, **kwargs):
-        time.sleep(1.0)
-        return write(*args, **kwargs)
+    def slow(real):
+        def call(*args, **kwargs):
+            time.sleep(1.0)
+            return real(*args, **kwargs)
+        return call
 
-    monkeypatch.setattr(ckpt, "write_rank_files", slow)
+    monkeypatch.setattr(ckpt, "write_rank_files", slow(write))
     cut = small_config(tmp_path / "cut", dataset, **{"train.async_checkpoint": "true"})
     first = train(cut, stop_after=5)  # the save of step 3 in the background, while steps 4 and 5 run
     monkeypatch.setattr(ckpt, "write_rank_files", write)

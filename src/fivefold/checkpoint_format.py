@@ -76,12 +76,13 @@ class WriteCancelled(Exception):
 
 
 def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]],
-                      metadata: dict[str, str] | None = None, cancelled=None) -> str:
+                      metadata: dict[str, str] | None = None, cancelled=None, read=None) -> str:
     """Write `tensors` as a safetensors file, one tensor at a time (each copied to the CPU alone), fsync it and
     return its sha256. The file gets the mode the umask gives (safetensors' own `save_file` makes it 0600).
-    `cancelled()`, asked before each tensor, gives the write up (WriteCancelled) when true."""
+    `cancelled()`, asked before each tensor, gives the write up (WriteCancelled) when true; `read()` is called once
+    every tensor's bytes are written, before the flush and fsync (the tensors are not read after it)."""
     return stream_safetensors(path, [LazyTensor(name, t.dtype, tuple(t.shape), lambda t=t: t) for name, t in tensors],
-                              metadata, cancelled)
+                              metadata, cancelled, read)
 
 
 @dataclass(frozen=True)
@@ -99,11 +100,12 @@ class LazyTensor:
 
 
 def stream_safetensors(path: Path, tensors: list[LazyTensor], metadata: dict[str, str] | None = None,
-                       cancelled: Callable[[], bool] | None = None) -> str:
+                       cancelled: Callable[[], bool] | None = None, read: Callable[[], None] | None = None) -> str:
     """Write a safetensors file whose header comes from the descriptions, then each tensor's bytes as it is produced
     (one at a time, dropped once written: the writer holds one tensor), fsync it and return its sha256. A produced
     tensor of another dtype or shape than its description is a ValueError; `cancelled()`, asked before each tensor,
-    gives the write up (WriteCancelled) when true."""
+    gives the write up (WriteCancelled) when true; `read()` is called once every tensor's bytes are written (handed
+    to the file, which keeps its own copy), before the flush and the fsync."""
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for t in tensors:
@@ -128,6 +130,8 @@ def stream_safetensors(path: Path, tensors: list[LazyTensor], metadata: dict[str
             digest.update(data)
             f.write(data)
             del value, data
+        if read is not None:
+            read()
         f.flush()
         os.fsync(f.fileno())
     return digest.hexdigest()

@@ -211,13 +211,15 @@ class Piece:
 
 
 def write_rank_files(tmp: Path, rank: int, pieces: list[Piece], steps: dict[str, float], device: torch.device,
-                     rng: dict[str, torch.Tensor] | None = None, cancelled=None) -> None:
+                     rng: dict[str, torch.Tensor] | None = None, cancelled=None, read=None) -> None:
     """One rank's pieces (`rankN.safetensors`, streamed), their index with the sha256 of that file and the AdamW
     step of each parameter (`rankN.json`), and the rank's RNG state (`rng-rankN.safetensors`; `rng`: as taken when
-    the state was copied, else now). `cancelled()`: gives the write up between pieces when true."""
+    the state was copied, else now). `cancelled()`: gives the write up between pieces when true; `read()`: called
+    once the pieces' bytes are written (before the file's fsync), after which nothing reads them."""
     name = f"rank{rank}.safetensors"
     pairs = [(str(i), p.tensor) for i, p in enumerate(pieces)]
-    sha = write_safetensors(tmp / name, pairs, **({"cancelled": cancelled} if cancelled else {}))
+    options = {"cancelled": cancelled} if cancelled else {}
+    sha = write_safetensors(tmp / name, pairs, **options, **({"read": read} if read else {}))
     _write_json(tmp / f"rank{rank}.json", {
         "format_version": FORMAT_VERSION, "rank": rank, "file": name, "sha256": sha, "steps": steps,
         "pieces": [{"name": p.name, "shape": list(p.shape), "offsets": list(p.offsets),
@@ -499,7 +501,8 @@ class AsyncSave:
         self.error = ""
         self.written: Path | None = None
         self.cancel = threading.Event()  # set by a stop: give the save up (between pieces) rather than finish it
-        self.state_read = threading.Event()  # set once the rank's pieces are written (or the write has ended)
+        # set once the pieces are read no more: handed to their file (before its fsync), or the write has ended
+        self.state_read = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"fivefold-checkpoint-{step}", daemon=True)
 
     def start(self) -> AsyncSave:
@@ -526,7 +529,7 @@ class AsyncSave:
             try:
                 error = _os_error(lambda: write_rank_files(tmp, rank, self.pieces, self.steps,
                                                            self.owner.engine.device, self.rng,
-                                                           cancelled=self.cancel.is_set))
+                                                           cancelled=self.cancel.is_set, read=self.state_read.set))
             finally:  # whatever happened, this thread reads the pieces no more
                 self.pieces = []  # (host copies stay with the owner, reused; the live state with the engine)
                 self.state_read.set()
@@ -575,7 +578,7 @@ class Checkpointer:
         self.rank, self.world, self.is_first = rank, world, is_first
         self.config_toml = dump_toml(cfg)  # the resolved config, as the run directory and every checkpoint keep it
         self.in_flight: AsyncSave | None = None  # the asynchronous save being written (at most one)
-        self.host: list[torch.Tensor] = []  # its host copies on accelerators, kept for the next save (pinned)
+        self.host: list[torch.Tensor] = []  # its host copies on accelerators (pinned), reused by the next save
 
     def load(self, candidates: list[Path]) -> LoadedCheckpoint | None:
         """The newest of `candidates` (newest first) that every rank reads, verifies (each rank the files it reads)
@@ -696,8 +699,8 @@ class Checkpointer:
             finish = (lambda: finish_checkpoint(tmp, state, self.config_toml, self.world, data)) \
                 if engine.is_logging_rank else None
             if engine.device.type == "cpu":
-                # no copy: the writer reads the live state, which nothing changes before the next optimizer step,
-                # and that step waits for the writer to have read it (`Engine.state_readers`)
+                # no copy: the thread writes the live state, which nothing changes before the next optimizer step,
+                # and that step waits until the thread has handed it to the file (`Engine.state_readers`)
                 self.in_flight = AsyncSave(self, step, tmp, pieces, steps, rng, finish, prune).start()
                 engine.state_readers.append(self.in_flight.release)
                 return None

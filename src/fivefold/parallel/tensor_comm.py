@@ -108,12 +108,7 @@ class _ScatterSequence(torch.autograd.Function):
         return all_gather(grad, SEQ_DIM, ctx.group), None
 
 
-class _GatherSequenceParts(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return all_gather(x, SEQ_DIM, group)
-
+class _GatherSequenceParts(_GatherSequence):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)

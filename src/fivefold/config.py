@@ -326,6 +326,11 @@ class LayoutConfig:
         return (self.dp_shard or self.dp) * self.cp
 
     @property
+    def splits_experts_over_tp(self) -> bool:
+        """Whether every routed expert's ffn dim is split over the tp ranks (etp = tp > 1)."""
+        return self.etp > 1
+
+    @property
     def splits_tokens_over_tp(self) -> bool:
         """Whether each tp rank routes its own 1/tp of an MoE layer's tokens (tp > 1 with whole experts, etp = 1)."""
         return self.tp > 1 and self.etp == 1

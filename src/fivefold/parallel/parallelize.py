@@ -98,7 +98,7 @@ def norm_tp_sharded_names(model: nn.Module, cfg: Config, tp: int) -> set[str]:
     """Names of the parameters whose squared gradients a rank sums over tp for the global norm: those split over tp,
     and under ZeRO-3 with whole experts split over tp ranks' tokens (etp = 1) the routed experts, whose shards over
     the edp ranks (which span tp) are disjoint between tp ranks."""
-    names = tp_sharded_names(model, tp, cfg.layout.etp > 1)
+    names = tp_sharded_names(model, tp, cfg.layout.splits_experts_over_tp)
     if cfg.layout.zero == 3 and cfg.layout.splits_tokens_over_tp:
         from fivefold.parallel.expert import is_expert_param
 
@@ -115,7 +115,7 @@ def apply_model_parallel(model: Llama, cfg: Config, grid: ProcessGrid | None,
     if tp > 1:  # 1. tensor (and sequence) parallel
         from fivefold.parallel.tensor import apply_tensor_parallel
 
-        apply_tensor_parallel(model, grid.group("tp"), la.sp, split_experts=la.etp > 1)
+        apply_tensor_parallel(model, grid.group("tp"), la.sp, split_experts=la.splits_experts_over_tp)
     if weight_grad_queue is not None:  # the zero-bubble schedules' B / W split
         from fivefold.parallel.pipeline import defer_weight_grads
 
@@ -151,7 +151,7 @@ def shard_regions(model: Llama, grid: ProcessGrid) -> dict[str, tuple[tuple[int,
     regions = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         region = [(0, n) for n in shapes[name]]
-        dim = tp_shard_dim(name, grid.layout.etp > 1) if tp > 1 else None
+        dim = tp_shard_dim(name, grid.layout.splits_experts_over_tp) if tp > 1 else None
         if dim is not None:
             size = shapes[name][dim] // tp
             region[dim] = (tp_rank * size, (tp_rank + 1) * size)
@@ -223,7 +223,8 @@ def apply_data_parallel(parts: dict[int, Llama], cfg: Config, grid: ProcessGrid 
     if la.zero == 3:
         tp_sharded = set().union(*(norm_tp_sharded_names(part, cfg, grid.size("tp")) for part in parts.values()))
         return loss_model, [fully_shard_parts(parts, loss_model, tp_sharded, cfg, grid, device)]
-    tp_sharded = set().union(*(tp_sharded_names(part, grid.size("tp"), la.etp > 1) for part in parts.values()))
+    tp_sharded = set().union(*(tp_sharded_names(part, grid.size("tp"), la.splits_experts_over_tp)
+                               for part in parts.values()))
     for part in parts.values():  # each rank allocates only its parts' shards
         if is_meta(part):
             materialize_shards(part, grid, device, cfg.train.seed)

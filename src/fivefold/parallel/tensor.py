@@ -42,9 +42,9 @@ from fivefold.config import ModelConfig
 from fivefold.layout import raise_problem, tensor_parallel_problem
 from fivefold.models.llama import MLP, Attention, Llama, MoE, RMSNorm
 from fivefold.models.loss import TP_LOSS_CHUNK_TOKENS
+from fivefold.parallel.expert import EXPERT_WEIGHTS, is_expert_param
 from fivefold.parallel.tensor_comm import (
     all_gather,
-    all_reduce,
     copy_to_tp,
     enter_tp_region,
     exit_tp_region,
@@ -77,7 +77,7 @@ _SHARD_DIMS = {
 def tp_shard_dim(param_name: str, split_experts: bool = True) -> int | None:
     """The dim of plain-model parameter `param_name` split over the tp ranks; None when replicated (the routed
     experts' weights too unless `split_experts`: whole experts, `layout.etp = 1`)."""
-    if not split_experts and param_name.rsplit(".", 1)[-1] in ("w_gate", "w_up", "w_down"):
+    if not split_experts and is_expert_param(param_name):
         return None
     for suffix, dim in _SHARD_DIMS.items():
         if param_name == suffix or param_name.endswith("." + suffix):
@@ -230,8 +230,6 @@ class TokenSplitMoE(TensorParallelMoE):
         out = out.view(local.shape)
         if shared is not None:
             shared = exit_tp_region(shared.view(full.shape), group, sp)
-        if self.capacity_factor > 0:  # the mean over the micro-batch's tokens (logged only)
-            self.drop_fraction = all_reduce(self.drop_fraction.detach().clone(), group) / dist.get_world_size(group)
         if not sp:
             out = gather_sequence_parts(out, group)
         return out if shared is None else out + shared
@@ -241,7 +239,6 @@ class TokenSplitMoE(TensorParallelMoE):
         if self.z_loss is not None:  # a mean over this rank's tokens: the micro-batch's is the mean over tp
             self.z_loss = reduce_from_tp(self.z_loss, self.tp_group) / dist.get_world_size(self.tp_group)
         return experts, weights
-
 
 
 class TokenSplitRouter(nn.Linear):
@@ -352,7 +349,7 @@ def apply_tensor_parallel(model: Llama, tp_group: ProcessGroup, sequence_paralle
         mlp = block.mlp
         if isinstance(mlp, MoE):
             if split_experts:
-                for name in ("w_gate", "w_up", "w_down"):
+                for name in EXPERT_WEIGHTS:
                     _shard_param(mlp, name, tp_shard_dim(name), tp_rank, tp_size)
             if mlp.shared is not None:
                 _shard_mlp(mlp.shared, tp_rank, tp_size)

@@ -168,8 +168,14 @@ class Engine:
             return None
         if self.grid is None:
             return float(self.drop_fraction)
-        # the mean over dp x cp ranks, which route equally many slots
-        return float(self.reduce_for_logging(self.drop_fraction)) / dist.get_world_size(self.grid.group("dp_cp"))
+        # the mean over dp x cp ranks, which route equally many slots (and over tp, whose ranks route their own parts
+        # of the tokens when the experts stay whole)
+        total = self.reduce_for_logging(self.drop_fraction)
+        ranks = dist.get_world_size(self.grid.group("dp_cp"))
+        if self.cfg.layout.splits_tokens_over_tp:
+            dist.all_reduce(total, group=self.grid.group("tp"))
+            ranks *= self.tp_size
+        return float(total) / ranks
 
     def local_grads(self) -> list[torch.Tensor]:
         """The gradients of what the optimizer steps, as plain local tensors (a ZeRO-3 shard's local slice)."""
@@ -329,7 +335,7 @@ class Engine:
         if self.tp_size > 1:
             from fivefold.parallel.tensor import gather_state
 
-            state = gather_state(state, self.grid.group("tp"), self.cfg.layout.etp > 1)
+            state = gather_state(state, self.grid.group("tp"), self.cfg.layout.splits_experts_over_tp)
         if self.ep_size > 1:
             from fivefold.parallel.expert import gather_expert_state
 

@@ -156,6 +156,11 @@ class Framework:
     # the same when the blocks run under torch.compile (`--features compile`); "" = selective_saved_matmuls
     compiled_selective_saved_matmuls: str = ""
     activation_scale: float = 1.0  # multiplies the counted saved activations (fitted for other frameworks)
+    # what a block compiled by torch.compile saves for backward (`--features compile`), where the partitioner keeps
+    # less than eager mode: SwiGLU's gate and up outputs and their product (silu(gate) recomputed in backward:
+    # 3 tensors of the MLP width, eager 4), the routed experts' output once (eager also its weighted copy) and the
+    # router logits in the compute dtype (eager: fp32). Measured on fivefold's blocks (tests/test_planner_memory.py)
+    compiled_saves_less: bool = False
     tp_overlap: float = 0.0  # share of tensor-parallel communication hidden behind compute
     dp_bucket_mib: float = 25.0  # gradient buckets (MiB); the memory model's reserve for buffers in flight
     # the step-time model takes the gradient bucket size (`layout.dp_bucket_size`, Megatron's rule by default) and
@@ -220,7 +225,8 @@ class Framework:
 # It runs torch.compile, not float8 linears or async tensor parallel.
 FIVEFOLD = Framework(param_bytes=2, grad_bytes=2, master_bytes=4, accum_bytes=4, autocast_weight_copies=False,
                      residual_bytes=2, gather_bytes=2, hsdp=True, accum_in_grad_buffers=True,
-                     default_fp32_grad_accum=True, features="compile", layout_dp_options=True)
+                     default_fp32_grad_accum=True, features="compile", layout_dp_options=True,
+                     compiled_saves_less=True)
 # On CPU every operator runs eagerly on the host, so its fixed cost counts: the operators of fivefold's block
 # and of its embedding + loss as the profiler counts them (tests/test_calibrate.py checks the counts). fp32
 # everything: the parameters are the master weights (4 + 4 + 8 bytes per parameter; `layout.fp32_grad_accum`

@@ -218,13 +218,22 @@ def busiest_rank_load(cfg: ModelConfig, ep: int, imbalance: float = 1.0) -> floa
     return (imbalance + (local - 1) * (e - imbalance) / (e - 1)) / local
 
 
+def compiled_saves_less(fw: Framework) -> bool:
+    """The framework's blocks run compiled (`--features compile`) and save less than eager there
+    (`Framework.compiled_saves_less`)."""
+    return fw.compiled_saves_less and fw.fused_elementwise == "all"
+
+
 def layer_activation_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Framework,
                            moe_imbalance: float = 1.0) -> dict[str, float]:
     """Bytes one block saves for backward for one micro-batch of `tokens` tokens on this rank (after cp)."""
     h, d, tp = cfg.hidden, cfg.head_dim, lay.tp
     ab, rb = fw.act_bytes, residual_bytes(cfg, fw)
     t_seq = tokens / tp if (lay.sp and tp > 1) else tokens  # the sequence-sharded norm/residual regions
-    t_in = tokens if (fw.sp_saves_gathered_input or not lay.sp) else t_seq  # what the column linears save
+    compiled = compiled_saves_less(fw)
+    # what the column linears save: their sequence slice, or the gathered input (compiled, the gather is in the
+    # graph and the partitioner keeps its output rather than gather again in backward)
+    t_in = tokens if (fw.sp_saves_gathered_input or not lay.sp or compiled) else t_seq
     t_route = routed_tokens(tokens, lay)  # what this rank's router sees (its own 1/tp with whole experts)
     norm = t_seq * (h * rb + 4 + (h * 4 if fw.norm_saves_normalized else 0))  # input, 1/rms, normalised input
     if lay.recompute == "full":
@@ -257,15 +266,16 @@ def layer_activation_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Frame
     if lay.splits_tokens_over_tp and lay.sp:
         moe_in = t_route + (tokens if cfg.n_shared_experts else 0)
     mlp_in = (cfg.mlp_matrices - 1 if per_op else 1) * (moe_in if cfg.is_moe else t_in) * h * ab
-    # saved per element of the MLP width: gate and up outputs, silu(gate) and the product (SwiGLU); the up output
-    # (GELU's input) and GELU's output
-    saved = 4 if cfg.mlp == "swiglu" else 2
+    # saved per element of the MLP width: gate and up outputs, silu(gate) and the product (SwiGLU; compiled, silu
+    # is recomputed in backward); the up output (GELU's input) and GELU's output
+    saved = (3 if compiled else 4) if cfg.mlp == "swiglu" else 2
     if cfg.is_moe:
         e, k = cfg.n_experts, cfg.top_k
         t_r = t_route  # the whole (gathered) sequence, or with whole experts under tp the rank's 1/tp
         e_local = e // lay.ep
         f = expert_ffn_local(cfg, lay)
-        routing = t_r * (e * 4 + k * 8 + 4 + k * 4) + e * 4 + 4 * t_r * k * 8 + t_r * k * 4
+        logits = ab if compiled else 4  # the router logits: in the compute dtype when compiled, else fp32
+        routing = t_r * (e * logits + k * 8 + 4 + k * 4) + e * 4 + 4 * t_r * k * 8 + t_r * k * 4
         if cfg.moe_impl == "grouped" and cfg.capacity_factor == 0:
             # dropless grouped GEMMs: the slots this rank's experts receive, no padding; the busiest ep rank's
             slots = t_r * k * busiest_rank_load(cfg, lay.ep, moe_imbalance)
@@ -273,7 +283,9 @@ def layer_activation_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Frame
             # a capacity factor counts it over the whole (cp-local) sequence, whichever tp rank routes which part
             cap_tokens = tokens if cfg.capacity_factor > 0 else t_r
             slots = e_local * moe_capacity(cfg, int(cap_tokens), moe_imbalance) * lay.ep
-        experts = slots * (h + saved * f) * ab + 2 * t_r * k * h * ab
+        # the experts' input and hidden tensors per slot; their output per (token, choice), and eager also its
+        # weighted copy
+        experts = slots * (h + saved * f) * ab + (1 if compiled else 2) * t_r * k * h * ab
         shared = saved * tokens * cfg.n_shared_experts * cfg.expert_ffn // tp * ab
         mlp = routing + experts + shared
     else:

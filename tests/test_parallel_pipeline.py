@@ -232,6 +232,45 @@ def test_weight_gradients_wait_for_the_w_pass(first_block_only):
             torch.testing.assert_close(params[name].grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_the_w_pass_holds_one_weight_gradient_at_a_time():
+    """W computes each deferred weight's gradient and accumulates it before computing the next, as a plain
+    backward does: the GPU run of the 70B example's first stage under zero-bubble held its whole bf16 weight
+    gradient (8.9 GiB) at once when W computed them all before accumulating any. Counted with weak references to
+    the gradients W computes (alive ones: not yet freed after their accumulation), in the deferred order."""
+    import weakref
+
+    from fivefold.models.llama import build_model
+    from fivefold.parallel.pipeline import WeightGradQueue, defer_weight_grads
+
+    cfg = tiny_config(PP)
+    model = build_model(cfg.model, "cpu", seed=3)
+    queue = WeightGradQueue()
+    defer_weight_grads(model, queue)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with queue.collect((0, 0)):
+        model.forward_hidden(tokens).square().sum().backward()
+    computed: list[weakref.ref] = []
+    most_alive, order = 0, []
+
+    def counting(weight, compute):
+        def run():
+            nonlocal most_alive
+            most_alive = max(most_alive, sum(r() is not None for r in computed))
+            order.append(weight)
+            grad = compute()
+            computed.append(weakref.ref(grad))
+            return grad
+        return weight, run
+
+    items = queue.pending[(0, 0)]
+    deferred = [w for w, _ in items]
+    queue.pending[(0, 0)] = [counting(w, c) for w, c in items]
+    queue.run((0, 0))
+    assert len(computed) == 7 * cfg.model.n_layers and order == deferred  # every weight, in backward's order
+    assert most_alive == 0  # no earlier gradient was alive when the next was computed
+    assert all(w.grad is not None for w in deferred)
+
+
 MOE = {"model.n_experts": "4", "model.top_k": "2"}
 
 

@@ -163,11 +163,18 @@ class WeightGradQueue:
         self._open.append((weight, compute))
 
     def run(self, key: tuple[int, int]) -> None:
+        """The W pass of `key`: each weight's gradient computed and accumulated before the next is computed, as a
+        plain backward does, so that one weight's gradient at a time exists beside the `.grad` buffers (all of a
+        stage's at once would be its whole bf16 weight gradient: 8.9 GiB on the 70B example's first stage)."""
         items = self.pending.pop(key, [])
-        if items:
+        items.reverse()
+        while items:
+            weight, compute = items.pop()  # dropping the closure frees its saved input and output gradient
             with torch.no_grad():  # as inside backward
-                grads = [compute().to(weight.dtype) for weight, compute in items]
-            torch.autograd.backward([weight for weight, _ in items], grads)
+                grad = compute().to(weight.dtype)
+            del compute
+            torch.autograd.backward(weight, grad)
+            del grad
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.pending.values())

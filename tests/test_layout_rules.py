@@ -101,6 +101,10 @@ REFUSED = [
      "layout.dp_overlap_param_gather = true with layout.zero = 0, dp x cp = 2"),
     ("tiny", ["--preset", "tiny"], 2, 128, 8, {"dp": 2, "zero": 3, "dp_overlap_param_gather": "true"},
      "layout.dp_overlap_param_gather = true with layout.zero = 3"),
+    ("tiny", ["--preset", "tiny"], 2, 128, 8, {"tp": 2, "tp_comm_overlap": "true"},
+     "layout.tp_comm_overlap = true with layout.tp = 2, layout.sp = false"),
+    ("tiny", ["--preset", "tiny"], 2, 128, 8, {"dp": 2, "tp_comm_overlap": "true"},
+     "layout.tp_comm_overlap = true with layout.tp = 1"),
 ]
 
 

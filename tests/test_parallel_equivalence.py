@@ -229,6 +229,16 @@ def test_parameter_gather_overlap_changes_no_loss():
     assert_switch_changes_nothing(layouts, run_ranks(2, layouts_on_ranks, layouts)[0])
 
 
+def test_tensor_parallel_overlap_changes_no_loss():
+    """tp2 + sp with the gathered linears' backward collectives overlapped (`layout.tp_comm_overlap`, the all-gather
+    under the input gradient's matmuls, the reduce-scatter under the weight gradients') and one after the other:
+    the same losses and gradient norms (within 1e-6), both matching one process; dense with selective recompute
+    (the backward runs again inside the recompute) and MoE with whole experts."""
+    layouts = [{"layout.tp": "2", "layout.sp": "true", "layout.tp_comm_overlap": on, **extra}
+               for extra in ({"layout.recompute": "selective"}, MOE) for on in ("true", "false")]
+    assert_switch_changes_nothing(layouts, run_ranks(2, layouts_on_ranks, layouts)[0])
+
+
 def assert_switch_changes_nothing(layouts: list[dict[str, str]], results: list) -> None:
     """`layouts` in pairs, a switch on then off: the first of each pair matches one process, and the two have the
     same losses and gradient norms within 1e-6."""

@@ -157,6 +157,52 @@ def test_tp2_sp_under_a_parameter_swapping_wrapper():
     check_tp_results(results)
 
 
+def overlap_grads_and_launches(rank: int, world_size: int) -> dict:
+    """On each rank: the tp2 + sp model's loss and gradients with the gathered linears' backward overlapped and
+    not, and the asynchronous collectives each launched (counted around `tensor_comm`'s launchers)."""
+    from fivefold.parallel import tensor_comm
+
+    cfg = model_config("tiny")
+    tokens, targets = batch(cfg.vocab_size)
+    launched = {"gather": 0, "scatter": 0}
+    start_gather, start_scatter = tensor_comm.start_all_gather, tensor_comm.start_reduce_scatter
+
+    def counting_gather(*args, **kwargs):
+        launched["gather"] += 1
+        return start_gather(*args, **kwargs)
+
+    def counting_scatter(*args, async_op=True, **kwargs):
+        launched["scatter"] += async_op
+        return start_scatter(*args, async_op=async_op, **kwargs)
+
+    tensor_comm.start_all_gather, tensor_comm.start_reduce_scatter = counting_gather, counting_scatter
+    out = {}
+    try:
+        for overlap in (True, False):
+            launched.update(gather=0, scatter=0)
+            model = build_model(cfg, "cpu", seed=0)
+            apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=True, comm_overlap=overlap)
+            loss = TPLoss(model, True)(tokens, targets)
+            loss.backward()
+            out[overlap] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, dict(launched))
+    finally:
+        tensor_comm.start_all_gather, tensor_comm.start_reduce_scatter = start_gather, start_scatter
+    return out
+
+
+def test_sequence_parallel_overlap_launches_async_collectives_and_changes_nothing():
+    """`apply_tensor_parallel(..., comm_overlap=True)` (`layout.tp_comm_overlap`): each block's two gathered
+    linears (q/k/v, gate/up) launch their input's all-gather and their input gradient's reduce-scatter
+    asynchronously in backward, and the loss and every gradient are bitwise those of the sequential order."""
+    cfg = model_config("tiny")
+    for out in run_ranks(2, overlap_grads_and_launches):
+        (loss_on, grads_on, launched_on), (loss_off, grads_off, launched_off) = out[True], out[False]
+        assert launched_on == {"gather": 2 * cfg.n_layers, "scatter": 2 * cfg.n_layers}
+        assert launched_off == {"gather": 0, "scatter": 0}
+        assert loss_on == loss_off
+        assert all(torch.equal(grads_on[n], grads_off[n]) for n in grads_off)
+
+
 @pytest.mark.slow
 def test_tp4_matches_single_process():
     """Four ranks, four kv heads, dense and MoE with capacity-based routing, every recompute mode."""

@@ -91,7 +91,7 @@ def test_features_are_inputs():
     compiled = stage_times(SMALL, 4096, lay, with_features(every, ["compile"]), hw)
     fp8 = stage_times(SMALL, 4096, lay, with_features(every, ["compile", "float8"]), hw)
     assert fp8.f[0] < compiled.f[0] < base.f[0]
-    tp = Layout(tp=2, sp=True, micro_batch_size=2)
+    tp = Layout(tp=2, sp=True, micro_batch_size=2, tp_comm_overlap=False)  # async TP alone (it replaces the overlap)
     plain, pipelined = (stage_times(SMALL, 4096, tp, with_features(every, f), hw).comm_per_layer["tp_comm"]
                         for f in ([], ["async-tp"]))
     assert pipelined == pytest.approx(plain / 2)  # only the first of tp = 2 chunks is exposed
@@ -266,3 +266,40 @@ def test_a_framework_names_known_kernels(tmp_path):
     good.write_text('[framework]\nname = "torchtitan"\nfused_elementwise = "norm, swiglu"\nattention_kernel = "fa3"\n')
     fw = profile.framework_of(good)
     assert (fw.fused_elementwise, fw.attention_kernel) == ("norm, swiglu", "fa3")
+
+
+def test_tensor_parallel_overlap_hides_the_gathered_linears_backward_collectives():
+    """`layout.tp_comm_overlap` (fivefold's engine, sp): a block's backward loses the input all-gather and the input
+    gradient's reduce-scatter of its two gathered linears as far as their input- and weight-gradient matmuls last
+    (on a device that overlaps fully); nothing under a split backward (zero-bubble's W computes the weight
+    gradients), without the switch, or for a framework that does not run it."""
+    import dataclasses
+
+    from fivefold.planner import comm
+    from fivefold.planner.hardware import get_cluster
+    from fivefold.planner.layout import FIVEFOLD, NANOTRON, Layout
+    from fivefold.planner.time import _block_seconds, column_linear_share, stage_times
+    from fivefold.presets import get_preset
+
+    cfg, hw, seq = get_preset("llama-3.1-8b"), get_cluster("h100"), 4096
+    on = Layout(tp=4, sp=True, micro_batch_size=1)
+    off = dataclasses.replace(on, tp_comm_overlap=False)
+
+    def per_layer(lay, fw=FIVEFOLD):
+        return stage_times(cfg, seq, lay, fw, hw).comm_per_layer
+
+    tp_comm = {lay.tp_comm_overlap: per_layer(lay)["tp_comm"] for lay in (on, off)}
+    tokens, act = seq, seq * cfg.hidden * 2
+    lin_b = _block_seconds(cfg, seq, on, FIVEFOLD, hw, tokens, min(FIVEFOLD.tp_loss_chunk, tokens), None, 1.0)[1]
+    matmuls = lin_b / 2 * column_linear_share(cfg)
+    st = comm.strides(on)
+    gather, scatter = 2 * comm.all_gather(act, 4, st["tp"], hw), 2 * comm.reduce_scatter(act, 4, st["tp"], hw)
+    assert tp_comm[False] - tp_comm[None] == pytest.approx(min(gather, matmuls) + min(scatter, matmuls), rel=1e-9)
+    assert tp_comm[False] > tp_comm[None] > 0
+    # q, k, v, gate and up of Llama-3.1-8B's block: 4096 x (32 + 16) x 128 + 2 x 4096 x 14336, of those and o and down
+    assert column_linear_share(cfg) == pytest.approx((4096 * 48 * 128 + 2 * 4096 * 14336) / (
+        4096 * (48 + 32) * 128 + 3 * 4096 * 14336))
+    zb = Layout(tp=4, sp=True, pp=2, schedule="zero-bubble", micro_batch_size=1, grad_accum_steps=8)
+    zb_off = dataclasses.replace(zb, tp_comm_overlap=False)
+    assert per_layer(zb) == per_layer(zb_off)
+    assert per_layer(on, NANOTRON) == per_layer(off, NANOTRON)

@@ -294,6 +294,10 @@ class LayoutConfig:
     # input gradient before it computes its weight gradients (deferred as the zero-bubble schedules' W passes);
     # null = on wherever pp > 1, false = today's strict order (to debug, or to measure the overlap)
     pp_comm_overlap: bool | None = None
+    # tensor parallel with sp: the backward of the column linears (q/k/v, gate/up) all-gathers their input for the
+    # weight gradients while it computes the input gradient, and reduce-scatters the input gradient while it computes
+    # the weight gradients (asynchronous collectives); null = on wherever tp > 1 with sp, false = one after the other
+    tp_comm_overlap: bool | None = None
 
     @property
     def dp_bucket_elements(self) -> int:
@@ -314,6 +318,11 @@ class LayoutConfig:
     def overlaps_pp_comm(self) -> bool:
         """Whether the pipeline's point-to-point overlaps compute (`pp_comm_overlap`)."""
         return self.pp_comm_overlap is not False and self.pp > 1
+
+    @property
+    def overlaps_tp_comm(self) -> bool:
+        """Whether sequence parallel's backward overlaps its collectives with the matmuls (`tp_comm_overlap`)."""
+        return self.tp_comm_overlap is not False and self.tp > 1 and self.sp
 
     @property
     def world_size(self) -> int:

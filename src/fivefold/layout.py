@@ -269,6 +269,11 @@ def communication_problem(layout: LayoutConfig) -> LayoutProblem | None:
                              f"{layout.dp * layout.cp}: only ZeRO-1/2 over two or more ranks all-gather the "
                              "parameters after the step (ZeRO-3 gathers each block before its forward, ZeRO-0 "
                              "gathers nothing); leave it out, or use layout.zero = 1 or 2 with dp x cp >= 2")
+    if layout.tp_comm_overlap and not (layout.tp > 1 and layout.sp):
+        return LayoutProblem("tensor-parallel overlap without sequence parallel",
+                             f"layout.tp_comm_overlap = true with layout.tp = {layout.tp}, layout.sp = "
+                             f"{str(layout.sp).lower()}: only sequence parallel's gathered linears have collectives "
+                             "to overlap in backward; leave it out, or use layout.tp >= 2 with layout.sp = true")
     if layout.pp_comm_overlap and layout.pp == 1:
         return LayoutProblem("pipeline overlap without a pipeline",
                              "layout.pp_comm_overlap = true with layout.pp = 1: there is no point-to-point to "

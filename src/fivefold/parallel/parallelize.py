@@ -115,7 +115,8 @@ def apply_model_parallel(model: Llama, cfg: Config, grid: ProcessGrid | None,
     if tp > 1:  # 1. tensor (and sequence) parallel
         from fivefold.parallel.tensor import apply_tensor_parallel
 
-        apply_tensor_parallel(model, grid.group("tp"), la.sp, split_experts=la.splits_experts_over_tp)
+        apply_tensor_parallel(model, grid.group("tp"), la.sp, split_experts=la.splits_experts_over_tp,
+                              comm_overlap=la.overlaps_tp_comm)
     if weight_grad_queue is not None:  # the zero-bubble schedules' B / W split
         from fivefold.parallel.pipeline import defer_weight_grads
 

@@ -145,6 +145,7 @@ class TensorParallelAttention(Attention):
 
     tp_group: ProcessGroup
     sequence_parallel: bool
+    tp_comm_overlap: bool = False  # `layout.tp_comm_overlap`: see `tensor_comm.gather_linears`
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         if not self.sequence_parallel:
@@ -156,7 +157,8 @@ class TensorParallelAttention(Attention):
             return super().project_qkv(x)
         linears = (self.q_proj, self.k_proj, self.v_proj)
         out = gather_linears(x, self.tp_group, *(m.weight for m in linears),
-                             weight_grad_queue=getattr(self, "weight_grad_queue", None))
+                             weight_grad_queue=getattr(self, "weight_grad_queue", None),
+                             overlap=self.tp_comm_overlap)
         return tuple(y if m.bias is None else y + m.bias for y, m in zip(out, linears, strict=True))
 
 
@@ -165,6 +167,7 @@ class TensorParallelMLP(MLP):
 
     tp_group: ProcessGroup
     sequence_parallel: bool
+    tp_comm_overlap: bool = False  # `layout.tp_comm_overlap`: see `tensor_comm.gather_linears`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
@@ -174,7 +177,8 @@ class TensorParallelMLP(MLP):
     def project_gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.sequence_parallel:
             return gather_linears(x, self.tp_group, self.gate_proj.weight, self.up_proj.weight,
-                                  weight_grad_queue=getattr(self, "weight_grad_queue", None))
+                                  weight_grad_queue=getattr(self, "weight_grad_queue", None),
+                                  overlap=self.tp_comm_overlap)
         return super().project_gate_up(x)
 
 
@@ -330,10 +334,11 @@ def _to_tp_class(module: nn.Module, cls: type, tp_group: ProcessGroup, sequence_
 
 
 def apply_tensor_parallel(model: Llama, tp_group: ProcessGroup, sequence_parallel: bool,
-                          split_experts: bool = True) -> None:
+                          split_experts: bool = True, comm_overlap: bool = False) -> None:
     """Shard `model` in place over `tp_group` (see the module docstring). The model must hold the same
     full weights on every tp rank (built from the same seed) and have no optimizer yet. The routed experts stay
-    whole (`TokenSplitMoE`) unless `split_experts` (`layout.etp = layout.tp`)."""
+    whole (`TokenSplitMoE`) unless `split_experts` (`layout.etp = layout.tp`). `comm_overlap`
+    (`layout.tp_comm_overlap`, with sequence parallel): the gathered linears' backward overlaps its collectives."""
     tp_size, tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
     validate_tensor_parallel(model.cfg, tp_size)
     if tp_size == 1:
@@ -346,6 +351,7 @@ def apply_tensor_parallel(model: Llama, tp_group: ProcessGroup, sequence_paralle
             _shard_linear(getattr(attn, name), tp_shard_dim(f"{name}.weight"), tp_rank, tp_size)
         attn.n_heads, attn.n_kv_heads = attn.n_heads // tp_size, attn.n_kv_heads // tp_size
         _to_tp_class(attn, TensorParallelAttention, tp_group, sequence_parallel)
+        attn.tp_comm_overlap = comm_overlap and sequence_parallel
         mlp = block.mlp
         if isinstance(mlp, MoE):
             if split_experts:
@@ -360,6 +366,7 @@ def apply_tensor_parallel(model: Llama, tp_group: ProcessGroup, sequence_paralle
         else:
             _shard_mlp(mlp, tp_rank, tp_size)
             _to_tp_class(mlp, TensorParallelMLP, tp_group, sequence_parallel)
+            mlp.tp_comm_overlap = comm_overlap and sequence_parallel
     tied = model.cfg.tied_embeddings and model.embed is not None and model.lm_head is not None
     if model.embed is not None:
         embed = model.embed

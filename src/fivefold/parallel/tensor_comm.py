@@ -52,6 +52,22 @@ def all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
+    out, _ = start_reduce_scatter(x, dim, group, async_op=False)
+    return out
+
+
+def start_all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
+    """`all_gather` launched asynchronously: its output (valid once the work is waited for) and the work."""
+    size = dist.get_world_size(group)
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((front.shape[0] * size, *front.shape[1:]))
+    work = all_gather_into(out, front, group=group, async_op=True)
+    return out.movedim(0, dim), work
+
+
+def start_reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup, async_op: bool = True
+                         ) -> tuple[torch.Tensor, dist.Work | None]:
+    """`reduce_scatter`, asynchronously by default: its output (valid once the work is waited for) and the work."""
     size = dist.get_world_size(group)
     if x.shape[dim] % size:
         raise ValueError(
@@ -60,8 +76,8 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tens
         )
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
-    reduce_scatter_into(out, front, group=group)
-    return out.movedim(0, dim)
+    work = reduce_scatter_into(out, front, group=group, async_op=async_op)
+    return out.movedim(0, dim), work
 
 
 
@@ -129,14 +145,14 @@ class _GradOnFirstRank(torch.autograd.Function):
 class _GatherLinears(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup, queue, params: tuple[torch.Tensor, ...] | None,
-                *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                overlap: bool, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
         device = x.device.type
         # autocast does not reach into backward: fix the matmul dtype here and reuse it there
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         with torch.autocast(device, enabled=False):
             x_full = all_gather(x.to(dtype), SEQ_DIM, group)
             outs = tuple(x_full @ w.to(dtype).t() for w in weights)
-        ctx.group, ctx.dtype, ctx.queue, ctx.params = group, dtype, queue, params
+        ctx.group, ctx.dtype, ctx.queue, ctx.params, ctx.overlap = group, dtype, queue, params, overlap
         ctx.save_for_backward(x, *weights)  # the local slice only: the gathered input is rebuilt in backward
         return outs
 
@@ -144,6 +160,20 @@ class _GatherLinears(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         x, *weights = ctx.saved_tensors
         grads = tuple(grad.to(ctx.dtype) for grad in grads)
+        none = (None,) * (4 + len(weights))  # group, queue, params, overlap and the weights
+        if ctx.overlap and ctx.queue is None:
+            # the input's all-gather runs under the input gradient's matmuls, the input gradient's reduce-scatter
+            # under the weight gradients' (Megatron's order); both on the tp group, launched in the same order on
+            # every rank, each waited for before its output is read
+            x_full, gather = start_all_gather(x.to(ctx.dtype), SEQ_DIM, ctx.group)
+            grad_x_full = sum(grad @ w.to(ctx.dtype) for grad, w in zip(grads, weights, strict=True))
+            gather.wait()
+            grad_x, scatter = start_reduce_scatter(grad_x_full, SEQ_DIM, ctx.group)
+            rows = x_full.reshape(-1, x_full.shape[-1])
+            weight_grads = [(g.reshape(-1, g.shape[-1]).t() @ rows).to(w.dtype)
+                            for g, w in zip(grads, weights, strict=True)]
+            scatter.wait()
+            return grad_x.to(x.dtype), *none[:4], *weight_grads
         grad_x_full = sum(grad @ w.to(ctx.dtype) for grad, w in zip(grads, weights, strict=True))
         grad_x = reduce_scatter(grad_x_full, SEQ_DIM, ctx.group).to(x.dtype)
         gathered: list[torch.Tensor] = []
@@ -160,8 +190,8 @@ class _GatherLinears(torch.autograd.Function):
         if ctx.queue is not None:  # a pipeline's W pass computes them (and gathers the input again then)
             for grad, param in zip(grads, ctx.params, strict=True):
                 ctx.queue.defer(param, lambda grad=grad: weight_grad(grad))
-            return grad_x, None, None, None, *[None] * len(weights)
-        return grad_x, None, None, None, *[weight_grad(g).to(w.dtype) for g, w in zip(grads, weights, strict=True)]
+            return grad_x, *none
+        return grad_x, *none[:4], *[weight_grad(g).to(w.dtype) for g, w in zip(grads, weights, strict=True)]
 
 
 def _single(group: ProcessGroup) -> bool:
@@ -202,20 +232,21 @@ def gather_sequence_parts(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return x if _single(group) else _GatherSequenceParts.apply(x, group)
 
 
-def gather_linears(x: torch.Tensor, group: ProcessGroup, *weights: torch.Tensor, weight_grad_queue=None) -> (
-    tuple[torch.Tensor, ...]
-):
+def gather_linears(x: torch.Tensor, group: ProcessGroup, *weights: torch.Tensor, weight_grad_queue=None,
+                   overlap: bool = False) -> tuple[torch.Tensor, ...]:
     """Sequence-parallel input of column-parallel linears sharing it (q/k/v, gate/up): one all-gather of the
     sequence slices [b, s/tp, h], then `x_full @ w.T` for each weight. Only the slice is kept for backward,
     which all-gathers it again for the weight gradients and reduce-scatters the input gradient (as
     Megatron does), so SP holds 1/tp of these activations where TP alone holds them whole. With a
     `weight_grad_queue` (a pipeline's zero-bubble schedules) backward computes only the input gradient and leaves
-    the all-gather and the weight gradients to the queue's W pass."""
+    the all-gather and the weight gradients to the queue's W pass. `overlap` (`layout.tp_comm_overlap`, without a
+    queue): backward runs the all-gather under the input gradient's matmuls and the reduce-scatter under the
+    weight gradients' (asynchronous collectives), the same values in the same order."""
     if _single(group):
         return tuple(x @ w.t() for w in weights)
     if weight_grad_queue is not None:  # weights enter detached: B leaves their gradients to the W pass
-        return _GatherLinears.apply(x, group, weight_grad_queue, weights, *(w.detach() for w in weights))
-    return _GatherLinears.apply(x, group, None, None, *weights)
+        return _GatherLinears.apply(x, group, weight_grad_queue, weights, False, *(w.detach() for w in weights))
+    return _GatherLinears.apply(x, group, None, None, overlap, *weights)
 
 
 def enter_tp_region(x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:

@@ -164,8 +164,9 @@ class Framework:
     tp_overlap: float = 0.0  # share of tensor-parallel communication hidden behind compute
     dp_bucket_mib: float = 25.0  # gradient buckets (MiB); the memory model's reserve for buffers in flight
     # the step-time model takes the gradient bucket size (`layout.dp_bucket_size`, Megatron's rule by default) and
-    # the overlap of ZeRO-1/2's parameter all-gather (`layout.dp_overlap_param_gather`) from the layout: fivefold's
-    # engine, whose switches they are (the fields above describe other frameworks)
+    # the overlap of ZeRO-1/2's parameter all-gather (`layout.dp_overlap_param_gather`) and of sequence parallel's
+    # backward collectives (`layout.tp_comm_overlap`) from the layout: fivefold's engine, whose switches they are
+    # (the fields above describe other frameworks)
     layout_dp_options: bool = False
     fixed_overhead_gib: float = 0.0  # allocator and library workspace beyond what is counted
     usable_memory_fraction: float = 0.95  # a layout fits when its peak stays below this share of the device

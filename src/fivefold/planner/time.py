@@ -25,7 +25,7 @@ from fivefold.flops import (
     attention_fraction,
     training_flops_per_token,
 )
-from fivefold.parallel.schedules import build_schedule, simulate
+from fivefold.parallel.schedules import SPLIT_BACKWARD, build_schedule, simulate
 from fivefold.planner import comm
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.kernels import ATTENTION_BACKWARD_FLOPS, DeviceKernels, device_kernels
@@ -312,6 +312,33 @@ def _tp_comm(lay: Layout, fw: Framework, hw: Cluster, h: int, tokens: float, chu
     return t_tp, t_tp_b_extra, head_tp, loss_tp
 
 
+def column_linear_share(cfg: ModelConfig) -> float:
+    """The column-parallel linears' share (q, k, v and the MLP's gate and up, or the shared experts') of a block's
+    dense linear FLOPs (o and down are the row-parallel rest)."""
+    h, d = cfg.hidden, cfg.head_dim
+    f = cfg.n_shared_experts * cfg.expert_ffn if cfg.is_moe else cfg.ffn
+    column = h * (cfg.n_heads + 2 * cfg.n_kv_heads) * d + (cfg.mlp_matrices - 1) * h * f
+    return column / (column + cfg.n_heads * d * h + f * h)
+
+
+def tp_backward_hidden(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster, act: float, lin_b: float,
+                       st: dict) -> float:
+    """What fivefold's tensor-parallel overlap (`layout.tp_comm_overlap`, sequence parallel, a backward that computes
+    its weight gradients) takes off a block's backward, <= 0: the gathered linears' (q/k/v, gate/up) input
+    all-gather under their input-gradient matmuls and their input gradient's reduce-scatter under their
+    weight-gradient matmuls, each hidden as far as the matmuls last and the device overlaps (`exposed`)."""
+    if not (fw.layout_dp_options and lay.overlaps_tp_comm) or fw.async_tp or fw.tp_overlap:
+        return 0.0
+    if lay.pp > 1 and lay.schedule in SPLIT_BACKWARD:  # the W pass computes the weight gradients (and gathers)
+        return 0.0
+    tp = lay.tp
+    matmuls = lin_b / 2 * column_linear_share(cfg)  # each half: input gradient, weight gradient
+    gather = 2 * comm.all_gather(act, tp, st["tp"], hw) if fw.sp_regather_exposed else 0.0
+    scatter = 2 * comm.reduce_scatter(act, tp, st["tp"], hw)
+    return (exposed(gather, matmuls, hw.comm_overlap) - gather) + (exposed(scatter, matmuls, hw.comm_overlap)
+                                                                   - scatter)
+
+
 def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster,
                 docs: DocumentLengths | None = None, moe_imbalance: float = 1.0) -> StageTimes:
     h, d, tp = cfg.hidden, cfg.head_dim, lay.tp
@@ -358,8 +385,9 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     recompute = {"none": 0.0, "selective": attn_f + t_cp_f,
                  "full": t_layer + t_tp + t_tp_f_extra + t_cp_f + t_ep}[lay.recompute]
     f_layer = t_layer + t_tp + t_tp_f_extra + t_cp_f + t_ep
+    t_tp_b = t_tp + t_tp_b_extra + tp_backward_hidden(cfg, lay, fw, hw, act, lin_b, st)
     # backward: the linears' input-gradient half in B, weight-gradient half in W; a third of the fixed costs in W
-    b_layer = lin_b / 2 + attn_b + elementwise + oh_b * 2 / 3 + t_tp + t_tp_b_extra + t_cp_b + t_ep + recompute
+    b_layer = lin_b / 2 + attn_b + elementwise + oh_b * 2 / 3 + t_tp_b + t_cp_b + t_ep + recompute
     w_layer = lin_b / 2 + elementwise + oh_b / 3  # (by kernel class: the backward's element-wise is B's + W's share)
     counts = framework_stage_layers(cfg, lay, seq, fw)
     f = [n * f_layer for n in counts]
@@ -381,7 +409,7 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     host = host_floor(cfg, lay, fw, hw, counts, f, b, w)
     again = 1 if lay.recompute == "full" else 0  # full recompute repeats the forward's communication
     again_cp = 1 if lay.recompute != "none" else 0  # selective recompute too (the ring is the recomputed core)
-    per_layer = {"tp_comm": (2 + again) * t_tp + t_tp_b_extra + (1 + again) * t_tp_f_extra,
+    per_layer = {"tp_comm": (1 + again) * t_tp + t_tp_b + (1 + again) * t_tp_f_extra,
                  "cp_comm": (1 + again_cp) * t_cp_f + t_cp_b,
                  "ep_comm": (2 + again) * t_ep,
                  # the recomputed forward's own compute (its communication is counted above)

@@ -27,13 +27,13 @@ DENSE = dict(n_layers=1, hidden=256, n_heads=2, n_kv_heads=2, ffn=768, vocab_siz
 MOE = dict(n_layers=1, hidden=256, n_heads=2, n_kv_heads=2, ffn=128, vocab_size=256, tied_embeddings=False)
 
 
-def saved_bytes(cfg, compiled: bool, local_seq: int, tp_group=None) -> int:
+def saved_bytes(cfg, compiled: bool, local_seq: int, tp_group=None, overlap: bool = False) -> int:
     """Saved-for-backward bytes of one forward of the model's one bf16 block over `local_seq` input rows."""
     model = build_model(cfg, "cpu", seed=0)
     if tp_group is not None:
         from fivefold.parallel.tensor import apply_tensor_parallel
 
-        apply_tensor_parallel(model, tp_group, sequence_parallel=True)
+        apply_tensor_parallel(model, tp_group, sequence_parallel=True, comm_overlap=overlap)
     model.to(torch.bfloat16)
     block = model.layers["0"]
     if compiled:
@@ -77,21 +77,24 @@ def test_a_compiled_block_saves_what_the_planner_counts(shape):
     assert compiled < 0.9 * eager
 
 
-def compiled_tp_sp_bytes(rank: int, world_size: int) -> tuple[int, int]:
+def compiled_tp_sp_bytes(rank: int, world_size: int, overlap: bool) -> tuple[int, int]:
     import torch.distributed as dist
 
     cfg = dataclasses.replace(get_preset("tiny"), **DENSE)
-    return (saved_bytes(cfg, False, SEQ // world_size, dist.group.WORLD),
-            saved_bytes(cfg, True, SEQ // world_size, dist.group.WORLD))
+    return (saved_bytes(cfg, False, SEQ // world_size, dist.group.WORLD, overlap),
+            saved_bytes(cfg, True, SEQ // world_size, dist.group.WORLD, overlap))
 
 
-def test_a_compiled_block_under_tp2_and_sp_keeps_the_gathered_input():
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_compiled_block_under_tp2_and_sp_keeps_the_gathered_input(overlap):
+    """With the gathered linears' backward overlapped (`layout.tp_comm_overlap`, the default) and without."""
     cfg = dataclasses.replace(get_preset("tiny"), **DENSE)
-    lay = Layout(tp=2, sp=True)
-    for eager, compiled in run_ranks(2, compiled_tp_sp_bytes):
+    lay = Layout(tp=2, sp=True, tp_comm_overlap=overlap)
+    for eager, compiled in run_ranks(2, compiled_tp_sp_bytes, overlap):
         assert planned(cfg, lay, False) == pytest.approx(eager, rel=0.02)
         assert planned(cfg, lay, True) == pytest.approx(compiled, rel=0.02)
-        # the two norm outputs kept gathered (2 x 2h per token of the whole sequence, eager: of the slice) outweigh
-        # the product recomputed (2 x ffn / tp) at this width
-        gathered = 2 * 2 * cfg.hidden * (SEQ - SEQ // 2)
+        # sequential backward: the two norm outputs kept gathered (2 x 2h per token of the whole sequence, eager: of
+        # the slice) outweigh the product recomputed (2 x ffn / tp) at this width; overlapped, the gathered linears
+        # run as written (their collectives outside the graph) and keep the slice
+        gathered = 0 if overlap else 2 * 2 * cfg.hidden * (SEQ - SEQ // 2)
         assert compiled - eager == pytest.approx(gathered - 2 * (cfg.ffn // 2) * SEQ, rel=0.02)

@@ -25,7 +25,7 @@ from fivefold.flops import (
     attention_fraction,
     training_flops_per_token,
 )
-from fivefold.parallel.schedules import SPLIT_BACKWARD, build_schedule, simulate
+from fivefold.parallel.schedules import build_schedule, simulate
 from fivefold.planner import comm
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.kernels import ATTENTION_BACKWARD_FLOPS, DeviceKernels, device_kernels
@@ -41,6 +41,7 @@ from fivefold.planner.memory import (
     reduced_grad_bytes,
     routed_tokens,
     stage_layers,
+    tp_backward_overlapped,
 )
 
 # schedules with more F actions than this are timed with the closed form (simulating them takes seconds)
@@ -327,9 +328,7 @@ def tp_backward_hidden(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster
     its weight gradients) takes off a block's backward, <= 0: the gathered linears' (q/k/v, gate/up) input
     all-gather under their input-gradient matmuls and their input gradient's reduce-scatter under their
     weight-gradient matmuls, each hidden as far as the matmuls last and the device overlaps (`exposed`)."""
-    if not (fw.layout_dp_options and lay.overlaps_tp_comm) or fw.async_tp or fw.tp_overlap:
-        return 0.0
-    if lay.pp > 1 and lay.schedule in SPLIT_BACKWARD:  # the W pass computes the weight gradients (and gathers)
+    if not tp_backward_overlapped(lay, fw):
         return 0.0
     tp = lay.tp
     matmuls = lin_b / 2 * column_linear_share(cfg)  # each half: input gradient, weight gradient

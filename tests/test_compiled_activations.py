@@ -90,11 +90,14 @@ def test_a_compiled_block_under_tp2_and_sp_keeps_the_gathered_input(overlap):
     """With the gathered linears' backward overlapped (`layout.tp_comm_overlap`, the default) and without."""
     cfg = dataclasses.replace(get_preset("tiny"), **DENSE)
     lay = Layout(tp=2, sp=True, tp_comm_overlap=overlap)
+    # the two norm outputs kept gathered (2 x 2h per token of the whole sequence; eager keeps the slice)
+    gathered = 2 * 2 * cfg.hidden * (SEQ - SEQ // 2)
     for eager, compiled in run_ranks(2, compiled_tp_sp_bytes, overlap):
         assert planned(cfg, lay, False) == pytest.approx(eager, rel=0.02)
-        assert planned(cfg, lay, True) == pytest.approx(compiled, rel=0.02)
-        # sequential backward: the two norm outputs kept gathered (2 x 2h per token of the whole sequence, eager: of
-        # the slice) outweigh the product recomputed (2 x ffn / tp) at this width; overlapped, the gathered linears
-        # run as written (their collectives outside the graph) and keep the slice
-        gathered = 0 if overlap else 2 * 2 * cfg.hidden * (SEQ - SEQ // 2)
-        assert compiled - eager == pytest.approx(gathered - 2 * (cfg.ffn // 2) * SEQ, rel=0.02)
+        # sequential backward: the gathered input is kept, which outweighs the product recomputed (2 x ffn / tp)
+        # at this width. Overlapped, the CPU's compile keeps the slice; on the H200 the 70B example's first rank
+        # held 72.24 GiB with the overlap on and off alike (docs/benchmarks.md), so the planner counts the gathered
+        # input either way, on the safe side here
+        kept = 0 if overlap else gathered
+        assert compiled - eager == pytest.approx(kept - 2 * (cfg.ffn // 2) * SEQ, rel=0.02)
+        assert planned(cfg, lay, True) == pytest.approx(compiled + gathered - kept, rel=0.02)

@@ -218,12 +218,6 @@ class Framework:
         return 2 if self.compute_dtype == "bf16" else 4
 
 
-# The share of an accelerator's memory that fivefold's allocated peak may take: PyTorch's caching allocator reserved
-# 4-7 % above the allocated peak in every GPU run of the examples' ranks (docs/benchmarks.md: 61.40 -> 65.15 GiB,
-# 48.18 -> 51.18, 72.24 -> 77.06, 74.30 -> 79.52), and the CUDA context and NCCL's buffers live outside it; at 0.95
-# the 70B example's zero-bubble rank (74.3 GiB allocated, 74.2 predicted) fitted an H100 by the rule but reserved
-# 79.5 GiB, all of one
-ACCELERATOR_USABLE_FRACTION = 0.90
 # fivefold's engine on an accelerator: lean mixed precision (`train.dtype` bf16, the default there; one device
 # and every layout): bf16 working weights, fp32 gradients (`layout.fp32_grad_accum`, the default: the buckets hold
 # fp32, accumulated and reduced in it; bf16, `grad_bytes`, with it off), an fp32 master copy stepped by AdamW with
@@ -233,13 +227,12 @@ ACCELERATOR_USABLE_FRACTION = 0.90
 FIVEFOLD = Framework(param_bytes=2, grad_bytes=2, master_bytes=4, accum_bytes=4, autocast_weight_copies=False,
                      residual_bytes=2, gather_bytes=2, hsdp=True, accum_in_grad_buffers=True,
                      default_fp32_grad_accum=True, features="compile", layout_dp_options=True,
-                     compiled_saves_less=True, usable_memory_fraction=ACCELERATOR_USABLE_FRACTION)
+                     compiled_saves_less=True)
 # On CPU every operator runs eagerly on the host, so its fixed cost counts: the operators of fivefold's block
 # and of its embedding + loss as the profiler counts them (tests/test_calibrate.py checks the counts). fp32
 # everything: the parameters are the master weights (4 + 4 + 8 bytes per parameter; `layout.fp32_grad_accum`
 # changes nothing, the gradients being fp32 already).
-FIVEFOLD_CPU = dataclasses.replace(FIVEFOLD, name="fivefold-cpu", usable_memory_fraction=0.95, compute_dtype="fp32",
-                                   param_bytes=4, grad_bytes=4,
+FIVEFOLD_CPU = dataclasses.replace(FIVEFOLD, name="fivefold-cpu", compute_dtype="fp32", param_bytes=4, grad_bytes=4,
                                    master_bytes=0, accum_bytes=4, residual_bytes=4, gather_bytes=0,
                                    logits_bytes=8.0, kernels_per_layer=42, kernels_per_micro_batch=32)
 # nanotron as the playbook's benchmark ran it: bf16 parameters and gradients, fp32 master weights sharded by

@@ -25,7 +25,7 @@ from fivefold.flops import (
     attention_fraction,
     training_flops_per_token,
 )
-from fivefold.parallel.schedules import build_schedule, simulate
+from fivefold.parallel.schedules import SPLIT_BACKWARD, build_schedule, simulate
 from fivefold.planner import comm
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.kernels import ATTENTION_BACKWARD_FLOPS, DeviceKernels, device_kernels
@@ -41,7 +41,6 @@ from fivefold.planner.memory import (
     reduced_grad_bytes,
     routed_tokens,
     stage_layers,
-    tp_backward_overlapped,
 )
 
 # schedules with more F actions than this are timed with the closed form (simulating them takes seconds)
@@ -320,6 +319,14 @@ def column_linear_share(cfg: ModelConfig) -> float:
     f = cfg.n_shared_experts * cfg.expert_ffn if cfg.is_moe else cfg.ffn
     column = h * (cfg.n_heads + 2 * cfg.n_kv_heads) * d + (cfg.mlp_matrices - 1) * h * f
     return column / (column + cfg.n_heads * d * h + f * h)
+
+
+def tp_backward_overlapped(lay: Layout, fw: Framework) -> bool:
+    """fivefold's gathered linears run the overlapped backward (`layout.tp_comm_overlap` with sp), where they compute
+    their weight gradients in it (not under a split backward, zero-bubble or DualPipeV, whose W pass does)."""
+    if not (fw.layout_dp_options and lay.overlaps_tp_comm) or fw.async_tp or fw.tp_overlap:
+        return False
+    return not (lay.pp > 1 and lay.schedule in SPLIT_BACKWARD)
 
 
 def tp_backward_hidden(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster, act: float, lin_b: float,

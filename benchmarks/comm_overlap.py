@@ -10,6 +10,7 @@ compute)). Cases (`--case`, repeatable; default all):
     pp2-1f1b    a 2-stage 1F1B pipeline, 4 micro-batches: `layout.pp_comm_overlap` (receives waited for alone, a
                 backward's input gradient sent before its weight gradients); here the exposed time holds the
                 pipeline's bubble too, which no overlap hides
+    pp2-dualpipev  the same switch under DualPipeV (the V of 4 stages on 2 processes, 4 micro-batches)
     tp2-sp      tensor parallel over 2 processes with sequence parallel: `layout.tp_comm_overlap` (the gathered
                 linears' backward: the input's all-gather under the input-gradient matmuls, the input gradient's
                 reduce-scatter under the weight-gradient matmuls)
@@ -38,6 +39,8 @@ DEFAULT = ["--preset", "smollm-1.7b", "--model.n_layers", "4", "--model.vocab_si
 CASES = {"dp2-zero1": (["--layout.dp", "2", "--layout.zero", "1"], "layout.dp_overlap_param_gather"),
          "pp2-1f1b": (["--layout.pp", "2", "--layout.schedule", "1f1b", "--layout.micro_batch_size", "1"],
                       "layout.pp_comm_overlap"),
+         "pp2-dualpipev": (["--layout.pp", "2", "--layout.schedule", "dualpipev", "--layout.micro_batch_size", "1"],
+                           "layout.pp_comm_overlap"),
          "tp2-sp": (["--layout.tp", "2", "--layout.sp", "true"], "layout.tp_comm_overlap")}
 
 

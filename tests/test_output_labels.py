@@ -49,6 +49,13 @@ def test_plan_scaling_says_whether_it_predicts_compiled_or_eager(capsys):
     assert rc == 0 and eager.splitlines()[0].startswith("predicted eager, without torch.compile")
     rc, compiled, _ = run_cli(capsys, *base, "--features", "compile")
     assert rc == 0 and compiled.splitlines()[0] == "predicted with torch.compile (--features compile)"
+    tokens = {}
+    for flags in ([], ["--features", "compile"]):  # --json says it too, and its figures follow
+        rc, out, _ = run_cli(capsys, *base, *flags, "--json")
+        data = json.loads(out)
+        assert rc == 0 and data["compiled"] == bool(flags)
+        tokens[bool(flags)] = data["points"][0]["tokens_per_s_per_gpu"]
+    assert tokens[True] > tokens[False]
 
 
 def _store(path, measured_tok_s: float) -> None:

@@ -176,7 +176,8 @@ def run_scaling(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, hw: C
     mode = "weak" if args.weak else "strong"
     if args.json:
         print(json.dumps({"model": cfg.name, "hardware": hw.name, "framework": fw.name, "mode": mode, "seq_len": seq,
-                          "points": [p.to_json(base) for p in points]}, indent=2))
+                          "compiled": fw.fused_elementwise == "all", "points": [p.to_json(base) for p in points]},
+                         indent=2))
     else:
         print(f"{cfg.name}, {mode} scaling on {hw.name} ({hw.gpus_per_node} {hw.unit}s per node), {fw.name} engine, "
               f"seq {seq}; efficiency = tokens/s per {hw.unit} over the first size's")

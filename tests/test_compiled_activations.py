@@ -37,7 +37,7 @@ def saved_bytes(cfg, compiled: bool, local_seq: int, tp_group=None, overlap: boo
     model.to(torch.bfloat16)
     block = model.layers["0"]
     if compiled:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         block.compile()
     x = torch.randn(1, local_seq, cfg.hidden, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
     x.requires_grad_()

@@ -167,9 +167,9 @@ def overlap_grads_and_launches(rank: int, world_size: int) -> dict:
     launched = {"gather": 0, "scatter": 0}
     start_gather, start_scatter = tensor_comm.start_all_gather, tensor_comm.start_reduce_scatter
 
-    def counting_gather(*args, **kwargs):
-        launched["gather"] += 1
-        return start_gather(*args, **kwargs)
+    def counting_gather(*args, async_op=True, **kwargs):
+        launched["gather"] += async_op
+        return start_gather(*args, async_op=async_op, **kwargs)
 
     def counting_scatter(*args, async_op=True, **kwargs):
         launched["scatter"] += async_op

@@ -671,7 +671,7 @@ def _search_layouts(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, h
     batch_seqs = tokens // seq
     accelerator = not (hw.cores or hw.name == "cpu")
     # the written config compiles on an accelerator (not under an attention mask: `recipes.apply_recipe`)
-    compiled_for_config = (bool(args.write_config) and accelerator and fw.fused_elementwise != "all"
+    compiled_for_config = (bool(args.write_config) and accelerator and not fw.compiled
                            and not cfg.masks_attention)
     if compiled_for_config:  # the written config turns torch.compile on: rank the layouts as that run will go
         from fivefold.planner.features import with_features

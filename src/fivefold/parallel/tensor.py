@@ -345,13 +345,14 @@ def apply_tensor_parallel(model: Llama, tp_group: ProcessGroup, sequence_paralle
         return
     if any(isinstance(m, TensorParallelAttention | VocabParallelEmbedding) for m in model.modules()):
         raise ValueError("tensor parallelism is already applied to this model")
+    overlap = comm_overlap and sequence_parallel  # only the gathered linears of sequence parallel overlap
     for block in model.layers.values():
         attn = block.attn
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             _shard_linear(getattr(attn, name), tp_shard_dim(f"{name}.weight"), tp_rank, tp_size)
         attn.n_heads, attn.n_kv_heads = attn.n_heads // tp_size, attn.n_kv_heads // tp_size
         _to_tp_class(attn, TensorParallelAttention, tp_group, sequence_parallel)
-        attn.tp_comm_overlap = comm_overlap and sequence_parallel
+        attn.tp_comm_overlap = overlap
         mlp = block.mlp
         if isinstance(mlp, MoE):
             if split_experts:
@@ -366,7 +367,7 @@ def apply_tensor_parallel(model: Llama, tp_group: ProcessGroup, sequence_paralle
         else:
             _shard_mlp(mlp, tp_rank, tp_size)
             _to_tp_class(mlp, TensorParallelMLP, tp_group, sequence_parallel)
-            mlp.tp_comm_overlap = comm_overlap and sequence_parallel
+            mlp.tp_comm_overlap = overlap
     tied = model.cfg.tied_embeddings and model.embed is not None and model.lm_head is not None
     if model.embed is not None:
         embed = model.embed

@@ -44,11 +44,8 @@ def all_reduce(x: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpType
 
 
 def all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
-    size = dist.get_world_size(group)
-    front = x.movedim(dim, 0).contiguous()
-    out = front.new_empty((front.shape[0] * size, *front.shape[1:]))
-    all_gather_into(out, front, group=group)
-    return out.movedim(0, dim)
+    out, _ = start_all_gather(x, dim, group, async_op=False)
+    return out
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
@@ -56,12 +53,13 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tens
     return out
 
 
-def start_all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> tuple[torch.Tensor, dist.Work]:
-    """`all_gather` launched asynchronously: its output (valid once the work is waited for) and the work."""
+def start_all_gather(x: torch.Tensor, dim: int, group: ProcessGroup, async_op: bool = True
+                     ) -> tuple[torch.Tensor, dist.Work | None]:
+    """`all_gather`, asynchronously by default: its output (valid once the work is waited for) and the work."""
     size = dist.get_world_size(group)
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] * size, *front.shape[1:]))
-    work = all_gather_into(out, front, group=group, async_op=True)
+    work = all_gather_into(out, front, group=group, async_op=async_op)
     return out.movedim(0, dim), work
 
 
@@ -161,27 +159,22 @@ class _GatherLinears(torch.autograd.Function):
         x, *weights = ctx.saved_tensors
         grads = tuple(grad.to(ctx.dtype) for grad in grads)
         none = (None,) * (4 + len(weights))  # group, queue, params, overlap and the weights
-        if ctx.overlap and ctx.queue is None:
-            # the input's all-gather runs under the input gradient's matmuls, the input gradient's reduce-scatter
-            # under the weight gradients' (Megatron's order); both on the tp group, launched in the same order on
-            # every rank, each waited for before its output is read
+        # overlapped (`gather_linears(overlap=True)`, never with a queue): the input's all-gather runs under the
+        # input gradient's matmuls, the input gradient's reduce-scatter under the weight gradients' (Megatron's
+        # order); both on the tp group, launched in the same order on every rank, each waited for before it is read
+        gather = None
+        if ctx.overlap:
             x_full, gather = start_all_gather(x.to(ctx.dtype), SEQ_DIM, ctx.group)
-            grad_x_full = sum(grad @ w.to(ctx.dtype) for grad, w in zip(grads, weights, strict=True))
-            gather.wait()
-            grad_x, scatter = start_reduce_scatter(grad_x_full, SEQ_DIM, ctx.group)
-            rows = x_full.reshape(-1, x_full.shape[-1])
-            weight_grads = [(g.reshape(-1, g.shape[-1]).t() @ rows).to(w.dtype)
-                            for g, w in zip(grads, weights, strict=True)]
-            scatter.wait()
-            return grad_x.to(x.dtype), *none[:4], *weight_grads
         grad_x_full = sum(grad @ w.to(ctx.dtype) for grad, w in zip(grads, weights, strict=True))
-        grad_x = reduce_scatter(grad_x_full, SEQ_DIM, ctx.group).to(x.dtype)
-        gathered: list[torch.Tensor] = []
+        if gather is not None:
+            gather.wait()
+        grad_x, scatter = start_reduce_scatter(grad_x_full, SEQ_DIM, ctx.group, async_op=ctx.overlap)
+        gathered = [x_full.reshape(-1, x_full.shape[-1])] if ctx.overlap else []
 
         def x_rows() -> torch.Tensor:  # gathered once, for all the weights that share the input
             if not gathered:
-                x_full = all_gather(x.to(ctx.dtype), SEQ_DIM, ctx.group)
-                gathered.append(x_full.reshape(-1, x_full.shape[-1]))
+                rows = all_gather(x.to(ctx.dtype), SEQ_DIM, ctx.group)
+                gathered.append(rows.reshape(-1, rows.shape[-1]))
             return gathered[0]
 
         def weight_grad(grad: torch.Tensor) -> torch.Tensor:
@@ -190,8 +183,11 @@ class _GatherLinears(torch.autograd.Function):
         if ctx.queue is not None:  # a pipeline's W pass computes them (and gathers the input again then)
             for grad, param in zip(grads, ctx.params, strict=True):
                 ctx.queue.defer(param, lambda grad=grad: weight_grad(grad))
-            return grad_x, *none
-        return grad_x, *none[:4], *[weight_grad(g).to(w.dtype) for g, w in zip(grads, weights, strict=True)]
+            return grad_x.to(x.dtype), *none
+        weight_grads = [weight_grad(g).to(w.dtype) for g, w in zip(grads, weights, strict=True)]
+        if scatter is not None:
+            scatter.wait()
+        return grad_x.to(x.dtype), *none[:4], *weight_grads
 
 
 def _single(group: ProcessGroup) -> bool:

@@ -159,7 +159,8 @@ class Framework:
     # what a block compiled by torch.compile saves for backward (`--features compile`), where the partitioner keeps
     # less than eager mode: SwiGLU's gate and up outputs and their product (silu(gate) recomputed in backward:
     # 3 tensors of the MLP width, eager 4), the routed experts' output once (eager also its weighted copy) and the
-    # router logits in the compute dtype (eager: fp32). Measured on fivefold's blocks (tests/test_planner_memory.py)
+    # router logits in the compute dtype (eager: fp32). Measured on fivefold's blocks
+    # (tests/test_compiled_activations.py)
     compiled_saves_less: bool = False
     tp_overlap: float = 0.0  # share of tensor-parallel communication hidden behind compute
     dp_bucket_mib: float = 25.0  # gradient buckets (MiB); the memory model's reserve for buffers in flight
@@ -212,6 +213,11 @@ class Framework:
     # tensor-parallel collectives micro-pipelined with the matmuls (torch's async TP, symmetric memory): only the
     # first of tp chunks is exposed
     async_tp: bool = False
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the blocks run under torch.compile: the `compile` feature applied (`features.with_features`)."""
+        return self.fused_elementwise == "all"
 
     @property
     def act_bytes(self) -> int:

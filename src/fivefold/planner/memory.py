@@ -218,19 +218,13 @@ def busiest_rank_load(cfg: ModelConfig, ep: int, imbalance: float = 1.0) -> floa
     return (imbalance + (local - 1) * (e - imbalance) / (e - 1)) / local
 
 
-def compiled_saves_less(fw: Framework) -> bool:
-    """The framework's blocks run compiled (`--features compile`) and save less than eager there
-    (`Framework.compiled_saves_less`)."""
-    return fw.compiled_saves_less and fw.fused_elementwise == "all"
-
-
 def layer_activation_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Framework,
                            moe_imbalance: float = 1.0) -> dict[str, float]:
     """Bytes one block saves for backward for one micro-batch of `tokens` tokens on this rank (after cp)."""
     h, d, tp = cfg.hidden, cfg.head_dim, lay.tp
     ab, rb = fw.act_bytes, residual_bytes(cfg, fw)
     t_seq = tokens / tp if (lay.sp and tp > 1) else tokens  # the sequence-sharded norm/residual regions
-    compiled = compiled_saves_less(fw)
+    compiled = fw.compiled and fw.compiled_saves_less  # a compiled block saves less than eager (and differently)
     # what the column linears save: their sequence slice, or, compiled, the gathered input (the partitioner keeps
     # the gather's output rather than gather again in backward; so on the H200 with the tp overlap on and off alike,
     # 72.24 GiB on the 70B example's first rank, where the CPU's compile keeps the slice with the overlap on)

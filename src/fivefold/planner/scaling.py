@@ -176,7 +176,7 @@ def run_scaling(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, hw: C
     mode = "weak" if args.weak else "strong"
     if args.json:
         print(json.dumps({"model": cfg.name, "hardware": hw.name, "framework": fw.name, "mode": mode, "seq_len": seq,
-                          "compiled": fw.fused_elementwise == "all", "points": [p.to_json(base) for p in points]},
+                          "compiled": fw.compiled, "points": [p.to_json(base) for p in points]},
                          indent=2))
     else:
         print(f"{cfg.name}, {mode} scaling on {hw.name} ({hw.gpus_per_node} {hw.unit}s per node), {fw.name} engine, "

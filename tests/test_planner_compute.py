@@ -303,3 +303,29 @@ def test_tensor_parallel_overlap_hides_the_gathered_linears_backward_collectives
     zb_off = dataclasses.replace(zb, tp_comm_overlap=False)
     assert per_layer(zb) == per_layer(zb_off)
     assert per_layer(on, NANOTRON) == per_layer(off, NANOTRON)
+
+
+def test_tensor_parallel_overlap_of_an_moe_block_hides_its_attention_gather_alone():
+    """An MoE block's q/k/v gather their sequence-parallel input themselves; its MoE layer gathers with
+    `gather_sequence`, which does not overlap: one all-gather and one reduce-scatter hidden per block (the engine
+    launches 2 of each in a dense block, tests/test_parallel_tensor.py), behind the q/k/v matmuls alone."""
+    import dataclasses
+
+    from fivefold.planner import comm
+    from fivefold.planner.hardware import get_cluster
+    from fivefold.planner.layout import FIVEFOLD, Layout
+    from fivefold.planner.time import _block_seconds, column_linear_share, linear_shapes, stage_times
+    from fivefold.presets import get_preset
+
+    cfg, hw, seq = get_preset("olmoe-1b-7b"), get_cluster("h100"), 4096
+    on = Layout(tp=4, sp=True, micro_batch_size=1)
+    off = dataclasses.replace(on, tp_comm_overlap=False)
+    tp_comm = {lay.tp_comm_overlap: stage_times(cfg, seq, lay, FIVEFOLD, hw).comm_per_layer["tp_comm"]
+               for lay in (on, off)}
+    flops = [m * n * k for m, n, k in linear_shapes(cfg, 1.0, 1, False)]
+    assert column_linear_share(cfg) == pytest.approx(sum(flops[:3]) / sum(flops))
+    lin_b = _block_seconds(cfg, seq, on, FIVEFOLD, hw, seq, min(FIVEFOLD.tp_loss_chunk, seq), None, 1.0)[1]
+    matmuls = lin_b / 2 * column_linear_share(cfg)
+    act, st = seq * cfg.hidden * 2, comm.strides(on)
+    gather, scatter = comm.all_gather(act, 4, st["tp"], hw), comm.reduce_scatter(act, 4, st["tp"], hw)
+    assert tp_comm[False] - tp_comm[None] == pytest.approx(min(gather, matmuls) + min(scatter, matmuls), rel=1e-9)

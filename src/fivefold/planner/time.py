@@ -312,13 +312,18 @@ def _tp_comm(lay: Layout, fw: Framework, hw: Cluster, h: int, tokens: float, chu
     return t_tp, t_tp_b_extra, head_tp, loss_tp
 
 
+def gathered_linear_groups(cfg: ModelConfig) -> int:
+    """The groups of linears per block that gather their sequence-parallel input themselves
+    (`tensor_comm.gather_linears`): q/k/v, and a dense MLP's gate/up (an MoE layer gathers with `gather_sequence`)."""
+    return 1 if cfg.is_moe else 2
+
+
 def column_linear_share(cfg: ModelConfig) -> float:
-    """The column-parallel linears' share (q, k, v and the MLP's gate and up, or the shared experts') of a block's
-    dense linear FLOPs (o and down are the row-parallel rest)."""
-    h, d = cfg.hidden, cfg.head_dim
-    f = cfg.n_shared_experts * cfg.expert_ffn if cfg.is_moe else cfg.ffn
-    column = h * (cfg.n_heads + 2 * cfg.n_kv_heads) * d + (cfg.mlp_matrices - 1) * h * f
-    return column / (column + cfg.n_heads * d * h + f * h)
+    """Those gathered linears' share of a block's linear FLOPs (`linear_shapes`): q, k, v, and a dense MLP's gate
+    and up (o and down are row-parallel; an MoE layer's linears do not gather their input themselves)."""
+    flops = [m * n * k for m, n, k in linear_shapes(cfg, 1.0, 1, False)]
+    gathered = flops[:3] + ([] if cfg.is_moe else flops[4:4 + cfg.mlp_matrices - 1])
+    return sum(gathered) / sum(flops)
 
 
 def tp_backward_overlapped(lay: Layout, fw: Framework) -> bool:
@@ -337,10 +342,10 @@ def tp_backward_hidden(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster
     weight-gradient matmuls, each hidden as far as the matmuls last and the device overlaps (`exposed`)."""
     if not tp_backward_overlapped(lay, fw):
         return 0.0
-    tp = lay.tp
+    tp, groups = lay.tp, gathered_linear_groups(cfg)
     matmuls = lin_b / 2 * column_linear_share(cfg)  # each half: input gradient, weight gradient
-    gather = 2 * comm.all_gather(act, tp, st["tp"], hw) if fw.sp_regather_exposed else 0.0
-    scatter = 2 * comm.reduce_scatter(act, tp, st["tp"], hw)
+    gather = groups * comm.all_gather(act, tp, st["tp"], hw) if fw.sp_regather_exposed else 0.0
+    scatter = groups * comm.reduce_scatter(act, tp, st["tp"], hw)
     return (exposed(gather, matmuls, hw.comm_overlap) - gather) + (exposed(scatter, matmuls, hw.comm_overlap)
                                                                    - scatter)
 

@@ -209,6 +209,11 @@ def test_second_signal_to_the_launcher_abandons_the_save(tmp_path):
     and says in one line that the save is abandoned, naming the newest complete checkpoint, which is unchanged."""
     run = tmp_path / "run"
     proc, workers = _start_training(run, 600.0, "--train.checkpoint_every", "2")
+    # a complete checkpoint first: the step-2 save may still be in flight when the third step is logged
+    deadline = time.monotonic() + 120
+    while ckpt.latest_checkpoint(run) is None:
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was completed"
+        time.sleep(0.1)
     for pid in workers:
         os.kill(pid, signal.SIGSTOP)
     try:

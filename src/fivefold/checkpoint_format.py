@@ -141,6 +141,9 @@ def stream_safetensors(path: Path, tensors: list[LazyTensor], metadata: dict[str
     return digest.hexdigest()
 
 
+REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)  # how a file system says that it does not do O_DIRECT
+
+
 class DirectFile:
     """A file written past the page cache where the system allows it (Linux's O_DIRECT): bytes are copied into a
     page-aligned buffer and written from it in whole blocks, straight to the device, so that the kernel neither
@@ -160,7 +163,7 @@ class DirectFile:
         try:
             self.fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o666)
         except OSError as e:
-            if not self.direct or e.errno != errno.EINVAL:
+            if not self.direct or e.errno not in REFUSED:
                 raise
             self.direct = False
             self.fd = os.open(path, flags, 0o666)
@@ -190,7 +193,7 @@ class DirectFile:
                 try:
                     done += os.write(self.fd, view[done:])
                 except OSError as e:
-                    if not self.direct or e.errno != errno.EINVAL or done:
+                    if not self.direct or e.errno not in REFUSED or done:
                         raise
                     self._buffered()  # the file system took the open but not the write
         finally:

@@ -79,6 +79,27 @@ def test_a_refused_o_direct_falls_back_at_open_and_at_write(tmp_path: Path, monk
     assert refused and (tmp_path / "write.safetensors").read_bytes() == expected
 
 
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's")
+@pytest.mark.parametrize("value", ["0", "off", "1", ""])
+def test_the_environment_switch_turns_o_direct_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   value: str) -> None:
+    """`FIVEFOLD_CHECKPOINT_DIRECT_IO=0` (or off) opens no file with O_DIRECT; 1 or unset keeps it."""
+    opened = []
+    real_open = os.open
+
+    def recording_open(path, flags, *a):
+        opened.append(bool(flags & os.O_DIRECT))
+        return real_open(path, flags, *a)
+
+    monkeypatch.setenv(fmt.DIRECT_IO_ENV, value)
+    monkeypatch.setattr(os, "open", recording_open)
+    fmt.write_safetensors(tmp_path / "x.safetensors", _tensors())
+    assert opened[0] is (value in ("1", ""))  # (a file system that refuses it is then opened again without)
+    assert any(opened) is (value in ("1", ""))
+    assert {k: v.shape for k, v in load_file(str(tmp_path / "x.safetensors")).items()} == \
+        {k: v.shape for k, v in _tensors()}
+
+
 def test_a_write_error_other_than_einval_is_raised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A full disk is not a reason to try again another way: the error reaches the caller (the checkpoint's one
     line), naming no fallback."""

@@ -142,6 +142,15 @@ def stream_safetensors(path: Path, tensors: list[LazyTensor], metadata: dict[str
 
 
 REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)  # how a file system says that it does not do O_DIRECT
+# set to 0 (or false, no, off) to write checkpoints through the page cache: a file system that takes O_DIRECT but
+# serves it slowly
+DIRECT_IO_ENV = "FIVEFOLD_CHECKPOINT_DIRECT_IO"
+
+
+def direct_io_wanted() -> bool:
+    """Whether checkpoint files are written with O_DIRECT: where the system has it, unless `DIRECT_IO_ENV` says no."""
+    off = os.environ.get(DIRECT_IO_ENV, "").strip().lower() in ("0", "false", "no", "off")
+    return hasattr(os, "O_DIRECT") and not off
 
 
 class DirectFile:
@@ -150,8 +159,9 @@ class DirectFile:
     copies them again nor writes them back later (a 2-core machine spent about 1.3 core-seconds per GB of buffered
     writes in the kernel, taken from training, against about 0.3 this way; docs/benchmarks.md). The last block is
     written padded, and the file then cut to its length. Where the file system refuses O_DIRECT (tmpfs, some
-    network file systems), the same calls write through the page cache. `finish()` writes what the buffer holds
-    (the bytes are then in the file), `sync()` makes the file durable (fsync)."""
+    network file systems), or where `FIVEFOLD_CHECKPOINT_DIRECT_IO=0` says so, the same calls write through the
+    page cache. `finish()` writes what the buffer holds (the bytes are then in the file), `sync()` makes the file
+    durable (fsync)."""
 
     BLOCK = 4096  # the alignment O_DIRECT asks of buffers, offsets and lengths on common devices
     CHUNK = 8 * 2**20
@@ -159,7 +169,7 @@ class DirectFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-        self.direct = hasattr(os, "O_DIRECT")
+        self.direct = direct_io_wanted()
         try:
             self.fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o666)
         except OSError as e:

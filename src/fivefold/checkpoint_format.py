@@ -119,9 +119,9 @@ def stream_safetensors(path: Path, tensors: list[LazyTensor], metadata: dict[str
     raw += b" " * (-len(raw) % 8)
     digest = hashlib.sha256()
     with DirectFile(path) as f:
-        for chunk in (struct.pack("<Q", len(raw)), raw):
-            digest.update(chunk)
-            f.write(torch.frombuffer(bytearray(chunk), dtype=torch.uint8))
+        head = struct.pack("<Q", len(raw)) + raw
+        digest.update(head)
+        f.write(torch.frombuffer(bytearray(head), dtype=torch.uint8))
         for t in tensors:
             if cancelled is not None and cancelled():
                 raise WriteCancelled(str(path))
@@ -130,9 +130,8 @@ def stream_safetensors(path: Path, tensors: list[LazyTensor], metadata: dict[str
                 raise ValueError(f"tensor {t.name} was described as {t.dtype} {list(t.shape)} but is {value.dtype} "
                                  f"{list(value.shape)}")
             data = value.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
-            if data.numel():
-                digest.update(data.numpy())
-                f.write(data)
+            digest.update(data.numpy())
+            f.write(data)
             del value, data
         f.finish()
         if read is not None:
@@ -167,7 +166,6 @@ class DirectFile:
     CHUNK = 8 * 2**20
 
     def __init__(self, path: Path) -> None:
-        self.path = path
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         self.direct = direct_io_wanted()
         try:
@@ -196,18 +194,15 @@ class DirectFile:
 
     def _write_buffer(self, length: int) -> None:
         """Write the buffer's first `length` bytes (a whole number of blocks under O_DIRECT) and empty it."""
-        view = memoryview(self.buf)[:length]
-        done = 0
-        try:
+        with memoryview(self.buf)[:length] as view:
+            done = 0
             while done < length:
                 try:
                     done += os.write(self.fd, view[done:])
                 except OSError as e:
-                    if not self.direct or e.errno not in REFUSED or done:
+                    if not (self.direct and e.errno in REFUSED and done == 0):
                         raise
                     self._buffered()  # the file system took the open but not the write
-        finally:
-            view.release()
         self.fill = 0
 
     def _buffered(self) -> None:
@@ -218,11 +213,12 @@ class DirectFile:
 
     def finish(self) -> None:
         """Write the buffered tail: padded to a whole block under O_DIRECT, then the file cut to its length."""
-        if self.fill:
-            padded = -(-self.fill // self.BLOCK) * self.BLOCK if self.direct else self.fill
-            self.staged[self.fill:padded].zero_()
+        tail = self.fill
+        if tail:
+            padded = -(-tail // self.BLOCK) * self.BLOCK if self.direct else tail
+            self.staged[tail:padded].zero_()
             self._write_buffer(padded)
-            if os.fstat(self.fd).st_size != self.size:
+            if padded != tail:
                 os.ftruncate(self.fd, self.size)
 
     def sync(self) -> None:

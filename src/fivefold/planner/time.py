@@ -322,7 +322,7 @@ def column_linear_share(cfg: ModelConfig) -> float:
     """Those gathered linears' share of a block's linear FLOPs (`linear_shapes`): q, k, v, and a dense MLP's gate
     and up (o and down are row-parallel; an MoE layer's linears do not gather their input themselves)."""
     flops = [m * n * k for m, n, k in linear_shapes(cfg, 1.0, 1, False)]
-    gathered = flops[:3] + ([] if cfg.is_moe else flops[4:4 + cfg.mlp_matrices - 1])
+    gathered = flops[:3] + (flops[4:4 + cfg.mlp_matrices - 1] if gathered_linear_groups(cfg) == 2 else [])
     return sum(gathered) / sum(flops)
 
 

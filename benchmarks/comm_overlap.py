@@ -3,7 +3,10 @@ same layout (every other rank stood in for: the rank's compute alone), side by s
 
 Per case it prints the mean step time (steps 2 .. N, the first warms up) with the overlap off, on, the compute-only
 time, the exposed communication (off - compute) and the share of it that the overlap hides ((off - on) / (off -
-compute)). Cases (`--case`, repeatable; default all):
+compute)). For a pipeline it also runs `--only-rank` of every rank and puts their compute through the schedule
+(`schedules.simulate`, no transfer time), so that the schedule's bubble, which no overlap hides, is not counted as
+communication, and prints the share hidden of what is exposed beyond compute and bubble. Cases (`--case`,
+repeatable; default all):
 
     dp2-zero1   data parallel over 2 processes, ZeRO-1: `layout.dp_overlap_param_gather` (the updated parameters'
                 all-gather under the next forward, bucket by bucket, against after the step)
@@ -11,9 +14,8 @@ compute)). Cases (`--case`, repeatable; default all):
                 backward's input gradient sent before its weight gradients); here the exposed time holds the
                 pipeline's bubble too, which no overlap hides
     pp2-dualpipev  the same switch under DualPipeV (the V of 4 stages on 2 processes, 4 micro-batches)
-    tp2-sp      tensor parallel over 2 processes with sequence parallel: `layout.tp_comm_overlap` (the gathered
-                linears' backward: the input's all-gather under the input-gradient matmuls, the input gradient's
-                reduce-scatter under the weight-gradient matmuls)
+    tp2-sp      tensor parallel over 2 processes with sequence parallel: `layout.tp_comm_overlap` (every
+                all-gather and reduce-scatter of sequence parallel under a matmul that does not need it)
 
     PYTHONPATH=src python benchmarks/comm_overlap.py [--steps 6] [--case dp2-zero1] [-- train flags]
 
@@ -28,6 +30,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from async_checkpoint import logged_step_seconds
 
@@ -51,16 +54,52 @@ def fivefold(args: list[str]) -> subprocess.CompletedProcess:
     return out
 
 
-def step_seconds(train_flags: list[str], steps: int, nproc: int, extra: list[str]) -> float:
-    """Mean seconds of steps 2 .. `steps` of a real run, from its per-step log."""
+def cpu_times() -> tuple[int, int]:
+    """(idle, total) jiffies of every core of this machine so far (Linux's /proc/stat; zeros elsewhere)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except OSError:
+        return 0, 0
+    return fields[3] + fields[4], sum(fields)  # idle + iowait
+
+
+def step_seconds(train_flags: list[str], steps: int, nproc: int, extra: list[str]) -> tuple[float, float]:
+    """Mean seconds of steps 2 .. `steps` of a real run, from its per-step log, and the share of the machine's cores
+    left idle over the whole run (start-up included): on a CPU the collectives' copies run on the same cores as the
+    compute, so this idle time bounds what any overlap can hide there."""
+    idle0, total0 = cpu_times()
     seconds = logged_step_seconds(steps, nproc, extra, train_flags)[1:]
-    return sum(seconds) / len(seconds)
+    idle1, total1 = cpu_times()
+    return sum(seconds) / len(seconds), (idle1 - idle0) / max(total1 - total0, 1)
 
 
-def compute_seconds(train_flags: list[str], steps: int, extra: list[str]) -> float:
-    """`--only-rank 0`'s mean compute seconds per step (every other rank stood in for)."""
-    out = fivefold(["train", *train_flags, *extra, "--max-steps", str(steps), "--only-rank", "0", "--json"])
+def compute_seconds(train_flags: list[str], steps: int, extra: list[str], only: bool = True) -> float:
+    """`--only-rank 0`'s (or the rank `extra` names) mean compute seconds per step (every other rank stood in
+    for)."""
+    rank = ["--only-rank", "0"] if only else []
+    out = fivefold(["train", *train_flags, *extra, "--max-steps", str(steps), *rank, "--json"])
     return json.loads(out.stdout.strip().splitlines()[-1])["compute_s"]["measured"]
+
+
+def flag(flags: list[str], name: str, default: str) -> str:
+    return flags[flags.index(name) + 1] if name in flags else default
+
+
+def pipeline_compute_seconds(train_flags: list[str], steps: int, layout: list[str]) -> tuple[float, list[float]]:
+    """A pipeline's step with its compute alone: every rank's `--only-rank` compute seconds, each split evenly over
+    the rank's stages and micro-batches and over F, B and W, run through the schedule (`schedules.simulate`, no
+    transfer time). What the ranks' compute and the schedule's bubble take; the rest of a real step is the
+    pipeline's communication and its waits."""
+    from fivefold.parallel.schedules import build_schedule, simulate
+
+    name, pp = flag(layout, "--layout.schedule", "1f1b"), int(flag(layout, "--layout.pp", "1"))
+    micro = int(flag(train_flags, "--train.global_batch_size", "8")) // int(flag(layout, "--layout.micro_batch_size",
+                                                                               "1"))
+    schedule = build_schedule(name, pp, micro)
+    ranks = [compute_seconds(train_flags, steps, [*layout, "--only-rank", str(r)], only=False) for r in range(pp)]
+    stages_on = [schedule.stage_rank.count(r) for r in range(pp)]
+    each = [ranks[r] / (micro * stages_on[r]) / 3 for r in schedule.stage_rank]  # F = B = W per stage
+    return simulate(schedule, each, each, each).makespan, ranks
 
 
 def main() -> None:
@@ -76,13 +115,21 @@ def main() -> None:
         for axis in ("dp", "tp", "pp", "cp"):
             if f"--layout.{axis}" in layout:
                 nproc *= int(layout[layout.index(f"--layout.{axis}") + 1])
-        off = step_seconds(train_flags, args.steps, nproc, [*layout, f"--{switch}", "false"])
-        on = step_seconds(train_flags, args.steps, nproc, [*layout, f"--{switch}", "true"])
+        off, idle_off = step_seconds(train_flags, args.steps, nproc, [*layout, f"--{switch}", "false"])
+        on, idle_on = step_seconds(train_flags, args.steps, nproc, [*layout, f"--{switch}", "true"])
         compute = compute_seconds(train_flags, args.steps, layout)
         exposed = off - compute
         hidden = (off - on) / exposed if exposed > 0 else float("nan")
         print(f"{name} ({switch}): step {off:.3f} s off, {on:.3f} s on, {compute:.3f} s compute only (--only-rank 0); "
-              f"exposed communication {exposed:.3f} s off, {on - compute:.3f} s on; hidden {hidden:.1%}", flush=True)
+              f"exposed communication {exposed:.3f} s off, {on - compute:.3f} s on; hidden {hidden:.1%}; "
+              f"cores idle {idle_off:.1%} of the run off, {idle_on:.1%} on", flush=True)
+        if "--layout.pp" in layout:  # the bubble is no communication: what is exposed beyond compute and bubble
+            bubbled, ranks = pipeline_compute_seconds(train_flags, args.steps, layout)
+            beyond = off - bubbled
+            share = (off - on) / beyond if beyond > 0 else float("nan")
+            print(f"{name}: compute only per rank {', '.join(f'{r:.3f}' for r in ranks)} s; with the schedule's "
+                  f"bubble {bubbled:.3f} s; communication exposed beyond it {beyond:.3f} s off, {on - bubbled:.3f} s "
+                  f"on; hidden {share:.1%}", flush=True)
 
 
 if __name__ == "__main__":

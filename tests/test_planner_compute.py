@@ -268,18 +268,39 @@ def test_a_framework_names_known_kernels(tmp_path):
     assert (fw.fused_elementwise, fw.attention_kernel) == ("norm, swiglu", "fa3")
 
 
-def test_tensor_parallel_overlap_hides_the_gathered_linears_backward_collectives():
-    """`layout.tp_comm_overlap` (fivefold's engine, sp): a block's backward loses the input all-gather and the input
-    gradient's reduce-scatter of its two gathered linears as far as their input- and weight-gradient matmuls last
-    (on a device that overlaps fully); nothing under a split backward (zero-bubble's W computes the weight
-    gradients), without the switch, or for a framework that does not run it."""
-    import dataclasses
-
+def overlap_closed_form(cfg, seq: int, on, groups: int, split_backward: bool = False) -> float:
+    """What `layout.tp_comm_overlap` hides per block on an H100 (which overlaps fully), from the block's linear
+    seconds and the collectives' prices: forward, the gathered linears' input all-gather under 1/tp of their
+    matmuls and all but the last of the row linears' `SCATTER_PIECES` reduce-scatter pieces under the next pieces'
+    matmuls; backward (not under a split one), the input all-gather under the gathered linears' input-gradient
+    matmuls, their input gradient's reduce-scatter under their weight-gradient matmuls, and the row linears'
+    output-gradient all-gather under 1/tp of their backward."""
+    from fivefold.layout import SCATTER_PIECES
     from fivefold.planner import comm
-    from fivefold.planner.hardware import get_cluster
-    from fivefold.planner.layout import FIVEFOLD, NANOTRON, Layout
-    from fivefold.planner.time import _block_seconds, column_linear_share, stage_times
-    from fivefold.presets import get_preset
+    from fivefold.planner.time import _block_seconds, column_linear_share, row_linear_share
+
+    hw, tp = get_cluster("h100"), on.tp
+    lin_f, lin_b = _block_seconds(cfg, seq, on, FIVEFOLD, hw, seq, min(FIVEFOLD.tp_loss_chunk, seq), None, 1.0)[:2]
+    act, st = seq * cfg.hidden * 2, comm.strides(on)
+    gather, scatter = groups * comm.all_gather(act, tp, st["tp"], hw), groups * comm.reduce_scatter(act, tp, st["tp"],
+                                                                                                      hw)
+    rest = (SCATTER_PIECES - 1) / SCATTER_PIECES
+    hidden = min(gather, lin_f * column_linear_share(cfg) / tp) + min(scatter * rest, lin_f * row_linear_share(cfg)
+                                                                         * rest)
+    if not split_backward:
+        col_b = lin_b / 2 * column_linear_share(cfg)
+        hidden += min(gather, col_b) + min(scatter, col_b) + min(gather, lin_b * row_linear_share(cfg) / tp)
+    return hidden
+
+
+def test_tensor_parallel_overlap_hides_sequence_parallel_collectives():
+    """`layout.tp_comm_overlap` (fivefold's engine, sp): a dense block loses, as far as the matmuls beside them last
+    (on a device that overlaps fully), its two gathered linears' input all-gathers and its two row linears'
+    reduce-scatter pieces in forward, and in backward the input all-gathers, input-gradient reduce-scatters and
+    output-gradient all-gathers (`overlap_closed_form`); under a split backward (zero-bubble's W computes the
+    weight gradients) the forward's alone; nothing without the switch or for a framework that does not run it."""
+    from fivefold.planner.layout import NANOTRON
+    from fivefold.planner.time import column_linear_share, row_linear_share
 
     cfg, hw, seq = get_preset("llama-3.1-8b"), get_cluster("h100"), 4096
     on = Layout(tp=4, sp=True, micro_batch_size=1)
@@ -289,33 +310,25 @@ def test_tensor_parallel_overlap_hides_the_gathered_linears_backward_collectives
         return stage_times(cfg, seq, lay, fw, hw).comm_per_layer
 
     tp_comm = {lay.tp_comm_overlap: per_layer(lay)["tp_comm"] for lay in (on, off)}
-    tokens, act = seq, seq * cfg.hidden * 2
-    lin_b = _block_seconds(cfg, seq, on, FIVEFOLD, hw, tokens, min(FIVEFOLD.tp_loss_chunk, tokens), None, 1.0)[1]
-    matmuls = lin_b / 2 * column_linear_share(cfg)
-    st = comm.strides(on)
-    gather, scatter = 2 * comm.all_gather(act, 4, st["tp"], hw), 2 * comm.reduce_scatter(act, 4, st["tp"], hw)
-    assert tp_comm[False] - tp_comm[None] == pytest.approx(min(gather, matmuls) + min(scatter, matmuls), rel=1e-9)
+    assert tp_comm[False] - tp_comm[None] == pytest.approx(overlap_closed_form(cfg, seq, on, 2), rel=1e-9)
     assert tp_comm[False] > tp_comm[None] > 0
-    # q, k, v, gate and up of Llama-3.1-8B's block: 4096 x (32 + 16) x 128 + 2 x 4096 x 14336, of those and o and down
-    assert column_linear_share(cfg) == pytest.approx((4096 * 48 * 128 + 2 * 4096 * 14336) / (
-        4096 * (48 + 32) * 128 + 3 * 4096 * 14336))
+    # q, k, v, gate and up of Llama-3.1-8B's block: 4096 x (32 + 16) x 128 + 2 x 4096 x 14336, o and down the rest
+    everything = 4096 * (48 + 32) * 128 + 3 * 4096 * 14336
+    assert column_linear_share(cfg) == pytest.approx((4096 * 48 * 128 + 2 * 4096 * 14336) / everything)
+    assert row_linear_share(cfg) == pytest.approx((4096 * 32 * 128 + 4096 * 14336) / everything)
     zb = Layout(tp=4, sp=True, pp=2, schedule="zero-bubble", micro_batch_size=1, grad_accum_steps=8)
     zb_off = dataclasses.replace(zb, tp_comm_overlap=False)
-    assert per_layer(zb) == per_layer(zb_off)
+    assert per_layer(zb_off)["tp_comm"] - per_layer(zb)["tp_comm"] == pytest.approx(
+        overlap_closed_form(cfg, seq, zb, 2, split_backward=True), rel=1e-9)
     assert per_layer(on, NANOTRON) == per_layer(off, NANOTRON)
 
 
-def test_tensor_parallel_overlap_of_an_moe_block_hides_its_attention_gather_alone():
-    """An MoE block's q/k/v gather their sequence-parallel input themselves; its MoE layer gathers with
-    `gather_sequence`, which does not overlap: one all-gather and one reduce-scatter hidden per block (the engine
-    launches 2 of each in a dense block, tests/test_parallel_tensor.py), behind the q/k/v matmuls alone."""
-    import dataclasses
-
-    from fivefold.planner import comm
-    from fivefold.planner.hardware import get_cluster
-    from fivefold.planner.layout import FIVEFOLD, Layout
-    from fivefold.planner.time import _block_seconds, column_linear_share, linear_shapes, stage_times
-    from fivefold.presets import get_preset
+def test_tensor_parallel_overlap_of_an_moe_block_hides_its_attention_collectives_alone():
+    """An MoE block's q/k/v gather their sequence-parallel input themselves and its o reduce-scatters its output
+    itself; its MoE layer enters and leaves with `gather_sequence` and `scatter_sequence`, which do not overlap: one
+    of each group hidden per block (a dense block hides 2, tests/test_parallel_tensor.py), behind the attention's
+    matmuls alone."""
+    from fivefold.planner.time import column_linear_share, linear_shapes, row_linear_share
 
     cfg, hw, seq = get_preset("olmoe-1b-7b"), get_cluster("h100"), 4096
     on = Layout(tp=4, sp=True, micro_batch_size=1)
@@ -324,8 +337,5 @@ def test_tensor_parallel_overlap_of_an_moe_block_hides_its_attention_gather_alon
                for lay in (on, off)}
     flops = [m * n * k for m, n, k in linear_shapes(cfg, 1.0, 1, False)]
     assert column_linear_share(cfg) == pytest.approx(sum(flops[:3]) / sum(flops))
-    lin_b = _block_seconds(cfg, seq, on, FIVEFOLD, hw, seq, min(FIVEFOLD.tp_loss_chunk, seq), None, 1.0)[1]
-    matmuls = lin_b / 2 * column_linear_share(cfg)
-    act, st = seq * cfg.hidden * 2, comm.strides(on)
-    gather, scatter = comm.all_gather(act, 4, st["tp"], hw), comm.reduce_scatter(act, 4, st["tp"], hw)
-    assert tp_comm[False] - tp_comm[None] == pytest.approx(min(gather, matmuls) + min(scatter, matmuls), rel=1e-9)
+    assert row_linear_share(cfg) == pytest.approx(flops[3] / sum(flops))
+    assert tp_comm[False] - tp_comm[None] == pytest.approx(overlap_closed_form(cfg, seq, on, 1), rel=1e-9)

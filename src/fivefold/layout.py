@@ -53,6 +53,9 @@ def nearest_multiples(value: int, base: int) -> list[int]:
 # Facts of the pipeline schedules that the rules need
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zero-bubble", "dualpipev")
+# under `layout.tp_comm_overlap` a row-parallel linear reduce-scatters its output in this many pieces along the
+# sequence, each launched when its matmul is done and reduced under the next piece's (`tensor_comm.linear_scatter`)
+SCATTER_PIECES = 2
 
 
 def min_micro_batches(name: str, p: int, v: int = 1) -> int:

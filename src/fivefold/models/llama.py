@@ -140,7 +140,7 @@ class Attention(nn.Module):
         b, s = x.shape[0], q.shape[2]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.core(q, k, v, mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        return self.project_out(out.transpose(1, 2).reshape(b, s, -1))
 
     def forward_cached(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        cache: list[torch.Tensor]) -> torch.Tensor:
@@ -164,6 +164,10 @@ class Attention(nn.Module):
         """The q, k, v projections [batch, seq, heads * head_dim]; tensor parallelism fuses their input."""
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
+    def project_out(self, x: torch.Tensor) -> torch.Tensor:
+        """The output projection of the heads [batch, seq, heads * head_dim]; tensor parallelism fuses its output."""
+        return self.o_proj(x)
+
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None = None) -> (
         torch.Tensor
     ):
@@ -184,11 +188,15 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.project_gate_up(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.project_down(F.silu(gate) * up)
 
     def project_gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The gate and up projections; tensor parallelism fuses their input."""
         return self.gate_proj(x), self.up_proj(x)
+
+    def project_down(self, h: torch.Tensor) -> torch.Tensor:
+        """The down projection; tensor parallelism fuses its output."""
+        return self.down_proj(h)
 
 
 class MoE(nn.Module):

@@ -17,7 +17,10 @@ two small all-reduces per chunk of tokens (`vocab_parallel_loss_sum`). With sequ
 norms and residual adds hold [batch, seq / tp, hidden]: f becomes an all-gather along the sequence
 (backward reduce-scatter) and g a reduce-scatter (backward all-gather), the same bytes as one all-reduce.
 The all-gather is fused with the q/k/v (gate/up) projections, which keep only the sequence slice for
-backward and gather it again there.
+backward and gather it again there. Under `layout.tp_comm_overlap` each collective of sequence parallel runs
+under a matmul: the forward all-gather under the own rows' q/k/v (gate/up) matmuls, the row-parallel linears'
+reduce-scatter in pieces under the next piece's matmul, and in backward the all-gathers under the own rows'
+gradients and the input gradient's reduce-scatter under the weight gradients (`tensor_comm`).
 The norm weights then see only their sequence slice, so each norm's weight enters through f (backward
 all-reduce over tp): every replicated parameter ends with the same, full gradient on every tp rank.
 
@@ -52,6 +55,7 @@ from fivefold.parallel.tensor_comm import (
     gather_sequence,
     gather_sequence_parts,
     grad_on_first_rank,
+    linear_scatter,
     own_sequence_part,
     reduce_from_tp,
     vocab_parallel_cross_entropy_sum,
@@ -140,6 +144,15 @@ class VocabParallelEmbedding(nn.Embedding):
         return exit_tp_region(out, self.tp_group, self.sequence_parallel)
 
 
+def row_linear_out(module: nn.Module, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The row-parallel `linear` of a tp `module` on `x` and the region's exit (g, or the sequence reduce-scatter),
+    fused and overlapped (`tensor_comm.linear_scatter`) under `layout.tp_comm_overlap` where nothing else claims the
+    weight's gradient (a pipeline's W pass) and there is no bias."""
+    if module.tp_comm_overlap and getattr(module, "weight_grad_queue", None) is None and linear.bias is None:
+        return linear_scatter(x, module.tp_group, linear.weight)
+    return exit_tp_region(linear(x), module.tp_group, module.sequence_parallel)
+
+
 class TensorParallelAttention(Attention):
     """Local query and kv heads: f (or the sequence all-gather) in, g (or the reduce-scatter) out."""
 
@@ -150,7 +163,10 @@ class TensorParallelAttention(Attention):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         if not self.sequence_parallel:
             x = copy_to_tp(x, self.tp_group)
-        return exit_tp_region(super().forward(x, cos, sin, mask), self.tp_group, self.sequence_parallel)
+        return super().forward(x, cos, sin, mask)  # `project_out` leaves the region
+
+    def project_out(self, x: torch.Tensor) -> torch.Tensor:
+        return row_linear_out(self, self.o_proj, x)
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not self.sequence_parallel:
@@ -172,7 +188,10 @@ class TensorParallelMLP(MLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
             x = copy_to_tp(x, self.tp_group)
-        return exit_tp_region(super().forward(x), self.tp_group, self.sequence_parallel)
+        return super().forward(x)  # `project_down` leaves the region
+
+    def project_down(self, h: torch.Tensor) -> torch.Tensor:
+        return row_linear_out(self, self.down_proj, h)
 
     def project_gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.sequence_parallel:

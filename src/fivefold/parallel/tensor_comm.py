@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from fivefold.layout import SCATTER_PIECES
 from fivefold.models.loss import chunked_output_loss, scaled_saved_gradients
 
 SEQ_DIM = 1
@@ -148,8 +149,11 @@ class _GatherLinears(torch.autograd.Function):
         # autocast does not reach into backward: fix the matmul dtype here and reuse it there
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         with torch.autocast(device, enabled=False):
-            x_full = all_gather(x.to(dtype), SEQ_DIM, group)
-            outs = tuple(x_full @ w.to(dtype).t() for w in weights)
+            if overlap and not torch.compiler.is_compiling():
+                outs = gathered_matmuls(x.to(dtype), tuple(w.to(dtype) for w in weights), group)
+            else:
+                x_full = all_gather(x.to(dtype), SEQ_DIM, group)
+                outs = tuple(x_full @ w.to(dtype).t() for w in weights)
         ctx.group, ctx.dtype, ctx.queue, ctx.params, ctx.overlap = group, dtype, queue, params, overlap
         ctx.save_for_backward(x, *weights)  # the local slice only: the gathered input is rebuilt in backward
         return outs
@@ -159,17 +163,18 @@ class _GatherLinears(torch.autograd.Function):
         x, *weights = ctx.saved_tensors
         grads = tuple(grad.to(ctx.dtype) for grad in grads)
         none = (None,) * (4 + len(weights))  # group, queue, params, overlap and the weights
-        # overlapped (`gather_linears(overlap=True)`, never with a queue): the input's all-gather runs under the
+        # overlapped (`gather_linears(overlap=True)`, without a queue): the input's all-gather runs under the
         # input gradient's matmuls, the input gradient's reduce-scatter under the weight gradients' (Megatron's
         # order); both on the tp group, launched in the same order on every rank, each waited for before it is read
         gather = None
-        if ctx.overlap:
+        overlap = ctx.overlap and ctx.queue is None
+        if overlap:
             x_full, gather = start_all_gather(x.to(ctx.dtype), SEQ_DIM, ctx.group)
         grad_x_full = sum(grad @ w.to(ctx.dtype) for grad, w in zip(grads, weights, strict=True))
         if gather is not None:
             gather.wait()
-        grad_x, scatter = start_reduce_scatter(grad_x_full, SEQ_DIM, ctx.group, async_op=ctx.overlap)
-        gathered = [x_full.reshape(-1, x_full.shape[-1])] if ctx.overlap else []
+        grad_x, scatter = start_reduce_scatter(grad_x_full, SEQ_DIM, ctx.group, async_op=overlap)
+        gathered = [x_full.reshape(-1, x_full.shape[-1])] if overlap else []
 
         def x_rows() -> torch.Tensor:  # gathered once, for all the weights that share the input
             if not gathered:
@@ -188,6 +193,86 @@ class _GatherLinears(torch.autograd.Function):
         if scatter is not None:
             scatter.wait()
         return grad_x.to(x.dtype), *none[:4], *weight_grads
+
+
+def sequence_part(rank: int, part: int) -> slice:
+    """The rows of tp rank `rank`'s slice of the sequence, `part` rows long."""
+    return slice(rank * part, (rank + 1) * part)
+
+
+def gathered_matmuls(x: torch.Tensor, weights: tuple[torch.Tensor, ...], group: ProcessGroup
+                     ) -> tuple[torch.Tensor, ...]:
+    """`all_gather(x) @ w.T` for each weight, [b, tp * s, out], with the all-gather of the slice `x` [b, s, h]
+    running under the matmuls of this rank's own rows, which need no other rank (a collective matmul: the
+    other ranks' rows are multiplied once they arrive). Each output row is the same dot product as in the
+    gathered matmul."""
+    size, rank, part = dist.get_world_size(group), dist.get_rank(group), x.shape[SEQ_DIM]
+    x_full, gather = start_all_gather(x, SEQ_DIM, group)
+    outs = tuple(x.new_empty(x.shape[0], part * size, w.shape[0]) for w in weights)
+    for out, w in zip(outs, weights, strict=True):
+        out[:, sequence_part(rank, part)] = x @ w.t()
+    gather.wait()
+    for other in range(size):
+        if other != rank:
+            rows = x_full[:, sequence_part(other, part)]
+            for out, w in zip(outs, weights, strict=True):
+                out[:, sequence_part(other, part)] = rows @ w.t()
+    return outs
+
+
+class _LinearScatter(torch.autograd.Function):
+    """`reduce_scatter(x @ weight.T)` along the sequence (a row-parallel linear and sequence parallel's exit),
+    overlapped: forward reduce-scatters the output in `SCATTER_PIECES` pieces, each under the next piece's matmul;
+    backward all-gathers the output gradient under the input- and weight-gradient matmuls of this rank's own
+    rows, then multiplies the other ranks' rows."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, weight: torch.Tensor) -> torch.Tensor:
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        size, seq = dist.get_world_size(group), x.shape[SEQ_DIM]
+        if seq % size:
+            raise ValueError(
+                f"sequence parallelism splits the sequence over tp = {size} ranks, but the sequence length is "
+                f"{seq}; use a sequence length divisible by {size}"
+            )
+        part = seq // size
+        pieces = SCATTER_PIECES if part % SCATTER_PIECES == 0 else 1
+        b, rows = x.shape[0], part // pieces
+        with torch.autocast(device, enabled=False):
+            xc, w = x.to(dtype), weight.to(dtype)
+            # [b, tp, pieces, rows, k]: piece p holds rows p * rows ... of every rank's slice
+            split = xc.reshape(b, size, pieces, rows, xc.shape[-1])
+            outs, works = [], []
+            for piece in range(pieces):
+                partial = (split[:, :, piece].transpose(0, 1) @ w.t()).contiguous()  # [tp, b, rows, h]
+                out = partial.new_empty(partial.shape[1:])
+                works.append(reduce_scatter_into(out, partial.flatten(0, 1), group=group, async_op=True))
+                outs.append(out)
+            for work in works:
+                work.wait()
+        ctx.group, ctx.dtype = group, dtype
+        ctx.save_for_backward(x, weight)
+        return torch.cat(outs, dim=SEQ_DIM) if pieces > 1 else outs[0]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        size, rank, part = dist.get_world_size(ctx.group), dist.get_rank(ctx.group), grad.shape[SEQ_DIM]
+        grad, w = grad.to(ctx.dtype), weight.to(ctx.dtype)
+        xc = x.to(ctx.dtype)
+        grad_full, gather = start_all_gather(grad, SEQ_DIM, ctx.group)
+        grad_x = grad.new_empty(xc.shape)
+        own = sequence_part(rank, part)
+        grad_x[:, own] = grad @ w
+        grad_w = grad.reshape(-1, grad.shape[-1]).t() @ xc[:, own].reshape(-1, xc.shape[-1])
+        gather.wait()
+        for other in range(size):
+            if other != rank:
+                rows, g = sequence_part(other, part), grad_full[:, sequence_part(other, part)]
+                grad_x[:, rows] = g @ w
+                grad_w += g.reshape(-1, g.shape[-1]).t() @ xc[:, rows].reshape(-1, xc.shape[-1])
+        return grad_x.to(x.dtype), None, grad_w.to(weight.dtype)
 
 
 def _single(group: ProcessGroup) -> bool:
@@ -235,14 +320,25 @@ def gather_linears(x: torch.Tensor, group: ProcessGroup, *weights: torch.Tensor,
     which all-gathers it again for the weight gradients and reduce-scatters the input gradient (as
     Megatron does), so SP holds 1/tp of these activations where TP alone holds them whole. With a
     `weight_grad_queue` (a pipeline's zero-bubble schedules) backward computes only the input gradient and leaves
-    the all-gather and the weight gradients to the queue's W pass. `overlap` (`layout.tp_comm_overlap`, without a
-    queue): backward runs the all-gather under the input gradient's matmuls and the reduce-scatter under the
-    weight gradients' (asynchronous collectives), the same values in the same order."""
+    the all-gather and the weight gradients to the queue's W pass. `overlap` (`layout.tp_comm_overlap`): forward
+    runs the all-gather under this rank's own rows' matmuls (`gathered_matmuls`); without a queue, backward runs
+    the all-gather under the input gradient's matmuls and the reduce-scatter under the weight gradients'
+    (asynchronous collectives), the same values in the same order."""
     if _single(group):
         return tuple(x @ w.t() for w in weights)
     if weight_grad_queue is not None:  # weights enter detached: B leaves their gradients to the W pass
-        return _GatherLinears.apply(x, group, weight_grad_queue, weights, False, *(w.detach() for w in weights))
+        return _GatherLinears.apply(x, group, weight_grad_queue, weights, overlap, *(w.detach() for w in weights))
     return _GatherLinears.apply(x, group, None, None, overlap, *weights)
+
+
+def linear_scatter(x: torch.Tensor, group: ProcessGroup, weight: torch.Tensor) -> torch.Tensor:
+    """A bias-free row-parallel linear and sequence parallel's exit, `scatter_sequence(x @ weight.T)`, with both
+    directions' collectives overlapped with its matmuls (`layout.tp_comm_overlap`; see `_LinearScatter`)."""
+    if _single(group):
+        return x @ weight.t()
+    if torch.compiler.is_compiling():  # traced: the compiler orders the collectives itself
+        return scatter_sequence(x @ weight.t(), group)
+    return _LinearScatter.apply(x, group, weight)
 
 
 def enter_tp_region(x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:

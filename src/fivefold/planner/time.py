@@ -25,6 +25,7 @@ from fivefold.flops import (
     attention_fraction,
     training_flops_per_token,
 )
+from fivefold.layout import SCATTER_PIECES
 from fivefold.parallel.schedules import SPLIT_BACKWARD, build_schedule, simulate
 from fivefold.planner import comm
 from fivefold.planner.hardware import Cluster
@@ -326,6 +327,32 @@ def column_linear_share(cfg: ModelConfig) -> float:
     return sum(gathered) / sum(flops)
 
 
+def row_linear_share(cfg: ModelConfig) -> float:
+    """The share of a block's linear FLOPs (`linear_shapes`) of the row-parallel linears that reduce-scatter their
+    output themselves under the overlap (`tensor_comm.linear_scatter`): o, and a dense MLP's down (an MoE layer
+    leaves its region with `scatter_sequence`)."""
+    flops = [m * n * k for m, n, k in linear_shapes(cfg, 1.0, 1, False)]
+    fused = flops[3:4] + (flops[-1:] if gathered_linear_groups(cfg) == 2 else [])
+    return sum(fused) / sum(flops)
+
+
+def tp_forward_hidden(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster, act: float, lin_f: float,
+                      st: dict) -> float:
+    """What fivefold's tensor-parallel overlap (`layout.tp_comm_overlap`, sequence parallel) takes off a block's
+    forward, <= 0: the gathered linears' input all-gather under their own rows' matmuls (1/tp of them), and the row
+    linears' reduce-scatter in `SCATTER_PIECES` pieces, each but the last under the next piece's matmul, each
+    hidden as far as the matmuls last and the device overlaps (`exposed`)."""
+    if not (fw.layout_dp_options and lay.overlaps_tp_comm) or fw.async_tp or fw.tp_overlap:
+        return 0.0
+    tp, groups, pieces = lay.tp, gathered_linear_groups(cfg), SCATTER_PIECES
+    gather = groups * comm.all_gather(act, tp, st["tp"], hw)
+    scatter = groups * comm.reduce_scatter(act, tp, st["tp"], hw) * (pieces - 1) / pieces
+    own_rows = lin_f * column_linear_share(cfg) / tp
+    next_pieces = lin_f * row_linear_share(cfg) * (pieces - 1) / pieces
+    return (exposed(gather, own_rows, hw.comm_overlap) - gather) + (exposed(scatter, next_pieces, hw.comm_overlap)
+                                                                    - scatter)
+
+
 def tp_backward_overlapped(lay: Layout, fw: Framework) -> bool:
     """fivefold's gathered linears run the overlapped backward (`layout.tp_comm_overlap` with sp), where they compute
     their weight gradients in it (not under a split backward, zero-bubble or DualPipeV, whose W pass does)."""
@@ -339,15 +366,21 @@ def tp_backward_hidden(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster
     """What fivefold's tensor-parallel overlap (`layout.tp_comm_overlap`, sequence parallel, a backward that computes
     its weight gradients) takes off a block's backward, <= 0: the gathered linears' (q/k/v, gate/up) input
     all-gather under their input-gradient matmuls and their input gradient's reduce-scatter under their
-    weight-gradient matmuls, each hidden as far as the matmuls last and the device overlaps (`exposed`)."""
+    weight-gradient matmuls, and the row linears' (o, down) output-gradient all-gather under their own rows' input
+    and weight gradients (1/tp of them), each hidden as far as the matmuls last and the device overlaps
+    (`exposed`)."""
     if not tp_backward_overlapped(lay, fw):
         return 0.0
     tp, groups = lay.tp, gathered_linear_groups(cfg)
     matmuls = lin_b / 2 * column_linear_share(cfg)  # each half: input gradient, weight gradient
     gather = groups * comm.all_gather(act, tp, st["tp"], hw) if fw.sp_regather_exposed else 0.0
     scatter = groups * comm.reduce_scatter(act, tp, st["tp"], hw)
+    # the row linears' output-gradient all-gather, under their own rows' input and weight gradients
+    row_gather = groups * comm.all_gather(act, tp, st["tp"], hw)
+    own_rows = lin_b * row_linear_share(cfg) / tp
     return (exposed(gather, matmuls, hw.comm_overlap) - gather) + (exposed(scatter, matmuls, hw.comm_overlap)
-                                                                   - scatter)
+                                                                   - scatter) \
+        + (exposed(row_gather, own_rows, hw.comm_overlap) - row_gather)
 
 
 def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster,
@@ -392,10 +425,11 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
         t_tp_f_extra = comm.all_gather(tokens * h * ab, tp, st["tp"], hw) * (1 - fw.tp_overlap)
     else:
         t_tp_f_extra = 0.0
+    t_tp_f = t_tp + tp_forward_hidden(cfg, lay, fw, hw, act, lin_f, st)
     # selective recompute reruns the attention core, which under cp is the ring's forward with its transfers
     recompute = {"none": 0.0, "selective": attn_f + t_cp_f,
-                 "full": t_layer + t_tp + t_tp_f_extra + t_cp_f + t_ep}[lay.recompute]
-    f_layer = t_layer + t_tp + t_tp_f_extra + t_cp_f + t_ep
+                 "full": t_layer + t_tp_f + t_tp_f_extra + t_cp_f + t_ep}[lay.recompute]
+    f_layer = t_layer + t_tp_f + t_tp_f_extra + t_cp_f + t_ep
     t_tp_b = t_tp + t_tp_b_extra + tp_backward_hidden(cfg, lay, fw, hw, act, lin_b, st)
     # backward: the linears' input-gradient half in B, weight-gradient half in W; a third of the fixed costs in W
     b_layer = lin_b / 2 + attn_b + elementwise + oh_b * 2 / 3 + t_tp_b + t_cp_b + t_ep + recompute
@@ -420,7 +454,7 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     host = host_floor(cfg, lay, fw, hw, counts, f, b, w)
     again = 1 if lay.recompute == "full" else 0  # full recompute repeats the forward's communication
     again_cp = 1 if lay.recompute != "none" else 0  # selective recompute too (the ring is the recomputed core)
-    per_layer = {"tp_comm": (1 + again) * t_tp + t_tp_b + (1 + again) * t_tp_f_extra,
+    per_layer = {"tp_comm": (1 + again) * t_tp_f + t_tp_b + (1 + again) * t_tp_f_extra,
                  "cp_comm": (1 + again_cp) * t_cp_f + t_cp_b,
                  "ep_comm": (2 + again) * t_ep,
                  # the recomputed forward's own compute (its communication is counted above)

@@ -268,28 +268,33 @@ def test_a_framework_names_known_kernels(tmp_path):
     assert (fw.fused_elementwise, fw.attention_kernel) == ("norm, swiglu", "fa3")
 
 
-def overlap_closed_form(cfg, seq: int, on, groups: int, split_backward: bool = False) -> float:
+def overlap_closed_form(cfg, seq: int, on, groups: int, split_backward: bool = False, fw=FIVEFOLD) -> float:
     """What `layout.tp_comm_overlap` hides per block on an H100 (which overlaps fully), from the block's linear
     seconds and the collectives' prices: forward, the gathered linears' input all-gather under 1/tp of their
     matmuls and all but the last of the row linears' `SCATTER_PIECES` reduce-scatter pieces under the next pieces'
     matmuls; backward (not under a split one), the input all-gather under the gathered linears' input-gradient
     matmuls, their input gradient's reduce-scatter under their weight-gradient matmuls, and the row linears'
-    output-gradient all-gather under 1/tp of their backward."""
+    output-gradient all-gather under 1/tp of their backward. Under torch.compile (`fw.compiled`) the backward's
+    first two alone."""
     from fivefold.layout import SCATTER_PIECES
     from fivefold.planner import comm
     from fivefold.planner.time import _block_seconds, column_linear_share, row_linear_share
 
     hw, tp = get_cluster("h100"), on.tp
-    lin_f, lin_b = _block_seconds(cfg, seq, on, FIVEFOLD, hw, seq, min(FIVEFOLD.tp_loss_chunk, seq), None, 1.0)[:2]
+    lin_f, lin_b = _block_seconds(cfg, seq, on, fw, hw, seq, min(fw.tp_loss_chunk, seq), None, 1.0)[:2]
     act, st = seq * cfg.hidden * 2, comm.strides(on)
     gather, scatter = groups * comm.all_gather(act, tp, st["tp"], hw), groups * comm.reduce_scatter(act, tp, st["tp"],
                                                                                                       hw)
     rest = (SCATTER_PIECES - 1) / SCATTER_PIECES
-    hidden = min(gather, lin_f * column_linear_share(cfg) / tp) + min(scatter * rest, lin_f * row_linear_share(cfg)
-                                                                         * rest)
+    hidden = 0.0
+    if not fw.compiled:
+        hidden += min(gather, lin_f * column_linear_share(cfg) / tp) + min(scatter * rest,
+                                                                           lin_f * row_linear_share(cfg) * rest)
     if not split_backward:
         col_b = lin_b / 2 * column_linear_share(cfg)
-        hidden += min(gather, col_b) + min(scatter, col_b) + min(gather, lin_b * row_linear_share(cfg) / tp)
+        hidden += min(gather, col_b) + min(scatter, col_b)
+        if not fw.compiled:
+            hidden += min(gather, lin_b * row_linear_share(cfg) / tp)
     return hidden
 
 
@@ -298,7 +303,8 @@ def test_tensor_parallel_overlap_hides_sequence_parallel_collectives():
     (on a device that overlaps fully), its two gathered linears' input all-gathers and its two row linears'
     reduce-scatter pieces in forward, and in backward the input all-gathers, input-gradient reduce-scatters and
     output-gradient all-gathers (`overlap_closed_form`); under a split backward (zero-bubble's W computes the
-    weight gradients) the forward's alone; nothing without the switch or for a framework that does not run it."""
+    weight gradients) the forward's alone; compiled, the gathered linears' backward alone; nothing without the
+    switch or for a framework that does not run it."""
     from fivefold.planner.layout import NANOTRON
     from fivefold.planner.time import column_linear_share, row_linear_share
 
@@ -321,6 +327,11 @@ def test_tensor_parallel_overlap_hides_sequence_parallel_collectives():
     assert per_layer(zb_off)["tp_comm"] - per_layer(zb)["tp_comm"] == pytest.approx(
         overlap_closed_form(cfg, seq, zb, 2, split_backward=True), rel=1e-9)
     assert per_layer(on, NANOTRON) == per_layer(off, NANOTRON)
+    # compiled blocks (the accelerator default): the forward's collectives and the row linears' stay in order
+    compiled = with_features(FIVEFOLD, ["compile"])
+    assert compiled.compiled
+    assert per_layer(off, compiled)["tp_comm"] - per_layer(on, compiled)["tp_comm"] == pytest.approx(
+        overlap_closed_form(cfg, seq, on, 2, fw=compiled), rel=1e-9)
 
 
 def test_tensor_parallel_overlap_of_an_moe_block_hides_its_attention_collectives_alone():

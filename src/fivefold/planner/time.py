@@ -341,8 +341,9 @@ def tp_forward_hidden(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster,
     """What fivefold's tensor-parallel overlap (`layout.tp_comm_overlap`, sequence parallel) takes off a block's
     forward, <= 0: the gathered linears' input all-gather under their own rows' matmuls (1/tp of them), and the row
     linears' reduce-scatter in `SCATTER_PIECES` pieces, each but the last under the next piece's matmul, each
-    hidden as far as the matmuls last and the device overlaps (`exposed`)."""
-    if not (fw.layout_dp_options and lay.overlaps_tp_comm) or fw.async_tp or fw.tp_overlap:
+    hidden as far as the matmuls last and the device overlaps (`exposed`). Not under torch.compile, whose graph holds
+    the forward's collectives in order (`tensor_comm`)."""
+    if not (fw.layout_dp_options and lay.overlaps_tp_comm) or fw.async_tp or fw.tp_overlap or fw.compiled:
         return 0.0
     tp, groups, pieces = lay.tp, gathered_linear_groups(cfg), SCATTER_PIECES
     gather = groups * comm.all_gather(act, tp, st["tp"], hw)
@@ -367,16 +368,17 @@ def tp_backward_hidden(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster
     its weight gradients) takes off a block's backward, <= 0: the gathered linears' (q/k/v, gate/up) input
     all-gather under their input-gradient matmuls and their input gradient's reduce-scatter under their
     weight-gradient matmuls, and the row linears' (o, down) output-gradient all-gather under their own rows' input
-    and weight gradients (1/tp of them), each hidden as far as the matmuls last and the device overlaps
-    (`exposed`)."""
+    and weight gradients (1/tp of them, not under torch.compile), each hidden as far as the matmuls last and the
+    device overlaps (`exposed`)."""
     if not tp_backward_overlapped(lay, fw):
         return 0.0
     tp, groups = lay.tp, gathered_linear_groups(cfg)
     matmuls = lin_b / 2 * column_linear_share(cfg)  # each half: input gradient, weight gradient
     gather = groups * comm.all_gather(act, tp, st["tp"], hw) if fw.sp_regather_exposed else 0.0
     scatter = groups * comm.reduce_scatter(act, tp, st["tp"], hw)
-    # the row linears' output-gradient all-gather, under their own rows' input and weight gradients
-    row_gather = groups * comm.all_gather(act, tp, st["tp"], hw)
+    # the row linears' output-gradient all-gather, under their own rows' input and weight gradients (eager only: a
+    # compiled block runs its row linears and their reduce-scatter unfused)
+    row_gather = 0.0 if fw.compiled else groups * comm.all_gather(act, tp, st["tp"], hw)
     own_rows = lin_b * row_linear_share(cfg) / tp
     return (exposed(gather, matmuls, hw.comm_overlap) - gather) + (exposed(scatter, matmuls, hw.comm_overlap)
                                                                    - scatter) \

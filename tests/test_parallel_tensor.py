@@ -212,6 +212,62 @@ def test_sequence_parallel_overlap_launches_async_collectives_and_changes_nothin
             torch.testing.assert_close(grads_on[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def backward_collectives_under_recompute(rank: int, world_size: int) -> dict:
+    """On each rank: per recompute mode, the tp2 + sp (overlapped) model's loss, gradients and the all-gathers and
+    reduce-scatters that its backward launches (counted around `tensor_comm`'s two collectives)."""
+    from fivefold.parallel import tensor_comm
+
+    cfg = model_config("tiny")
+    tokens, targets = batch(cfg.vocab_size)
+    launched = {"gather": 0, "scatter": 0}
+    gather_into, scatter_into = tensor_comm.all_gather_into, tensor_comm.reduce_scatter_into
+
+    def counting(kind, inner):
+        def call(*args, **kwargs):
+            launched[kind] += 1
+            return inner(*args, **kwargs)
+        return call
+
+    out = {}
+    try:
+        for mode in ("none", "selective", "full"):
+            model = build_model(cfg, "cpu", seed=0)
+            apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=True, comm_overlap=True)
+            apply_recompute(model, mode)
+            loss = TPLoss(model, True)(tokens, targets)
+            launched.update(gather=0, scatter=0)
+            tensor_comm.all_gather_into = counting("gather", gather_into)
+            tensor_comm.reduce_scatter_into = counting("scatter", scatter_into)
+            loss.backward()
+            tensor_comm.all_gather_into, tensor_comm.reduce_scatter_into = gather_into, scatter_into
+            out[mode] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, dict(launched))
+    finally:
+        tensor_comm.all_gather_into, tensor_comm.reduce_scatter_into = gather_into, scatter_into
+    return out
+
+
+def test_selective_recompute_runs_no_overlapped_collective_again():
+    """Selective recompute keeps the overlapped sequence-parallel linears' collective outputs (`CollectiveStore`):
+    its backward launches exactly the all-gathers and reduce-scatters of a backward without recompute (6 per block:
+    the gathered linears' input all-gather and input-gradient reduce-scatter, the row linears' output-gradient
+    all-gather, twice; and the embedding's and the loss's), where full recompute also runs the forward's 2
+    all-gathers and 2 x 2 reduce-scatter pieces per block again; the loss and every gradient equal those without
+    recompute within float rounding."""
+    from fivefold.layout import SCATTER_PIECES
+
+    cfg = model_config("tiny")
+    for out in run_ranks(2, backward_collectives_under_recompute):
+        (loss, grads, none), (_, _, selective), (_, _, full) = out["none"], out["selective"], out["full"]
+        # the blocks' 4 all-gathers and 2 reduce-scatters each, and the embedding's and the loss's one each
+        assert none == selective == {"gather": 4 * cfg.n_layers + 1, "scatter": 2 * cfg.n_layers + 1}
+        assert full == {"gather": none["gather"] + 2 * cfg.n_layers,
+                        "scatter": none["scatter"] + 2 * SCATTER_PIECES * cfg.n_layers}
+        for mode in ("selective", "full"):
+            assert abs(out[mode][0] - loss) <= 1e-6 * abs(loss)
+            for name, grad in grads.items():
+                torch.testing.assert_close(out[mode][1][name], grad, rtol=1e-5, atol=1e-6, msg=(mode, name))
+
+
 @pytest.mark.slow
 def test_tp4_matches_single_process():
     """Four ranks, four kv heads, dense and MoE with capacity-based routing, every recompute mode."""

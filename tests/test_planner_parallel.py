@@ -37,7 +37,8 @@ def _measure_on_ranks(rank: int, world: int, cases: list[tuple]) -> list[int]:
     for preset, batch, seq, sp, recompute, etp in cases:
         cfg = _config(preset)
         model = build_model(cfg, "cpu", seed=0)
-        tensor.apply_tensor_parallel(model, group, sp, split_experts=etp > 1)
+        # the engine's default overlap (`layout.tp_comm_overlap` with sp), which changes what selective keeps
+        tensor.apply_tensor_parallel(model, group, sp, split_experts=etp > 1, comm_overlap=sp)
         recompute_module.apply_recompute(model, recompute)
         params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         seen: dict[int, int] = {}

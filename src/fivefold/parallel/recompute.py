@@ -13,8 +13,11 @@
   q and k and the four f-sized SwiGLU tensors (docs/parallelism.md).
 - `full`: each block is recomputed in backward from its input; only the block inputs are kept.
 
-Under tensor / sequence parallelism the recompute (selective or full) repeats the block's forward communication
-(all-reduce or all-gather) in backward, the same on every tp rank. Apply after tensor parallelism. The
+Under tensor / sequence parallelism full recompute repeats the block's forward communication (all-reduce or
+all-gather) in backward, the same on every tp rank; so does selective recompute, except for the overlapped
+sequence-parallel linears (`layout.tp_comm_overlap`), whose collectives it does not run again: the row linears'
+reduce-scattered outputs are kept (1/tp of the sequence each) and the gathered linears' matmuls come from the
+checkpoint's cache (`tensor_comm.CollectiveStore`). Apply after tensor parallelism. The
 recomputed forward is the same code on the same inputs, so gradients are unchanged. Under expert parallelism
 the recomputed dispatch reuses the count tables that its original forward read on the host (see
 `host_counts_kept`), so recompute adds no host synchronisation.
@@ -31,6 +34,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from fivefold.config import shown
 from fivefold.models.llama import Llama, MoE
+from fivefold.parallel.tensor_comm import CollectiveStore
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -69,13 +73,36 @@ def host_counts_kept(block: nn.Module, store: list, replay: bool,
                 moe.replayed_counts = moe.recorded_counts = None
 
 
+@contextlib.contextmanager
+def collectives_kept(block: nn.Module, store: CollectiveStore | None, replay: bool,
+                     inner: contextlib.AbstractContextManager) -> Iterator[None]:
+    """Within `inner`: the overlapped tensor-parallel modules of `block` keep their collectives' outputs in `store`
+    (the original forward) or take them from it without communicating (the selective recomputation, `replay`);
+    see `tensor_comm.CollectiveStore`. Nothing without a store (full recompute communicates again)."""
+    parts = (getattr(block, "attn", None), getattr(block, "mlp", None))
+    modules = [m for m in parts if getattr(m, "tp_comm_overlap", False)] if store is not None else []
+    with inner:
+        for m in modules:
+            m.collective_store = store
+        if store is not None:
+            store.replay = replay
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.collective_store = None
+
+
 def block_contexts(block: nn.Module, selective: bool) -> tuple:
     """`checkpoint`'s context_fn for `block`: the selective policy's contexts (or none) around the recording of
-    the host count tables in the original forward and their replay in the recomputation. The store is made
-    per checkpointed call, so every recomputation reads the tables of its own forward."""
+    the host count tables and of the tensor-parallel collectives' outputs in the original forward and their replay
+    in the recomputation. The stores are made per checkpointed call, so every recomputation reads those of its own
+    forward."""
     forward, recompute = selective_contexts() if selective else (contextlib.nullcontext(), contextlib.nullcontext())
     store: list = []
-    return host_counts_kept(block, store, False, forward), host_counts_kept(block, store, True, recompute)
+    kept = CollectiveStore() if selective else None
+    return (host_counts_kept(block, store, False, collectives_kept(block, kept, False, forward)),
+            host_counts_kept(block, store, True, collectives_kept(block, kept, True, recompute)))
 
 
 def apply_recompute(model: Llama, mode: str) -> None:

@@ -47,6 +47,7 @@ from fivefold.models.llama import MLP, Attention, Llama, MoE, RMSNorm
 from fivefold.models.loss import TP_LOSS_CHUNK_TOKENS
 from fivefold.parallel.expert import EXPERT_WEIGHTS, is_expert_param
 from fivefold.parallel.tensor_comm import (
+    CollectiveStore,
     all_gather,
     copy_to_tp,
     enter_tp_region,
@@ -149,7 +150,7 @@ def row_linear_out(module: nn.Module, linear: nn.Linear, x: torch.Tensor) -> tor
     fused and overlapped (`tensor_comm.linear_scatter`) under `layout.tp_comm_overlap` where nothing else claims the
     weight's gradient (a pipeline's W pass) and there is no bias."""
     if module.tp_comm_overlap and getattr(module, "weight_grad_queue", None) is None and linear.bias is None:
-        return linear_scatter(x, module.tp_group, linear.weight)
+        return linear_scatter(x, module.tp_group, linear.weight, module.collective_store)
     return exit_tp_region(linear(x), module.tp_group, module.sequence_parallel)
 
 
@@ -159,6 +160,7 @@ class TensorParallelAttention(Attention):
     tp_group: ProcessGroup
     sequence_parallel: bool
     tp_comm_overlap: bool = False  # `layout.tp_comm_overlap`: see `tensor_comm.gather_linears`
+    collective_store: CollectiveStore | None = None  # set by selective recompute around a block's forward
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         if not self.sequence_parallel:
@@ -174,7 +176,7 @@ class TensorParallelAttention(Attention):
         linears = (self.q_proj, self.k_proj, self.v_proj)
         out = gather_linears(x, self.tp_group, *(m.weight for m in linears),
                              weight_grad_queue=getattr(self, "weight_grad_queue", None),
-                             overlap=self.tp_comm_overlap)
+                             overlap=self.tp_comm_overlap, store=self.collective_store)
         return tuple(y if m.bias is None else y + m.bias for y, m in zip(out, linears, strict=True))
 
 
@@ -184,6 +186,7 @@ class TensorParallelMLP(MLP):
     tp_group: ProcessGroup
     sequence_parallel: bool
     tp_comm_overlap: bool = False  # `layout.tp_comm_overlap`: see `tensor_comm.gather_linears`
+    collective_store: CollectiveStore | None = None  # set by selective recompute around a block's forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
@@ -197,7 +200,7 @@ class TensorParallelMLP(MLP):
         if self.sequence_parallel:
             return gather_linears(x, self.tp_group, self.gate_proj.weight, self.up_proj.weight,
                                   weight_grad_queue=getattr(self, "weight_grad_queue", None),
-                                  overlap=self.tp_comm_overlap)
+                                  overlap=self.tp_comm_overlap, store=self.collective_store)
         return super().project_gate_up(x)
 
 

@@ -80,6 +80,27 @@ def start_reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup, async_o
 
 
 
+class CollectiveStore:
+    """The outputs of one checkpointed block's overlapped tensor-parallel collectives, kept by its forward and
+    handed back in its selective recomputation (`recompute.block_contexts`), so that the recomputation
+    communicates nothing. Selective recompute keeps the outputs of every matmul (`recompute.SAVED_OPS`), which the
+    recomputation takes from the checkpoint's cache in the order they ran; the recomputed forward therefore calls
+    the same matmuls in the same order, on stand-in inputs where a collective's output would have been: the
+    gathered linears' gathered input (which only feeds matmuls) is not kept at all, the row linears'
+    reduce-scattered output (which the next norm reads) is kept, 1/tp of the sequence."""
+
+    def __init__(self) -> None:
+        self.kept: list[torch.Tensor] = []
+        self.replay = False
+
+    def keep(self, out: torch.Tensor) -> None:
+        if not self.replay:
+            self.kept.append(out.detach())
+
+    def take(self) -> torch.Tensor:
+        return self.kept.pop(0)
+
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -144,13 +165,14 @@ class _GradOnFirstRank(torch.autograd.Function):
 class _GatherLinears(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup, queue, params: tuple[torch.Tensor, ...] | None,
-                overlap: bool, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                overlap: bool, store: CollectiveStore | None, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
         device = x.device.type
         # autocast does not reach into backward: fix the matmul dtype here and reuse it there
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         with torch.autocast(device, enabled=False):
             if overlap and not torch.compiler.is_compiling():
-                outs = gathered_matmuls(x.to(dtype), tuple(w.to(dtype) for w in weights), group)
+                outs = gathered_matmuls(x.to(dtype), tuple(w.to(dtype) for w in weights), group,
+                                        replay=store is not None and store.replay)
             else:
                 x_full = all_gather(x.to(dtype), SEQ_DIM, group)
                 outs = tuple(x_full @ w.to(dtype).t() for w in weights)
@@ -162,7 +184,7 @@ class _GatherLinears(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         x, *weights = ctx.saved_tensors
         grads = tuple(grad.to(ctx.dtype) for grad in grads)
-        none = (None,) * (4 + len(weights))  # group, queue, params, overlap and the weights
+        none = (None,) * (5 + len(weights))  # group, queue, params, overlap, store and the weights
         # overlapped (`gather_linears(overlap=True)`, without a queue): the input's all-gather runs under the
         # input gradient's matmuls, the input gradient's reduce-scatter under the weight gradients' (Megatron's
         # order); both on the tp group, launched in the same order on every rank, each waited for before it is read
@@ -192,7 +214,7 @@ class _GatherLinears(torch.autograd.Function):
         weight_grads = [weight_grad(g).to(w.dtype) for g, w in zip(grads, weights, strict=True)]
         if scatter is not None:
             scatter.wait()
-        return grad_x.to(x.dtype), *none[:4], *weight_grads
+        return grad_x.to(x.dtype), *none[:5], *weight_grads
 
 
 def sequence_part(rank: int, part: int) -> slice:
@@ -200,18 +222,23 @@ def sequence_part(rank: int, part: int) -> slice:
     return slice(rank * part, (rank + 1) * part)
 
 
-def gathered_matmuls(x: torch.Tensor, weights: tuple[torch.Tensor, ...], group: ProcessGroup
+def gathered_matmuls(x: torch.Tensor, weights: tuple[torch.Tensor, ...], group: ProcessGroup, replay: bool = False
                      ) -> tuple[torch.Tensor, ...]:
     """`all_gather(x) @ w.T` for each weight, [b, tp * s, out], with the all-gather of the slice `x` [b, s, h]
     running under the matmuls of this rank's own rows, which need no other rank (a collective matmul: the
     other ranks' rows are multiplied once they arrive). Each output row is the same dot product as in the
-    gathered matmul."""
+    gathered matmul. `replay` (a selective recomputation, `CollectiveStore`): the matmuls' outputs come from the
+    checkpoint's cache, so the other ranks' rows are not gathered (an uninitialised stand-in goes in their place)."""
     size, rank, part = dist.get_world_size(group), dist.get_rank(group), x.shape[SEQ_DIM]
-    x_full, gather = start_all_gather(x, SEQ_DIM, group)
+    if replay:
+        x_full, gather = x.new_empty(x.shape[0], part * size, *x.shape[2:]), None
+    else:
+        x_full, gather = start_all_gather(x, SEQ_DIM, group)
     outs = tuple(x.new_empty(x.shape[0], part * size, w.shape[0]) for w in weights)
     for out, w in zip(outs, weights, strict=True):
         out[:, sequence_part(rank, part)] = x @ w.t()
-    gather.wait()
+    if gather is not None:
+        gather.wait()
     for other in range(size):
         if other != rank:
             rows = x_full[:, sequence_part(other, part)]
@@ -227,7 +254,8 @@ class _LinearScatter(torch.autograd.Function):
     rows, then multiplies the other ranks' rows."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: ProcessGroup, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: ProcessGroup, store: CollectiveStore | None, weight: torch.Tensor
+                ) -> torch.Tensor:
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         size, seq = dist.get_world_size(group), x.shape[SEQ_DIM]
@@ -239,6 +267,7 @@ class _LinearScatter(torch.autograd.Function):
         part = seq // size
         pieces = SCATTER_PIECES if part % SCATTER_PIECES == 0 else 1
         b, rows = x.shape[0], part // pieces
+        replay = store is not None and store.replay
         with torch.autocast(device, enabled=False):
             xc, w = x.to(dtype), weight.to(dtype)
             # [b, tp, pieces, rows, k]: piece p holds rows p * rows ... of every rank's slice
@@ -246,6 +275,8 @@ class _LinearScatter(torch.autograd.Function):
             outs, works = [], []
             for piece in range(pieces):
                 partial = (split[:, :, piece].transpose(0, 1) @ w.t()).contiguous()  # [tp, b, rows, h]
+                if replay:  # the matmul came from the checkpoint's cache; its reduction from the store below
+                    continue
                 out = partial.new_empty(partial.shape[1:])
                 works.append(reduce_scatter_into(out, partial.flatten(0, 1), group=group, async_op=True))
                 outs.append(out)
@@ -253,7 +284,12 @@ class _LinearScatter(torch.autograd.Function):
                 work.wait()
         ctx.group, ctx.dtype = group, dtype
         ctx.save_for_backward(x, weight)
-        return torch.cat(outs, dim=SEQ_DIM) if pieces > 1 else outs[0]
+        if replay:
+            return store.take()
+        out = torch.cat(outs, dim=SEQ_DIM) if pieces > 1 else outs[0]
+        if store is not None:
+            store.keep(out)
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -272,7 +308,7 @@ class _LinearScatter(torch.autograd.Function):
                 rows, g = sequence_part(other, part), grad_full[:, sequence_part(other, part)]
                 grad_x[:, rows] = g @ w
                 grad_w += g.reshape(-1, g.shape[-1]).t() @ xc[:, rows].reshape(-1, xc.shape[-1])
-        return grad_x.to(x.dtype), None, grad_w.to(weight.dtype)
+        return grad_x.to(x.dtype), None, None, grad_w.to(weight.dtype)
 
 
 def _single(group: ProcessGroup) -> bool:
@@ -314,7 +350,7 @@ def gather_sequence_parts(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 
 def gather_linears(x: torch.Tensor, group: ProcessGroup, *weights: torch.Tensor, weight_grad_queue=None,
-                   overlap: bool = False) -> tuple[torch.Tensor, ...]:
+                   overlap: bool = False, store: CollectiveStore | None = None) -> tuple[torch.Tensor, ...]:
     """Sequence-parallel input of column-parallel linears sharing it (q/k/v, gate/up): one all-gather of the
     sequence slices [b, s/tp, h], then `x_full @ w.T` for each weight. Only the slice is kept for backward,
     which all-gathers it again for the weight gradients and reduce-scatters the input gradient (as
@@ -323,22 +359,26 @@ def gather_linears(x: torch.Tensor, group: ProcessGroup, *weights: torch.Tensor,
     the all-gather and the weight gradients to the queue's W pass. `overlap` (`layout.tp_comm_overlap`): forward
     runs the all-gather under this rank's own rows' matmuls (`gathered_matmuls`); without a queue, backward runs
     the all-gather under the input gradient's matmuls and the reduce-scatter under the weight gradients'
-    (asynchronous collectives), the same values in the same order."""
+    (asynchronous collectives), the same values in the same order; `store` in replay (a selective
+    recomputation, `CollectiveStore`) gathers nothing."""
     if _single(group):
         return tuple(x @ w.t() for w in weights)
     if weight_grad_queue is not None:  # weights enter detached: B leaves their gradients to the W pass
-        return _GatherLinears.apply(x, group, weight_grad_queue, weights, overlap, *(w.detach() for w in weights))
-    return _GatherLinears.apply(x, group, None, None, overlap, *weights)
+        return _GatherLinears.apply(x, group, weight_grad_queue, weights, overlap, store,
+                                    *(w.detach() for w in weights))
+    return _GatherLinears.apply(x, group, None, None, overlap, store, *weights)
 
 
-def linear_scatter(x: torch.Tensor, group: ProcessGroup, weight: torch.Tensor) -> torch.Tensor:
+def linear_scatter(x: torch.Tensor, group: ProcessGroup, weight: torch.Tensor,
+                   store: CollectiveStore | None = None) -> torch.Tensor:
     """A bias-free row-parallel linear and sequence parallel's exit, `scatter_sequence(x @ weight.T)`, with both
-    directions' collectives overlapped with its matmuls (`layout.tp_comm_overlap`; see `_LinearScatter`)."""
+    directions' collectives overlapped with its matmuls (`layout.tp_comm_overlap`; see `_LinearScatter`); `store`
+    keeps its output for a selective recomputation (`CollectiveStore`)."""
     if _single(group):
         return x @ weight.t()
     if torch.compiler.is_compiling():  # traced: the compiler orders the collectives itself
         return scatter_sequence(x @ weight.t(), group)
-    return _LinearScatter.apply(x, group, weight)
+    return _LinearScatter.apply(x, group, store, weight)
 
 
 def enter_tp_region(x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:

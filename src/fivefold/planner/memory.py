@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 from fivefold.config import ConfigError, ModelConfig, shown
 from fivefold.flops import balanced_stage_layers
+from fivefold.parallel.schedules import SPLIT_BACKWARD
 from fivefold.planner.layout import Framework, Layout
 
 GIB = 2**30
@@ -218,6 +219,16 @@ def busiest_rank_load(cfg: ModelConfig, ep: int, imbalance: float = 1.0) -> floa
     return (imbalance + (local - 1) * (e - imbalance) / (e - 1)) / local
 
 
+def keeps_collective_outputs(lay: Layout, fw: Framework) -> bool:
+    """Whether selective recompute keeps the overlapped row linears' reduce-scattered outputs instead of
+    communicating again (`tensor_comm.CollectiveStore`): fivefold's eager blocks under `layout.tp_comm_overlap`
+    whose backward computes the weight gradients (a split backward's W pass takes the row linears off the fused
+    path; so does a pipeline's overlap for each stage's first block, which this leaves out)."""
+    if not (fw.layout_dp_options and lay.overlaps_tp_comm) or fw.compiled or fw.async_tp or fw.tp_overlap:
+        return False
+    return not (lay.pp > 1 and lay.schedule in SPLIT_BACKWARD)
+
+
 def layer_activation_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Framework,
                            moe_imbalance: float = 1.0) -> dict[str, float]:
     """Bytes one block saves for backward for one micro-batch of `tokens` tokens on this rank (after cp)."""
@@ -246,6 +257,9 @@ def layer_activation_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Frame
             f_local = cfg.ffn // tp
             widths = {"gate": f_local, "up": f_local, "down": h} if cfg.mlp == "swiglu" else {"up": f_local, "down": h}
             mlp = tokens * sum(w for n, w in widths.items() if n in kept) * ab
+        if keeps_collective_outputs(lay, fw):  # the row linears' reduce-scattered outputs (o, a dense MLP's down)
+            attn += t_seq * h * ab
+            mlp += 0 if cfg.is_moe else t_seq * h * ab
         total = (t_seq * h * rb + attn + mlp) * fw.activation_scale
         return {"block_input": t_seq * h * rb, "attention": attn, "mlp": mlp, "total": total}
     per_op = ab == 2 and fw.autocast_weight_copies  # autocast casts the norm output once per linear reading it

@@ -73,11 +73,9 @@ def step_seconds(train_flags: list[str], steps: int, nproc: int, extra: list[str
     return sum(seconds) / len(seconds), (idle1 - idle0) / max(total1 - total0, 1)
 
 
-def compute_seconds(train_flags: list[str], steps: int, extra: list[str], only: bool = True) -> float:
-    """`--only-rank 0`'s (or the rank `extra` names) mean compute seconds per step (every other rank stood in
-    for)."""
-    rank = ["--only-rank", "0"] if only else []
-    out = fivefold(["train", *train_flags, *extra, "--max-steps", str(steps), *rank, "--json"])
+def compute_seconds(train_flags: list[str], steps: int, extra: list[str], rank: int = 0) -> float:
+    """`--only-rank rank`'s mean compute seconds per step (every other rank stood in for)."""
+    out = fivefold(["train", *train_flags, *extra, "--max-steps", str(steps), "--only-rank", str(rank), "--json"])
     return json.loads(out.stdout.strip().splitlines()[-1])["compute_s"]["measured"]
 
 
@@ -96,7 +94,7 @@ def pipeline_compute_seconds(train_flags: list[str], steps: int, layout: list[st
     micro = int(flag(train_flags, "--train.global_batch_size", "8")) // int(flag(layout, "--layout.micro_batch_size",
                                                                                "1"))
     schedule = build_schedule(name, pp, micro)
-    ranks = [compute_seconds(train_flags, steps, [*layout, "--only-rank", str(r)], only=False) for r in range(pp)]
+    ranks = [compute_seconds(train_flags, steps, layout, rank=r) for r in range(pp)]
     stages_on = [schedule.stage_rank.count(r) for r in range(pp)]
     each = [ranks[r] / (micro * stages_on[r]) / 3 for r in schedule.stage_rank]  # F = B = W per stage
     return simulate(schedule, each, each, each).makespan, ranks
@@ -113,8 +111,7 @@ def main() -> None:
         layout, switch = CASES[name]
         nproc = 1
         for axis in ("dp", "tp", "pp", "cp"):
-            if f"--layout.{axis}" in layout:
-                nproc *= int(layout[layout.index(f"--layout.{axis}") + 1])
+            nproc *= int(flag(layout, f"--layout.{axis}", "1"))
         off, idle_off = step_seconds(train_flags, args.steps, nproc, [*layout, f"--{switch}", "false"])
         on, idle_on = step_seconds(train_flags, args.steps, nproc, [*layout, f"--{switch}", "true"])
         compute = compute_seconds(train_flags, args.steps, layout)

@@ -21,6 +21,13 @@ from fivefold.config import ConfigError, ModelConfig, shown
 from fivefold.models.masking import DocumentMask, band_mask, document_attention
 
 
+def autocast_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype autocast runs matmuls in on `x`'s device, or `x`'s own where autocast is off. Autocast does not
+    reach into a custom autograd function's backward: its forward fixes the dtype with this and keeps it."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 class RMSNormFunction(torch.autograd.Function):
     """weight * (x / rms(x)), the division in fp32 whatever x's dtype (as Llama does), saving for backward only
     what it needs: its input x (in x's dtype) and the reciprocal RMS (fp32, one per token). Autograd over the
@@ -327,7 +334,7 @@ class MoE(nn.Module):
         """The experts on `rows` [slots, hidden] sorted by expert, `counts[e]` (on the device) of them for expert e
         -> [slots, hidden]. In autocast's dtype when it is on (as the batched matmuls would be)."""
         device_type = rows.device.type
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else rows.dtype
+        dtype = autocast_dtype(rows)
         rows = rows.to(dtype)
         w_gate, w_up, w_down = (w.to(dtype) for w in (self.w_gate, self.w_up, self.w_down))
         if grouped_mm_runs(device_type, dtype, w_gate.shape[1], w_gate.shape[2]):

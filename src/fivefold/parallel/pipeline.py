@@ -50,7 +50,7 @@ from fivefold import faults
 from fivefold.config import Config, ModelConfig
 from fivefold.flops import balanced_stage_layers
 from fivefold.layout import n_stages
-from fivefold.models.llama import Llama, build_model, materialize
+from fivefold.models.llama import Llama, autocast_dtype, build_model, materialize
 from fivefold.parallel.pipeline_comm import PointToPoint, consumer_stage
 from fivefold.parallel.schedules import Action, Schedule
 
@@ -187,9 +187,7 @@ class _DeferredWeightLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, param: tuple[nn.Parameter],
                 queue: WeightGradQueue) -> torch.Tensor:
-        device = x.device.type
-        # autocast does not reach into backward: fix the matmul dtype here and reuse it there
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        device, dtype = x.device.type, autocast_dtype(x)  # reused in backward, which autocast does not reach
         with torch.autocast(device, enabled=False):
             x = x.to(dtype)
             out = F.linear(x, weight.to(dtype))

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from fivefold.layout import SCATTER_PIECES
+from fivefold.models.llama import autocast_dtype
 from fivefold.models.loss import chunked_output_loss, scaled_saved_gradients
 
 SEQ_DIM = 1
@@ -64,17 +65,23 @@ def start_all_gather(x: torch.Tensor, dim: int, group: ProcessGroup, async_op: b
     return out.movedim(0, dim), work
 
 
+def sequence_split(length: int, size: int) -> int:
+    """The rows of each of `size` tp ranks' slices of a sequence `length` long; refused unless they divide it."""
+    if length % size:
+        raise ValueError(
+            f"sequence parallelism splits the sequence over tp = {size} ranks, but the sequence length is "
+            f"{length}; use a sequence length divisible by {size}"
+        )
+    return length // size
+
+
 def start_reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup, async_op: bool = True
                          ) -> tuple[torch.Tensor, dist.Work | None]:
     """`reduce_scatter`, asynchronously by default: its output (valid once the work is waited for) and the work."""
     size = dist.get_world_size(group)
-    if x.shape[dim] % size:
-        raise ValueError(
-            f"sequence parallelism splits the sequence over tp = {size} ranks, but the sequence length is "
-            f"{x.shape[dim]}; use a sequence length divisible by {size}"
-        )
+    part = sequence_split(x.shape[dim], size)
     front = x.movedim(dim, 0).contiguous()
-    out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
+    out = front.new_empty((part, *front.shape[1:]))
     work = reduce_scatter_into(out, front, group=group, async_op=async_op)
     return out.movedim(0, dim), work
 
@@ -94,8 +101,7 @@ class CollectiveStore:
         self.replay = False
 
     def keep(self, out: torch.Tensor) -> None:
-        if not self.replay:
-            self.kept.append(out.detach())
+        self.kept.append(out.detach())
 
     def take(self) -> torch.Tensor:
         return self.kept.pop(0)
@@ -166,16 +172,14 @@ class _GatherLinears(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup, queue, params: tuple[torch.Tensor, ...] | None,
                 overlap: bool, store: CollectiveStore | None, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        device = x.device.type
-        # autocast does not reach into backward: fix the matmul dtype here and reuse it there
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        device, dtype = x.device.type, autocast_dtype(x)  # reused in backward, which autocast does not reach
         with torch.autocast(device, enabled=False):
+            xc, ws = x.to(dtype), tuple(w.to(dtype) for w in weights)
             if overlap and not torch.compiler.is_compiling():
-                outs = gathered_matmuls(x.to(dtype), tuple(w.to(dtype) for w in weights), group,
-                                        replay=store is not None and store.replay)
+                outs = gathered_matmuls(xc, ws, group, replay=store is not None and store.replay)
             else:
-                x_full = all_gather(x.to(dtype), SEQ_DIM, group)
-                outs = tuple(x_full @ w.to(dtype).t() for w in weights)
+                x_full = all_gather(xc, SEQ_DIM, group)
+                outs = tuple(x_full @ w.t() for w in ws)
         ctx.group, ctx.dtype, ctx.queue, ctx.params, ctx.overlap = group, dtype, queue, params, overlap
         ctx.save_for_backward(x, *weights)  # the local slice only: the gathered input is rebuilt in backward
         return outs
@@ -222,6 +226,12 @@ def sequence_part(rank: int, part: int) -> slice:
     return slice(rank * part, (rank + 1) * part)
 
 
+def other_parts(group: ProcessGroup, part: int) -> list[slice]:
+    """The rows of every other tp rank's slice of the sequence, in rank order."""
+    rank = dist.get_rank(group)
+    return [sequence_part(r, part) for r in range(dist.get_world_size(group)) if r != rank]
+
+
 def gathered_matmuls(x: torch.Tensor, weights: tuple[torch.Tensor, ...], group: ProcessGroup, replay: bool = False
                      ) -> tuple[torch.Tensor, ...]:
     """`all_gather(x) @ w.T` for each weight, [b, tp * s, out], with the all-gather of the slice `x` [b, s, h]
@@ -239,11 +249,9 @@ def gathered_matmuls(x: torch.Tensor, weights: tuple[torch.Tensor, ...], group: 
         out[:, sequence_part(rank, part)] = x @ w.t()
     if gather is not None:
         gather.wait()
-    for other in range(size):
-        if other != rank:
-            rows = x_full[:, sequence_part(other, part)]
-            for out, w in zip(outs, weights, strict=True):
-                out[:, sequence_part(other, part)] = rows @ w.t()
+    for rows in other_parts(group, part):
+        for out, w in zip(outs, weights, strict=True):
+            out[:, rows] = x_full[:, rows] @ w.t()
     return outs
 
 
@@ -256,15 +264,9 @@ class _LinearScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: ProcessGroup, store: CollectiveStore | None, weight: torch.Tensor
                 ) -> torch.Tensor:
-        device = x.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        size, seq = dist.get_world_size(group), x.shape[SEQ_DIM]
-        if seq % size:
-            raise ValueError(
-                f"sequence parallelism splits the sequence over tp = {size} ranks, but the sequence length is "
-                f"{seq}; use a sequence length divisible by {size}"
-            )
-        part = seq // size
+        device, dtype = x.device.type, autocast_dtype(x)  # reused in backward, which autocast does not reach
+        size = dist.get_world_size(group)
+        part = sequence_split(x.shape[SEQ_DIM], size)
         pieces = SCATTER_PIECES if part % SCATTER_PIECES == 0 else 1
         b, rows = x.shape[0], part // pieces
         replay = store is not None and store.replay
@@ -274,7 +276,7 @@ class _LinearScatter(torch.autograd.Function):
             split = xc.reshape(b, size, pieces, rows, xc.shape[-1])
             outs, works = [], []
             for piece in range(pieces):
-                partial = (split[:, :, piece].transpose(0, 1) @ w.t()).contiguous()  # [tp, b, rows, h]
+                partial = split[:, :, piece].transpose(0, 1) @ w.t()  # [tp, b, rows, h]
                 if replay:  # the matmul came from the checkpoint's cache; its reduction from the store below
                     continue
                 out = partial.new_empty(partial.shape[1:])
@@ -294,20 +296,19 @@ class _LinearScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        size, rank, part = dist.get_world_size(ctx.group), dist.get_rank(ctx.group), grad.shape[SEQ_DIM]
-        grad, w = grad.to(ctx.dtype), weight.to(ctx.dtype)
-        xc = x.to(ctx.dtype)
+        part = grad.shape[SEQ_DIM]
+        grad, w, xc = grad.to(ctx.dtype), weight.to(ctx.dtype), x.to(ctx.dtype)
         grad_full, gather = start_all_gather(grad, SEQ_DIM, ctx.group)
         grad_x = grad.new_empty(xc.shape)
-        own = sequence_part(rank, part)
-        grad_x[:, own] = grad @ w
-        grad_w = grad.reshape(-1, grad.shape[-1]).t() @ xc[:, own].reshape(-1, xc.shape[-1])
+
+        def rows_grads(g: torch.Tensor, rows: slice) -> torch.Tensor:  # input rows' gradient; their weight share
+            grad_x[:, rows] = g @ w
+            return g.reshape(-1, g.shape[-1]).t() @ xc[:, rows].reshape(-1, xc.shape[-1])
+
+        grad_w = rows_grads(grad, sequence_part(dist.get_rank(ctx.group), part))
         gather.wait()
-        for other in range(size):
-            if other != rank:
-                rows, g = sequence_part(other, part), grad_full[:, sequence_part(other, part)]
-                grad_x[:, rows] = g @ w
-                grad_w += g.reshape(-1, g.shape[-1]).t() @ xc[:, rows].reshape(-1, xc.shape[-1])
+        for rows in other_parts(ctx.group, part):
+            grad_w += rows_grads(grad_full[:, rows], rows)
         return grad_x.to(x.dtype), None, None, grad_w.to(weight.dtype)
 
 
@@ -376,7 +377,7 @@ def linear_scatter(x: torch.Tensor, group: ProcessGroup, weight: torch.Tensor,
     keeps its output for a selective recomputation (`CollectiveStore`)."""
     if _single(group):
         return x @ weight.t()
-    if torch.compiler.is_compiling():  # traced: the compiler orders the collectives itself
+    if torch.compiler.is_compiling():  # a compiled graph holds the collectives in the sequential order
         return scatter_sequence(x @ weight.t(), group)
     return _LinearScatter.apply(x, group, store, weight)
 

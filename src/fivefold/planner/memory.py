@@ -219,14 +219,23 @@ def busiest_rank_load(cfg: ModelConfig, ep: int, imbalance: float = 1.0) -> floa
     return (imbalance + (local - 1) * (e - imbalance) / (e - 1)) / local
 
 
-def keeps_collective_outputs(lay: Layout, fw: Framework) -> bool:
-    """Whether selective recompute keeps the overlapped row linears' reduce-scattered outputs instead of
-    communicating again (`tensor_comm.CollectiveStore`): fivefold's eager blocks under `layout.tp_comm_overlap`
-    whose backward computes the weight gradients (a split backward's W pass takes the row linears off the fused
-    path; so does a pipeline's overlap for each stage's first block, which this leaves out)."""
-    if not (fw.layout_dp_options and lay.overlaps_tp_comm) or fw.compiled or fw.async_tp or fw.tp_overlap:
-        return False
-    return not (lay.pp > 1 and lay.schedule in SPLIT_BACKWARD)
+def splits_backward(lay: Layout) -> bool:
+    """A pipeline whose schedule computes the weight gradients in W passes of their own (zero-bubble, DualPipeV)."""
+    return lay.pp > 1 and lay.schedule in SPLIT_BACKWARD
+
+
+def runs_tp_overlap(lay: Layout, fw: Framework) -> bool:
+    """fivefold's engine runs its own tensor-parallel overlap (`layout.tp_comm_overlap` with sp); other frameworks'
+    overlap is priced by their `tp_overlap` and `async_tp` fields."""
+    return fw.layout_dp_options and lay.overlaps_tp_comm and not (fw.async_tp or fw.tp_overlap)
+
+
+def fuses_row_linears(lay: Layout, fw: Framework) -> bool:
+    """Whether the overlap fuses the row linears (o, down) with their reduce-scatter (`tensor_comm.linear_scatter`):
+    eager blocks whose backward computes the weight gradients (a compiled block runs them unfused; a split
+    backward's W pass takes them off the fused path, as a pipeline's overlap does for each stage's first block,
+    which this leaves out). Selective recompute then keeps their outputs (`tensor_comm.CollectiveStore`)."""
+    return runs_tp_overlap(lay, fw) and not fw.compiled and not splits_backward(lay)
 
 
 def layer_activation_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Framework,
@@ -257,7 +266,7 @@ def layer_activation_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Frame
             f_local = cfg.ffn // tp
             widths = {"gate": f_local, "up": f_local, "down": h} if cfg.mlp == "swiglu" else {"up": f_local, "down": h}
             mlp = tokens * sum(w for n, w in widths.items() if n in kept) * ab
-        if keeps_collective_outputs(lay, fw):  # the row linears' reduce-scattered outputs (o, a dense MLP's down)
+        if fuses_row_linears(lay, fw):  # the row linears' reduce-scattered outputs (o, a dense MLP's down)
             attn += t_seq * h * ab
             mlp += 0 if cfg.is_moe else t_seq * h * ab
         total = (t_seq * h * rb + attn + mlp) * fw.activation_scale

@@ -32,10 +32,10 @@ from fivefold.layout import (
     sequence_length_problem,
     tensor_parallel_problem,
 )
-from fivefold.parallel.schedules import SPLIT_BACKWARD, held_points
+from fivefold.parallel.schedules import held_points
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.layout import Framework, Layout
-from fivefold.planner.memory import GIB, rank_memory
+from fivefold.planner.memory import GIB, rank_memory, splits_backward
 from fivefold.planner.time import StallRisk, stage_split_problem, stall_risk, step_time
 
 SIMULATED_TOP = 64
@@ -136,7 +136,7 @@ def memory_of(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, moe_imbala
               ) -> dict[str, dict[str, float]]:
     first, last = in_flight(lay.schedule, lay.pp, lay.grad_accum_steps, lay.vpp)
     held: tuple[tuple[tuple[float, float], ...], ...] = ((), ())
-    if lay.pp > 1 and lay.schedule in SPLIT_BACKWARD:  # pending W passes hold memory beside the activations
+    if splits_backward(lay):  # pending W passes hold memory beside the activations
         points = held_points(lay.schedule, lay.pp, lay.grad_accum_steps, lay.vpp)
         held = (points[0], points[-1])
     out = {"first": rank_memory(cfg, seq, lay, fw, first, "first", moe_imbalance, held[0]).parts}

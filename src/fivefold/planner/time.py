@@ -26,7 +26,7 @@ from fivefold.flops import (
     training_flops_per_token,
 )
 from fivefold.layout import SCATTER_PIECES
-from fivefold.parallel.schedules import SPLIT_BACKWARD, build_schedule, simulate
+from fivefold.parallel.schedules import build_schedule, simulate
 from fivefold.planner import comm
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.kernels import ATTENTION_BACKWARD_FLOPS, DeviceKernels, device_kernels
@@ -35,12 +35,15 @@ from fivefold.planner.memory import (
     RankParams,
     busiest_rank_load,
     expert_ffn_local,
+    fuses_row_linears,
     layer_activation_bytes,
     layer_params,
     model_state_bytes,
     rank_params,
     reduced_grad_bytes,
     routed_tokens,
+    runs_tp_overlap,
+    splits_backward,
     stage_layers,
 )
 
@@ -336,6 +339,12 @@ def row_linear_share(cfg: ModelConfig) -> float:
     return sum(fused) / sum(flops)
 
 
+def hidden_behind(comm_time: float, compute_time: float, overlap: float) -> float:
+    """What running `compute_time` of compute beside a collective takes off it (`exposed` minus the collective's
+    time), <= 0."""
+    return exposed(comm_time, compute_time, overlap) - comm_time
+
+
 def tp_forward_hidden(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster, act: float, lin_f: float,
                       st: dict) -> float:
     """What fivefold's tensor-parallel overlap (`layout.tp_comm_overlap`, sequence parallel) takes off a block's
@@ -343,23 +352,20 @@ def tp_forward_hidden(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster,
     linears' reduce-scatter in `SCATTER_PIECES` pieces, each but the last under the next piece's matmul, each
     hidden as far as the matmuls last and the device overlaps (`exposed`). Not under torch.compile, whose graph holds
     the forward's collectives in order (`tensor_comm`)."""
-    if not (fw.layout_dp_options and lay.overlaps_tp_comm) or fw.async_tp or fw.tp_overlap or fw.compiled:
+    if not runs_tp_overlap(lay, fw) or fw.compiled:
         return 0.0
     tp, groups, pieces = lay.tp, gathered_linear_groups(cfg), SCATTER_PIECES
     gather = groups * comm.all_gather(act, tp, st["tp"], hw)
     scatter = groups * comm.reduce_scatter(act, tp, st["tp"], hw) * (pieces - 1) / pieces
     own_rows = lin_f * column_linear_share(cfg) / tp
     next_pieces = lin_f * row_linear_share(cfg) * (pieces - 1) / pieces
-    return (exposed(gather, own_rows, hw.comm_overlap) - gather) + (exposed(scatter, next_pieces, hw.comm_overlap)
-                                                                    - scatter)
+    return hidden_behind(gather, own_rows, hw.comm_overlap) + hidden_behind(scatter, next_pieces, hw.comm_overlap)
 
 
 def tp_backward_overlapped(lay: Layout, fw: Framework) -> bool:
     """fivefold's gathered linears run the overlapped backward (`layout.tp_comm_overlap` with sp), where they compute
     their weight gradients in it (not under a split backward, zero-bubble or DualPipeV, whose W pass does)."""
-    if not (fw.layout_dp_options and lay.overlaps_tp_comm) or fw.async_tp or fw.tp_overlap:
-        return False
-    return not (lay.pp > 1 and lay.schedule in SPLIT_BACKWARD)
+    return runs_tp_overlap(lay, fw) and not splits_backward(lay)
 
 
 def tp_backward_hidden(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster, act: float, lin_b: float,
@@ -376,13 +382,11 @@ def tp_backward_hidden(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster
     matmuls = lin_b / 2 * column_linear_share(cfg)  # each half: input gradient, weight gradient
     gather = groups * comm.all_gather(act, tp, st["tp"], hw) if fw.sp_regather_exposed else 0.0
     scatter = groups * comm.reduce_scatter(act, tp, st["tp"], hw)
-    # the row linears' output-gradient all-gather, under their own rows' input and weight gradients (eager only: a
-    # compiled block runs its row linears and their reduce-scatter unfused)
-    row_gather = 0.0 if fw.compiled else groups * comm.all_gather(act, tp, st["tp"], hw)
+    # the row linears' output-gradient all-gather, under their own rows' input and weight gradients
+    row_gather = groups * comm.all_gather(act, tp, st["tp"], hw) if fuses_row_linears(lay, fw) else 0.0
     own_rows = lin_b * row_linear_share(cfg) / tp
-    return (exposed(gather, matmuls, hw.comm_overlap) - gather) + (exposed(scatter, matmuls, hw.comm_overlap)
-                                                                   - scatter) \
-        + (exposed(row_gather, own_rows, hw.comm_overlap) - row_gather)
+    return (hidden_behind(gather, matmuls, hw.comm_overlap) + hidden_behind(scatter, matmuls, hw.comm_overlap)
+            + hidden_behind(row_gather, own_rows, hw.comm_overlap))
 
 
 def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster,

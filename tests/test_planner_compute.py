@@ -274,8 +274,8 @@ def overlap_closed_form(cfg, seq: int, on, groups: int, split_backward: bool = F
     matmuls and all but the last of the row linears' `SCATTER_PIECES` reduce-scatter pieces under the next pieces'
     matmuls; backward (not under a split one), the input all-gather under the gathered linears' input-gradient
     matmuls, their input gradient's reduce-scatter under their weight-gradient matmuls, and the row linears'
-    output-gradient all-gather under 1/tp of their backward. Under torch.compile (`fw.compiled`) the backward's
-    first two alone."""
+    output-gradient all-gather under 1/tp of their backward. Under a split backward the forward's all-gather
+    alone; under torch.compile (`fw.compiled`) the backward's first two alone."""
     from fivefold.layout import SCATTER_PIECES
     from fivefold.planner import comm
     from fivefold.planner.time import _block_seconds, column_linear_share, row_linear_share
@@ -288,8 +288,9 @@ def overlap_closed_form(cfg, seq: int, on, groups: int, split_backward: bool = F
     rest = (SCATTER_PIECES - 1) / SCATTER_PIECES
     hidden = 0.0
     if not fw.compiled:
-        hidden += min(gather, lin_f * column_linear_share(cfg) / tp) + min(scatter * rest,
-                                                                           lin_f * row_linear_share(cfg) * rest)
+        hidden += min(gather, lin_f * column_linear_share(cfg) / tp)
+        if not split_backward:  # the W pass takes the row linears off the fused path
+            hidden += min(scatter * rest, lin_f * row_linear_share(cfg) * rest)
     if not split_backward:
         col_b = lin_b / 2 * column_linear_share(cfg)
         hidden += min(gather, col_b) + min(scatter, col_b)
@@ -303,8 +304,8 @@ def test_tensor_parallel_overlap_hides_sequence_parallel_collectives():
     (on a device that overlaps fully), its two gathered linears' input all-gathers and its two row linears'
     reduce-scatter pieces in forward, and in backward the input all-gathers, input-gradient reduce-scatters and
     output-gradient all-gathers (`overlap_closed_form`); under a split backward (zero-bubble's W computes the
-    weight gradients) the forward's alone; compiled, the gathered linears' backward alone; nothing without the
-    switch or for a framework that does not run it."""
+    weight gradients, and the row linears run unfused) the forward's all-gathers alone; compiled, the gathered
+    linears' backward alone; nothing without the switch or for a framework that does not run it."""
     from fivefold.planner.layout import NANOTRON
     from fivefold.planner.time import column_linear_share, row_linear_share
 

@@ -349,14 +349,16 @@ def tp_forward_hidden(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster,
                       st: dict) -> float:
     """What fivefold's tensor-parallel overlap (`layout.tp_comm_overlap`, sequence parallel) takes off a block's
     forward, <= 0: the gathered linears' input all-gather under their own rows' matmuls (1/tp of them), and the row
-    linears' reduce-scatter in `SCATTER_PIECES` pieces, each but the last under the next piece's matmul, each
-    hidden as far as the matmuls last and the device overlaps (`exposed`). Not under torch.compile, whose graph holds
-    the forward's collectives in order (`tensor_comm`)."""
+    linears' reduce-scatter in `SCATTER_PIECES` pieces, each but the last under the next piece's matmul (where the
+    row linears are fused: not under a split backward), each hidden as far as the matmuls last and the device
+    overlaps (`exposed`). Not under torch.compile, whose graph holds the forward's collectives in order
+    (`tensor_comm`)."""
     if not runs_tp_overlap(lay, fw) or fw.compiled:
         return 0.0
     tp, groups, pieces = lay.tp, gathered_linear_groups(cfg), SCATTER_PIECES
     gather = groups * comm.all_gather(act, tp, st["tp"], hw)
-    scatter = groups * comm.reduce_scatter(act, tp, st["tp"], hw) * (pieces - 1) / pieces
+    scatter = groups * comm.reduce_scatter(act, tp, st["tp"], hw) * (pieces - 1) / pieces \
+        if fuses_row_linears(lay, fw) else 0.0
     own_rows = lin_f * column_linear_share(cfg) / tp
     next_pieces = lin_f * row_linear_share(cfg) * (pieces - 1) / pieces
     return hidden_behind(gather, own_rows, hw.comm_overlap) + hidden_behind(scatter, next_pieces, hw.comm_overlap)

@@ -7,6 +7,10 @@ Steps, in the order they run (the most wanted figures first, so that a lease tha
 
   a. `fivefold bench` of the Llama-3.2-1B shape at sequence 4096, compiled, under lean mixed precision, at
      micro-batches 4, 2 and 8: tokens/s, MFU, peak memory (allocated and reserved), forward / backward / optimizer;
+  g. float8 (`train.float8`, torchao) against bf16 on Llama-3.1-8B's shape cut to 4 layers, compiled: tokens/s of
+     the rowwise and tensorwise recipes beside bf16's (target 1.2x); then 200 steps of the bundled corpus with bf16
+     and with rowwise float8 (the shape cut to 2 layers and the corpus's vocabulary): the final losses, whose
+     difference should stay within 1 %. Needs torchao on the machine (docs/benchmarks.md: carrying its wheel);
   d. `fivefold train --only-rank` of the first and the last rank of each examples/ config at full size, compiled
      (global batch cut to a few micro-batches: memory depends on the micro-batches in flight, not on how many are
      accumulated): measured peak memory and compute time beside the planner's prediction for that rank;
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -59,6 +64,8 @@ PATHS: list[tuple[str, int, dict[str, str]]] = [
     ("cp2", 2, {"layout.cp": "2"}),
     ("pp2 zero3", 4, {"layout.dp": "2", "layout.pp": "2", "layout.zero": "3"}),
 ]
+# step g's recipes beside bf16 ("off")
+FLOAT8_RECIPES = ("off", "rowwise", "tensorwise")
 MOE_PATHS: list[tuple[str, int, dict[str, str]]] = [
     ("moe ep2 dp2", 2, {"layout.dp": "2", "layout.ep": "2"}),
 ]
@@ -71,6 +78,7 @@ class Step:
     argv: list[str]
     timeout_s: int
     result: dict = field(default_factory=dict)
+    run_dir: Path | None = None  # a training run's directory: its metrics.jsonl gives the result
 
 
 def fivefold(*args: str) -> list[str]:
@@ -98,6 +106,58 @@ def bench_steps(dry: bool, micro_batches: tuple[int, ...] = (4, 2, 8)) -> list[S
     steps.insert(2, Step("bench moe padded", "c",
                          fivefold("bench", *moe, "--model.moe_impl", "padded", "--json"), 150))
     return steps
+
+
+def float8_steps(dry: bool, out: Path) -> list[Step]:
+    """Step g: float8 against bf16, throughput (`fivefold bench`) and the loss of a short run on the bundled corpus."""
+    if dry:
+        bench = ["--model", "tiny", "--seq-len", "64", "--micro-batch", "2", "--steps", "2", "--warmup", "1"]
+        train = ["--preset", "tiny", "--train.max_steps", "3"]
+    else:
+        bench = ["--model", "llama-3.1-8b", "--model.n_layers", "4", "--seq-len", "4096", "--micro-batch", "2",
+                 "--steps", "8", "--warmup", "3", "--compile"]
+        train = ["--preset", "llama-3.1-8b", "--model.n_layers", "2", "--model.vocab_size", "2048",
+                 "--train.max_steps", "200", "--train.lr", "3e-4", "--train.warmup_steps", "20",
+                 "--train.compile", "true"]
+    steps = [Step(f"bench float8 {recipe}", "g", fivefold("bench", *bench, "--train.float8", recipe, "--json"), 150)
+             for recipe in FLOAT8_RECIPES]
+    for recipe in ("off", "rowwise"):
+        run_dir = out / f"g-train-float8-{recipe}"
+        steps.append(Step(f"train float8 {recipe}", "g", fivefold(
+            "train", *train, "--train.float8", recipe, "--run-dir", str(run_dir), "--log.log_every", "1",
+            "--train.eval_every", "0"), 240, run_dir=run_dir))
+    return steps
+
+
+def run_losses(run_dir: Path, last: int = 20) -> dict | None:
+    """A finished run's final losses from its metrics.jsonl: the mean train loss of its last `last` logged steps
+    (less noisy than one step's) and the validation loss at the end."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    train = [r["loss"] for r in rows if "loss" in r]
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    if not train:
+        return None
+    return {"steps": len(train), "final_train_loss": sum(train[-last:]) / len(train[-last:]),
+            "val_loss": val[-1] if val else None}
+
+
+def float8_summary(steps: list[Step]) -> dict:
+    """Step g's comparison: each recipe's tokens/s over bf16's, and the final losses' relative difference."""
+    by_name = {s.name: s.result.get("result") or {} for s in steps if s.group == "g"}
+    out: dict = {}
+    base = by_name.get("bench float8 off", {}).get("tokens_per_s")
+    for recipe in FLOAT8_RECIPES[1:]:
+        got = by_name.get(f"bench float8 {recipe}", {}).get("tokens_per_s")
+        if base and got:
+            out[f"{recipe}_speedup"] = round(got / base, 3)
+    bf16, f8 = by_name.get("train float8 off", {}), by_name.get("train float8 rowwise", {})
+    for key in ("final_train_loss", "val_loss"):
+        if bf16.get(key) and f8.get(key):
+            out[f"{key}_difference"] = round(f8[key] / bf16[key] - 1, 5)
+    return out
 
 
 def only_rank_steps(dry: bool, out: Path) -> list[Step]:
@@ -180,8 +240,13 @@ def run_step(step: Step, env: dict[str, str]) -> None:
     except subprocess.TimeoutExpired as e:
         rc = 124
         output = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+    result = None
+    if rc == 0:
+        result = run_losses(step.run_dir) if step.run_dir is not None else last_json(output)
+    if step.run_dir is not None:  # the checkpoints of a full-width run take disk that later steps need
+        shutil.rmtree(step.run_dir / "checkpoints", ignore_errors=True)
     step.result = {"name": step.name, "group": step.group, "command": " ".join(step.argv[1:]), "rc": rc,
-                   "seconds": round(time.perf_counter() - start, 1), "result": last_json(output) if rc == 0 else None,
+                   "seconds": round(time.perf_counter() - start, 1), "result": result,
                    "output_tail": output[-1500:] if rc != 0 else ""}
 
 
@@ -203,6 +268,9 @@ def summary_line(record: dict) -> str:
                if r.get("fivefold_mfu") else "")
         return head + (f"fivefold {r['fivefold_tokens_per_s']:,.0f} tok/s, transformers "
                        f"{r['transformers_tokens_per_s']:,.0f} tok/s, ratio {r['ratio']:.2f}x{mfu}")
+    if "final_train_loss" in r:
+        val = f", val loss {r['val_loss']:.4f}" if r.get("val_loss") else ""
+        return head + f"{r['steps']} steps, final train loss {r['final_train_loss']:.4f} (mean of the last 20){val}"
     if "document" in r and "causal" in r:
         doc, causal = r["document"], r["causal"]
         return head + (f"step {doc['step_time_s']:.3f} s document vs {causal['step_time_s']:.3f} s causal, "
@@ -230,9 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", type=Path, help="directory for suite.json and the steps' run directories")
     p.add_argument("--dry", action="store_true", help="tiny sizes on the CPU, no compile: test the plumbing")
     p.add_argument("--budget-s", type=float, default=500.0, help="start no step after this many seconds")
-    p.add_argument("--only", default="", help="comma-separated step groups to run (a,b,c,d,e,f); default all")
+    p.add_argument("--only", default="", help="comma-separated step groups to run (a,b,c,d,e,f,g); default all")
     p.add_argument("--micro-batches", default="4,2,8", help="group a's micro-batches (default 4,2,8)")
-    p.add_argument("--order", default="a,d,c,e,f,b", help="the groups' order (default a,d,c,e,f,b)")
+    p.add_argument("--order", default="a,g,d,c,e,f,b", help="the groups' order (default a,g,d,c,e,f,b)")
     p.add_argument("--concurrent-e", type=int, default=1, metavar="N",
                    help="run group e's small layouts N at a time (they check code paths, not speed or memory)")
     args = p.parse_args(argv)
@@ -242,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry:
         env.setdefault("OMP_NUM_THREADS", "1")
     micro_batches = tuple(int(m) for m in args.micro_batches.split(","))
-    every = [*bench_steps(args.dry, micro_batches), *only_rank_steps(args.dry, args.out), side_by_side_step(args.dry),
-             document_mask_step(args.dry)]
+    every = [*bench_steps(args.dry, micro_batches), *float8_steps(args.dry, args.out),
+             *only_rank_steps(args.dry, args.out), side_by_side_step(args.dry), document_mask_step(args.dry)]
     order = args.order.split(",")
     steps = sorted((s for s in every if not args.only or s.group in args.only.split(",")),
                    key=lambda s: order.index(s.group) if s.group in order else len(order))
@@ -279,6 +347,11 @@ def main(argv: list[str] | None = None) -> int:
             report["steps"].append(done.result)
             print(summary_line(done.result), flush=True)
         (args.out / "suite.json").write_text(json.dumps(report, indent=1) + "\n")
+    if any(s.group == "g" for s in steps):
+        report["float8"] = float8_summary(steps)
+        (args.out / "suite.json").write_text(json.dumps(report, indent=1) + "\n")
+        print("float8 against bf16: " + (", ".join(f"{k} {v}" for k, v in report["float8"].items()) or "no figures"),
+              flush=True)
     failed = [s.result["name"] for s in steps if s.result.get("rc", 0) != 0]
     print(f"gpu suite: {len(steps) - len(failed)} of {len(steps)} steps ran in {time.perf_counter() - start:.0f} s; "
           f"failed: {', '.join(failed) or 'none'}; results in {args.out / 'suite.json'}")

@@ -49,12 +49,37 @@ def test_failing_step_is_recorded_and_the_suite_goes_on(tmp_path: Path) -> None:
     assert "1 tok/s" in suite.summary_line(good.result)
 
 
+@pytest.mark.slow
+def test_dry_float8_group_compares_float8_with_bf16(tmp_path: Path) -> None:
+    """Group g at tiny size on the CPU (five processes, about a minute: slow): each recipe's bench, the two short
+    training runs read from their metrics (checkpoints removed), and the comparison (speed-up over bf16, loss
+    difference) in suite.json."""
+    pytest.importorskip("torchao", reason="float8 needs torchao: pip install -e '.[test]'")
+    suite = load_suite()
+    assert suite.main([str(tmp_path), "--dry", "--only", "g"]) == 0
+    report = json.loads((tmp_path / "suite.json").read_text())
+    by_name = {s["name"]: s["result"] for s in report["steps"]}
+    assert {f"bench float8 {r}" for r in ("off", "rowwise", "tensorwise")} <= by_name.keys()
+    for recipe in ("off", "rowwise"):
+        run = by_name[f"train float8 {recipe}"]
+        assert run["steps"] == 3 and run["final_train_loss"] > 0 and run["val_loss"] > 0
+        assert not (tmp_path / f"g-train-float8-{recipe}" / "checkpoints").exists()
+    f8 = report["float8"]
+    assert f8["rowwise_speedup"] > 0 and f8["tensorwise_speedup"] > 0
+    want = by_name["train float8 rowwise"]["val_loss"] / by_name["train float8 off"]["val_loss"] - 1
+    assert f8["val_loss_difference"] == pytest.approx(want, abs=1e-5)
+
+
 def test_full_size_steps_cover_every_group() -> None:
-    """Without --dry the suite times the full-size shapes, compiled, and covers groups a to f."""
+    """Without --dry the suite times the full-size shapes, compiled, and covers groups a to g."""
     suite = load_suite()
     steps = suite.bench_steps(dry=False) + suite.only_rank_steps(False, Path("/tmp/x")) + [
-        suite.side_by_side_step(False), suite.document_mask_step(False)]
-    assert {s.group for s in steps} == {"a", "b", "c", "d", "e", "f"}
+        suite.side_by_side_step(False), suite.document_mask_step(False)] + suite.float8_steps(False, Path("/tmp/x"))
+    assert {s.group for s in steps} == {"a", "b", "c", "d", "e", "f", "g"}
+    float8 = [s for s in steps if s.group == "g"]
+    assert all("--compile" in s.argv or "--train.compile" in s.argv for s in float8)
+    assert [s.argv[s.argv.index("--train.float8") + 1] for s in float8] == ["off", "rowwise", "tensorwise", "off",
+                                                                           "rowwise"]
     dense = [s for s in steps if s.group == "a"]
     assert sorted(int(s.argv[s.argv.index("--micro-batch") + 1]) for s in dense) == [2, 4, 8]
     assert all("--compile" in s.argv and "4096" in s.argv for s in dense)

@@ -386,6 +386,9 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | xpu | ...
     dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 (lean mixed precision) on accelerators, fp32 on CPU
     compile: bool = False
+    # the blocks' linears as float8 GEMMs through torchao (pip install 'fivefold[float8]'): 'rowwise' or 'tensorwise'
+    # scales, 'off' keeps them in the working dtype; see fivefold.parallel.float8
+    float8: Literal["off", "rowwise", "tensorwise"] = "off"
     eval_every: int = 100
     eval_batches: int = 8
     checkpoint_every: int = 0  # 0 = only at the end
@@ -431,6 +434,26 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def _check_float8(self) -> None:
+        """Every dim of a float8 linear (after the tp split) a multiple of 16, as float8 GEMMs need; no tp overlap
+        asked for, which float8 linears do not run."""
+        m, tp = self.model, self.layout.tp
+        if self.layout.tp_comm_overlap:
+            raise ConfigError(f"layout.tp_comm_overlap = true with train.float8 = {shown(self.train.float8)}: the "
+                              "float8 linears take sequence parallel's gathered input through their modules, so no "
+                              "collective runs under their matmuls; leave it out, or use train.float8 = 'off'")
+        dims = {"model.hidden": m.hidden, "model.n_heads x model.head_dim / layout.tp": m.n_heads * m.head_dim // tp,
+                "model.n_kv_heads x model.head_dim / layout.tp": m.n_kv_heads * m.head_dim // tp}
+        if m.n_experts == 0:
+            dims["model.ffn / layout.tp"] = m.ffn // tp
+        elif m.n_shared_experts:
+            dims["model.n_shared_experts x model.moe_ffn / layout.tp"] = m.n_shared_experts * m.expert_ffn // tp
+        for name, value in dims.items():
+            if value % 16:
+                raise ConfigError(f"train.float8 = {shown(self.train.float8)} runs the blocks' linears as float8 "
+                                  f"GEMMs, whose dims must be multiples of 16: {name} = {value} is not; use a "
+                                  "shape whose dims are, or train.float8 = 'off'")
+
     def validate(self) -> None:
         self.model.validate()
         if self.model.mlp != "swiglu":
@@ -472,6 +495,8 @@ class Config:
             raise ConfigError(f"model.attn_mask = {self.model.attn_mask!r} with model.sliding_window = "
                               f"{self.model.sliding_window} cannot run under train.compile = true (its attention "
                               "runs one kernel per document); use train.compile = false")
+        if t.float8 != "off":
+            self._check_float8()
         if self.model.sliding_window is not None and la.cp > 1:
             raise ConfigError(f"model.sliding_window = {self.model.sliding_window} does not run under layout.cp = "
                               f"{la.cp} (ring attention masks documents, not windows); use layout.cp = 1")

@@ -274,7 +274,8 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
     kind = "cpu" if hw.cores or hw.name == "cpu" else "accelerator"  # the kind of device the profile describes
     fw, e = run_framework(cfg, kind), estimate_run(cfg, hw, kind)
     step_s = e.step_time_s
-    print(f"planner ({hw.name}, {fw.name} engine{', compiled' if t.compile else ''}): "
+    features = ", compiled" * t.compile + (f", float8 {t.float8}" if t.float8 != "off" else "")
+    print(f"planner ({hw.name}, {fw.name} engine{features}): "
           f"{'fits' if e.fits else 'does NOT fit'}, peak "
           f"{e.peak_bytes / 2**30:.1f} GiB of {hw.memory_gib} GiB per device; step {step_s:.2f} s, "
           f"{e.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {100 * e.mfu:.1f} %; {t.max_steps:,} steps "

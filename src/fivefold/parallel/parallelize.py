@@ -109,7 +109,7 @@ def norm_tp_sharded_names(model: nn.Module, cfg: Config, tp: int) -> set[str]:
 def apply_model_parallel(model: Llama, cfg: Config, grid: ProcessGrid | None,
                          weight_grad_queue: WeightGradQueue | None = None) -> None:
     """Steps 1 to 5 on one model part (the model, or a pipeline stage), in place (`grid` None: one device, where
-    only recompute and compile apply)."""
+    only float8, recompute and compile apply)."""
     la = cfg.layout
     tp, cp = (grid.size("tp"), grid.size("cp")) if grid is not None else (1, 1)
     if tp > 1:  # 1. tensor (and sequence) parallel
@@ -117,6 +117,11 @@ def apply_model_parallel(model: Llama, cfg: Config, grid: ProcessGrid | None,
 
         apply_tensor_parallel(model, grid.group("tp"), la.sp, split_experts=la.splits_experts_over_tp,
                               comm_overlap=la.overlaps_tp_comm)
+    if cfg.train.float8 != "off":  # 1b. float8 linears, each on its tp shard
+        from fivefold.parallel.float8 import apply_float8
+
+        apply_float8(model, cfg.train.float8, float8_all_gather=la.zero == 3 and cfg.train.float8 == "tensorwise"
+                     and grid is not None)
     if weight_grad_queue is not None:  # the zero-bubble schedules' B / W split
         from fivefold.parallel.pipeline import defer_weight_grads
 

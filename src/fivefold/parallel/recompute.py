@@ -38,9 +38,9 @@ from fivefold.parallel.tensor_comm import CollectiveStore
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
-# kept under selective recompute: the weight matmuls and the fused attention kernels (by operator name, so that
-# no private operator handle is needed; the names are those of torch 2.11 to 2.13 on CPU and GPU)
-SAVED_OPS = ("aten::mm", "aten::addmm", "aten::_scaled_dot_product_flash_attention",
+# kept under selective recompute: the weight matmuls (float8's `_scaled_mm` too) and the fused attention kernels (by
+# operator name, so that no private operator handle is needed; the names are those of torch 2.11 to 2.13 on CPU and GPU)
+SAVED_OPS = ("aten::mm", "aten::addmm", "aten::_scaled_mm", "aten::_scaled_dot_product_flash_attention",
              "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_efficient_attention",
              "aten::_scaled_dot_product_cudnn_attention", "aten::_flash_attention_forward",
              "aten::_efficient_attention_forward")

@@ -149,7 +149,8 @@ def row_linear_out(module: nn.Module, linear: nn.Linear, x: torch.Tensor) -> tor
     """The row-parallel `linear` of a tp `module` on `x` and the region's exit (g, or the sequence reduce-scatter),
     fused and overlapped (`tensor_comm.linear_scatter`) under `layout.tp_comm_overlap` where nothing else claims the
     weight's gradient (a pipeline's W pass) and there is no bias."""
-    if module.tp_comm_overlap and getattr(module, "weight_grad_queue", None) is None and linear.bias is None:
+    if (module.tp_comm_overlap and module.fused_matmuls and getattr(module, "weight_grad_queue", None) is None
+            and linear.bias is None):
         return linear_scatter(x, module.tp_group, linear.weight, module.collective_store)
     return exit_tp_region(linear(x), module.tp_group, module.sequence_parallel)
 
@@ -161,6 +162,8 @@ class TensorParallelAttention(Attention):
     sequence_parallel: bool
     tp_comm_overlap: bool = False  # `layout.tp_comm_overlap`: see `tensor_comm.gather_linears`
     collective_store: CollectiveStore | None = None  # set by selective recompute around a block's forward
+    # false where the linears are modules of their own (float8): the input is gathered and goes through them
+    fused_matmuls: bool = True
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         if not self.sequence_parallel:
@@ -173,6 +176,8 @@ class TensorParallelAttention(Attention):
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if not self.sequence_parallel:
             return super().project_qkv(x)
+        if not self.fused_matmuls:
+            return super().project_qkv(gather_sequence(x, self.tp_group).contiguous())
         linears = (self.q_proj, self.k_proj, self.v_proj)
         out = gather_linears(x, self.tp_group, *(m.weight for m in linears),
                              weight_grad_queue=getattr(self, "weight_grad_queue", None),
@@ -187,6 +192,8 @@ class TensorParallelMLP(MLP):
     sequence_parallel: bool
     tp_comm_overlap: bool = False  # `layout.tp_comm_overlap`: see `tensor_comm.gather_linears`
     collective_store: CollectiveStore | None = None  # set by selective recompute around a block's forward
+    # false where the linears are modules of their own (float8): the input is gathered and goes through them
+    fused_matmuls: bool = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:
@@ -197,6 +204,8 @@ class TensorParallelMLP(MLP):
         return row_linear_out(self, self.down_proj, h)
 
     def project_gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.sequence_parallel and not self.fused_matmuls:
+            return super().project_gate_up(gather_sequence(x, self.tp_group).contiguous())
         if self.sequence_parallel:
             return gather_linears(x, self.tp_group, self.gate_proj.weight, self.up_proj.weight,
                                   weight_grad_queue=getattr(self, "weight_grad_queue", None),

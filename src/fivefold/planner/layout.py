@@ -229,10 +229,11 @@ class Framework:
 # fp32, accumulated and reduced in it; bf16, `grad_bytes`, with it off), an fp32 master copy stepped by AdamW with
 # its moments, sharded by ZeRO-1/2 (2 + 4 + 12/N_d bytes per parameter under ZeRO-1). Under ZeRO-3 fully_shard keeps
 # the fp32 shards as the master and gathers bf16 (planner/memory.py). Activations in bf16, residual stream included.
-# It runs torch.compile, not float8 linears or async tensor parallel.
+# It runs torch.compile and float8 linears (torchao, `train.float8`), not async tensor parallel (its own overlap is
+# `layout.tp_comm_overlap`).
 FIVEFOLD = Framework(param_bytes=2, grad_bytes=2, master_bytes=4, accum_bytes=4, autocast_weight_copies=False,
                      residual_bytes=2, gather_bytes=2, hsdp=True, accum_in_grad_buffers=True,
-                     default_fp32_grad_accum=True, features="compile", layout_dp_options=True,
+                     default_fp32_grad_accum=True, features="compile,float8", layout_dp_options=True,
                      compiled_saves_less=True)
 # On CPU every operator runs eagerly on the host, so its fixed cost counts: the operators of fivefold's block
 # and of its embedding + loss as the profiler counts them (tests/test_calibrate.py checks the counts). fp32

@@ -225,9 +225,11 @@ def splits_backward(lay: Layout) -> bool:
 
 
 def runs_tp_overlap(lay: Layout, fw: Framework) -> bool:
-    """fivefold's engine runs its own tensor-parallel overlap (`layout.tp_comm_overlap` with sp); other frameworks'
-    overlap is priced by their `tp_overlap` and `async_tp` fields."""
-    return fw.layout_dp_options and lay.overlaps_tp_comm and not (fw.async_tp or fw.tp_overlap)
+    """fivefold's engine runs its own tensor-parallel overlap (`layout.tp_comm_overlap` with sp) on its plain linears
+    (float8 linears take the gathered input through their modules); other frameworks' overlap is priced by their
+    `tp_overlap` and `async_tp` fields."""
+    return (fw.layout_dp_options and lay.overlaps_tp_comm and not (fw.async_tp or fw.tp_overlap)
+            and not fw.float8_linears)
 
 
 def fuses_row_linears(lay: Layout, fw: Framework) -> bool:

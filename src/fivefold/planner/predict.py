@@ -41,11 +41,12 @@ def compute_dtype(cfg: Config, device_type: str) -> str:
     return "bf16" if use_bf16(cfg, device_type) else "fp32"
 
 
-def engine_framework(fp32: bool, compiled: bool) -> Framework:
+def engine_framework(fp32: bool, compiled: bool, float8: bool = False) -> Framework:
     """fivefold's own engine as the planner models it: `FIVEFOLD_CPU` computing in fp32, `FIVEFOLD` (lean bf16)
-    otherwise; with the `compile` feature (fused element-wise kernels) when its blocks run compiled."""
+    otherwise; with the `compile` feature (fused element-wise kernels) when its blocks run compiled, and the `float8`
+    feature when its linears run in float8 (`train.float8`)."""
     framework = FIVEFOLD_CPU if fp32 else FIVEFOLD
-    return with_features(framework, ("compile",)) if compiled else framework
+    return with_features(framework, ("compile",) * compiled + ("float8",) * float8)
 
 
 def default_hardware(device_type: str) -> Cluster:
@@ -72,8 +73,9 @@ def on_one_node(hardware: Cluster, n_devices: int) -> Cluster:
 
 def run_framework(cfg: Config, device_type: str) -> Framework:
     """fivefold's engine as it runs `cfg` on this kind of device (`train.dtype` resolved there, compiled when
-    `train.compile`); `device_type` is a torch device type, or any name but "cpu" for an accelerator."""
-    return engine_framework(compute_dtype(cfg, device_type) == "fp32", cfg.train.compile)
+    `train.compile`, float8 under `train.float8`); `device_type` is a torch device type, or any name but "cpu" for
+    an accelerator."""
+    return engine_framework(compute_dtype(cfg, device_type) == "fp32", cfg.train.compile, cfg.train.float8 != "off")
 
 
 def estimate_run(cfg: Config, hardware: Cluster, device_type: str | None = None) -> Estimate:

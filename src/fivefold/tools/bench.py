@@ -228,7 +228,7 @@ def run_bench(args: argparse.Namespace, cfg: Config) -> dict:
         "device_name": module.get_device_name() if module is not None else "cpu",
         "torch": torch.__version__, "seq_len": seq, "micro_batch_size": args.micro_batch,
         "grad_accum_steps": args.grad_accum, "moe_impl": cfg.model.moe_impl if cfg.model.n_experts else None,
-        "dtype": "bf16" if engine.bf16 else "fp32", "compile": cfg.train.compile,
+        "dtype": "bf16" if engine.bf16 else "fp32", "compile": cfg.train.compile, "float8": cfg.train.float8,
         "n_devices": engine.n_devices, "layout": dict(vars(cfg.layout)),
         "steps": args.steps, "step_time_s": median, "step_times_s": step_seconds, "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_device": per_device, "tflops_per_device": tflops,
@@ -310,7 +310,8 @@ def run(args: argparse.Namespace) -> int:
     split = result["time_split_s"]
     devices = f"{result['n_devices']} x " if result["n_devices"] > 1 else ""
     print(f"{result['model']} on {devices}{result['device_name']} ({result['dtype']}, seq {result['seq_len']}, "
-          f"micro-batch {result['micro_batch_size']} x {result['grad_accum_steps']}, compile {result['compile']})")
+          f"micro-batch {result['micro_batch_size']} x {result['grad_accum_steps']}, compile {result['compile']}"
+          + (f", float8 {result['float8']}" if result["float8"] != "off" else "") + ")")
     print(f"  step time        {1e3 * result['step_time_s']:.1f} ms")
     print(f"  tokens/s         {result['tokens_per_s']:,.0f} ({result['tokens_per_s_per_device']:,.0f} per device)")
     print(f"  TFLOP/s/device   {result['tflops_per_device']:.2f}   MFU {mfu}")

@@ -21,6 +21,7 @@ from fivefold.config import Config
 from fivefold.device import autocast, use_bf16
 from fivefold.models.llama import Llama, build_model
 from fivefold.parallel.data import DataParallel, LocalDataParallel
+from fivefold.parallel.float8 import check_float8
 from fivefold.parallel.mesh import ProcessGrid
 from fivefold.parallel.parallelize import LossModel, apply_data_parallel, apply_model_parallel
 from fivefold.parallel.pipeline import (
@@ -43,6 +44,7 @@ def build_engine(cfg: Config, device: torch.device) -> Engine:
     against the initialised world first; every rank allocates only its shards, initialised from the seed to the
     values one process would hold."""
     la = cfg.layout
+    check_float8(cfg.train.float8, device)
     grid = ProcessGrid.build(cfg) if la.world_size > 1 or la.ep > 1 else None
     queue = None
     if la.pp > 1:  # the zero-bubble schedules' B / W split defers the linears' weight gradients, and so does the

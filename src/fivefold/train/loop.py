@@ -446,6 +446,7 @@ class Run:
             f"rank) on {engine.n_devices} x {self.device.type}, data {data_dir}, run dir {self.run_dir}, "
             f"global batch {t.global_batch_size} x {t.seq_len} tokens, micro-batch {self.mbs}, "
             f"accumulation {self.cfg.grad_accum_steps}, {torch.get_num_threads()} CPU thread(s) per process"
+            + (f", float8 linears ({t.float8} scales)" if t.float8 != "off" else "")
             + (f", resuming at step {self.start}" if resuming else "")
         )
         if t.warmup_steps > t.max_steps:

@@ -16,6 +16,7 @@ import torch
 
 from fivefold.config import Config, ConfigError, check_writable_dir, shown
 from fivefold.device import present_device
+from fivefold.parallel.float8 import check_float8
 from fivefold.train.metrics import check_logging_backends
 
 
@@ -118,6 +119,7 @@ def check_start(cfg: Config, resume: bool = False, run_dir: bool = True) -> torc
         raise ConfigError(f"train.threads = {cfg.train.threads} exceeds this machine's {cores} CPU cores: more "
                           f"threads than cores only wait for each other; use at most {cores} (0: the default share)")
     check_extras(cfg)
+    check_float8(cfg.train.float8, device)
     if run_dir:
         check_run_dir_writable(Path(cfg.run_dir), resume)
     return device

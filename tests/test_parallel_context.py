@@ -284,3 +284,49 @@ def test_compiled_or_recomputed_blocks_with_ring_attention_match_eager(wrap):
     for e, w in zip(eager, wrapped, strict=True):
         torch.testing.assert_close(torch.from_numpy(w[0]), torch.from_numpy(e[0]), atol=1e-5, rtol=0)
         torch.testing.assert_close(torch.from_numpy(w[1]), torch.from_numpy(e[1]), atol=1e-5, rtol=1e-4)
+
+
+def ring_transfers_under_recompute(rank: int, world_size: int) -> dict:
+    """One forward and backward of the tiny model under cp2 in each recompute mode: the loss, the gradient norm and
+    the ring's transfers (`ring_shift` calls)."""
+    from tests.test_parallel_equivalence import tiny_config
+
+    import fivefold.parallel.context as context
+    from fivefold.train.build import build_engine
+
+    real, calls = context.ring_shift, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    context.ring_shift = counted
+    out = {}
+    try:
+        for mode in ("none", "selective", "full"):
+            cfg = tiny_config({"layout.cp": "2", "layout.recompute": mode})
+            engine = build_engine(cfg, torch.device("cpu"))
+            g = torch.Generator().manual_seed(11)
+            tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len + 1), generator=g)
+            calls.clear()
+            loss = engine.forward_backward([(tokens[:, :-1], tokens[:, 1:])], 2 * cfg.train.seq_len)
+            count = len(calls)
+            out[mode] = (engine.reduce_for_logging(loss).item(), float(engine.optimizer_step()), count)
+    finally:
+        context.ring_shift = real
+    return out
+
+
+def test_selective_recompute_passes_nothing_around_the_ring_again():
+    """Selective recompute keeps ring attention's output and log-sum-exp (`RingAttention` with the block's
+    `CollectiveStore`): its step makes exactly the ring transfers of a step without recompute (per layer under cp2: 1
+    key/value hop forward; 1 key/value hop and 2 gradient hops backward), where full recompute makes the forward's
+    hop again; the loss and the gradient norm equal those without recompute."""
+    layers = 2
+    for out in run_ranks(2, ring_transfers_under_recompute):
+        (loss, norm, none), (_, _, selective), (_, _, full) = out["none"], out["selective"], out["full"]
+        assert none == selective == 4 * layers
+        assert full == none + layers
+        for mode in ("selective", "full"):
+            assert out[mode][0] == pytest.approx(loss, rel=1e-6)
+            assert out[mode][1] == pytest.approx(norm, rel=1e-5)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 from tests.distributed import run_ranks
@@ -202,3 +203,52 @@ def test_shared_experts_run_while_the_dispatch_travels():
     for impl in ("grouped", "padded"):
         for events in run_ranks(2, shared_beside_dispatch, impl):
             assert events == ["all-to-all", "launch async", "shared", "wait", "all-to-all"], (impl, events)
+
+
+def exchanges_under_recompute(rank: int, world_size: int, impl: str) -> dict:
+    """One forward and backward of an MoE model under ep2 (with a shared expert, which runs beside the dispatch)
+    in each recompute mode: the loss, the gradient norm and the all-to-alls that ran."""
+    from tests.test_parallel_equivalence import tiny_config
+
+    from fivefold.train.build import build_engine
+
+    real = dist.all_to_all_single
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_to_all_single = counted
+    out = {}
+    try:
+        for mode in ("none", "selective", "full"):
+            cfg = tiny_config({"model.n_experts": "4", "model.top_k": "2", "model.n_shared_experts": "1",
+                               "model.moe_impl": impl, "layout.dp": "2", "layout.ep": "2",
+                               "layout.recompute": mode})
+            engine = build_engine(cfg, torch.device("cpu"))
+            g = torch.Generator().manual_seed(5 + rank)  # each rank its rows, the same in every mode
+            tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len + 1), generator=g)
+            calls.clear()
+            loss = engine.forward_backward([(tokens[:, :-1], tokens[:, 1:])], 4 * cfg.train.seq_len)
+            count = len(calls)
+            out[mode] = (engine.reduce_for_logging(loss).item(), float(engine.optimizer_step()), count)
+    finally:
+        dist.all_to_all_single = real
+    return out
+
+
+@pytest.mark.parametrize("impl", ["grouped", "padded"])
+def test_selective_recompute_runs_no_exchange_again(impl):
+    """Selective recompute keeps what the expert-parallel exchanges received (the counts, the dispatched rows and the
+    returned outputs): its step runs exactly the all-to-alls of a step without recompute (3 forward per MoE layer:
+    counts, dispatch, combine; 2 backward: the rows' gradients both ways), where full recompute runs the forward's
+    3 again; the loss and the gradient norm equal those without recompute."""
+    layers = 2
+    for out in run_ranks(2, exchanges_under_recompute, impl):
+        (loss, norm, none), (_, _, selective), (_, _, full) = out["none"], out["selective"], out["full"]
+        assert none == selective == 5 * layers
+        assert full == none + 3 * layers
+        for mode in ("selective", "full"):
+            assert out[mode][0] == pytest.approx(loss, rel=1e-6)
+            assert out[mode][1] == pytest.approx(norm, rel=1e-5)

@@ -370,3 +370,22 @@ def test_tensor_parallel_overlap_of_an_moe_block_hides_its_attention_collectives
     assert column_linear_share(cfg) == pytest.approx(sum(flops[:3]) / sum(flops))
     assert row_linear_share(cfg) == pytest.approx(flops[3] / sum(flops))
     assert tp_comm[False] - tp_comm[None] == pytest.approx(overlap_closed_form(cfg, seq, on, 1), rel=1e-9)
+
+
+def test_fivefold_selective_recompute_passes_nothing_around_the_ring_again():
+    """Under cp fivefold's selective recompute keeps ring attention's result (`context.RingAttention`), so its cp
+    communication per layer is that of no recompute (cp - 1 hops forward, the backward's hops), where an engine that
+    recomputes the attention core (nanotron's profile) pays the forward ring once more, as full recompute does."""
+    from fivefold.planner.layout import NANOTRON
+
+    hw = get_cluster("h100")
+
+    def cp_comm(recompute: str, fw) -> float:
+        lay = Layout(cp=4, recompute=recompute, micro_batch_size=1)
+        return stage_times(SMALL, 4096, lay, fw, hw).comm_per_layer["cp_comm"]
+
+    none = cp_comm("none", FIVEFOLD)
+    assert none > 0 and cp_comm("selective", FIVEFOLD) == pytest.approx(none)
+    forward_ring = cp_comm("full", FIVEFOLD) - none
+    assert forward_ring > 0
+    assert cp_comm("selective", NANOTRON) == pytest.approx(cp_comm("none", NANOTRON) + forward_ring, rel=0.05)

@@ -127,3 +127,26 @@ def test_plan_moe_imbalance_flag(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["moe_routing"] == {"imbalance": 2.0, "balanced": False, "source": "--moe-imbalance"}
     assert math.isfinite(out["step_time_s"])
+
+
+def test_selective_recompute_keeps_the_exchanged_rows_under_ep():
+    """Under selective recompute with ep fivefold's engine keeps what each MoE layer's exchanges received (the
+    dispatched rows, as many as the busiest rank's slots, and the returned outputs, one per token and choice), so
+    that the recomputation exchanges nothing (`expert.ExpertParallelDispatch`): per layer 2 x tokens x top_k x hidden
+    activation bytes more than without ep under balanced routing, (X + 1) x ... with the busiest rank at X x the
+    even share; the other recompute modes and other engines keep nothing more."""
+    from fivefold.planner.layout import NANOTRON
+    from fivefold.planner.memory import layer_activation_bytes
+
+    cfg, tokens = get_preset("tiny-moe"), 512
+    k, h, ab = cfg.top_k, cfg.hidden, FIVEFOLD.act_bytes
+
+    def mlp(ep: int, recompute: str = "selective", fw=FIVEFOLD, imbalance: float = 1.0) -> float:
+        lay = Layout(dp=2, ep=ep, micro_batch_size=1, recompute=recompute)
+        return layer_activation_bytes(cfg, tokens, lay, fw, imbalance).get("mlp", 0.0)
+
+    assert mlp(2) - mlp(1) == pytest.approx(2 * tokens * k * h * ab)
+    load = busiest_rank_load(cfg, 2, 1.5)
+    assert load > 1 and mlp(2, imbalance=1.5) - mlp(1, imbalance=1.5) == pytest.approx((load + 1) * tokens * k * h * ab)
+    assert mlp(2, "full") == mlp(1, "full")
+    assert mlp(2, fw=NANOTRON) == mlp(1, fw=NANOTRON)

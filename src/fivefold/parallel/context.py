@@ -43,7 +43,7 @@ from fivefold.layout import raise_problem, sequence_length_problem
 from fivefold.models.llama import MoE
 from fivefold.models.masking import DocumentMask
 from fivefold.parallel.attention_ops import attention_backward, attention_forward
-from fivefold.parallel.tensor_comm import all_gather, all_reduce
+from fivefold.parallel.tensor_comm import CollectiveStore, all_gather, all_reduce
 
 LAYOUTS = ("zigzag", "contiguous")
 _KV_TAG, _GRAD_TAG = 1, 2  # two transfers may be in flight to the same neighbour at once
@@ -325,14 +325,29 @@ class RingAttention(torch.autograd.Function):
     `group`.
 
     q [batch, heads, local_seq, head_dim], k and v [batch, kv_heads, local_seq, head_dim], each rank holding
-    its two chunks as `shard_sequence` lays them out; `calls` as in `ring_attention_forward`."""
+    its two chunks as `shard_sequence` lays them out; `calls` as in `ring_attention_forward`.
+
+    `store` (a `tensor_comm.CollectiveStore`, under selective recompute): the forward keeps its output and
+    log-sum-exp there, outside the selective policy's cache, and the recomputation takes them back instead of
+    passing the keys and values around the ring again."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
-                layout: str, calls: list[list[Call]] | None = None) -> torch.Tensor:
+                layout: str, calls: list[list[Call]] | None = None, store: CollectiveStore | None = None
+                ) -> torch.Tensor:
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         calls = calls if calls is not None else causal_calls(rank, cp, layout, q.shape[2] // 2)
-        out, lse = ring_attention_forward(q, k, v, group, layout, calls=calls)
+        if store is not None and store.replay:
+            out, lse = store.take(), store.take()
+        elif store is not None:
+            from fivefold.parallel.recompute import uncached
+
+            with uncached():  # kept whole below: the ring steps' kernel outputs need no cache
+                out, lse = ring_attention_forward(q, k, v, group, layout, calls=calls)
+            store.keep(out)
+            store.keep(lse)
+        else:
+            out, lse = ring_attention_forward(q, k, v, group, layout, calls=calls)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.calls = group, calls
         return out
@@ -361,7 +376,7 @@ class RingAttention(torch.autograd.Function):
             if incoming is not None:
                 kv = incoming.wait()
         grad_kv = grad_kv_transfer.wait()
-        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None
+        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
@@ -377,22 +392,23 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dis
 
 class RingAttentionCore:
     """Replacement of `Attention.core(q, k, v, mask)`: the same causal or document-masked attention, over the cp
-    group's ring."""
+    group's ring. `collective_store`: set by selective recompute around its block (see `RingAttention`)."""
 
     def __init__(self, group: dist.ProcessGroup, layout: str = "zigzag") -> None:
         _check_layout(layout)
         self.group, self.layout = group, layout
+        self.collective_store: CollectiveStore | None = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None = None) -> (
         torch.Tensor
     ):
         if mask is None:
-            return RingAttention.apply(q, k, v, self.group, self.layout)
+            return RingAttention.apply(q, k, v, self.group, self.layout, None, self.collective_store)
         key = ("ring", self.layout)  # the calls of a micro-batch, planned once for all its layers
         if key not in mask.cache:
             rank, cp = dist.get_rank(self.group), dist.get_world_size(self.group)
             mask.cache[key] = document_calls(mask.positions, rank, cp, self.layout)
-        return RingAttention.apply(q, k, v, self.group, self.layout, mask.cache[key])
+        return RingAttention.apply(q, k, v, self.group, self.layout, mask.cache[key], self.collective_store)
 
 
 class _AllReduceSum(torch.autograd.Function):

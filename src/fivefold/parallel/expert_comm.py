@@ -21,6 +21,13 @@ def exchange_counts(send_counts: torch.Tensor, group: ProcessGroup) -> torch.Ten
     return received
 
 
+def _send_back(ctx, grad: torch.Tensor) -> torch.Tensor:
+    """The backward of an exchange: the received rows' gradients go back to the ranks that sent the rows."""
+    sent_grad = grad.new_empty(sum(ctx.send_splits), *grad.shape[1:])
+    dist.all_to_all_single(sent_grad, grad.contiguous(), ctx.send_splits, ctx.recv_splits, group=ctx.group)
+    return sent_grad
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, send_splits: list[int], recv_splits: list[int],
@@ -32,9 +39,23 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        sent_grad = grad.new_empty(sum(ctx.send_splits), *grad.shape[1:])
-        dist.all_to_all_single(sent_grad, grad.contiguous(), ctx.send_splits, ctx.recv_splits, group=ctx.group)
-        return sent_grad, None, None, None
+        return _send_back(ctx, grad), None, None, None
+
+
+class _KeptAllToAll(torch.autograd.Function):
+    """`_AllToAll` whose rows already arrived: its forward returns `kept`, the rows an earlier forward of the same
+    exchange received (a selective recomputation's replay), without communicating; its backward sends the gradients
+    back as `_AllToAll`'s does."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, kept: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                group: ProcessGroup) -> torch.Tensor:
+        ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
+        return kept.view_as(kept)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _send_back(ctx, grad), None, None, None, None
 
 
 class _AllToAllStart(torch.autograd.Function):
@@ -54,9 +75,7 @@ class _AllToAllStart(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        sent_grad = grad.new_empty(sum(ctx.send_splits), *grad.shape[1:])
-        dist.all_to_all_single(sent_grad, grad.contiguous(), ctx.send_splits, ctx.recv_splits, group=ctx.group)
-        return sent_grad, None, None, None, None
+        return _send_back(ctx, grad), None, None, None, None
 
 
 class _AllToAllWait(torch.autograd.Function):
@@ -86,3 +105,10 @@ def all_to_all(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int
     """Send the first `send_splits[0]` rows of `rows` to ep rank 0, the next `send_splits[1]` to rank 1, ...;
     return the rows received, `recv_splits[r]` from rank r, in rank order (differentiable)."""
     return _AllToAll.apply(rows, send_splits, recv_splits, group)
+
+
+def kept_all_to_all(rows: torch.Tensor, kept: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                    group: ProcessGroup) -> torch.Tensor:
+    """`all_to_all` of `rows` whose result `kept` an earlier forward received: no communication forward, the
+    gradients sent back in backward."""
+    return _KeptAllToAll.apply(rows, kept, send_splits, recv_splits, group)

@@ -7,7 +7,7 @@
   projections) and of the fused attention kernels (output and log-sum-exp) are kept; the cheap element-wise work
   (the RMSNorms, rotary, SiLU and the SwiGLU product, the residual adds, autocast's casts) is recomputed in
   backward from the block input and those outputs. Batched matmuls (the math attention kernel's scores, the MoE
-  experts) and collectives are recomputed too. Per token and layer this keeps
+  experts) and collectives are recomputed too, except those kept (below). Per token and layer this keeps
   h + 2 h + (2 H + 2 Hkv) d + 2 f values (input, o and down outputs, q k v and attention output, gate and up)
   plus the fp32 log-sum-exp, instead of the norms' inputs, statistics, normalised and scaled copies, the rotated
   q and k and the four f-sized SwiGLU tensors (docs/parallelism.md).
@@ -17,7 +17,10 @@ Under tensor / sequence parallelism full recompute repeats the block's forward c
 all-gather) in backward, the same on every tp rank; so does selective recompute, except for the overlapped
 sequence-parallel linears (`layout.tp_comm_overlap`), whose collectives it does not run again: the row linears'
 reduce-scattered outputs are kept (1/tp of the sequence each) and the gathered linears' matmuls come from the
-checkpoint's cache (`tensor_comm.CollectiveStore`). Apply after tensor parallelism. The
+checkpoint's cache (`tensor_comm.CollectiveStore`); for ring attention (context parallel), whose output and
+log-sum-exp it keeps in the same store (`context.RingAttention`); and for the expert-parallel exchanges, whose
+received counts, rows and outputs it keeps there too (`expert.ExpertParallelDispatch`). Apply after tensor
+parallelism. The
 recomputed forward is the same code on the same inputs, so gradients are unchanged. Under expert parallelism
 the recomputed dispatch reuses the count tables that its original forward read on the host (see
 `host_counts_kept`), so recompute adds no host synchronisation.
@@ -26,6 +29,7 @@ the recomputed dispatch reuses the count tables that its original forward read o
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from collections.abc import Iterator
 
@@ -34,6 +38,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from fivefold.config import shown
 from fivefold.models.llama import Llama, MoE
+from fivefold.parallel.context import RingAttentionCore
+from fivefold.parallel.expert import ExpertParallelDispatch
 from fivefold.parallel.tensor_comm import CollectiveStore
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -46,8 +52,25 @@ SAVED_OPS = ("aten::mm", "aten::addmm", "aten::_scaled_mm", "aten::_scaled_dot_p
              "aten::_efficient_attention_forward")
 
 
+# true inside `uncached()`: ops whose caller keeps their result whole (a `CollectiveStore`) are not cached again
+_UNCACHED = contextvars.ContextVar("fivefold_recompute_uncached", default=False)
+
+
+@contextlib.contextmanager
+def uncached() -> Iterator[None]:
+    """Within it the selective policy keeps nothing: for work whose result its caller keeps in the block's
+    `CollectiveStore` and whose recomputation therefore never runs (ring attention's steps)."""
+    token = _UNCACHED.set(True)
+    try:
+        yield
+    finally:
+        _UNCACHED.reset(token)
+
+
 def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Keep the matmul and attention outputs, recompute everything else."""
+    """Keep the matmul and attention outputs, recompute everything else (nothing within `uncached`)."""
+    if _UNCACHED.get():
+        return CheckpointPolicy.PREFER_RECOMPUTE
     name = op.name().split(".")[0]
     return CheckpointPolicy.MUST_SAVE if name in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -76,11 +99,16 @@ def host_counts_kept(block: nn.Module, store: list, replay: bool,
 @contextlib.contextmanager
 def collectives_kept(block: nn.Module, store: CollectiveStore | None, replay: bool,
                      inner: contextlib.AbstractContextManager) -> Iterator[None]:
-    """Within `inner`: the overlapped tensor-parallel modules of `block` keep their collectives' outputs in `store`
-    (the original forward) or take them from it without communicating (the selective recomputation, `replay`);
-    see `tensor_comm.CollectiveStore`. Nothing without a store (full recompute communicates again)."""
+    """Within `inner`: the overlapped tensor-parallel modules of `block`, its ring attention and its expert-parallel
+    MoE layer keep their collectives' outputs in `store` (the original forward) or take them from it without
+    communicating (the selective recomputation, `replay`); see `tensor_comm.CollectiveStore`,
+    `context.RingAttention` and `expert.ExpertParallelDispatch`. Nothing without a store (full recompute
+    communicates again)."""
     parts = (getattr(block, "attn", None), getattr(block, "mlp", None))
-    modules = [m for m in parts if getattr(m, "tp_comm_overlap", False)] if store is not None else []
+    modules = [m for m in parts if getattr(m, "tp_comm_overlap", False)
+               or isinstance(getattr(m, "dispatch_combine", None), ExpertParallelDispatch)] if store is not None else []
+    if store is not None and isinstance(getattr(parts[0], "core", None), RingAttentionCore):
+        modules.append(parts[0].core)
     with inner:
         for m in modules:
             m.collective_store = store

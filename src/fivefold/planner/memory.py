@@ -240,6 +240,19 @@ def fuses_row_linears(lay: Layout, fw: Framework) -> bool:
     return runs_tp_overlap(lay, fw) and not fw.compiled and not splits_backward(lay)
 
 
+def keeps_ring(lay: Layout, fw: Framework) -> bool:
+    """Whether selective recompute keeps ring attention's output and log-sum-exp (fivefold's engine:
+    `context.RingAttention` with the block's `CollectiveStore`), so that its recomputation passes nothing around the
+    cp ring (other engines recompute the attention core, the ring with it)."""
+    return fw.layout_dp_options and lay.recompute == "selective" and lay.cp > 1
+
+
+def keeps_ep_exchanges(lay: Layout, fw: Framework) -> bool:
+    """Whether selective recompute keeps what the expert-parallel exchanges received (fivefold's engine:
+    `expert.ExpertParallelDispatch` with the block's `CollectiveStore`), so that its recomputation exchanges nothing."""
+    return fw.layout_dp_options and lay.recompute == "selective" and lay.ep > 1
+
+
 def layer_activation_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Framework,
                            moe_imbalance: float = 1.0) -> dict[str, float]:
     """Bytes one block saves for backward for one micro-batch of `tokens` tokens on this rank (after cp)."""
@@ -264,6 +277,10 @@ def layer_activation_bytes(cfg: ModelConfig, tokens: int, lay: Layout, fw: Frame
         if cfg.is_moe:  # router logits and the shared experts' gate, up, down (the routed experts' bmm recompute)
             fs = cfg.n_shared_experts * cfg.expert_ffn // tp
             mlp = (t_route * cfg.n_experts + tokens * ((cfg.mlp_matrices - 1) * fs + h if fs else 0)) * ab
+            if keeps_ep_exchanges(lay, fw):  # the rows this rank's experts received (the busiest rank's) and the
+                # outputs that came back, one per (token, choice)
+                k = cfg.top_k
+                mlp += (t_route * k * busiest_rank_load(cfg, lay.ep, moe_imbalance) + t_route * k) * h * ab
         else:
             f_local = cfg.ffn // tp
             widths = {"gate": f_local, "up": f_local, "down": h} if cfg.mlp == "swiglu" else {"up": f_local, "down": h}

@@ -287,34 +287,13 @@ def test_compiled_or_recomputed_blocks_with_ring_attention_match_eager(wrap):
 
 
 def ring_transfers_under_recompute(rank: int, world_size: int) -> dict:
-    """One forward and backward of the tiny model under cp2 in each recompute mode: the loss, the gradient norm and
-    the ring's transfers (`ring_shift` calls)."""
-    from tests.test_parallel_equivalence import tiny_config
+    """One step of the tiny model under cp2 in each recompute mode: the loss, the gradient norm and the ring's
+    transfers (`ring_shift` calls)."""
+    from tests.test_parallel_equivalence import step_in_each_recompute_mode
 
     import fivefold.parallel.context as context
-    from fivefold.train.build import build_engine
 
-    real, calls = context.ring_shift, []
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    context.ring_shift = counted
-    out = {}
-    try:
-        for mode in ("none", "selective", "full"):
-            cfg = tiny_config({"layout.cp": "2", "layout.recompute": mode})
-            engine = build_engine(cfg, torch.device("cpu"))
-            g = torch.Generator().manual_seed(11)
-            tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len + 1), generator=g)
-            calls.clear()
-            loss = engine.forward_backward([(tokens[:, :-1], tokens[:, 1:])], 2 * cfg.train.seq_len)
-            count = len(calls)
-            out[mode] = (engine.reduce_for_logging(loss).item(), float(engine.optimizer_step()), count)
-    finally:
-        context.ring_shift = real
-    return out
+    return step_in_each_recompute_mode(rank, {"layout.cp": "2"}, context, "ring_shift")
 
 
 def test_selective_recompute_passes_nothing_around_the_ring_again():

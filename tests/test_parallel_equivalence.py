@@ -92,6 +92,26 @@ def resumed_after_one_step(cfg: Config, path) -> tuple[list[float], list[float],
     return want, got, whole, first, second
 
 
+def step_in_each_recompute_mode(rank: int, overrides: dict[str, str], owner, name: str, rows: int = 2) -> dict:
+    """One forward and backward of the layout `overrides` in each recompute mode, on this rank's `rows` rows (the
+    same in every mode), counting the calls of `owner.name` (a communication function): {mode: (loss, gradient
+    norm, calls)}."""
+    from unittest import mock
+
+    from fivefold.train.build import build_engine
+
+    out = {}
+    for mode in ("none", "selective", "full"):
+        cfg = tiny_config({**overrides, "layout.recompute": mode})
+        engine = build_engine(cfg, torch.device("cpu"))
+        g = torch.Generator().manual_seed(5 + rank)
+        tokens = torch.randint(0, cfg.model.vocab_size, (rows, cfg.train.seq_len + 1), generator=g)
+        with mock.patch.object(owner, name, wraps=getattr(owner, name)) as counted:
+            loss = engine.forward_backward([(tokens[:, :-1], tokens[:, 1:])], 4 * rows * cfg.train.seq_len)
+        out[mode] = (engine.reduce_for_logging(loss).item(), float(engine.optimizer_step()), counted.call_count)
+    return out
+
+
 def train_steps(engine: Engine, cfg: Config) -> tuple[list[float], list[float], list[float | None]]:
     """STEPS optimizer steps on this engine's rows of the global batches; (losses, grad norms, MoE drop fractions)
     per step, and last the evaluation loss of the first batch after training (as a one-element list)."""

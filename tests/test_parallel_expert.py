@@ -206,36 +206,13 @@ def test_shared_experts_run_while_the_dispatch_travels():
 
 
 def exchanges_under_recompute(rank: int, world_size: int, impl: str) -> dict:
-    """One forward and backward of an MoE model under ep2 (with a shared expert, which runs beside the dispatch)
-    in each recompute mode: the loss, the gradient norm and the all-to-alls that ran."""
-    from tests.test_parallel_equivalence import tiny_config
+    """One step of an MoE model under ep2 (with a shared expert, which runs beside the dispatch) in each recompute
+    mode: the loss, the gradient norm and the all-to-alls that ran."""
+    from tests.test_parallel_equivalence import step_in_each_recompute_mode
 
-    from fivefold.train.build import build_engine
-
-    real = dist.all_to_all_single
-    calls = []
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    dist.all_to_all_single = counted
-    out = {}
-    try:
-        for mode in ("none", "selective", "full"):
-            cfg = tiny_config({"model.n_experts": "4", "model.top_k": "2", "model.n_shared_experts": "1",
-                               "model.moe_impl": impl, "layout.dp": "2", "layout.ep": "2",
-                               "layout.recompute": mode})
-            engine = build_engine(cfg, torch.device("cpu"))
-            g = torch.Generator().manual_seed(5 + rank)  # each rank its rows, the same in every mode
-            tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len + 1), generator=g)
-            calls.clear()
-            loss = engine.forward_backward([(tokens[:, :-1], tokens[:, 1:])], 4 * cfg.train.seq_len)
-            count = len(calls)
-            out[mode] = (engine.reduce_for_logging(loss).item(), float(engine.optimizer_step()), count)
-    finally:
-        dist.all_to_all_single = real
-    return out
+    return step_in_each_recompute_mode(rank, {"model.n_experts": "4", "model.top_k": "2",
+                                              "model.n_shared_experts": "1", "model.moe_impl": impl,
+                                              "layout.dp": "2", "layout.ep": "2"}, dist, "all_to_all_single")
 
 
 @pytest.mark.parametrize("impl", ["grouped", "padded"])

@@ -92,6 +92,7 @@ def test_whole_experts_under_tp_checkpoint_resumes_in_one_process_and_split(tmp_
         assert any(n.startswith("exp_avg.") and n.rsplit(".", 1)[-1] in ("w_gate", "w_up", "w_down") for n in names), r
 
 
+@pytest.mark.slow  # heavy; the fast run keeps the same feature's other tests
 def test_hsdp_checkpoint_resumes_under_fsdp_and_one_process(tmp_path, dataset):  # noqa: F811
     """HSDP (dp4, shard groups of 2, 2 replicas): each shard is written once, by its first replica, and the
     checkpoint resumes under plain ZeRO-3 over dp2, under one process and under HSDP x pp2."""

@@ -43,7 +43,7 @@ def test_plan_layout_refuses_write_config(capsys, tmp_path):
 
 
 def test_plan_scaling_says_whether_it_predicts_compiled_or_eager(capsys):
-    base = ["scaling", "--model", "llama-3.2-1b", "--gpu", "h100", "--gpus-per-node", "8", "--nodes", "1,2",
+    base = ["scaling", "--model", "llama-3.2-1b", "--gpu", "h100", "--gpus-per-node", "4", "--nodes", "1,2",
             "--weak", "--seq-len", "4096", "--global-batch", "256K"]
     rc, eager, _ = run_cli(capsys, *base)
     assert rc == 0 and eager.splitlines()[0].startswith("predicted eager, without torch.compile")

@@ -280,10 +280,10 @@ def test_nanotron_stage_split_follows_its_build_model():
 
 def test_fix_restricts_the_search_to_the_fixed_values(capsys):
     # the --fix search returns exactly the unrestricted search's candidates that have those values, best first
-    rc, out, _ = run_cli(capsys, "--model", "llama3-8b", "--nodes", "4", "--global-batch", "1M", "--fix",
+    rc, out, _ = run_cli(capsys, "--model", "llama3-8b", "--nodes", "2", "--global-batch", "1M", "--fix",
                          "tp=4,pp=2,zero=1", "--json")
     fixed = json.loads(out)["candidates"]
-    rc_all, out_all, _ = run_cli(capsys, "--model", "llama3-8b", "--nodes", "4", "--global-batch", "1M", "--json")
+    rc_all, out_all, _ = run_cli(capsys, "--model", "llama3-8b", "--nodes", "2", "--global-batch", "1M", "--json")
     assert rc == rc_all == 0
     expect = [c for c in json.loads(out_all)["candidates"]
               if (c["layout"]["tp"], c["layout"]["pp"], c["layout"]["zero"]) == (4, 2, 1)]
@@ -401,7 +401,7 @@ def test_search_never_proposes_sequence_parallel_the_engine_refuses():
 def test_plan_says_whether_it_ranks_compiled_or_eager(capsys, tmp_path):
     """The table's ranking is labelled (text and --json "compiled"): eager by default, compiled with --features
     compile or with --write-config on an accelerator; the compiled ranking is the compiled model's (faster)."""
-    base = ["--model", "llama-3.2-1b", "--gpu", "h100", "--nodes", "1", "--gpus-per-node", "8", "--seq-len", "4096",
+    base = ["--model", "llama-3.2-1b", "--gpu", "h100", "--nodes", "1", "--gpus-per-node", "4", "--seq-len", "4096",
             "--global-batch", "1M", "--top", "1"]
     rc, eager, _ = run_cli(capsys, *base)
     assert rc == 0 and "ranked eager, without torch.compile" in eager and "ranked with torch.compile" not in eager

@@ -86,7 +86,7 @@ def test_hsdp_with_expert_parallel_shards_the_experts_inside_the_shard_group():
 
 
 def test_the_search_tries_hsdp_where_the_framework_runs_it(capsys, tmp_path):
-    args = ["plan", "--model", "llama3-8b", "--nodes", "4", "--seq-len", "8192", "--global-batch", "256K", "--json"]
+    args = ["plan", "--model", "llama3-8b", "--nodes", "2", "--seq-len", "8192", "--global-batch", "256K", "--json"]
     for framework in ("torchtitan", "fivefold"):
         assert main([*args, "--framework", framework]) == 0
         layouts = [c["layout"] for c in json.loads(capsys.readouterr().out)["candidates"]]

@@ -203,6 +203,7 @@ def signal_pending(pid: int, signum: int) -> bool:
     return bool(pending >> (signum - 1) & 1)
 
 
+@pytest.mark.slow  # heavy; the fast run keeps the same feature's other tests
 def test_second_signal_to_the_launcher_abandons_the_save(tmp_path):
     """The workers stopped (SIGSTOP) so that they are certainly still stopping: SIGTERM to the launcher, which
     PyTorch's agent forwards to them, then a second SIGTERM while the agent waits for them. The launcher kills them

@@ -347,6 +347,7 @@ def test_hsdp_with_expert_parallel_matches_one_process():
     assert_matches({**DP4_EP2, "layout.dp_shard": "2"}, 4)
 
 
+@pytest.mark.slow  # heavy; the fast run keeps the same feature's other tests
 def test_hsdp_with_expert_parallel_checkpoint_moves_between_layouts(tmp_path, dataset):  # noqa: F811
     """Written under HSDP x ep (dp4 x ep2, shard groups of 2): each shard, the experts' too, is written once (by
     its first replica), and the checkpoint resumes in one process and under HSDP x ep again."""

@@ -2,14 +2,16 @@
 reference kernels.
 
 References. One process without float8 (the working dtype, fp32 here): float8 losses stay within 2 % of it and
-differ from it (float8 really ran). One process with the same recipe and the same micro-batches: a dp layout
+differ from it (float8 really ran). One process with the same recipe and the same micro-batches: a dp or pp layout
 computes the same float8 products on the same rows, so it matches to the equivalence tolerances of
-test_parallel_equivalence (1e-5 on losses); ZeRO-3 with the tensorwise recipe gathers the weights in float8, with
-the scale of the whole weight (an all-reduced amax), so it matches as well (measured 2e-8 and 2e-7 relative). Under
+test_parallel_equivalence (1e-5 on losses; measured 9e-8 at most); ZeRO-3 with the tensorwise recipe gathers the
+weights in float8, with the scale of the whole weight (an all-reduced amax), so it matches as well (9e-8). Under
 tp2 + sp the row-parallel linears' rows are scaled over the rank's half of the features (not all of them), and under
-cp2 the weight gradient's scales span the rank's half of the tokens, so their rounding differs: measured 8.0e-4 and
-8.8e-4 relative on the losses, checked to 2e-3, while a misplaced shard or a lost reduction moves the loss by far
-more. (The tensorwise recipe under tp2 differs by 6.6e-3: each rank scales its shard of the weight with its own
+cp2 the weight gradient's scales span the rank's half of the tokens, so their rounding differs: measured 1.3e-4 and
+3.8e-5 relative on the losses, checked to 1e-3, while a misplaced shard or a lost reduction moves the loss by far
+more. The layouts train at lr 2e-3: at the equivalence tests' 1e-2 the float8 model's third step is a loss spike
+that turns a 1e-7 difference of the first step (an AdamW sign flip of a near-zero gradient) into 1e-3. (The
+tensorwise recipe under tp2 differs more, 6.6e-3 at lr 1e-2: each rank scales its shard of the weight with its own
 amax; it is not checked here.)
 """
 
@@ -117,14 +119,17 @@ def _float8_layouts(rank: int, world_size: int, layouts: list[dict[str, str]]) -
 
 
 def test_float8_layouts_match_one_process_with_float8():
-    layouts = [{"train.float8": "rowwise", "layout.dp": "2", "layout.zero": "1"},
-               {"train.float8": "tensorwise", "layout.dp": "2", "layout.zero": "3"},
-               {"train.float8": "rowwise", "layout.tp": "2", "layout.sp": "true"},
-               {"train.float8": "rowwise", "layout.cp": "2"}]
+    lr = {"train.lr": "2e-3"}
+    layouts = [{**lr, "train.float8": "rowwise", "layout.dp": "2", "layout.zero": "1"},
+               {**lr, "train.float8": "tensorwise", "layout.dp": "2", "layout.zero": "3"},
+               {**lr, "train.float8": "rowwise", "layout.tp": "2", "layout.sp": "true"},
+               {**lr, "train.float8": "rowwise", "layout.cp": "2"},
+               {**lr, "train.float8": "rowwise", "layout.pp": "2", "layout.schedule": "dualpipev",
+                "layout.micro_batch_size": "2", "model.n_layers": "4"}]
     results = run_ranks(2, _float8_layouts, layouts)[0]
     for overrides, (losses, mbs, gathers_float8) in zip(layouts, results, strict=True):
         ref = one_process(overrides, mbs)
-        tol = 2e-3 if "layout.tp" in overrides or "layout.cp" in overrides else 1e-5
+        tol = 1e-3 if "layout.tp" in overrides or "layout.cp" in overrides else 1e-5
         assert len(losses) == STEPS + 1
         for step, (a, b) in enumerate(zip(losses, ref, strict=True)):
             assert abs(a - b) <= tol * b, f"{overrides}: loss {step + 1}: {a} vs one process {b}"

@@ -108,6 +108,21 @@ def import_float8():
     return torchao.float8
 
 
+def gathers_float8(cfg) -> bool:
+    """Whether ZeRO-3's `fully_shard` gathers the float8 linears' weights in float8 (the tensorwise recipe)."""
+    return cfg.train.float8 == "tensorwise" and cfg.layout.zero == 3 and cfg.layout.world_size > 1
+
+
+def precompute_weight_scales(parts) -> None:
+    """Under the float8 all-gather, every float8 weight's scale from its updated shards in one all-reduce per model
+    part over its ZeRO-3 group (torchao's `precompute_float8_dynamic_scale_for_fsdp`), after the optimizer step,
+    instead of one all-reduce per weight before each of its all-gathers. Every rank of the group calls it at the
+    same point of the step, so the all-reduces meet in one order."""
+    ao = import_float8()
+    for part in parts:
+        ao.precompute_float8_dynamic_scale_for_fsdp(part)
+
+
 def is_float8_linear(fqn: str) -> bool:
     """Whether the module named `fqn` (a model's `named_modules` name) is one of the linears float8 converts."""
     return fqn.rsplit(".", 1)[-1] in FLOAT8_LINEARS and ".router" not in fqn

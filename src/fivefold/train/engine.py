@@ -34,6 +34,7 @@ from fivefold.device import autocast, use_bf16
 from fivefold.models.llama import Llama, MoE, build_model, full_parameter_shapes
 from fivefold.models.masking import document_positions
 from fivefold.parallel.data import DataParallel, Segment, local_part
+from fivefold.parallel.float8 import gathers_float8, precompute_weight_scales
 from fivefold.parallel.mesh import ProcessGrid
 from fivefold.parallel.parallelize import LossModel
 from fivefold.parallel.pipeline import layer_ranges, stage_layer_counts
@@ -232,6 +233,8 @@ class Engine:
         self.update_expert_bias()
         for dp in self.data_parallels:
             dp.after_step()
+        if self.grid is not None and gathers_float8(self.cfg):  # the next gathers' float8 scales, in one all-reduce
+            precompute_weight_scales(self.parts.values())
         self.optimizer.zero_grad(set_to_none=True)
         return norm
 

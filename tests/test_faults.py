@@ -274,6 +274,9 @@ def test_warnings_for_a_long_warmup_and_a_huge_batch(tmp_path: Path) -> None:
     assert any("train.eval_batches = 100000" in w for w in lines)
     default = build_config(None, {})
     assert warnings(default, torch.device("cpu"), step_s(default)) == []  # the defaults: nothing to say
+    float8 = build_config(None, {"train.float8": "rowwise"})  # works on the CPU, slowly: said before it starts
+    assert any("train.float8 = 'rowwise' on the CPU" in w and "slower than fp32" in w
+               for w in warnings(float8, torch.device("cpu"), step_s(float8)))
 
 
 def test_token_ids_beyond_the_vocabulary_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -90,6 +90,9 @@ def warnings(cfg: Config, device: torch.device, step_s: float) -> list[str]:
                    f"train.global_batch_size = {t.global_batch_size} x train.seq_len = {t.seq_len} = {tokens:,} "
                    f"tokens, ~{_duration(step_s)} per step {ranks}; stop it with Ctrl-C (it saves a checkpoint) if "
                    "that is not what you meant")
+    if t.float8 != "off" and device.type == "cpu":
+        out.append(f"train.float8 = {t.float8!r} on the CPU runs PyTorch's reference float8 kernels: correct, and 2 "
+                   "to 4 times slower than fp32 (for tests; float8 speeds up GPUs of compute capability 8.9 or newer)")
     if eval_s > 600:
         out.append(f"train.eval_batches = {t.eval_batches}: each evaluation takes ~{_duration(eval_s)} ({ranks}); "
                    f"evaluations run at step 0, every train.eval_every = {t.eval_every} steps and at the end")

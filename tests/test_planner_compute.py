@@ -151,6 +151,19 @@ def test_fivefold_float8_prices_the_linears_and_drops_its_tp_overlap(capsys):
     assert json.loads(capsys.readouterr().out)["tokens_per_s_per_device"] > 1.2 * bf16
 
 
+def test_a_plan_priced_with_float8_writes_a_float8_config(capsys, tmp_path):
+    """`--write-config` of a search priced with `--features float8` runs what was priced: `train.float8 =
+    "rowwise"` (the recipe of the planner's row-scaled FP8 figure); without the feature, no float8."""
+    from fivefold.config import build_config
+
+    base = ["plan", "--model", "llama3-8b", "--gpus", "8", "--seq-len", "4096", "--global-batch", "128K", "--top", "1"]
+    for features, want in (("compile,float8", "rowwise"), ("compile", "off")):
+        out = tmp_path / f"{want}.toml"
+        assert main([*base, "--features", features, "--write-config", str(out)]) == 0
+        assert build_config(out).train.float8 == want
+    capsys.readouterr()
+
+
 def test_every_device_names_a_source_for_every_figure():
     devices = kernels.all_devices()
     for name in HARDWARE:

@@ -319,11 +319,11 @@ def _framework(args: argparse.Namespace, hw) -> Framework:
 
 
 def train_config(cfg: ModelConfig, lay: Layout, seq: int, batch_seqs: int, dtype: str, accelerator: bool = True,
-                 train_tokens: int | None = None) -> tuple[Config, str]:
+                 train_tokens: int | None = None, float8: bool = False) -> tuple[Config, str]:
     """The `fivefold train` config of `lay` for `cfg`, computing in `dtype` (the framework's precision), with the
     published hyperparameters of its size (`fivefold.train.recipes`) and a data path to fill in, checked by the same
     rules as `fivefold train` (`Config.validate`, then the layout rule book on the layout's world); and the
-    recipe's source."""
+    recipe's source. `float8` (the plan priced float8 linears, `--features float8`): `train.float8 = "rowwise"`."""
     from fivefold.train.recipes import apply_recipe
 
     conf = Config()
@@ -332,6 +332,7 @@ def train_config(cfg: ModelConfig, lay: Layout, seq: int, batch_seqs: int, dtype
     conf.train.seq_len = seq
     conf.train.global_batch_size = batch_seqs
     conf.train.dtype = dtype
+    conf.train.float8 = "rowwise" if float8 else "off"
     recipe = apply_recipe(conf, accelerator, train_tokens)
     conf.run_dir = f"runs/{cfg.name}"
     conf.validate()
@@ -341,11 +342,11 @@ def train_config(cfg: ModelConfig, lay: Layout, seq: int, batch_seqs: int, dtype
 
 def write_config(path: str, cfg: ModelConfig, lay: Layout, seq: int, batch_seqs: int, dtype: str,
                  nodes: int = 1, gpus_per_node: int = 1, accelerator: bool = True, prediction: str = "",
-                 train_tokens: int | None = None) -> Config:
+                 train_tokens: int | None = None, float8: bool = False) -> Config:
     """A `fivefold train` config of `lay` for `cfg` (`train_config`), with the launch lines in its header."""
     from fivefold.train.recipes import launch_lines
 
-    conf, source = train_config(cfg, lay, seq, batch_seqs, dtype, accelerator, train_tokens)
+    conf, source = train_config(cfg, lay, seq, batch_seqs, dtype, accelerator, train_tokens, float8)
     header = [f"# written by `fivefold plan`: {lay.short()} on {nodes} x {gpus_per_node} devices",
               *([f"# predicted: {prediction}"] if prediction else []),
               f"# hyperparameters: {source}; max_steps: "
@@ -690,7 +691,8 @@ def _search_layouts(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, h
                      prediction=f"{gib(best.peak_bytes):.1f} GiB peak per device, step {best.step_time_s:.2f} s, "
                                 f"{best.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {100 * best.mfu:.1f} %"
                                 + (" (with torch.compile, as configured)" if compiled_for_config else ""),
-                     train_tokens=parse_tokens(args.train_tokens) if args.train_tokens else None)
+                     train_tokens=parse_tokens(args.train_tokens) if args.train_tokens else None,
+                     float8=fw.float8_linears)
     for e in result.candidates:  # the written config's header keeps fivefold's MFU (what the trainer logs)
         e.mfu *= _mfu_scale(args, cfg, seq)
     measured = None
@@ -794,7 +796,7 @@ def measure(args: argparse.Namespace, cfg: ModelConfig, lay: Layout, seq: int, b
 
     # compiled on an accelerator, as `--write-config` writes it; eager on the CPU
     accelerator = resolve_device("auto").type != "cpu"
-    conf, _ = train_config(cfg, lay, seq, batch_seqs, fw.compute_dtype, accelerator)
+    conf, _ = train_config(cfg, lay, seq, batch_seqs, fw.compute_dtype, accelerator, float8=fw.float8_linears)
     return measure_ranks(conf, args.measure_steps, sys.stdout if not args.json else sys.stderr)
 
 

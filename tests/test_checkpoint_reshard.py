@@ -76,6 +76,7 @@ def test_dp2_tp2_checkpoint_resumes_under_pp2_and_one_process(tmp_path, dataset)
     assert written == sum(t.numel() for t in model.values())
 
 
+@pytest.mark.slow  # heavy; expert checkpoints stay in the fast run (test_zero3_expert.py)
 def test_whole_experts_under_tp_checkpoint_resumes_in_one_process_and_split(tmp_path, dataset):  # noqa: F811
     """dp2 x tp2 with whole experts (etp = 1) under ZeRO-1: the experts' AdamW moments are cut over the edp ranks,
     all four here (both tp ranks of both dp ranks), so every rank writes its own slices (the dense weights' second

@@ -85,7 +85,7 @@ def compiled_tp_sp_bytes(rank: int, world_size: int, overlap: bool) -> tuple[int
             saved_bytes(cfg, True, SEQ // world_size, dist.group.WORLD, overlap))
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", [True, pytest.param(False, marks=pytest.mark.slow)])  # the default fast
 def test_a_compiled_block_under_tp2_and_sp_keeps_the_gathered_input(overlap):
     """With the gathered linears' backward overlapped (`layout.tp_comm_overlap`, the default) and without."""
     cfg = dataclasses.replace(get_preset("tiny"), **DENSE)

@@ -43,8 +43,6 @@ from fivefold.config import ConfigError, shown
 RECIPES = ("rowwise", "tensorwise")
 # the linear modules of a block that run in float8 (attention's and every dense / shared-expert MLP's)
 FLOAT8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# float8 GEMMs need every dim of their operands a multiple of 16
-FLOAT8_ALIGN = 16
 # the oldest compute capability with float8 matmuls of each recipe's scaling
 MIN_CAPABILITY = {"rowwise": (9, 0), "tensorwise": (8, 9)}
 

@@ -43,7 +43,7 @@ from fivefold.layout import raise_problem, sequence_length_problem
 from fivefold.models.llama import MoE
 from fivefold.models.masking import DocumentMask
 from fivefold.parallel.attention_ops import attention_backward, attention_forward
-from fivefold.parallel.tensor_comm import CollectiveStore, all_gather, all_reduce
+from fivefold.parallel.tensor_comm import CollectiveStore, all_gather, all_reduce, kept_through
 
 LAYOUTS = ("zigzag", "contiguous")
 _KV_TAG, _GRAD_TAG = 1, 2  # two transfers may be in flight to the same neighbour at once
@@ -337,17 +337,7 @@ class RingAttention(torch.autograd.Function):
                 ) -> torch.Tensor:
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         calls = calls if calls is not None else causal_calls(rank, cp, layout, q.shape[2] // 2)
-        if store is not None and store.replay:
-            out, lse = store.take(), store.take()
-        elif store is not None:
-            from fivefold.parallel.recompute import uncached
-
-            with uncached():  # kept whole below: the ring steps' kernel outputs need no cache
-                out, lse = ring_attention_forward(q, k, v, group, layout, calls=calls)
-            store.keep(out)
-            store.keep(lse)
-        else:
-            out, lse = ring_attention_forward(q, k, v, group, layout, calls=calls)
+        out, lse = kept_through(store, lambda: ring_attention_forward(q, k, v, group, layout, calls=calls))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.calls = group, calls
         return out

@@ -43,8 +43,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from fivefold.models.llama import Llama, MoE, expert_counts
+from fivefold.models.llama import Llama, MoE, autocast_dtype, expert_counts
 from fivefold.parallel.expert_comm import all_to_all, all_to_all_beside, exchange_counts, kept_all_to_all
+from fivefold.parallel.tensor_comm import CollectiveStore, kept_through
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")  # batched routed-expert weights; dim 0 is the expert
 
@@ -80,10 +81,12 @@ class ExpertParallelDispatch:
     The one host read of a dispatch is the table of counts (this rank's sends and receives per expert), for the
     all-to-all split sizes. Under recompute (`fivefold.parallel.recompute`) the original forward records its
     tables in the layer's `recorded_counts` and the recomputation reads them back from its `replayed_counts`,
-    so recompute adds none. Under selective recompute the layer's `collective_store` (`tensor_comm.CollectiveStore`,
-    set around the block by `recompute.collectives_kept`) keeps what each exchange received, the counts and the rows
+    so recompute adds none. Under selective recompute its `collective_store` (`tensor_comm.CollectiveStore`, set
+    around the block by `recompute.collectives_kept`) keeps what each exchange received, the counts and the rows
     both ways, and the recomputation takes them from it instead of exchanging again (`expert_comm.kept_all_to_all`:
     its backward still sends the gradients back)."""
+
+    collective_store: CollectiveStore | None = None
 
     def __init__(self, moe: MoE, group: ProcessGroup) -> None:
         self.moe, self.group = moe, group
@@ -126,39 +129,37 @@ class ExpertParallelDispatch:
         home) to their experts' ranks, running `beside()` (the shared experts) while they travel. Returns (the
         slots sent, the rows received, the receive counts [source rank, local expert] on the device and as a table,
         (send splits, receive splits), what `beside` returned or None)."""
-        store = getattr(self.moe, "collective_store", None)
-        replay = store is not None and store.replay
         # [source rank, local expert]
-        recv_counts = store.take() if replay else exchange_counts(send_counts, self.group)
+        recv_counts = kept_through(self.collective_store, lambda: exchange_counts(send_counts, self.group))
         send_table, recv_table = self.host_counts(send_counts, recv_counts)
         splits = [sum(r) for r in send_table], [sum(r) for r in recv_table]
         sent = order[:sum(splits[0])]  # slot indices (token * top_k + choice) in the order they are sent
         rows = x[sent // self.moe.top_k]
-        if torch.is_autocast_enabled(x.device.type):  # the experts' matmuls take it in that dtype anyway
-            rows = rows.to(torch.get_autocast_dtype(x.device.type))
-        if replay:
-            received = kept_all_to_all(rows, store.take(), *splits, self.group)
-            return sent, received, recv_counts, recv_table, splits, None if beside is None else beside()
-        if beside is None:
-            received, shared = all_to_all(rows, *splits, self.group), None
-        else:
-            received, shared = all_to_all_beside(rows, *splits, self.group, beside)
-        if store is not None:
-            store.keep(recv_counts)
-            store.keep(received)
+        rows = rows.to(autocast_dtype(rows))  # the experts' matmuls take it in that dtype anyway
+        received, shared = self.exchange(rows, *splits, beside)
         return sent, received, recv_counts, recv_table, splits, shared
+
+    def exchange(self, rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], beside=None) -> tuple:
+        """(the rows received, what `beside()` returned or None): the all-to-all of `rows`, with `beside()` run while
+        they travel; under a selective recomputation the rows its original forward received (`collective_store`),
+        without communicating."""
+        store = self.collective_store
+        if store is not None and store.replay:
+            received = kept_all_to_all(rows, store.take(), send_splits, recv_splits, self.group)
+            return received, None if beside is None else beside()
+        if beside is None:
+            received, result = all_to_all(rows, send_splits, recv_splits, self.group), None
+        else:
+            received, result = all_to_all_beside(rows, send_splits, recv_splits, self.group, beside)
+        if store is not None:
+            store.keep(received)
+        return received, result
 
     def combine(self, x: torch.Tensor, result: torch.Tensor, sent: torch.Tensor, weights: torch.Tensor,
                 splits: tuple[list[int], list[int]]) -> torch.Tensor:
         """Return the expert outputs `result` (in arrival order) to their ranks and sum each token's outputs
         scaled by its routing weights."""
-        store = getattr(self.moe, "collective_store", None)
-        if store is not None and store.replay:
-            returned = kept_all_to_all(result, store.take(), splits[1], splits[0], self.group)
-        else:
-            returned = all_to_all(result, splits[1], splits[0], self.group)
-            if store is not None:
-                store.keep(returned)
+        returned, _ = self.exchange(result, splits[1], splits[0])
         contrib = returned.to(x.dtype) * weights.reshape(-1)[sent].unsqueeze(-1)
         return x.new_zeros(x.shape).index_add_(0, sent // self.moe.top_k, contrib)
 

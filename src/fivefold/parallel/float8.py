@@ -121,34 +121,20 @@ def precompute_weight_scales(parts) -> None:
         ao.precompute_float8_dynamic_scale_for_fsdp(part)
 
 
-def is_float8_linear(fqn: str) -> bool:
-    """Whether the module named `fqn` (a model's `named_modules` name) is one of the linears float8 converts."""
-    return fqn.rsplit(".", 1)[-1] in FLOAT8_LINEARS and ".router" not in fqn
+def is_float8_linear(module: nn.Module, fqn: str) -> bool:
+    """Whether `module`, named `fqn` in its model, is one of the linears float8 converts (`FLOAT8_LINEARS`)."""
+    return type(module) is nn.Linear and fqn.rsplit(".", 1)[-1] in FLOAT8_LINEARS
 
 
-def apply_float8(model: nn.Module, recipe: str, float8_all_gather: bool = False) -> int:
-    """Convert the blocks' linears of `model` (`FLOAT8_LINEARS`) to torchao's `Float8Linear` with `recipe`, in place
-    and keeping every parameter (same objects, same names); `float8_all_gather` (tensorwise only, under ZeRO-3):
-    `fully_shard` gathers the weights in float8. Apply after tensor parallel, before recompute and compile. Returns
-    the number of linears converted."""
+def apply_float8(model: nn.Module, recipe: str, float8_all_gather: bool = False) -> None:
+    """Convert the blocks' linears of `model` (`FLOAT8_LINEARS`) to torchao's `Float8Linear` with `recipe` (a
+    validated `train.float8`), in place and keeping every parameter (same objects, same names);
+    `float8_all_gather` (the tensorwise recipe under ZeRO-3, `gathers_float8`): `fully_shard` gathers the weights in
+    float8. Apply after tensor parallel, before recompute and compile."""
     ao = import_float8()
-    if recipe not in RECIPES:
-        raise ConfigError(f"train.float8 = {shown(recipe)} is not a recipe; use one of {', '.join(RECIPES)} or 'off'")
-    config = ao.Float8LinearConfig.from_recipe_name(recipe)
-    if float8_all_gather:
-        if recipe != "tensorwise":
-            raise ValueError("a float8 all-gather needs tensorwise scales")
-        config = ao.Float8LinearConfig(enable_fsdp_float8_all_gather=True)
-    converted: list[str] = []
-
-    def chosen(module: nn.Module, fqn: str) -> bool:
-        if type(module) is nn.Linear and is_float8_linear(fqn):
-            converted.append(fqn)
-            return True
-        return False
-
-    ao.convert_to_float8_training(model, config=config, module_filter_fn=chosen)
+    config = (ao.Float8LinearConfig(enable_fsdp_float8_all_gather=True) if float8_all_gather
+              else ao.Float8LinearConfig.from_recipe_name(recipe))
+    ao.convert_to_float8_training(model, config=config, module_filter_fn=is_float8_linear)
     for module in model.modules():  # tensor parallel's fused collective matmuls read the weights directly
         if hasattr(module, "fused_matmuls"):
             module.fused_matmuls = False
-    return len(converted)

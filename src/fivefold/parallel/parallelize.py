@@ -120,7 +120,7 @@ def apply_model_parallel(model: Llama, cfg: Config, grid: ProcessGrid | None,
     if cfg.train.float8 != "off":  # 1b. float8 linears, each on its tp shard
         from fivefold.parallel.float8 import apply_float8, gathers_float8
 
-        apply_float8(model, cfg.train.float8, float8_all_gather=gathers_float8(cfg) and grid is not None)
+        apply_float8(model, cfg.train.float8, float8_all_gather=gathers_float8(cfg))
     if weight_grad_queue is not None:  # the zero-bubble schedules' B / W split
         from fivefold.parallel.pipeline import defer_weight_grads
 

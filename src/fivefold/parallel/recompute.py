@@ -29,7 +29,6 @@ the recomputed dispatch reuses the count tables that its original forward read o
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 from collections.abc import Iterator
 
@@ -40,7 +39,7 @@ from fivefold.config import shown
 from fivefold.models.llama import Llama, MoE
 from fivefold.parallel.context import RingAttentionCore
 from fivefold.parallel.expert import ExpertParallelDispatch
-from fivefold.parallel.tensor_comm import CollectiveStore
+from fivefold.parallel.tensor_comm import CollectiveStore, computing_kept_whole
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -52,24 +51,10 @@ SAVED_OPS = ("aten::mm", "aten::addmm", "aten::_scaled_mm", "aten::_scaled_dot_p
              "aten::_efficient_attention_forward")
 
 
-# true inside `uncached()`: ops whose caller keeps their result whole (a `CollectiveStore`) are not cached again
-_UNCACHED = contextvars.ContextVar("fivefold_recompute_uncached", default=False)
-
-
-@contextlib.contextmanager
-def uncached() -> Iterator[None]:
-    """Within it the selective policy keeps nothing: for work whose result its caller keeps in the block's
-    `CollectiveStore` and whose recomputation therefore never runs (ring attention's steps)."""
-    token = _UNCACHED.set(True)
-    try:
-        yield
-    finally:
-        _UNCACHED.reset(token)
-
-
 def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    """Keep the matmul and attention outputs, recompute everything else (nothing within `uncached`)."""
-    if _UNCACHED.get():
+    """Keep the matmul and attention outputs, recompute everything else (nothing of the work whose result a
+    `CollectiveStore` keeps whole: `tensor_comm.computing_kept_whole`)."""
+    if computing_kept_whole():
         return CheckpointPolicy.PREFER_RECOMPUTE
     name = op.name().split(".")[0]
     return CheckpointPolicy.MUST_SAVE if name in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
@@ -96,6 +81,16 @@ def host_counts_kept(block: nn.Module, store: list, replay: bool,
                 moe.replayed_counts = moe.recorded_counts = None
 
 
+def store_holders(block: nn.Module) -> list:
+    """What in `block` keeps its collectives' outputs in a `CollectiveStore` (each has a `collective_store`): the
+    overlapped tensor-parallel modules, ring attention's core, an expert-parallel MoE layer's dispatch."""
+    attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
+    holders = [m for m in (attn, mlp) if getattr(m, "tp_comm_overlap", False)]
+    holders += [h for h in (getattr(attn, "core", None), getattr(mlp, "dispatch_combine", None))
+                if isinstance(h, RingAttentionCore | ExpertParallelDispatch)]
+    return holders
+
+
 @contextlib.contextmanager
 def collectives_kept(block: nn.Module, store: CollectiveStore | None, replay: bool,
                      inner: contextlib.AbstractContextManager) -> Iterator[None]:
@@ -104,11 +99,7 @@ def collectives_kept(block: nn.Module, store: CollectiveStore | None, replay: bo
     communicating (the selective recomputation, `replay`); see `tensor_comm.CollectiveStore`,
     `context.RingAttention` and `expert.ExpertParallelDispatch`. Nothing without a store (full recompute
     communicates again)."""
-    parts = (getattr(block, "attn", None), getattr(block, "mlp", None))
-    modules = [m for m in parts if getattr(m, "tp_comm_overlap", False)
-               or isinstance(getattr(m, "dispatch_combine", None), ExpertParallelDispatch)] if store is not None else []
-    if store is not None and isinstance(getattr(parts[0], "core", None), RingAttentionCore):
-        modules.append(parts[0].core)
+    modules = store_holders(block) if store is not None else []
     with inner:
         for m in modules:
             m.collective_store = store

@@ -204,13 +204,13 @@ class TensorParallelMLP(MLP):
         return row_linear_out(self, self.down_proj, h)
 
     def project_gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.sequence_parallel and not self.fused_matmuls:
+        if not self.sequence_parallel:
+            return super().project_gate_up(x)
+        if not self.fused_matmuls:
             return super().project_gate_up(gather_sequence(x, self.tp_group).contiguous())
-        if self.sequence_parallel:
-            return gather_linears(x, self.tp_group, self.gate_proj.weight, self.up_proj.weight,
-                                  weight_grad_queue=getattr(self, "weight_grad_queue", None),
-                                  overlap=self.tp_comm_overlap, store=self.collective_store)
-        return super().project_gate_up(x)
+        return gather_linears(x, self.tp_group, self.gate_proj.weight, self.up_proj.weight,
+                              weight_grad_queue=getattr(self, "weight_grad_queue", None),
+                              overlap=self.tp_comm_overlap, store=self.collective_store)
 
 
 class TensorParallelMoE(MoE):

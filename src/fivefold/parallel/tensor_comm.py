@@ -22,6 +22,9 @@ Activations are batch-first, [batch, seq, hidden]; the sequence is dim 1. Every 
 
 from __future__ import annotations
 
+import contextvars
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -87,24 +90,54 @@ def start_reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup, async_o
 
 
 
+# true while a store's caller computes a result the store keeps whole (`CollectiveStore.through`): the selective
+# recompute policy caches nothing of that work, whose recomputation never runs (`recompute.selective_policy`)
+_KEPT_WHOLE = contextvars.ContextVar("fivefold_kept_whole", default=False)
+
+
+def computing_kept_whole() -> bool:
+    """Whether the work running now computes a result that a `CollectiveStore` keeps whole."""
+    return _KEPT_WHOLE.get()
+
+
 class CollectiveStore:
-    """The outputs of one checkpointed block's overlapped tensor-parallel collectives, kept by its forward and
-    handed back in its selective recomputation (`recompute.block_contexts`), so that the recomputation
-    communicates nothing. Selective recompute keeps the outputs of every matmul (`recompute.SAVED_OPS`), which the
-    recomputation takes from the checkpoint's cache in the order they ran; the recomputed forward therefore calls
-    the same matmuls in the same order, on stand-in inputs where a collective's output would have been: the
-    gathered linears' gathered input (which only feeds matmuls) is not kept at all, the row linears'
-    reduce-scattered output (which the next norm reads) is kept, 1/tp of the sequence."""
+    """The outputs of one checkpointed block's collectives, kept by its forward and handed back in its selective
+    recomputation (`recompute.block_contexts`), so that the recomputation communicates nothing. Selective recompute
+    keeps the outputs of every matmul (`recompute.SAVED_OPS`), which the recomputation takes from the checkpoint's
+    cache in the order they ran; the recomputed forward therefore calls the same matmuls in the same order, on
+    stand-in inputs where a collective's output would have been: the gathered linears' gathered input (which only
+    feeds matmuls) is not kept at all, the row linears' reduce-scattered output (which the next norm reads) is kept,
+    1/tp of the sequence. Ring attention's result and the expert-parallel exchanges' are kept too
+    (`context.RingAttention`, `expert.ExpertParallelDispatch`)."""
 
     def __init__(self) -> None:
-        self.kept: list[torch.Tensor] = []
+        self.kept: list = []
         self.replay = False
 
     def keep(self, out: torch.Tensor) -> None:
         self.kept.append(out.detach())
 
-    def take(self) -> torch.Tensor:
+    def take(self):
         return self.kept.pop(0)
+
+    def through(self, compute: Callable[[], torch.Tensor | tuple[torch.Tensor, ...]]):
+        """`compute()`'s tensor (or tuple of tensors): in the original forward computed, with nothing of the work
+        cached by the selective policy (the result is kept whole here), and kept; in the recomputation handed back
+        without computing or communicating."""
+        if self.replay:
+            return self.take()
+        token = _KEPT_WHOLE.set(True)
+        try:
+            result = compute()
+        finally:
+            _KEPT_WHOLE.reset(token)
+        self.kept.append(tuple(t.detach() for t in result) if isinstance(result, tuple) else result.detach())
+        return result
+
+
+def kept_through(store: CollectiveStore | None, compute: Callable):
+    """`store.through(compute)`, or `compute()` where there is no store (no selective recompute)."""
+    return compute() if store is None else store.through(compute)
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -436,9 +436,9 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
         t_tp_f_extra = 0.0
     t_tp_f = t_tp + tp_forward_hidden(cfg, lay, fw, hw, act, lin_f, st)
     # selective recompute reruns the attention core, which under cp is the ring's forward with its transfers (fivefold
-    # keeps the ring's result instead: `keeps_ring`)
-    ring_again = 0.0 if keeps_ring(lay, fw) else t_cp_f
-    recompute = {"none": 0.0, "selective": attn_f + ring_again,
+    # keeps the ring's result instead: `keeps_ring`); full recompute reruns everything
+    ring_again = lay.recompute == "full" or lay.recompute == "selective" and not keeps_ring(lay, fw)
+    recompute = {"none": 0.0, "selective": attn_f + ring_again * t_cp_f,
                  "full": t_layer + t_tp_f + t_tp_f_extra + t_cp_f + t_ep}[lay.recompute]
     f_layer = t_layer + t_tp_f + t_tp_f_extra + t_cp_f + t_ep
     t_tp_b = t_tp + t_tp_b_extra + tp_backward_hidden(cfg, lay, fw, hw, act, lin_b, st)
@@ -464,10 +464,8 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
             w[s] += params * fw.grad_accum_copy_bytes / hbm
     host = host_floor(cfg, lay, fw, hw, counts, f, b, w)
     again = 1 if lay.recompute == "full" else 0  # full recompute repeats the forward's communication
-    # selective recompute too (the ring is the recomputed core), unless the ring's result is kept
-    again_cp = 1 if lay.recompute == "full" or lay.recompute == "selective" and not keeps_ring(lay, fw) else 0
     per_layer = {"tp_comm": (1 + again) * t_tp_f + t_tp_b + (1 + again) * t_tp_f_extra,
-                 "cp_comm": (1 + again_cp) * t_cp_f + t_cp_b,
+                 "cp_comm": (1 + ring_again) * t_cp_f + t_cp_b,
                  "ep_comm": (2 + again) * t_ep,
                  # the recomputed forward's own compute (its communication is counted above)
                  "recompute": {"none": 0.0, "selective": attn_f, "full": t_layer}[lay.recompute]}

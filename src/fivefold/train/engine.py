@@ -233,7 +233,7 @@ class Engine:
         self.update_expert_bias()
         for dp in self.data_parallels:
             dp.after_step()
-        if self.grid is not None and gathers_float8(self.cfg):  # the next gathers' float8 scales, in one all-reduce
+        if gathers_float8(self.cfg):  # the next gathers' float8 scales, in one all-reduce
             precompute_weight_scales(self.parts.values())
         self.optimizer.zero_grad(set_to_none=True)
         return norm

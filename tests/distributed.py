@@ -27,7 +27,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue,
+           environ: dict[str, str]) -> None:
+    os.environ.clear()  # the test's environment as it is now, not the fork server's from when it started
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)  # ranks share the machine's cores
@@ -61,11 +64,20 @@ def _port_taken(errors: str) -> bool:
     return "init_process_group" in errors and ("Address already in use" in errors or "EADDRINUSE" in errors)
 
 
+def _context():
+    """Ranks are forked from one server process that has imported torch once (2-3 s of CPU each time a spawned
+    rank imports it); each rank still starts from that clean state, never from the test process."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
+
+
 def _run_once(world_size: int, fn: Callable, args: tuple, timeout: float) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=True)
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, environ), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -127,7 +127,7 @@ def _train(run_dir: Path, slow: str | None) -> str:
     if slow:
         env[SLOW_RANK_ENV] = slow
     done = subprocess.run(
-        [sys.executable, "-m", "fivefold", "train", "--nproc", "2", "--layout.dp", "2", "--max-steps", "12",
+        [sys.executable, "-m", "fivefold", "train", "--nproc", "2", "--layout.dp", "2", "--max-steps", "8",
          "--log.log_every", "4", "--train.eval_batches", "1", "--run-dir", str(run_dir)],
         capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -37,7 +37,6 @@ from fivefold.planner.memory import (
     expert_ffn_local,
     fuses_row_linears,
     keeps_ring,
-    layer_activation_bytes,
     layer_params,
     model_state_bytes,
     rank_params,
@@ -232,7 +231,6 @@ def _block_seconds(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: C
     head_fwd = head_flops / 3 * tokens / tp
     kv = max(cfg.n_kv_heads // tp, 1)
     hbm = hw.hbm_gbps * 1e9
-    act_bytes = layer_activation_bytes(cfg, int(tokens), Layout(tp=tp, sp=lay.sp, etp=lay.etp), fw)["total"]
     # forward (f) and backward (b) seconds of a block's linears, attention core, element-wise work, fixed costs
     load = busiest_rank_load(cfg, lay.ep, moe_imbalance) if cfg.is_moe else 1.0
     measured = [hw.linear_time(*shape) for shape in linear_shapes(cfg, tokens, tp, fw.fused_projections, lay.etp,
@@ -244,7 +242,10 @@ def _block_seconds(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: C
         if cfg.masks_attention:  # the measured causal kernel, for the share of its pairs the mask executes
             share = attention_fraction(cfg, seq, docs)
             attn_f, attn_b = attn_f * share, attn_b * share
-        elementwise = 2 * act_bytes / hw.elementwise_bandwidth(tokens * h * ab / (tp if lay.sp else 1))
+        # the element-wise operators' bytes as the kernel-class path counts them, at the measured speed for the
+        # size of one hidden-state tensor
+        elementwise = elementwise_bytes(cfg, tokens, tp, lay.sp, fw) / hw.elementwise_bandwidth(
+            tokens * h * ab / (tp if lay.sp else 1))
         oh_f = fw.kernels_per_layer * hw.kernel_overhead_us * 1e-6 * hw.compute_scale
         oh_b = fw.kernels_per_layer * hw.backward_overhead() * hw.compute_scale
         n_chunks = tokens / chunk

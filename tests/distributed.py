@@ -2,7 +2,8 @@
 
     results = run_ranks(4, my_fn, arg1, arg2)   # my_fn(rank, world_size, arg1, arg2) on every rank
 
-`my_fn` must be importable by name (a module-level function), because ranks are spawned processes.
+`my_fn` must be importable by name (a module-level function), because ranks are separate processes (forked from
+a server process that has imported torch, `fresh_process_context`).
 An exception on any rank fails the call with that rank's traceback. Results may hold tensors: they are pickled
 by value (not through shared memory, which would vanish when the rank exits).
 """
@@ -27,10 +28,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def adopt_environment(environ: dict[str, str]) -> None:
+    """In a process of `fresh_process_context`: the test's environment as it was when the process was started,
+    not the fork server's from when the server started."""
+    os.environ.clear()
+    os.environ.update(environ)
+
+
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue,
            environ: dict[str, str]) -> None:
-    os.environ.clear()  # the test's environment as it is now, not the fork server's from when it started
-    os.environ.update(environ)
+    adopt_environment(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)  # ranks share the machine's cores
@@ -64,16 +71,17 @@ def _port_taken(errors: str) -> bool:
     return "init_process_group" in errors and ("Address already in use" in errors or "EADDRINUSE" in errors)
 
 
-def _context():
-    """Ranks are forked from one server process that has imported torch once (2-3 s of CPU each time a spawned
-    rank imports it); each rank still starts from that clean state, never from the test process."""
+def fresh_process_context():
+    """A multiprocessing context whose processes are forked from one server process that has imported torch once
+    (2-3 s of CPU each time a spawned process imports it); each process still starts from that clean state, never
+    from the test process. The server's environment is the one it started with: pass the test's along."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed"])
     return ctx
 
 
 def _run_once(world_size: int, fn: Callable, args: tuple, timeout: float) -> list[Any]:
-    ctx = _context()
+    ctx = fresh_process_context()
     queue = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)

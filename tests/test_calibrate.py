@@ -20,6 +20,7 @@ from fivefold.planner.memory import model_state_bytes
 from fivefold.planner.time import linear_shapes, optimizer_tensors, stage_times, step_time
 from fivefold.presets import get_preset
 from fivefold.tools.calibrate import Result, fit_link, monotone, profile_tables, to_toml
+from fivefold.tools.calibrate.whole_step import SCALE_BOUNDS, predicted_step, reference_config, step_scale
 
 TINY = get_preset("tiny")
 
@@ -53,6 +54,38 @@ def test_quick_calibration_writes_a_profile_that_loads(quick_profile):
         rows = groups[2]
         assert [b for b, _ in rows] == sorted(b for b, _ in rows) and all(1e-7 < s < 10 for _, s in rows)
     assert hw.intra_latency_us > 0 and hw.intra_node_gbps > 0
+    # the reference model's whole step against the parts: a factor within its bounds, on every rank count
+    assert SCALE_BOUNDS[0] <= hw.compute_scale <= SCALE_BOUNDS[1]
+    assert hw.on_node(1).compute_scale == hw.on_node(2).compute_scale == hw.compute_scale
+
+
+def test_compute_scale_multiplies_every_compute_time_and_not_communication():
+    """One process: every part of the step is compute (linears, attention, loss, element-wise, fixed costs,
+    optimizer), so the step scales by the factor exactly; under tp 2 the all-reduces do not scale."""
+    hw = _profile()
+    scaled = dataclasses.replace(hw, compute_scale=1.7)
+    one = Layout(micro_batch_size=4, grad_accum_steps=4)
+    plain, slow = (step_time(TINY, 128, one, FIVEFOLD_CPU, h) for h in (hw, scaled))
+    assert slow.step_time == pytest.approx(1.7 * plain.step_time, rel=1e-9)
+    assert slow.parts["optimizer"] == pytest.approx(1.7 * plain.parts["optimizer"], rel=1e-9)
+    tp = Layout(tp=2, micro_batch_size=4, grad_accum_steps=4)
+    plain, slow = (step_time(TINY, 128, tp, FIVEFOLD_CPU, h) for h in (hw, scaled))
+    assert slow.parts["tp_comm"] == plain.parts["tp_comm"] > 0
+    assert slow.parts["compute"] == pytest.approx(1.7 * plain.parts["compute"], rel=1e-9)
+
+
+def test_more_ranks_than_measured_multiply_the_whole_step_factor():
+    hw = dataclasses.replace(_profile(), compute_scale=1.25, by_ranks={2: {"kernel_overhead_us": 12.0}})
+    assert hw.on_node(2).compute_scale == 1.25  # measured with 2 ranks: the factor alone
+    assert hw.on_node(4).compute_scale == pytest.approx(1.25 * 4 / 2)  # 4 ranks on 2 cores: twice as slow too
+
+
+def test_the_reference_model_is_none_of_the_presets_and_its_step_is_priced_on_the_profile():
+    cfg = reference_config(threads=1, steps=1)
+    assert (cfg.model.n_layers, cfg.model.hidden, cfg.model.ffn, cfg.model.vocab_size) == (2, 128, 256, 1024)
+    assert cfg.model.n_layers != TINY.n_layers and cfg.model.ffn != TINY.ffn
+    assert predicted_step(_profile(), 1) > 0
+    assert step_scale(2.0, 1.0) == 2.0 and step_scale(10.0, 1.0) == SCALE_BOUNDS[1]
 
 
 def test_profile_drives_plan_hardware(quick_profile, capsys):

@@ -11,14 +11,14 @@ here; MoE routing is balanced under --only-rank and only there.
 from __future__ import annotations
 
 import json
-import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from tests.distributed import run_ranks
+from tests.distributed import adopt_environment, fresh_process_context, run_ranks
 
 from fivefold.cli import main
 from fivefold.config import build_config
@@ -108,7 +108,8 @@ def every_rank_alone(name: str) -> list[dict[str, int]]:
     world = config(name).layout.world_size
     if config(name).layout.zero != 3:
         return [standin_bytes(name, rank) for rank in range(world)]
-    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1) as pool:
+    with ProcessPoolExecutor(2, mp_context=fresh_process_context(), max_tasks_per_child=1,
+                             initializer=adopt_environment, initargs=(dict(os.environ),)) as pool:
         return list(pool.map(standin_bytes, [name] * world, range(world)))
 
 

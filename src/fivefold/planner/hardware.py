@@ -78,7 +78,9 @@ class Cluster(Hardware):
     drift_per_node_doubling: float = 0.0
     # (group size, seconds): what a blocking collective costs beyond its own time when ranks compute in between
     collective_wait: tuple[tuple[float, ...], ...] = ()
-    compute_scale: float = 1.0  # multiplies compute times (more ranks on a node than were measured)
+    # multiplies compute times: a calibrated CPU profile's whole training step against the sum of its parts
+    # (`tools/calibrate/whole_step.py`), times the slowdown of more ranks on a node than were measured
+    compute_scale: float = 1.0
     linear: tuple[tuple[float, ...], ...] = ()  # (m, n, k, forward TFLOP/s, backward TFLOP/s)
     attention: tuple[tuple[float, ...], ...] = ()  # (batch x heads, seq, head_dim, fwd TFLOP/s, bwd TFLOP/s)
     loss: tuple[tuple[float, ...], ...] = ()  # fused output layer + cross-entropy: (tokens, vocab, hidden, TFLOP/s x2)
@@ -138,7 +140,7 @@ class Cluster(Hardware):
         below = [n for n in self.by_ranks if n <= ranks]
         values = dict(self.by_ranks[max(below)]) if below else {}
         if below and ranks > max(below) and self.cores and ranks > self.cores:
-            values["compute_scale"] = ranks / max(max(below), self.cores)
+            values["compute_scale"] = self.compute_scale * ranks / max(max(below), self.cores)
         exact = self.by_ranks.get(ranks, {})
         values["collectives"] = exact.get("collectives") or values.get("collectives") or self.collectives
         return dataclasses.replace(self, by_ranks={}, **values)

@@ -16,6 +16,7 @@ from fivefold.tools.calibrate.harness import size_text
 from fivefold.tools.calibrate.profile import profile_header, profile_name, profile_tables, write_profile
 from fivefold.tools.calibrate.ranks import measure_group, worker
 from fivefold.tools.calibrate.targets import Result, for_group, make_plan
+from fivefold.tools.calibrate.whole_step import predicted_step, step_scale, time_whole_step
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,7 +70,25 @@ def calibrate(args: argparse.Namespace) -> tuple[Path, dict[int, Result], float]
                                  time.strftime('%Y-%m-%d %H:%M'), load)
     tables = profile_tables(results, device_type, args.threads, levels[-1], profile_name(out))
     write_profile(out, tables, text_header)
+    if device_type == "cpu":
+        tables["compute_scale"] = whole_step_scale(out, args)
+        write_profile(out, tables, text_header)
     return out, results, seconds
+
+
+def whole_step_scale(profile: Path, args: argparse.Namespace) -> float:
+    """The reference model's whole step timed through the engine against the profile at `profile` (written
+    without a scale): the factor on every compute time (`whole_step`)."""
+    from fivefold.planner.profile import load
+
+    def say(text: str) -> None:
+        print(f"calibrate [1 rank] {text}", flush=True)
+
+    measured = time_whole_step(args.threads, 3 if args.quick else 10, 1 if args.quick else 3, say)
+    predicted = predicted_step(load(profile, None, "cpu")[1], args.threads)
+    scale = round(step_scale(measured, predicted), 4)
+    say(f"the profile's parts predict {1e3 * predicted:.1f} ms: compute_scale = {scale}")
+    return scale
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ import argparse
 import os
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,32 +61,37 @@ def calibrate(args: argparse.Namespace) -> tuple[Path, dict[int, Result], float]
     start = time.perf_counter()
     load_before = _load_note()
     results: dict[int, Result] = {}
+    scale = None
     for n in levels:
         results[n] = measure_group(for_group(plan, n), n)
         print(f"calibrate: {n} rank{'s' if n > 1 else ''} done in {results[n].seconds:.0f} s", flush=True)
+        if n == 1 and device_type == "cpu":  # right after the parts it is set against, on the machine as it is then
+            scale = whole_step_scale(results[1], args)
     seconds = time.perf_counter() - start
     load = f"load average {load_before} before, {_load_note()} after (cores: {os.cpu_count()})"
     print(f"calibrate: {load}", flush=True)
     text_header = profile_header(args.quick, socket.gethostname(), device_type, seconds,
                                  time.strftime('%Y-%m-%d %H:%M'), load)
     tables = profile_tables(results, device_type, args.threads, levels[-1], profile_name(out))
+    if scale is not None:
+        tables["compute_scale"] = scale
     write_profile(out, tables, text_header)
-    if device_type == "cpu":
-        tables["compute_scale"] = whole_step_scale(out, args)
-        write_profile(out, tables, text_header)
     return out, results, seconds
 
 
-def whole_step_scale(profile: Path, args: argparse.Namespace) -> float:
-    """The reference model's whole step timed through the engine against the profile at `profile` (written
-    without a scale): the factor on every compute time (`whole_step`)."""
+def whole_step_scale(one: Result, args: argparse.Namespace) -> float:
+    """The reference model's whole step timed through the engine against what one rank's figures (`one`) predict
+    for it: the factor on every compute time (`whole_step`)."""
     from fivefold.planner.profile import load
 
     def say(text: str) -> None:
         print(f"calibrate [1 rank] {text}", flush=True)
 
-    measured = time_whole_step(args.threads, 3 if args.quick else 10, 1 if args.quick else 3, say)
-    predicted = predicted_step(load(profile, None, "cpu")[1], args.threads)
+    measured = time_whole_step(args.threads, 3 if args.quick else 30, 1 if args.quick else 5, say)
+    with tempfile.TemporaryDirectory() as tmp:  # the parts as a profile of their own, read as plan reads one
+        parts = Path(tmp) / "parts.toml"
+        write_profile(parts, profile_tables({1: one}, "cpu", args.threads, 1, "parts"), "")
+        predicted = predicted_step(load(parts, None, "cpu")[1], args.threads)
     scale = round(step_scale(measured, predicted), 4)
     say(f"the profile's parts predict {1e3 * predicted:.1f} ms: compute_scale = {scale}")
     return scale

@@ -2,9 +2,10 @@
 engine, against what the profile's parts (matmuls, attention, loss, element-wise operators, fixed costs,
 optimizer) predict for it. Each part is timed alone on operands that stream from memory, between nothing else; a
 real step also pays for autograd's bookkeeping, the modules' Python and the caches that one operator leaves to
-the next, and on a shared machine the parts and the step are not timed at the same moment. The ratio, measured
-over steps / predicted, becomes the profile's `compute_scale`, which multiplies every compute time the planner
-reads from the profile (communication is measured as it runs and is not scaled).
+the next. The step is timed right after one rank's parts (the median of 30 steps after 5), so that both see the
+machine as it is then; the ratio, measured over steps / predicted from those parts, becomes the profile's
+`compute_scale`, which multiplies every compute time the planner reads from the profile (communication is
+measured as it runs and is not scaled).
 
 The reference model is none of the presets: 2 layers, hidden 128, 4 heads (head dim 32) with as many key/value
 heads, MLP 256, vocabulary 1024, 128 tokens per sequence, 4 sequences per step, fp32. Its hidden size, head dim and

@@ -260,8 +260,13 @@ def get_cluster(name: str | None = None, file: str | Path | None = None) -> Clus
                               "or describe the hardware in a TOML file (--hardware FILE)")
         return PRESETS[key]
     path = Path(file)
-    data = load_file(path, "--hardware", suffix=".toml")
-    data = hardware_table(data, str(path))
+    return cluster_from_table(load_file(path, "--hardware", suffix=".toml"), str(path), name, path.stem)
+
+
+def cluster_from_table(data: dict, where: str, name: str | None = None, default_name: str = "hardware") -> Cluster:
+    """The cluster of a profile's parsed TOML (`get_cluster`'s file, or the tables `fivefold calibrate` is about to
+    write): its `base` preset (else `name`, else h100) with the fields given, each checked."""
+    data = hardware_table(data, where)
     base = get_cluster(str(data.pop("base", name or "h100")))
     ranks = data.pop("ranks", {})
     values = _parse_fields(data, "--hardware")
@@ -274,7 +279,7 @@ def get_cluster(name: str | None = None, file: str | Path | None = None) -> Clus
         by_ranks[int(key)] = _parse_fields(dict(section), f"--hardware [ranks.{key}]")
     if by_ranks:
         values["by_ranks"] = by_ranks
-    values.setdefault("name", path.stem)
+    values.setdefault("name", default_name)
     return dataclasses.replace(base, **values)
 
 

@@ -7,7 +7,6 @@ import argparse
 import os
 import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -82,16 +81,14 @@ def calibrate(args: argparse.Namespace) -> tuple[Path, dict[int, Result], float]
 def whole_step_scale(one: Result, args: argparse.Namespace) -> float:
     """The reference model's whole step timed through the engine against what one rank's figures (`one`) predict
     for it: the factor on every compute time (`whole_step`)."""
-    from fivefold.planner.profile import load
+    from fivefold.planner.hardware import cluster_from_table
 
     def say(text: str) -> None:
         print(f"calibrate [1 rank] {text}", flush=True)
 
     measured = time_whole_step(args.threads, 3 if args.quick else 30, 1 if args.quick else 5, say)
-    with tempfile.TemporaryDirectory() as tmp:  # the parts as a profile of their own, read as plan reads one
-        parts = Path(tmp) / "parts.toml"
-        write_profile(parts, profile_tables({1: one}, "cpu", args.threads, 1, "parts"), "")
-        predicted = predicted_step(load(parts, None, "cpu")[1], args.threads)
+    parts = profile_tables({1: one}, "cpu", args.threads, 1, "parts")  # the parts as a profile of their own
+    predicted = predicted_step(cluster_from_table(parts, "the calibration's parts"), args.threads)
     scale = round(step_scale(measured, predicted), 4)
     say(f"the profile's parts predict {1e3 * predicted:.1f} ms: compute_scale = {scale}")
     return scale

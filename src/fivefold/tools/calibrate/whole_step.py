@@ -13,8 +13,7 @@ sequence are ones the profile measures, so its parts are read inside the measure
 
 from __future__ import annotations
 
-import statistics
-import time
+import argparse
 from collections.abc import Callable
 
 import torch
@@ -38,29 +37,18 @@ def reference_config(threads: int, steps: int):
 
 
 def time_whole_step(threads: int, steps: int, warmup: int, say: Callable[[str], None]) -> float:
-    """Median seconds of the reference model's training step (forward, backward, optimizer) on this CPU."""
-    from fivefold.train.build import build_engine
+    """Median seconds of the reference model's training step (forward, backward, optimizer) on this CPU, timed as
+    `fivefold bench` times one (`tools.bench.run_bench`)."""
+    from fivefold.tools.bench import run_bench
 
     cfg = reference_config(threads, steps + warmup)
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
     try:
-        engine = build_engine(cfg, torch.device("cpu"))
-        gen = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.train.seq_len + 1),
-                               generator=gen)
-        micro = [(tokens[:, :-1], tokens[:, 1:])]
-        global_tokens = cfg.train.global_batch_size * cfg.train.seq_len
-        seconds = []
-        for i in range(warmup + steps):
-            start = time.perf_counter()
-            engine.forward_backward(micro, global_tokens)
-            engine.optimizer_step()
-            if i >= warmup:
-                seconds.append(time.perf_counter() - start)
+        args = argparse.Namespace(micro_batch=cfg.layout.micro_batch_size, grad_accum=1, steps=steps, warmup=warmup,
+                                  profile=0, trace=None)
+        median = run_bench(args, cfg)["step_time_s"]
     finally:
-        torch.set_num_threads(before)
-    median = statistics.median(seconds)
+        torch.set_num_threads(before)  # run_bench sets the reference's
     say(f"whole step of the reference model: {1e3 * median:.1f} ms (median of {steps})")
     return median
 

@@ -14,6 +14,8 @@ repeatable; default all):
                 backward's input gradient sent before its weight gradients); here the exposed time holds the
                 pipeline's bubble too, which no overlap hides
     pp2-dualpipev  the same switch under DualPipeV (the V of 4 stages on 2 processes, 4 micro-batches)
+    pp2-tp2-dualpipev  the same switch under DualPipeV with tp2 in each stage (4 processes): on, each F0B1 / F1B0
+                pair also runs as two lanes, one micro-batch's tensor-parallel all-reduces under the other's compute
     tp2-sp      tensor parallel over 2 processes with sequence parallel: `layout.tp_comm_overlap` (every
                 all-gather and reduce-scatter of sequence parallel under a matmul that does not need it)
 
@@ -44,6 +46,8 @@ CASES = {"dp2-zero1": (["--layout.dp", "2", "--layout.zero", "1"], "layout.dp_ov
                       "layout.pp_comm_overlap"),
          "pp2-dualpipev": (["--layout.pp", "2", "--layout.schedule", "dualpipev", "--layout.micro_batch_size", "1"],
                            "layout.pp_comm_overlap"),
+         "pp2-tp2-dualpipev": (["--layout.pp", "2", "--layout.tp", "2", "--layout.schedule", "dualpipev",
+                                "--layout.micro_batch_size", "1"], "layout.pp_comm_overlap"),
          "tp2-sp": (["--layout.tp", "2", "--layout.sp", "true"], "layout.tp_comm_overlap")}
 
 
@@ -94,7 +98,10 @@ def pipeline_compute_seconds(train_flags: list[str], steps: int, layout: list[st
     micro = int(flag(train_flags, "--train.global_batch_size", "8")) // int(flag(layout, "--layout.micro_batch_size",
                                                                                "1"))
     schedule = build_schedule(name, pp, micro)
-    ranks = [compute_seconds(train_flags, steps, layout, rank=r) for r in range(pp)]
+    per_stage = 1  # the global rank of pp rank r with every other coordinate 0 is r x (dp x cp x tp): pp outermost
+    for axis in ("dp", "tp", "cp"):
+        per_stage *= int(flag(layout, f"--layout.{axis}", "1"))
+    ranks = [compute_seconds(train_flags, steps, layout, rank=r * per_stage) for r in range(pp)]
     stages_on = [schedule.stage_rank.count(r) for r in range(pp)]
     each = [ranks[r] / (micro * stages_on[r]) / 3 for r in schedule.stage_rank]  # F = B = W per stage
     return simulate(schedule, each, each, each).makespan, ranks

@@ -197,14 +197,20 @@ def test_the_model_deadlocks_on_crossed_sends_and_batching_fixes_them():
 def test_every_schedule_completes_under_one_stream_per_rank(name, p, m, v):
     """Training and forward-only steps: every rank runs every action, every planned message is matched with its
     own receive exactly once, and each action's sends and receives go out as one batch."""
-    for schedule in (build_schedule(name, p, m, v), forward_schedule(name, p, m, v)):
+    schedules = [build_schedule(name, p, m, v), forward_schedule(name, p, m, v)]
+    if name == "dualpipev":  # the overlapped order: a pair's F and B start once both inputs are in, send after both
+        schedules.append(build_schedule(name, p, m, v, overlap_fb=True))
+        assert all(schedules[-1].fused)
+    for schedule in schedules:
         done, stuck = replay(new_programs(schedule))
         assert stuck is None, f"{name} pp={p} m={m} v={v}: deadlock {stuck}"
         assert sorted(done) == sorted(msg.key for msg in message_plan(schedule))
         for rank, actions in enumerate(schedule.actions):
             plan = posting_plan(schedule, rank)
             assert len(plan) == len(actions) + 1
-            assert all(sum(op.send for op in batch) <= 1 for batch in plan)  # an action sends at most once
+            fused = set(schedule.fused[rank]) if schedule.fused else set()
+            for i, batch in enumerate(plan):  # an action sends at most once, a fused pair twice (after its B)
+                assert sum(op.send for op in batch) <= (2 if i - 2 in fused else 0 if i - 1 in fused else 1)
 
 
 def test_old_posting_deadlocks_interleaved_from_pp3():

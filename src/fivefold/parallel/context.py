@@ -42,6 +42,7 @@ from fivefold.config import shown
 from fivefold.layout import raise_problem, sequence_length_problem
 from fivefold.models.llama import MoE
 from fivefold.models.masking import DocumentMask
+from fivefold.parallel import lanes
 from fivefold.parallel.attention_ops import attention_backward, attention_forward
 from fivefold.parallel.tensor_comm import CollectiveStore, all_gather, all_reduce, kept_through
 
@@ -184,7 +185,7 @@ class Transfer:
     @torch.compiler.disable  # communication stays out of compiled graphs, as ring_shift does
     def wait(self) -> torch.Tensor:
         for work in self.works:
-            work.wait()
+            lanes.wait(work)
         self.works = []
         return self.received
 

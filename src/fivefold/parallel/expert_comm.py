@@ -12,19 +12,22 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from fivefold.parallel import lanes
+
 
 def exchange_counts(send_counts: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """`send_counts` [ep, local_experts]: rows this rank sends to each expert of each ep rank. Returns
     [ep, local_experts]: rows each ep rank sends to each expert of this rank."""
     received = torch.empty_like(send_counts)
-    dist.all_to_all_single(received, send_counts.contiguous(), group=group)
+    lanes.collective(dist.all_to_all_single, received, send_counts.contiguous(), group=group)
     return received
 
 
 def _send_back(ctx, grad: torch.Tensor) -> torch.Tensor:
     """The backward of an exchange: the received rows' gradients go back to the ranks that sent the rows."""
     sent_grad = grad.new_empty(sum(ctx.send_splits), *grad.shape[1:])
-    dist.all_to_all_single(sent_grad, grad.contiguous(), ctx.send_splits, ctx.recv_splits, group=ctx.group)
+    lanes.collective(dist.all_to_all_single, sent_grad, grad.contiguous(), ctx.send_splits, ctx.recv_splits,
+                     group=ctx.group)
     return sent_grad
 
 
@@ -34,7 +37,7 @@ class _AllToAll(torch.autograd.Function):
                 group: ProcessGroup) -> torch.Tensor:
         ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
         received = rows.new_empty(sum(recv_splits), *rows.shape[1:])
-        dist.all_to_all_single(received, rows.contiguous(), recv_splits, send_splits, group=group)
+        lanes.collective(dist.all_to_all_single, received, rows.contiguous(), recv_splits, send_splits, group=group)
         return received
 
     @staticmethod
@@ -81,7 +84,7 @@ class _AllToAllStart(torch.autograd.Function):
 class _AllToAllWait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, received: torch.Tensor, pending: list) -> torch.Tensor:
-        pending.pop().wait()
+        lanes.wait(pending.pop())
         return received.view_as(received)
 
     @staticmethod

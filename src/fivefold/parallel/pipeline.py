@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Protocol
@@ -51,6 +52,7 @@ from fivefold.config import Config, ModelConfig
 from fivefold.flops import balanced_stage_layers
 from fivefold.layout import n_stages
 from fivefold.models.llama import Llama, autocast_dtype, build_model, materialize
+from fivefold.parallel import lanes
 from fivefold.parallel.pipeline_comm import PointToPoint, consumer_stage
 from fivefold.parallel.schedules import Action, Schedule
 
@@ -295,11 +297,33 @@ class PipelineExecutor:
                 sent[(kind, mb, producer)] = tensor
 
         p2p.post(0, {})
-        for index, action in enumerate(schedule.actions[self.rank]):
+        actions = schedule.actions[self.rank]
+        fused = set(schedule.fused[self.rank]) if schedule.fused else set()
+        index = 0
+        while index < len(actions):
+            action = actions[index]
             kind, mb, s = action
-            faults.note(micro_batch=mb, action=f"{kind} of stage {s}")
             stage = stages[s]
             sent: dict[tuple[str, int, int], torch.Tensor] = {}
+            if index in fused:  # DualPipeV's F and the next B (the other chunk's) as two lanes, then both sends
+                b_mb, b_s = actions[index + 1].micro_batch, actions[index + 1].stage
+                faults.note(micro_batch=mb, action=f"F of stage {s} with B of micro-batch {b_mb}, stage {b_s}")
+                x = None if s == 0 else take("F", mb, s - 1)
+                grad = None if b_s == last else take("B", b_mb, b_s + 1)
+                start = time.perf_counter()
+                y, grad_input = lanes.run_pair(functools.partial(stage.forward, mb, x),
+                                               functools.partial(stages[b_s].backward_input, b_mb, grad))
+                if s < last:
+                    give("F", mb, s, y)
+                if b_s > 0:
+                    give("B", b_mb, b_s, grad_input)
+                end = time.perf_counter()
+                self.trace += [Ran(action, start, end), Ran(actions[index + 1], start, end)]
+                p2p.post(index + 1, {})
+                p2p.post(index + 2, sent)
+                index += 2
+                continue
+            faults.note(micro_batch=mb, action=f"{kind} of stage {s}")
             posted = False
             if kind == "F":
                 x = None if s == 0 else take("F", mb, s - 1)
@@ -324,6 +348,7 @@ class PipelineExecutor:
             self.trace.append(Ran(action, start, time.perf_counter()))
             if not posted:
                 p2p.post(index + 1, sent)  # this action's send with the receives that follow it, as one batch
+            index += 1
         p2p.finish()
         if local:
             raise RuntimeError(f"pipeline step ended with local hand-overs unused: {sorted(local)}")

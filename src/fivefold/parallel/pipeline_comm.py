@@ -123,25 +123,36 @@ def posting_plan(schedule: Schedule, rank: int) -> tuple[tuple[Op, ...], ...]:
     batches = [tuple(receives())]
     posted = {op.message.key for op in batches[0]}
     where, last = schedule.stage_rank, schedule.n_stages - 1
-    for action in schedule.actions[rank]:
-        kind, mb, s = action
-        if kind != "W" and not (kind == "F" and s == 0) and not (kind == "B" and s == last):
-            producer = s - 1 if kind == "F" else s + 1
-            if where[producer] != rank and (kind, mb, producer) not in posted:
-                raise RuntimeError(f"pipeline schedule {schedule.name}: rank {rank}'s action {tuple(action)} needs "
-                                   f"message {(kind, mb, producer)} before the global order lets it be posted")
+    actions, fused = schedule.actions[rank], set(schedule.fused[rank]) if schedule.fused else set()
+    k = 0
+    while k < len(actions):
+        group = actions[k:k + 2] if k in fused else actions[k:k + 1]  # a fused pair: both inputs before it
+        for action in group:
+            kind, mb, s = action
+            if kind != "W" and not (kind == "F" and s == 0) and not (kind == "B" and s == last):
+                producer = s - 1 if kind == "F" else s + 1
+                if where[producer] != rank and (kind, mb, producer) not in posted:
+                    raise RuntimeError(f"pipeline schedule {schedule.name}: rank {rank}'s action {tuple(action)} "
+                                       f"needs message {(kind, mb, producer)} before the global order lets it be "
+                                       "posted")
+        sends = {tuple(a) for a in group if a.kind != "W" and not (a.kind == "F" and a.stage == last)
+                 and not (a.kind == "B" and a.stage == 0) and where[consumer_stage(a.kind, a.stage)] != rank}
         batch: list[Op] = []
-        if kind != "W" and not (kind == "F" and s == last) and not (kind == "B" and s == 0) \
-                and where[consumer_stage(kind, s)] != rank:
-            if pos >= len(ops) or ops[pos].message.key != tuple(action):
-                raise RuntimeError(f"pipeline schedule {schedule.name}: rank {rank}'s send of {tuple(action)} is "
+        while sends:  # the group's sends are the next messages of the global order (a pair's: in either order)
+            if pos >= len(ops) or not ops[pos].send or ops[pos].message.key not in sends:
+                raise RuntimeError(f"pipeline schedule {schedule.name}: rank {rank}'s sends {sorted(sends)} are "
                                    f"out of the global order (next planned: "
                                    f"{ops[pos].message.key if pos < len(ops) else None})")
+            sends.discard(ops[pos].message.key)
             batch.append(ops[pos])
             pos += 1
+        if batch:
             batch += receives()
         posted.update(op.message.key for op in batch)
+        if len(group) == 2:
+            batches.append(())  # after the pair's F: nothing, its output leaves with the B's
         batches.append(tuple(batch))
+        k += len(group)
     if pos != len(ops):
         raise RuntimeError(f"pipeline schedule {schedule.name}: rank {rank} never posts {ops[pos].message}")
     return tuple(batches)

@@ -17,6 +17,7 @@ touches torch.distributed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,6 +46,10 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]  # per rank, in execution order
     stage_rank: tuple[int, ...]  # global stage -> rank
     split_backward: bool  # True when backward is split into B (input gradient) and W (weight gradient)
+    # per rank, the indices k whose F runs together with the B at k + 1, on the rank's other chunk (DualPipeV's
+    # overlapped forward and backward, `fused_pairs`): both start once both inputs have arrived, and both outputs
+    # leave when both have ended
+    fused: tuple[tuple[int, ...], ...] = ()
 
     @property
     def n_stages(self) -> int:
@@ -55,8 +60,9 @@ class ScheduleError(ValueError):
     """A schedule that cannot be built for these (p, m, v); the message says what would work."""
 
 
-def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
-    """The named schedule for p ranks and m micro-batches (v stages per rank for `interleaved`)."""
+def build_schedule(name: str, p: int, m: int, v: int = 1, overlap_fb: bool = False) -> Schedule:
+    """The named schedule for p ranks and m micro-batches (v stages per rank for `interleaved`); `overlap_fb`:
+    DualPipeV's forward and backward of two micro-batches run together (`fused_pairs`)."""
     if name not in SCHEDULES:
         raise ScheduleError(f"layout.schedule = {shown(name)} is not known; choose one of: {', '.join(SCHEDULES)}")
     if p < 1 or m < 1:
@@ -75,7 +81,26 @@ def build_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
         return _interleaved(p, m, v)
     if name == "zero-bubble":
         return _zero_bubble_h1(p, m)
-    return _dualpipev(p, m)
+    schedule = _dualpipev(p, m)
+    return dataclasses.replace(schedule, fused=fused_pairs(schedule)) if overlap_fb else schedule
+
+
+def fused_pairs(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
+    """Per rank, the indices k where an F is followed by a B of the rank's other chunk: DualPipeV's F0B1 and
+    F1B0 pairs, whose forward and backward the executor runs as two lanes (`lanes.run_pair`), one's collectives
+    under the other's compute, as DeepSeek's DualPipe overlaps them."""
+    out = []
+    for acts in schedule.actions:
+        ks, k = [], 0
+        while k + 1 < len(acts):
+            a, b = acts[k], acts[k + 1]
+            if a.kind == "F" and b.kind == "B" and a.stage != b.stage:
+                ks.append(k)
+                k += 2
+            else:
+                k += 1
+        out.append(tuple(ks))
+    return tuple(out)
 
 
 def stage_placement(name: str, p: int, v: int = 1) -> tuple[int, ...]:
@@ -275,6 +300,7 @@ def simulate(schedule: Schedule, t_f: float | Sequence[float], t_b: float | Sequ
     clock = [0.0] * schedule.p
     pos = [0] * schedule.p
     remaining = sum(len(a) for a in schedule.actions)
+    fused = [set(ks) for ks in schedule.fused] or [set() for _ in range(schedule.p)]
 
     def ready(a: Action) -> float | None:
         s = a.stage
@@ -299,16 +325,18 @@ def simulate(schedule: Schedule, t_f: float | Sequence[float], t_b: float | Sequ
         for r in range(schedule.p):
             acts = schedule.actions[r]
             while pos[r] < len(acts):
-                a = acts[pos[r]]
-                t = ready(a)
-                if t is None:
+                # a fused pair (F, B) starts when both inputs are in, and both outputs leave when both have ended
+                group = acts[pos[r]:pos[r] + (2 if pos[r] in fused[r] else 1)]
+                times = [ready(a) for a in group]
+                if any(t is None for t in times):
                     break
-                key = (a.kind, a.micro_batch, a.stage)
-                begin = max(clock[r], t)
-                start[key] = begin
-                end[key] = clock[r] = begin + dur[a.kind][a.stage]
-                pos[r] += 1
-                remaining -= 1
+                begin = max(clock[r], *times)
+                clock[r] = begin + sum(dur[a.kind][a.stage] for a in group)
+                for a in group:
+                    key = (a.kind, a.micro_batch, a.stage)
+                    start[key], end[key] = begin, clock[r]
+                pos[r] += len(group)
+                remaining -= len(group)
                 progressed = True
         if not progressed:
             stuck = [schedule.actions[r][pos[r]] for r in range(schedule.p) if pos[r] < len(schedule.actions[r])]

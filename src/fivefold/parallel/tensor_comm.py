@@ -32,6 +32,7 @@ from torch.distributed import ProcessGroup
 from fivefold.layout import SCATTER_PIECES
 from fivefold.models.llama import autocast_dtype
 from fivefold.models.loss import chunked_output_loss, scaled_saved_gradients
+from fivefold.parallel import lanes
 
 SEQ_DIM = 1
 # the single-tensor collectives under their new names (torch >= 2.13), the old ones before (2.11 on the GPU
@@ -44,17 +45,19 @@ def all_reduce(x: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp.RedOpType
     torch.Tensor
 ):
     out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, op=op, group=group)
+    lanes.collective(dist.all_reduce, out, op=op, group=group)
     return out
 
 
 def all_gather(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
-    out, _ = start_all_gather(x, dim, group, async_op=False)
+    out, work = start_all_gather(x, dim, group, async_op=lanes.active())
+    lanes.wait(work)
     return out
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group: ProcessGroup) -> torch.Tensor:
-    out, _ = start_reduce_scatter(x, dim, group, async_op=False)
+    out, work = start_reduce_scatter(x, dim, group, async_op=lanes.active())
+    lanes.wait(work)
     return out
 
 
@@ -230,8 +233,7 @@ class _GatherLinears(torch.autograd.Function):
         if overlap:
             x_full, gather = start_all_gather(x.to(ctx.dtype), SEQ_DIM, ctx.group)
         grad_x_full = sum(grad @ w.to(ctx.dtype) for grad, w in zip(grads, weights, strict=True))
-        if gather is not None:
-            gather.wait()
+        lanes.wait(gather)
         grad_x, scatter = start_reduce_scatter(grad_x_full, SEQ_DIM, ctx.group, async_op=overlap)
         gathered = [x_full.reshape(-1, x_full.shape[-1])] if overlap else []
 
@@ -249,8 +251,7 @@ class _GatherLinears(torch.autograd.Function):
                 ctx.queue.defer(param, lambda grad=grad: weight_grad(grad))
             return grad_x.to(x.dtype), *none
         weight_grads = [weight_grad(g).to(w.dtype) for g, w in zip(grads, weights, strict=True)]
-        if scatter is not None:
-            scatter.wait()
+        lanes.wait(scatter)
         return grad_x.to(x.dtype), *none[:5], *weight_grads
 
 
@@ -280,8 +281,7 @@ def gathered_matmuls(x: torch.Tensor, weights: tuple[torch.Tensor, ...], group: 
     outs = tuple(x.new_empty(x.shape[0], part * size, w.shape[0]) for w in weights)
     for out, w in zip(outs, weights, strict=True):
         out[:, sequence_part(rank, part)] = x @ w.t()
-    if gather is not None:
-        gather.wait()
+    lanes.wait(gather)
     for rows in other_parts(group, part):
         for out, w in zip(outs, weights, strict=True):
             out[:, rows] = x_full[:, rows] @ w.t()
@@ -316,7 +316,7 @@ class _LinearScatter(torch.autograd.Function):
                 works.append(reduce_scatter_into(out, partial.flatten(0, 1), group=group, async_op=True))
                 outs.append(out)
             for work in works:
-                work.wait()
+                lanes.wait(work)
         ctx.group, ctx.dtype = group, dtype
         ctx.save_for_backward(x, weight)
         if replay:
@@ -339,7 +339,7 @@ class _LinearScatter(torch.autograd.Function):
             return g.reshape(-1, g.shape[-1]).t() @ xc[:, rows].reshape(-1, xc.shape[-1])
 
         grad_w = rows_grads(grad, sequence_part(dist.get_rank(ctx.group), part))
-        gather.wait()
+        lanes.wait(gather)
         for rows in other_parts(ctx.group, part):
             grad_w += rows_grads(grad_full[:, rows], rows)
         return grad_x.to(x.dtype), None, None, grad_w.to(weight.dtype)
@@ -443,7 +443,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         def chunk_loss(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor, needs_grad: bool):
             logits = (h @ w.t()).float()  # [chunk, local vocab]: the only logits alive
             row_max = logits.max(dim=-1).values
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+            lanes.collective(dist.all_reduce, row_max, op=dist.ReduceOp.MAX, group=group)
             logits -= row_max[:, None]
             valid = t != -100
             local_t = t - vocab_start
@@ -452,7 +452,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             target_logit = logits.gather(1, local_t[:, None]).squeeze(1) * here
             exps = logits.exp_()
             stats = torch.stack([exps.sum(-1), target_logit])  # one all-reduce for both
-            dist.all_reduce(stats, group=group)
+            lanes.collective(dist.all_reduce, stats, group=group)
             sum_exp, target_logit = stats[0], stats[1]
             loss = ((sum_exp.log() - target_logit) * valid).sum()
             if not needs_grad:

@@ -170,8 +170,9 @@ class PipelineSchedule:
     def schedule(self, m: int, training: bool = True) -> Schedule:
         la = self.cfg.layout
         if (m, training) not in self.schedules:
-            make = build_schedule if training else forward_schedule
-            self.schedules[(m, training)] = make(la.schedule, la.pp, m, la.vpp)
+            self.schedules[(m, training)] = (
+                build_schedule(la.schedule, la.pp, m, la.vpp, overlap_fb=la.overlaps_fb)
+                if training else forward_schedule(la.schedule, la.pp, m, la.vpp))
         return self.schedules[(m, training)]
 
     def _run(self, engine: Engine, micro_batches: MicroBatches, global_tokens: int, training: bool) -> torch.Tensor:

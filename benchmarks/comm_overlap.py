@@ -14,8 +14,9 @@ repeatable; default all):
                 backward's input gradient sent before its weight gradients); here the exposed time holds the
                 pipeline's bubble too, which no overlap hides
     pp2-dualpipev  the same switch under DualPipeV (the V of 4 stages on 2 processes, 4 micro-batches)
-    pp2-tp2-dualpipev  the same switch under DualPipeV with tp2 in each stage (4 processes): on, each F0B1 / F1B0
-                pair also runs as two lanes, one micro-batch's tensor-parallel all-reduces under the other's compute
+    pp2-tp2-dualpipev  the same switch under DualPipeV with tp2 in each stage (4 processes)
+    pp2-tp2-dualpipev-fb  DualPipeV with tp2 in each stage (4 processes): `layout.pp_fb_overlap` (each F0B1 / F1B0
+                pair as two lanes, one micro-batch's tensor-parallel all-reduces under the other's compute)
     tp2-sp      tensor parallel over 2 processes with sequence parallel: `layout.tp_comm_overlap` (every
                 all-gather and reduce-scatter of sequence parallel under a matmul that does not need it)
 
@@ -48,6 +49,8 @@ CASES = {"dp2-zero1": (["--layout.dp", "2", "--layout.zero", "1"], "layout.dp_ov
                            "layout.pp_comm_overlap"),
          "pp2-tp2-dualpipev": (["--layout.pp", "2", "--layout.tp", "2", "--layout.schedule", "dualpipev",
                                 "--layout.micro_batch_size", "1"], "layout.pp_comm_overlap"),
+         "pp2-tp2-dualpipev-fb": (["--layout.pp", "2", "--layout.tp", "2", "--layout.schedule", "dualpipev",
+                                   "--layout.micro_batch_size", "1"], "layout.pp_fb_overlap"),
          "tp2-sp": (["--layout.tp", "2", "--layout.sp", "true"], "layout.tp_comm_overlap")}
 
 

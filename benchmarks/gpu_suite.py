@@ -55,6 +55,9 @@ PATHS: list[tuple[str, int, dict[str, str]]] = [
     ("pp2 interleaved vpp2", 2, {"layout.pp": "2", "layout.schedule": "interleaved", "layout.vpp": "2"}),
     ("pp2 zero-bubble", 2, {"layout.pp": "2", "layout.schedule": "zero-bubble"}),
     ("pp2 dualpipev", 2, {"layout.pp": "2", "layout.schedule": "dualpipev"}),
+    # the F/B pairs as two lanes (`parallel.lanes`), whose backward's collectives run in the accelerator's autograd
+    # thread
+    ("pp2 tp2 dualpipev", 4, {"layout.pp": "2", "layout.tp": "2", "layout.schedule": "dualpipev"}),
     ("dp2 zero0", 2, {"layout.dp": "2", "layout.zero": "0"}),
     ("dp2 zero1", 2, {"layout.dp": "2", "layout.zero": "1"}),
     ("dp2 zero2", 2, {"layout.dp": "2", "layout.zero": "2"}),

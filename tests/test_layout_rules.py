@@ -106,6 +106,10 @@ REFUSED = [
      "layout.tp_comm_overlap = true with layout.tp = 2, layout.sp = false"),
     ("tiny", ["--preset", "tiny"], 2, 128, 8, {"dp": 2, "tp_comm_overlap": "true"},
      "layout.tp_comm_overlap = true with layout.tp = 1"),
+    ("tiny", ["--preset", "tiny"], 2, 128, 8, {"pp": 2, "schedule": "dualpipev", "pp_fb_overlap": "true"},
+     "layout.pp_fb_overlap = true with layout.schedule = dualpipev, pp = 2, tp x cp x ep = 1, zero = 0"),
+    ("tiny", ["--preset", "tiny"], 4, 128, 8, {"pp": 2, "tp": 2, "schedule": "1f1b", "pp_fb_overlap": "true"},
+     "layout.pp_fb_overlap = true with layout.schedule = 1f1b, pp = 2, tp x cp x ep = 2, zero = 0"),
 ]
 
 

@@ -312,12 +312,12 @@ def lanes_on_ranks(rank: int, world_size: int, layouts: list[dict[str, str]]) ->
 
 
 def test_dualpipev_forward_backward_overlap_changes_no_loss():
-    """pp2 x tp2 of the MoE model under DualPipeV, `layout.pp_comm_overlap` on and off: on, each rank runs its
+    """pp2 x tp2 of the MoE model under DualPipeV, `layout.pp_fb_overlap` on and off: on, each rank runs its
     F0B1 / F1B0 pairs as two lanes that hand over at the tensor-parallel collectives (one micro-batch's all-reduce
     under the other's compute); the losses and gradient norms match one process and equal those
     with the overlap off within 1e-6, where no pair runs."""
     layouts = [{**PP, **MOE, "layout.pp": "2", "layout.tp": "2", "layout.schedule": "dualpipev",
-                "layout.pp_comm_overlap": on} for on in ("true", "false")]
+                "layout.pp_fb_overlap": on} for on in ("true", "false")]
     ranks = run_ranks(4, lanes_on_ranks, layouts)
     assert_switch_changes_nothing(layouts, [result for result, _ in ranks[0]])
     m = tiny_config(layouts[0]).grad_accum_steps

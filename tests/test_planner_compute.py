@@ -402,3 +402,49 @@ def test_fivefold_selective_recompute_passes_nothing_around_the_ring_again():
     forward_ring = cp_comm("full", FIVEFOLD) - none
     assert forward_ring > 0
     assert cp_comm("selective", NANOTRON) == pytest.approx(cp_comm("none", NANOTRON) + forward_ring, rel=0.05)
+
+
+def test_dualpipev_pairs_hide_each_lane_s_collectives_behind_the_other_s_compute():
+    """DualPipeV's F/B pairs as two lanes (`layout.pp_fb_overlap` with tp): a pair takes F + B less each lane's
+    exposed collectives as far as the other lane's compute lasts and the device overlaps (closed form below); the
+    planner's step simulates the fused order with it, so llama-3.1-8b pp2 x tp4 on an H100 is faster with the switch
+    on; with it off, without tp, or for a framework that does not run it, the plain schedule's simulation."""
+    from fivefold.parallel.schedules import build_schedule, simulate
+    from fivefold.planner.layout import NANOTRON
+    from fivefold.planner.time import comm as comm_module
+    from fivefold.planner.time import fb_pair_seconds, step_time
+
+    assert fb_pair_seconds(10, 20, 2, 4, 1.0) == pytest.approx(30 - 2 - 4)
+    assert fb_pair_seconds(10, 5, 2, 4, 1.0) == pytest.approx(15 - 1 - 4)  # 1 s of B's compute hides 1 s of F's
+    assert fb_pair_seconds(10, 20, 2, 4, 0.5) == pytest.approx(30 - 1 - 2)
+    assert fb_pair_seconds(10, 20, 2, 4, 0.0) == pytest.approx(30)
+
+    cfg, hw, seq = get_preset("llama-3.1-8b"), get_cluster("h100"), 4096
+    on = Layout(tp=4, pp=2, schedule="dualpipev", micro_batch_size=1, grad_accum_steps=8)
+    off = dataclasses.replace(on, pp_fb_overlap=False)
+    assert on.overlaps_fb and not off.overlaps_fb
+    times = stage_times(cfg, seq, on, FIVEFOLD, hw.on_node(8))
+    assert all(c > 0 for c in times.comm_f + times.comm_b)
+    send = seq * cfg.hidden * FIVEFOLD.residual_bytes
+    p2p = comm_module.p2p(send, on, hw.on_node(8))
+
+    def makespan(fused: bool) -> float:
+        def pair(f, b):
+            s, t = f.stage, b.stage
+            return fb_pair_seconds(times.f[s], times.b[t], times.comm_f[s], times.comm_b[t], hw.comm_overlap)
+        return simulate(build_schedule("dualpipev", 2, 8, overlap_fb=fused), times.f, times.b, times.w, p2p,
+                        pair_seconds=pair if fused else None).makespan
+
+    step = {lay.pp_fb_overlap: step_time(cfg, seq, lay, FIVEFOLD, hw) for lay in (on, off)}
+    assert makespan(True) < makespan(False)
+    assert step[None].step_time - step[False].step_time == pytest.approx(makespan(True) - makespan(False),
+                                                                         rel=1e-6)
+    # the parts still add up to the step, none negative: the hidden time comes off the tensor-parallel part
+    for report in step.values():
+        assert sum(report.parts.values()) == pytest.approx(report.step_time, rel=1e-9)
+        assert min(report.parts.values()) >= 0
+    assert step[False].parts["tp_comm"] - step[None].parts["tp_comm"] == pytest.approx(
+        makespan(False) - makespan(True), rel=1e-6)
+    no_tp = Layout(pp=2, schedule="dualpipev", micro_batch_size=1, grad_accum_steps=8)
+    assert not no_tp.overlaps_fb
+    assert step_time(cfg, seq, on, NANOTRON, hw).step_time == step_time(cfg, seq, off, NANOTRON, hw).step_time

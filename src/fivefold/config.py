@@ -290,12 +290,14 @@ class LayoutConfig:
     # ZeRO-1/2: the updated parameters' all-gather after the optimizer step runs under the next forward, bucket by
     # bucket (each block waits for its own buckets first); null = on wherever it applies, false = the step waits
     dp_overlap_param_gather: bool | None = None
-    # pipeline: a receive waits for itself alone (not for the sends posted with it), a whole backward sends its
-    # input gradient before it computes its weight gradients (deferred as the zero-bubble schedules' W passes), and
-    # DualPipeV with tp, cp or ep runs the forward and backward of two micro-batches together, one's collectives
-    # under the other's compute (`overlaps_fb`); null = on wherever pp > 1, false = the strict order (to debug,
-    # or to measure the overlap)
+    # pipeline: a receive waits for itself alone (not for the sends posted with it), and a whole backward sends its
+    # input gradient before it computes its weight gradients (deferred as the zero-bubble schedules' W passes);
+    # null = on wherever pp > 1, false = the strict order (to debug, or to measure the overlap)
     pp_comm_overlap: bool | None = None
+    # DualPipeV: the forward of one chunk and the backward of the other (the F0B1 / F1B0 pairs) run as two lanes,
+    # one micro-batch's tp, cp or ep collectives under the other's compute (`parallel.lanes`); null = on wherever
+    # it applies (`overlaps_fb`), false = one after the other
+    pp_fb_overlap: bool | None = None
     # tensor parallel with sp: the backward of the column linears (q/k/v, gate/up) all-gathers their input for the
     # weight gradients while it computes the input gradient, and reduce-scatters the input gradient while it computes
     # the weight gradients (asynchronous collectives); null = on wherever tp > 1 with sp, false = one after the other
@@ -324,10 +326,14 @@ class LayoutConfig:
     @property
     def overlaps_fb(self) -> bool:
         """Whether DualPipeV runs the forward and the backward of two micro-batches as two lanes, one's collectives
-        under the other's compute (`pp_comm_overlap`): where a stage has collectives of its own (tp, cp or ep > 1),
-        not under ZeRO-3 (whose fully_shard hooks gather and reduce-scatter outside the lanes)."""
-        return (self.overlaps_pp_comm and self.schedule == "dualpipev" and self.tp * self.cp * self.ep > 1
-                and self.zero < 3)
+        under the other's compute (`pp_fb_overlap`)."""
+        return self.pp_fb_overlap is not False and self.fb_overlap_applies
+
+    @property
+    def fb_overlap_applies(self) -> bool:
+        """DualPipeV over pp >= 2 whose stages have collectives of their own (tp, cp or ep > 1), not under ZeRO-3
+        (whose fully_shard hooks gather and reduce-scatter outside the lanes)."""
+        return self.schedule == "dualpipev" and self.pp > 1 and self.tp * self.cp * self.ep > 1 and self.zero < 3
 
     @property
     def overlaps_tp_comm(self) -> bool:

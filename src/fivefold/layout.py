@@ -277,6 +277,12 @@ def communication_problem(layout: LayoutConfig) -> LayoutProblem | None:
                              f"layout.tp_comm_overlap = true with layout.tp = {layout.tp}, layout.sp = "
                              f"{str(layout.sp).lower()}: only sequence parallel's gathered linears have collectives "
                              "to overlap in backward; leave it out, or use layout.tp >= 2 with layout.sp = true")
+    if layout.pp_fb_overlap and not layout.fb_overlap_applies:
+        return LayoutProblem("forward/backward overlap where DualPipeV's pairs do not run as lanes",
+                             f"layout.pp_fb_overlap = true with layout.schedule = {layout.schedule}, pp = {layout.pp}, "
+                             f"tp x cp x ep = {layout.tp * layout.cp * layout.ep}, zero = {layout.zero}: the overlap "
+                             "runs DualPipeV's forward and backward pairs over pp >= 2 whose stages have collectives "
+                             "(tp, cp or ep > 1), not under ZeRO-3; leave it out, or use such a layout")
     if layout.pp_comm_overlap and layout.pp == 1:
         return LayoutProblem("pipeline overlap without a pipeline",
                              "layout.pp_comm_overlap = true with layout.pp = 1: there is no point-to-point to "

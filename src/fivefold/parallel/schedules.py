@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -280,14 +280,17 @@ def _per_stage(value: float | Sequence[float], n: int) -> list[float]:
 
 
 def simulate(schedule: Schedule, t_f: float | Sequence[float], t_b: float | Sequence[float],
-             t_w: float | Sequence[float] = 0.0, p2p: float = 0.0) -> SimResult:
+             t_w: float | Sequence[float] = 0.0, p2p: float = 0.0,
+             pair_seconds: Callable[[Action, Action], float] | None = None) -> SimResult:
     """Run the per-rank action lists against their dependencies and return the timing.
 
     `t_f`, `t_b`, `t_w` are the times of one micro-batch's forward, input-gradient backward and weight-gradient
     pass of each stage (a number for all stages, or one per global stage). When the schedule does not split
     the backward, its B takes t_b + t_w. `p2p` is the time to send activations (or their gradients) to the
     neighbouring stage when it lives on another rank. Dependencies: F(i, s) after F(i, s-1); B(i, s) after
-    B(i, s+1) (the last stage after its own F); W(i, s) after B(i, s); each rank runs its list in order.
+    B(i, s+1) (the last stage after its own F); W(i, s) after B(i, s); each rank runs its list in order. A fused
+    pair (`Schedule.fused`) starts once both its inputs are in and takes `pair_seconds(F, B)` (default: the sum of
+    the two); both its outputs leave at its end.
     """
     n = schedule.n_stages
     tf, tb, tw = _per_stage(t_f, n), _per_stage(t_b, n), _per_stage(t_w, n)
@@ -301,6 +304,7 @@ def simulate(schedule: Schedule, t_f: float | Sequence[float], t_b: float | Sequ
     pos = [0] * schedule.p
     remaining = sum(len(a) for a in schedule.actions)
     fused = [set(ks) for ks in schedule.fused] or [set() for _ in range(schedule.p)]
+    busy = [0.0] * schedule.p  # compute time per rank (a fused pair counted as it runs)
 
     def ready(a: Action) -> float | None:
         s = a.stage
@@ -331,7 +335,11 @@ def simulate(schedule: Schedule, t_f: float | Sequence[float], t_b: float | Sequ
                 if any(t is None for t in times):
                     break
                 begin = max(clock[r], *times)
-                clock[r] = begin + sum(dur[a.kind][a.stage] for a in group)
+                if len(group) == 2 and pair_seconds is not None:
+                    clock[r] = begin + pair_seconds(*group)
+                else:
+                    clock[r] = begin + sum(dur[a.kind][a.stage] for a in group)
+                busy[r] += clock[r] - begin
                 for a in group:
                     key = (a.kind, a.micro_batch, a.stage)
                     start[key], end[key] = begin, clock[r]
@@ -341,10 +349,9 @@ def simulate(schedule: Schedule, t_f: float | Sequence[float], t_b: float | Sequ
         if not progressed:
             stuck = [schedule.actions[r][pos[r]] for r in range(schedule.p) if pos[r] < len(schedule.actions[r])]
             raise ScheduleError(f"schedule {schedule.name} deadlocks; waiting actions: {stuck}")
-    busy = tuple(sum(dur[a.kind][a.stage] for a in acts) for acts in schedule.actions)
     makespan = max(end.values()) - min(start.values())
     top = max(busy)
-    return SimResult(makespan, busy, (makespan - top) / top if top else 0.0,
+    return SimResult(makespan, tuple(busy), (makespan - top) / top if top else 0.0,
                      (makespan - top) / makespan if makespan else 0.0,
                      _peak_in_flight(schedule), start, end)
 

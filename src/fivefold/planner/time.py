@@ -134,6 +134,10 @@ class StageTimes:
     counts: list[int] = field(default_factory=list)  # blocks per stage
     comm_per_micro_batch: dict[str, float] = field(default_factory=dict)  # outside the blocks (embedding, loss)
     host_wait: list[float] = field(default_factory=list)  # per stage and micro-batch: the GPU waiting for the host
+    # per stage and micro-batch: the exposed collectives inside F and inside B (tp, cp, ep, the loss's), which
+    # DualPipeV's overlapped pairs hide behind the other lane's compute (`fb_pair_seconds`)
+    comm_f: list[float] = field(default_factory=list)
+    comm_b: list[float] = field(default_factory=list)
 
 
 def linear_shapes(cfg: ModelConfig, tokens: float, tp: int, fused: bool, etp: int | None = None,
@@ -464,13 +468,18 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
                                                                    and not (cfg.tied_embeddings and s == 0) else 0)
             w[s] += params * fw.grad_accum_copy_bytes / hbm
     host = host_floor(cfg, lay, fw, hw, counts, f, b, w)
+    comm_f = [n * (t_tp_f + t_tp_f_extra + t_cp_f + t_ep) for n in counts]
+    comm_b = [n * (t_tp_b + t_cp_b + t_ep) for n in counts]
+    comm_f[0] += head_tp / 2
+    comm_b[0] += head_tp / 2
+    comm_f[-1] += loss_tp
     again = 1 if lay.recompute == "full" else 0  # full recompute repeats the forward's communication
     per_layer = {"tp_comm": (1 + again) * t_tp_f + t_tp_b + (1 + again) * t_tp_f_extra,
                  "cp_comm": (1 + ring_again) * t_cp_f + t_cp_b,
                  "ep_comm": (2 + again) * t_ep,
                  # the recomputed forward's own compute (its communication is counted above)
                  "recompute": {"none": 0.0, "selective": attn_f, "full": t_layer}[lay.recompute]}
-    return StageTimes(f, b, w, per_layer, counts, {"tp_comm": head_tp + loss_tp}, host)
+    return StageTimes(f, b, w, per_layer, counts, {"tp_comm": head_tp + loss_tp}, host, comm_f, comm_b)
 
 
 def host_us_per_block(lay: Layout, fw: Framework, hw: Cluster) -> float:
@@ -546,22 +555,49 @@ def stage_split_problem(cfg: ModelConfig, lay: Layout, fw: Framework) -> str | N
     return None
 
 
+def fb_pair_seconds(f: float, b: float, comm_f: float, comm_b: float, overlap: float) -> float:
+    """A DualPipeV pair's time when its forward (`f`, of which `comm_f` is exposed collectives) and backward (`b`,
+    `comm_b`) run as two lanes (`parallel.lanes`): each lane's collectives hidden behind the other's compute as far
+    as it lasts and the device overlaps (`exposed`)."""
+    return (f + b + hidden_behind(comm_f, max(b - comm_b, 0.0), overlap)
+            + hidden_behind(comm_b, max(f - comm_f, 0.0), overlap))
+
+
 @lru_cache(maxsize=4096)
-def _simulated(schedule: str, p: int, m: int, v: int, f: tuple, b: tuple, w: tuple, p2p: float) -> float:
-    sched = build_schedule(schedule, p, m, v if schedule == "interleaved" else 1)
-    return simulate(sched, list(f), list(b), list(w), p2p).makespan
+def _simulated(schedule: str, p: int, m: int, v: int, f: tuple, b: tuple, w: tuple, p2p: float,
+               fb: tuple | None = None) -> float:
+    """`fb`: (comm_f, comm_b, overlap) where DualPipeV's F/B pairs run as two lanes (`fb_pair_seconds`)."""
+    sched = build_schedule(schedule, p, m, v if schedule == "interleaved" else 1, overlap_fb=fb is not None)
+    pair = None
+    if fb is not None:
+        comm_f, comm_b, overlap = fb
+
+        def pair(fwd, bwd) -> float:
+            return fb_pair_seconds(f[fwd.stage], b[bwd.stage], comm_f[fwd.stage], comm_b[bwd.stage], overlap)
+    return simulate(sched, list(f), list(b), list(w), p2p, pair_seconds=pair).makespan
 
 
-def pipeline_makespan(lay: Layout, times: StageTimes, p2p: float, exact: bool) -> float:
+def runs_fb_overlap(lay: Layout, fw: Framework) -> bool:
+    """fivefold's engine runs DualPipeV's F/B pairs as two lanes (`LayoutConfig.overlaps_fb`)."""
+    return bool(fw.layout_dp_options) and lay.overlaps_fb
+
+
+def pipeline_makespan(lay: Layout, times: StageTimes, p2p: float, exact: bool, fb_overlap: float | None = None
+                      ) -> float:
     """Forward/backward time of all micro-batches: simulated with the schedule's action list when `exact`,
-    else the closed form (used to rank thousands of candidates before simulating the best)."""
+    else the closed form (used to rank thousands of candidates before simulating the best). `fb_overlap`: the
+    device's overlap where DualPipeV's F/B pairs run as two lanes (`fb_pair_seconds`; exact path only)."""
     m = lay.grad_accum_steps
     if lay.pp == 1:
         return m * (times.f[0] + times.b[0] + times.w[0])
     if exact and m * len(times.f) <= EXACT_MAX_ACTIONS:
         key = tuple(round(x, 9) for x in times.f), tuple(round(x, 9) for x in times.b), tuple(round(x, 9) for x in
                                                                                           times.w)
-        return _simulated(lay.schedule, lay.pp, m, lay.vpp, *key, round(p2p, 9))
+        fb = None
+        if fb_overlap is not None and times.comm_f:
+            fb = (tuple(round(x, 9) for x in times.comm_f), tuple(round(x, 9) for x in times.comm_b),
+                  round(fb_overlap, 6))
+        return _simulated(lay.schedule, lay.pp, m, lay.vpp, *key, round(p2p, 9), fb)
     p = lay.pp
     n_stages = len(times.f)
     per_rank = [0.0] * p
@@ -640,7 +676,10 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     # the residual stream crosses stages, in the framework's residual dtype (bf16 in fivefold's lean engine)
     send = tokens * cfg.hidden * fw.residual_bytes / (lay.tp if lay.sp else 1)
     p2p = comm.p2p(send, lay, hw) if lay.pp > 1 else 0.0
-    makespan = pipeline_makespan(lay, times, p2p, exact)
+    fb = hw.comm_overlap if runs_fb_overlap(lay, fw) else None
+    makespan = pipeline_makespan(lay, times, p2p, exact, fb)
+    # what DualPipeV's overlapped pairs take off the plain schedule's simulation (0 on the closed-form path)
+    fb_hidden = pipeline_makespan(lay, times, p2p, exact) - makespan if fb is not None else 0.0
     per_rank = [0.0] * lay.pp
     for s in range(len(times.f)):
         per_rank[_rank_of(s, lay)] += times.f[s] + times.b[s] + times.w[s]
@@ -709,7 +748,13 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     host_wait = lay.grad_accum_steps * sum(w for s, w in enumerate(times.host_wait) if _rank_of(s, lay) == busiest)
     parts["host_wait"] = host_wait
     parts = {"compute": ideal - sum(parts.values()), **parts}
-    parts.update({"pipeline_bubble": max(0.0, makespan - t_sync - ideal), "pipeline_wait": t_sync,
+    bubble = max(0.0, makespan + fb_hidden - t_sync - ideal)
+    for k in ("tp_comm", "cp_comm", "ep_comm"):  # the pairs hide the stages' own collectives, then the bubble
+        take = min(fb_hidden, parts.get(k, 0.0))
+        if take > 0:
+            parts[k] -= take
+            fb_hidden -= take
+    parts.update({"pipeline_bubble": max(0.0, bubble - fb_hidden), "pipeline_wait": t_sync,
                   "dp_comm_exposed": t_dp_exposed,
                   "zero_gather": t_gather, "optimizer": t_opt})
     # a cluster with drift data has the drift as a part (the parts of the others stay as they were)

@@ -65,7 +65,9 @@ class _AllToAllStart(torch.autograd.Function):
     """`_AllToAll` whose forward only launches the exchange (`async_op`): the received rows are valid after
     `_AllToAllWait`. Backward exchanges the gradients synchronously: the work that autograd may run beside it
     (the shared experts' backward) can hold tensor-parallel collectives, and collectives of two communicators in
-    flight at once are what NCCL does not order."""
+    flight at once are what NCCL does not order. (Inside a pair of lanes, DualPipeV's overlapped F and B, every
+    exchange is launched asynchronously and waited for at a hand-over: there the two lanes' collectives interleave
+    at points of the program, in one order on every rank, `parallel.lanes`.)"""
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: ProcessGroup,

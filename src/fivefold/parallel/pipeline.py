@@ -23,7 +23,9 @@ tied-embedding gradient and the loss and gradient-norm scalars (engine).
 The executor (`PipelineExecutor`) does not know what a stage computes: a stage is anything with `forward`,
 `backward_input` and `backward_weight` (`PipelineStage`). F receives its input from the previous stage's rank (or
 starts from the tokens), runs the stage and sends the output on; B receives the output gradient, backpropagates
-and sends the input gradient back; W computes the weight gradients. Schedules without a split backward (AFAB,
+and sends the input gradient back; W computes the weight gradients. DualPipeV's fused pairs (`Schedule.fused`,
+`layout.pp_fb_overlap`) take both inputs, run the F and the B as two lanes (`lanes.run_pair`: one's collectives
+under the other's compute) and send both outputs after both have ended. Schedules without a split backward (AFAB,
 1F1B, interleaved) run W right after B. For the zero-bubble schedules the split is real: the linear layers of the
 blocks become `DeferredGradLinear`, whose backward computes the input gradient and leaves the weight-gradient
 matmul (grad_output^T @ input) in a `WeightGradQueue` that the W pass drains; nothing runs twice. The

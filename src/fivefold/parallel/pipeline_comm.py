@@ -15,7 +15,10 @@ Each rank posts its own sends and receives, to and from every peer, in that glob
 `batch_isend_irecv` per action (`posting_plan`): before the first action, the receives that come before its first
 send; after each action that sends, its send together with the receives that follow it in the order, up to the
 next send (usually including the next action's input, as Megatron's send-forward-receive-backward does). An
-action that sends nothing posts nothing. A receive is waited for just before the action that needs it: its whole
+action that sends nothing posts nothing. A fused pair (DualPipeV's F and B run as two lanes, `Schedule.fused`) is
+one unit: both its inputs are posted before it, nothing after its F, and both its sends (in the global order,
+where the simulation puts both at the pair's end) with the receives that follow after its B.
+A receive is waited for just before the action that needs it: its whole
 batch, as a backend with one stream per rank would, or under `layout.pp_comm_overlap` (the default) itself alone
 where the backend gives each operation its own handle (gloo), so that a rank does not wait for its peer to take
 what it sent; sends are waited for at the end of the step. Under that overlap a whole backward (the schedules

@@ -299,33 +299,79 @@ def test_pipeline_overlap_changes_no_loss():
     assert_switch_changes_nothing(layouts, run_ranks(2, pipeline_on_ranks, layouts)[0])
 
 
+def record_collectives(issued: list) -> None:
+    """Make every collective this process issues through `torch.distributed` (and the single-tensor names that
+    `tensor_comm` and `data` bind at import) append (the group's ranks, the operation, the first tensor's shape and
+    dtype) to `issued`, in issue order."""
+    import torch.distributed as dist
+
+    from fivefold.parallel import data, tensor_comm
+
+    def wrap(name, fn):
+        def recorded(*args, **kwargs):
+            group = kwargs.get("group")
+            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
+                range(dist.get_world_size()))
+            tensor = args[0][0] if isinstance(args[0], list) else args[0]  # all_gather's output list
+            issued.append((ranks, name, tuple(tensor.shape), str(tensor.dtype)))
+            return fn(*args, **kwargs)
+        return recorded
+
+    for name in ("all_reduce", "all_to_all_single", "all_gather", "broadcast"):
+        setattr(dist, name, wrap(name, getattr(dist, name)))
+    for module in (tensor_comm, data):
+        module.all_gather_into = wrap("all_gather_into", module.all_gather_into)
+        module.reduce_scatter_into = wrap("reduce_scatter_into", module.reduce_scatter_into)
+
+
 def lanes_on_ranks(rank: int, world_size: int, layouts: list[dict[str, str]]) -> list:
-    """`pipeline_on_ranks` of each layout, with the pairs of lanes it ran and their hand-overs on this rank."""
+    """`pipeline_on_ranks` of each layout, with the pairs of lanes it ran and their hand-overs on this rank, and the
+    collectives this rank issued (`record_collectives`)."""
     from fivefold.parallel import lanes
 
+    issued: list = []
+    record_collectives(issued)
     out = []
     for overrides in layouts:
         before = dict(lanes.totals)
+        issued.clear()
         (result,) = pipeline_on_ranks(rank, world_size, [overrides])
-        out.append((result, {k: lanes.totals[k] - before[k] for k in before}))
+        out.append((result, {k: lanes.totals[k] - before[k] for k in before}, list(issued)))
     return out
 
 
 def test_dualpipev_forward_backward_overlap_changes_no_loss():
     """pp2 x tp2 of the MoE model under DualPipeV, `layout.pp_fb_overlap` on and off: on, each rank runs its
     F0B1 / F1B0 pairs as two lanes that hand over at the tensor-parallel collectives (one micro-batch's all-reduce
-    under the other's compute); the losses and gradient norms match one process and equal those
+    under the other's compute), and every member of every group issues the group's collectives in one order (what
+    NCCL needs of a communicator), an order that differs from the sequential one; the losses and gradient norms match one process and equal those
     with the overlap off within 1e-6, where no pair runs."""
     layouts = [{**PP, **MOE, "layout.pp": "2", "layout.tp": "2", "layout.schedule": "dualpipev",
                 "layout.pp_fb_overlap": on} for on in ("true", "false")]
     ranks = run_ranks(4, lanes_on_ranks, layouts)
-    assert_switch_changes_nothing(layouts, [result for result, _ in ranks[0]])
+    assert_switch_changes_nothing(layouts, [result for result, _, _ in ranks[0]])
     m = tiny_config(layouts[0]).grad_accum_steps
     pairs = [len(p) for p in build_schedule("dualpipev", 2, m, overlap_fb=True).fused]
     for rank, per_layout in enumerate(ranks):
-        (_, on), (_, off) = per_layout
+        (_, on, _), (_, off, _) = per_layout
         assert on["pairs"] == pairs[rank // 2] * STEPS and on["switches"] >= 2 * on["pairs"], (rank, on)
         assert off == {"pairs": 0, "switches": 0}
+    # what NCCL needs of one communicator: every member of a group issues the group's collectives in one order (the
+    # same operations on the same shapes); with the lanes the order differs from the sequential one
+    for layout in range(2):
+        per_group: dict[tuple, dict[int, list]] = {}
+        for rank, per_layout in enumerate(ranks):
+            for group, *op in per_layout[layout][2]:
+                per_group.setdefault(group, {}).setdefault(rank, []).append(tuple(op))
+        assert any(len(group) == 2 and group[1] - group[0] == 1 for group in per_group)  # the tp groups
+        for group, sequences in per_group.items():
+            assert sorted(sequences) == list(group), (group, sorted(sequences))
+            first = sequences[group[0]]
+            assert all(sequences[r] == first for r in group), group
+    for rank in range(4):
+        on_order = [op for op in ranks[rank][0][2] if op[0] == (rank // 2 * 2, rank // 2 * 2 + 1)]
+        off_order = [op for op in ranks[rank][1][2] if op[0] == (rank // 2 * 2, rank // 2 * 2 + 1)]
+        assert sorted(on_order) == sorted(off_order) and on_order != off_order, rank
 
 
 @pytest.mark.slow

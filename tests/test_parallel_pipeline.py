@@ -344,8 +344,8 @@ def test_dualpipev_forward_backward_overlap_changes_no_loss():
     """pp2 x tp2 of the MoE model under DualPipeV, `layout.pp_fb_overlap` on and off: on, each rank runs its
     F0B1 / F1B0 pairs as two lanes that hand over at the tensor-parallel collectives (one micro-batch's all-reduce
     under the other's compute), and every member of every group issues the group's collectives in one order (what
-    NCCL needs of a communicator), an order that differs from the sequential one; the losses and gradient norms match one process and equal those
-    with the overlap off within 1e-6, where no pair runs."""
+    NCCL needs of a communicator), an order that differs from the sequential one; the losses and gradient norms
+    match one process and equal those with the overlap off within 1e-6, where no pair runs."""
     layouts = [{**PP, **MOE, "layout.pp": "2", "layout.tp": "2", "layout.schedule": "dualpipev",
                 "layout.pp_fb_overlap": on} for on in ("true", "false")]
     ranks = run_ranks(4, lanes_on_ranks, layouts)

@@ -95,13 +95,16 @@ def run_pair(first: Callable[[], Any], second: Callable[[], Any]) -> tuple[Any, 
     results: list[Any] = [None, None]
     errors: list[BaseException | None] = [None, None]
 
-    # the worker runs on the caller's accelerator (the current device is per thread), as its autograd does
-    device = torch.accelerator.current_device_index() if torch.accelerator.is_available() else None
+    # the worker runs on the caller's accelerator and stream (both are per thread), as its autograd does
+    on = torch.accelerator.is_available()
+    device, stream = (torch.accelerator.current_device_index(), torch.accelerator.current_stream()) if on else (
+        None, None)
 
     def lane(index: int, work: Callable[[], Any]) -> None:
         if index:
             if device is not None:
                 torch.accelerator.set_device_index(device)
+                torch.accelerator.set_stream(stream)
             baton.start(index)
         try:
             results[index] = work()

@@ -408,7 +408,8 @@ def test_dualpipev_pairs_hide_each_lane_s_collectives_behind_the_other_s_compute
     """DualPipeV's F/B pairs as two lanes (`layout.pp_fb_overlap` with tp): a pair takes F + B less each lane's
     exposed collectives as far as the other lane's compute lasts and the device overlaps (closed form below); the
     planner's step simulates the fused order with it, so llama-3.1-8b pp2 x tp4 on an H100 is faster with the switch
-    on; with it off, without tp, or for a framework that does not run it, the plain schedule's simulation."""
+    on; the closed form that ranks candidates first takes each rank's pairs' hidden time off its busy time; with it
+    off, without tp, or for a framework that does not run it, the plain schedule."""
     from fivefold.parallel.schedules import build_schedule, simulate
     from fivefold.planner.layout import NANOTRON
     from fivefold.planner.time import comm as comm_module
@@ -428,10 +429,11 @@ def test_dualpipev_pairs_hide_each_lane_s_collectives_behind_the_other_s_compute
     send = seq * cfg.hidden * FIVEFOLD.residual_bytes
     p2p = comm_module.p2p(send, on, hw.on_node(8))
 
+    def pair(f, b):
+        s, t = f.stage, b.stage
+        return fb_pair_seconds(times.f[s], times.b[t], times.comm_f[s], times.comm_b[t], hw.comm_overlap)
+
     def makespan(fused: bool) -> float:
-        def pair(f, b):
-            s, t = f.stage, b.stage
-            return fb_pair_seconds(times.f[s], times.b[t], times.comm_f[s], times.comm_b[t], hw.comm_overlap)
         return simulate(build_schedule("dualpipev", 2, 8, overlap_fb=fused), times.f, times.b, times.w, p2p,
                         pair_seconds=pair if fused else None).makespan
 
@@ -445,6 +447,19 @@ def test_dualpipev_pairs_hide_each_lane_s_collectives_behind_the_other_s_compute
         assert min(report.parts.values()) >= 0
     assert step[False].parts["tp_comm"] - step[None].parts["tp_comm"] == pytest.approx(
         makespan(False) - makespan(True), rel=1e-6)
+    # the closed form (the search's first ranking): each rank's busy time less what its pairs hide
+    closed = {lay.pp_fb_overlap: step_time(cfg, seq, lay, FIVEFOLD, hw, exact=False) for lay in (on, off)}
+    fused = build_schedule("dualpipev", 2, 8, overlap_fb=True)
+    busy_off = [8 * sum(times.f[s] + times.b[s] + times.w[s] for s in (r, 3 - r)) for r in range(2)]
+    busy_on = []
+    for r, (acts, ks) in enumerate(zip(fused.actions, fused.fused, strict=True)):
+        hidden = sum(times.f[acts[k].stage] + times.b[acts[k + 1].stage] - pair(acts[k], acts[k + 1]) for k in ks)
+        busy_on.append(busy_off[r] - hidden)
+    assert max(busy_on) < max(busy_off)
+    assert closed[None].step_time - closed[False].step_time == pytest.approx(max(busy_on) - max(busy_off), rel=1e-6)
+    for report in closed.values():
+        assert sum(report.parts.values()) == pytest.approx(report.step_time, rel=1e-9)
+        assert min(report.parts.values()) >= 0
     no_tp = Layout(pp=2, schedule="dualpipev", micro_batch_size=1, grad_accum_steps=8)
     assert not no_tp.overlaps_fb
     assert step_time(cfg, seq, on, NANOTRON, hw).step_time == step_time(cfg, seq, off, NANOTRON, hw).step_time

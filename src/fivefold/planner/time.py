@@ -586,7 +586,8 @@ def pipeline_makespan(lay: Layout, times: StageTimes, p2p: float, exact: bool, f
                       ) -> float:
     """Forward/backward time of all micro-batches: simulated with the schedule's action list when `exact`,
     else the closed form (used to rank thousands of candidates before simulating the best). `fb_overlap`: the
-    device's overlap where DualPipeV's F/B pairs run as two lanes (`fb_pair_seconds`; exact path only)."""
+    device's overlap where DualPipeV's F/B pairs run as two lanes (`fb_pair_seconds`; the closed form takes what
+    each rank's pairs hide off its busy time)."""
     m = lay.grad_accum_steps
     if lay.pp == 1:
         return m * (times.f[0] + times.b[0] + times.w[0])
@@ -602,14 +603,27 @@ def pipeline_makespan(lay: Layout, times: StageTimes, p2p: float, exact: bool, f
     n_stages = len(times.f)
     per_rank = [0.0] * p
     for s in range(n_stages):
-        per_rank[_rank_of(s, lay)] += times.f[s] + times.b[s] + times.w[s]
+        per_rank[_rank_of(s, lay)] += m * (times.f[s] + times.b[s] + times.w[s])
+    if fb_overlap is not None and times.comm_f:
+        for r, pairs in enumerate(_fused_stages(lay.pp, m)):
+            for sf, sb in pairs:
+                f, b = times.f[sf], times.b[sb]
+                per_rank[r] -= f + b - fb_pair_seconds(f, b, times.comm_f[sf], times.comm_b[sb], fb_overlap)
     full = sum(times.f[s] + times.b[s] + times.w[s] for s in range(n_stages)) / n_stages  # one stage, one mb
     if lay.schedule in ("zero-bubble", "dualpipev"):  # W passes fill the bubble: (p-1)(F + B - 2W) per stage
         bubble = (p - 1) * max(full - 2 * sum(times.w) / n_stages, sum(times.f) / n_stages)
     else:  # (p-1)/m of the work, or (p-1)/(v m) for interleaved (whose stages are 1/v of a rank's layers)
         bubble = (p - 1) * full
     sends = 2 * (p - 1) * (lay.vpp if lay.schedule == "interleaved" else 1)
-    return m * max(per_rank) + bubble + sends * p2p
+    return max(per_rank) + bubble + sends * p2p
+
+
+@lru_cache(maxsize=256)
+def _fused_stages(p: int, m: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per pp rank, the (F stage, B stage) of each of DualPipeV's fused pairs in a step."""
+    sched = build_schedule("dualpipev", p, m, overlap_fb=True)
+    return tuple(tuple((acts[k].stage, acts[k + 1].stage) for k in ks)
+                 for acts, ks in zip(sched.actions, sched.fused, strict=True))
 
 
 @dataclass
@@ -678,7 +692,7 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     p2p = comm.p2p(send, lay, hw) if lay.pp > 1 else 0.0
     fb = hw.comm_overlap if runs_fb_overlap(lay, fw) else None
     makespan = pipeline_makespan(lay, times, p2p, exact, fb)
-    # what DualPipeV's overlapped pairs take off the plain schedule's simulation (0 on the closed-form path)
+    # what DualPipeV's overlapped pairs take off the plain schedule
     fb_hidden = pipeline_makespan(lay, times, p2p, exact) - makespan if fb is not None else 0.0
     per_rank = [0.0] * lay.pp
     for s in range(len(times.f)):

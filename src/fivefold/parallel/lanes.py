@@ -121,7 +121,6 @@ def run_pair(first: Callable[[], Any], second: Callable[[], Any]) -> tuple[Any, 
         worker.join()
     finally:
         _ACTIVE = None
-    last_switches[0] = baton.switches
     totals["pairs"] += 1
     totals["switches"] += baton.switches
     for error in errors:
@@ -130,5 +129,4 @@ def run_pair(first: Callable[[], Any], second: Callable[[], Any]) -> tuple[Any, 
     return results[0], results[1]
 
 
-last_switches = [0]  # hand-overs of the last pair (tests)
 totals = {"pairs": 0, "switches": 0}  # pairs run and hand-overs in this process (tests, benchmarks)

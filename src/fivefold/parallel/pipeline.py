@@ -288,19 +288,27 @@ class PipelineExecutor:
         where = schedule.stage_rank
         self.trace = []
 
-        def take(kind: str, mb: int, producer: int) -> torch.Tensor:
-            key = (kind, mb, producer)
-            return local.pop(key) if where[producer] == self.rank else p2p.receive(key)
+        def take(kind: str, mb: int, s: int) -> torch.Tensor | None:
+            """The input of action (kind, mb, s): None where it starts from the tokens (F of the first stage) or
+            from its loss (B of the last), else the producing stage's tensor, handed over here or received."""
+            if (kind, s) in (("F", 0), ("B", last)):
+                return None
+            key = (kind, mb, s - 1 if kind == "F" else s + 1)
+            return local.pop(key) if where[key[2]] == self.rank else p2p.receive(key)
 
-        def give(kind: str, mb: int, producer: int, tensor: torch.Tensor) -> None:
-            if where[consumer_stage(kind, producer)] == self.rank:
-                local[(kind, mb, producer)] = tensor.detach()
+        def give(kind: str, mb: int, s: int, tensor: torch.Tensor | None) -> None:
+            """Action (kind, mb, s)'s output to its consumer: kept here or sent (none from F of the last stage or B
+            of the first)."""
+            if (kind, s) in (("F", last), ("B", 0)):
+                return
+            if where[consumer_stage(kind, s)] == self.rank:
+                local[(kind, mb, s)] = tensor.detach()
             else:
-                sent[(kind, mb, producer)] = tensor
+                sent[(kind, mb, s)] = tensor
 
         p2p.post(0, {})
         actions = schedule.actions[self.rank]
-        fused = set(schedule.fused[self.rank]) if schedule.fused else set()
+        fused = schedule.fused_at(self.rank)
         index = 0
         while index < len(actions):
             action = actions[index]
@@ -310,15 +318,12 @@ class PipelineExecutor:
             if index in fused:  # DualPipeV's F and the next B (the other chunk's) as two lanes, then both sends
                 b_mb, b_s = actions[index + 1].micro_batch, actions[index + 1].stage
                 faults.note(micro_batch=mb, action=f"F of stage {s} with B of micro-batch {b_mb}, stage {b_s}")
-                x = None if s == 0 else take("F", mb, s - 1)
-                grad = None if b_s == last else take("B", b_mb, b_s + 1)
+                x, grad = take("F", mb, s), take("B", b_mb, b_s)
                 start = time.perf_counter()
                 y, grad_input = lanes.run_pair(functools.partial(stage.forward, mb, x),
                                                functools.partial(stages[b_s].backward_input, b_mb, grad))
-                if s < last:
-                    give("F", mb, s, y)
-                if b_s > 0:
-                    give("B", b_mb, b_s, grad_input)
+                give("F", mb, s, y)
+                give("B", b_mb, b_s, grad_input)
                 end = time.perf_counter()
                 self.trace += [Ran(action, start, end), Ran(actions[index + 1], start, end)]
                 p2p.post(index + 1, {})
@@ -328,17 +333,13 @@ class PipelineExecutor:
             faults.note(micro_batch=mb, action=f"{kind} of stage {s}")
             posted = False
             if kind == "F":
-                x = None if s == 0 else take("F", mb, s - 1)
+                x = take("F", mb, s)
                 start = time.perf_counter()
-                y = stage.forward(mb, x)
-                if s < last:
-                    give("F", mb, s, y)
+                give("F", mb, s, stage.forward(mb, x))
             elif kind == "B":
-                grad = None if s == last else take("B", mb, s + 1)
+                grad = take("B", mb, s)
                 start = time.perf_counter()
-                grad_input = stage.backward_input(mb, grad)
-                if s > 0:
-                    give("B", mb, s, grad_input)
+                give("B", mb, s, stage.backward_input(mb, grad))
                 if not schedule.split_backward:  # a whole backward: its input gradient leaves when it is done, or
                     if self.overlap:  # (overlap) with the receives that follow it while this rank computes the
                         p2p.post(index + 1, sent)  # weight gradients

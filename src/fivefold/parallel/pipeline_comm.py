@@ -126,7 +126,7 @@ def posting_plan(schedule: Schedule, rank: int) -> tuple[tuple[Op, ...], ...]:
     batches = [tuple(receives())]
     posted = {op.message.key for op in batches[0]}
     where, last = schedule.stage_rank, schedule.n_stages - 1
-    actions, fused = schedule.actions[rank], set(schedule.fused[rank]) if schedule.fused else set()
+    actions, fused = schedule.actions[rank], schedule.fused_at(rank)
     k = 0
     while k < len(actions):
         group = actions[k:k + 2] if k in fused else actions[k:k + 1]  # a fused pair: both inputs before it

@@ -55,6 +55,10 @@ class Schedule:
     def n_stages(self) -> int:
         return self.p * self.v
 
+    def fused_at(self, rank: int) -> frozenset[int]:
+        """The indices of `rank`'s actions whose F runs fused with the B that follows it (none if not fused)."""
+        return frozenset(self.fused[rank]) if self.fused else frozenset()
+
 
 class ScheduleError(ValueError):
     """A schedule that cannot be built for these (p, m, v); the message says what would work."""
@@ -303,8 +307,8 @@ def simulate(schedule: Schedule, t_f: float | Sequence[float], t_b: float | Sequ
     clock = [0.0] * schedule.p
     pos = [0] * schedule.p
     remaining = sum(len(a) for a in schedule.actions)
-    fused = [set(ks) for ks in schedule.fused] or [set() for _ in range(schedule.p)]
     busy = [0.0] * schedule.p  # compute time per rank (a fused pair counted as it runs)
+    fused = [schedule.fused_at(r) for r in range(schedule.p)]
 
     def ready(a: Action) -> float | None:
         s = a.stage

@@ -17,6 +17,8 @@ repeatable; default all):
     pp2-tp2-dualpipev  the same switch under DualPipeV with tp2 in each stage (4 processes)
     pp2-tp2-dualpipev-fb  DualPipeV with tp2 in each stage (4 processes): `layout.pp_fb_overlap` (each F0B1 / F1B0
                 pair as two lanes, one micro-batch's tensor-parallel all-reduces under the other's compute)
+    pp2-tp2-sp-dualpipev-fb  the same with sequence parallel: the backward's lane also runs its W pass, whose
+                input all-gathers then run under the forward's compute
     tp2-sp      tensor parallel over 2 processes with sequence parallel: `layout.tp_comm_overlap` (every
                 all-gather and reduce-scatter of sequence parallel under a matmul that does not need it)
 
@@ -51,6 +53,9 @@ CASES = {"dp2-zero1": (["--layout.dp", "2", "--layout.zero", "1"], "layout.dp_ov
                                 "--layout.micro_batch_size", "1"], "layout.pp_comm_overlap"),
          "pp2-tp2-dualpipev-fb": (["--layout.pp", "2", "--layout.tp", "2", "--layout.schedule", "dualpipev",
                                    "--layout.micro_batch_size", "1"], "layout.pp_fb_overlap"),
+         "pp2-tp2-sp-dualpipev-fb": (["--layout.pp", "2", "--layout.tp", "2", "--layout.sp", "true",
+                                      "--layout.schedule", "dualpipev", "--layout.micro_batch_size", "1"],
+                                     "layout.pp_fb_overlap"),
          "tp2-sp": (["--layout.tp", "2", "--layout.sp", "true"], "layout.tp_comm_overlap")}
 
 

@@ -115,8 +115,8 @@ def executor_on_ranks(rank: int, world_size: int) -> None:
     cases = [("afab", 4, 1), ("1f1b", 5, 1), ("interleaved", 6, 2), ("zero-bubble", 5, 1), ("dualpipev", 7, 1)]
     for (name, m, v), dtype, overlap in itertools.product(cases, (torch.float32, torch.bfloat16), (False, True)):
         schedules = [build_schedule(name, world_size, m, v), forward_schedule(name, world_size, m, v)]
-        if name == "dualpipev":  # its F and B pairs run as two lanes
-            schedules.append(build_schedule(name, world_size, m, v, overlap_fb=True))
+        if name == "dualpipev":  # its F and B pairs run as two lanes, with the B's W in its lane or after the pair
+            schedules += [build_schedule(name, world_size, m, v, overlap_fb=True, pair_w=w) for w in (False, True)]
         for schedule in schedules:
             calls: list = []
             stages = {s: RoutingStage(s, schedule.n_stages, calls, dtype) for s, r in enumerate(schedule.stage_rank)
@@ -130,6 +130,11 @@ def executor_on_ranks(rank: int, world_size: int) -> None:
                     expected.append(("W", a.micro_batch, a.stage))  # a whole backward: its W right after its B
             assert calls == expected, (name, rank)
             assert [r.action for r in trace] == list(schedule.actions[rank])
+            for k in schedule.fused_at(rank):  # a pair's actions (its W too, under pair_w) run as one unit
+                unit = {(r.start, r.end) for r in trace[k:k + len(schedule.unit(rank, k))]}
+                assert len(unit) == 1, (name, rank, k)
+            if schedule.pair_w:
+                assert any(len(schedule.unit(rank, k)) == 3 for k in schedule.fused_at(rank))
 
 
 def test_executor_runs_each_rank_s_actions_in_order_and_routes_every_message():
@@ -341,16 +346,18 @@ def lanes_on_ranks(rank: int, world_size: int, layouts: list[dict[str, str]]) ->
 
 
 def test_dualpipev_forward_backward_overlap_changes_no_loss():
-    """pp2 x tp2 of the MoE model under DualPipeV, `layout.pp_fb_overlap` on and off: on, each rank runs its
-    F0B1 / F1B0 pairs as two lanes that hand over at the tensor-parallel collectives (one micro-batch's all-reduce
-    under the other's compute), and every member of every group issues the group's collectives in one order (what
+    """pp2 x tp2 + sp of the MoE model under DualPipeV, `layout.pp_fb_overlap` on and off: on, each rank runs its
+    F0B1 / F1B0 pairs as two lanes that hand over at the tensor-parallel collectives (one micro-batch's all-gathers
+    and reduce-scatters under the other's compute; the backward's lane runs its W too, whose input gathers again,
+    `fb_pairs_run_w`), and every member of every group issues the group's collectives in one order (what
     NCCL needs of a communicator), an order that differs from the sequential one; the losses and gradient norms
     match one process and equal those with the overlap off within 1e-6, where no pair runs."""
-    layouts = [{**PP, **MOE, "layout.pp": "2", "layout.tp": "2", "layout.schedule": "dualpipev",
+    layouts = [{**PP, **MOE, "layout.pp": "2", "layout.tp": "2", "layout.sp": "true", "layout.schedule": "dualpipev",
                 "layout.pp_fb_overlap": on} for on in ("true", "false")]
     ranks = run_ranks(4, lanes_on_ranks, layouts)
     assert_switch_changes_nothing(layouts, [result for result, _, _ in ranks[0]])
     m = tiny_config(layouts[0]).grad_accum_steps
+    assert tiny_config(layouts[0]).layout.fb_pairs_run_w and not tiny_config(layouts[1]).layout.fb_pairs_run_w
     pairs = [len(p) for p in build_schedule("dualpipev", 2, m, overlap_fb=True).fused]
     for rank, per_layout in enumerate(ranks):
         (_, on, _), (_, off, _) = per_layout

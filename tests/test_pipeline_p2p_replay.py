@@ -200,6 +200,7 @@ def test_every_schedule_completes_under_one_stream_per_rank(name, p, m, v):
     schedules = [build_schedule(name, p, m, v), forward_schedule(name, p, m, v)]
     if name == "dualpipev":  # the overlapped order: a pair's F and B start once both inputs are in, send after both
         schedules.append(build_schedule(name, p, m, v, overlap_fb=True))
+        schedules.append(build_schedule(name, p, m, v, overlap_fb=True, pair_w=True))  # with the B's W
         assert all(schedules[-1].fused)
     for schedule in schedules:
         done, stuck = replay(new_programs(schedule))
@@ -208,9 +209,12 @@ def test_every_schedule_completes_under_one_stream_per_rank(name, p, m, v):
         for rank, actions in enumerate(schedule.actions):
             plan = posting_plan(schedule, rank)
             assert len(plan) == len(actions) + 1
-            fused = set(schedule.fused[rank]) if schedule.fused else set()
-            for i, batch in enumerate(plan):  # an action sends at most once, a fused pair twice (after its B)
-                assert sum(op.send for op in batch) <= (2 if i - 2 in fused else 0 if i - 1 in fused else 1)
+            sends = [1] * (len(actions) + 1)  # an action sends at most once, a fused pair twice (at its end)
+            for k in schedule.fused_at(rank):
+                n = len(schedule.unit(rank, k))
+                sends[k + 1:k + n + 1] = [0] * (n - 1) + [2]
+            for i, batch in enumerate(plan):
+                assert sum(op.send for op in batch) <= sends[i]
 
 
 def test_old_posting_deadlocks_interleaved_from_pp3():

@@ -404,6 +404,55 @@ def test_fivefold_selective_recompute_passes_nothing_around_the_ring_again():
     assert cp_comm("selective", NANOTRON) == pytest.approx(cp_comm("none", NANOTRON) + forward_ring, rel=0.05)
 
 
+def test_a_split_schedule_prices_sequence_parallel_s_second_gather_in_w_and_dualpipev_pairs_run_it():
+    """Under tp with sp the column linears (q/k/v, gate/up) gather their input again for their weight gradients:
+    under a split schedule (zero-bubble, DualPipeV) in the W pass that computes them (`comm_w`, two all-gathers of
+    a block's activations per block, restated below), elsewhere in B. DualPipeV's pairs then run the B's W in the
+    backward's lane (`fb_pairs_run_w`) and the step is the simulation of those three-action units; by the same
+    model, running the W after the pair instead would be slower under sp, and without sp (W without collectives,
+    whose outputs would only leave later) it is the faster choice, which is the rule."""
+    from fivefold.parallel.schedules import build_schedule, simulate
+    from fivefold.planner.time import comm as comm_module
+    from fivefold.planner.time import fb_pair_seconds, step_time
+
+    cfg, seq, hw = get_preset("llama-3.1-8b"), 4096, get_cluster("h100").on_node(8)
+    on = Layout(tp=4, sp=True, pp=2, schedule="dualpipev", micro_batch_size=1, grad_accum_steps=8)
+    off = dataclasses.replace(on, pp_fb_overlap=False)
+    assert on.fb_pairs_run_w and not off.fb_pairs_run_w and not dataclasses.replace(on, sp=False).fb_pairs_run_w
+    times = stage_times(cfg, seq, on, FIVEFOLD, hw)
+    act = seq * cfg.hidden * 2  # one micro-batch's bf16 activations, gathered
+    per_block = 2 * comm_module.all_gather(act, 4, 1, hw)
+    assert times.comm_w == pytest.approx([n * per_block for n in times.counts]) and min(times.comm_w) > 0
+    whole = stage_times(cfg, seq, dataclasses.replace(on, schedule="1f1b", tp_comm_overlap=False), FIVEFOLD, hw)
+    assert whole.comm_w == [0.0, 0.0]
+    p2p = comm_module.p2p(seq * cfg.hidden * FIVEFOLD.residual_bytes / 4, on, hw)  # sp: each rank's sequence slice
+
+    def pair(f, b, w=None):
+        extra, comm = (times.w[b.stage], times.comm_w[b.stage]) if w is not None else (0.0, 0.0)
+        return fb_pair_seconds(times.f[f.stage], times.b[b.stage] + extra, times.comm_f[f.stage],
+                               times.comm_b[b.stage] + comm, hw.comm_overlap)
+
+    def makespan(t, fused: bool, pair_w: bool, price=pair, link=p2p) -> float:
+        return simulate(build_schedule("dualpipev", 2, 8, overlap_fb=fused, pair_w=pair_w), t.f, t.b, t.w, link,
+                        pair_seconds=price if fused else None).makespan
+
+    step = {lay.pp_fb_overlap: step_time(cfg, seq, lay, FIVEFOLD, hw).step_time for lay in (on, off)}
+    assert step[None] - step[False] == pytest.approx(makespan(times, True, True) - makespan(times, False, False),
+                                                     rel=1e-6)
+    assert makespan(times, True, True) < makespan(times, True, False) < makespan(times, False, False)
+    plain = dataclasses.replace(on, sp=False)
+    t2 = stage_times(cfg, seq, plain, FIVEFOLD, hw)
+    assert t2.comm_w == [0.0] * 4
+
+    def pair2(f, b, w=None):
+        extra = t2.w[b.stage] if w is not None else 0.0
+        return fb_pair_seconds(t2.f[f.stage], t2.b[b.stage] + extra, t2.comm_f[f.stage], t2.comm_b[b.stage],
+                               hw.comm_overlap)
+
+    link = comm_module.p2p(seq * cfg.hidden * FIVEFOLD.residual_bytes, plain, hw)
+    assert makespan(t2, True, False, pair2, link) < makespan(t2, True, True, pair2, link)
+
+
 def test_dualpipev_pairs_hide_each_lane_s_collectives_behind_the_other_s_compute():
     """DualPipeV's F/B pairs as two lanes (`layout.pp_fb_overlap` with tp): a pair takes F + B less each lane's
     exposed collectives as far as the other lane's compute lasts and the device overlaps (closed form below); the

@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 
+from fivefold.parallel.pipeline_comm import posting_plan
 from fivefold.parallel.schedules import (
     Action,
     Schedule,
@@ -207,3 +208,32 @@ def test_a_fused_pair_starts_with_both_inputs_and_its_outputs_leave_at_its_end()
         assert fast.busy[r] == pytest.approx(sim.busy[r] - 0.5 * len(ks))
     assert fast.makespan <= sim.makespan
     assert not build_schedule("1f1b", 2, 4, overlap_fb=True).fused  # DualPipeV's alone
+
+
+def test_a_fused_pair_with_its_w_runs_the_whole_backward_beside_the_forward():
+    """`pair_w` (tp with sp, where W gathers its input again): each pair whose B's own W comes next runs that W
+    too, as one unit of three actions that starts once both inputs are in and ends together; its outputs leave
+    after the W, so at the plain sum of the parts the step is longer than with the W after the pair, and the
+    posting plan posts nothing after the F nor after the B. Without `pair_w` the units are the pairs alone."""
+    plain = build_schedule("dualpipev", 2, 4, overlap_fb=True)
+    whole = build_schedule("dualpipev", 2, 4, overlap_fb=True, pair_w=True)
+    assert whole.actions == plain.actions and whole.fused == plain.fused and whole.pair_w and not plain.pair_w
+    seen: list = []
+    sim = simulate(whole, 1.0, 1.0, 1.0, pair_seconds=lambda *unit: seen.append(unit) or float(len(unit)))
+    assert sim.makespan > simulate(plain, 1.0, 1.0, 1.0).makespan
+    for r, ks in enumerate(whole.fused):
+        acts = whole.actions[r]
+        plan = posting_plan(whole, r)
+        for k in ks:
+            assert plain.unit(r, k) == acts[k:k + 2]
+            unit = whole.unit(r, k)
+            f, b = unit[:2]
+            if acts[k + 2] == ("W", b.micro_batch, b.stage):
+                assert unit == acts[k:k + 3] and unit in seen
+                assert sim.start[tuple(unit[2])] == sim.start[tuple(f)]
+                assert sim.end[tuple(unit[2])] == sim.end[tuple(f)] == sim.start[tuple(f)] + 3
+                assert plan[k + 1] == plan[k + 2] == ()  # nothing after the F, nothing after the B
+            else:
+                assert unit == acts[k:k + 2]
+        assert any(len(whole.unit(r, k)) == 3 for k in ks)
+        assert [len(whole.unit(r, k)) for k in range(len(acts)) if k not in ks] == [1] * (len(acts) - len(ks))

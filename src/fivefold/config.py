@@ -330,6 +330,14 @@ class LayoutConfig:
         return self.pp_fb_overlap is not False and self.fb_overlap_applies
 
     @property
+    def fb_pairs_run_w(self) -> bool:
+        """Whether a DualPipeV pair's backward lane also runs its W pass (`Schedule.unit`): where W communicates (tp
+        with sp: the column linears gather their input again for their weight gradients), so that those gathers run
+        under the forward's compute, as DualPipe overlaps a forward with a whole backward; elsewhere W has nothing
+        to hide and runs after the pair, whose outputs then leave sooner."""
+        return self.overlaps_fb and self.tp > 1 and self.sp
+
+    @property
     def fb_overlap_applies(self) -> bool:
         """DualPipeV over pp >= 2 whose stages have collectives of their own (tp, cp or ep > 1), not under ZeRO-3
         (whose fully_shard hooks gather and reduce-scatter outside the lanes)."""

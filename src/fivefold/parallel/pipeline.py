@@ -25,7 +25,8 @@ The executor (`PipelineExecutor`) does not know what a stage computes: a stage i
 starts from the tokens), runs the stage and sends the output on; B receives the output gradient, backpropagates
 and sends the input gradient back; W computes the weight gradients. DualPipeV's fused pairs (`Schedule.fused`,
 `layout.pp_fb_overlap`) take both inputs, run the F and the B as two lanes (`lanes.run_pair`: one's collectives
-under the other's compute) and send both outputs after both have ended. Schedules without a split backward (AFAB,
+under the other's compute; the B's lane runs its W too where that comes next, `Schedule.unit`, as DualPipe overlaps
+a forward with a whole backward) and send both outputs after both have ended. Schedules without a split backward (AFAB,
 1F1B, interleaved) run W right after B. For the zero-bubble schedules the split is real: the linear layers of the
 blocks become `DeferredGradLinear`, whose backward computes the input gradient and leaves the weight-gradient
 matmul (grad_output^T @ input) in a `WeightGradQueue` that the W pass drains; nothing runs twice. The
@@ -241,6 +242,15 @@ def defer_weight_grads(stage: Llama, queue: WeightGradQueue) -> None:
 # The executor
 
 
+def pair_backward(stage: PipelineStage, micro_batch: int, grad: torch.Tensor | None,
+                  weight: bool) -> torch.Tensor | None:
+    """A fused pair's second lane: B's input gradient, then (`weight`) the same micro-batch's W pass."""
+    grad_input = stage.backward_input(micro_batch, grad)
+    if weight:
+        stage.backward_weight(micro_batch)
+    return grad_input
+
+
 class PipelineStage(Protocol):
     """What the executor needs of a stage. `forward` gets the input (None on the first stage, which reads its own
     data) and returns the output to send (None on the last stage); `backward_input` gets the output gradient
@@ -315,20 +325,22 @@ class PipelineExecutor:
             kind, mb, s = action
             stage = stages[s]
             sent: dict[tuple[str, int, int], torch.Tensor] = {}
-            if index in fused:  # DualPipeV's F and the next B (the other chunk's) as two lanes, then both sends
-                b_mb, b_s = actions[index + 1].micro_batch, actions[index + 1].stage
+            unit = schedule.unit(self.rank, index, fused)
+            if len(unit) > 1:  # a fused pair: F and the other chunk's B (and W) as two lanes, then both sends
+                b_mb, b_s = unit[1].micro_batch, unit[1].stage
                 faults.note(micro_batch=mb, action=f"F of stage {s} with B of micro-batch {b_mb}, stage {b_s}")
                 x, grad = take("F", mb, s), take("B", b_mb, b_s)
                 start = time.perf_counter()
-                y, grad_input = lanes.run_pair(functools.partial(stage.forward, mb, x),
-                                               functools.partial(stages[b_s].backward_input, b_mb, grad))
+                second = functools.partial(pair_backward, stages[b_s], b_mb, grad, len(unit) == 3)
+                y, grad_input = lanes.run_pair(functools.partial(stage.forward, mb, x), second)
                 give("F", mb, s, y)
                 give("B", b_mb, b_s, grad_input)
                 end = time.perf_counter()
-                self.trace += [Ran(action, start, end), Ran(actions[index + 1], start, end)]
-                p2p.post(index + 1, {})
-                p2p.post(index + 2, sent)
-                index += 2
+                self.trace += [Ran(a, start, end) for a in unit]
+                for k in range(1, len(unit)):
+                    p2p.post(index + k, {})
+                p2p.post(index + len(unit), sent)
+                index += len(unit)
                 continue
             faults.note(micro_batch=mb, action=f"{kind} of stage {s}")
             posted = False

@@ -16,8 +16,9 @@ Each rank posts its own sends and receives, to and from every peer, in that glob
 send; after each action that sends, its send together with the receives that follow it in the order, up to the
 next send (usually including the next action's input, as Megatron's send-forward-receive-backward does). An
 action that sends nothing posts nothing. A fused pair (DualPipeV's F and B run as two lanes, `Schedule.fused`) is
-one unit: both its inputs are posted before it, nothing after its F, and both its sends (in the global order,
-where the simulation puts both at the pair's end) with the receives that follow after its B.
+one unit, with its B's W where that comes next (`Schedule.unit`): both its inputs are posted before it, nothing
+after its F (nor after its B when its W follows), and both its sends (in the global order, where the simulation
+puts both at the pair's end) with the receives that follow after its last action.
 A receive is waited for just before the action that needs it: its whole
 batch, as a backend with one stream per rank would, or under `layout.pp_comm_overlap` (the default) itself alone
 where the backend gives each operation its own handle (gloo), so that a rank does not wait for its peer to take
@@ -129,7 +130,7 @@ def posting_plan(schedule: Schedule, rank: int) -> tuple[tuple[Op, ...], ...]:
     actions, fused = schedule.actions[rank], schedule.fused_at(rank)
     k = 0
     while k < len(actions):
-        group = actions[k:k + 2] if k in fused else actions[k:k + 1]  # a fused pair: both inputs before it
+        group = schedule.unit(rank, k, fused)  # a fused pair (with its B's W): both inputs before it
         for action in group:
             kind, mb, s = action
             if kind != "W" and not (kind == "F" and s == 0) and not (kind == "B" and s == last):
@@ -152,8 +153,7 @@ def posting_plan(schedule: Schedule, rank: int) -> tuple[tuple[Op, ...], ...]:
         if batch:
             batch += receives()
         posted.update(op.message.key for op in batch)
-        if len(group) == 2:
-            batches.append(())  # after the pair's F: nothing, its output leaves with the B's
+        batches += [()] * (len(group) - 1)  # after a pair's F (and B, if its W follows): nothing, all leave at its end
         batches.append(tuple(batch))
         k += len(group)
     if pos != len(ops):

@@ -46,10 +46,11 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]  # per rank, in execution order
     stage_rank: tuple[int, ...]  # global stage -> rank
     split_backward: bool  # True when backward is split into B (input gradient) and W (weight gradient)
-    # per rank, the indices k whose F runs together with the B at k + 1, on the rank's other chunk (DualPipeV's
-    # overlapped forward and backward, `fused_pairs`): both start once both inputs have arrived, and both outputs
-    # leave when both have ended
+    # per rank, the indices k whose F runs together with the B at k + 1, on the rank's other chunk, and with that
+    # B's W where it comes next (DualPipeV's overlapped forward and backward, `fused_pairs`, `unit`): all start once
+    # both inputs have arrived, and both outputs leave when all have ended
     fused: tuple[tuple[int, ...], ...] = ()
+    pair_w: bool = False  # a fused pair's backward lane runs its W too, where W comes next (`unit`)
 
     @property
     def n_stages(self) -> int:
@@ -59,14 +60,27 @@ class Schedule:
         """The indices of `rank`'s actions whose F runs fused with the B that follows it (none if not fused)."""
         return frozenset(self.fused[rank]) if self.fused else frozenset()
 
+    def unit(self, rank: int, k: int, fused: frozenset[int] | None = None) -> tuple[Action, ...]:
+        """The actions of `rank` that run as one unit from index k: a fused pair's F and B, with the B's own W
+        where `pair_w` and W is the next action (DualPipe overlaps a forward with a whole backward: both halves of
+        the backward run in the pair's second lane), or the action alone. `fused`: `fused_at(rank)`, if at hand."""
+        acts = self.actions[rank]
+        if k not in (self.fused_at(rank) if fused is None else fused):
+            return acts[k:k + 1]
+        b = acts[k + 1]
+        whole = self.pair_w and k + 2 < len(acts) and acts[k + 2] == Action("W", b.micro_batch, b.stage)
+        return acts[k:k + 3] if whole else acts[k:k + 2]
+
 
 class ScheduleError(ValueError):
     """A schedule that cannot be built for these (p, m, v); the message says what would work."""
 
 
-def build_schedule(name: str, p: int, m: int, v: int = 1, overlap_fb: bool = False) -> Schedule:
+def build_schedule(name: str, p: int, m: int, v: int = 1, overlap_fb: bool = False, pair_w: bool = False
+                   ) -> Schedule:
     """The named schedule for p ranks and m micro-batches (v stages per rank for `interleaved`); `overlap_fb`:
-    DualPipeV's forward and backward of two micro-batches run together (`fused_pairs`)."""
+    DualPipeV's forward and backward of two micro-batches run together (`fused_pairs`), with the backward's W pass
+    too under `pair_w` (`Schedule.unit`)."""
     if name not in SCHEDULES:
         raise ScheduleError(f"layout.schedule = {shown(name)} is not known; choose one of: {', '.join(SCHEDULES)}")
     if p < 1 or m < 1:
@@ -86,13 +100,14 @@ def build_schedule(name: str, p: int, m: int, v: int = 1, overlap_fb: bool = Fal
     if name == "zero-bubble":
         return _zero_bubble_h1(p, m)
     schedule = _dualpipev(p, m)
-    return dataclasses.replace(schedule, fused=fused_pairs(schedule)) if overlap_fb else schedule
+    return dataclasses.replace(schedule, fused=fused_pairs(schedule), pair_w=pair_w) if overlap_fb else schedule
 
 
 def fused_pairs(schedule: Schedule) -> tuple[tuple[int, ...], ...]:
     """Per rank, the indices k where an F is followed by a B of the rank's other chunk: DualPipeV's F0B1 and
-    F1B0 pairs, whose forward and backward the executor runs as two lanes (`lanes.run_pair`), one's collectives
-    under the other's compute, as DeepSeek's DualPipe overlaps them."""
+    F1B0 pairs, whose forward and backward (with the B's W where it comes next, `Schedule.unit`) the executor runs
+    as two lanes (`lanes.run_pair`), one's collectives under the other's compute, as DeepSeek's DualPipe overlaps
+    them."""
     out = []
     for acts in schedule.actions:
         ks, k = [], 0
@@ -285,7 +300,7 @@ def _per_stage(value: float | Sequence[float], n: int) -> list[float]:
 
 def simulate(schedule: Schedule, t_f: float | Sequence[float], t_b: float | Sequence[float],
              t_w: float | Sequence[float] = 0.0, p2p: float = 0.0,
-             pair_seconds: Callable[[Action, Action], float] | None = None) -> SimResult:
+             pair_seconds: Callable[..., float] | None = None) -> SimResult:
     """Run the per-rank action lists against their dependencies and return the timing.
 
     `t_f`, `t_b`, `t_w` are the times of one micro-batch's forward, input-gradient backward and weight-gradient
@@ -293,8 +308,9 @@ def simulate(schedule: Schedule, t_f: float | Sequence[float], t_b: float | Sequ
     the backward, its B takes t_b + t_w. `p2p` is the time to send activations (or their gradients) to the
     neighbouring stage when it lives on another rank. Dependencies: F(i, s) after F(i, s-1); B(i, s) after
     B(i, s+1) (the last stage after its own F); W(i, s) after B(i, s); each rank runs its list in order. A fused
-    pair (`Schedule.fused`) starts once both its inputs are in and takes `pair_seconds(F, B)` (default: the sum of
-    the two); both its outputs leave at its end.
+    pair (`Schedule.unit`: F and B, and the B's W where it comes next) starts once both its inputs are in and takes
+    `pair_seconds(F, B)` or `pair_seconds(F, B, W)` (default: the sum of its actions); both its outputs leave at
+    its end.
     """
     n = schedule.n_stages
     tf, tb, tw = _per_stage(t_f, n), _per_stage(t_b, n), _per_stage(t_w, n)
@@ -333,13 +349,14 @@ def simulate(schedule: Schedule, t_f: float | Sequence[float], t_b: float | Sequ
         for r in range(schedule.p):
             acts = schedule.actions[r]
             while pos[r] < len(acts):
-                # a fused pair (F, B) starts when both inputs are in, and both outputs leave when both have ended
-                group = acts[pos[r]:pos[r] + (2 if pos[r] in fused[r] else 1)]
-                times = [ready(a) for a in group]
+                # a fused pair (F, B, and the B's W) starts when both inputs are in, and both outputs leave when
+                # all have ended
+                group = schedule.unit(r, pos[r], fused[r])
+                times = [ready(a) for a in group if a.kind != "W" or len(group) == 1]  # a pair's W: after its B
                 if any(t is None for t in times):
                     break
                 begin = max(clock[r], *times)
-                if len(group) == 2 and pair_seconds is not None:
+                if len(group) > 1 and pair_seconds is not None:
                     clock[r] = begin + pair_seconds(*group)
                 else:
                     clock[r] = begin + sum(dur[a.kind][a.stage] for a in group)

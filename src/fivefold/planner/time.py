@@ -138,6 +138,7 @@ class StageTimes:
     # DualPipeV's overlapped pairs hide behind the other lane's compute (`fb_pair_seconds`)
     comm_f: list[float] = field(default_factory=list)
     comm_b: list[float] = field(default_factory=list)
+    comm_w: list[float] = field(default_factory=list)  # inside W (a split schedule's re-gathers under sp)
 
 
 def linear_shapes(cfg: ModelConfig, tokens: float, tp: int, fused: bool, etp: int | None = None,
@@ -293,17 +294,19 @@ def _block_seconds(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: C
 
 
 def _tp_comm(lay: Layout, fw: Framework, hw: Cluster, h: int, tokens: float, chunk: float, act: float,
-             st: dict) -> tuple[float, float, float, float]:
+             st: dict) -> tuple[float, float, float, float, float]:
     """Tensor parallel's seconds: a block's collectives per direction (2 all-reduces, or 2 all-gathers + 2
-    reduce-scatters with sp), sequence parallel's backward-only extras, the embedding's and the loss input's,
+    reduce-scatters with sp), sequence parallel's backward-only extras (the norms' gradient all-reduces, and apart
+    the column linears' input gathered again for their weight gradients), the embedding's and the loss input's,
     and the vocabulary-parallel loss's; all 0 without tp."""
     tp = lay.tp
     t_tp_b_extra = 0.0  # backward-only collectives of sequence parallel
+    regather = 0.0  # where the weight gradients are computed (B, or a split schedule's W)
     if tp > 1:
         if lay.sp:
             t_tp = 2 * (comm.all_gather(act, tp, st["tp"], hw) + comm.reduce_scatter(act, tp, st["tp"], hw))
             if fw.sp_regather_exposed:  # the column linears gather their input again for the weight gradients
-                t_tp_b_extra += 2 * comm.all_gather(act, tp, st["tp"], hw)
+                regather = 2 * comm.all_gather(act, tp, st["tp"], hw)
             # norm weights that see a sequence slice: their gradients all-reduced over tp, per block
             t_tp_b_extra += fw.sp_norm_grad_allreduces * comm.all_reduce(h * 4, tp, st["tp"], hw)
             # the embedding's output scattered, the loss's input gathered (and the reverse in backward)
@@ -313,13 +316,14 @@ def _tp_comm(lay: Layout, fw: Framework, hw: Cluster, h: int, tokens: float, chu
             head_tp = comm.all_reduce(act, tp, st["tp"], hw)  # the embedding's output; the loss's input grad
         t_tp *= (1 - fw.tp_overlap) / (tp if fw.async_tp else 1)
         t_tp_b_extra *= (1 - fw.tp_overlap) / (tp if fw.async_tp else 1)
+        regather *= (1 - fw.tp_overlap) / (tp if fw.async_tp else 1)
         head_tp *= 1 - fw.tp_overlap
         # the vocabulary-parallel loss: row maxima, then sum of exponentials and target logits, per chunk
         loss_tp = tokens / chunk * (comm.all_reduce(chunk * 4, tp, st["tp"], hw)
                                     + comm.all_reduce(2 * chunk * 4, tp, st["tp"], hw))
     else:
         t_tp = head_tp = loss_tp = 0.0
-    return t_tp, t_tp_b_extra, head_tp, loss_tp
+    return t_tp, t_tp_b_extra, regather, head_tp, loss_tp
 
 
 def gathered_linear_groups(cfg: ModelConfig) -> int:
@@ -411,7 +415,11 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     # tensor parallel: 2 all-reduces (or 2 all-gathers + 2 reduce-scatters with sp) per block and direction
     act = tokens * h * ab
     st = comm.strides(lay)
-    t_tp, t_tp_b_extra, head_tp, loss_tp = _tp_comm(lay, fw, hw, h, tokens, chunk, act, st)
+    t_tp, t_tp_b_extra, regather, head_tp, loss_tp = _tp_comm(lay, fw, hw, h, tokens, chunk, act, st)
+    # the column linears' input gathered again for their weight gradients: in a split schedule's W pass (which
+    # computes them: `pipeline.WeightGradQueue`), else in the backward
+    t_tp_w = regather if splits_backward(lay) else 0.0
+    t_tp_b_extra += regather - t_tp_w
     # context parallel: K/V blocks around the ring, overlapped with the attention of the current block; the
     # backward passes K/V around again (cp - 1 hops) and the fp32 dK/dV of each shard home (cp hops)
     t_cp_f = t_cp_b = 0.0
@@ -449,7 +457,8 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     t_tp_b = t_tp + t_tp_b_extra + tp_backward_hidden(cfg, lay, fw, hw, act, lin_b, st)
     # backward: the linears' input-gradient half in B, weight-gradient half in W; a third of the fixed costs in W
     b_layer = lin_b / 2 + attn_b + elementwise + oh_b * 2 / 3 + t_tp_b + t_cp_b + t_ep + recompute
-    w_layer = lin_b / 2 + elementwise + oh_b / 3  # (by kernel class: the backward's element-wise is B's + W's share)
+    w_layer = lin_b / 2 + elementwise + oh_b / 3 + t_tp_w  # (by kernel class: the backward's element-wise is B's
+    # + W's share)
     counts = framework_stage_layers(cfg, lay, seq, fw)
     f = [n * f_layer for n in counts]
     b = [n * b_layer for n in counts]
@@ -470,16 +479,17 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     host = host_floor(cfg, lay, fw, hw, counts, f, b, w)
     comm_f = [n * (t_tp_f + t_tp_f_extra + t_cp_f + t_ep) for n in counts]
     comm_b = [n * (t_tp_b + t_cp_b + t_ep) for n in counts]
+    comm_w = [n * t_tp_w for n in counts]
     comm_f[0] += head_tp / 2
     comm_b[0] += head_tp / 2
     comm_f[-1] += loss_tp
     again = 1 if lay.recompute == "full" else 0  # full recompute repeats the forward's communication
-    per_layer = {"tp_comm": (1 + again) * t_tp_f + t_tp_b + (1 + again) * t_tp_f_extra,
+    per_layer = {"tp_comm": (1 + again) * t_tp_f + t_tp_b + t_tp_w + (1 + again) * t_tp_f_extra,
                  "cp_comm": (1 + ring_again) * t_cp_f + t_cp_b,
                  "ep_comm": (2 + again) * t_ep,
                  # the recomputed forward's own compute (its communication is counted above)
                  "recompute": {"none": 0.0, "selective": attn_f, "full": t_layer}[lay.recompute]}
-    return StageTimes(f, b, w, per_layer, counts, {"tp_comm": head_tp + loss_tp}, host, comm_f, comm_b)
+    return StageTimes(f, b, w, per_layer, counts, {"tp_comm": head_tp + loss_tp}, host, comm_f, comm_b, comm_w)
 
 
 def host_us_per_block(lay: Layout, fw: Framework, hw: Cluster) -> float:
@@ -557,8 +567,8 @@ def stage_split_problem(cfg: ModelConfig, lay: Layout, fw: Framework) -> str | N
 
 def fb_pair_seconds(f: float, b: float, comm_f: float, comm_b: float, overlap: float) -> float:
     """A DualPipeV pair's time when its forward (`f`, of which `comm_f` is exposed collectives) and backward (`b`,
-    `comm_b`) run as two lanes (`parallel.lanes`): each lane's collectives hidden behind the other's compute as far
-    as it lasts and the device overlaps (`exposed`)."""
+    with its W where the pair runs it, `Schedule.unit`; `comm_b`) run as two lanes (`parallel.lanes`): each lane's
+    collectives hidden behind the other's compute as far as it lasts and the device overlaps (`exposed`)."""
     return (f + b + hidden_behind(comm_f, max(b - comm_b, 0.0), overlap)
             + hidden_behind(comm_b, max(f - comm_f, 0.0), overlap))
 
@@ -566,14 +576,18 @@ def fb_pair_seconds(f: float, b: float, comm_f: float, comm_b: float, overlap: f
 @lru_cache(maxsize=4096)
 def _simulated(schedule: str, p: int, m: int, v: int, f: tuple, b: tuple, w: tuple, p2p: float,
                fb: tuple | None = None) -> float:
-    """`fb`: (comm_f, comm_b, overlap) where DualPipeV's F/B pairs run as two lanes (`fb_pair_seconds`)."""
-    sched = build_schedule(schedule, p, m, v if schedule == "interleaved" else 1, overlap_fb=fb is not None)
+    """`fb`: (comm_f, comm_b, comm_w, overlap, pair_w) where DualPipeV's F/B pairs run as two lanes
+    (`fb_pair_seconds`; `pair_w`: with the B's W in the backward's lane, `Schedule.unit`)."""
+    sched = build_schedule(schedule, p, m, v if schedule == "interleaved" else 1, overlap_fb=fb is not None,
+                           pair_w=fb is not None and fb[-1])
     pair = None
     if fb is not None:
-        comm_f, comm_b, overlap = fb
+        comm_f, comm_b, comm_w, overlap, _ = fb
 
-        def pair(fwd, bwd) -> float:
-            return fb_pair_seconds(f[fwd.stage], b[bwd.stage], comm_f[fwd.stage], comm_b[bwd.stage], overlap)
+        def pair(fwd, bwd, wgt=None) -> float:  # the B's lane runs its W too where that follows (`Schedule.unit`)
+            s, whole = bwd.stage, wgt is not None
+            return fb_pair_seconds(f[fwd.stage], b[s] + whole * w[s], comm_f[fwd.stage], comm_b[s] + whole * comm_w[s],
+                                   overlap)
     return simulate(sched, list(f), list(b), list(w), p2p, pair_seconds=pair).makespan
 
 
@@ -596,8 +610,8 @@ def pipeline_makespan(lay: Layout, times: StageTimes, p2p: float, exact: bool, f
                                                                                           times.w)
         fb = None
         if fb_overlap is not None and times.comm_f:
-            fb = (tuple(round(x, 9) for x in times.comm_f), tuple(round(x, 9) for x in times.comm_b),
-                  round(fb_overlap, 6))
+            fb = (*(tuple(round(x, 9) for x in c) for c in (times.comm_f, times.comm_b, times.comm_w)),
+                  round(fb_overlap, 6), lay.fb_pairs_run_w)
         return _simulated(lay.schedule, lay.pp, m, lay.vpp, *key, round(p2p, 9), fb)
     p = lay.pp
     n_stages = len(times.f)
@@ -605,10 +619,11 @@ def pipeline_makespan(lay: Layout, times: StageTimes, p2p: float, exact: bool, f
     for s in range(n_stages):
         per_rank[_rank_of(s, lay)] += m * (times.f[s] + times.b[s] + times.w[s])
     if fb_overlap is not None and times.comm_f:
-        for r, pairs in enumerate(_fused_stages(lay.pp, m)):
-            for sf, sb in pairs:
-                f, b = times.f[sf], times.b[sb]
-                per_rank[r] -= f + b - fb_pair_seconds(f, b, times.comm_f[sf], times.comm_b[sb], fb_overlap)
+        for r, pairs in enumerate(_fused_stages(lay.pp, m, lay.fb_pairs_run_w)):
+            for sf, sb, whole in pairs:
+                f, b = times.f[sf], times.b[sb] + whole * times.w[sb]
+                comm_b = times.comm_b[sb] + whole * times.comm_w[sb]
+                per_rank[r] -= f + b - fb_pair_seconds(f, b, times.comm_f[sf], comm_b, fb_overlap)
     full = sum(times.f[s] + times.b[s] + times.w[s] for s in range(n_stages)) / n_stages  # one stage, one mb
     if lay.schedule in ("zero-bubble", "dualpipev"):  # W passes fill the bubble: (p-1)(F + B - 2W) per stage
         bubble = (p - 1) * max(full - 2 * sum(times.w) / n_stages, sum(times.f) / n_stages)
@@ -619,11 +634,12 @@ def pipeline_makespan(lay: Layout, times: StageTimes, p2p: float, exact: bool, f
 
 
 @lru_cache(maxsize=256)
-def _fused_stages(p: int, m: int) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Per pp rank, the (F stage, B stage) of each of DualPipeV's fused pairs in a step."""
-    sched = build_schedule("dualpipev", p, m, overlap_fb=True)
-    return tuple(tuple((acts[k].stage, acts[k + 1].stage) for k in ks)
-                 for acts, ks in zip(sched.actions, sched.fused, strict=True))
+def _fused_stages(p: int, m: int, pair_w: bool) -> tuple[tuple[tuple[int, int, bool], ...], ...]:
+    """Per pp rank, the (F stage, B stage, whether the B's W runs in the pair) of each of DualPipeV's fused pairs
+    in a step."""
+    sched = build_schedule("dualpipev", p, m, overlap_fb=True, pair_w=pair_w)
+    return tuple(tuple((acts[k].stage, acts[k + 1].stage, len(sched.unit(r, k)) == 3) for k in ks)
+                 for r, (acts, ks) in enumerate(zip(sched.actions, sched.fused, strict=True)))
 
 
 @dataclass

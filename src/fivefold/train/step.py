@@ -171,7 +171,8 @@ class PipelineSchedule:
         la = self.cfg.layout
         if (m, training) not in self.schedules:
             self.schedules[(m, training)] = (
-                build_schedule(la.schedule, la.pp, m, la.vpp, overlap_fb=la.overlaps_fb)
+                build_schedule(la.schedule, la.pp, m, la.vpp, overlap_fb=la.overlaps_fb,
+                               pair_w=la.fb_pairs_run_w)
                 if training else forward_schedule(la.schedule, la.pp, m, la.vpp))
         return self.schedules[(m, training)]
 

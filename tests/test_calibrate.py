@@ -127,7 +127,7 @@ def test_bad_profile_fields_are_named(tmp_path):
     with pytest.raises(ConfigError, match=r"\[ranks.2\] field 'kernel_overhead' is not known"):
         get_cluster(None, path)
     path.write_text('base = "cpu"\nlinear = [[1, 2, 3]]\n')
-    with pytest.raises(ConfigError, match="linear row .* must be 5 positive numbers"):
+    with pytest.raises(ConfigError, match="linear row .* must be 5 positive finite numbers"):
         get_cluster(None, path)
     path.write_text('base = "cpu"\n[ranks.2.collectives.broadcast]\n2 = [[4096, 0.001]]\n')
     with pytest.raises(ConfigError, match="collectives.broadcast is not known"):

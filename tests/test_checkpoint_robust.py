@@ -302,8 +302,8 @@ def test_piece_index_pointing_outside_the_checkpoint_falls_back(tmp_path, datase
     # export refuses the same checkpoint through the same check
     assert main(["export", "--checkpoint", str(newest), "--hf", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
-    assert "not a relative path inside the checkpoint" in err or "resolves outside the checkpoint" in err, err
-    resumes_from_step_2(tmp_path, dataset, full_losses, capsys, "inside the checkpoint|outside the checkpoint")
+    assert "not a relative name inside the directory" in err or "resolves outside the directory" in err, err
+    resumes_from_step_2(tmp_path, dataset, full_losses, capsys, "inside the directory|outside the directory")
 
 
 def test_index_at_odds_with_its_own_config_falls_back(tmp_path, dataset, capsys):  # noqa: F811

@@ -112,6 +112,11 @@ def test_slurm_script_takes_time_partition_account_and_setup(tmp_path, capsys):
     assert "#SBATCH --time=2-00:00:00" in text and "#SBATCH --partition=gpu" in text
     assert "#SBATCH --account=proj" in text
     assert text.index(f"source {setup}") < text.index("set -euo pipefail") < text.index("srun torchrun")
+    # written again: the script that was there (perhaps edited) is kept as job.sh.bak, not lost
+    script.write_text(text + "# my edit\n")
+    assert main(["train", "--slurm", str(script), "--nodes", "2", "--nproc", "4", "--layout.dp", "8",
+                 "--run-dir", "/shared/runs/x", "--time", "1:00:00"]) == 0
+    assert (tmp_path / "job.sh.bak").read_text().endswith("# my edit\n") and "--time=1:00:00" in script.read_text()
     # the resuming script of a chain is written before the first job has started the run
     resume = tmp_path / "resume.sh"
     assert main(["train", "--slurm", str(resume), "--nodes", "2", "--nproc", "4", "--layout.dp", "8",
@@ -121,6 +126,10 @@ def test_slurm_script_takes_time_partition_account_and_setup(tmp_path, capsys):
     assert main(["train", "--slurm", str(tmp_path / "b.sh"), "--nodes", "2", "--nproc", "4", "--layout.dp", "8",
                  "--time", "90 minutes"]) == 2
     assert "--time '90 minutes' is not a SLURM time limit; use HH:MM:SS" in capsys.readouterr().err
+    for bad in ("99:99:99", "1:60:00", "1-24:00:00"):
+        assert main(["train", "--slurm", str(tmp_path / "b.sh"), "--nodes", "2", "--nproc", "4", "--layout.dp", "8",
+                     "--time", bad]) == 2
+        assert f"--time '{bad}' is not a SLURM time limit" in capsys.readouterr().err
     assert main(["train", "--slurm", str(tmp_path / "b.sh"), "--nodes", "2", "--nproc", "4", "--layout.dp", "8",
                  "--setup", str(tmp_path / "nope.sh")]) == 2
     assert "--setup" in capsys.readouterr().err and not (tmp_path / "b.sh").exists()

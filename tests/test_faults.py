@@ -175,6 +175,20 @@ BAD_INPUTS: list[tuple[str, str]] = [
     ("nothing.txt", "data prepare nothing.txt --out d1"),
     ("afile", "data prepare afile --out d2"),
     ("nowhere", "data info nowhere"),
+    # one field given two ways: refused naming both, never one picked silently
+    ("--model.preset", "train --preset tiny --model.preset smollm-135m"),
+    ("--train.max_steps", "train --max-steps 5 --train.max_steps 7"),
+    ("model.rope_scaling.factor",
+     'train --model.rope_scaling {"factor":0,"low_freq_factor":1,"high_freq_factor":4,'
+     '"original_max_position_embeddings":8}'),
+    ("model.rope_scaling.high_freq_factor",
+     'train --model.rope_scaling {"factor":8,"low_freq_factor":4,"high_freq_factor":1,'
+     '"original_max_position_embeddings":8}'),
+    ("world size 1000", "train --dry-run --nproc 1000"),  # what the run itself would refuse
+    ("--run-dir", "train --run-dir="),  # empty: not the default runs/NAME-TIME under the current directory
+    ("--data", "train --data="),
+    ("--trace", "bench --trace t.json"),
+    ("--out", "bench --out ."),
 ]
 
 

@@ -57,12 +57,14 @@ def test_four_rank_resume_hashes_only_what_each_rank_reads(tmp_path, dataset):  
         assert sorted(r["json_reads"]) == sorted(set(r["json_reads"]))  # each JSON file read once
         # the small files and this rank's own RNG state, then only piece files that its rectangles come from
         assert set(SMALL) | {f"rng-rank{rank}.safetensors"} <= set(hashed), (rank, hashed)
-        pieces = {n for n in hashed if n.startswith("rank")}
+        # each saved rank's piece index is verified by one rank, its own (resume does not read it: index.json)
+        assert {n for n in hashed if n.startswith("rank") and n.endswith(".json")} == {f"rank{rank}.json"}
+        pieces = {n for n in hashed if n.startswith("rank") and n.endswith(".safetensors")}
         assert pieces <= {p["file"] for e in index["tensors"].values() for p in e["pieces"]}
         assert not any(n.startswith("rng-") and n != f"rng-rank{rank}.safetensors" for n in hashed)
         assert {n: v[0] for n, v in hashed.items()} == {n: sizes[n] for n in hashed}  # whole files, as on disk
     rank0 = results[0]["hashed"]
-    assert set(rank0) == set(SMALL) | {"rng-rank0.safetensors", "rank0.safetensors"}, rank0
+    assert set(rank0) == set(SMALL) | {"rng-rank0.safetensors", "rank0.safetensors", "rank0.json"}, rank0
     whole = sum(v for n, v in sizes.items() if n not in ("manifest.json", "COMPLETE"))
     own = sum(v[0] for v in rank0.values())
     print(f"rank 0 hashed {own:,} of the checkpoint's {whole:,} bytes; the ranks hashed "

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from fivefold.config import file_sha256, shown
+from fivefold.pathnames import name_inside
 
 _DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.bfloat16: "BF16", torch.float16: "F16",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -338,16 +339,10 @@ MANIFEST = "manifest.json"  # of a checkpoint directory: the size and sha256 of 
 
 def member(root: Path, name: object) -> Path:
     """The file `name` of checkpoint directory `root`: a PieceError unless `name` is a relative path without `..`
-    that resolves (links followed) inside `root`."""
-    text = name if isinstance(name, str) else ""
-    parts = Path(text).parts
-    if not text or "\0" in text or Path(text).is_absolute() or ".." in parts:
-        raise PieceError(f"checkpoint {shown(str(root))} names the file {shown(name)}, which is not a relative path "
-                         "inside the checkpoint directory (an absolute path or `..` is refused)")
-    path = root / text
-    if not path.resolve().is_relative_to(root.resolve()):
-        raise PieceError(f"checkpoint {shown(str(root))} names the file {shown(name)}, which resolves outside the "
-                         f"checkpoint directory (to {shown(str(path.resolve()))})")
+    that resolves (links followed) inside `root` (`pathnames.name_inside`)."""
+    path, why = name_inside(root, name)
+    if path is None:
+        raise PieceError(f"checkpoint {shown(str(root))} names the file {shown(name)}, which {why}")
     return path
 
 

@@ -227,6 +227,16 @@ class ModelConfig:
             missing = need - set(self.rope_scaling)
             if missing:
                 raise ConfigError(f"{prefix}.rope_scaling lacks keys {sorted(missing)}; it needs {sorted(need)}")
+            extra = set(self.rope_scaling) - need
+            if extra:
+                raise ConfigError(f"{prefix}.rope_scaling has unknown keys {sorted(extra)}; it takes {sorted(need)}")
+            for key in sorted(need):  # Llama 3's frequency scaling divides by each of them
+                value = self.rope_scaling[key]
+                _require(isinstance(value, int | float) and not isinstance(value, bool) and value > 0,
+                         f"{prefix}.rope_scaling.{key}", value, "must be a number > 0")
+            _require(self.rope_scaling["high_freq_factor"] > self.rope_scaling["low_freq_factor"],
+                     f"{prefix}.rope_scaling.high_freq_factor", self.rope_scaling["high_freq_factor"],
+                     f"must be above low_freq_factor = {self.rope_scaling['low_freq_factor']}")
         _require(self.n_experts >= 0, f"{prefix}.n_experts", self.n_experts, "must be >= 0")
         if self.n_experts:
             _require(

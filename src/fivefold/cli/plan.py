@@ -14,12 +14,27 @@ from fivefold.config import Config, ConfigError, ModelConfig, dump_toml, finite_
 from fivefold.errors import CliError
 from fivefold.flops import attention_fraction, attention_pairs, causal_pairs
 from fivefold.layout import check_layout
+from fivefold.outputs import check_target, keep_previous
 from fivefold.planner.layout import Framework, Layout, check_runs_hsdp, parse_layout
-from fivefold.planner.search import RANK_RULES, SearchSpace, estimate, gib, parse_tokens, rank_key, search
+from fivefold.planner.search import (
+    MAX_BATCH_SEQUENCES,
+    RANK_RULES,
+    SLOW_BATCH_SEQUENCES,
+    SearchSpace,
+    divisors,
+    estimate,
+    gib,
+    parse_tokens,
+    rank_key,
+    search,
+)
 
 _SHAPE_KEYS = {"layers": "n_layers", "hidden": "hidden", "heads": "n_heads", "kv_heads": "n_kv_heads",
                "ffn": "ffn", "vocab": "vocab_size", "experts": "n_experts", "top_k": "top_k",
                "tied": "tied_embeddings", "moe_ffn": "moe_ffn", "shared_experts": "n_shared_experts", "mlp": "mlp"}
+# the keys a shape must give (kv_heads defaults to heads: multi-head attention)
+_SHAPE_REQUIRED = ("layers", "hidden", "heads", "ffn", "vocab")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def _framework_names() -> list[str]:
@@ -33,8 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="search (default), validate against published runs, or scaling over node counts")
     p.add_argument("--model", default="llama3-8b",
                    help="a preset, a shape 'layers=..,hidden=..,heads=..,kv_heads=..,ffn=..,vocab=..' "
-                        "(optional experts=..,top_k=..,tied=..,mlp=swiglu|gelu), or a Hugging Face config.json "
-                        "(Llama, Mixtral; GPT-NeoX and GPT-2 as GELU shapes)")
+                        "(kv_heads defaults to heads; optional experts=..,top_k=..,tied=true|false,mlp=swiglu|gelu), "
+                        "or a Hugging Face config.json (Llama, Mixtral; GPT-NeoX and GPT-2 as GELU shapes)")
     p.add_argument("--gpu", default="h100", help="h100, h100-pcie, h200, b200, a100-40gb, a100-80gb, mi300x, "
                                                   "max1550, cpu, h100-efa")
     p.add_argument("--hardware", help="TOML file describing the hardware (optionally base = PRESET)")
@@ -119,13 +134,22 @@ def load_model(spec: str) -> ModelConfig:
 
     if "=" in spec:
         values: dict = {"name": "custom"}
-        for part in filter(None, (x.strip() for x in spec.split(","))):
-            key, _, value = part.partition("=")
+        given: dict[str, str] = {}
+        for part in (x.strip() for x in spec.split(",")):
+            key, _, value = (x.strip() for x in part.partition("="))
+            if not part:
+                raise CliError(f"--model shape {shown(spec)} has an empty item; give KEY=VALUE items separated by "
+                               "single commas")
             if key not in _SHAPE_KEYS:
                 raise CliError(f"--model shape key {shown(key)} is not known; use: {', '.join(_SHAPE_KEYS)}")
+            if key in given:
+                raise CliError(f"--model shape gives {key} twice ({key}={given[key]} and {part}); keep one")
+            given[key] = value
             field = _SHAPE_KEYS[key]
             if field == "tied_embeddings":
-                values[field] = value.lower() in ("1", "true", "yes", "on")
+                if value.lower() not in _TRUE + _FALSE:
+                    raise CliError(f"--model tied = {shown(value)} must be true or false")
+                values[field] = value.lower() in _TRUE
             elif field == "mlp":
                 values[field] = value.strip().lower()
             else:
@@ -136,7 +160,11 @@ def load_model(spec: str) -> ModelConfig:
         if "n_kv_heads" not in values and "n_heads" in values:
             values["n_kv_heads"] = values["n_heads"]
         cfg = ModelConfig(**values)
-        cfg.validate("--model")
+        cfg.validate("--model")  # the values given first (hidden not divisible by heads, ...)
+        missing = [k for k in _SHAPE_REQUIRED if k not in given]
+        if missing:
+            raise CliError(f"--model shape {shown(spec)} lacks {', '.join(missing)}; a shape gives layers, hidden, "
+                           "heads, ffn and vocab (kv_heads defaults to heads)")
         return cfg
     if _is_hf_config(spec):
         from fivefold.models.hf import model_config_from_hf, read_config_json
@@ -173,8 +201,14 @@ def _space(args: argparse.Namespace) -> SearchSpace:
     for r in rc:
         if r not in ("none", "selective", "full"):
             raise CliError(f"--recompute {shown(r)} is not one of none, selective, full")
+    from fivefold.layout import SCHEDULES
+
+    schedules = tuple(args.schedules.split(","))
+    for name in schedules:
+        if name not in SCHEDULES:
+            raise CliError(f"--schedules item {shown(name)} is not one of {', '.join(SCHEDULES)}")
     sp = {"on": (True,), "off": (False,), "both": (False, True)}[args.sp]
-    return SearchSpace(zero=zero, recompute=rc, sp=sp, schedules=tuple(args.schedules.split(",")),
+    return SearchSpace(zero=zero, recompute=rc, sp=sp, schedules=schedules,
                        cp=not args.no_cp,
                        fp32_grad_accum=None if args.fp32_grad_accum is None else args.fp32_grad_accum == "on")
 
@@ -189,8 +223,9 @@ def apply_fix(text: str, space: SearchSpace, n_gpus: int, gpus_per_node: int, ba
     the batch (`explicit`: the --zero/--recompute/--schedules/--sp options the user gave, which must allow it)."""
     from fivefold.layout import SCHEDULES
 
-    def divisors(n: int) -> str:
-        return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+    def listed(n: int) -> str:
+        found = divisors(n)
+        return ", ".join(map(str, found[:24])) + (f", ... ({len(found)} in all)" if len(found) > 24 else "")
 
     fixed: dict[str, int] = {}
     updates: dict = {}
@@ -235,13 +270,13 @@ def apply_fix(text: str, space: SearchSpace, n_gpus: int, gpus_per_node: int, ba
                 raise CliError(f"--fix {key} = {number} must be >= 1")
             if key in ("dp", "tp", "pp", "cp") and n_gpus % number:
                 raise CliError(f"--fix {key} = {number} does not divide the {n_gpus} GPUs; values that do: "
-                                  f"{divisors(n_gpus)}")
+                                  f"{listed(n_gpus)}")
             if key == "tp" and number > gpus_per_node:
                 raise CliError(f"--fix tp = {number} is above the {gpus_per_node} GPUs of a node (tensor parallel "
-                                  f"stays inside a node); use one of {divisors(gpus_per_node)}")
+                                  f"stays inside a node); use one of {listed(gpus_per_node)}")
             if key == "micro_batch_size" and batch_seqs % number:
                 raise CliError(f"--fix mbs = {number} does not divide the global batch of {batch_seqs} sequences; "
-                                  f"values that do: {divisors(batch_seqs)}")
+                                  f"values that do: {listed(batch_seqs)}")
             fixed[key] = number
     product = math.prod(fixed.get(k, 1) for k in ("dp", "tp", "pp", "cp"))
     if n_gpus % product or (all(k in fixed for k in ("dp", "tp", "pp", "cp")) and product != n_gpus):
@@ -355,13 +390,9 @@ def write_config(path: str, cfg: ModelConfig, lay: Layout, seq: int, batch_seqs:
               *(f"#   {line}" for line in launch_lines(path, conf.run_dir, nodes, gpus_per_node))]
     text = "\n".join(header) + "\n" + dump_toml(conf)
     target = Path(path)
-    if target.exists() and target.read_text() != text:  # never lose what is there (a filled-in data.path)
-        backup, n = target.with_name(target.name + ".bak"), 1
-        while backup.exists():
-            n += 1
-            backup = target.with_name(f"{target.name}.bak{n}")
-        target.replace(backup)
-        print(f"kept the previous {path} as {backup}")
+    # never lose what is there (a filled-in data.path); compared as bytes, so that any file there is kept unread
+    if target.is_file() and target.read_bytes() != text.encode():
+        print(f"kept the previous {path} as {keep_previous(target)}")
     write_text_atomic(path, text)
     return conf
 
@@ -379,7 +410,22 @@ def _fmt_row(e, family: str, risk: bool = False) -> str:
             f"{e.tokens_per_s_at(p90):12,.0f} {100 * e.stall.probability:7.1f}")
 
 
+MAX_TRAIN_TOKENS = 1 << 60  # --train-tokens: far above any run (the largest train on about 2^44 tokens)
+# the string options where '' would otherwise act as "not given" (a default GPU, a full search, nothing written)
+_NOT_EMPTY = ("model", "gpu", "hardware", "layout", "write_config", "png", "train_tokens", "fix", "out", "data",
+              "profile", "results", "nodes", "global_batch", "schedules", "zero", "recompute")
+PNG_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def _check_not_empty(args: argparse.Namespace) -> None:
+    for name in _NOT_EMPTY:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and not value.strip():
+            raise CliError(f"--{name.replace('_', '-')} {shown(value)} is empty; give a value or leave the option out")
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_not_empty(args)
     if args.action == "validate":
         from fivefold.tools.validate import run_validate
 
@@ -400,9 +446,6 @@ def run(args: argparse.Namespace) -> int:
     check_search_size(largest, hw.gpus_per_node, hw.unit)
     tokens = parse_tokens(args.global_batch)
     seq = args.seq_len
-    if seq < 2 or tokens % seq:
-        raise CliError(f"--global-batch = {tokens} tokens is not a whole number of --seq-len = {seq} sequences; "
-                       f"nearest valid batches: {tokens // seq * seq} or {(tokens // seq + 1) * seq} tokens")
     batch_seqs = tokens // seq
     space = _fixed_space(args, n_gpus, hw.gpus_per_node, batch_seqs)
     if args.action == "scaling":
@@ -426,14 +469,51 @@ def _check_options(args: argparse.Namespace) -> None:
         raise CliError(f"--moe-imbalance = {args.moe_imbalance} must be >= 1: the busiest expert's load over the even "
                        "share (1 = balanced routing, the default)")
     _check_attention_options(args)
+    _check_batch(args)
+    if args.train_tokens is not None:
+        parse_tokens(args.train_tokens, "--train-tokens", MAX_TRAIN_TOKENS)
+    if args.layout is not None:
+        check_layout_items(args.layout)
     if args.write_config:
-        target = Path(args.write_config)
-        if not target.parent.is_dir():
-            raise CliError(f"--write-config {shown(args.write_config)}: directory {shown(str(target.parent))} does not "
-                           "exist; create it first or write into an existing one")
-        if target.is_dir():
-            raise CliError(f"--write-config {shown(args.write_config)} is a directory; give a file name such as "
-                           "best.toml")
+        check_target(args.write_config, "--write-config", "best.toml")
+    if args.png is not None:
+        check_target(args.png, "--png", "scaling.png", parent_must_exist=False)  # the plot makes its directory
+        if Path(args.png).suffix.lower() not in PNG_SUFFIXES:
+            raise CliError(f"--png {shown(args.png)} must end in {', '.join(PNG_SUFFIXES)} (the formats the plot is "
+                           "written in)")
+
+
+def _check_batch(args: argparse.Namespace) -> None:
+    """--global-batch: a token count within the planner's bounds and a whole number of --seq-len sequences."""
+    tokens, seq = parse_tokens(args.global_batch), args.seq_len
+    if tokens % seq:
+        below, above = tokens // seq * seq, (tokens // seq + 1) * seq
+        nearest = f"batches: {below} or {above} tokens" if below else f"batch: {above} tokens (one sequence)"
+        raise CliError(f"--global-batch = {tokens} tokens is not a whole number of --seq-len = {seq} sequences; "
+                       f"nearest valid {nearest}")
+    if tokens // seq > MAX_BATCH_SEQUENCES:
+        raise CliError(f"--global-batch = {tokens:,} tokens is {tokens // seq:,} sequences of {seq}; the planner takes "
+                       f"at most {MAX_BATCH_SEQUENCES:,} (2^{MAX_BATCH_SEQUENCES.bit_length() - 1}) sequences per "
+                       "step: a smaller batch or longer sequences")
+    if tokens // seq > SLOW_BATCH_SEQUENCES and args.layout is None:
+        print(f"fivefold plan: warning: a global batch of {tokens // seq:,} sequences: the search may take minutes "
+              "(it simulates every micro-batch of the pipelined layouts)", file=sys.stderr)
+
+
+def check_layout_items(text: str) -> None:
+    """--layout: no empty item, and no key given twice under its own or its short name (`mbs=1,micro_batch_size=2`,
+    `dp=1,dp=2`), which would otherwise resolve silently to the last."""
+    from fivefold.planner.layout import LEGACY_NAMES
+
+    seen: dict[str, str] = {}
+    for part in (x.strip() for x in text.split(",")):
+        if not part:
+            raise CliError(f"--layout {shown(text)} has an empty item; give KEY=VALUE items separated by single commas")
+        key = part.partition("=")[0].strip()
+        field = LEGACY_NAMES.get(key, key)
+        if field in seen:
+            raise CliError(f"--layout gives {field} twice ({seen[field]} and {part}); keep one")
+        seen[field] = part
 
 
 def check_moe_imbalance(imbalance: float, cfg: ModelConfig) -> None:
@@ -691,7 +771,8 @@ def _search_layouts(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, h
                      prediction=f"{gib(best.peak_bytes):.1f} GiB peak per device, step {best.step_time_s:.2f} s, "
                                 f"{best.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {100 * best.mfu:.1f} %"
                                 + (" (with torch.compile, as configured)" if compiled_for_config else ""),
-                     train_tokens=parse_tokens(args.train_tokens) if args.train_tokens else None,
+                     train_tokens=parse_tokens(args.train_tokens, "--train-tokens", MAX_TRAIN_TOKENS)
+                     if args.train_tokens is not None else None,
                      float8=fw.float8_linears)
     for e in result.candidates:  # the written config's header keeps fivefold's MFU (what the trainer logs)
         e.mfu *= _mfu_scale(args, cfg, seq)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from fivefold.config import Config, build_config, check_device_name, load_file, parse_overrides, shown
 from fivefold.errors import CliError, EnvironmentFailure
+from fivefold.outputs import keep_previous
 
 if TYPE_CHECKING:
     from fivefold.planner.hardware import Cluster
@@ -58,12 +59,14 @@ def resolve_config(args: argparse.Namespace):
     from fivefold.train.loop import load_run_config
 
     overrides = parse_overrides(args.overrides)
-    if args.preset:
-        overrides["model.preset"] = args.preset
-    if args.data:
-        overrides["data.path"] = args.data
-    if args.max_steps is not None:
-        overrides["train.max_steps"] = str(args.max_steps)
+    for flag, key, value in (("--preset", "model.preset", args.preset), ("--data", "data.path", args.data),
+                             ("--max-steps", "train.max_steps", args.max_steps)):
+        if value is None:
+            continue
+        if key in overrides and overrides[key] != str(value):  # two spellings of one field: say which, not pick
+            raise CliError(f"{flag} {shown(str(value))} and --{key} {shown(overrides[key])} set the same field "
+                           "differently; give one of them")
+        overrides[key] = str(value)
     if args.profile:
         overrides["log.profile"] = "true"
     if args.resume:
@@ -95,6 +98,9 @@ def run(args: argparse.Namespace) -> int:
     from fivefold.train import preflight
     from fivefold.train.loop import RunDirError, train
 
+    for flag in ("config", "preset", "data", "run_dir", "hf", "slurm", "setup", "gpu"):
+        if getattr(args, flag, None) == "":  # an empty value is not "left out": say so rather than use the default
+            raise CliError(f"--{flag.replace('_', '-')} '' is empty; give a value, or leave the flag out")
     if args.only_rank is not None:
         refuse_with_only_rank(args)
     elif args.json:
@@ -126,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
         if args.setup and not Path(args.setup).is_file():
             raise CliError(f"--setup {shown(args.setup)} is not a file; give the shell file to source on every node "
                            "(module loads, `source venv/bin/activate`, NCCL settings)")
+        if (backup := keep_previous(args.slurm)) is not None:  # a script there (perhaps edited) is kept
+            print(f"kept the previous {args.slurm} as {backup}")
         path = write_slurm_script(args.slurm, forwarded_argv(args, cfg.run_dir), args.nodes, args.nproc,
                                   time_limit=args.time, partition=args.partition, account=args.account,
                                   setup=str(Path(args.setup).resolve()) if args.setup else None)
@@ -237,11 +245,12 @@ def only_rank(cfg: Config, args: argparse.Namespace) -> int:
     return run_only_rank(cfg, args.only_rank, as_json=args.json)
 
 
-_SLURM_TIME = re.compile(r"^(\d+-)?\d{1,3}:\d{2}:\d{2}$")
+_SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d{1,3}):([0-5]\d):([0-5]\d)$")
 
 
 def check_slurm_time(value: str) -> None:
-    if not _SLURM_TIME.match(value):
+    match = _SLURM_TIME.match(value)
+    if not match or (match[1] is not None and int(match[2]) > 23):  # minutes and seconds < 60; hours < 24 after days
         raise CliError(f"--time {shown(value)} is not a SLURM time limit; use HH:MM:SS or D-HH:MM:SS, e.g. 48:00:00 or "
                        "2-00:00:00")
 
@@ -250,13 +259,16 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
     """Validate `cfg` for its layout's world size and print what the run would do and the planner's prediction."""
     from fivefold.device import resolve_device
     from fivefold.flops import count_params
+    from fivefold.launch import local_world_size
     from fivefold.layout import check_layout
     from fivefold.planner.hardware import get_cluster
     from fivefold.planner.predict import default_hardware, estimate_run, run_framework
 
     la, t = cfg.layout, cfg.train
     world = la.world_size
-    check_layout(cfg, world)
+    # the processes this command would start (more than one: as the run itself checks them), else the layout's own
+    started = args.nodes * args.nproc if args.slurm else local_world_size(args.nproc)
+    check_layout(cfg, started if started > 1 else world)
     hsdp = f", HSDP: {la.zero_replicas} replicas of shard groups of {la.zero_group}" if la.dp_shard else ""
     print(f"config OK: {cfg.model.name} ({count_params(cfg.model):,} parameters), layout dp {la.dp} x tp {la.tp} x "
           f"pp {la.pp} x cp {la.cp} (ep {la.ep}, zero {la.zero}{hsdp}) = {world} processes; global batch "

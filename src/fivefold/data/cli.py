@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from fivefold.config import finite_float, shown
-from fivefold.data.format import SPLITS, document_lengths, histogram_line
+from fivefold.data.format import SPLITS, TOKENIZER_FILE, document_lengths, histogram_line
 from fivefold.data.prepare import (
     DEFAULT_SHARD_TOKENS,
     DEFAULT_VAL_FRACTION,
@@ -98,8 +98,9 @@ def summary(directory: str, verify: bool = False) -> str:
     """A few lines describing a prepared directory (opening each split checks its shard sizes)."""
     from fivefold.data.dataset import TokenDataset, read_index
 
-    index = read_index(directory)
-    tokenizer = index["tokenizer"]
+    index = read_index(directory, tokenizer=True)
+    tokenizer = index["tokenizer"]  # read_index checked every field used below but the descriptive ones (.get)
+    split_info = index.get("split") if isinstance(index.get("split"), dict) else {}
     how = (
         f"trained byte-level BPE, {tokenizer['trained_vocab_size']} requested"
         if tokenizer.get("trained_vocab_size")
@@ -107,23 +108,25 @@ def summary(directory: str, verify: bool = False) -> str:
     )
     lines = [
         f"{directory}",
-        f"  tokenizer   {tokenizer['file']} ({how}); vocab_size {index['vocab_size']}, "
-        f"eos {shown(index['eos_token'])} = {index['eos_id']}, dtype {index['dtype']}",
-        f"  split       {index['split']['method']}, val_fraction {index['split']['val_fraction']}",
+        f"  tokenizer   {tokenizer.get('file', TOKENIZER_FILE)} ({how}); vocab_size {index['vocab_size']}, "
+        f"eos {shown(index.get('eos_token'))} = {index.get('eos_id')}, dtype {index['dtype']}",
+        f"  split       {split_info.get('method')}, val_fraction {split_info.get('val_fraction')}",
     ]
     for split in SPLITS:
         entry = index["splits"][split]
-        if entry["num_tokens"]:
+        num_tokens = entry.get("num_tokens", sum(shard["num_tokens"] for shard in entry.get("shards", [])))
+        if num_tokens:
             dataset = TokenDataset(directory, split)
             if verify:
                 dataset.verify()
         lines.append(
-            f"  {split:<11} {entry['num_tokens']:,} tokens, {entry['num_documents']:,} whole documents, "
-            f"{len(entry['shards'])} shard(s)"
+            f"  {split:<11} {num_tokens:,} tokens, {entry.get('num_documents', 0):,} whole documents, "
+            f"{len(entry.get('shards', []))} shard(s)"
         )
-        if entry["num_tokens"]:
+        if num_tokens:
             lines.append(_documents_line(index, split))
-    lines.append(f"  sources     {len(index['sources'])} file(s)" + (", sha256 verified" if verify else ""))
+    sources = index.get("sources") if isinstance(index.get("sources"), list) else []
+    lines.append(f"  sources     {len(sources)} file(s)" + (", sha256 verified" if verify else ""))
     return "\n".join(lines)
 
 
@@ -134,9 +137,10 @@ def _documents_line(index: dict, split: str) -> str:
     if lengths is None:
         return ("              documents not recorded (prepared before document lengths were): prepare again to "
                 "record them")
-    entry = index["splits"][split]["documents"]
+    longest = index["splits"][split]["documents"].get("longest")
+    longest_text = f"{longest:,}" if isinstance(longest, int) else shown(longest)
     return (f"              documents: {lengths.documents:,}, mean {lengths.mean:,.1f} tokens, longest "
-            f"{entry['longest']:,}; lengths {histogram_line(lengths)}")
+            f"{longest_text}; lengths {histogram_line(lengths)}")
 
 
 def run(args: argparse.Namespace) -> int:

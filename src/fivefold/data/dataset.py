@@ -24,15 +24,19 @@ from fivefold.data.format import (
     SPLITS,
     TOKENIZER_FILE,
     DataError,
+    check_index,
     document_lengths,
     dtype_from_name,
+    inside_name,
     tokenizer_fingerprint,
 )
 from fivefold.flops import DocumentLengths
 
 
-def read_index(path: str | Path) -> dict[str, Any]:
-    """The parsed index.json of a prepared directory, checked for format and version."""
+def read_index(path: str | Path, tokenizer: bool = False) -> dict[str, Any]:
+    """The parsed index.json of a prepared directory, checked as a whole (format, version, then `check_index`: every
+    field readers use) and, with `tokenizer`, its tokenizer file (`check_tokenizer`; what trains on the data or
+    describes it asks for that): before anything reads a shard."""
     path = Path(path).expanduser()
     index_path = path / INDEX_FILE
     if not index_path.is_file():
@@ -52,7 +56,40 @@ def read_index(path: str | Path) -> dict[str, Any]:
             f"{index_path}: format version {shown(version)}, this fivefold reads version {FORMAT_VERSION}; "
             "prepare the directory again"
         )
+    check_index(index, path)
+    if tokenizer:
+        check_tokenizer(path, index)
     return index
+
+
+def check_tokenizer(path: Path, index: dict[str, Any]) -> Path:
+    """The tokenizer file that index.json names: present, of the sha256 the index records (if it records one), and
+    readable by `tokenizers`; else a DataError naming it. Returns its path."""
+    file = inside_name(path, index["tokenizer"].get("file", TOKENIZER_FILE), "tokenizer.file")
+    if not file.is_file():
+        raise DataError(f"{path}: no tokenizer file {file.name} ({INDEX_FILE} names it as the tokenizer of the "
+                        "tokens); prepare the directory again")
+    try:
+        sha = file_sha256(file)
+    except OSError as e:
+        raise DataError(f"{file}: unreadable ({e.strerror or e}); prepare the directory again") from None
+    want = index["tokenizer"].get("sha256")
+    if want and sha != want:
+        raise DataError(f"{file}: sha256 {sha[:16]}... differs from {INDEX_FILE} tokenizer.sha256 {want[:16]}... "
+                        "(modified or corrupt); prepare the directory again")
+    _check_tokenizer_readable(str(file.resolve()), sha)
+    return file
+
+
+@lru_cache(maxsize=8)
+def _check_tokenizer_readable(file: str, sha256: str) -> None:
+    """A DataError unless `tokenizers` reads the file (once per content: the train and val splits share it)."""
+    from fivefold.data.tokenizer import load_tokenizer
+
+    try:
+        load_tokenizer(file)
+    except DataError as e:
+        raise DataError(f"{e}; prepare the directory again") from None
 
 
 class TokenDataset:
@@ -72,14 +109,14 @@ class TokenDataset:
         self.vocab_size: int = int(self.index["vocab_size"])
         # the end-of-document token, after every document (None in an index that does not record it)
         self.eos_id: int | None = int(self.index["eos_id"]) if self.index.get("eos_id") is not None else None
-        entry = self.index["splits"].get(split, {})
+        entry = self.index["splits"][split]
         self.shard_entries: list[dict[str, Any]] = [s for s in entry.get("shards", []) if s["num_tokens"] > 0]
         if not self.shard_entries:
             hint = " (prepared with --val-fraction 0?)" if split == "val" else ""
             raise DataError(f"{self.path}: the {split} split holds no tokens{hint}")
         self.shards: list[np.memmap] = []
         for shard in self.shard_entries:
-            file = self.path / shard["file"]
+            file = inside_name(self.path, shard["file"], "shard file")
             n = int(shard["num_tokens"])
             expected = n * self.dtype.itemsize
             if not file.is_file():
@@ -101,6 +138,10 @@ class TokenDataset:
     def document_lengths(self) -> DocumentLengths | None:
         """The split's documents' lengths as the index records them (None for a directory prepared before)."""
         return document_lengths(self.index, self.split)
+
+    def check_tokenizer(self) -> None:
+        """A DataError unless the tokenizer file the index names is present, of its recorded sha256 and readable."""
+        check_tokenizer(self.path, self.index)
 
     @property
     def tokenizer_path(self) -> Path:
@@ -142,7 +183,7 @@ class TokenDataset:
         """Check every shard's sha256 against the index (reads all the shards)."""
         for shard in self.shard_entries:
             file = self.path / shard["file"]
-            if file_sha256(file) != shard["sha256"]:
+            if file_sha256(file) != shard.get("sha256"):
                 raise DataError(
                     f"{file}: sha256 differs from {INDEX_FILE} (modified or corrupt); prepare again"
                 )

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fivefold.config import ConfigError
+from fivefold.config import ConfigError, shown
 from fivefold.flops import DocumentLengths, LengthBin
+from fivefold.pathnames import name_inside
 
 INDEX_FILE = "index.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -99,9 +100,83 @@ def dtype_name(dtype: np.dtype) -> str:
     return np.dtype(dtype).name
 
 
+TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}  # index.json's dtype names
+
+
 def dtype_from_name(name: str) -> np.dtype:
     """The little-endian dtype for a name in index.json."""
-    return {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}[name]
+    if name not in TOKEN_DTYPES:
+        raise DataError(f"{INDEX_FILE}: dtype {shown(name)} is not one of {', '.join(TOKEN_DTYPES)}; prepare the "
+                        "directory again")
+    return TOKEN_DTYPES[name]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def inside_name(directory: Path, name: object, what: str) -> Path:
+    """The file `name` of a prepared directory: a DataError unless it is a plain relative name (no absolute path,
+    no `..`) that resolves, links followed, inside `directory` (`pathnames.name_inside`)."""
+    path, why = name_inside(directory, name)
+    if path is None:
+        raise DataError(f"{directory / INDEX_FILE}: {what} {shown(name)} {why}; prepare the directory again")
+    return path
+
+
+def check_index(index: dict, directory: Path) -> None:
+    """Check the fields of a prepared directory's index.json that readers use, as a whole: the dtype, the vocabulary
+    (it must fit the dtype), the end-of-document id (below the vocabulary), the tokenizer entry, and each split's
+    counts and shards (file names inside the directory, token counts that add up). A DataError names the first field
+    that is wrong, its value and the rule."""
+    where = directory / INDEX_FILE
+
+    def bad(field: str, value: object, rule: str) -> DataError:
+        return DataError(f"{where}: {field} = {shown(value)} {rule}; prepare the directory again")
+
+    if index.get("dtype") not in TOKEN_DTYPES:
+        raise bad("dtype", index.get("dtype"), f"is not one of {', '.join(TOKEN_DTYPES)}")
+    dtype = TOKEN_DTYPES[index["dtype"]]
+    top = 1 << (8 * dtype.itemsize)
+    vocab = index.get("vocab_size")
+    if not _is_int(vocab) or not 1 <= vocab <= top:
+        raise bad("vocab_size", vocab, f"must be an integer from 1 to {top:,} (ids of dtype {dtype.name})")
+    eos = index.get("eos_id")
+    if eos is not None and (not _is_int(eos) or not 0 <= eos < vocab):
+        raise bad("eos_id", eos, f"must be an integer id below vocab_size = {vocab}")
+    tokenizer = index.get("tokenizer")
+    if not isinstance(tokenizer, dict):
+        raise bad("tokenizer", tokenizer, "must be a table naming the tokenizer file")
+    inside_name(directory, tokenizer.get("file", TOKENIZER_FILE), "tokenizer.file")
+    for key in ("sha256", "fingerprint"):
+        if tokenizer.get(key) is not None and not isinstance(tokenizer[key], str):
+            raise bad(f"tokenizer.{key}", tokenizer[key], "must be a hex string")
+    splits = index.get("splits")
+    if not isinstance(splits, dict):
+        raise bad("splits", splits, "must be a table of the train and val splits")
+    for split in SPLITS:
+        entry = splits.get(split)
+        if not isinstance(entry, dict):
+            raise bad(f"splits.{split}", entry, "must be a table with num_tokens and shards")
+        for key in ("num_tokens", "num_documents"):
+            if key in entry and (not _is_int(entry[key]) or entry[key] < 0):
+                raise bad(f"splits.{split}.{key}", entry[key], "must be a non-negative integer")
+        shards = entry.get("shards", [])
+        if not isinstance(shards, list):
+            raise bad(f"splits.{split}.shards", shards, "must be a list of shards")
+        for i, shard in enumerate(shards):
+            field = f"splits.{split}.shards[{i}]"
+            if not isinstance(shard, dict):
+                raise bad(field, shard, "must be a table with file, num_tokens and sha256")
+            inside_name(directory, shard.get("file"), f"{field}.file")
+            if not _is_int(shard.get("num_tokens")) or shard["num_tokens"] < 0:
+                raise bad(f"{field}.num_tokens", shard.get("num_tokens"), "must be a non-negative integer")
+            if shard.get("sha256") is not None and not isinstance(shard["sha256"], str):
+                raise bad(f"{field}.sha256", shard["sha256"], "must be a hex string")
+        total = sum(shard["num_tokens"] for shard in shards)
+        if "num_tokens" in entry and entry["num_tokens"] != total:
+            raise bad(f"splits.{split}.num_tokens", entry["num_tokens"],
+                      f"differs from the sum of its shards' num_tokens ({total:,})")
 
 
 def tokenizer_fingerprint(tokenizer_json: str | Path) -> str:

@@ -16,6 +16,9 @@ EOS_TOKEN = "<|endoftext|>"
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 BYTE_LEVEL_MIN_VOCAB = 257  # 256 byte symbols + the end-of-text token
 DEFAULT_VOCAB_SIZE = 2048
+# the largest vocabulary `data prepare` trains: 64 times the largest published ones (Gemma's 262,144); the BPE trainer
+# reserves memory in proportion to the vocabulary asked for, and aborts the process (in Rust) when it cannot
+MAX_TRAINED_VOCAB = 1 << 24
 
 
 def load_tokenizer(path: str | Path):
@@ -54,10 +57,18 @@ def tokenizer_vocab_size(tokenizer) -> int:
 
 
 def check_vocab_size(vocab_size: int) -> None:
-    if not isinstance(vocab_size, int) or vocab_size < BYTE_LEVEL_MIN_VOCAB:
+    """A DataError unless a byte-level BPE tokenizer of `vocab_size` ids can be trained: from BYTE_LEVEL_MIN_VOCAB to
+    MAX_TRAINED_VOCAB."""
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < BYTE_LEVEL_MIN_VOCAB:
         raise DataError(
-            f"--vocab-size {vocab_size} is too small: a byte-level BPE tokenizer needs at least "
+            f"--vocab-size {shown(vocab_size)} is too small: a byte-level BPE tokenizer needs at least "
             f"{BYTE_LEVEL_MIN_VOCAB} ids (256 bytes + {EOS_TOKEN}); try {BYTE_LEVEL_MIN_VOCAB}, 512 or 2048"
+        )
+    if vocab_size > MAX_TRAINED_VOCAB:
+        raise DataError(
+            f"--vocab-size {vocab_size:,} is too large: a trained tokenizer has at most {MAX_TRAINED_VOCAB:,} ids "
+            f"(2^24; the BPE trainer reserves memory per requested id, and ids are stored as uint16 up to 65,536 or "
+            f"uint32); try 2048, 32768 or 65536"
         )
 
 

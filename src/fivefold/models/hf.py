@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 import secrets
@@ -80,9 +81,37 @@ def _architecture(hf: dict[str, Any]) -> str:
     return arch
 
 
+# the config.json values read as integers and as real numbers (each may be absent; null where the reader allows it)
+_HF_INT_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                "num_key_value_heads", "max_position_embeddings", "head_dim", "sliding_window", "max_window_layers",
+                "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "shared_expert_intermediate_size")
+_HF_FLOAT_KEYS = ("rope_theta", "rms_norm_eps", "initializer_range", "router_aux_loss_coef")
+
+
+def _check_hf_numbers(hf: dict[str, Any]) -> None:
+    """Every numeric value fivefold reads from a config.json is a number of its kind (an integer field: a whole
+    number, 64.5 and "big" refused rather than truncated or a traceback; a real field: finite), named in the error."""
+    for key in _HF_INT_KEYS:
+        value = hf.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+                or not float(value).is_integer():
+            raise ConfigError(f"Hugging Face config {key} = {shown(value)} is not an integer")
+    for key in _HF_FLOAT_KEYS:
+        value = hf.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                  or not math.isfinite(value)):
+            raise ConfigError(f"Hugging Face config {key} = {shown(value)} is not a finite number")
+
+
 def _rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, float]]:
     """rope_theta and the Llama-3 scaling dict from either the transformers 4 keys (`rope_theta`,
     `rope_scaling`) or the transformers 5 `rope_parameters` dict."""
+    for key in ("rope_scaling", "rope_parameters"):
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            raise ConfigError(f"Hugging Face config {key} = {shown(hf[key])} must be an object or null")
     params = hf.get("rope_parameters") or {}
     theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
     scaling = hf.get("rope_scaling") or params
@@ -97,6 +126,10 @@ def _rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, float]]:
     missing = [k for k in _ROPE_SCALING_KEYS if k not in scaling]
     if missing:
         raise ConfigError(f"Hugging Face rope_scaling of type 'llama3' lacks keys {missing}")
+    for key in ("rope_theta", *_ROPE_SCALING_KEYS):
+        value = theta if key == "rope_theta" else scaling[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ConfigError(f"Hugging Face rope_scaling {key} = {shown(value)} is not a finite number")
     return float(theta), {k: float(scaling[k]) for k in _ROPE_SCALING_KEYS}
 
 
@@ -113,8 +146,9 @@ def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None =
         name = (path if path.is_dir() else path.parent).resolve().name
     arch = _architecture(hf)
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-        if key not in hf:
+        if hf.get(key) is None:
             raise ConfigError(f"Hugging Face config lacks {shown(key)}, which {arch} requires")
+    _check_hf_numbers(hf)
     hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(

@@ -266,8 +266,16 @@ def get_cluster(name: str | None = None, file: str | Path | None = None) -> Clus
 def cluster_from_table(data: dict, where: str, name: str | None = None, default_name: str = "hardware") -> Cluster:
     """The cluster of a profile's parsed TOML (`get_cluster`'s file, or the tables `fivefold calibrate` is about to
     write): its `base` preset (else `name`, else h100) with the fields given, each checked."""
+    if not data:
+        raise ConfigError(f"--hardware {shown(where)} holds no fields; give base = \"PRESET\" and the fields to "
+                          "override (or --gpu PRESET for a preset as it is)")
     data = hardware_table(data, where)
-    base = get_cluster(str(data.pop("base", name or "h100")))
+    data_keys = set(data)
+    base_name = data.pop("base", name or "h100")
+    if "base" in data_keys and (not isinstance(base_name, str) or base_name.lower() not in PRESETS):
+        raise ConfigError(f"--hardware {shown(where)}: base = {shown(base_name)} is not a preset; choose one of: "
+                          f"{', '.join(PRESETS)}")
+    base = get_cluster(base_name)
     ranks = data.pop("ranks", {})
     values = _parse_fields(data, "--hardware")
     if not isinstance(ranks, dict):
@@ -302,50 +310,87 @@ def hardware_table(data: dict, where: str) -> dict:
 
 _TABLE_WIDTH = {"linear": 5, "attention": 5, "loss": 5, "elementwise": 2, "collective_wait": 2}
 _INT_FIELDS = {"gpus_per_node", "cores", "threads_per_rank"}
+# fields that may be 0 (0 = "not measured, derive it"; the stall and drift fields: no stall data)
+_MAY_BE_ZERO = {"backward_overhead_us", "optimizer_gbps", "optimizer_tensor_us", "comm_overlap", "zero3_unit_us",
+                "posted_p2p_wait_us", "pp_sync_us_per_node"}
+# shares and chances: (upper end, whether the upper end itself is allowed, the rule)
+_SHARES = {"matmul_efficiency": (1.0, True, "a share of the matmul peak, in (0, 1]"),
+           "comm_overlap": (1.0, True, "a share of a collective's time, in [0, 1]"),
+           "stall_hazard_per_node": (1.0, False, "below 1 (a chance per node)")}
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
 
+def _number(value, where: str, key: str, integer: bool = False) -> float:
+    """`value` of field `key` as a finite number (an integer where `integer`), else a ConfigError naming it: TOML's
+    true/false, strings, nan and inf are refused, not read as 1, a crash or a nan table."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        kind = "an integer" if integer else "a number"
+        raise ConfigError(f"{where} {key} = {shown(value)} is not {kind}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{where} {key} = {shown(value)} must be a finite number (nan and inf are refused)")
+    if integer and not float(value).is_integer():
+        raise ConfigError(f"{where} {key} = {shown(value)} must be a whole number")
+    return int(value) if integer else float(value)
+
+
+def _bandwidth_table(value, where: str, key: str) -> dict[int, float]:
+    """busbw_gbps / gather_busbw_gbps: nodes spanned (an integer >= 1) -> GB/s (finite, > 0)."""
+    if not isinstance(value, dict) or not value:
+        raise ConfigError(f"{where} {key} = {shown(value)} must be a non-empty table of nodes spanned = GB/s, "
+                          "e.g. [busbw_gbps] 1 = 436.0")
+    table = {}
+    for nodes, gbps in value.items():
+        if not str(nodes).strip().isdigit() or int(nodes) < 1:
+            raise ConfigError(f"{where} {key} key {shown(nodes)} must be a number of nodes (an integer >= 1)")
+        gbps = _number(gbps, where, f"{key}[{nodes}]")
+        if gbps <= 0:
+            raise ConfigError(f"{where} {key}[{nodes}] = {gbps} must be > 0 (GB/s)")
+        table[int(nodes)] = gbps
+    return table
+
+
 def _parse_fields(data: dict, where: str) -> dict:
-    """Cluster fields from a TOML table, each checked (name, type, sign) with the field named in errors."""
+    """Cluster fields from a TOML table, each checked (name, type, finiteness, sign, range) with the field named."""
     fields = {f.name for f in dataclasses.fields(Cluster)} - {"by_ranks", "match"}
     values: dict = {}
     for key, value in data.items():
         if key not in fields:
             raise ConfigError(f"{where} field {shown(key)} is not known; known fields: {', '.join(sorted(fields))}")
         if key in ("busbw_gbps", "gather_busbw_gbps"):
-            value = {int(k): float(v) for k, v in value.items()}
+            value = _bandwidth_table(value, where, key)
         elif key in ("name", "device"):
-            value = str(value)
+            if not isinstance(value, str) or not value.strip():
+                raise ConfigError(f"{where} {key} = {shown(value)} must be a non-empty string")
         elif key in _INT_FIELDS:
-            value = int(value)
-            if value < 0:
-                raise ConfigError(f"{where} {key} = {value} must be >= 0")
+            value = _number(value, where, key, integer=True)
+            low = 1 if key == "gpus_per_node" else 0
+            if value < low:
+                raise ConfigError(f"{where} {key} = {value} must be >= {low}")
         elif key in _TABLE_WIDTH:
             value = _table(value, _TABLE_WIDTH[key], f"{where} {key}")
         elif key == "collectives":
             value = _collectives(value, where)
         else:
-            value = float(value)
-            if value < 0 or (value == 0 and key not in ("backward_overhead_us", "optimizer_gbps",
-                                                         "optimizer_tensor_us", "comm_overlap", "zero3_unit_us",
-                                                         "posted_p2p_wait_us", "pp_sync_us_per_node")
-                                                      and not key.startswith(("stall_", "drift_"))):
+            value = _number(value, where, key)
+            if value < 0 or (value == 0 and key not in _MAY_BE_ZERO and not key.startswith(("stall_", "drift_"))):
                 raise ConfigError(f"{where} {key} = {value} must be > 0")
-            if key == "stall_hazard_per_node" and value >= 1:
-                raise ConfigError(f"{where} stall_hazard_per_node = {value} must be below 1 (a chance per node)")
+            if key in _SHARES:
+                high, closed, what = _SHARES[key]  # the low end: the sign rule above
+                if value > high or (value == high and not closed):
+                    raise ConfigError(f"{where} {key} = {value} must be {what}")
         values[key] = value
     return values
 
 
 def _table(rows, width: int, where: str) -> tuple[tuple[float, ...], ...]:
-    """Rows of `width` positive numbers."""
+    """Rows of `width` positive finite numbers."""
     if not isinstance(rows, list) or not rows:
         raise ConfigError(f"{where} must be a non-empty list of [{width} numbers] rows")
     out = []
     for row in rows:
-        if not isinstance(row, list) or len(row) != width or not all(isinstance(x, int | float) and x > 0
-                                                                    for x in row):
-            raise ConfigError(f"{where} row {shown(row)} must be {width} positive numbers")
+        if not isinstance(row, list) or len(row) != width or not all(
+                isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in row):
+            raise ConfigError(f"{where} row {shown(row)} must be {width} positive finite numbers")
         out.append(tuple(float(x) for x in row))
     return tuple(out)
 

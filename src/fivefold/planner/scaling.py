@@ -19,9 +19,10 @@ from pathlib import Path
 from fivefold.config import ModelConfig, shown
 from fivefold.errors import CliError
 from fivefold.flops import DocumentLengths
+from fivefold.outputs import keep_previous
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.layout import Framework, Layout, check_runs_hsdp, parse_layout
-from fivefold.planner.search import Estimate, SearchSpace, estimate, search
+from fivefold.planner.search import MAX_BATCH_SEQUENCES, Estimate, SearchSpace, estimate, search
 
 
 @dataclasses.dataclass
@@ -49,8 +50,11 @@ MAX_SCALING_POINTS = 32
 
 
 def parse_nodes(text: str) -> list[int]:
+    if any(not x.strip() for x in text.split(",")):
+        raise CliError(f"--nodes {shown(text)} has an empty item; give node counts separated by single commas, "
+                       "e.g. 1,2,4,8")
     try:
-        nodes = [int(x) for x in text.split(",") if x.strip()]
+        nodes = [int(x) for x in text.split(",")]
     except ValueError:
         raise CliError(f"--nodes {shown(text)} must be a comma-separated list of node counts, e.g. 1,2,4,8") from None
     if not nodes or any(n < 1 for n in nodes) or nodes != sorted(set(nodes)):
@@ -90,6 +94,10 @@ def scaling(cfg: ModelConfig, seq: int, batch_seqs: int, nodes: list[int], weak:
             space: SearchSpace, layout: str | None = None, docs: DocumentLengths | None = None,
             rank: str = "expected") -> list[Point]:
     points = []
+    if weak and batch_seqs * nodes[-1] // nodes[0] > MAX_BATCH_SEQUENCES:
+        raise CliError(f"--weak: the batch of {batch_seqs:,} sequences at {nodes[0]} node(s) grows to "
+                       f"{batch_seqs * nodes[-1] // nodes[0]:,} at {nodes[-1]}; the planner takes at most "
+                       f"{MAX_BATCH_SEQUENCES:,} sequences per step: a smaller --global-batch or fewer nodes")
     for n in nodes:
         gpus = n * hw.gpus_per_node
         batch = batch_seqs * n // nodes[0] if weak else batch_seqs
@@ -191,6 +199,9 @@ def run_scaling(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, hw: C
             print(f"ranked by the {rank} step time; p50: the typical step, p90: the bad case (a stall at every "
                   "pipeline hand-over), stall %: the chance that a step stalls")
     if args.png and base:
+        backup = keep_previous(args.png)  # checked before the computation (`cli.plan`); a file there is kept
+        if backup is not None:
+            print(f"kept the previous {args.png} as {backup}")
         if plot(points, base, args.png, f"{cfg.name} {mode} scaling ({fw.name}, {hw.name})"):
             print(f"wrote {args.png}")
         else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -174,8 +175,13 @@ def estimate(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster
 # Search
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def divisors(n: int) -> list[int]:
+    """The divisors of `n` >= 1, in increasing order, in O(sqrt n) (a batch of 2^30 sequences stays instant)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+_divisors = divisors
 
 
 @dataclass
@@ -293,7 +299,8 @@ def _inner(cfg: ModelConfig, seq: int, dp: int, tp: int, pp: int, cp: int, batch
     if not (dp_shard and dp % dp_shard == 0 and 1 <= dp_shard < dp):
         dp_shard = 0
     eps = [e for e in _divisors(cfg.n_experts) if (dp * cp) % e == 0] if cfg.is_moe else [1]
-    mbs_list = [m for m in _divisors(batch // dp) if m <= space.max_mbs]
+    per_rank = batch // dp
+    mbs_list = [m for m in range(1, min(per_rank, space.max_mbs) + 1) if per_rank % m == 0]
     for ep, mbs in itertools.product(eps, mbs_list):
         if not (space.allows("ep", ep) and space.allows("micro_batch_size", mbs)):
             continue
@@ -334,17 +341,30 @@ def _fits(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, m
     return peak <= hw.memory_bytes * fw.usable_memory_fraction, peak
 
 
-def parse_tokens(text: str) -> int:
-    """`1M` -> 1,048,576: K/M/G in powers of two, as the playbook counts batch sizes."""
+# the largest --global-batch: 2^40 tokens (1T; the largest published batches hold about 2^24) and 2^14 sequences
+# (4 x the largest published, about 4,096): the schedules of pipelined layouts are simulated micro-batch by
+# micro-batch, so the search's time grows faster than the batch (8 devices: 4,096 sequences about 20 s, 16,384 about
+# 3 min); above SLOW_BATCH_SEQUENCES the command line warns
+MAX_BATCH_TOKENS = 1 << 40
+MAX_BATCH_SEQUENCES = 1 << 14
+SLOW_BATCH_SEQUENCES = 1 << 12
+
+
+def parse_tokens(text: str, flag: str = "--global-batch", most: int = MAX_BATCH_TOKENS) -> int:
+    """`1M` -> 1,048,576: K/M/G in powers of two, as the playbook counts batch sizes; `flag` names the option in
+    errors, `most` is its largest value."""
     t = text.strip().upper()
     mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(t[-1:], 1)
     num = t[:-1] if t[-1:] in "KMG" else t
     try:
         value = float(num) * mult
     except ValueError:
-        raise CliError(f"--global-batch {shown(text)} is not a token count such as 1M, 4096K or 1048576") from None
-    if value < 1 or not float(value).is_integer():
-        raise CliError(f"--global-batch {shown(text)} must be a whole number of tokens")
+        raise CliError(f"{flag} {shown(text)} is not a token count such as 1M, 4096K or 1048576") from None
+    if not math.isfinite(value) or value < 1 or not float(value).is_integer():
+        raise CliError(f"{flag} {shown(text)} must be a whole number of tokens >= 1")
+    if value > most:
+        raise CliError(f"{flag} {shown(text)} = {value:,.0f} tokens is above the most the planner takes, "
+                       f"{most:,} (2^{most.bit_length() - 1})")
     return int(value)
 
 

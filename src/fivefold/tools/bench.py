@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -35,12 +36,14 @@ from fivefold.config import (
     build_config,
     int_in,
     parse_overrides,
+    shown,
     write_text_atomic,
 )
 from fivefold.device import resolve_device
 from fivefold.flops import training_flops_per_token
 from fivefold.launch import local_world_size, start_or_join
 from fivefold.layout import check_layout
+from fivefold.outputs import keep_previous
 from fivefold.planner.predict import check_fits, device_cluster
 from fivefold.train.build import build_engine
 from fivefold.train.metrics import gather_ints, peak_memory_bytes, resolve_peak_tflops, synchronize
@@ -114,6 +117,12 @@ def bench_config(args: argparse.Namespace) -> Config:
         raise ConfigError(f"--steps = {args.steps} must be >= 1 and --warmup = {args.warmup} >= 0")
     if args.micro_batch < 1 or args.grad_accum < 1:
         raise ConfigError(f"--micro-batch = {args.micro_batch} and --grad-accum = {args.grad_accum} must be >= 1")
+    if args.trace and not args.profile:
+        raise ConfigError(f"--trace {shown(args.trace)} writes the trace of the profiled steps; add --profile N (the "
+                          "steps to profile)")
+    for flag, target in (("--out", args.out), ("--trace", args.trace)):
+        if target is not None and (not target or Path(target).is_dir()):
+            raise ConfigError(f"{flag} {shown(target)} is {'a directory' if target else 'empty'}; give a file name")
     if cfg.model.attn_mask == "document":
         raise ConfigError("model.attn_mask = 'document' needs document boundaries, which bench's synthetic tokens do "
                           "not have; time it with benchmarks/document_mask.py, or use model.attn_mask = 'causal'")
@@ -297,6 +306,8 @@ def run(args: argparse.Namespace) -> int:
         if rank != 0:
             return 0
     if args.out:
+        if (backup := keep_previous(args.out)) is not None:  # what was there is kept, not overwritten
+            print(f"kept the previous {args.out} as {backup}", file=sys.stderr)  # stdout may be --json's
         write_text_atomic(args.out, json.dumps(result) + "\n")
     if args.json:
         print(json.dumps(result))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import io
 import itertools
 import json
 import math
@@ -34,6 +35,7 @@ from pathlib import Path
 
 from fivefold.config import ModelConfig, config_from_dict, shown
 from fivefold.errors import CliError
+from fivefold.outputs import check_target, keep_previous
 from fivefold.planner import profile
 from fivefold.planner.features import FEATURES, with_features
 from fivefold.planner.hardware import Cluster, get_cluster
@@ -99,35 +101,94 @@ def read_runs_csv(path: Path) -> list[Row]:
             "does not ship: it is extracted from the figure's embedded data (GitHub vinjn/nanotron-ultrascale-"
             "playbook, assets/data/benchmarks/benchmarks_interactive.html) and kept in ../shared/data beside the "
             "repository; give its path with --data FILE, or check the planner on your own runs with --results STORE")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CliError(f"--data {shown(str(path))} cannot be read as UTF-8 text ({e.reason} at byte {e.start}); give "
+                       "the runs CSV") from None
+    except OSError as e:
+        raise CliError(f"--data {shown(str(path))} cannot be read: {e.strerror or e}") from None
+    reader = csv.DictReader(io.StringIO(text))
+    header = reader.fieldnames or []
+    if not header:
+        raise CliError(f"--data {shown(str(path))} holds no runs (the file is empty; it needs a header line and a "
+                       "row per run)")
+    missing = [c for c in RUNS_COLUMNS if c not in header]
+    if missing:
+        raise CliError(f"--data {shown(str(path))} lacks the column(s) {', '.join(missing)}; a runs CSV needs "
+                       f"{', '.join(RUNS_COLUMNS)}")
     rows = []
-    with path.open() as f:
-        for r in csv.DictReader(f):
-            tied = r["tied_emb"].strip().lower() in ("true", "1", "yes")
-            cfg = ModelConfig(name=r["model"], n_layers=int(r["n_layers"]), hidden=int(r["hidden"]),
-                              n_heads=int(r["heads"]), n_kv_heads=int(r["kv_heads"] or r["heads"]), ffn=int(r["ffn"]),
-                              vocab_size=int(r["vocab"]), max_seq_len=int(r["seq_len"]), tied_embeddings=tied,
-                              mlp=(r.get("mlp") or "swiglu").strip().lower())
-            cfg.validate(f"--data {path.name}: a row of {r['model']}: model")
-            framework = r.get("framework") or "nanotron"
-            tp = int(r["tp"])
-            lay = Layout(dp=int(r["dp"]), tp=tp, pp=int(r["pp"]), cp=int(r.get("cp") or 1), ep=int(r.get("ep") or 1),
-                         zero=int(r["zero"]), micro_batch_size=int(r["mbs"]), grad_accum_steps=int(r["grad_acc"]),
-                         recompute=r.get("recompute") or "none",
-                         sp=(r.get("sp", "").lower() in ("true", "on", "1")) if framework != "nanotron" else tp > 1,
-                         schedule=r.get("schedule") or "1f1b", vpp=int(r.get("vpp") or 1),
-                         fp32_grad_accum=framework == "nanotron" or r.get("fp32_grad_accum", "").lower() == "true")
-            ok = r["status"] == "ok"
-            split = (r.get("split") or "").strip()
-            if split not in ("", "fit", "held-out"):
-                raise CliError(f"--data {shown(str(path))}, row {len(rows) + 2}: split = {shown(split)}; use 'fit' or "
-                                  "'held-out' (or leave it empty: rows of 1-2 nodes are fitted, the rest held out)")
-            rows.append(Row(cfg, lay, int(r["nodes"]), int(r["seq_len"]), ok,
-                            float(r["tok_s_gpu"]) if ok and r["tok_s_gpu"] else 0.0,
-                            float(r["mem_gb"]) if ok and r["mem_gb"] else 0.0, framework,
-                            (r["model"], int(r["nodes"])),
-                            features=tuple(f for f in (r.get("features") or "").split("+") if f),
-                            held_out=None if not split else split == "held-out"))
+    try:
+        for r in reader:
+            rows.append(_run_row(r, path, len(rows) + 1, len(header)))
+    except csv.Error as e:
+        raise CliError(f"--data {shown(str(path))}, row {len(rows) + 1}: not valid CSV ({e})") from None
+    if not rows:
+        raise CliError(f"--data {shown(str(path))} holds no runs (a header line and no rows)")
     return rows
+
+
+# the columns every runs CSV has (the others: optional, with the defaults `_run_row` says)
+RUNS_COLUMNS = ("model", "n_layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "tied_emb", "seq_len", "nodes",
+                "dp", "tp", "pp", "mbs", "grad_acc", "zero", "status", "tok_s_gpu", "mem_gb")
+# numbers a row may carry that the model does not read: checked all the same (a nan there is a broken extraction)
+_OTHER_NUMBERS = ("gpus", "n_params", "gbs_seqs", "mfu_pct", "mfu_recomputed_pct", "tok_s")
+
+
+def _run_row(r: dict, path: Path, index: int, columns: int) -> Row:
+    """Row `index` (1 = the first after the header) of a runs CSV, each value checked with its column named."""
+    where = f"--data {shown(str(path))}, row {index}"
+    if None in r or None in r.values():  # DictReader: extra cells under the key None, missing ones as None
+        cells = columns + len(r.get(None) or ()) - sum(v is None for k, v in r.items() if k is not None)
+        raise CliError(f"{where} has {cells} cells; the header has {columns} columns")
+
+    def integer(column: str, default: str | None = None) -> int:
+        text = (r.get(column) or default or "").strip() if default is not None else r[column].strip()
+        try:
+            return int(text)
+        except ValueError:
+            raise CliError(f"{where}: {column} = {shown(r.get(column))} is not an integer") from None
+
+    def number(column: str) -> float:
+        try:
+            value = float(r[column])
+        except ValueError:
+            raise CliError(f"{where}: {column} = {shown(r[column])} is not a number") from None
+        if not math.isfinite(value):
+            raise CliError(f"{where}: {column} = {shown(r[column])} must be a finite number")
+        return value
+
+    for column in _OTHER_NUMBERS:
+        if (r.get(column) or "").strip():
+            number(column)
+    tied = r["tied_emb"].strip().lower() in ("true", "1", "yes")
+    heads = integer("heads")
+    cfg = ModelConfig(name=r["model"], n_layers=integer("n_layers"), hidden=integer("hidden"),
+                      n_heads=heads, n_kv_heads=integer("kv_heads") if r["kv_heads"].strip() else heads,
+                      ffn=integer("ffn"), vocab_size=integer("vocab"), max_seq_len=integer("seq_len"),
+                      tied_embeddings=tied, mlp=(r.get("mlp") or "swiglu").strip().lower())
+    cfg.validate(f"--data {path.name}: a row of {r['model']}: model")
+    framework = r.get("framework") or "nanotron"
+    tp = integer("tp")
+    lay = Layout(dp=integer("dp"), tp=tp, pp=integer("pp"), cp=integer("cp", "1"), ep=integer("ep", "1"),
+                 zero=integer("zero"), micro_batch_size=integer("mbs"), grad_accum_steps=integer("grad_acc"),
+                 recompute=r.get("recompute") or "none",
+                 sp=(r.get("sp", "").lower() in ("true", "on", "1")) if framework != "nanotron" else tp > 1,
+                 schedule=r.get("schedule") or "1f1b", vpp=integer("vpp", "1"),
+                 fp32_grad_accum=framework == "nanotron" or r.get("fp32_grad_accum", "").lower() == "true")
+    if (r.get("gpus") or "").strip() and lay.world_size != integer("gpus"):
+        raise CliError(f"{where}: dp x tp x pp x cp = {lay.dp} x {lay.tp} x {lay.pp} x {lay.cp} = {lay.world_size} "
+                       f"but gpus = {integer('gpus')}; the layout's degrees multiply to the GPUs of the run")
+    ok = r["status"] == "ok"
+    split = (r.get("split") or "").strip()
+    if split not in ("", "fit", "held-out"):
+        raise CliError(f"{where}: split = {shown(split)}; use 'fit' or 'held-out' (or leave it empty: rows of 1-2 "
+                       "nodes are fitted, the rest held out)")
+    nodes = integer("nodes")
+    return Row(cfg, lay, nodes, integer("seq_len"), ok, number("tok_s_gpu") if ok and r["tok_s_gpu"] else 0.0,
+               number("mem_gb") if ok and r["mem_gb"] else 0.0, framework, (r["model"], nodes),
+               features=tuple(f for f in (r.get("features") or "").split("+") if f),
+               held_out=None if not split else split == "held-out")
 
 
 def read_results(path: Path, hardware_file: str | None) -> tuple[list[Row], list[str]]:
@@ -468,6 +529,10 @@ def run_validate(args: argparse.Namespace) -> int:
         raise CliError(f"fivefold plan validate needs the runs CSV: give --data FILE (the playbook's benchmark "
                           f"runs, {DATA_NAME}; a clone of the repository finds it in ../shared/data beside the "
                           "checkout, an installed package has no default)")
+    if getattr(args, "out", None) is not None:
+        if not args.fit:
+            raise CliError(f"--out {shown(args.out)} writes the profile that --fit fits; add --fit")
+        check_target(args.out, "--out", "fitted.toml")  # before the fit, which takes a while
     path = Path(args.data) if args.data else DEFAULT_DATA
     rows = read_runs_csv(path)
     with_features = check_features(rows)
@@ -495,6 +560,9 @@ def run_validate(args: argparse.Namespace) -> int:
                           for table, name, _ in TIME_GRID) + f", inter_latency_us = {hw.inter_latency_us}, "
               + ", ".join(f"{name} = {getattr(hw, name)}" for name in STALL_FIELDS))
     if args.fit and getattr(args, "out", None):
+        backup = keep_previous(args.out)
+        if backup is not None:
+            print(f"kept the previous {args.out} as {backup}")
         profile.write(args.out, fw, hw, hw.device if by_split else "h100-efa",
                       f"fitted by `fivefold plan validate --fit` on the {len(train)} {where} of {path.name}")
         print(f"wrote {args.out} (use it with: fivefold plan --hardware {args.out} ...)")

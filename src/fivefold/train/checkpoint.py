@@ -52,6 +52,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import sys
 import threading
@@ -310,10 +311,17 @@ def _json_file(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint file {path} is corrupted: {shown(e)}") from None
 
 
+def _saved_rank(name: str) -> int:
+    """The rank a checkpoint file belongs to (`rank3.json`, `rng-rank3.safetensors`: 3); 0 for a shared file."""
+    found = re.fullmatch(r"(?:rng-)?rank(\d+)\.(?:json|safetensors)", name)
+    return int(found.group(1)) if found else 0
+
+
 def load_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> LoadedCheckpoint:
     """Open a checkpoint directory for a rank of a run of `world_size` ranks: the trainer state, the checkpoint's
     one index (`index.json`; a checkpoint written without one: every rank's `rankN.json`, each read once), the config
-    and this rank's RNG state, each checked against the manifest (sha256). Piece files are read lazily, each
+    and this rank's RNG state, each checked against the manifest (sha256), as is every other file it lists but the
+    piece files (present, of their listed size). Piece files are read lazily, each
     verified against the manifest (size and sha256) when the reader first opens it: a rank hashes the files it
     reads and no other. Every failure is a CheckpointError naming the file (a piece file's: a PieceError when read)."""
     if not (path / "COMPLETE").is_file():
@@ -358,11 +366,19 @@ def load_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> LoadedChe
                 steps[k] = max(steps.get(k, 0.0), float(v))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CheckpointError(f"checkpoint file {path / name} is corrupted: {shown(e)}") from None
-    try:  # every piece file a path inside the checkpoint (its size and checksum: when a rank first reads it)
-        for name in {str(piece["file"]) for entry in index.values() for piece in entry["pieces"]}:
+    piece_files = {str(piece["file"]) for entry in index.values() for piece in entry["pieces"]}
+    try:  # every piece file a path inside the checkpoint (its size now, its checksum when a rank first reads it)
+        for name in piece_files:
             member(path, name)
+        verify_manifest(path, sorted(piece_files), checksums=False, listed=listed)
     except PieceError as e:
         raise CheckpointError(str(e)) from None
+    # every other file the manifest lists (each saved rank's piece index and RNG state, however this run reads them),
+    # as `export` checks them: a damaged one is refused, not trusted because another file stands in for it. Shared
+    # out over the ranks (rank r: the files of saved ranks r, r + world, ...), so each hashes a few small files
+    checked = {"trainer_state.json", "config.toml", *indexes, *([own_rng] if own_rng else [])}
+    verify_files(path, [name for name in sorted(set(listed) - piece_files - checked)
+                        if _saved_rank(name) % world_size == rank], listed)
     rng = None
     if own_rng:
         try:

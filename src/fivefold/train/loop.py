@@ -158,6 +158,26 @@ def check_hf_tokenizer(hf_dir: Path, dataset) -> None:
         )
 
 
+def check_resume_tokenizer(run_dir: Path, dataset) -> None:
+    """For --resume: refuse data prepared with another tokenizer than the run's own (RUN_DIR/tokenizer/, kept from
+    the data it started on): the same token ids would mean other text. A run without that copy is not checked."""
+    kept = run_dir / RUN_TOKENIZER_DIR / "tokenizer.json"
+    if not kept.is_file():
+        return
+    try:
+        own = tokenizer_fingerprint(kept)
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"--resume: the run's tokenizer {kept} is unreadable ({shown(e)}); restore it from the data "
+                        "the run was started on") from None
+    if own != dataset.tokenizer_fingerprint:
+        raise DataError(
+            f"--resume: the data {dataset.path} was prepared with another tokenizer than the run's {kept} "
+            f"(data.path tokenizer fingerprint {dataset.tokenizer_fingerprint[:12]}, the run's "
+            f"{own[:12]}): its token ids mean other text; resume with the data the run was started on, or prepare "
+            f"this corpus with the run's tokenizer: `fivefold data prepare FILES --tokenizer {kept} --out DIR`"
+        )
+
+
 def save_run_tokenizer(run_dir: Path, dataset, hf_dir: Path | None) -> None:
     """Keep the data's tokenizer.json (and the model's tokenizer_config.json etc. with --hf) in RUN_DIR/tokenizer/."""
     out = run_dir / RUN_TOKENIZER_DIR
@@ -239,6 +259,8 @@ def train_owned(cfg: Config, resume: bool, stop_after: int | None, stream: TextI
     rank = torch.distributed.get_rank() if distributed else 0
     world = torch.distributed.get_world_size() if distributed else 1
     data_dir, train_set, sampler, val_data = load_data(cfg, rank == 0, hf_init)
+    if resume:
+        check_resume_tokenizer(run_dir, train_set)
 
     engine = build_engine(cfg, device)
     engine.eos_id = document_eos(cfg, train_set, data_dir)
@@ -286,6 +308,7 @@ def load_data(cfg: Config, is_first: bool, hf_init: Path | None) -> tuple[
     barrier = torch.distributed.barrier if torch.distributed.is_initialized() else (lambda: None)
     data_dir = resolve_data(cfg, is_first, barrier)
     train_set, val_set = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
+    train_set.check_tokenizer()  # the run keeps it (`save_run_tokenizer`): checked before the run directory exists
     train_set.check_model_vocab(cfg.model.vocab_size)
     if hf_init is not None:
         check_hf_tokenizer(hf_init, train_set)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from fivefold.config import ConfigError, int_in, shown
 from fivefold.errors import CliError
+from fivefold.outputs import keep_previous
 from fivefold.tools.calibrate.harness import size_text
 from fivefold.tools.calibrate.profile import profile_header, profile_name, profile_tables, write_profile
 from fivefold.tools.calibrate.ranks import measure_group, worker
@@ -74,6 +75,8 @@ def calibrate(args: argparse.Namespace) -> tuple[Path, dict[int, Result], float]
     tables = profile_tables(results, device_type, args.threads, levels[-1], profile_name(out))
     if scale is not None:
         tables["compute_scale"] = scale
+    if (backup := keep_previous(out)) is not None:  # a profile already there (perhaps edited) is kept, not lost
+        print(f"calibrate: kept the previous {out} as {backup}", flush=True)
     write_profile(out, tables, text_header)
     return out, results, seconds
 

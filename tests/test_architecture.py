@@ -19,10 +19,11 @@ LAYERS: list[tuple[str, list[str | tuple[str, ...]], list[str] | None]] = [
     # config (with the preset table it resolves `model.preset` from, the layout rule book whose batch rule
     # `Config.validate` applies, and the FLOPs formulas by which the rule book balances pipeline stages) and the
     # user-error types, device helpers, the accelerator table, the fault helpers (watchdog, parent-death signal)
-    # and the checkpoint file format (the trainer writes it, export and generate read it)
+    # and the checkpoint file format (the trainer writes it, export and generate read it), the confinement of file
+    # names a directory's own index holds (checkpoints, prepared data), the files written for the user (kept as .bak)
     ("base", ["fivefold", ("fivefold.config", "fivefold.presets", "fivefold.layout", "fivefold.flops"),
               "fivefold.errors", "fivefold.device", "fivefold.accelerators", "fivefold.faults",
-              "fivefold.checkpoint_format"], None),
+              "fivefold.checkpoint_format", "fivefold.pathnames", "fivefold.outputs"], None),
     # tokenizers, shards, the dataset and sampler: no model code
     ("data", ["fivefold.data"], None),
     # plain PyTorch Llama (dense and MoE), presets, Hugging Face conversion (with the tokenizer files), the fused

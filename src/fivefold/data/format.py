@@ -117,8 +117,9 @@ def _is_int(value: object) -> bool:
 
 def inside_name(directory: Path, name: object, what: str) -> Path:
     """The file `name` of a prepared directory: a DataError unless it is a plain relative name (no absolute path,
-    no `..`) that resolves, links followed, inside `directory` (`pathnames.name_inside`)."""
-    path, why = name_inside(directory, name)
+    no `..`) inside `directory` (`pathnames.name_inside`); a link the user put there may lead elsewhere (shards
+    shared between directories)."""
+    path, why = name_inside(directory, name, links_may_leave=True)
     if path is None:
         raise DataError(f"{directory / INDEX_FILE}: {what} {shown(name)} {why}; prepare the directory again")
     return path

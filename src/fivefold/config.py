@@ -81,13 +81,15 @@ def one_line(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def divisors(n: int) -> list[int]:
+    """The divisors of `n` >= 1, in increasing order, in O(sqrt n) (a batch of 2^30 sequences stays instant)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def nearest_divisors(n: int, value: int, k: int = 3) -> list[int]:
     """The `k` divisors of `n` closest to `value`, for error messages."""
-    return sorted(sorted(_divisors(n), key=lambda d: (abs(d - value), d))[:k])
+    return sorted(sorted(divisors(n), key=lambda d: (abs(d - value), d))[:k])
 
 
 MLP_KINDS = ("swiglu", "gelu")
@@ -210,7 +212,7 @@ class ModelConfig:
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 f"{prefix}.n_kv_heads = {self.n_kv_heads} does not divide {prefix}.n_heads = {self.n_heads}; "
-                f"valid n_kv_heads: {_divisors(self.n_heads)}"
+                f"valid n_kv_heads: {divisors(self.n_heads)}"
             )
         _require(self.mlp in MLP_KINDS, f"{prefix}.mlp", self.mlp, f"must be one of {', '.join(MLP_KINDS)}")
         _require(self.attn_mask in ATTN_MASKS, f"{prefix}.attn_mask", self.attn_mask,

@@ -10,7 +10,17 @@ import math
 import sys
 from pathlib import Path
 
-from fivefold.config import Config, ConfigError, ModelConfig, dump_toml, finite_float, int_in, shown, write_text_atomic
+from fivefold.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    divisors,
+    dump_toml,
+    finite_float,
+    int_in,
+    shown,
+    write_text_atomic,
+)
 from fivefold.errors import CliError
 from fivefold.flops import attention_fraction, attention_pairs, causal_pairs
 from fivefold.layout import check_layout
@@ -21,7 +31,6 @@ from fivefold.planner.search import (
     RANK_RULES,
     SLOW_BATCH_SEQUENCES,
     SearchSpace,
-    divisors,
     estimate,
     gib,
     parse_tokens,
@@ -472,8 +481,6 @@ def _check_options(args: argparse.Namespace) -> None:
     _check_batch(args)
     if args.train_tokens is not None:
         parse_tokens(args.train_tokens, "--train-tokens", MAX_TRAIN_TOKENS)
-    if args.layout is not None:
-        check_layout_items(args.layout)
     if args.write_config:
         check_target(args.write_config, "--write-config", "best.toml")
     if args.png is not None:
@@ -498,22 +505,6 @@ def _check_batch(args: argparse.Namespace) -> None:
     if tokens // seq > SLOW_BATCH_SEQUENCES and args.layout is None:
         print(f"fivefold plan: warning: a global batch of {tokens // seq:,} sequences: the search may take minutes "
               "(it simulates every micro-batch of the pipelined layouts)", file=sys.stderr)
-
-
-def check_layout_items(text: str) -> None:
-    """--layout: no empty item, and no key given twice under its own or its short name (`mbs=1,micro_batch_size=2`,
-    `dp=1,dp=2`), which would otherwise resolve silently to the last."""
-    from fivefold.planner.layout import LEGACY_NAMES
-
-    seen: dict[str, str] = {}
-    for part in (x.strip() for x in text.split(",")):
-        if not part:
-            raise CliError(f"--layout {shown(text)} has an empty item; give KEY=VALUE items separated by single commas")
-        key = part.partition("=")[0].strip()
-        field = LEGACY_NAMES.get(key, key)
-        if field in seen:
-            raise CliError(f"--layout gives {field} twice ({seen[field]} and {part}); keep one")
-        seen[field] = part
 
 
 def check_moe_imbalance(imbalance: float, cfg: ModelConfig) -> None:

@@ -81,13 +81,20 @@ def parse_layout(text: str, global_batch_seqs: int, fp32_grad_accum: bool = True
     grad_accum_steps follows from the global batch; `fp32_grad_accum` where the text does not say (the framework's
     `default_fp32_grad_accum`)."""
     values: dict = {"fp32_grad_accum": fp32_grad_accum}
-    for part in filter(None, (p.strip() for p in text.split(","))):
+    seen: dict[str, str] = {}  # field -> its item: a key given twice, under its own or its short name, is refused
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            raise ConfigError(f"--layout {shown(text)} has an empty item; give KEY=VALUE items separated by single "
+                              "commas")
         key, eq, value = part.partition("=")
         key = key.strip()
         if not eq or key not in _KEYS:
             raise ConfigError(f"--layout item {shown(part)} is not KEY=VALUE with KEY one of: "
                               f"{', '.join(sorted(_KEYS))}")
         key = LEGACY_NAMES.get(key, key)
+        if key in seen:
+            raise ConfigError(f"--layout gives {key} twice ({seen[key]} and {part}); keep one")
+        seen[key] = part
         value = value.strip()
         if key == "recompute":
             if value not in RECOMPUTE:

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from fivefold.config import ModelConfig, shown
+from fivefold.config import ModelConfig, divisors, shown
 from fivefold.errors import CliError
 from fivefold.flops import (
     DocumentLengths,
@@ -175,13 +175,6 @@ def estimate(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster
 # Search
 
 
-def divisors(n: int) -> list[int]:
-    """The divisors of `n` >= 1, in increasing order, in O(sqrt n) (a batch of 2^30 sequences stays instant)."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return small + [n // d for d in reversed(small) if d * d != n]
-
-
-_divisors = divisors
 
 
 @dataclass
@@ -262,7 +255,7 @@ def _bases(cfg: ModelConfig, seq: int, batch: int, n_gpus: int, hw: Cluster, spa
     `hsdp_ranks` (a node's GPUs), each ZeRO-3 layout spanning more than a node also comes as HSDP with one node's
     ranks per shard group."""
     max_tp = space.max_tp or hw.gpus_per_node
-    for tp in _divisors(n_gpus):
+    for tp in divisors(n_gpus):
         if not space.allows("tp", tp):
             continue
         if tp > max_tp:
@@ -272,14 +265,14 @@ def _bases(cfg: ModelConfig, seq: int, batch: int, n_gpus: int, hw: Cluster, spa
         if problem:
             reject(problem.rule, f"tp={tp}")
             continue
-        for cp in _divisors(n_gpus // tp) if space.cp or not space.allows("cp", 1) else [1]:
+        for cp in divisors(n_gpus // tp) if space.cp or not space.allows("cp", 1) else [1]:
             if not space.allows("cp", cp):
                 continue
             problem = sequence_length_problem(seq, cp) if cp > 1 else None
             if problem:
                 reject(problem.rule, f"cp={cp}, seq={seq}")
                 continue
-            for pp in _divisors(n_gpus // (tp * cp)):
+            for pp in divisors(n_gpus // (tp * cp)):
                 dp = n_gpus // (tp * cp * pp)
                 if not (space.allows("pp", pp) and space.allows("dp", dp)):
                     continue
@@ -298,9 +291,8 @@ def _inner(cfg: ModelConfig, seq: int, dp: int, tp: int, pp: int, cp: int, batch
     dp_shard = hsdp_ranks // (tp * cp) if hsdp_ranks and hsdp_ranks % (tp * cp) == 0 else 0
     if not (dp_shard and dp % dp_shard == 0 and 1 <= dp_shard < dp):
         dp_shard = 0
-    eps = [e for e in _divisors(cfg.n_experts) if (dp * cp) % e == 0] if cfg.is_moe else [1]
-    per_rank = batch // dp
-    mbs_list = [m for m in range(1, min(per_rank, space.max_mbs) + 1) if per_rank % m == 0]
+    eps = [e for e in divisors(cfg.n_experts) if (dp * cp) % e == 0] if cfg.is_moe else [1]
+    mbs_list = [m for m in divisors(batch // dp) if m <= space.max_mbs]
     for ep, mbs in itertools.product(eps, mbs_list):
         if not (space.allows("ep", ep) and space.allows("micro_batch_size", mbs)):
             continue

@@ -24,3 +24,24 @@ def test_bench_cpu_json(capsys, tmp_path):
     assert abs(r["mfu"] - r["tflops_per_device"] / 0.5) < 1e-9
     assert set(r["time_split_s"]) == {"forward", "backward", "optimizer"}
     assert all(v > 0 for v in r["time_split_s"].values())
+
+
+def test_bench_seq_len_above_the_models_max_is_refused_as_train_refuses_it(capsys):
+    """--seq-len sets train.seq_len: above model.max_seq_len it is refused by the rule `fivefold train` applies
+    (`Config.validate`), not run on silently extended rotary tables; raising model.max_seq_len allows it."""
+    argv = ["bench", "--model", "tiny", "--seq-len", "1024", "--steps", "1", "--warmup", "0"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert "train.seq_len = 1024 exceeds model.max_seq_len = 512" in err and "raise model.max_seq_len" in err
+    assert main(["train", "--train.seq_len", "1024", "--dry-run"]) == 2  # the same line from train
+    assert "train.seq_len = 1024 exceeds model.max_seq_len = 512" in capsys.readouterr().err
+    from argparse import Namespace
+
+    from fivefold.tools.bench import bench_config
+
+    args = Namespace(model="tiny", config=None, seq_len=1024, micro_batch=1, grad_accum=1, steps=1, warmup=0,
+                     dtype=None, compile=False, trace=None, profile=0, out=None,
+                     overrides=["--model.max_seq_len", "1024"])
+    cfg = bench_config(args)
+    assert cfg.train.seq_len == 1024 and cfg.model.max_seq_len == 1024

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from fivefold.config import Config, ConfigError, build_config, dump_toml, parse_overrides
@@ -75,6 +77,31 @@ def test_bad_files(tmp_path):
     ini.write_text("x")
     with pytest.raises(ConfigError, match="must end in .toml"):
         build_config(ini)
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ('[train]\nmax_steps = "2"\n', "train.max_steps = '2' is a quoted string, not an integer"),
+    ('[train]\ncompile = "yes"\n', "train.compile = 'yes' is a quoted string, not a boolean"),
+    ('[layout]\nstage_layers = [3, "1"]\n', "layout.stage_layers[1] = '1' is a quoted string, not an integer"),
+    ('[model]\nsliding_window = "16"\n', "model.sliding_window = '16' is a quoted string, not an integer"),
+])
+def test_a_file_gives_integers_and_booleans_unquoted(tmp_path, text, said):
+    """In a file the type is written: a quoted "2" for an integer field or "yes" for a boolean is refused, naming the
+    field, the value and the type; the command line's overrides are strings and keep being parsed."""
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        build_config(f)
+    y = tmp_path / "c.yaml"
+    y.write_text("train:\n  max_steps: '2'\n")
+    with pytest.raises(ConfigError, match=re.escape("train.max_steps = '2' is a quoted string, not an integer")):
+        build_config(y)
+    cfg = build_config(None, {"train.max_steps": "2", "train.compile": "yes", "layout.stage_layers": "3,1"})
+    assert cfg.train.max_steps == 2 and cfg.train.compile is True and cfg.layout.stage_layers == [3, 1]
+    f.write_text('[train]\nmax_steps = 2\ncompile = true\nlr = "1e-3"\n[model]\nsliding_window = "null"\n')
+    cfg = build_config(f)  # typed values; a float may be a string (YAML reads 1e-3 so); "null" stays TOML's null
+    assert cfg.train.max_steps == 2 and cfg.train.compile is True and cfg.train.lr == 1e-3
+    assert cfg.model.sliding_window is None
 
 
 def test_lr_schedules_closed_form():

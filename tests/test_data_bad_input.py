@@ -220,3 +220,86 @@ def test_resume_refuses_a_checkpoint_file_at_odds_with_its_manifest(run, tmp_pat
     if name in ("rank0.json", "config.toml"):  # the files `export` checks: refused there too, naming the file
         assert main(["export", "--checkpoint", str(checkpoint), "--hf", str(tmp_path / "hf")]) == 2
         one_line_error(capsys, f"{name}")
+
+
+def _garble(path: Path) -> None:
+    path.write_bytes(bytes(range(256)) * 4)  # not UTF-8, not TOML
+
+
+def _same_size_edit(path: Path) -> None:
+    text = path.read_text()
+    path.write_text(text.replace("n_layers = 1", "n_layers = 7"))  # still a valid config, of another model
+
+
+@pytest.mark.parametrize("damage", [_truncate, _garble, _same_size_edit], ids=["truncated", "garbled", "edited"])
+def test_export_and_generate_report_a_damaged_config_as_corrupted(run, tmp_path, capsys, damage):
+    """A checkpoint's config.toml at odds with the manifest is reported as corrupted, naming it, before it is parsed
+    (not as an invalid config or another model's shape)."""
+    copy = copy_run(run, tmp_path)
+    config = copy / "checkpoints" / "step_00000002" / "config.toml"
+    damage(config)
+    assert main(["export", "--checkpoint", str(copy), "--hf", str(tmp_path / "hf")]) == 2
+    line = one_line_error(capsys, f"checkpoint file {config} is corrupted", "the manifest says")
+    assert "not valid" not in line and "UTF-8" not in line
+    assert not (tmp_path / "hf").exists()
+    assert main(["generate", "--checkpoint", str(copy), "--prompt", "x", "--max-new-tokens", "1"]) == 2
+    one_line_error(capsys, f"checkpoint file {config} is corrupted")
+
+
+def test_resume_reports_the_checkpoints_damaged_config_as_corrupted(run, tmp_path, capsys):
+    """RUN_DIR/config.toml gone: the newest checkpoint's copy is read instead, checked against its manifest first."""
+    copy = copy_run(run, tmp_path)
+    (copy / "config.toml").unlink()
+    config = copy / "checkpoints" / "step_00000002" / "config.toml"
+    _truncate(config)
+    assert main(["train", "--resume", "--run-dir", str(copy), "--max-steps", "3"]) == 2
+    one_line_error(capsys, "--resume", f"checkpoint file {config} is corrupted")
+
+
+def test_resume_without_the_runs_tokenizer_copy_is_refused(run, data, tmp_path, capsys):
+    """Every run keeps its data's tokenizer in RUN_DIR/tokenizer/ before its first checkpoint: a run with
+    checkpoints and no copy cannot be checked against the data it resumes on, and is refused before any model is
+    built or file written."""
+    copy = copy_run(run, tmp_path)
+    shutil.rmtree(copy / "tokenizer")
+    before = sorted(p.name for p in copy.rglob("*"))
+    assert main(["train", "--resume", "--run-dir", str(copy), "--data", str(data), "--max-steps", "3"]) == 2
+    one_line_error(capsys, "--resume", f"the run's tokenizer {copy / 'tokenizer' / 'tokenizer.json'} is missing",
+                   "copy that data's tokenizer.json there")
+    assert sorted(p.name for p in copy.rglob("*")) == before  # nothing written, the tokenizer not made up
+    (copy / "tokenizer").mkdir()
+    shutil.copyfile(data / "tokenizer.json", copy / "tokenizer" / "tokenizer.json")
+    assert main(["train", "--resume", "--run-dir", str(copy), "--data", str(data), "--max-steps", "3"]) == 0
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# export --tokenizer
+
+
+@pytest.mark.parametrize(("name", "content", "said"), [
+    ("junk.bin", bytes(range(256)), "not a readable tokenizer.json"),
+    ("tokenizer.json", b"garbage{", "not a readable tokenizer.json"),
+    ("other.json", b'{"not": "a tokenizer"}', "not a readable tokenizer.json"),
+    ("mine.json", None, "is a tokenizer named 'mine.json'"),
+])
+def test_export_tokenizer_that_is_not_a_readable_tokenizer_is_named(run, data, tmp_path, capsys, name, content, said):
+    """--tokenizer FILE is read before the weights: garbage is called not a readable tokenizer, naming the path (not
+    "no tokenizer.json there"); a good tokenizer under another name is refused rather than its directory's
+    tokenizer.json (if any) taken instead."""
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    given = folder / name
+    given.write_bytes(content if content is not None else (data / "tokenizer.json").read_bytes())
+    assert main(["export", "--checkpoint", str(run), "--hf", str(tmp_path / "hf"), "--tokenizer", str(given)]) == 2
+    line = one_line_error(capsys, f"--tokenizer '{given}'", said)
+    assert "no tokenizer.json there" not in line
+    assert not (tmp_path / "hf").exists()
+    assert main(["export", "--checkpoint", str(run), "--hf", str(tmp_path / "hf"), "--tokenizer",
+                 str(tmp_path / "none.json")]) == 2
+    one_line_error(capsys, f"--tokenizer '{tmp_path / 'none.json'}' does not exist")
+
+
+def test_export_with_a_good_tokenizer_still_works(run, data, tmp_path, capsys):
+    assert main(["export", "--checkpoint", str(run), "--hf", str(tmp_path / "hf"), "--tokenizer",
+                 str(data / "tokenizer.json")]) == 0
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (data / "tokenizer.json").read_bytes()

@@ -425,7 +425,7 @@ def test_cpu_profiles_say_per_device_not_per_gpu(capsys):
             "--top", "1"]
     rc, cpu, _ = run_cli(capsys, *args, "--gpu", "cpu")
     assert rc == 0 and "tok/s/device" in cpu and "tokens/s per device" in cpu and "GPU" not in cpu
-    rc, one, _ = run_cli(capsys, *args, "--gpu", "cpu", "--layout", "dp=2,mbs=1")
+    rc, one, _ = run_cli(capsys, *args[:-2], "--gpu", "cpu", "--layout", "dp=2,mbs=1")  # --top: the search's
     assert rc == 0 and "tokens/s per device" in one and "GPU" not in one
     rc, gpu, _ = run_cli(capsys, *args, "--gpu", "h100")
     assert rc == 0 and "tok/s/GPU" in gpu and "tokens/s per GPU" in gpu and "per device" not in gpu

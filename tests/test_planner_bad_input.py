@@ -189,6 +189,97 @@ def test_hf_config_refused_by_plan_and_valid_one_read(capsys, tmp_path: Path):
     assert cfg.hidden == 64 and isinstance(cfg.hidden, int) and cfg.rope_scaling == {}
 
 
+GPT2 = {"architectures": ["GPT2LMHeadModel"], "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 300}
+NEOX = {"architectures": ["GPTNeoXForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+        "intermediate_size": 256, "vocab_size": 300}
+GELU_BAD = [
+    (GPT2, {"n_embd": "big"}, ("n_embd = 'big'", "not an integer")),
+    (GPT2, {"n_embd": 64.5}, ("n_embd = 64.5", "not an integer")),
+    (GPT2, {"n_layer": True}, ("n_layer = True", "not an integer")),
+    (GPT2, {"n_inner": float("nan")}, ("n_inner = nan", "not an integer")),
+    (GPT2, {"n_positions": float("inf")}, ("n_positions = inf", "not an integer")),
+    (NEOX, {"tie_word_embeddings": "no"}, ("tie_word_embeddings = 'no'", "not a boolean")),
+    (NEOX, {"max_position_embeddings": "2048"}, ("max_position_embeddings = '2048'", "not an integer")),
+    (NEOX, {"hidden_size": 0}, ("GPTNeoXForCausalLM", "hidden = 0", ">= 1")),
+    (NEOX, {"vocab_size": None}, ("lacks 'vocab_size'",)),
+]
+
+
+@pytest.mark.parametrize(("base", "change", "said"), GELU_BAD,
+                         ids=[f"{b['architectures'][0]}-{next(iter(c))}" for b, c, _ in GELU_BAD])
+def test_gelu_hf_config_value_refused(base: dict, change: dict, said: tuple[str, ...]):
+    """GPT-2 and GPT-NeoX configs are checked as the Llama ones (`models.hf.check_hf_values`): a value of the wrong
+    kind is named, not truncated (64.5), read as 1 (true), as true ("no") or a traceback ("big", nan, inf)."""
+    from fivefold.planner.shapes import gelu_shape_from_hf
+
+    with pytest.raises(ConfigError) as e:
+        gelu_shape_from_hf({**base, **change}, "m")
+    for text in said:
+        assert text in str(e.value), str(e.value)
+
+
+def test_gelu_hf_config_refused_by_plan_and_valid_ones_read(capsys, tmp_path: Path):
+    from fivefold.planner.shapes import gelu_shape_from_hf
+
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps({**GPT2, "n_embd": "big"}))
+    refused(capsys, ["--model", str(f), "--gpu", "cpu", "--seq-len", "128", "--global-batch", "8K"],
+            "--model", "n_embd = 'big'", "not an integer")
+    gpt2 = gelu_shape_from_hf({**GPT2, "n_inner": None, "n_embd": 64.0}, "m")  # null: the default; 64.0 is whole
+    assert (gpt2.hidden, gpt2.ffn, gpt2.max_seq_len, gpt2.tied_embeddings) == (64, 256, 2048, True)
+    neox = gelu_shape_from_hf({**NEOX, "tie_word_embeddings": True, "max_position_embeddings": 4096}, "m")
+    assert (neox.ffn, neox.max_seq_len, neox.tied_embeddings, neox.mlp) == (256, 4096, True, "gelu")
+
+
+FRAMEWORK_BAD = [
+    ("name = 5", ("[framework] name = 5", "non-empty string")),
+    ('base = ["x"]', ("[framework] base = ['x']", "non-empty string")),
+    ("param_bytes = nan", ("[framework] param_bytes = nan", "finite")),
+    ("logits_bytes = inf", ("[framework] logits_bytes = inf", "finite")),
+    ("param_bytes = 2.5", ("[framework] param_bytes = 2.5", "whole number")),
+    ("param_bytes = 0", ("[framework] param_bytes = 0", ">= 1")),
+    ("dp_bucket_mib = -1.0", ("[framework] dp_bucket_mib = -1.0", ">= 0")),
+    ("usable_memory_fraction = 1.5", ("[framework] usable_memory_fraction = 1.5", "(0, 1]")),
+    ("usable_memory_fraction = 0", ("[framework] usable_memory_fraction = 0.0", "(0, 1]")),
+    ("tp_overlap = 2.0", ("[framework] tp_overlap = 2.0", "[0, 1]")),
+    ("activation_scale = -1.0", ("[framework] activation_scale = -1.0", "> 0")),
+    ('compute_dtype = "fp16"', ("[framework] compute_dtype = 'fp16'", "bf16, fp32")),
+    ("hsdp = 1", ("[framework] hsdp = 1", "type of its default")),
+    ('logits_bytes = "10"', ("[framework] logits_bytes = '10'", "type of its default")),
+    ("bogus = 1", ("[framework] field 'bogus' is not known",)),
+]
+
+
+@pytest.mark.parametrize(("body", "said"), FRAMEWORK_BAD, ids=[b.split("=")[0].strip() + str(i)
+                                                               for i, (b, _) in enumerate(FRAMEWORK_BAD)])
+def test_framework_table_field_refused(capsys, tmp_path: Path, body: str, said: tuple[str, ...]):
+    """A profile's [framework] fields are checked as the hardware fields are (`hardware.checked_number`): known,
+    of their default's type, finite, whole where the default is, and within their range, in one line naming the
+    file, the field and the value."""
+    from fivefold.planner.profile import framework_of
+
+    f = tmp_path / "fw.toml"
+    f.write_text(f'base = "h100"\n[framework]\n{body}\n')
+    with pytest.raises(ConfigError) as e:
+        framework_of(f)
+    for text in (f"--hardware '{f}'", *said):
+        assert text in str(e.value), str(e.value)
+    refused(capsys, [*TINY, "--hardware", str(f)], *said)
+
+
+def test_framework_table_valid_fields_still_read(tmp_path: Path):
+    from fivefold.planner.profile import all_frameworks, framework_of
+
+    assert {"fivefold", "nanotron", "torchtitan", "megatron", "deepspeed"} <= set(all_frameworks())  # packaged files
+    f = tmp_path / "fw.toml"
+    f.write_text('[framework]\nname = "mine"\nbase = "nanotron"\nkernels_per_layer = 19.0\nlogits_bytes = 4\n'
+                 'tp_overlap = 1.0\nusable_memory_fraction = 1\ncompute_dtype = "fp32"\n')
+    fw = framework_of(f)
+    assert fw.name == "mine" and fw.kernels_per_layer == 19 and isinstance(fw.kernels_per_layer, int)
+    assert fw.logits_bytes == 4.0 and fw.tp_overlap == 1.0 and fw.usable_memory_fraction == 1.0
+    assert fw.compute_dtype == "fp32" and fw.stage_split == "params"  # the rest: nanotron's
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. plan's flags
 
@@ -229,6 +320,39 @@ CLI_BAD = [
     ("write-config directory", [*TINY, "--write-config", "."], ("--write-config '.'", "directory")),
     ("fit out directory", ["validate", "--fit", "--data", "runs.csv", "--out", "."], ("--out '.'", "directory")),
     ("out without fit", ["validate", "--data", "runs.csv", "--out", "x.toml"], ("--out 'x.toml'", "--fit")),
+    # an option that the mode given does not read is refused, not silently ignored (`cli.plan._check_applies`)
+    ("png without scaling", [*TINY, "--png", "x.png"],
+     ("--png 'x.png' applies to `fivefold plan scaling` only", "the search (`fivefold plan`) ignores it")),
+    ("weak without scaling", [*TINY, "--weak"], ("--weak applies to `fivefold plan scaling` only",)),
+    ("strong under validate", ["validate", "--strong"], ("--strong applies to `fivefold plan scaling` only",
+                                                         "`fivefold plan validate` ignores it")),
+    ("fit outside validate", [*TINY, "--fit"], ("--fit applies to `fivefold plan validate` only",)),
+    ("per-row outside validate", ["scaling", *TINY, "--strong", "--nodes", "1,2", "--per-row"],
+     ("--per-row applies to `fivefold plan validate` only", "`fivefold plan scaling` ignores it")),
+    ("results outside validate", [*TINY, "--results", "r.db"],
+     ("--results 'r.db' applies to `fivefold plan validate`",)),
+    ("profile outside validate", [*TINY, "--profile", "p.toml"], ("--profile 'p.toml' applies to",)),
+    ("out outside validate", [*TINY, "--out", "o.toml"], ("--out 'o.toml' applies to `fivefold plan validate`",)),
+    ("fit-fields outside validate", [*TINY, "--fit-fields", "matmul_efficiency"], ("--fit-fields",)),
+    ("measure-steps without measure", [*TINY, "--measure-steps", "5"],
+     ("--measure-steps 5 sets the steps", "add --measure")),
+    ("train-tokens without write-config", [*TINY, "--train-tokens", "40G"],
+     ("--train-tokens '40G' sets the token budget", "add --write-config")),
+    ("explain with json", [*TINY, "--explain", "--json"], ("--explain", "--json prints no table")),
+    ("explain with layout", [*TINY, "--layout", "dp=1,mbs=2", "--explain"],
+     ("--explain applies to the search (`fivefold plan`) only", "`fivefold plan --layout` ignores it")),
+    ("zero with layout", [*TINY, "--layout", "dp=1,mbs=2", "--zero", "1"],
+     ("--zero '1' applies to the search (`fivefold plan`) and `fivefold plan scaling` only",)),
+    ("rank with layout", [*TINY, "--layout", "dp=1,mbs=2", "--rank", "p90"], ("--rank 'p90'", "--layout` ignores")),
+    ("write-config in scaling", ["scaling", *TINY, "--strong", "--nodes", "1,2", "--write-config", "w.toml"],
+     ("--write-config 'w.toml' applies to", "`fivefold plan scaling` ignores it")),
+    ("measure in scaling", ["scaling", *TINY, "--strong", "--nodes", "1,2", "--measure"], ("--measure applies to",)),
+    ("mfu-convention in scaling", ["scaling", *TINY, "--strong", "--nodes", "1,2", "--mfu-convention", "playbook"],
+     ("--mfu-convention 'playbook' applies to",)),
+    ("model under validate", ["validate", "--model", "tiny"], ("--model 'tiny' applies to", "validate` ignores it")),
+    ("doc-len under validate", ["validate", "--doc-len", "512"], ("--doc-len '512' applies to",)),
+    ("hardware under validate without results", ["validate", "--hardware", "hw.toml"],
+     ("--hardware 'hw.toml' goes with --results", "--profile")),
 ]
 
 
@@ -239,6 +363,19 @@ def test_plan_flag_refused(capsys, tmp_path: Path, monkeypatch, argv: list[str],
     line = refused(capsys, argv, *said)
     assert time.monotonic() - start < 10  # refused before the search (4096G once hung in the divisors)
     assert "batches: 0 " not in line
+
+
+def test_plan_options_of_each_mode_still_combine_as_documented(capsys, tmp_path: Path, monkeypatch):
+    """The combinations the docs show: scaling with --layout and its own options, the search with --write-config,
+    --train-tokens and --explain, --layout with the options it reads (--measure-steps only with --measure)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "scaling", *TINY, "--weak", "--nodes", "1,2", "--layout", "dp=1,mbs=1", "--json",
+                 "--rank", "p90"]) == 0
+    assert main(["plan", *TINY, "--top", "2", "--write-config", "best.toml", "--train-tokens", "1M", "--explain",
+                 "--rank", "p90", "--fix", "tp=1"]) == 0
+    assert main(["plan", *TINY, "--layout", "dp=1,mbs=1", "--mfu-convention", "playbook", "--features", "compile",
+                 "--json"]) == 0
+    capsys.readouterr()
 
 
 def test_divisors_are_quick_and_right():

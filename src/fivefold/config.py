@@ -604,8 +604,10 @@ def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _coerce(value: Any, typ: Any, name: str) -> Any:
-    """Convert `value` (from a file or the command line) to the annotated type of field `name`."""
+def _coerce(value: Any, typ: Any, name: str, typed: bool = False) -> Any:
+    """Convert `value` (from a file or the command line) to the annotated type of field `name`. `typed`: the value
+    comes from a file, whose format writes integers and booleans unquoted, so a quoted "2" or "yes" there is refused
+    rather than read as the command line's strings are (floats stay lenient: PyYAML reads 3e-4 as a string)."""
     origin = typing.get_origin(typ)
     if origin is Literal:
         choices = typing.get_args(typ)
@@ -617,10 +619,13 @@ def _coerce(value: Any, typ: Any, name: str) -> Any:
         if len(kinds) < len(typing.get_args(typ)) and (
                 value is None or isinstance(value, str) and value.strip().lower() in ("null", "none")):
             return None
-        return _coerce(value, kinds[0], name) if len(kinds) == 1 else value
+        return _coerce(value, kinds[0], name, typed) if len(kinds) == 1 else value
     if typ is bool:
         if isinstance(value, bool):
             return value
+        if typed and isinstance(value, str):
+            raise ConfigError(f"{name} = {shown(value)} is a quoted string, not a boolean; write true or false "
+                              "without quotes")
         if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
             return True
         if isinstance(value, str) and value.lower() in ("false", "0", "no", "off"):
@@ -629,6 +634,9 @@ def _coerce(value: Any, typ: Any, name: str) -> Any:
     if typ is int:
         if isinstance(value, bool):
             raise ConfigError(f"{name} = {shown(value)} is not an integer")
+        if typed and isinstance(value, str):
+            raise ConfigError(f"{name} = {shown(value)} is a quoted string, not an integer; write the number without "
+                              "quotes")
         try:
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
@@ -648,7 +656,7 @@ def _coerce(value: Any, typ: Any, name: str) -> Any:
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{name} = {shown(value)} is not a list (write it as 3,3,2 or [3, 3, 2])")
         item = typing.get_args(typ)[0]
-        return [_coerce(v, item, f"{name}[{i}]") for i, v in enumerate(value)]
+        return [_coerce(v, item, f"{name}[{i}]", typed) for i, v in enumerate(value)]
     if origin is dict:
         if isinstance(value, str):
             try:
@@ -661,7 +669,8 @@ def _coerce(value: Any, typ: Any, name: str) -> Any:
     return value
 
 
-def _apply(obj: Any, values: dict[str, Any], prefix: str) -> None:
+def _apply(obj: Any, values: dict[str, Any], prefix: str, typed: bool = False) -> None:
+    """Set the fields of `obj` named in `values`; `typed`: values read from a file (`_coerce`)."""
     types_ = _field_types(type(obj))
     for key, value in values.items():
         name = f"{prefix}.{key}" if prefix else key
@@ -672,9 +681,9 @@ def _apply(obj: Any, values: dict[str, Any], prefix: str) -> None:
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
                 raise ConfigError(f"{name} must be a table of fields, got {shown(value)}")
-            _apply(current, value, name)
+            _apply(current, value, name, typed)
         else:
-            setattr(obj, key, _coerce(value, types_[key], name))
+            setattr(obj, key, _coerce(value, types_[key], name, typed))
 
 
 CONFIG_MAX_BYTES = 1 << 20  # a config, grid or hardware file: far more than any real one
@@ -812,8 +821,9 @@ def build_config(
 
 
 def apply_dict(cfg: Config, data: dict[str, Any]) -> None:
-    """Set the fields named in a nested dict (as read from a config file)."""
-    _apply(cfg, data, "")
+    """Set the fields named in a nested dict (as read from a config file: integers and booleans must be typed as
+    such, not quoted strings; the command line's strings go through `apply_overrides`)."""
+    _apply(cfg, data, "", typed=True)
 
 
 def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> None:

@@ -31,6 +31,7 @@ from fivefold.planner.search import (
     RANK_RULES,
     SLOW_BATCH_SEQUENCES,
     SearchSpace,
+    announce_search,
     estimate,
     gib,
     parse_tokens,
@@ -433,14 +434,60 @@ def _check_not_empty(args: argparse.Namespace) -> None:
             raise CliError(f"--{name.replace('_', '-')} {shown(value)} is empty; give a value or leave the option out")
 
 
+# the modes of `fivefold plan`: the search (the default action), --layout (one layout estimated), scaling, validate
+_MODES = {"search": "the search (`fivefold plan`)", "layout": "`fivefold plan --layout`",
+          "scaling": "`fivefold plan scaling`", "validate": "`fivefold plan validate`"}
+_PLANS = ("search", "layout", "scaling")  # the modes that plan a model on a cluster
+# the options that only some modes read: given to another, each would be silently ignored, so it is refused
+# (`_check_applies`). --write-config and --fix under --layout have refusals of their own that say what to use instead
+_APPLIES: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("weak", "strong", "png"), ("scaling",)),
+    **dict.fromkeys(("results", "profile", "fit", "out", "fit_fields", "per_row"), ("validate",)),
+    **dict.fromkeys(("top", "explain"), ("search",)),
+    **dict.fromkeys(("write_config", "measure", "mfu_convention", "moe_imbalance"), ("search", "layout")),
+    **dict.fromkeys(("zero", "recompute", "sp", "schedules", "no_cp", "rank"), ("search", "scaling")),
+    **dict.fromkeys(("layout", "fix", "model", "gpu", "nodes", "gpus_per_node", "seq_len", "global_batch",
+                     "framework", "features", "fp32_grad_accum", "pad_vocab", "doc_len", "sliding_window"), _PLANS),
+}
+# options that only mean something beside another: (option, the one it needs, what it does)
+_NEEDS = (("train_tokens", "write_config", "sets the token budget of the config that --write-config writes"),
+          ("measure_steps", "measure", "sets the steps of each rank that --measure runs"))
+
+
+def _check_applies(args: argparse.Namespace) -> None:
+    """Refuse, in one line, an option given (a value other than its default) to a mode that does not read it (the
+    table `_APPLIES`), or without the option it goes with (`_NEEDS`): silently ignored, it would look as if it had
+    been taken into account."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    given = {name for name, default in defaults.items() if getattr(args, name, default) != default}
+    mode = "layout" if args.action == "search" and args.layout is not None else args.action
+    for name, modes in _APPLIES.items():
+        if name in given and mode not in modes:
+            where = " and ".join(", ".join(_MODES[m] for m in modes).rsplit(", ", 1))
+            value = getattr(args, name)
+            flag = f"--{name.replace('_', '-')}" + ("" if isinstance(value, bool) else f" {shown(value)}")
+            raise CliError(f"{flag} applies to {where} only, and {_MODES[mode]} ignores it; drop it")
+    if mode == "validate" and "hardware" in given and "results" not in given:
+        raise CliError(f"--hardware {shown(args.hardware)} goes with --results (a sweep's store); `fivefold plan "
+                       "validate` predicts the CSV's runs with --profile FILE: give it as --profile")
+    if "explain" in given and "json" in given:
+        raise CliError("--explain prints why the best layout wins below the table; --json prints no table: drop one "
+                       "of them")
+    for name, needed, what in _NEEDS:
+        if name in given and needed not in given:
+            flag = f"--{name.replace('_', '-')}"
+            raise CliError(f"{flag} {shown(getattr(args, name))} {what}; add --{needed.replace('_', '-')} (or drop "
+                           f"{flag})")
+
+
 def run(args: argparse.Namespace) -> int:
     _check_not_empty(args)
+    _check_applies(args)
     if args.action == "validate":
         from fivefold.tools.validate import run_validate
 
-        if args.doc_len is not None or args.sliding_window is not None:
-            raise CliError("--doc-len and --sliding-window price a search, --layout or scaling; plan validate "
-                           "compares the published runs as they ran: drop them")
         return run_validate(args)
     _check_options(args)
     cfg = _attention_model(args, _plan_model(args))
@@ -503,7 +550,7 @@ def _check_batch(args: argparse.Namespace) -> None:
                        f"at most {MAX_BATCH_SEQUENCES:,} (2^{MAX_BATCH_SEQUENCES.bit_length() - 1}) sequences per "
                        "step: a smaller batch or longer sequences")
     if tokens // seq > SLOW_BATCH_SEQUENCES and args.layout is None:
-        print(f"fivefold plan: warning: a global batch of {tokens // seq:,} sequences: the search may take minutes "
+        print(f"fivefold plan: warning: a global batch of {tokens // seq:,} sequences: the search may take a minute "
               "(it simulates every micro-batch of the pipelined layouts)", file=sys.stderr)
 
 
@@ -751,7 +798,7 @@ def _search_layouts(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, h
         fw = with_features(fw, ("compile",))
     compiled = compiled_for_config or "compile" in _features(args)
     result = search(cfg, seq, batch_seqs, n_gpus, fw, hw, space, 0, args.moe_imbalance, args.docs,
-                    args.rank)  # every one
+                    args.rank, announce_search())  # every one
     if not result.candidates:
         _no_candidates(result, cfg, hw, n_gpus, batch_seqs, args)
         return 2

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from fivefold.config import finite_float, int_in, shown
+from fivefold.config import finite_float, int_in
 from fivefold.errors import CliError
 
 
@@ -89,9 +89,13 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: flo
 def _load(args: argparse.Namespace, device: torch.device):
     """(model, tokenizer directory or None) from --checkpoint or --hf."""
     from fivefold.checkpoint_format import PieceError
-    from fivefold.config import build_config
     from fivefold.models.hf import CheckpointError, load_state_dict_into, model_from_hf
-    from fivefold.models.hf_cli import find_tokenizer_dir, read_checkpoint_weights, resolve_checkpoint
+    from fivefold.models.hf_cli import (
+        checkpoint_model_config,
+        find_tokenizer_dir,
+        read_checkpoint_weights,
+        resolve_checkpoint,
+    )
     from fivefold.models.llama import build_model
 
     try:
@@ -104,9 +108,8 @@ def _load(args: argparse.Namespace, device: torch.device):
         ckpt, note = resolve_checkpoint(Path(args.checkpoint))
         if note:
             print(note)
-        if not (ckpt / "config.toml").is_file():
-            raise CliError(f"checkpoint {shown(str(ckpt))} has no config.toml (the run's resolved config)")
-        cfg = build_config(ckpt / "config.toml").model
+        tokenizer_dir = find_tokenizer_dir(ckpt, args.tokenizer)
+        cfg = checkpoint_model_config(ckpt)
         model = build_model(cfg, device="meta")
         model.to_empty(device=device)
         if cfg.tied_embeddings:
@@ -116,7 +119,7 @@ def _load(args: argparse.Namespace, device: torch.device):
         except PieceError as e:
             raise CliError(str(e)) from None
         load_state_dict_into(model, weights)
-        return model, find_tokenizer_dir(ckpt, args.tokenizer)
+        return model, tokenizer_dir
     except CheckpointError as e:
         raise CliError(str(e)) from None
 

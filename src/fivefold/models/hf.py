@@ -87,23 +87,31 @@ _HF_INT_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_at
                 "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
                 "shared_expert_intermediate_size")
 _HF_FLOAT_KEYS = ("rope_theta", "rms_norm_eps", "initializer_range", "router_aux_loss_coef")
+_HF_BOOL_KEYS = ("tie_word_embeddings",)  # read as true/false: a string "no" is not read as true
 
 
-def _check_hf_numbers(hf: dict[str, Any]) -> None:
-    """Every numeric value fivefold reads from a config.json is a number of its kind (an integer field: a whole
-    number, 64.5 and "big" refused rather than truncated or a traceback; a real field: finite), named in the error."""
-    for key in _HF_INT_KEYS:
+def check_hf_values(hf: dict[str, Any], ints: tuple[str, ...] = _HF_INT_KEYS, floats: tuple[str, ...] = _HF_FLOAT_KEYS,
+                    bools: tuple[str, ...] = _HF_BOOL_KEYS) -> None:
+    """Every value fivefold reads from a config.json (the keys `ints`, `floats` and `bools`, each may be absent or
+    null) is a value of its kind (an integer field: a whole number, 64.5 and "big" refused rather than truncated or
+    a traceback; a real field: finite; a boolean: true or false), named in the error. The planner's GELU shapes
+    (`planner.shapes`) check their own keys with it."""
+    for key in ints:
         value = hf.get(key)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
                 or not float(value).is_integer():
             raise ConfigError(f"Hugging Face config {key} = {shown(value)} is not an integer")
-    for key in _HF_FLOAT_KEYS:
+    for key in floats:
         value = hf.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
                                   or not math.isfinite(value)):
             raise ConfigError(f"Hugging Face config {key} = {shown(value)} is not a finite number")
+    for key in bools:
+        value = hf.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(f"Hugging Face config {key} = {shown(value)} is not a boolean (true or false)")
 
 
 def _rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, float]]:
@@ -148,7 +156,7 @@ def model_config_from_hf(config: dict[str, Any] | str | Path, name: str | None =
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if hf.get(key) is None:
             raise ConfigError(f"Hugging Face config lacks {shown(key)}, which {arch} requires")
-    _check_hf_numbers(hf)
+    check_hf_values(hf)
     hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     if hf.get("hidden_act", "silu") != "silu":
         raise ConfigError(

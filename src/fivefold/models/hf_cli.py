@@ -52,15 +52,30 @@ RUN_TOKENIZER_DIR = "tokenizer"
 
 
 def find_tokenizer_dir(ckpt: Path, given: str | None) -> Path | None:
-    """The directory holding the tokenizer.json of checkpoint `ckpt`: `given` (a file or directory), else the
-    run's `tokenizer/` directory (beside `checkpoints/`), else None."""
+    """The directory holding the tokenizer.json of checkpoint `ckpt`: `given` (a tokenizer.json or a directory
+    holding one, read here so that a file that is no tokenizer is refused naming it), else the run's `tokenizer/`
+    directory (beside `checkpoints/`), else None."""
     if given:
+        from fivefold.data import DataError, load_tokenizer
+
         path = Path(given).expanduser()
-        directory = path.parent if path.is_file() else path
-        if not (directory / "tokenizer.json").is_file():
+        if not path.exists():
+            raise CliError(f"--tokenizer {shown(given)} does not exist; give a tokenizer.json or a Hugging Face model "
+                           "directory that holds one")
+        tokenizer = path if path.is_file() else path / "tokenizer.json"
+        if not tokenizer.is_file():
             raise CliError(f"--tokenizer {shown(given)}: no tokenizer.json there; give a tokenizer.json or a Hugging "
                            "Face model directory that holds one")
-        return directory
+        try:  # read now, before the weights are: a damaged or foreign file named as such, not as missing
+            load_tokenizer(tokenizer)
+        except DataError as e:
+            raise CliError(f"--tokenizer {shown(given)}: {e}; give a Hugging Face tokenizer.json or a model "
+                           "directory that holds one") from None
+        if tokenizer.name != "tokenizer.json":
+            raise CliError(f"--tokenizer {shown(given)} is a tokenizer named {shown(tokenizer.name)}; it is read as "
+                           "a tokenizer.json beside its tokenizer_config.json: rename it tokenizer.json (or give the "
+                           "directory that holds one)")
+        return tokenizer.parent
     for candidate in (ckpt / RUN_TOKENIZER_DIR, ckpt.parent.parent / RUN_TOKENIZER_DIR):
         if (candidate / "tokenizer.json").is_file() and (candidate == ckpt / RUN_TOKENIZER_DIR
                                                           or ckpt.parent.name == "checkpoints"):
@@ -95,6 +110,23 @@ def resolve_checkpoint(path: Path) -> tuple[Path, str | None]:
     if skipped:
         note += f" (skipped incomplete: {', '.join(skipped)})"
     return newest, note
+
+
+def checkpoint_model_config(ckpt: Path) -> ModelConfig:
+    """The model config saved with checkpoint directory `ckpt` (its config.toml), for `export` and `generate`. A
+    checkpoint with a manifest has its config.toml checked against it (size and sha256) before it is parsed, so a
+    damaged file is reported as corrupted, naming it, rather than as an invalid config."""
+    from fivefold.checkpoint_format import MANIFEST, PieceError, verify_manifest
+
+    config_file = ckpt / "config.toml"
+    if not config_file.is_file():
+        raise CliError(f"checkpoint {shown(str(ckpt))} has no config.toml (the run's resolved config)")
+    if (ckpt / MANIFEST).is_file():
+        try:
+            verify_manifest(ckpt, [config_file.name])
+        except PieceError as e:
+            raise CliError(str(e)) from None
+    return build_config(config_file).model
 
 
 def checkpoint_reader(directory: Path) -> PieceReader:
@@ -162,10 +194,8 @@ def run(args: argparse.Namespace) -> int:
     ckpt, note = resolve_checkpoint(Path(args.checkpoint))
     if note:
         print(note)
-    config_file = ckpt / "config.toml"
-    if not config_file.is_file():
-        raise CliError(f"checkpoint {shown(str(ckpt))} has no config.toml (the run's resolved config)")
-    cfg = build_config(config_file).model
+    tokenizer_dir = find_tokenizer_dir(ckpt, args.tokenizer)
+    cfg = checkpoint_model_config(ckpt)
     cfg.validate()
     hf_architecture(cfg)  # refuses what no Hugging Face architecture holds
     weights = ckpt / "model.safetensors" if (ckpt / "model.safetensors").is_file() else ckpt
@@ -175,7 +205,6 @@ def run(args: argparse.Namespace) -> int:
         if cfg.tied_embeddings:
             found.pop("lm_head.weight", None)
         check_tensors(found, expected_shapes(cfg), f"{weights}")
-        tokenizer_dir = find_tokenizer_dir(ckpt, args.tokenizer)
         export_checkpoint(reader, cfg, out_dir, args.overwrite, tokenizer_dir, max_shard_bytes)
     except (CheckpointError, PieceError) as e:
         raise CliError(str(e)) from None

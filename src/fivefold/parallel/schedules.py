@@ -91,6 +91,15 @@ def build_schedule(name: str, p: int, m: int, v: int = 1, overlap_fb: bool = Fal
     if m < need:
         raise ScheduleError(f"schedule {name} with pp = {p} needs at least {need} micro-batches, got {m}; "
                             f"raise the gradient accumulation or lower pp")
+    if name == "dualpipev" and overlap_fb:
+        return _fused_dualpipev(p, m, pair_w)
+    return _built(name, p, m, v)
+
+
+@functools.lru_cache(maxsize=8)  # a pp of 32 with 1,024 micro-batches holds about 200,000 actions
+def _built(name: str, p: int, m: int, v: int) -> Schedule:
+    """The named schedule's action lists (checked by `build_schedule`), built once: the planner asks for the same
+    (p, m) for many layouts, and a schedule is immutable."""
     if name == "afab":
         return _afab(p, m)
     if name == "1f1b":
@@ -99,8 +108,13 @@ def build_schedule(name: str, p: int, m: int, v: int = 1, overlap_fb: bool = Fal
         return _interleaved(p, m, v)
     if name == "zero-bubble":
         return _zero_bubble_h1(p, m)
-    schedule = _dualpipev(p, m)
-    return dataclasses.replace(schedule, fused=fused_pairs(schedule), pair_w=pair_w) if overlap_fb else schedule
+    return _dualpipev(p, m)
+
+
+@functools.lru_cache(maxsize=8)
+def _fused_dualpipev(p: int, m: int, pair_w: bool) -> Schedule:
+    schedule = _built("dualpipev", p, m, 1)
+    return dataclasses.replace(schedule, fused=fused_pairs(schedule), pair_w=pair_w)
 
 
 def fused_pairs(schedule: Schedule) -> tuple[tuple[int, ...], ...]:

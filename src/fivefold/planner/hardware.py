@@ -320,7 +320,7 @@ _SHARES = {"matmul_efficiency": (1.0, True, "a share of the matmul peak, in (0, 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
 
-def _number(value, where: str, key: str, integer: bool = False) -> float:
+def checked_number(value, where: str, key: str, integer: bool = False) -> float:
     """`value` of field `key` as a finite number (an integer where `integer`), else a ConfigError naming it: TOML's
     true/false, strings, nan and inf are refused, not read as 1, a crash or a nan table."""
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -342,7 +342,7 @@ def _bandwidth_table(value, where: str, key: str) -> dict[int, float]:
     for nodes, gbps in value.items():
         if not str(nodes).strip().isdigit() or int(nodes) < 1:
             raise ConfigError(f"{where} {key} key {shown(nodes)} must be a number of nodes (an integer >= 1)")
-        gbps = _number(gbps, where, f"{key}[{nodes}]")
+        gbps = checked_number(gbps, where, f"{key}[{nodes}]")
         if gbps <= 0:
             raise ConfigError(f"{where} {key}[{nodes}] = {gbps} must be > 0 (GB/s)")
         table[int(nodes)] = gbps
@@ -362,7 +362,7 @@ def _parse_fields(data: dict, where: str) -> dict:
             if not isinstance(value, str) or not value.strip():
                 raise ConfigError(f"{where} {key} = {shown(value)} must be a non-empty string")
         elif key in _INT_FIELDS:
-            value = _number(value, where, key, integer=True)
+            value = checked_number(value, where, key, integer=True)
             low = 1 if key == "gpus_per_node" else 0
             if value < low:
                 raise ConfigError(f"{where} {key} = {value} must be >= {low}")
@@ -371,7 +371,7 @@ def _parse_fields(data: dict, where: str) -> dict:
         elif key == "collectives":
             value = _collectives(value, where)
         else:
-            value = _number(value, where, key)
+            value = checked_number(value, where, key)
             if value < 0 or (value == 0 and key not in _MAY_BE_ZERO and not key.startswith(("stall_", "drift_"))):
                 raise ConfigError(f"{where} {key} = {value} must be > 0")
             if key in _SHARES:

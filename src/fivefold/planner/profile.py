@@ -13,7 +13,7 @@ import dataclasses
 from pathlib import Path
 
 from fivefold.config import ConfigError, load_file, shown, write_text_atomic
-from fivefold.planner.hardware import Cluster, get_cluster
+from fivefold.planner.hardware import Cluster, checked_number, get_cluster
 from fivefold.planner.kernels import all_devices
 from fivefold.planner.layout import FRAMEWORKS, Framework
 from fivefold.planner.time import ELEMENTWISE_CLASSES
@@ -25,6 +25,13 @@ def _read(path: str | Path) -> dict:
 
 FRAMEWORK_DIR = Path(__file__).resolve().parent / "frameworks"
 STAGE_SPLITS = ("balanced", "params")
+COMPUTE_DTYPES = ("bf16", "fp32")
+# [framework] numbers beyond the sign rule (every number is finite and >= 0: bytes, µs, counts, shares): (lowest,
+# whether the lowest itself is allowed, highest or None, the rule), as the hardware fields' (`hardware._SHARES`)
+_FRAMEWORK_RANGES = {"tp_overlap": (0.0, True, 1.0, "a share of tensor-parallel communication, in [0, 1]"),
+                     "usable_memory_fraction": (0.0, False, 1.0, "a share of the device's memory, in (0, 1]"),
+                     "activation_scale": (0.0, False, None, "> 0 (it multiplies the counted activations)"),
+                     "param_bytes": (1.0, True, None, ">= 1 (bytes per stored parameter)")}
 
 
 def all_frameworks() -> dict[str, Framework]:
@@ -53,6 +60,10 @@ def _framework_table(table, where: str, known: dict[str, Framework], default: st
     if not isinstance(table, dict):
         raise ConfigError(f"--hardware {shown(where)}: [framework] must be a table")
     table = dict(table)
+    for key in ("name", "base"):
+        if key in table and (not isinstance(table[key], str) or not table[key].strip()):
+            raise ConfigError(f"--hardware {shown(where)}: [framework] {key} = {shown(table[key])} must be a non-empty "
+                              "string (a framework's name)")
     name = str(table.pop("name", default or "fivefold"))
     base_name = str(table.pop("base", name))
     if base_name not in known:
@@ -69,9 +80,15 @@ def _framework_table(table, where: str, known: dict[str, Framework], default: st
         if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
             raise ConfigError(f"--hardware {shown(where)}: [framework] {key} = {shown(value)} must be of the type of "
                               f"its default, {shown(current)}")
-        if isinstance(current, int) and not isinstance(current, bool) and value != int(value):
-            raise ConfigError(f"--hardware {shown(where)}: [framework] {key} = {shown(value)} must be a whole number "
-                              f"(default {shown(current)})")
+        if kind is not bool and kind is not str:  # finite, whole where the default is, >= 0, within its range
+            here = f"--hardware {shown(where)}: [framework]"
+            value = checked_number(value, here, key, integer=isinstance(current, int))
+            low, closed, high, rule = _FRAMEWORK_RANGES.get(key, (0.0, True, None, ">= 0"))
+            if value < low or (value == low and not closed) or (high is not None and value > high):
+                raise ConfigError(f"{here} {key} = {shown(value)} must be {rule}")
+        if key == "compute_dtype" and value not in COMPUTE_DTYPES:
+            raise ConfigError(f"--hardware {shown(where)}: [framework] compute_dtype = {shown(value)} is not one of "
+                              f"{', '.join(COMPUTE_DTYPES)}")
         if key == "stage_split" and value not in STAGE_SPLITS:
             raise ConfigError(f"--hardware {shown(where)}: [framework] stage_split = {shown(value)} is not one of "
                               f"{', '.join(STAGE_SPLITS)} (balanced: by FLOPs, at least one block per stage; "

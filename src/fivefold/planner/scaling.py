@@ -22,7 +22,14 @@ from fivefold.flops import DocumentLengths
 from fivefold.outputs import keep_previous
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.layout import Framework, Layout, check_runs_hsdp, parse_layout
-from fivefold.planner.search import MAX_BATCH_SEQUENCES, Estimate, SearchSpace, estimate, search
+from fivefold.planner.search import (
+    MAX_BATCH_SEQUENCES,
+    Estimate,
+    SearchSpace,
+    announce_search,
+    estimate,
+    search,
+)
 
 
 @dataclasses.dataclass
@@ -92,7 +99,8 @@ def typical_tps(e: Estimate) -> float:
 
 def scaling(cfg: ModelConfig, seq: int, batch_seqs: int, nodes: list[int], weak: bool, fw: Framework, hw: Cluster,
             space: SearchSpace, layout: str | None = None, docs: DocumentLengths | None = None,
-            rank: str = "expected") -> list[Point]:
+            rank: str = "expected", announce: bool = False) -> list[Point]:
+    """The best layout at each node count; `announce`: a long search says so on stderr (`announce_search`)."""
     points = []
     if weak and batch_seqs * nodes[-1] // nodes[0] > MAX_BATCH_SEQUENCES:
         raise CliError(f"--weak: the batch of {batch_seqs:,} sequences at {nodes[0]} node(s) grows to "
@@ -114,7 +122,8 @@ def scaling(cfg: ModelConfig, seq: int, batch_seqs: int, nodes: list[int], weak:
             points.append(Point(n, gpus, batch, e if e.fits else None,
                                 "" if e.fits else f"{lay.short()} does not fit ({e.peak_bytes / 2**30:.1f} GiB)"))
             continue
-        result = search(cfg, seq, batch, gpus, fw, hw, space, 1, docs=docs, rank=rank)
+        result = search(cfg, seq, batch, gpus, fw, hw, space, 1, docs=docs, rank=rank,
+                        progress=announce_search(f"{n} node{'s' if n > 1 else ''}: ") if announce else None)
         if result.candidates:
             points.append(Point(n, gpus, batch, result.candidates[0]))
         else:
@@ -178,7 +187,7 @@ def run_scaling(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, hw: C
                           "(the batch stays)")
     nodes = parse_nodes(args.nodes_list)
     rank = getattr(args, "rank", "expected")
-    points = scaling(cfg, seq, batch_seqs, nodes, args.weak, fw, hw, space, args.layout, docs, rank)
+    points = scaling(cfg, seq, batch_seqs, nodes, args.weak, fw, hw, space, args.layout, docs, rank, announce=True)
     risk = hw.has_stall_data
     base, lines = report(points, hw.unit, risk)
     mode = "weak" if args.weak else "strong"

@@ -13,8 +13,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import multiprocessing
+import os
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 from fivefold.config import ModelConfig, divisors, shown
@@ -148,9 +153,10 @@ def memory_of(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, moe_imbala
 
 def estimate(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, exact: bool = True,
              memory_limit: float | None = None, moe_imbalance: float = 1.0,
-             docs: DocumentLengths | None = None) -> Estimate:
-    """One layout's memory, step time and MFU; `docs`: the documents' lengths under the model's document mask."""
-    mem = memory_of(cfg, seq, lay, fw, moe_imbalance)
+             docs: DocumentLengths | None = None, mem: dict[str, dict[str, float]] | None = None) -> Estimate:
+    """One layout's memory, step time and MFU; `docs`: the documents' lengths under the model's document mask;
+    `mem`: the layout's `memory_of`, where the caller has it."""
+    mem = memory_of(cfg, seq, lay, fw, moe_imbalance) if mem is None else mem
     peak = max(sum(v.values()) for v in mem.values())
     limit = hw.memory_bytes * fw.usable_memory_fraction if memory_limit is None else memory_limit
     t = step_time(cfg, seq, lay, fw, hw, exact, docs, moe_imbalance)
@@ -207,8 +213,10 @@ class SearchResult:
 
 def search(cfg: ModelConfig, seq: int, global_batch_seqs: int, n_gpus: int, fw: Framework, hw: Cluster,
            space: SearchSpace | None = None, top: int = 10, moe_imbalance: float = 1.0,
-           docs: DocumentLengths | None = None, rank: str = "expected") -> SearchResult:
-    """Every layout of the space; the fitting ones best first by the rank rule (`RANK_RULES`)."""
+           docs: DocumentLengths | None = None, rank: str = "expected",
+           progress: Callable[[int, int], None] | None = None) -> SearchResult:
+    """Every layout of the space; the fitting ones best first by the rank rule (`RANK_RULES`). `progress`: called
+    once the layouts are enumerated, with their number and the processes that judge them (`search_workers`)."""
     key = rank_key(rank)
     space = space or SearchSpace()
     if space.fp32_grad_accum is None:
@@ -220,31 +228,125 @@ def search(cfg: ModelConfig, seq: int, global_batch_seqs: int, n_gpus: int, fw: 
         rejected[reason] += count
         examples.setdefault(reason, example)
 
-    fitting: list[Estimate] = []
-    closest: Estimate | None = None
-    evaluated = 0
     hsdp_ranks = hw.gpus_per_node if space.hsdp and fw.hsdp else 0
-    for base in _bases(cfg, seq, global_batch_seqs, n_gpus, hw, space, reject, hsdp_ranks):
-        evaluated += 1
-        ok, peak = _fits(cfg, seq, base, fw, hw, moe_imbalance)
-        if not ok:
-            reject("does not fit in memory even with full recompute", base.short(), len(space.recompute))
-            if closest is None or peak < closest.peak_bytes:
-                closest = estimate(cfg, seq, base, fw, hw, False, moe_imbalance=moe_imbalance, docs=docs)
+    bases = list(_bases(cfg, seq, global_batch_seqs, n_gpus, hw, space, reject, hsdp_ranks))
+    job = _Job(cfg, seq, fw, hw, space.recompute, moe_imbalance, docs)
+    workers = search_workers(len(bases))
+    if progress is not None:
+        progress(len(bases), workers)
+    fitting: list[Estimate] = []
+    closest: tuple[float, Layout] | None = None
+    for judged in _judge_all(job, bases, workers):
+        if judged.misfit_peak is not None:  # not even full recompute fits
+            reject("does not fit in memory even with full recompute", judged.base.short(), len(space.recompute))
+            if closest is None or judged.misfit_peak < closest[0]:
+                closest = (judged.misfit_peak, judged.base)
             continue
-        for rc in space.recompute:
-            lay = dataclasses.replace(base, recompute=rc)
-            if rc != "full" and not _fits(cfg, seq, lay, fw, hw, moe_imbalance)[0]:
-                reject("does not fit in memory without (more) recompute", lay.short())
-                continue
-            fitting.append(estimate(cfg, seq, lay, fw, hw, False, moe_imbalance=moe_imbalance, docs=docs))
+        for short in judged.need_recompute:
+            reject("does not fit in memory without (more) recompute", short)
+        fitting.extend(judged.fitting)
+    evaluated = len(bases)
+    closest_estimate = None if closest is None else estimate(
+        cfg, seq, closest[1], fw, hw, False, moe_imbalance=moe_imbalance, docs=docs)
     fitting.sort(key=key)
-    best = [estimate(cfg, seq, e.layout, fw, hw, True, moe_imbalance=moe_imbalance, docs=docs)
+    best = [estimate(cfg, seq, e.layout, fw, hw, True, moe_imbalance=moe_imbalance, docs=docs, mem=e.memory)
             for e in fitting[:SIMULATED_TOP]]
     best.sort(key=key)
     # top = 0: every fitting candidate, the best SIMULATED_TOP simulated and the rest with the closed form
     candidates = best[:top] if top else best + fitting[SIMULATED_TOP:]
-    return SearchResult(candidates, rejected, examples, evaluated, closest)
+    return SearchResult(candidates, rejected, examples, evaluated, closest_estimate)
+
+
+# ---------------------------------------------------------------------------------------------
+# Judging the layouts, in this process or in a pool of processes
+
+# a search of this many layouts (each tried with every recompute mode) or more runs in a pool of processes, one per
+# CPU core (`search_workers`): about 1 ms per layout, so from about 4 s of work; FIVEFOLD_PLAN_WORKERS sets the count
+PARALLEL_MIN_LAYOUTS = 4096
+
+
+def search_workers(n_layouts: int) -> int:
+    """Processes to judge `n_layouts` layouts with: FIVEFOLD_PLAN_WORKERS where set (1: in this process), else one
+    per CPU core this process may use for a search of at least `PARALLEL_MIN_LAYOUTS`, else 1."""
+    text = os.environ.get("FIVEFOLD_PLAN_WORKERS", "").strip()
+    if text:
+        if not text.isdigit() or int(text) < 1:
+            raise CliError(f"FIVEFOLD_PLAN_WORKERS = {shown(text)} must be a whole number >= 1 (1: no pool)")
+        return int(text)
+    if n_layouts < PARALLEL_MIN_LAYOUTS:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, n_layouts // (PARALLEL_MIN_LAYOUTS // 4)))
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What judging a layout needs besides the layout (sent once to each process of a pool)."""
+    cfg: ModelConfig
+    seq: int
+    fw: Framework
+    hw: Cluster
+    recompute: tuple[str, ...]
+    moe_imbalance: float
+    docs: DocumentLengths | None
+
+
+@dataclass
+class _Judged:
+    base: Layout  # with full recompute
+    misfit_peak: float | None  # the peak bytes when not even full recompute fits
+    need_recompute: list[str] = field(default_factory=list)  # the variants that need more recompute (short form)
+    fitting: list[Estimate] = field(default_factory=list)  # the variants that fit, estimated with the closed form
+
+
+def _judge(job: _Job, base: Layout) -> _Judged:
+    """One layout family: whether it fits with full recompute, then each recompute mode's fit and estimate."""
+    ok, peak, full_mem = _fits(job.cfg, job.seq, base, job.fw, job.hw, job.moe_imbalance)
+    if not ok:
+        return _Judged(base, peak)
+    out = _Judged(base, None)
+    for rc in job.recompute:
+        lay, mem = dataclasses.replace(base, recompute=rc), full_mem
+        if rc != "full":
+            ok, _, mem = _fits(job.cfg, job.seq, lay, job.fw, job.hw, job.moe_imbalance)
+            if not ok:
+                out.need_recompute.append(lay.short())
+                continue
+        out.fitting.append(estimate(job.cfg, job.seq, lay, job.fw, job.hw, False, moe_imbalance=job.moe_imbalance,
+                                    docs=job.docs, mem=mem))
+    return out
+
+
+_WORKER_JOB: _Job | None = None
+
+
+def _start_worker(job: _Job) -> None:
+    global _WORKER_JOB
+    _WORKER_JOB = job
+
+
+def _judge_chunk(bases: list[Layout]) -> list[_Judged]:
+    assert _WORKER_JOB is not None, "a search worker runs after _start_worker"
+    return [_judge(_WORKER_JOB, base) for base in bases]
+
+
+def _judge_all(job: _Job, bases: list[Layout], workers: int) -> Iterator[_Judged]:
+    """`_judge` of every layout, in their order: in this process, or in a pool of `workers` processes started by a
+    fork server (each imports fivefold afresh: nothing of this process's threads or state is forked)."""
+    if workers <= 1:
+        yield from (_judge(job, base) for base in bases)
+        return
+    size = max(1, -(-len(bases) // (8 * workers)))  # about 8 chunks per process, to balance uneven layouts
+    chunks = [bases[i:i + size] for i in range(0, len(bases), size)]
+    context = multiprocessing.get_context("forkserver" if sys.platform.startswith("linux") else "spawn")
+    try:
+        with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(job,)) as pool:
+            judged = [j for chunk in pool.map(_judge_chunk, chunks) for j in chunk]
+    except BrokenProcessPool as e:  # e.g. a script without `if __name__ == "__main__":` that its pool re-imports
+        print(f"fivefold plan: warning: the search's pool of {workers} processes failed ({e}); judging the layouts "
+              "in this process (FIVEFOLD_PLAN_WORKERS=1 skips the pool)", file=sys.stderr)
+        judged = [_judge(job, base) for base in bases]
+    yield from judged
 
 
 def _bases(cfg: ModelConfig, seq: int, batch: int, n_gpus: int, hw: Cluster, space: SearchSpace,
@@ -328,18 +430,32 @@ def _schedules(pp: int, space: SearchSpace) -> Iterator[tuple[str, int]]:
 
 
 def _fits(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, moe_imbalance: float
-          ) -> tuple[bool, float]:
-    peak = max(sum(v.values()) for v in memory_of(cfg, seq, lay, fw, moe_imbalance).values())
-    return peak <= hw.memory_bytes * fw.usable_memory_fraction, peak
+          ) -> tuple[bool, float, dict[str, dict[str, float]]]:
+    """Whether the layout fits, its peak bytes and its `memory_of`."""
+    mem = memory_of(cfg, seq, lay, fw, moe_imbalance)
+    peak = max(sum(v.values()) for v in mem.values())
+    return peak <= hw.memory_bytes * fw.usable_memory_fraction, peak, mem
 
 
 # the largest --global-batch: 2^40 tokens (1T; the largest published batches hold about 2^24) and 2^14 sequences
-# (4 x the largest published, about 4,096): the schedules of pipelined layouts are simulated micro-batch by
-# micro-batch, so the search's time grows faster than the batch (8 devices: 4,096 sequences about 20 s, 16,384 about
-# 3 min); above SLOW_BATCH_SEQUENCES the command line warns
+# (4 x the largest published, about 4,096): the schedules of pipelined layouts are built micro-batch by micro-batch,
+# so the search's time grows with the batch (8 devices: 4,096 sequences about 9 s, 16,384 about 19 s, on one core of
+# the 2-core machine); above SLOW_BATCH_SEQUENCES the command line warns
 MAX_BATCH_TOKENS = 1 << 40
 MAX_BATCH_SEQUENCES = 1 << 14
 SLOW_BATCH_SEQUENCES = 1 << 12
+
+
+
+
+def announce_search(label: str = "") -> Callable[[int, int], None]:
+    """A `search(progress=...)` callback for the command line: one line on stderr for a search of seconds or more
+    (`PARALLEL_MIN_LAYOUTS` layouts); `label` says which search (e.g. `16 nodes: `)."""
+    def progress(layouts: int, workers: int) -> None:
+        if layouts >= PARALLEL_MIN_LAYOUTS:
+            where = f"{workers} processes (FIVEFOLD_PLAN_WORKERS sets the count)" if workers > 1 else "1 process"
+            print(f"fivefold plan: {label}judging {layouts:,} layouts on {where}", file=sys.stderr, flush=True)
+    return progress
 
 
 def parse_tokens(text: str, flag: str = "--global-batch", most: int = MAX_BATCH_TOKENS) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from fivefold.config import ConfigError, ModelConfig, shown
+from fivefold.models.hf import check_hf_values
 
 NOT_MODELLED = "biases, LayerNorm shifts, learned position embeddings, parallel residual, partial rotary"
 GELU_ACTIVATIONS = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_python")
@@ -32,9 +33,12 @@ def gelu_shape_from_hf(hf: dict[str, Any], name: str) -> ModelConfig | None:
         act, tied, seq = hf.get("activation_function", "gelu_new"), True, "n_positions"
     else:
         return None
-    missing = [k for k in keys.values() if k not in hf]
+    missing = [k for k in keys.values() if hf.get(k) is None]
     if missing:
         raise ConfigError(f"Hugging Face config ({arch}) lacks {', '.join(map(repr, missing))}")
+    # the values read, each of its kind (whole numbers, true/false), as the Llama configs' (`models.hf`)
+    check_hf_values(hf, ints=(*keys.values(), seq, *(("n_inner",) if arch == "GPT2LMHeadModel" else ())), floats=(),
+                    bools=("tie_word_embeddings",) if arch == "GPTNeoXForCausalLM" else ())
     if act not in GELU_ACTIVATIONS:
         raise ConfigError(f"Hugging Face config ({arch}): activation {shown(act)} is not a GELU; the planner "
                           f"models GELU "
@@ -42,7 +46,7 @@ def gelu_shape_from_hf(hf: dict[str, Any], name: str) -> ModelConfig | None:
     values = {field: int(hf[key]) for field, key in keys.items()}
     if arch == "GPT2LMHeadModel":
         values["ffn"] = int(hf.get("n_inner") or 4 * values["hidden"])
-    cfg = ModelConfig(name=name, n_kv_heads=values["n_heads"], max_seq_len=int(hf.get(seq, 2048)),
+    cfg = ModelConfig(name=name, n_kv_heads=values["n_heads"], max_seq_len=int(hf.get(seq) or 2048),
                       tied_embeddings=tied, mlp="gelu", **values)
     try:
         cfg.validate("--model")

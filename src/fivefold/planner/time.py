@@ -14,6 +14,7 @@ achieved HBM bandwidth; plus a per-kernel launch cost. With a calibrated profile
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
@@ -620,10 +621,10 @@ def pipeline_makespan(lay: Layout, times: StageTimes, p2p: float, exact: bool, f
         per_rank[_rank_of(s, lay)] += m * (times.f[s] + times.b[s] + times.w[s])
     if fb_overlap is not None and times.comm_f:
         for r, pairs in enumerate(_fused_stages(lay.pp, m, lay.fb_pairs_run_w)):
-            for sf, sb, whole in pairs:
+            for (sf, sb, whole), count in pairs:
                 f, b = times.f[sf], times.b[sb] + whole * times.w[sb]
                 comm_b = times.comm_b[sb] + whole * times.comm_w[sb]
-                per_rank[r] -= f + b - fb_pair_seconds(f, b, times.comm_f[sf], comm_b, fb_overlap)
+                per_rank[r] -= count * (f + b - fb_pair_seconds(f, b, times.comm_f[sf], comm_b, fb_overlap))
     full = sum(times.f[s] + times.b[s] + times.w[s] for s in range(n_stages)) / n_stages  # one stage, one mb
     if lay.schedule in ("zero-bubble", "dualpipev"):  # W passes fill the bubble: (p-1)(F + B - 2W) per stage
         bubble = (p - 1) * max(full - 2 * sum(times.w) / n_stages, sum(times.f) / n_stages)
@@ -634,12 +635,16 @@ def pipeline_makespan(lay: Layout, times: StageTimes, p2p: float, exact: bool, f
 
 
 @lru_cache(maxsize=256)
-def _fused_stages(p: int, m: int, pair_w: bool) -> tuple[tuple[tuple[int, int, bool], ...], ...]:
-    """Per pp rank, the (F stage, B stage, whether the B's W runs in the pair) of each of DualPipeV's fused pairs
-    in a step."""
+def _fused_stages(p: int, m: int, pair_w: bool) -> tuple[tuple[tuple[tuple[int, int, bool], int], ...], ...]:
+    """Per pp rank, each kind of DualPipeV's fused pairs in a step, (F stage, B stage, whether the B's W runs in
+    the pair), with how many of them the rank runs."""
     sched = build_schedule("dualpipev", p, m, overlap_fb=True, pair_w=pair_w)
-    return tuple(tuple((acts[k].stage, acts[k + 1].stage, len(sched.unit(r, k)) == 3) for k in ks)
-                 for r, (acts, ks) in enumerate(zip(sched.actions, sched.fused, strict=True)))
+    out = []
+    for r, (acts, ks) in enumerate(zip(sched.actions, sched.fused, strict=True)):
+        fused = frozenset(ks)
+        kinds = Counter((acts[k].stage, acts[k + 1].stage, len(sched.unit(r, k, fused)) == 3) for k in ks)
+        out.append(tuple(sorted(kinds.items())))
+    return tuple(out)
 
 
 @dataclass

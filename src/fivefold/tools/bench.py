@@ -58,7 +58,8 @@ TIMED = "a benchmark times a few steps; 10^5 of them take hours at any size"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="model preset (see `fivefold models`)")
     p.add_argument("--config", help="TOML or YAML config file (model, layout and train sections)")
-    p.add_argument("--seq-len", type=int, help="sequence length (default: the config's train.seq_len)")
+    p.add_argument("--seq-len", type=int, help="sequence length: sets train.seq_len, at most model.max_seq_len "
+                                               "(default: the config's train.seq_len)")
     p.add_argument("--micro-batch", type=int_in(1, 1 << 20, "sequences per micro-batch"),
                    default=1, help="sequences per micro-batch per rank")
     p.add_argument("--grad-accum", type=int_in(1, 1 << 20, "micro-batches per step"),
@@ -101,10 +102,9 @@ def bench_config(args: argparse.Namespace) -> Config:
     overrides = parse_overrides(getattr(args, "overrides", []) or [])
     overrides.setdefault("model.preset", args.model)
     cfg = build_config(args.config, overrides)
-    seq = args.seq_len or cfg.train.seq_len
-    if seq > cfg.model.max_seq_len:
-        cfg.model.max_seq_len = seq
-    cfg.train.seq_len = seq
+    # --seq-len is train.seq_len: above model.max_seq_len it is refused by `Config.validate`, as `fivefold train`
+    # refuses it (no silent extension of the rotary tables); --model.max_seq_len raises the model's limit
+    cfg.train.seq_len = args.seq_len or cfg.train.seq_len
     cfg.train.dtype = args.dtype or cfg.train.dtype
     cfg.train.compile = args.compile or cfg.train.compile
     cfg.layout.micro_batch_size = args.micro_batch

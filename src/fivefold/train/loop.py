@@ -99,6 +99,11 @@ def check_run_dir(run_dir: Path, resume: bool) -> list[Path]:
         found = ckpt.checkpoint_dirs(run_dir)[::-1]
         if not found and not (run_dir / "config.toml").is_file():
             raise RunDirError(f"--resume: run directory {run_dir} holds no complete checkpoint to resume from")
+        kept = run_dir / RUN_TOKENIZER_DIR / "tokenizer.json"
+        if found and not kept.is_file():  # written with config.toml, before the first checkpoint (`open_run_dir`)
+            raise RunDirError(f"--resume: the run's tokenizer {kept} is missing (a run keeps the tokenizer of the data "
+                              "it started on there, to check the data it resumes on); copy that data's "
+                              "tokenizer.json there, then resume")
         return found
     if run_dir.exists() and (not run_dir.is_dir() or any(p.name != faults.RUN_LOCK for p in run_dir.iterdir())):
         started = (run_dir / "config.toml").is_file() and not ckpt.checkpoint_dirs(run_dir)
@@ -112,16 +117,25 @@ def check_run_dir(run_dir: Path, resume: bool) -> list[Path]:
 
 def load_run_config(run_dir: Path, overrides: dict[str, str], file: str | None) -> Config:
     """For --resume: the run's own config (or, if RUN_DIR/config.toml is gone, the newest checkpoint's), then the
-    given file and overrides on top."""
-    base = run_dir / "config.toml"
+    given file and overrides on top. The directory is checked as `train` checks it (`check_run_dir`) before the
+    config is read, so that the command line refuses it before any process starts."""
+    base, fallback = run_dir / "config.toml", None
     if not base.is_file():
         saved = [p / "config.toml" for p in ckpt.list_checkpoints(run_dir) if (p / "config.toml").is_file()]
         if not saved:
             raise RunDirError(f"--resume: {base} is missing and {run_dir} holds no checkpoint with its own "
                               "config.toml, so the run's config is unknown; start a new run with --run-dir")
-        print(f"fivefold: {base} is missing; using the config saved with checkpoint {saved[-1].parent.name}",
+        fallback = saved[-1]
+        try:  # checked against the checkpoint's manifest before it is parsed: damage is reported as such
+            if (fallback.parent / ckpt.MANIFEST).is_file():
+                ckpt.verify_files(fallback.parent, [fallback.name])
+        except ckpt.CheckpointError as e:
+            raise RunDirError(f"--resume: {e}") from None
+    check_run_dir(run_dir, resume=True)
+    if fallback is not None:
+        print(f"fivefold: {base} is missing; using the config saved with checkpoint {fallback.parent.name}",
               file=sys.stderr)
-        base = saved[-1]
+        base = fallback
     saved = load_file(base)
     model = saved.get("model")
     if isinstance(model, dict) and model.get("sliding_window") == 0:
@@ -160,7 +174,8 @@ def check_hf_tokenizer(hf_dir: Path, dataset) -> None:
 
 def check_resume_tokenizer(run_dir: Path, dataset) -> None:
     """For --resume: refuse data prepared with another tokenizer than the run's own (RUN_DIR/tokenizer/, kept from
-    the data it started on): the same token ids would mean other text. A run without that copy is not checked."""
+    the data it started on): the same token ids would mean other text. A run with checkpoints but without that copy
+    was refused by `check_run_dir`; one stopped before its first checkpoint starts again and keeps this data's."""
     kept = run_dir / RUN_TOKENIZER_DIR / "tokenizer.json"
     if not kept.is_file():
         return

@@ -1,0 +1,52 @@
+"""The layout search judged in a pool of processes (`planner.search.search_workers`) returns what the search in
+one process returns: the same candidates in the same order with the same figures, the same rejections and the
+same closest misfit."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fivefold.errors import CliError
+from fivefold.planner.hardware import get_cluster
+from fivefold.planner.layout import FIVEFOLD
+from fivefold.planner.search import PARALLEL_MIN_LAYOUTS, search, search_workers
+from fivefold.presets import get_preset
+
+
+def _run(monkeypatch: pytest.MonkeyPatch, workers: int, *args):
+    monkeypatch.setenv("FIVEFOLD_PLAN_WORKERS", str(workers))
+    seen: list[tuple[int, int]] = []
+    result = search(*args, progress=lambda n, w: seen.append((n, w)))
+    return result, seen
+
+
+def test_a_pool_of_processes_finds_what_one_process_finds(monkeypatch: pytest.MonkeyPatch):
+    # an 8B model on one node: some layouts do not fit (a closest misfit), some need recompute, and the pipelined
+    # ones run every schedule (DualPipeV's pairs included)
+    args = (get_preset("llama3-8b"), 4096, 64, 8, FIVEFOLD, get_cluster("h100"))
+    one, seen_one = _run(monkeypatch, 1, *args, None, 0)
+    pool, seen_pool = _run(monkeypatch, 2, *args, None, 0)
+    assert seen_one == [(one.evaluated, 1)] and seen_pool == [(one.evaluated, 2)]
+    assert one.evaluated > 1000 and len(one.candidates) > 1000
+    assert {e.layout.schedule for e in one.candidates if e.layout.pp > 1} == {"afab", "1f1b", "interleaved",
+                                                                             "zero-bubble", "dualpipev"}
+    assert pool.evaluated == one.evaluated
+    assert pool.rejected == one.rejected and pool.examples == one.examples
+    assert "does not fit in memory even with full recompute" in one.rejected
+    assert [dataclasses.asdict(e) for e in pool.candidates] == [dataclasses.asdict(e) for e in one.candidates]
+    assert one.closest_misfit is not None
+    assert dataclasses.asdict(pool.closest_misfit) == dataclasses.asdict(one.closest_misfit)
+
+
+def test_the_pool_size(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("FIVEFOLD_PLAN_WORKERS", raising=False)
+    assert search_workers(PARALLEL_MIN_LAYOUTS - 1) == 1  # a small search: no pool to start
+    assert 1 <= search_workers(PARALLEL_MIN_LAYOUTS * 100) <= max(1, len(__import__("os").sched_getaffinity(0)))
+    monkeypatch.setenv("FIVEFOLD_PLAN_WORKERS", "3")
+    assert search_workers(10) == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("FIVEFOLD_PLAN_WORKERS", bad)
+        with pytest.raises(CliError, match=f"FIVEFOLD_PLAN_WORKERS = .*{bad}.* whole number >= 1"):
+            search_workers(10)

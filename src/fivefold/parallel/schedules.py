@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
@@ -235,16 +236,16 @@ def _dualpipev(p: int, m: int) -> Schedule:
 def _dualpipev_rank(p: int, m: int, r: int) -> tuple[Action, ...]:
     stages = (r, 2 * p - 1 - r)
     acts: list[Action] = []
-    nxt = {"F0": 0, "F1": 0, "B0": 0, "B1": 0}
-    w_queue: list[Action] = []
+    next_f, next_b = [0, 0], [0, 0]  # per chunk: the next micro-batch of its forward and of its backward
+    w_queue: deque[Action] = deque()
 
     def f(c: int) -> None:
-        acts.append(Action("F", nxt[f"F{c}"], stages[c]))
-        nxt[f"F{c}"] += 1
+        acts.append(Action("F", next_f[c], stages[c]))
+        next_f[c] += 1
 
     def b(c: int, split: bool) -> None:
-        mb = nxt[f"B{c}"]
-        nxt[f"B{c}"] += 1
+        mb = next_b[c]
+        next_b[c] += 1
         acts.append(Action("B", mb, stages[c]))
         if split:
             w_queue.append(Action("W", mb, stages[c]))
@@ -252,7 +253,7 @@ def _dualpipev_rank(p: int, m: int, r: int) -> tuple[Action, ...]:
             acts.append(Action("W", mb, stages[c]))
 
     def w() -> None:
-        acts.append(w_queue.pop(0))
+        acts.append(w_queue.popleft())
 
     for _ in range((p - r - 1) * 2):  # 1: nF0
         f(0)

@@ -236,22 +236,22 @@ def search(cfg: ModelConfig, seq: int, global_batch_seqs: int, n_gpus: int, fw: 
         progress(len(bases), workers)
     fitting: list[Estimate] = []
     closest: tuple[float, Layout] | None = None
-    for judged in _judge_all(job, bases, workers):
-        if judged.misfit_peak is not None:  # not even full recompute fits
-            reject("does not fit in memory even with full recompute", judged.base.short(), len(space.recompute))
-            if closest is None or judged.misfit_peak < closest[0]:
-                closest = (judged.misfit_peak, judged.base)
-            continue
-        for short in judged.need_recompute:
-            reject("does not fit in memory without (more) recompute", short)
-        fitting.extend(judged.fitting)
+    with _Pool(job, workers) as pool:
+        for judged in pool.map("judge", bases, group=lambda lay: (lay.pp, lay.grad_accum_steps, lay.schedule)):
+            if judged.misfit_peak is not None:  # not even full recompute fits
+                reject("does not fit in memory even with full recompute", judged.base.short(), len(space.recompute))
+                if closest is None or judged.misfit_peak < closest[0]:
+                    closest = (judged.misfit_peak, judged.base)
+                continue
+            for short in judged.need_recompute:
+                reject("does not fit in memory without (more) recompute", short)
+            fitting.extend(judged.fitting)
+        fitting.sort(key=key)
+        best = pool.map("simulate", fitting[:SIMULATED_TOP])
+    best.sort(key=key)
     evaluated = len(bases)
     closest_estimate = None if closest is None else estimate(
         cfg, seq, closest[1], fw, hw, False, moe_imbalance=moe_imbalance, docs=docs)
-    fitting.sort(key=key)
-    best = [estimate(cfg, seq, e.layout, fw, hw, True, moe_imbalance=moe_imbalance, docs=docs, mem=e.memory)
-            for e in fitting[:SIMULATED_TOP]]
-    best.sort(key=key)
     # top = 0: every fitting candidate, the best SIMULATED_TOP simulated and the rest with the closed form
     candidates = best[:top] if top else best + fitting[SIMULATED_TOP:]
     return SearchResult(candidates, rejected, examples, evaluated, closest_estimate)
@@ -261,13 +261,17 @@ def search(cfg: ModelConfig, seq: int, global_batch_seqs: int, n_gpus: int, fw: 
 # Judging the layouts, in this process or in a pool of processes
 
 # a search of this many layouts (each tried with every recompute mode) or more runs in a pool of processes, one per
-# CPU core (`search_workers`): about 1 ms per layout, so from about 4 s of work; FIVEFOLD_PLAN_WORKERS sets the count
+# CPU core up to MAX_WORKERS (`search_workers`): about 1 ms per layout, so from about 4 s of work. Each process
+# imports fivefold (torch with it: about 2.5 s and 300 MB), so more than 8 cost more than they save on the largest
+# search (47,389 layouts). FIVEFOLD_PLAN_WORKERS sets the count
 PARALLEL_MIN_LAYOUTS = 4096
+MAX_WORKERS = 8
 
 
 def search_workers(n_layouts: int) -> int:
     """Processes to judge `n_layouts` layouts with: FIVEFOLD_PLAN_WORKERS where set (1: in this process), else one
-    per CPU core this process may use for a search of at least `PARALLEL_MIN_LAYOUTS`, else 1."""
+    per CPU core this process may use (at most `MAX_WORKERS`, and one per 1,024 layouts) for a search of at least
+    `PARALLEL_MIN_LAYOUTS`, else 1."""
     text = os.environ.get("FIVEFOLD_PLAN_WORKERS", "").strip()
     if text:
         if not text.isdigit() or int(text) < 1:
@@ -276,7 +280,7 @@ def search_workers(n_layouts: int) -> int:
     if n_layouts < PARALLEL_MIN_LAYOUTS:
         return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cores, n_layouts // (PARALLEL_MIN_LAYOUTS // 4)))
+    return max(1, min(cores, MAX_WORKERS, n_layouts // (PARALLEL_MIN_LAYOUTS // 4)))
 
 
 @dataclass(frozen=True)
@@ -317,6 +321,13 @@ def _judge(job: _Job, base: Layout) -> _Judged:
     return out
 
 
+def _simulate(job: _Job, e: Estimate) -> Estimate:
+    """A candidate estimated again with its schedule simulated action by action (`pipeline_makespan`'s exact path)."""
+    return estimate(job.cfg, job.seq, e.layout, job.fw, job.hw, True, moe_imbalance=job.moe_imbalance,
+                    docs=job.docs, mem=e.memory)
+
+
+_TASKS: dict[str, Callable] = {"judge": _judge, "simulate": _simulate}
 _WORKER_JOB: _Job | None = None
 
 
@@ -325,28 +336,53 @@ def _start_worker(job: _Job) -> None:
     _WORKER_JOB = job
 
 
-def _judge_chunk(bases: list[Layout]) -> list[_Judged]:
+def _run_chunk(task: str, items: list) -> list:
     assert _WORKER_JOB is not None, "a search worker runs after _start_worker"
-    return [_judge(_WORKER_JOB, base) for base in bases]
+    return [_TASKS[task](_WORKER_JOB, item) for item in items]
 
 
-def _judge_all(job: _Job, bases: list[Layout], workers: int) -> Iterator[_Judged]:
-    """`_judge` of every layout, in their order: in this process, or in a pool of `workers` processes started by a
-    fork server (each imports fivefold afresh: nothing of this process's threads or state is forked)."""
-    if workers <= 1:
-        yield from (_judge(job, base) for base in bases)
-        return
-    size = max(1, -(-len(bases) // (8 * workers)))  # about 8 chunks per process, to balance uneven layouts
-    chunks = [bases[i:i + size] for i in range(0, len(bases), size)]
-    context = multiprocessing.get_context("forkserver" if sys.platform.startswith("linux") else "spawn")
-    try:
-        with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(job,)) as pool:
-            judged = [j for chunk in pool.map(_judge_chunk, chunks) for j in chunk]
-    except BrokenProcessPool as e:  # e.g. a script without `if __name__ == "__main__":` that its pool re-imports
-        print(f"fivefold plan: warning: the search's pool of {workers} processes failed ({e}); judging the layouts "
-              "in this process (FIVEFOLD_PLAN_WORKERS=1 skips the pool)", file=sys.stderr)
-        judged = [_judge(job, base) for base in bases]
-    yield from judged
+class _Pool:
+    """Runs a task of `_TASKS` over a list, in order: in this process, or in a pool of `workers` processes started
+    by a fork server (each imports fivefold afresh: nothing of this process's threads or state is forked). A pool
+    that breaks (e.g. a script without `if __name__ == "__main__":`, which its processes import again) leaves the
+    work to this process, with a warning."""
+
+    def __init__(self, job: _Job, workers: int) -> None:
+        self.job, self.workers = job, workers
+        self.pool: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> _Pool:
+        if self.workers > 1:
+            context = multiprocessing.get_context("forkserver" if sys.platform.startswith("linux") else "spawn")
+            self.pool = ProcessPoolExecutor(self.workers, mp_context=context, initializer=_start_worker,
+                                            initargs=(self.job,))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+    def map(self, task: str, items: list, group: Callable | None = None) -> list:
+        """`task` over `items`, the results in their order; `group(item)`: a key that sends items sharing it to the
+        same chunk as far as the chunks allow (layouts of one pipeline shape share its schedule, which each
+        process builds for itself)."""
+        if self.pool is not None and items:
+            order = sorted(range(len(items)), key=lambda i: group(items[i])) if group else list(range(len(items)))
+            size = max(1, -(-len(items) // (8 * self.workers)))  # about 8 chunks per process, to balance them
+            chunks = [[items[i] for i in order[k:k + size]] for k in range(0, len(order), size)]
+            try:
+                done = [y for part in self.pool.map(_run_chunk, [task] * len(chunks), chunks) for y in part]
+                out: list = [None] * len(items)
+                for i, y in zip(order, done, strict=True):
+                    out[i] = y
+                return out
+            except BrokenProcessPool as e:
+                print(f"fivefold plan: warning: the search's pool of {self.workers} processes failed ({e}); "
+                      "judging the layouts in this process (FIVEFOLD_PLAN_WORKERS=1 skips the pool)",
+                      file=sys.stderr)
+                self.pool.shutdown(wait=False, cancel_futures=True)
+                self.pool = None
+        return [_TASKS[task](self.job, item) for item in items]
 
 
 def _bases(cfg: ModelConfig, seq: int, batch: int, n_gpus: int, hw: Cluster, space: SearchSpace,

@@ -183,3 +183,24 @@ def test_nothing_below_the_command_line_imports_it():
 def test_the_checker_finds_a_violation(edges, expected):
     """The rule above catches an upward import, a read outside the planner's list and two parts in a cycle."""
     assert any(expected in v for v in violations(edges)), violations(edges)
+
+
+def test_the_planner_searches_without_importing_torch():
+    """The planner's search (and so each process of its pool, `planner.search._Pool`) imports and runs without
+    torch: a constant it shares with the engine lives in a torch-free module (`layout.LOSS_CHUNK_TOKENS`)."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys\n"
+            "os.environ['FIVEFOLD_PLAN_WORKERS'] = '1'\n"
+            "from fivefold.planner.hardware import get_cluster\n"
+            "from fivefold.planner.layout import FIVEFOLD\n"
+            "from fivefold.planner.search import search\n"
+            "from fivefold.presets import get_preset\n"
+            "r = search(get_preset('llama3-8b'), 4096, 16, 8, FIVEFOLD, get_cluster('h100'), None, 3)\n"
+            "assert r.candidates\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

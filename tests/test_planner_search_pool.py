@@ -45,7 +45,7 @@ def test_the_pool_size(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv("FIVEFOLD_PLAN_WORKERS", raising=False)
     assert search_workers(PARALLEL_MIN_LAYOUTS - 1) == 1  # a small search: no pool to start
     cores = len(os.sched_getaffinity(0))
-    assert search_workers(PARALLEL_MIN_LAYOUTS * 100) == min(cores, MAX_WORKERS)  # capped: each imports torch
+    assert search_workers(PARALLEL_MIN_LAYOUTS * 100) == min(cores, MAX_WORKERS)
     monkeypatch.setenv("FIVEFOLD_PLAN_WORKERS", "3")
     assert search_workers(10) == 3
     for bad in ("0", "two", "-1"):

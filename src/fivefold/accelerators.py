@@ -4,8 +4,10 @@ the planner reads everything. Figures are the vendors' dense (no sparsity) numbe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the planner reads the table without torch (its pool's processes start faster)
+    import torch
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,8 @@ def device_hardware(device: torch.device) -> Hardware | None:
     """The table's entry for `device`, looked up by its name; None for a CPU or a device not in the table."""
     if device.type == "cpu":
         return None
+    import torch
+
     module = torch.get_device_module(device.type)
     name = module.get_device_name(device) if hasattr(module, "get_device_name") else ""
     return next((hw for hw in HARDWARE.values() if any(m.lower() in name.lower() for m in hw.match)), None)

@@ -56,6 +56,12 @@ SCHEDULES = ("afab", "1f1b", "interleaved", "zero-bubble", "dualpipev")
 # under `layout.tp_comm_overlap` a row-parallel linear reduce-scatters its output in this many pieces along the
 # sequence, each launched when its matmul is done and reduced under the next piece's (`tensor_comm.linear_scatter`)
 SCATTER_PIECES = 2
+# tokens per chunk of the fused output layer + loss: fp32 logits exist for this many tokens at a time
+# (`models.loss.chunked_loss`); the same for the vocabulary-parallel loss under tensor parallel
+# (`parallel.tensor.vocab_parallel_loss_sum`). The values the engines use and the planner's memory and time models
+# assume (`planner.layout.Framework`)
+LOSS_CHUNK_TOKENS = 8192
+TP_LOSS_CHUNK_TOKENS = 4096
 
 
 def min_micro_batches(name: str, p: int, v: int = 1) -> int:

@@ -820,7 +820,7 @@ def _search_layouts(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, h
     if args.json:
         print(json.dumps({"model": cfg.name, "gpus": n_gpus, "hardware": hw.name, "seq_len": seq,
                           "global_batch_tokens": tokens, "evaluated": result.evaluated,
-                          "rejected": dict(result.rejected), "compiled": compiled,
+                          "rejected": dict(result.rejected.most_common()), "compiled": compiled,
                           **_attention_json(args, cfg, seq), **moe_routing_json(cfg, args.moe_imbalance),
                           "candidates": [e.to_json() for e in result.candidates],
                           **({"measured": measured} if measured else {})}, indent=2))

@@ -12,14 +12,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fivefold.layout import LOSS_CHUNK_TOKENS  # beside the layout rules, which the planner reads without torch
+
 if TYPE_CHECKING:
     from fivefold.models.llama import Llama
 
-# Tokens per chunk of the fused output layer + loss: fp32 logits exist for this many tokens at a time. The one
-# value that the engines use and the planner's memory and time models assume (`planner.layout.Framework`).
-LOSS_CHUNK_TOKENS = 8192
-# The same for the vocabulary-parallel loss under tensor parallel (`parallel.tensor.vocab_parallel_loss_sum`).
-TP_LOSS_CHUNK_TOKENS = 4096
 
 
 def chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, need_grad: bool,

@@ -10,6 +10,19 @@ This package holds mechanisms only: it imports neither `fivefold.train` (the eng
 
 from __future__ import annotations
 
-from fivefold.parallel.mesh import ProcessGrid
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fivefold.parallel.mesh import ProcessGrid
 
 __all__ = ["ProcessGrid"]
+
+
+def __getattr__(name: str) -> Any:
+    # imported on first use, so that the torch-free modules here (`schedules`, used by the planner) do not pull in
+    # torch.distributed with the package
+    if name == "ProcessGrid":
+        from fivefold.parallel.mesh import ProcessGrid
+
+        return ProcessGrid
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -42,9 +42,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from fivefold.config import ModelConfig
-from fivefold.layout import raise_problem, tensor_parallel_problem
+from fivefold.layout import TP_LOSS_CHUNK_TOKENS, raise_problem, tensor_parallel_problem
 from fivefold.models.llama import MLP, Attention, Llama, MoE, RMSNorm
-from fivefold.models.loss import TP_LOSS_CHUNK_TOKENS
 from fivefold.parallel.expert import EXPERT_WEIGHTS, is_expert_param
 from fivefold.parallel.tensor_comm import (
     CollectiveStore,

@@ -12,8 +12,15 @@ import dataclasses
 from dataclasses import dataclass
 
 from fivefold.config import ConfigError, LayoutConfig, shown
-from fivefold.layout import SCHEDULES, batch_problem, communication_problem, hsdp_problem, raise_problem
-from fivefold.models.loss import LOSS_CHUNK_TOKENS, TP_LOSS_CHUNK_TOKENS
+from fivefold.layout import (
+    LOSS_CHUNK_TOKENS,
+    SCHEDULES,
+    TP_LOSS_CHUNK_TOKENS,
+    batch_problem,
+    communication_problem,
+    hsdp_problem,
+    raise_problem,
+)
 
 RECOMPUTE = ("none", "selective", "full")
 

@@ -262,8 +262,9 @@ def search(cfg: ModelConfig, seq: int, global_batch_seqs: int, n_gpus: int, fw: 
 
 # a search of this many layouts (each tried with every recompute mode) or more runs in a pool of processes, one per
 # CPU core up to MAX_WORKERS (`search_workers`): about 1 ms per layout, so from about 4 s of work. Each process
-# imports fivefold (torch with it: about 2.5 s and 300 MB), so more than 8 cost more than they save on the largest
-# search (47,389 layouts). FIVEFOLD_PLAN_WORKERS sets the count
+# imports the planner (without torch: tests/test_architecture.py) and builds the schedules of the pipeline shapes it
+# is given; the calling process's own share (listing the layouts, sorting what comes back) bounds what more
+# processes could save. FIVEFOLD_PLAN_WORKERS sets the count
 PARALLEL_MIN_LAYOUTS = 4096
 MAX_WORKERS = 8
 
@@ -475,8 +476,8 @@ def _fits(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, m
 
 # the largest --global-batch: 2^40 tokens (1T; the largest published batches hold about 2^24) and 2^14 sequences
 # (4 x the largest published, about 4,096): the schedules of pipelined layouts are built micro-batch by micro-batch,
-# so the search's time grows with the batch (8 devices: 4,096 sequences about 9 s, 16,384 about 19 s, on one core of
-# the 2-core machine); above SLOW_BATCH_SEQUENCES the command line warns
+# so the search's time grows with the batch (8 devices: 4,096 sequences about 5 s, 16,384 about 13 s, on the 2-core
+# machine); above SLOW_BATCH_SEQUENCES the command line warns
 MAX_BATCH_TOKENS = 1 << 40
 MAX_BATCH_SEQUENCES = 1 << 14
 SLOW_BATCH_SEQUENCES = 1 << 12

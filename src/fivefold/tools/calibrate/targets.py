@@ -11,8 +11,7 @@ import torch
 
 from fivefold.config import ModelConfig
 from fivefold.errors import CliError
-from fivefold.layout import tensor_parallel_problem
-from fivefold.models.loss import LOSS_CHUNK_TOKENS, TP_LOSS_CHUNK_TOKENS
+from fivefold.layout import LOSS_CHUNK_TOKENS, TP_LOSS_CHUNK_TOKENS, tensor_parallel_problem
 from fivefold.planner.hardware import COLLECTIVES
 from fivefold.planner.time import linear_shapes
 from fivefold.presets import get_preset

@@ -300,9 +300,15 @@ class SimResult:
     busy: tuple[float, ...]  # compute time per rank
     bubble: float  # (makespan - busiest rank's compute) / busiest rank's compute: the playbook's ratio r
     idle_fraction: float  # share of the makespan the busiest rank waits
-    peak_in_flight: tuple[float, ...]  # per rank: most micro-batches with activations held, in stage units
     start: dict[tuple[str, int, int], float]  # (kind, micro-batch, stage) -> start time
     end: dict[tuple[str, int, int], float]
+    schedule: Schedule = dataclasses.field(repr=False, compare=False)
+
+    @functools.cached_property
+    def peak_in_flight(self) -> tuple[float, ...]:
+        """Per rank: most micro-batches with activations held, in stage units (counted when asked: the planner's
+        makespan does not need it)."""
+        return _peak_in_flight(self.schedule)
 
 
 def _per_stage(value: float | Sequence[float], n: int) -> list[float]:
@@ -362,11 +368,25 @@ def simulate(schedule: Schedule, t_f: float | Sequence[float], t_b: float | Sequ
     while remaining:
         progressed = False
         for r in range(schedule.p):
-            acts = schedule.actions[r]
+            acts, fused_r = schedule.actions[r], fused[r]
             while pos[r] < len(acts):
+                a = acts[pos[r]]
+                if pos[r] not in fused_r:  # one action (the common case, written out: `simulate` is the planner's
+                    # hot loop); keyed by the action itself, equal to its (kind, micro-batch, stage)
+                    t = ready(a)
+                    if t is None:
+                        break
+                    begin = max(clock[r], t)
+                    clock[r] = begin + dur[a.kind][a.stage]
+                    busy[r] += clock[r] - begin
+                    start[a], end[a] = begin, clock[r]
+                    pos[r] += 1
+                    remaining -= 1
+                    progressed = True
+                    continue
                 # a fused pair (F, B, and the B's W) starts when both inputs are in, and both outputs leave when
                 # all have ended
-                group = schedule.unit(r, pos[r], fused[r])
+                group = schedule.unit(r, pos[r], fused_r)
                 times = [ready(a) for a in group if a.kind != "W" or len(group) == 1]  # a pair's W: after its B
                 if any(t is None for t in times):
                     break
@@ -377,8 +397,7 @@ def simulate(schedule: Schedule, t_f: float | Sequence[float], t_b: float | Sequ
                     clock[r] = begin + sum(dur[a.kind][a.stage] for a in group)
                 busy[r] += clock[r] - begin
                 for a in group:
-                    key = (a.kind, a.micro_batch, a.stage)
-                    start[key], end[key] = begin, clock[r]
+                    start[a], end[a] = begin, clock[r]
                 pos[r] += len(group)
                 remaining -= len(group)
                 progressed = True
@@ -388,8 +407,7 @@ def simulate(schedule: Schedule, t_f: float | Sequence[float], t_b: float | Sequ
     makespan = max(end.values()) - min(start.values())
     top = max(busy)
     return SimResult(makespan, tuple(busy), (makespan - top) / top if top else 0.0,
-                     (makespan - top) / makespan if makespan else 0.0,
-                     _peak_in_flight(schedule), start, end)
+                     (makespan - top) / makespan if makespan else 0.0, start, end, schedule)
 
 
 def _holdings(schedule: Schedule) -> list[set[tuple[float, float]]]:

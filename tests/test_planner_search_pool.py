@@ -52,3 +52,23 @@ def test_the_pool_size(monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setenv("FIVEFOLD_PLAN_WORKERS", bad)
         with pytest.raises(CliError, match=f"FIVEFOLD_PLAN_WORKERS = .*{bad}.* whole number >= 1"):
             search_workers(10)
+
+
+def test_a_pool_that_breaks_leaves_the_work_to_this_process(monkeypatch: pytest.MonkeyPatch, capsys):
+    """A pool whose processes die (e.g. a script without `if __name__ == "__main__":`, which they import again) is
+    dropped with a one-line warning and the search still returns what one process returns."""
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    def broken(self, *args, **kwargs):
+        raise BrokenProcessPool("a process of the pool ended abruptly")
+
+    args = (get_preset("llama3-8b"), 4096, 16, 8, FIVEFOLD, get_cluster("h100"))
+    one, _ = _run(monkeypatch, 1, *args, None, 0)
+    monkeypatch.setattr(ProcessPoolExecutor, "map", broken)
+    pool, seen = _run(monkeypatch, 2, *args, None, 0)
+    err = capsys.readouterr().err
+    assert seen == [(one.evaluated, 2)]
+    assert err.count("warning: the search's pool of 2 processes failed") == 1 and "FIVEFOLD_PLAN_WORKERS=1" in err
+    assert [dataclasses.asdict(e) for e in pool.candidates] == [dataclasses.asdict(e) for e in one.candidates]
+    assert pool.rejected == one.rejected

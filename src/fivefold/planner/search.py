@@ -377,7 +377,7 @@ class _Pool:
                 for i, y in zip(order, done, strict=True):
                     out[i] = y
                 return out
-            except BrokenProcessPool as e:
+            except (BrokenProcessPool, OSError) as e:  # a pool that could not start or lost a process
                 print(f"fivefold plan: warning: the search's pool of {self.workers} processes failed ({e}); "
                       "judging the layouts in this process (FIVEFOLD_PLAN_WORKERS=1 skips the pool)",
                       file=sys.stderr)

@@ -370,33 +370,24 @@ def simulate(schedule: Schedule, t_f: float | Sequence[float], t_b: float | Sequ
         for r in range(schedule.p):
             acts, fused_r = schedule.actions[r], fused[r]
             while pos[r] < len(acts):
-                a = acts[pos[r]]
-                if pos[r] not in fused_r:  # one action (the common case, written out: `simulate` is the planner's
-                    # hot loop); keyed by the action itself, equal to its (kind, micro-batch, stage)
-                    t = ready(a)
+                if pos[r] not in fused_r:  # one action, the common case (no unit built: the planner's hot loop)
+                    group, t = acts[pos[r]:pos[r] + 1], ready(acts[pos[r]])
                     if t is None:
                         break
                     begin = max(clock[r], t)
-                    clock[r] = begin + dur[a.kind][a.stage]
-                    busy[r] += clock[r] - begin
-                    start[a], end[a] = begin, clock[r]
-                    pos[r] += 1
-                    remaining -= 1
-                    progressed = True
-                    continue
-                # a fused pair (F, B, and the B's W) starts when both inputs are in, and both outputs leave when
-                # all have ended
-                group = schedule.unit(r, pos[r], fused_r)
-                times = [ready(a) for a in group if a.kind != "W" or len(group) == 1]  # a pair's W: after its B
-                if any(t is None for t in times):
-                    break
-                begin = max(clock[r], *times)
-                if len(group) > 1 and pair_seconds is not None:
-                    clock[r] = begin + pair_seconds(*group)
-                else:
-                    clock[r] = begin + sum(dur[a.kind][a.stage] for a in group)
+                    took = dur[group[0].kind][group[0].stage]
+                else:  # a fused pair (F, B, and the B's W) starts when both inputs are in, and both outputs leave
+                    # when all have ended
+                    group = schedule.unit(r, pos[r], fused_r)
+                    times = [ready(a) for a in group if a.kind != "W"]  # a pair's W: after its B
+                    if any(t is None for t in times):
+                        break
+                    begin = max(clock[r], *times)
+                    took = pair_seconds(*group) if pair_seconds is not None else \
+                        sum(dur[a.kind][a.stage] for a in group)
+                clock[r] = begin + took
                 busy[r] += clock[r] - begin
-                for a in group:
+                for a in group:  # keyed by the action itself, equal to its (kind, micro-batch, stage)
                     start[a], end[a] = begin, clock[r]
                 pos[r] += len(group)
                 remaining -= len(group)

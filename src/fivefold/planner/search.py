@@ -181,8 +181,6 @@ def estimate(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster
 # Search
 
 
-
-
 @dataclass
 class SearchSpace:
     zero: tuple[int, ...] = (0, 1, 2, 3)
@@ -237,7 +235,7 @@ def search(cfg: ModelConfig, seq: int, global_batch_seqs: int, n_gpus: int, fw: 
     fitting: list[Estimate] = []
     closest: tuple[float, Layout] | None = None
     with _Pool(job, workers) as pool:
-        for judged in pool.map("judge", bases, group=lambda lay: (lay.pp, lay.grad_accum_steps, lay.schedule)):
+        for judged in pool.map(_judge, bases, group=lambda lay: (lay.pp, lay.grad_accum_steps, lay.schedule)):
             if judged.misfit_peak is not None:  # not even full recompute fits
                 reject("does not fit in memory even with full recompute", judged.base.short(), len(space.recompute))
                 if closest is None or judged.misfit_peak < closest[0]:
@@ -247,7 +245,7 @@ def search(cfg: ModelConfig, seq: int, global_batch_seqs: int, n_gpus: int, fw: 
                 reject("does not fit in memory without (more) recompute", short)
             fitting.extend(judged.fitting)
         fitting.sort(key=key)
-        best = pool.map("simulate", fitting[:SIMULATED_TOP])
+        best = pool.map(_simulate, fitting[:SIMULATED_TOP])
     best.sort(key=key)
     evaluated = len(bases)
     closest_estimate = None if closest is None else estimate(
@@ -328,7 +326,6 @@ def _simulate(job: _Job, e: Estimate) -> Estimate:
                     docs=job.docs, mem=e.memory)
 
 
-_TASKS: dict[str, Callable] = {"judge": _judge, "simulate": _simulate}
 _WORKER_JOB: _Job | None = None
 
 
@@ -337,16 +334,16 @@ def _start_worker(job: _Job) -> None:
     _WORKER_JOB = job
 
 
-def _run_chunk(task: str, items: list) -> list:
+def _run_chunk(task: Callable, items: list) -> list:
     assert _WORKER_JOB is not None, "a search worker runs after _start_worker"
-    return [_TASKS[task](_WORKER_JOB, item) for item in items]
+    return [task(_WORKER_JOB, item) for item in items]
 
 
 class _Pool:
-    """Runs a task of `_TASKS` over a list, in order: in this process, or in a pool of `workers` processes started
-    by a fork server (each imports fivefold afresh: nothing of this process's threads or state is forked). A pool
-    that breaks (e.g. a script without `if __name__ == "__main__":`, which its processes import again) leaves the
-    work to this process, with a warning."""
+    """Runs a task (`_judge`, `_simulate`: a function of the job and an item) over a list, in order: in this
+    process, or in a pool of `workers` processes started by a fork server (each imports the planner afresh: nothing
+    of this process's threads or state is forked). A pool that breaks (e.g. a script without `if __name__ ==
+    "__main__":`, which its processes import again) leaves the work to this process, with a warning."""
 
     def __init__(self, job: _Job, workers: int) -> None:
         self.job, self.workers = job, workers
@@ -363,7 +360,7 @@ class _Pool:
         if self.pool is not None:
             self.pool.shutdown(cancel_futures=True)
 
-    def map(self, task: str, items: list, group: Callable | None = None) -> list:
+    def map(self, task: Callable, items: list, group: Callable | None = None) -> list:
         """`task` over `items`, the results in their order; `group(item)`: a key that sends items sharing it to the
         same chunk as far as the chunks allow (layouts of one pipeline shape share its schedule, which each
         process builds for itself)."""
@@ -383,7 +380,7 @@ class _Pool:
                       file=sys.stderr)
                 self.pool.shutdown(wait=False, cancel_futures=True)
                 self.pool = None
-        return [_TASKS[task](self.job, item) for item in items]
+        return [task(self.job, item) for item in items]
 
 
 def _bases(cfg: ModelConfig, seq: int, batch: int, n_gpus: int, hw: Cluster, space: SearchSpace,
@@ -481,8 +478,6 @@ def _fits(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, m
 MAX_BATCH_TOKENS = 1 << 40
 MAX_BATCH_SEQUENCES = 1 << 14
 SLOW_BATCH_SEQUENCES = 1 << 12
-
-
 
 
 def announce_search(label: str = "") -> Callable[[int, int], None]:

@@ -235,9 +235,9 @@ def test_zero3_under_pipeline_and_expert_parallel_gathers_the_experts_over_edp(d
     experts = sum(k for n, k in named if is_expert_param(n)) // ep  # this ep rank's
     dense = sum(k for _, k in named) - experts * ep
     edp = dp // ep
-    bucket = 2 * FIVEFOLD_CPU.dp_bucket_mib * 2**20
     gathered = dense + (experts if edp > 1 else 0)
-    assert rank_memory(cfg, 128, lay, FIVEFOLD_CPU, in_flight=1).parts["comm_buffers"] == bucket + gathered * (4 + 4)
+    # fully_shard has no gradient buckets: the gathered weights and unsharded gradients are the buffers
+    assert rank_memory(cfg, 128, lay, FIVEFOLD_CPU, in_flight=1).parts["comm_buffers"] == gathered * (4 + 4)
     states = model_state_bytes(cfg, lay, FIVEFOLD_CPU)
     assert states["parameters"] == 4 * (dense // dp + experts // edp)
     assert states["gradients"] == states["parameters"] and states["optimizer"] == 2 * states["parameters"]
@@ -275,11 +275,10 @@ def test_zero3_under_pipeline_keeps_the_stages_gathered(schedule):
     lay = Layout(dp=2, pp=2, zero=3, schedule=schedule, micro_batch_size=1, grad_accum_steps=4)
     stages = build_stages(cfg, stage_layers(cfg, lay), stage_placement(schedule, 2, 1), 0, torch.device("meta"), 0)
     held = sum(p.numel() for stage in stages.values() for p in stage.parameters())
-    bucket = 2 * FIVEFOLD_CPU.dp_bucket_mib * 2**20
     fp32 = rank_memory(cfg, 128, lay, FIVEFOLD_CPU, in_flight=1).parts["comm_buffers"]
-    assert fp32 == bucket + held * (4 + 4)  # fp32 weights and gradients
+    assert fp32 == held * (4 + 4)  # fp32 weights and gradients (no bucket under fully_shard)
     bf16 = rank_memory(cfg, 128, lay, FIVEFOLD, in_flight=1).parts["comm_buffers"]
-    assert bf16 == bucket + held * (2 + 4)  # bf16 gathers, gradients accumulated in the fp32 reduce dtype
+    assert bf16 == held * (2 + 4)  # bf16 gathers, gradients accumulated in the fp32 reduce dtype
     states = model_state_bytes(cfg, lay, FIVEFOLD_CPU)
     assert states["parameters"] == 4 * held // 2 and states["gradients"] == 4 * held // 2
 

@@ -263,6 +263,7 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
     from fivefold.layout import check_layout
     from fivefold.planner.hardware import get_cluster
     from fivefold.planner.predict import default_hardware, estimate_run, run_framework
+    from fivefold.train.preflight import rough_duration
 
     la, t = cfg.layout, cfg.train
     world = la.world_size
@@ -291,7 +292,7 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
           f"{'fits' if e.fits else 'does NOT fit'}, peak "
           f"{e.peak_bytes / 2**30:.1f} GiB of {hw.memory_gib} GiB per device; step {step_s:.2f} s, "
           f"{e.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {100 * e.mfu:.1f} %; {t.max_steps:,} steps "
-          f"take about {format_hours(step_s * t.max_steps)}")
+          f"take about {rough_duration(step_s * t.max_steps)}")
     nodes = max(1, world // hw.gpus_per_node) if world > hw.gpus_per_node else 1
     from fivefold.train.recipes import launch_lines
 
@@ -300,10 +301,6 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
     for line in launch_lines(config, cfg.run_dir, nodes, min(world, hw.gpus_per_node)):
         print(f"  {line}")
     return 0 if e.fits else 1
-
-
-def format_hours(seconds: float) -> str:
-    return f"{seconds / 3600:,.1f} h" if seconds < 2 * 86400 else f"{seconds / 86400:,.1f} days"
 
 
 def forwarded_argv(args: argparse.Namespace, run_dir: str) -> list[str]:

@@ -177,7 +177,9 @@ class Framework:
     # (tests/test_compiled_activations.py)
     compiled_saves_less: bool = False
     tp_overlap: float = 0.0  # share of tensor-parallel communication hidden behind compute
-    dp_bucket_mib: float = 25.0  # gradient buckets (MiB); the memory model's reserve for buffers in flight
+    # gradient buckets (MiB) of an engine other than fivefold's: the memory model holds two in flight, at most the
+    # rank's gradients (`memory.dp_buffer_bytes`)
+    dp_bucket_mib: float = 25.0
     # the step-time model takes the gradient bucket size (`layout.dp_bucket_size`, Megatron's rule by default) and
     # the overlap of ZeRO-1/2's parameter all-gather (`layout.dp_overlap_param_gather`) and of sequence parallel's
     # backward collectives (`layout.tp_comm_overlap`) from the layout: fivefold's engine, whose switches they are

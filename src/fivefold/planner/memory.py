@@ -156,6 +156,37 @@ def model_state_bytes(cfg: ModelConfig, lay: Layout, fw: Framework, rank: str = 
     return out
 
 
+# the full gradient buckets a ZeRO-2 rank holds at most beside its gradient slice: `parallel.data.ZERO2_IN_FLIGHT`
+# reduce-scatters in flight and the bucket filling (tests/test_planner_memory.py checks the engine's constant)
+ZERO2_FULL_BUCKETS = 3
+
+
+def dp_bucket_bytes(lay: Layout, fw: Framework, elem_bytes: float) -> float:
+    """Bytes of one gradient bucket: the layout's `dp_bucket_elements` of `elem_bytes` each for fivefold's engine
+    under ZeRO-0/1/2 (`Framework.layout_dp_options`), else the framework's `dp_bucket_mib` (ZeRO-3's smallest
+    message)."""
+    if fw.layout_dp_options and lay.zero < 3:
+        return lay.dp_bucket_elements * elem_bytes
+    return fw.dp_bucket_mib * 2**20
+
+
+def dp_buffer_bytes(lay: Layout, fw: Framework, rp: RankParams) -> float:
+    """Data parallel's gradient buckets in flight beside what the model states count (dp x cp > 1). fivefold's
+    engine (`Framework.layout_dp_options`): ZeRO-0/1 reduce each bucket in place (the buckets are the gradients),
+    ZeRO-2 holds at most `ZERO2_FULL_BUCKETS` full buckets beside its slice, ZeRO-3 (`fully_shard`) none (its
+    unsharded block gradients are counted with the gathers). Other frameworks: two buckets of `dp_bucket_mib`, one
+    being reduced while the next fills. Never more than the rank's whole gradient: a bucket holds gradients."""
+    if lay.dp * lay.cp == 1:
+        return 0.0
+    elem = reduced_grad_bytes(lay, fw)
+    whole = rp.total * elem
+    if not fw.layout_dp_options:
+        return min(2 * fw.dp_bucket_mib * 2**20, whole)
+    if lay.zero == 2:
+        return min(ZERO2_FULL_BUCKETS * dp_bucket_bytes(lay, fw, elem), whole)
+    return 0.0
+
+
 def reduced_grad_bytes(lay: Layout, fw: Framework) -> int:
     """Bytes per gradient element that data parallel reduces: the fp32 accumulation's under `fp32_grad_accum`, and
     under fivefold's lean ZeRO-3 whatever it says (fully_shard's fp32 reduce dtype); else the gradients' own."""
@@ -443,9 +474,7 @@ def rank_memory(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, in_fligh
         transient = max(transient, none["total"] - (kept["total"] if lay.recompute == "selective" else 0))
     rep.parts["transient"] = transient
     lp = layer_params(cfg, lay.tp, lay.ep, lay.etp)
-    comm = 0.0
-    if lay.dp * lay.cp > 1:
-        comm += 2 * fw.dp_bucket_mib * 2**20  # a bucket being reduced while the next one fills
+    comm = dp_buffer_bytes(lay, fw, rp)
     if lay.zero >= 3 and lay.pp > 1:
         # ZeRO-3 over pipeline stages (`parallel.pipeline_zero3`): the rank's stages stay gathered for the whole
         # step and their gradients unsharded until each stage's last backward (accumulated in fp32 under bf16

@@ -35,6 +35,7 @@ from fivefold.planner.layout import Framework, Layout
 from fivefold.planner.memory import (
     RankParams,
     busiest_rank_load,
+    dp_bucket_bytes,
     expert_ffn_local,
     fuses_row_linears,
     keeps_ring,
@@ -651,15 +652,6 @@ def _fused_stages(p: int, m: int, pair_w: bool) -> tuple[tuple[tuple[tuple[int, 
 class TimeReport:
     step_time: float
     parts: dict[str, float]
-
-
-def dp_bucket_bytes(lay: Layout, fw: Framework, elem_bytes: float) -> float:
-    """Bytes of one gradient bucket: the layout's `dp_bucket_elements` of `elem_bytes` each for fivefold's engine
-    under ZeRO-0/1/2 (`Framework.layout_dp_options`), else the framework's `dp_bucket_mib` (ZeRO-3's smallest
-    message)."""
-    if fw.layout_dp_options and lay.zero < 3:
-        return lay.dp_bucket_elements * elem_bytes
-    return fw.dp_bucket_mib * 2**20
 
 
 def _gather_time(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster, times: StageTimes, rp: RankParams,

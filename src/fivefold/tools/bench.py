@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -46,7 +45,7 @@ from fivefold.layout import check_layout
 from fivefold.outputs import keep_previous
 from fivefold.planner.predict import check_fits, device_cluster
 from fivefold.train.build import build_engine
-from fivefold.train.metrics import gather_ints, peak_memory_bytes, resolve_peak_tflops, synchronize
+from fivefold.train.metrics import gather_ints, memory_baseline, peak_memory_bytes, resolve_peak_tflops, synchronize
 from fivefold.train.preflight import check_start
 
 ACCEPTS_OVERRIDES = True
@@ -130,35 +129,13 @@ def bench_config(args: argparse.Namespace) -> Config:
     return cfg
 
 
-def _resident_bytes() -> int:
-    """The process's resident set size now (Linux), or 0 where /proc is missing."""
-    try:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _warm_up_libraries() -> None:
-    """One small step of every kind of kernel the model uses, so that the CPU libraries' one-time buffers
-    (tens of MiB) land in the baseline rather than in the run's peak."""
-    linear = torch.nn.Linear(64, 64)
-    opt = torch.optim.AdamW(linear.parameters(), foreach=True)
-    q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=True) for _ in range(3))
-    attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    (torch.nn.functional.cross_entropy(linear(torch.randn(8, 64)), torch.zeros(8, dtype=torch.long))
-     + attn.sum()).backward()
-    opt.step()
-
-
 def run_bench(args: argparse.Namespace, cfg: Config) -> dict:
     """Time `cfg` (what `bench_config(args)` built) as `args` says; the result as `--json` prints it."""
     seq = cfg.train.seq_len
     device = resolve_device(cfg.train.device)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    if device.type == "cpu":
-        _warm_up_libraries()
-    resident_before = _resident_bytes()
+    resident_before = memory_baseline(device)
     engine = build_engine(cfg, device)
     # each data-parallel rank its own rows; tensor-parallel ranks of one dp rank share them
     gen = torch.Generator().manual_seed(cfg.train.seed + engine.dp_rank)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from fivefold.config import Config, ConfigError, shown
 from fivefold.device import resolve_device
 from fivefold.parallel.mesh import coordinates, expert_groups
-from fivefold.train.metrics import peak_memory
+from fivefold.train.metrics import peak_memory, planned_peak
 
 __all__ = ["measure_rank", "planner_for_rank", "rank_description", "run_only_rank"]
 
@@ -136,9 +136,10 @@ def _measure(cfg: Config, rank: int, device: torch.device, steps: int | None, on
     from fivefold.models.llama import force_balanced_routing
     from fivefold.train.build import build_engine
     from fivefold.train.loop import split_micro_batches
-    from fivefold.train.metrics import synchronize
+    from fivefold.train.metrics import memory_baseline, synchronize
 
     t = cfg.train
+    baseline = memory_baseline(device)  # on the CPU the peak is compared with the planner's above it
     start = time.perf_counter()
     engine = build_engine(cfg, device)
     balanced = force_balanced_routing(engine.model)
@@ -156,7 +157,7 @@ def _measure(cfg: Config, rank: int, device: torch.device, steps: int | None, on
         held = engine.state_bytes()  # the gradients exist until the optimizer step
         engine.optimizer_step(loss_sum)
         synchronize(device)
-        record = {"step": step + 1, "seconds": time.perf_counter() - start, "peak": peak_memory(device)}
+        record = {"step": step + 1, "seconds": time.perf_counter() - start, "peak": peak_memory(device, baseline)}
         records.append(record)
         if on_step is not None:
             on_step(record)
@@ -179,10 +180,6 @@ def _diff(measured: float, predicted: float) -> str:
     return f"{100 * (measured - predicted) / predicted:+.1f} %"
 
 
-def _peak_value(peak: dict[str, int]) -> int:
-    return peak.get("allocated", peak.get("resident", 0))
-
-
 def summary(cfg: Config, rank: int, measured: dict, predicted: dict) -> dict:
     """One JSON-able object: the rank, what was measured, the planner's prediction and the differences."""
     steps = measured["steps"]
@@ -190,7 +187,7 @@ def summary(cfg: Config, rank: int, measured: dict, predicted: dict) -> dict:
     compute = sum(s["seconds"] for s in timed) / len(timed)
     peak = steps[-1]["peak"]
     held = measured["held_bytes"]
-    peak_bytes = _peak_value(peak)
+    peak_bytes = planned_peak(peak)
     pm = predicted["memory_bytes"]
     memory = {k: {"measured": held.get(k, 0), "predicted": pm[k]} for k in ("parameters", "gradients", "optimizer")}
     rest = peak_bytes - sum(held.get(k, 0) for k in ("parameters", "gradients", "optimizer"))
@@ -208,8 +205,9 @@ def summary(cfg: Config, rank: int, measured: dict, predicted: dict) -> dict:
 
 def _step_line(record: dict, predicted: dict) -> str:
     peak = record["peak"]
-    value = _peak_value(peak)
-    what = ("allocated" if "allocated" in peak else "resident")
+    value = planned_peak(peak)
+    what = ("allocated" if "allocated" in peak else "resident above the baseline" if "resident_above_baseline" in peak
+            else "resident")
     reserved = f", {peak['reserved'] / MIB:,.0f} MiB reserved" if "reserved" in peak else ""
     return (f"step {record['step']}: {record['seconds']:.3f} s (planner's compute {predicted['compute_s']:.3f} s, "
             f"{_diff(record['seconds'], predicted['compute_s'])}); peak {value / MIB:,.0f} MiB {what}{reserved} "

@@ -46,6 +46,7 @@ from fivefold.train.metrics import (
     check_logging_backends,
     format_duration,
     gather_ints,
+    memory_baseline,
     peak_memory_bytes,
     peak_source,
     resolve_peak_tflops,
@@ -277,6 +278,7 @@ def train_owned(cfg: Config, resume: bool, stop_after: int | None, stream: TextI
     if resume:
         check_resume_tokenizer(run_dir, train_set)
 
+    baseline = memory_baseline(device) if expected else 0  # what the plan check's peak is measured above
     engine = build_engine(cfg, device)
     engine.eos_id = document_eos(cfg, train_set, data_dir)
     checkpointer = ckpt.Checkpointer(run_dir, engine, cfg, rank, world, is_first=rank == 0)
@@ -294,7 +296,8 @@ def train_owned(cfg: Config, resume: bool, stop_after: int | None, stream: TextI
               writer=writer, result=TrainResult(run_dir=run_dir, steps=loaded.state.step if loaded else 0),
               tokens_seen=loaded.state.tokens_seen if loaded else 0,
               skipped_before=loaded.state.skipped_steps if loaded else 0, stop_after=stop_after,
-              peak=resolve_peak_tflops(cfg.log.peak_tflops, device, "bf16" if engine.bf16 else "fp32"), check=check)
+              peak=resolve_peak_tflops(cfg.log.peak_tflops, device, "bf16" if engine.bf16 else "fp32"), check=check,
+              baseline=baseline)
     if writer is not None:
         run.announce(data_dir, resuming=loaded is not None)
         if extension:
@@ -427,6 +430,7 @@ class Run:
     peak: float | None  # the device's peak TFLOP/s for MFU (None: unknown)
     check: PlanCheck | None = None  # the comparison with the planner's prediction (`train.expect`)
     peak_seen: int = 0  # the largest peak memory of any rank read so far, in bytes
+    baseline: int = 0  # this rank's resident bytes before the model was built, for the plan check (CPU; else 0)
     # set by __post_init__ (fixed for the call), then by run_steps
     run_dir: Path = field(init=False)
     start: int = field(init=False)  # the step this call starts after
@@ -566,11 +570,12 @@ class Run:
         seconds waited for its peers (one collective, in rank order); the check's warnings are printed."""
         now, (then, step) = time.perf_counter(), self.last_log
         self.last_log = (now, done)
-        ours = [peak_memory_bytes(self.device), round(1e6 * (now - then)), round(1e6 * self.engine.waits.read())]
+        ours = [peak_memory_bytes(self.device), round(1e6 * (now - then)), round(1e6 * self.engine.waits.read()),
+                self.baseline]
         rows = gather_ints(ours, self.device)
         if self.check is not None and self.writer is not None:
             interval = Interval(done - step, [r[1] / 1e6 for r in rows], [r[2] / 1e6 for r in rows],
-                                [r[0] for r in rows])
+                                [r[0] for r in rows], [r[3] for r in rows])
             for line in self.check.observe(interval):
                 self.writer.print(f"warning: {line}")
         return [r[0] for r in rows]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -24,22 +25,58 @@ from fivefold.accelerators import device_peak_tflops
 from fivefold.config import ConfigError, LogConfig, write_text_atomic
 
 
-def peak_memory(device: torch.device) -> dict[str, int]:
+def peak_memory(device: torch.device, baseline: int = 0) -> dict[str, int]:
     """Peak allocated and reserved bytes on the accelerator since the last reset, or the process's peak resident
-    set size on CPU (which also counts the Python interpreter and libraries)."""
+    set size on CPU (which also counts the Python interpreter and libraries); with a `baseline` (`memory_baseline`)
+    also that peak above it, `resident_above_baseline`."""
     if device.type != "cpu":
         module = torch.get_device_module(device.type)
         if hasattr(module, "max_memory_allocated"):
             return {"allocated": int(module.max_memory_allocated(device)),
                     "reserved": int(module.max_memory_reserved(device))}
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"resident": int(rss if sys.platform == "darwin" else rss * 1024)}
+    peak = {"resident": int(rss if sys.platform == "darwin" else rss * 1024)}
+    if baseline:
+        peak["resident_above_baseline"] = max(peak["resident"] - baseline, 0)
+    return peak
 
 
 def peak_memory_bytes(device: torch.device) -> int:
     """The peak of `peak_memory`: allocated on an accelerator, resident on the CPU."""
     peak = peak_memory(device)
     return peak.get("allocated", peak.get("resident", 0))
+
+
+def planned_peak(peak: dict[str, int]) -> int:
+    """What of a `peak_memory` the planner's predicted peak describes: the allocated bytes on an accelerator; on the
+    CPU the resident set above the baseline where one was measured (the planner counts the run's tensors, not the
+    interpreter and libraries), else the whole resident set."""
+    return peak.get("allocated", peak.get("resident_above_baseline", peak.get("resident", 0)))
+
+
+def resident_bytes() -> int:
+    """The process's resident set size now (Linux), or 0 where /proc is missing."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def memory_baseline(device: torch.device) -> int:
+    """On the CPU, the resident bytes before the model is built, after one small step of every kind of kernel the
+    model uses, so that the CPU libraries' one-time buffers (tens of MiB) land in the baseline rather than in the
+    run's peak: what a run's measured peak is compared with the planner's above (0 on an accelerator, whose
+    allocator counts the tensors themselves, and where /proc is missing)."""
+    if device.type != "cpu":
+        return 0
+    linear = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(linear.parameters(), foreach=True)
+    q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=True) for _ in range(3))
+    attn = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    (torch.nn.functional.cross_entropy(linear(torch.randn(8, 64)), torch.zeros(8, dtype=torch.long))
+     + attn.sum()).backward()
+    opt.step()
+    return resident_bytes()
 
 
 def gather_ints(values: list[int], device: torch.device) -> list[list[int]]:

@@ -86,20 +86,21 @@ def warnings(cfg: Config, device: torch.device, step_s: float) -> list[str]:
     eval_s = step_s / 3 / t.global_batch_size * 16 * t.eval_batches
     ranks = f"on {max(cfg.layout.world_size, 1)} {device.type} rank(s), as the planner predicts"
     if run_s > LONG_RUN_S or step_s > 600:
-        out.append(f"this run is predicted to take ~{_duration(run_s)}: train.max_steps = {t.max_steps} steps of "
+        out.append(f"this run is predicted to take ~{rough_duration(run_s)}: train.max_steps = {t.max_steps} steps of "
                    f"train.global_batch_size = {t.global_batch_size} x train.seq_len = {t.seq_len} = {tokens:,} "
-                   f"tokens, ~{_duration(step_s)} per step {ranks}; stop it with Ctrl-C (it saves a checkpoint) if "
-                   "that is not what you meant")
+                   f"tokens, ~{rough_duration(step_s)} per step {ranks}; stop it with Ctrl-C (it saves a checkpoint) "
+                   "if that is not what you meant")
     if t.float8 != "off" and device.type == "cpu":
         out.append(f"train.float8 = {t.float8!r} on the CPU runs PyTorch's reference float8 kernels: correct, and 2 "
                    "to 4 times slower than fp32 (for tests; float8 speeds up GPUs of compute capability 8.9 or newer)")
     if eval_s > 600:
-        out.append(f"train.eval_batches = {t.eval_batches}: each evaluation takes ~{_duration(eval_s)} ({ranks}); "
+        out.append(f"train.eval_batches = {t.eval_batches}: each evaluation takes ~{rough_duration(eval_s)} ({ranks}); "
                    f"evaluations run at step 0, every train.eval_every = {t.eval_every} steps and at the end")
     return out
 
 
-def _duration(s: float) -> str:
+def rough_duration(s: float) -> str:
+    """A predicted duration in the unit that reads best: seconds, minutes, hours or days."""
     if s < 120:
         return f"{s:.0f} s"
     if s < 7200:

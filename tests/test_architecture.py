@@ -185,22 +185,47 @@ def test_the_checker_finds_a_violation(edges, expected):
     assert any(expected in v for v in violations(edges)), violations(edges)
 
 
-def test_the_planner_searches_without_importing_torch():
-    """The planner's search (and so each process of its pool, `planner.search._Pool`) imports and runs without
-    torch: a constant it shares with the engine lives in a torch-free module (`layout.LOSS_CHUNK_TOKENS`)."""
+def _torch_modules_after(code: str) -> str:
+    """The torch modules in `sys.modules` after `code` ran in a fresh interpreter (in one process: no search pool),
+    as the last line it prints."""
     import subprocess
     import sys
 
     code = ("import os, sys\n"
             "os.environ['FIVEFOLD_PLAN_WORKERS'] = '1'\n"
-            "from fivefold.planner.hardware import get_cluster\n"
-            "from fivefold.planner.layout import FIVEFOLD\n"
-            "from fivefold.planner.search import search\n"
-            "from fivefold.presets import get_preset\n"
-            "r = search(get_preset('llama3-8b'), 4096, 16, 8, FIVEFOLD, get_cluster('h100'), None, 3)\n"
-            "assert r.candidates\n"
+            f"{code}\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).resolve().parents[1])
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]", out.stdout
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_the_planner_searches_without_importing_torch():
+    """The planner's search (and so each process of its pool, `planner.search.SearchPool`) imports and runs without
+    torch: a constant it shares with the engine lives in a torch-free module (`layout.LOSS_CHUNK_TOKENS`)."""
+    assert _torch_modules_after(
+        "from fivefold.planner.hardware import get_cluster\n"
+        "from fivefold.planner.layout import FIVEFOLD\n"
+        "from fivefold.planner.search import search\n"
+        "from fivefold.presets import get_preset\n"
+        "r = search(get_preset('llama3-8b'), 4096, 16, 8, FIVEFOLD, get_cluster('h100'), None, 3)\n"
+        "assert r.candidates") == "[]"
+
+
+@pytest.mark.parametrize("config", [
+    {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+     "intermediate_size": 128, "vocab_size": 300},
+    {"architectures": ["GPT2LMHeadModel"], "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 300},
+], ids=["llama", "gpt2"])
+def test_the_planner_reads_a_hugging_face_config_without_importing_torch(tmp_path: Path, config: dict):
+    """`fivefold plan --model config.json` reads the config (`models.hf_config`, and `planner.shapes` for the GELU
+    shapes) and plans without torch, as a preset does: the engine's `models.hf` (weights, torch) is not imported."""
+    import json
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    argv = ["plan", "--model", str(path), "--gpu", "cpu", "--seq-len", "128", "--global-batch", "8K", "--top", "1"]
+    assert _torch_modules_after("from fivefold.cli import main\n"
+                                f"assert main({argv!r}) == 0\n"
+                                "assert 'fivefold.models.hf' not in sys.modules") == "[]"

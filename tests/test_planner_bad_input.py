@@ -208,8 +208,8 @@ GELU_BAD = [
 @pytest.mark.parametrize(("base", "change", "said"), GELU_BAD,
                          ids=[f"{b['architectures'][0]}-{next(iter(c))}" for b, c, _ in GELU_BAD])
 def test_gelu_hf_config_value_refused(base: dict, change: dict, said: tuple[str, ...]):
-    """GPT-2 and GPT-NeoX configs are checked as the Llama ones (`models.hf.check_hf_values`): a value of the wrong
-    kind is named, not truncated (64.5), read as 1 (true), as true ("no") or a traceback ("big", nan, inf)."""
+    """GPT-2 and GPT-NeoX configs are checked as the Llama ones (`models.hf_config.check_hf_values`): a value of the
+    wrong kind is named, not truncated (64.5), read as 1 (true), as true ("no") or a traceback ("big", nan, inf)."""
     from fivefold.planner.shapes import gelu_shape_from_hf
 
     with pytest.raises(ConfigError) as e:

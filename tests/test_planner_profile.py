@@ -133,7 +133,7 @@ def test_fsdp_gathers_in_bf16():
     lp, rp = layer_params(cfg, 1, 1), rank_params(cfg, lay, "first")
     block = lp["sharded"] + lp["replicated"] + lp["expert"]
     root = rp.dense - rp.layers * (lp["sharded"] + lp["replicated"])
-    expect = 2 * block * 2 + block * 4 + root * 2  # two bf16 blocks, their fp32 grads, the root (fully_shard: no buckets)
+    expect = 2 * block * 2 + block * 4 + root * 2  # two bf16 blocks, their fp32 grads, the root (no buckets)
     assert rank_memory(cfg, 4096, lay, tt, 1.0, "first").parts["comm_buffers"] == pytest.approx(expect)
 
 

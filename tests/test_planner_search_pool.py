@@ -12,7 +12,7 @@ import pytest
 from fivefold.errors import CliError
 from fivefold.planner.hardware import get_cluster
 from fivefold.planner.layout import FIVEFOLD
-from fivefold.planner.search import MAX_WORKERS, PARALLEL_MIN_LAYOUTS, search, search_workers
+from fivefold.planner.search import MAX_WORKERS, PARALLEL_MIN_LAYOUTS, SearchPool, search, search_workers
 from fivefold.presets import get_preset
 
 
@@ -72,3 +72,57 @@ def test_a_pool_that_breaks_leaves_the_work_to_this_process(monkeypatch: pytest.
     assert err.count("warning: the search's pool of 2 processes failed") == 1 and "FIVEFOLD_PLAN_WORKERS=1" in err
     assert [dataclasses.asdict(e) for e in pool.candidates] == [dataclasses.asdict(e) for e in one.candidates]
     assert pool.rejected == one.rejected
+
+
+def _same(a, b) -> bool:
+    return ([dataclasses.asdict(e) for e in a.candidates] == [dataclasses.asdict(e) for e in b.candidates]
+            and a.rejected == b.rejected and a.evaluated == b.evaluated)
+
+
+def test_one_pool_serves_a_series_of_searches(monkeypatch: pytest.MonkeyPatch):
+    """`plan scaling`'s searches (one per node count) share one `SearchPool`: its processes start once for the
+    series, again only for another job (here another sequence length), and each search returns what it returns
+    alone."""
+    from fivefold.planner import search as search_module
+
+    started: list[int] = []
+
+    class Counted(search_module.ProcessPoolExecutor):
+        def __init__(self, workers: int, **kwargs) -> None:
+            started.append(workers)
+            super().__init__(workers, **kwargs)
+
+    cfg, hw = get_preset("llama3-8b"), get_cluster("h100")
+    runs = [(4096, 8), (4096, 16), (2048, 16)]  # (sequence length, GPUs)
+    monkeypatch.setenv("FIVEFOLD_PLAN_WORKERS", "1")
+    alone = [search(cfg, seq, 16, gpus, FIVEFOLD, hw, None, 3) for seq, gpus in runs]
+    monkeypatch.setenv("FIVEFOLD_PLAN_WORKERS", "2")
+    monkeypatch.setattr(search_module, "ProcessPoolExecutor", Counted)
+    with SearchPool() as pool:
+        shared = [search(cfg, seq, 16, gpus, FIVEFOLD, hw, None, 3, pool=pool) for seq, gpus in runs]
+        assert pool.pool is not None  # kept open for the caller's next search
+    assert pool.pool is None and started == [2, 2]
+    assert all(_same(a, b) for a, b in zip(alone, shared, strict=True))
+
+
+def test_a_shared_pool_that_breaks_leaves_the_rest_of_the_series_to_this_process(monkeypatch: pytest.MonkeyPatch,
+                                                                                 capsys):
+    """A shared pool that breaks warns once; the searches after it run in this process and say so (1 process)."""
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    def broken(self, *args, **kwargs):
+        raise BrokenProcessPool("a process of the pool ended abruptly")
+
+    cfg, hw = get_preset("llama3-8b"), get_cluster("h100")
+    monkeypatch.setenv("FIVEFOLD_PLAN_WORKERS", "1")
+    alone = [search(cfg, 4096, 16, gpus, FIVEFOLD, hw, None, 3) for gpus in (8, 16)]
+    monkeypatch.setenv("FIVEFOLD_PLAN_WORKERS", "2")
+    monkeypatch.setattr(ProcessPoolExecutor, "map", broken)
+    seen: list[tuple[int, int]] = []
+    with SearchPool() as pool:
+        shared = [search(cfg, 4096, 16, gpus, FIVEFOLD, hw, None, 3, pool=pool,
+                         progress=lambda n, w: seen.append((n, w))) for gpus in (8, 16)]
+    assert [w for _, w in seen] == [2, 1]
+    assert capsys.readouterr().err.count("warning: the search's pool of 2 processes failed") == 1
+    assert all(_same(a, b) for a, b in zip(alone, shared, strict=True))

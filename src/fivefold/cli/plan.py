@@ -177,7 +177,7 @@ def load_model(spec: str) -> ModelConfig:
                            "heads, ffn and vocab (kv_heads defaults to heads)")
         return cfg
     if _is_hf_config(spec):
-        from fivefold.models.hf import model_config_from_hf, read_config_json
+        from fivefold.models.hf_config import model_config_from_hf, read_config_json  # no torch
         from fivefold.planner.shapes import gelu_shape_from_hf
 
         hf = read_config_json(spec)

@@ -32,6 +32,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from fivefold.accelerators import HARDWARE, Hardware
 from fivefold.config import ConfigError, load_file, shown
@@ -313,16 +314,34 @@ _INT_FIELDS = {"gpus_per_node", "cores", "threads_per_rank"}
 # fields that may be 0 (0 = "not measured, derive it"; the stall and drift fields: no stall data)
 _MAY_BE_ZERO = {"backward_overhead_us", "optimizer_gbps", "optimizer_tensor_us", "comm_overlap", "zero3_unit_us",
                 "posted_p2p_wait_us", "pp_sync_us_per_node"}
-# shares and chances: (upper end, whether the upper end itself is allowed, the rule)
-_SHARES = {"matmul_efficiency": (1.0, True, "a share of the matmul peak, in (0, 1]"),
-           "comm_overlap": (1.0, True, "a share of a collective's time, in [0, 1]"),
-           "stall_hazard_per_node": (1.0, False, "below 1 (a chance per node)")}
+
+
+class Range(NamedTuple):
+    """Where a field's number may lie: from `low` to `high` (None: no bound that side), each end itself allowed
+    where `low_closed` / `high_closed`; `rule` says so in the error message. The hardware fields' shares
+    (`_SHARES`) and a profile's [framework] numbers (`profile._FRAMEWORK_RANGES`) are checked with it."""
+    low: float | None
+    low_closed: bool
+    high: float | None
+    high_closed: bool
+    rule: str
+
+    def holds(self, value: float) -> bool:
+        return ((self.low is None or value > self.low or (value == self.low and self.low_closed))
+                and (self.high is None or value < self.high or (value == self.high and self.high_closed)))
+
+
+# shares and chances (checked after the sign rule of `_parse_fields`, whose message a negative one gets)
+_SHARES = {"matmul_efficiency": Range(0.0, False, 1.0, True, "a share of the matmul peak, in (0, 1]"),
+           "comm_overlap": Range(0.0, True, 1.0, True, "a share of a collective's time, in [0, 1]"),
+           "stall_hazard_per_node": Range(0.0, True, 1.0, False, "below 1 (a chance per node)")}
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
 
-def checked_number(value, where: str, key: str, integer: bool = False) -> float:
-    """`value` of field `key` as a finite number (an integer where `integer`), else a ConfigError naming it: TOML's
-    true/false, strings, nan and inf are refused, not read as 1, a crash or a nan table."""
+def checked_number(value, where: str, key: str, integer: bool = False, within: Range | None = None) -> float:
+    """`value` of field `key` as a finite number (an integer where `integer`) in the range `within` where given,
+    else a ConfigError naming it: TOML's true/false, strings, nan and inf are refused, not read as 1, a crash or a
+    nan table."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         kind = "an integer" if integer else "a number"
         raise ConfigError(f"{where} {key} = {shown(value)} is not {kind}")
@@ -330,7 +349,10 @@ def checked_number(value, where: str, key: str, integer: bool = False) -> float:
         raise ConfigError(f"{where} {key} = {shown(value)} must be a finite number (nan and inf are refused)")
     if integer and not float(value).is_integer():
         raise ConfigError(f"{where} {key} = {shown(value)} must be a whole number")
-    return int(value) if integer else float(value)
+    number = int(value) if integer else float(value)
+    if within is not None and not within.holds(number):
+        raise ConfigError(f"{where} {key} = {shown(number)} must be {within.rule}")
+    return number
 
 
 def _bandwidth_table(value, where: str, key: str) -> dict[int, float]:
@@ -374,10 +396,8 @@ def _parse_fields(data: dict, where: str) -> dict:
             value = checked_number(value, where, key)
             if value < 0 or (value == 0 and key not in _MAY_BE_ZERO and not key.startswith(("stall_", "drift_"))):
                 raise ConfigError(f"{where} {key} = {value} must be > 0")
-            if key in _SHARES:
-                high, closed, what = _SHARES[key]  # the low end: the sign rule above
-                if value > high or (value == high and not closed):
-                    raise ConfigError(f"{where} {key} = {value} must be {what}")
+            if key in _SHARES:  # after the sign rule: a negative share is told "> 0"
+                value = checked_number(value, where, key, within=_SHARES[key])
         values[key] = value
     return values
 

@@ -13,7 +13,7 @@ import dataclasses
 from pathlib import Path
 
 from fivefold.config import ConfigError, load_file, shown, write_text_atomic
-from fivefold.planner.hardware import Cluster, checked_number, get_cluster
+from fivefold.planner.hardware import Cluster, Range, checked_number, get_cluster
 from fivefold.planner.kernels import all_devices
 from fivefold.planner.layout import FRAMEWORKS, Framework
 from fivefold.planner.time import ELEMENTWISE_CLASSES
@@ -26,12 +26,15 @@ def _read(path: str | Path) -> dict:
 FRAMEWORK_DIR = Path(__file__).resolve().parent / "frameworks"
 STAGE_SPLITS = ("balanced", "params")
 COMPUTE_DTYPES = ("bf16", "fp32")
-# [framework] numbers beyond the sign rule (every number is finite and >= 0: bytes, µs, counts, shares): (lowest,
-# whether the lowest itself is allowed, highest or None, the rule), as the hardware fields' (`hardware._SHARES`)
-_FRAMEWORK_RANGES = {"tp_overlap": (0.0, True, 1.0, "a share of tensor-parallel communication, in [0, 1]"),
-                     "usable_memory_fraction": (0.0, False, 1.0, "a share of the device's memory, in (0, 1]"),
-                     "activation_scale": (0.0, False, None, "> 0 (it multiplies the counted activations)"),
-                     "param_bytes": (1.0, True, None, ">= 1 (bytes per stored parameter)")}
+# [framework] numbers beyond the sign rule (every number is finite and >= 0: bytes, µs, counts, shares), in the
+# hardware fields' shape (`hardware._SHARES`)
+_AT_LEAST_ZERO = Range(0.0, True, None, True, ">= 0")
+_FRAMEWORK_RANGES = {
+    "tp_overlap": Range(0.0, True, 1.0, True, "a share of tensor-parallel communication, in [0, 1]"),
+    "usable_memory_fraction": Range(0.0, False, 1.0, True, "a share of the device's memory, in (0, 1]"),
+    "activation_scale": Range(0.0, False, None, True, "> 0 (it multiplies the counted activations)"),
+    "param_bytes": Range(1.0, True, None, True, ">= 1 (bytes per stored parameter)"),
+}
 
 
 def all_frameworks() -> dict[str, Framework]:
@@ -82,10 +85,8 @@ def _framework_table(table, where: str, known: dict[str, Framework], default: st
                               f"its default, {shown(current)}")
         if kind is not bool and kind is not str:  # finite, whole where the default is, >= 0, within its range
             here = f"--hardware {shown(where)}: [framework]"
-            value = checked_number(value, here, key, integer=isinstance(current, int))
-            low, closed, high, rule = _FRAMEWORK_RANGES.get(key, (0.0, True, None, ">= 0"))
-            if value < low or (value == low and not closed) or (high is not None and value > high):
-                raise ConfigError(f"{here} {key} = {shown(value)} must be {rule}")
+            value = checked_number(value, here, key, integer=isinstance(current, int),
+                                   within=_FRAMEWORK_RANGES.get(key, _AT_LEAST_ZERO))
         if key == "compute_dtype" and value not in COMPUTE_DTYPES:
             raise ConfigError(f"--hardware {shown(where)}: [framework] compute_dtype = {shown(value)} is not one of "
                               f"{', '.join(COMPUTE_DTYPES)}")

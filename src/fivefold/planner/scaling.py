@@ -25,6 +25,7 @@ from fivefold.planner.layout import Framework, Layout, check_runs_hsdp, parse_la
 from fivefold.planner.search import (
     MAX_BATCH_SEQUENCES,
     Estimate,
+    SearchPool,
     SearchSpace,
     announce_search,
     estimate,
@@ -100,35 +101,38 @@ def typical_tps(e: Estimate) -> float:
 def scaling(cfg: ModelConfig, seq: int, batch_seqs: int, nodes: list[int], weak: bool, fw: Framework, hw: Cluster,
             space: SearchSpace, layout: str | None = None, docs: DocumentLengths | None = None,
             rank: str = "expected", announce: bool = False) -> list[Point]:
-    """The best layout at each node count; `announce`: a long search says so on stderr (`announce_search`)."""
+    """The best layout at each node count; `announce`: a long search says so on stderr (`announce_search`). One
+    pool of processes (`SearchPool`) serves the searches of every node count."""
     points = []
     if weak and batch_seqs * nodes[-1] // nodes[0] > MAX_BATCH_SEQUENCES:
         raise CliError(f"--weak: the batch of {batch_seqs:,} sequences at {nodes[0]} node(s) grows to "
                        f"{batch_seqs * nodes[-1] // nodes[0]:,} at {nodes[-1]}; the planner takes at most "
                        f"{MAX_BATCH_SEQUENCES:,} sequences per step: a smaller --global-batch or fewer nodes")
-    for n in nodes:
-        gpus = n * hw.gpus_per_node
-        batch = batch_seqs * n // nodes[0] if weak else batch_seqs
-        if weak and batch_seqs * n % nodes[0]:
-            raise CliError(f"--weak: the batch of {batch_seqs} sequences at {nodes[0]} nodes does not scale to a "
-                              f"whole number of sequences at {n} nodes; choose node counts that are multiples of "
-                              f"{nodes[0]}")
-        if layout:
-            lay = parse_layout(layout, batch, fw.default_fp32_grad_accum if space.fp32_grad_accum is None
-                               else space.fp32_grad_accum)
-            check_runs_hsdp(lay, fw)
-            lay = scale_layout(lay, gpus, batch)
-            e = estimate(cfg, seq, lay, fw, hw, True, docs=docs)
-            points.append(Point(n, gpus, batch, e if e.fits else None,
-                                "" if e.fits else f"{lay.short()} does not fit ({e.peak_bytes / 2**30:.1f} GiB)"))
-            continue
-        result = search(cfg, seq, batch, gpus, fw, hw, space, 1, docs=docs, rank=rank,
-                        progress=announce_search(f"{n} node{'s' if n > 1 else ''}: ") if announce else None)
-        if result.candidates:
-            points.append(Point(n, gpus, batch, result.candidates[0]))
-        else:
-            reason = result.rejected.most_common(1)[0][0] if result.rejected else "no layout reaches the batch"
-            points.append(Point(n, gpus, batch, None, reason))
+    with SearchPool() as pool:
+        for n in nodes:
+            gpus = n * hw.gpus_per_node
+            batch = batch_seqs * n // nodes[0] if weak else batch_seqs
+            if weak and batch_seqs * n % nodes[0]:
+                raise CliError(f"--weak: the batch of {batch_seqs} sequences at {nodes[0]} nodes does not scale to a "
+                                  f"whole number of sequences at {n} nodes; choose node counts that are multiples of "
+                                  f"{nodes[0]}")
+            if layout:
+                lay = parse_layout(layout, batch, fw.default_fp32_grad_accum if space.fp32_grad_accum is None
+                                   else space.fp32_grad_accum)
+                check_runs_hsdp(lay, fw)
+                lay = scale_layout(lay, gpus, batch)
+                e = estimate(cfg, seq, lay, fw, hw, True, docs=docs)
+                points.append(Point(n, gpus, batch, e if e.fits else None,
+                                    "" if e.fits else f"{lay.short()} does not fit ({e.peak_bytes / 2**30:.1f} GiB)"))
+                continue
+            result = search(cfg, seq, batch, gpus, fw, hw, space, 1, docs=docs, rank=rank,
+                            progress=announce_search(f"{n} node{'s' if n > 1 else ''}: ") if announce else None,
+                            pool=pool)
+            if result.candidates:
+                points.append(Point(n, gpus, batch, result.candidates[0]))
+            else:
+                reason = result.rejected.most_common(1)[0][0] if result.rejected else "no layout reaches the batch"
+                points.append(Point(n, gpus, batch, None, reason))
     return points
 
 

@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from fivefold.config import ModelConfig, divisors, shown
@@ -212,9 +213,11 @@ class SearchResult:
 def search(cfg: ModelConfig, seq: int, global_batch_seqs: int, n_gpus: int, fw: Framework, hw: Cluster,
            space: SearchSpace | None = None, top: int = 10, moe_imbalance: float = 1.0,
            docs: DocumentLengths | None = None, rank: str = "expected",
-           progress: Callable[[int, int], None] | None = None) -> SearchResult:
+           progress: Callable[[int, int], None] | None = None, pool: SearchPool | None = None) -> SearchResult:
     """Every layout of the space; the fitting ones best first by the rank rule (`RANK_RULES`). `progress`: called
-    once the layouts are enumerated, with their number and the processes that judge them (`search_workers`)."""
+    once the layouts are enumerated, with their number and the processes that judge them (`search_workers`).
+    `pool`: the processes of a series of searches (`plan scaling`), kept open by the caller; else the search
+    starts its own where it needs processes and ends them when it returns."""
     key = rank_key(rank)
     space = space or SearchSpace()
     if space.fp32_grad_accum is None:
@@ -229,12 +232,12 @@ def search(cfg: ModelConfig, seq: int, global_batch_seqs: int, n_gpus: int, fw: 
     hsdp_ranks = hw.gpus_per_node if space.hsdp and fw.hsdp else 0
     bases = list(_bases(cfg, seq, global_batch_seqs, n_gpus, hw, space, reject, hsdp_ranks))
     job = _Job(cfg, seq, fw, hw, space.recompute, moe_imbalance, docs)
-    workers = search_workers(len(bases))
-    if progress is not None:
-        progress(len(bases), workers)
     fitting: list[Estimate] = []
     closest: tuple[float, Layout] | None = None
-    with _Pool(job, workers) as pool:
+    with nullcontext(pool) if pool is not None else SearchPool() as pool:
+        workers = pool.start(job, search_workers(len(bases)))
+        if progress is not None:
+            progress(len(bases), workers)
         for judged in pool.map(_judge, bases, group=lambda lay: (lay.pp, lay.grad_accum_steps, lay.schedule)):
             if judged.misfit_peak is not None:  # not even full recompute fits
                 reject("does not fit in memory even with full recompute", judged.base.short(), len(space.recompute))
@@ -339,32 +342,52 @@ def _run_chunk(task: Callable, items: list) -> list:
     return [task(_WORKER_JOB, item) for item in items]
 
 
-class _Pool:
+class SearchPool:
     """Runs a task (`_judge`, `_simulate`: a function of the job and an item) over a list, in order: in this
-    process, or in a pool of `workers` processes started by a fork server (each imports the planner afresh: nothing
-    of this process's threads or state is forked). A pool that breaks (e.g. a script without `if __name__ ==
-    "__main__":`, which its processes import again) leaves the work to this process, with a warning."""
+    process, or in a pool of processes started by a fork server (each imports the planner afresh: nothing of this
+    process's threads or state is forked). One pool can serve a series of searches (`search(pool=...)`: `plan
+    scaling`, one search per node count): its processes are kept from one search to the next while the job and
+    their number stay the same, so each starts (and builds its schedules) once. A pool that breaks (e.g. a script
+    without `if __name__ == "__main__":`, which its processes import again) leaves the work to this process, with a
+    warning, for the rest of the series."""
 
-    def __init__(self, job: _Job, workers: int) -> None:
-        self.job, self.workers = job, workers
+    def __init__(self) -> None:
+        self.job: _Job | None = None
+        self.workers = 1  # the processes of the search under way (1: this process)
         self.pool: ProcessPoolExecutor | None = None
+        self.started: tuple[_Job, int] | None = None  # the job and number of processes `pool` was started with
+        self.broken = False
 
-    def __enter__(self) -> _Pool:
-        if self.workers > 1:
-            context = multiprocessing.get_context("forkserver" if sys.platform.startswith("linux") else "spawn")
-            self.pool = ProcessPoolExecutor(self.workers, mp_context=context, initializer=_start_worker,
-                                            initargs=(self.job,))
+    def __enter__(self) -> SearchPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self, job: _Job, workers: int) -> int:
+        """Judge for `job` with `workers` processes (1: in this process) until the next start, keeping the running
+        processes where they were started for an equal job and as many. Returns the processes that judge: 1 once
+        the pool has broken."""
+        self.job, self.workers = job, 1 if self.broken else workers
+        if self.workers > 1 and self.started != (job, self.workers):
+            self.close()
+            context = multiprocessing.get_context("forkserver" if sys.platform.startswith("linux") else "spawn")
+            self.pool = ProcessPoolExecutor(self.workers, mp_context=context, initializer=_start_worker,
+                                            initargs=(job,))
+            self.started = (job, self.workers)
+        return self.workers
+
+    def close(self, wait: bool = True) -> None:
         if self.pool is not None:
-            self.pool.shutdown(cancel_futures=True)
+            self.pool.shutdown(wait=wait, cancel_futures=True)
+        self.pool, self.started = None, None
 
     def map(self, task: Callable, items: list, group: Callable | None = None) -> list:
         """`task` over `items`, the results in their order; `group(item)`: a key that sends items sharing it to the
         same chunk as far as the chunks allow (layouts of one pipeline shape share its schedule, which each
         process builds for itself)."""
-        if self.pool is not None and items:
+        assert self.job is not None, "a search pool maps after start"
+        if self.workers > 1 and self.pool is not None and items:
             order = sorted(range(len(items)), key=lambda i: group(items[i])) if group else list(range(len(items)))
             size = max(1, -(-len(items) // (8 * self.workers)))  # about 8 chunks per process, to balance them
             chunks = [[items[i] for i in order[k:k + size]] for k in range(0, len(order), size)]
@@ -378,8 +401,8 @@ class _Pool:
                 print(f"fivefold plan: warning: the search's pool of {self.workers} processes failed ({e}); "
                       "judging the layouts in this process (FIVEFOLD_PLAN_WORKERS=1 skips the pool)",
                       file=sys.stderr)
-                self.pool.shutdown(wait=False, cancel_futures=True)
-                self.pool = None
+                self.close(wait=False)
+                self.workers, self.broken = 1, True
         return [task(self.job, item) for item in items]
 
 

@@ -1,11 +1,11 @@
 """Model shapes the planner reads beyond what the engine builds: Hugging Face configs of GELU-MLP decoders.
 
-`fivefold plan --model config.json` reads Llama and Mixtral configs as the engine does (`models.hf`); for GPT-NeoX
-(`GPTNeoXForCausalLM`: Pythia, GPT-NeoX-20B) and GPT-2 (`GPT2LMHeadModel`) it reads the shape the planner needs,
-with `mlp = "gelu"`: layers, hidden, heads, MLP width, vocabulary, tied or not. What the planner does not model
-is left out and named in `NOT_MODELLED`: biases and LayerNorm shifts (h or ffn per matrix), GPT-2's learned
-position table (n_positions x h; the planner's blocks use rotary), GPT-NeoX's parallel residual (the same
-matmuls, one norm fewer) and partial rotary.
+`fivefold plan --model config.json` reads Llama and Mixtral configs as the engine does (`models.hf_config`, which
+needs no torch); for GPT-NeoX (`GPTNeoXForCausalLM`: Pythia, GPT-NeoX-20B) and GPT-2 (`GPT2LMHeadModel`) it reads
+the shape the planner needs, with `mlp = "gelu"`: layers, hidden, heads, MLP width, vocabulary, tied or not. What
+the planner does not model is left out and named in `NOT_MODELLED`: biases and LayerNorm shifts (h or ffn per
+matrix), GPT-2's learned position table (n_positions x h; the planner's blocks use rotary), GPT-NeoX's parallel
+residual (the same matmuls, one norm fewer) and partial rotary.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from fivefold.config import ConfigError, ModelConfig, shown
-from fivefold.models.hf import check_hf_values
+from fivefold.models.hf_config import check_hf_values
 
 NOT_MODELLED = "biases, LayerNorm shifts, learned position embeddings, parallel residual, partial rotary"
 GELU_ACTIVATIONS = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_python")
@@ -36,7 +36,7 @@ def gelu_shape_from_hf(hf: dict[str, Any], name: str) -> ModelConfig | None:
     missing = [k for k in keys.values() if hf.get(k) is None]
     if missing:
         raise ConfigError(f"Hugging Face config ({arch}) lacks {', '.join(map(repr, missing))}")
-    # the values read, each of its kind (whole numbers, true/false), as the Llama configs' (`models.hf`)
+    # the values read, each of its kind (whole numbers, true/false), as the Llama configs' (`models.hf_config`)
     check_hf_values(hf, ints=(*keys.values(), seq, *(("n_inner",) if arch == "GPT2LMHeadModel" else ())), floats=(),
                     bools=("tie_word_embeddings",) if arch == "GPTNeoXForCausalLM" else ())
     if act not in GELU_ACTIVATIONS:

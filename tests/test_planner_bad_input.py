@@ -47,6 +47,10 @@ HARDWARE_BAD = [
     ("cores = 1.5", ("cores", "1.5", "whole number")),
     ("threads_per_rank = true", ("threads_per_rank", "True", "not an integer")),
     ("gpus_per_node = 0", ("gpus_per_node", "0", ">= 1")),
+    # a huge negative integer is shown cut, not as its 309 digits; a field that may be 0 says so
+    ("gpus_per_node = -1e308", ("gpus_per_node = -10000000000000000...", "must be >= 1")),
+    ("comm_overlap = -0.5", ("comm_overlap = -0.5", "must be >= 0")),
+    ("hbm_gbps = -1.0", ("hbm_gbps = -1.0", "must be > 0")),
     ("matmul_efficiency = 1e308", ("matmul_efficiency", "1e+308", "(0, 1]")),
     ("comm_overlap = 1.5", ("comm_overlap", "1.5", "[0, 1]")),
     ("stall_hazard_per_node = 1.0", ("stall_hazard_per_node", "1.0", "must be below 1")),

@@ -387,15 +387,16 @@ def _parse_fields(data: dict, where: str) -> dict:
             value = checked_number(value, where, key, integer=True)
             low = 1 if key == "gpus_per_node" else 0
             if value < low:
-                raise ConfigError(f"{where} {key} = {value} must be >= {low}")
+                raise ConfigError(f"{where} {key} = {shown(value)} must be >= {low}")
         elif key in _TABLE_WIDTH:
             value = _table(value, _TABLE_WIDTH[key], f"{where} {key}")
         elif key == "collectives":
             value = _collectives(value, where)
         else:
             value = checked_number(value, where, key)
-            if value < 0 or (value == 0 and key not in _MAY_BE_ZERO and not key.startswith(("stall_", "drift_"))):
-                raise ConfigError(f"{where} {key} = {value} must be > 0")
+            may_be_zero = key in _MAY_BE_ZERO or key.startswith(("stall_", "drift_"))
+            if value < 0 or (value == 0 and not may_be_zero):
+                raise ConfigError(f"{where} {key} = {shown(value)} must be {'>= 0' if may_be_zero else '> 0'}")
             if key in _SHARES:  # after the sign rule: a negative share is told "> 0"
                 value = checked_number(value, where, key, within=_SHARES[key])
         values[key] = value

@@ -78,12 +78,12 @@ def scale_layout(lay: Layout, gpus: int, batch_seqs: int) -> Layout:
     model_parallel = lay.tp * lay.pp * lay.cp
     if gpus % model_parallel:
         raise CliError(f"--layout tp x pp x cp = {model_parallel} does not divide {gpus} GPUs; choose node "
-                          "counts whose GPUs it divides")
+                       "counts whose GPUs it divides")
     dp = gpus // model_parallel
     if batch_seqs % (dp * lay.micro_batch_size):
         raise CliError(f"--layout on {gpus} GPUs: dp x micro_batch_size = {dp} x {lay.micro_batch_size} does not "
-                          f"divide the global batch of {batch_seqs} sequences; use a smaller micro_batch_size or a "
-                          f"batch that is a multiple of {dp * lay.micro_batch_size} sequences")
+                       f"divide the global batch of {batch_seqs} sequences; use a smaller micro_batch_size or a "
+                       f"batch that is a multiple of {dp * lay.micro_batch_size} sequences")
     out = dataclasses.replace(lay, dp=dp, grad_accum_steps=batch_seqs // (dp * lay.micro_batch_size))
     if lay.dp_shard and dp <= lay.dp_shard:  # one shard group holds every dp rank: plain FSDP
         return dataclasses.replace(out, dp_shard=0)
@@ -114,8 +114,8 @@ def scaling(cfg: ModelConfig, seq: int, batch_seqs: int, nodes: list[int], weak:
             batch = batch_seqs * n // nodes[0] if weak else batch_seqs
             if weak and batch_seqs * n % nodes[0]:
                 raise CliError(f"--weak: the batch of {batch_seqs} sequences at {nodes[0]} nodes does not scale to a "
-                                  f"whole number of sequences at {n} nodes; choose node counts that are multiples of "
-                                  f"{nodes[0]}")
+                               f"whole number of sequences at {n} nodes; choose node counts that are multiples of "
+                               f"{nodes[0]}")
             if layout:
                 lay = parse_layout(layout, batch, fw.default_fp32_grad_accum if space.fp32_grad_accum is None
                                    else space.fp32_grad_accum)

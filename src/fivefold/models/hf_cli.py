@@ -116,16 +116,15 @@ def checkpoint_model_config(ckpt: Path) -> ModelConfig:
     """The model config saved with checkpoint directory `ckpt` (its config.toml), for `export` and `generate`. A
     checkpoint with a manifest has its config.toml checked against it (size and sha256) before it is parsed, so a
     damaged file is reported as corrupted, naming it, rather than as an invalid config."""
-    from fivefold.checkpoint_format import MANIFEST, PieceError, verify_manifest
+    from fivefold.checkpoint_format import PieceError, verify_config
 
     config_file = ckpt / "config.toml"
     if not config_file.is_file():
         raise CliError(f"checkpoint {shown(str(ckpt))} has no config.toml (the run's resolved config)")
-    if (ckpt / MANIFEST).is_file():
-        try:
-            verify_manifest(ckpt, [config_file.name])
-        except PieceError as e:
-            raise CliError(str(e)) from None
+    try:
+        verify_config(ckpt)
+    except PieceError as e:
+        raise CliError(str(e)) from None
     return build_config(config_file).model
 
 

@@ -22,6 +22,7 @@ from typing import TextIO
 import torch
 
 from fivefold import faults
+from fivefold.checkpoint_format import PieceError, verify_config
 from fivefold.config import (
     Config,
     ConfigError,
@@ -128,9 +129,8 @@ def load_run_config(run_dir: Path, overrides: dict[str, str], file: str | None) 
                               "config.toml, so the run's config is unknown; start a new run with --run-dir")
         fallback = saved[-1]
         try:  # checked against the checkpoint's manifest before it is parsed: damage is reported as such
-            if (fallback.parent / ckpt.MANIFEST).is_file():
-                ckpt.verify_files(fallback.parent, [fallback.name])
-        except ckpt.CheckpointError as e:
+            verify_config(fallback.parent)
+        except PieceError as e:
             raise RunDirError(f"--resume: {e}") from None
     check_run_dir(run_dir, resume=True)
     if fallback is not None:

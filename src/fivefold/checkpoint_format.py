@@ -390,13 +390,13 @@ def verify_manifest(path: Path, names: list[str] | None = None, checksums: bool 
                              f"says {str(want)[:16]}...")
 
 
-
 def verify_config(checkpoint: Path) -> None:
     """Check a checkpoint directory's config.toml against its manifest (size and sha256), where it has one, before
     anything parses it: a damaged file is reported as corrupted, naming it, rather than as an invalid config.
     Raises PieceError."""
     if (checkpoint / MANIFEST).is_file():
         verify_manifest(checkpoint, ["config.toml"])
+
 
 def index_files(path: Path, index: dict[str, dict[str, Any]], checksums: bool = True) -> list[str]:
     """The piece files an index reads, each checked to be a listed file inside the checkpoint directory `path` of

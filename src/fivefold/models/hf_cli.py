@@ -113,9 +113,8 @@ def resolve_checkpoint(path: Path) -> tuple[Path, str | None]:
 
 
 def checkpoint_model_config(ckpt: Path) -> ModelConfig:
-    """The model config saved with checkpoint directory `ckpt` (its config.toml), for `export` and `generate`. A
-    checkpoint with a manifest has its config.toml checked against it (size and sha256) before it is parsed, so a
-    damaged file is reported as corrupted, naming it, rather than as an invalid config."""
+    """The model config saved with checkpoint directory `ckpt` (its config.toml, checked against the manifest
+    first: `checkpoint_format.verify_config`), for `export` and `generate`."""
     from fivefold.checkpoint_format import PieceError, verify_config
 
     config_file = ckpt / "config.toml"

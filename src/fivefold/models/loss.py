@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from fivefold.models.llama import Llama
 
 
-
 def chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor, need_grad: bool,
                         grad_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Summed cross-entropy of one chunk's logits [tokens, vocab] (targets of -100 ignored) and, from the same

@@ -157,7 +157,7 @@ def model_state_bytes(cfg: ModelConfig, lay: Layout, fw: Framework, rank: str = 
 
 
 # the full gradient buckets a ZeRO-2 rank holds at most beside its gradient slice: `parallel.data.ZERO2_IN_FLIGHT`
-# reduce-scatters in flight and the bucket filling (tests/test_planner_memory.py checks the engine's constant)
+# reduce-scatters in flight and the bucket filling (tests/test_planner_parallel.py checks it against the engine's)
 ZERO2_FULL_BUCKETS = 3
 
 

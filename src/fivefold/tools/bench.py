@@ -45,7 +45,14 @@ from fivefold.layout import check_layout
 from fivefold.outputs import keep_previous
 from fivefold.planner.predict import check_fits, device_cluster
 from fivefold.train.build import build_engine
-from fivefold.train.metrics import gather_ints, memory_baseline, peak_memory_bytes, resolve_peak_tflops, synchronize
+from fivefold.train.metrics import (
+    gather_ints,
+    memory_baseline,
+    peak_memory,
+    planned_peak,
+    resolve_peak_tflops,
+    synchronize,
+)
 from fivefold.train.preflight import check_start
 
 ACCEPTS_OVERRIDES = True
@@ -205,7 +212,7 @@ def run_bench(args: argparse.Namespace, cfg: Config) -> dict:
         memory = [int(module.max_memory_allocated()), int(module.max_memory_reserved())]
         source = "allocator peak over the timed steps"
     else:
-        memory = [max(peak_memory_bytes(device) - resident_before, 0)] * 2
+        memory = [planned_peak(peak_memory(device, resident_before))] * 2
         source = "peak resident set size above the resident size before the model was built"
     per_rank = gather_ints(memory, device)
     allocated = [m[0] for m in per_rank]

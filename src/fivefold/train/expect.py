@@ -123,7 +123,6 @@ class PlanCheck:
     said: set[str] = field(default_factory=set)
     measured_steps: int = 0
     measured_seconds: float = 0.0
-    peak: int = 0
     intervals: int = 0
     held_states: int | None = None  # the model states this rank holds (the engine's count), when known
     # the peak the prediction describes, the largest of any rank: on the CPU the resident set above that rank's
@@ -133,7 +132,6 @@ class PlanCheck:
 
     def observe(self, interval: Interval) -> list[str]:
         self.intervals += 1
-        self.peak = max(self.peak, *interval.peaks)
         for peak, baseline in zip(interval.peaks, interval.baselines or [0] * len(interval.peaks), strict=True):
             if peak - baseline > self.measured_peak:
                 self.measured_peak, self.baseline = peak - baseline, baseline

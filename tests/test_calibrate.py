@@ -21,6 +21,7 @@ from fivefold.planner.time import linear_shapes, optimizer_tensors, stage_times,
 from fivefold.presets import get_preset
 from fivefold.tools.calibrate import Result, fit_link, monotone, profile_tables, to_toml
 from fivefold.tools.calibrate.whole_step import SCALE_BOUNDS, predicted_step, reference_config, step_scale
+from fivefold.train.loop import default_threads
 
 TINY = get_preset("tiny")
 
@@ -35,8 +36,10 @@ def quick_profile(tmp_path_factory):
 
 def test_quick_calibration_writes_a_profile_that_loads(quick_profile):
     hw = get_cluster(None, quick_profile)
-    assert hw.name == "cpu-calibrated" and hw.cores >= 1 and hw.threads_per_rank == 1 and hw.gpus_per_node == 2
+    assert hw.name == "cpu-calibrated" and hw.cores >= 1 and hw.gpus_per_node == 2
     assert set(hw.by_ranks) == {2}
+    # each rank count measured at the threads `fivefold train` gives that many local processes by default
+    assert [hw.on_node(n).threads_per_rank for n in (1, 2)] == [default_threads(1), default_threads(2)]
     for view in (hw.on_node(1), hw.on_node(2)):
         assert view.linear and view.attention and view.loss and view.elementwise
         for table in (view.linear, view.attention, view.loss):
@@ -107,13 +110,14 @@ def test_profile_round_trips_through_toml(tmp_path):
                               collectives={"all_reduce": {2: [[4096, 1.5e-4], [4194304, 4.5e-3]]},
                                            "p2p": {2: [[4096, 6.0e-5]]}})
     path = tmp_path / "p.toml"
-    path.write_text(to_toml(profile_tables({1: one, 2: two}, "cpu", 1, 2, "mine"), "a header"))
+    path.write_text(to_toml(profile_tables({1: one, 2: two}, "cpu", {1: 2, 2: 1}, 2, "mine"), "a header"))
     hw = get_cluster(None, path)
     assert hw.name == "mine" and hw.linear == ((128, 256, 128, 0.0312345, 0.0254321),)
     assert hw.loss == ((512, 2048, 128, 0.02, 0.5),)
     assert hw.kernel_overhead_us == 9.5 and hw.backward_overhead_us == 13.25 and hw.optimizer_tensor_us == 150.0
     view = hw.on_node(2)
     assert view.kernel_overhead_us == 11.0 and view.comm_overlap == 0.25
+    assert (hw.threads_per_rank, view.threads_per_rank) == (2, 1)
     assert view.collectives["all_reduce"][2] == ((4096, 1.5e-4), (4194304, 4.5e-3))
     # the link constants for other group sizes come from the 2-rank all-reduce (exact for two points)
     latency, bandwidth = 1e-6 * hw.intra_latency_us, 1e9 * hw.intra_node_gbps
@@ -135,14 +139,14 @@ def test_bad_profile_fields_are_named(tmp_path):
 
 
 def test_calibrate_refuses_bad_arguments(capsys):
-    for flag, value, rule in (("--threads", "0", "is not between 1 and"),
-                              ("--threads", "100000", "is not between 1 and"),
+    for flag, value, rule in (("--threads", "-1", "is not between 0 and"),
+                              ("--threads", "100000", "is not between 0 and"),
                               ("--nproc-max", "-1", "is not between 0 and 4,096")):
         with pytest.raises(SystemExit) as refused:  # argparse's refusal, in one line
             main(["calibrate", "--device", "cpu", flag, value])
         err = capsys.readouterr().err
         assert refused.value.code == 2 and err.count("\n") == 1 and f"argument {flag}: {int(value):,} {rule}" in err
-        assert flag != "--threads" or value == "0" or "this machine's CPU cores" in err
+        assert flag != "--threads" or "this machine's CPU cores" in err
 
 
 # ---------------------------------------------------------------------------------------------------------------

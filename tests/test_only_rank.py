@@ -27,7 +27,7 @@ from fivefold.parallel.standin import StandInGroup, init_standin
 from fivefold.planner.layout import FIVEFOLD_CPU
 from fivefold.planner.memory import model_state_bytes
 from fivefold.planner.predict import layout_of
-from fivefold.tools.only_rank import measure_rank, rank_description
+from fivefold.tools.only_rank import measure_rank, planner_for_rank, rank_description
 
 BASE = {"train.device": "cpu", "train.dtype": "fp32", "train.seq_len": "32", "train.global_batch_size": "8",
         "train.threads": "1", "data.path": "/nonexistent/only-rank-test"}
@@ -278,7 +278,7 @@ def test_moe_routing_is_balanced_only_under_only_rank():
     assert weights.requires_grad  # the router still weighs the chosen experts (and gets gradients)
 
 
-def test_cli_only_rank_prints_measured_beside_predicted(capsys):
+def test_cli_only_rank_prints_measured_beside_predicted(capsys, tmp_path):
     args = ["train", "--preset", "tiny", "--layout.tp", "2", "--layout.pp", "2", "--max-steps", "2",
             "--only-rank", "3", *[f"--{k}={v}" for k, v in BASE.items()]]
     assert main(args) == 0
@@ -287,10 +287,17 @@ def test_cli_only_rank_prints_measured_beside_predicted(capsys):
     assert "prediction is for the last pipeline rank" in out
     for part in ("parameters", "gradients", "optimizer", "activations and buffers", "peak", "compute time"):
         assert f"  {part} (" in out
-    assert main([*args, "--json"]) == 0
+    # against a profile of this machine (`--hardware`, as `fivefold calibrate --out` writes one): its compute time
+    slow = tmp_path / "slow-cpu.toml"
+    slow.write_text('name = "slow-cpu"\nbase = "cpu"\nfp32_tflops = 0.05\n')
+    assert main([*args, "--json", "--hardware", str(slow)]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["rank"] == 3 and len(report["steps"]) == 2
     cfg = build_config(None, {**BASE, **DENSE, "layout.tp": "2", "layout.pp": "2"})
+    predicted = planner_for_rank(cfg, 3, "cpu", str(slow))
+    assert report["planner"]["hardware"] == "slow-cpu"
+    assert report["compute_s"]["predicted"] == pytest.approx(predicted["compute_s"], rel=1e-9)
+    assert predicted["compute_s"] > 2 * planner_for_rank(cfg, 3, "cpu")["compute_s"]
     want = closed_form(cfg, 3)
     for part in ("parameters", "gradients", "optimizer"):
         row = report["memory_bytes"][part]

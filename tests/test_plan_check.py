@@ -4,6 +4,7 @@ the test-only `FIVEFOLD_TEST_SLOW_RANK` hook), which must name that rank, and on
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -136,14 +137,14 @@ def test_a_run_predicted_to_take_over_an_hour_says_so_before_it_starts() -> None
     assert said(None, {}) == []  # the default run: about two minutes, nothing to say
 
 
-def _train(run_dir: Path, slow: str | None) -> str:
+def _train(run_dir: Path, slow: str | None, *extra: str) -> str:
     env = {**os.environ, "PYTHONPATH": SRC}
     env.pop(SLOW_RANK_ENV, None)
     if slow:
         env[SLOW_RANK_ENV] = slow
     done = subprocess.run(
         [sys.executable, "-m", "fivefold", "train", "--nproc", "2", "--layout.dp", "2", "--max-steps", "8",
-         "--log.log_every", "4", "--train.eval_batches", "1", "--run-dir", str(run_dir)],
+         "--log.log_every", "4", "--train.eval_batches", "1", "--run-dir", str(run_dir), *extra],
         capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout + done.stderr
@@ -153,8 +154,67 @@ def test_a_slowed_rank_is_named_and_a_normal_run_gets_no_such_warning(tmp_path: 
     slowed = _train(tmp_path / "slow", "1:0.8")
     assert "warning: rank 1 is slower than the others" in slowed, slowed
     assert "plan (cpu profile): step" in slowed and "plan vs measured (cpu profile)" in slowed
-    normal = _train(tmp_path / "normal", None)
+    # a profile of this machine (`fivefold train --hardware`, as `fivefold calibrate --out` writes one) reaches the
+    # started processes' plan check: rank 0 names it
+    normal = _train(tmp_path / "normal", None, "--hardware", str(profile(tmp_path, "this-cpu")))
     assert "is slower than the others" not in normal, normal
+    assert "plan vs measured (this-cpu profile)" in normal, normal
+
+
+def profile(where: Path, name: str, base: str = "cpu", fields: str = "") -> Path:
+    """A hardware profile file as `fivefold calibrate --out` writes one: a preset with fields of its own."""
+    path = where / f"{name}.toml"
+    path.write_text(f'name = "{name}"\nbase = "{base}"\n{fields}\n')
+    return path
+
+
+def test_train_checks_a_run_against_a_profile_of_its_device(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from fivefold.cli import main
+    from fivefold.cli.train import forwarded_argv, plan_expectation
+
+    slow = profile(tmp_path, "slow-cpu", fields="fp32_tflops = 0.05\nbf16_tflops = 0.05")  # the cpu preset's / 4
+    cfg = build_config(None, {"train.device": "cpu"})
+    default, measured = (estimate_run(cfg, get_cluster(*where), "cpu").step_time_s
+                         for where in (("cpu",), (None, slow)))
+    assert measured > 1.5 * default  # the profile's own figure, not the built-in one
+    assert main(["train", "--dry-run", "--train.device", "cpu", "--hardware", str(slow)]) == 0
+    said = capsys.readouterr().out
+    assert f"planner (slow-cpu, fivefold-cpu engine): fits, peak 0.2 GiB of 16.0 GiB per device; step " \
+        f"{measured:.2f} s" in said
+    # what rank 0 of a started job checks the run against, and what the launcher hands each process
+    expected = plan_expectation(cfg, 1, str(slow))
+    assert expected is not None and expected.profile == "slow-cpu"
+    assert expected.step_s == pytest.approx(measured, rel=1e-9)
+    args = argparse.Namespace(config=None, preset=None, data=None, max_steps=None, hf=None, resume=False,
+                              profile=False, hardware="slow-cpu.toml", overrides=[])
+    assert forwarded_argv(args, "runs/x")[-2:] == ["--hardware", str(Path("slow-cpu.toml").resolve())]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--gpu", "h100", "--dry-run"], "--gpu 'h100' and --hardware"),
+    (["--dry-run"], "describes an accelerator (h100-file), but the run uses train.device = 'cpu'"),
+    ([], "describes an accelerator (h100-file), but the run uses train.device = 'cpu'"),
+])
+def test_train_refuses_a_profile_that_does_not_describe_its_device(extra: list[str], message: str, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from fivefold.cli import main
+
+    gpu = profile(tmp_path, "h100-file", base="h100")
+    assert main(["train", "--train.device", "cpu", "--hardware", str(gpu), *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_train_refuses_a_missing_or_broken_profile_by_name(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    from fivefold.cli import main
+
+    assert main(["train", "--dry-run", "--train.device", "cpu", "--hardware", str(tmp_path / "none.toml")]) == 2
+    assert "none.toml" in capsys.readouterr().err
+    broken = tmp_path / "broken.toml"
+    broken.write_text('base = "cpu"\ncompute_scale = -1\n')
+    assert main(["train", "--dry-run", "--train.device", "cpu", "--hardware", str(broken)]) == 2
+    assert "compute_scale" in capsys.readouterr().err
 
 
 def test_the_dry_run_says_how_long_in_a_unit_that_reads(capsys: pytest.CaptureFixture[str]) -> None:
@@ -165,3 +225,20 @@ def test_the_dry_run_says_how_long_in_a_unit_that_reads(capsys: pytest.CaptureFi
     # the default run takes minutes; it read "about 0.0 h" when every duration was printed in hours
     assert main(["train", "--dry-run", "--train.device", "cpu"]) == 0
     assert re.search(r"450 steps take about \d+ min\n", capsys.readouterr().out)
+
+
+def test_a_cpu_profile_measured_with_other_threads_than_the_run_is_said(tmp_path: Path) -> None:
+    from fivefold.train.loop import default_threads
+    from fivefold.train.preflight import profile_threads
+
+    own = default_threads(1)
+    path = profile(tmp_path, "mine", fields=f"cores = 2\nthreads_per_rank = {own + 1}\n[ranks.2]\nthreads_per_rank = 1")
+    hw = get_cluster(None, path)
+    said = profile_threads(build_config(None, {}), hw, 1)
+    assert said is not None and f"measured with {own + 1} intra-op thread(s) per rank with 1 rank(s)" in said
+    assert f"this run uses {own} (train.threads = 0" in said and f"--threads {own}" in said
+    assert profile_threads(build_config(None, {"train.threads": str(own + 1)}), hw, 1) is None
+    # two processes read the [ranks.2] table: one thread each there, as the run sets
+    assert profile_threads(build_config(None, {"train.threads": "1"}), hw, 2) is None
+    assert profile_threads(build_config(None, {"train.threads": "2"}), hw, 2) is not None
+    assert profile_threads(build_config(None, {}), get_cluster("cpu"), 1) is None  # the built-in: no threads stated

@@ -359,7 +359,7 @@ def _framework(args: argparse.Namespace, hw) -> Framework:
         fw = profile.load(args.hardware, args.framework, args.gpu)[0]
         if fw is not None:
             return with_features(fw, features)
-    return with_features(profile.all_frameworks()[args.framework or ("fivefold-cpu" if hw.cores or hw.name == "cpu"
+    return with_features(profile.all_frameworks()[args.framework or ("fivefold-cpu" if hw.is_cpu
                                                                      else "fivefold")], features)
 
 
@@ -788,7 +788,7 @@ def _search_layouts(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, h
                     tokens: int, n_gpus: int) -> int:
     """Every layout: the best of each family as a table (or every candidate as JSON), --write-config's file."""
     batch_seqs = tokens // seq
-    accelerator = not (hw.cores or hw.name == "cpu")
+    accelerator = not hw.is_cpu
     # the written config compiles on an accelerator (not under an attention mask: `recipes.apply_recipe`)
     compiled_for_config = (bool(args.write_config) and accelerator and not fw.compiled
                            and not cfg.masks_attention)

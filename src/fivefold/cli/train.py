@@ -51,6 +51,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="--only-rank: print one JSON object")
     p.add_argument("--gpu", help="--dry-run: the planner's hardware preset for the prediction (default: the device "
                    "the run will use, train.device; auto picks this machine's); see `fivefold plan --help`")
+    p.add_argument("--hardware", metavar="FILE",
+                   help="a hardware profile of the device the run uses (e.g. what `fivefold calibrate --out FILE` "
+                        "measured on this machine), for the planner's prediction that the run is checked against: "
+                        "the start-up check, the plan check of the run, --only-rank and --dry-run (default: the "
+                        "built-in profile of that kind of device)")
     p.epilog = ("Any config field can be set as --section.field VALUE, e.g. --layout.dp 2 --train.lr 1e-3; "
                 "sections: model, layout, train, data, log.")
 
@@ -98,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     from fivefold.train import preflight
     from fivefold.train.loop import RunDirError, train
 
-    for flag in ("config", "preset", "data", "run_dir", "hf", "slurm", "setup", "gpu"):
+    for flag in ("config", "preset", "data", "run_dir", "hf", "slurm", "setup", "gpu", "hardware"):
         if getattr(args, flag, None) == "":  # an empty value is not "left out": say so rather than use the default
             raise CliError(f"--{flag.replace('_', '-')} '' is empty; give a value, or leave the flag out")
     if args.only_rank is not None:
@@ -115,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
     except RunDirError as e:
         raise CliError(str(e)) from None
     cfg.validate()  # every config error before any process starts
+    if args.hardware:
+        check_hardware_file(args, cfg)
     from fivefold.train.metrics import check_logging_backends
 
     check_logging_backends(cfg.log)
@@ -144,8 +151,10 @@ def run(args: argparse.Namespace) -> int:
     if device is not None:  # the process the user started: the planner's prediction on the device the run uses
         from fivefold.planner.predict import check_fits, device_cluster
 
-        e = check_fits(cfg, hardware := device_cluster(device, args.nproc), device.type)
-        for line in preflight.warnings(cfg, device, e.step_time_s):
+        e = check_fits(cfg, hardware := device_cluster(device, args.nproc, args.hardware), device.type)
+        threads = preflight.profile_threads(cfg, hardware, local_world_size(args.nproc)) if device.type == "cpu" \
+            else None
+        for line in [*preflight.warnings(cfg, device, e.step_time_s), *([threads] if threads else [])]:
             print(f"fivefold: warning: {line}", file=sys.stderr)
     from fivefold.faults import SaveAbandoned, held_by_parent
     from fivefold.train.checkpoint import CheckpointError, CheckpointWriteError
@@ -156,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
         if status is not None:
             return status
         # the estimate made above, in the one process of a one-process run; made again on rank 0 of a job
-        expected = (plan_expectation(cfg, local_world_size(args.nproc)) if device is None or args.nproc > 1
+        expected = (plan_expectation(cfg, local_world_size(args.nproc), args.hardware)
+                    if device is None or args.nproc > 1
                     else expectation(e, hardware))
         result = train(cfg, resume=args.resume, hf_init=Path(args.hf) if args.hf else None, expected=expected)
     except CheckpointWriteError as e:
@@ -173,16 +183,16 @@ def run(args: argparse.Namespace) -> int:
     return result.exit_code  # 3 after a streak of non-finite steps, 128 + N when signal N stopped it
 
 
-def plan_expectation(cfg: Config, local_ranks: int) -> Expectation | None:
-    """The planner's prediction of this run on the device it uses, for the logging rank to check the run against
-    (`train.expect`); None on the other ranks."""
+def plan_expectation(cfg: Config, local_ranks: int, hardware_file: str | None = None) -> Expectation | None:
+    """The planner's prediction of this run on the device it uses (`hardware_file`'s profile where given), for the
+    logging rank to check the run against (`train.expect`); None on the other ranks."""
     from fivefold.device import resolve_device
     from fivefold.planner.predict import device_cluster, estimate_run
 
     if int(os.environ.get("RANK", "0")) != 0:
         return None
     device = resolve_device(cfg.train.device)
-    hardware = device_cluster(device, local_ranks)
+    hardware = device_cluster(device, local_ranks, hardware_file)
     return expectation(estimate_run(cfg, hardware, device.type), hardware)
 
 
@@ -242,7 +252,27 @@ def only_rank(cfg: Config, args: argparse.Namespace) -> int:
 
     check_layout(cfg, cfg.layout.world_size)
     check_rank(cfg, args.only_rank)
-    return run_only_rank(cfg, args.only_rank, as_json=args.json)
+    return run_only_rank(cfg, args.only_rank, as_json=args.json, hardware_file=args.hardware)
+
+
+def check_hardware_file(args: argparse.Namespace, cfg: Config) -> None:
+    """`--hardware FILE`, read and checked before any work: a profile the planner reads (`fivefold plan
+    --hardware`), of the kind of device the run uses (a CPU's profile for a run on the CPU, an accelerator's for one
+    on an accelerator), and not beside --gpu, which names a preset for the same prediction."""
+    from fivefold.device import resolve_device
+    from fivefold.planner.hardware import get_cluster
+
+    if args.gpu:
+        raise CliError(f"--gpu {shown(args.gpu)} and --hardware {shown(args.hardware)} both name the profile of the "
+                       "prediction; give one")
+    hw = get_cluster(None, args.hardware)  # a ConfigError names the file and the field
+    t = cfg.train
+    device = t.device if args.dry_run and t.device != "auto" else resolve_device(t.device).type
+    if hw.is_cpu != (device == "cpu"):
+        raise CliError(f"--hardware {shown(args.hardware)} describes {'a CPU' if hw.is_cpu else 'an accelerator'} "
+                       f"({hw.name}), but the run uses train.device = {shown(cfg.train.device)}"
+                       f"{f' ({device})' if cfg.train.device == 'auto' else ''}; give a profile of that device "
+                       "(`fivefold calibrate --out FILE` measures this machine's), or leave --hardware out")
 
 
 _SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d{1,3}):([0-5]\d):([0-5]\d)$")
@@ -283,8 +313,9 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
               "--tokenizer MODEL_DIR --out DIR` before training")
     # the device the run will use (`train.device`, `auto`: this machine's), unless --gpu names another
     check_device_name(t.device)
-    hw = get_cluster(args.gpu) if args.gpu else default_hardware(resolve_device(t.device).type)
-    kind = "cpu" if hw.cores or hw.name == "cpu" else "accelerator"  # the kind of device the profile describes
+    hw = (get_cluster(args.gpu) if args.gpu else get_cluster(None, args.hardware) if args.hardware
+          else default_hardware(resolve_device(t.device).type))
+    kind = "cpu" if hw.is_cpu else "accelerator"  # the kind of device the profile describes
     fw, e = run_framework(cfg, kind), estimate_run(cfg, hw, kind)
     step_s = e.step_time_s
     features = ", compiled" * t.compile + (f", float8 {t.float8}" if t.float8 != "off" else "")
@@ -313,4 +344,5 @@ def forwarded_argv(args: argparse.Namespace, run_dir: str) -> list[str]:
             out += [flag, str(value)]
     out += ["--run-dir", run_dir]
     out += ["--resume"] * args.resume + ["--profile"] * args.profile
+    out += ["--hardware", str(Path(args.hardware).resolve())] if args.hardware else []
     return out + list(args.overrides)

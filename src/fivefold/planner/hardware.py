@@ -91,8 +91,9 @@ class Cluster(Hardware):
 
     @property
     def is_cpu(self) -> bool:
-        """A CPU profile (the built-in `cpu`, or one `fivefold calibrate` measured: it has cores)."""
-        return bool(self.cores) or self.name == "cpu"
+        """A CPU profile: the built-in `cpu`, a file based on it (its `device`), or one `fivefold calibrate` measured
+        (it has cores)."""
+        return bool(self.cores) or self.device == "cpu" or self.name == "cpu"
 
     @property
     def has_stall_data(self) -> bool:

@@ -120,11 +120,12 @@ def engine_parts(parts: dict[str, float]) -> dict[str, float]:
     return {**states, "activations": activations, "buffers": sum(rest.values())}
 
 
-def device_cluster(device: torch.device, local_ranks: int) -> Cluster:
-    """The planner's profile of the device a run uses (`default_hardware` of its kind) with that device's memory:
-    the accelerator's total, or on CPU the machine's RAM shared by the `local_ranks` processes of this node (the
-    profile's own figure when neither can be read); room for the local ranks on one node."""
-    hardware = on_one_node(default_hardware(device.type), local_ranks)
+def device_cluster(device: torch.device, local_ranks: int, hardware_file: str | Path | None = None) -> Cluster:
+    """The planner's profile of the device a run uses (`hardware_file`'s, e.g. one `fivefold calibrate` wrote, else
+    `default_hardware` of its kind) with that device's memory: the accelerator's total, or on CPU the machine's RAM
+    shared by the `local_ranks` processes of this node (the profile's own figure when neither can be read); room
+    for the local ranks on one node."""
+    hardware = on_one_node(load_hardware(hardware_file, device.type), local_ranks)
     have = device_memory_bytes(device, local_ranks)
     return dataclasses.replace(hardware, memory_gib=have / 2**30) if have else hardware
 

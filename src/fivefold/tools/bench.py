@@ -45,6 +45,7 @@ from fivefold.layout import check_layout
 from fivefold.outputs import keep_previous
 from fivefold.planner.predict import check_fits, device_cluster
 from fivefold.train.build import build_engine
+from fivefold.train.loop import set_threads
 from fivefold.train.metrics import (
     gather_ints,
     memory_baseline,
@@ -140,8 +141,7 @@ def run_bench(args: argparse.Namespace, cfg: Config) -> dict:
     """Time `cfg` (what `bench_config(args)` built) as `args` says; the result as `--json` prints it."""
     seq = cfg.train.seq_len
     device = resolve_device(cfg.train.device)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    set_threads(cfg.train.threads, device)  # as a training run sets them (the cores' share when 0)
     resident_before = memory_baseline(device)
     engine = build_engine(cfg, device)
     # each data-parallel rank its own rows; tensor-parallel ranks of one dp rank share them

@@ -57,14 +57,15 @@ def rank_description(cfg: Config, rank: int) -> dict:
             "planner_rank_exact": pp in (0, la.pp - 1)}
 
 
-def planner_for_rank(cfg: Config, rank: int, device_type: str) -> dict:
+def planner_for_rank(cfg: Config, rank: int, device_type: str, hardware_file: str | None = None) -> dict:
     """The planner's prediction for rank `rank` of `cfg` on this kind of device: memory by part (the first or the
     last pipeline rank's: the planner models those two, so a middle pipeline rank is compared with the first, and
-    `rank_description` says so) and the time one process computes (compute, host waits and the optimizer step)."""
+    `rank_description` says so) and the time one process computes (compute, host waits and the optimizer step), on
+    `hardware_file`'s profile where given (`fivefold train --hardware`), else the device's built-in one."""
     from fivefold.parallel.pipeline import stage_layer_counts
-    from fivefold.planner.predict import default_hardware, engine_parts, estimate_run, on_one_node
+    from fivefold.planner.predict import engine_parts, estimate_run, load_hardware, on_one_node
 
-    hw = on_one_node(default_hardware(device_type), cfg.layout.world_size)
+    hw = on_one_node(load_hardware(hardware_file, device_type), cfg.layout.world_size)
     if cfg.layout.pp > 1 and not cfg.layout.stage_layers:  # the engine's split at this sequence length
         cfg = dataclasses.replace(cfg, layout=dataclasses.replace(cfg.layout, stage_layers=stage_layer_counts(cfg)))
     e = estimate_run(cfg, hw, device_type)
@@ -232,12 +233,13 @@ def print_summary(s: dict, out: TextIO) -> None:
         print(f"  peak reserved: {s['peak_memory_bytes']['reserved'] / MIB:,.1f} MiB", file=out)
 
 
-def run_only_rank(cfg: Config, rank: int, as_json: bool = False, out: TextIO | None = None) -> int:
+def run_only_rank(cfg: Config, rank: int, as_json: bool = False, out: TextIO | None = None,
+                  hardware_file: str | None = None) -> int:
     """`fivefold train --only-rank RANK [--json]`: measure, compare with the planner, print."""
     out = out or sys.stdout
     check_rank(cfg, rank)
     device_type = resolve_device(cfg.train.device).type
-    predicted = planner_for_rank(cfg, rank, device_type)  # before any work: a wrong config fails here
+    predicted = planner_for_rank(cfg, rank, device_type, hardware_file)  # before any work: a wrong config fails here
     c = rank_description(cfg, rank)
     if not as_json:
         print(f"fivefold: only rank {rank} of {c['world_size']} (pp {c['pp']}, dp {c['dp']}, cp {c['cp']}, tp "

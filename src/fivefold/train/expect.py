@@ -176,7 +176,8 @@ class PlanCheck:
         return f"device {how}", (
             f"step {seconds(step)} measured against {seconds(self.expected.step_s)} predicted "
             f"({100 * (step / self.expected.step_s - 1):+.0f} %), every rank {how} alike: the "
-            f"{self.expected.profile} profile does not describe this machine (`fivefold calibrate` measures one; "
+            f"{self.expected.profile} profile does not describe this machine (`fivefold calibrate --out FILE` measures "
+            "one, and `fivefold train --hardware FILE` checks a run against it; "
             "other work on the machine slows every rank too)")
 
     def memory(self) -> tuple[str, str] | None:

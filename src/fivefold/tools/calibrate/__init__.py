@@ -18,9 +18,10 @@ nccl, on GPUs), every figure the median of repeated timings:
 * how much of an all-reduce hides behind compute running at the same time.
 
 On a CPU the ranks of a node share its cores, and the sweep's runs put up to 4 ranks on 2 cores: every compute
-figure is measured again with N processes running it at once (`--threads` intra-op threads each, 1 by default as
-under `torchrun`), for N = 1..`--nproc-max`. The profile holds the figures measured with one rank at its top
-level and those with N ranks under `[ranks.N]`; the planner reads the table for the ranks a layout puts on a node
+figure is measured again with N processes running it at once (`--threads` intra-op threads each; by default each
+rank's share of the cores, as `fivefold train` runs N local processes), for N = 1..`--nproc-max`. The profile holds
+the figures measured with one rank at its top level and those with N ranks under `[ranks.N]`, each with its
+`threads_per_rank`; the planner reads the table for the ranks a layout puts on a node
 (`Cluster.on_node`). On an accelerator each rank has its own device, so compute is measured once.
 
 Nothing here is fitted to training runs: the planner's predictions for the runs are built from these figures and

@@ -16,7 +16,7 @@ from fivefold.outputs import keep_previous
 from fivefold.tools.calibrate.harness import size_text
 from fivefold.tools.calibrate.profile import profile_header, profile_name, profile_tables, write_profile
 from fivefold.tools.calibrate.ranks import measure_group, worker
-from fivefold.tools.calibrate.targets import Result, for_group, make_plan
+from fivefold.tools.calibrate.targets import Result, for_group, make_plan, rank_threads
 from fivefold.tools.calibrate.whole_step import predicted_step, step_scale, time_whole_step
 
 
@@ -29,8 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated presets whose shapes to measure (default: tiny on CPU, llama-3.2-1b on GPU)")
     p.add_argument("--seq-len", type=int_in(0, 1 << 20, "tokens per sequence of the measured shapes"),
                    default=0, help="sequence length of those shapes (default: 128 on CPU, 4096 on GPU)")
-    p.add_argument("--threads", type=int_in(1, os.cpu_count() or 1, "at most this machine's CPU cores"),
-                   default=1, help="CPU: intra-op threads per rank (1, as torchrun sets)")
+    p.add_argument("--threads", type=int_in(0, os.cpu_count() or 1, "at most this machine's CPU cores"),
+                   default=0, help="CPU: intra-op threads per rank (default 0: each rank's share of the cores with "
+                                   "N ranks at once, as `fivefold train` runs by default; 1 for runs with one "
+                                   "thread per process, as torchrun sets or a sweep's threads = 1)")
     p.add_argument("--quick", action="store_true",
                    help="a coarse profile in seconds (2 ranks, few shapes and sizes, short timings): for tests")
     # each process that the launcher starts for N ranks: the plan to measure, written by `measure_group`
@@ -72,7 +74,8 @@ def calibrate(args: argparse.Namespace) -> tuple[Path, dict[int, Result], float]
     print(f"calibrate: {load}", flush=True)
     text_header = profile_header(args.quick, socket.gethostname(), device_type, seconds,
                                  time.strftime('%Y-%m-%d %H:%M'), load)
-    tables = profile_tables(results, device_type, args.threads, levels[-1], profile_name(out))
+    tables = profile_tables(results, device_type, {n: rank_threads(args.threads, n) for n in levels}, levels[-1],
+                            profile_name(out))
     if scale is not None:
         tables["compute_scale"] = scale
     if (backup := keep_previous(out)) is not None:  # a profile already there (perhaps edited) is kept, not lost
@@ -89,9 +92,10 @@ def whole_step_scale(one: Result, args: argparse.Namespace) -> float:
     def say(text: str) -> None:
         print(f"calibrate [1 rank] {text}", flush=True)
 
-    measured = time_whole_step(args.threads, 3 if args.quick else 30, 1 if args.quick else 5, say)
-    parts = profile_tables({1: one}, "cpu", args.threads, 1, "parts")  # the parts as a profile of their own
-    predicted = predicted_step(cluster_from_table(parts, "the calibration's parts"), args.threads)
+    threads = rank_threads(args.threads, 1)
+    measured = time_whole_step(threads, 3 if args.quick else 30, 1 if args.quick else 5, say)
+    parts = profile_tables({1: one}, "cpu", {1: threads}, 1, "parts")  # the parts as a profile of their own
+    predicted = predicted_step(cluster_from_table(parts, "the calibration's parts"), threads)
     scale = round(step_scale(measured, predicted), 4)
     say(f"the profile's parts predict {1e3 * predicted:.1f} ms: compute_scale = {scale}")
     return scale

@@ -14,15 +14,17 @@ from fivefold.tools.calibrate.fit import fit_link
 from fivefold.tools.calibrate.targets import Result
 
 
-def profile_tables(results: dict[int, Result], device_type: str, threads: int, nproc: int, name: str) -> dict:
-    """The TOML tables of a profile: top level from one rank, [ranks.N] from N ranks."""
+def profile_tables(results: dict[int, Result], device_type: str, threads: dict[int, int], nproc: int,
+                   name: str) -> dict:
+    """The TOML tables of a profile: top level from one rank, [ranks.N] from N ranks (on a CPU, `threads[N]`
+    intra-op threads each)."""
     one = results[1]
     cpu = device_type == "cpu"
     best = max(r[3] for r in one.linear)
     top: dict = {"name": name, "base": default_hardware(device_type).name}
     if cpu:
         top["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        top["threads_per_rank"] = threads
+        top["threads_per_rank"] = threads[1]
         top["memory_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
         top["fp32_tflops"] = top["bf16_tflops"] = best
         top["hbm_gbps"] = max(r[1] for r in one.elementwise)
@@ -37,7 +39,7 @@ def profile_tables(results: dict[int, Result], device_type: str, threads: int, n
     for n, r in sorted(results.items()):
         if n == 1:
             continue
-        section = compute_fields(r) if cpu else {}
+        section = {"threads_per_rank": threads[n], **compute_fields(r)} if cpu else {}
         section["comm_overlap"] = r.comm_overlap
         section["zero3_unit_us"] = r.zero3_unit_us
         section["posted_p2p_wait_us"] = r.posted_p2p_wait_us

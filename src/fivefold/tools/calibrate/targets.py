@@ -123,8 +123,8 @@ def make_plan(args: argparse.Namespace, device_type: str) -> tuple[Plan, list[in
     if not cpu and nproc > torch.accelerator.device_count():
         raise CliError(f"--nproc-max = {nproc} exceeds the {torch.accelerator.device_count()} {device_type} "
                           "devices of this machine")
-    if args.threads < 1:
-        raise CliError(f"--threads = {args.threads} must be >= 1")
+    if args.threads < 0:
+        raise CliError(f"--threads = {args.threads} must be >= 1 (or 0: each rank's share of the cores)")
     tps = [t for t in (1, 2, 4, 8) if t <= nproc]
     if args.quick:
         mbs, sizes, elem = [2], [4 * KIB, 1024 * KIB], [2**12, 2**20]
@@ -142,5 +142,14 @@ def make_plan(args: argparse.Namespace, device_type: str) -> tuple[Plan, list[in
 
 def for_group(plan: Plan, ranks: int) -> Plan:
     """The plan for `ranks` at once: on an accelerator each rank has its own device, so compute is measured
-    with one rank only."""
-    return dataclasses.replace(plan, compute=plan.device_type == "cpu" or ranks == 1)
+    with one rank only; on a CPU each rank runs `rank_threads` intra-op threads."""
+    return dataclasses.replace(plan, compute=plan.device_type == "cpu" or ranks == 1,
+                               threads=rank_threads(plan.threads, ranks))
+
+
+def rank_threads(threads: int, ranks: int) -> int:
+    """Intra-op threads of each of `ranks` CPU ranks at once: `--threads`, or (0) their share of this machine's cores,
+    as `fivefold train` gives each of its local processes (`train.threads` = 0)."""
+    from fivefold.train.loop import default_threads
+
+    return threads or default_threads(ranks)

@@ -205,6 +205,15 @@ def test_train_refuses_a_profile_that_does_not_describe_its_device(extra: list[s
     assert message in capsys.readouterr().err
 
 
+def test_a_slurm_script_takes_a_profile_of_the_compute_nodes(tmp_path: Path) -> None:
+    """Written here, run on the cluster's nodes: with train.device = auto their device decides, not this machine's."""
+    from fivefold.cli import main
+
+    gpu, script = profile(tmp_path, "h100-file", base="h100"), tmp_path / "train.sbatch"
+    assert main(["train", "--slurm", str(script), "--hardware", str(gpu), "--nproc", "2", "--layout.dp", "2"]) == 0
+    assert f"--hardware {gpu.resolve()}" in script.read_text()
+
+
 def test_train_refuses_a_missing_or_broken_profile_by_name(tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     from fivefold.cli import main

@@ -267,7 +267,9 @@ def check_hardware_file(args: argparse.Namespace, cfg: Config) -> None:
                        "prediction; give one")
     hw = get_cluster(None, args.hardware)  # a ConfigError names the file and the field
     t = cfg.train
-    device = t.device if args.dry_run and t.device != "auto" else resolve_device(t.device).type
+    if args.slurm and t.device == "auto":  # the compute nodes' device, which this machine cannot see
+        return
+    device = t.device if (args.dry_run or args.slurm) and t.device != "auto" else resolve_device(t.device).type
     if hw.is_cpu != (device == "cpu"):
         raise CliError(f"--hardware {shown(args.hardware)} describes {'a CPU' if hw.is_cpu else 'an accelerator'} "
                        f"({hw.name}), but the run uses train.device = {shown(cfg.train.device)}"

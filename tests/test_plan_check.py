@@ -237,8 +237,8 @@ def test_the_dry_run_says_how_long_in_a_unit_that_reads(capsys: pytest.CaptureFi
 
 
 def test_a_cpu_profile_measured_with_other_threads_than_the_run_is_said(tmp_path: Path) -> None:
+    from fivefold.cli.train import profile_threads
     from fivefold.train.loop import default_threads
-    from fivefold.train.preflight import profile_threads
 
     own = default_threads(1)
     path = profile(tmp_path, "mine", fields=f"cores = 2\nthreads_per_rank = {own + 1}\n[ranks.2]\nthreads_per_rank = 1")

@@ -152,8 +152,7 @@ def run(args: argparse.Namespace) -> int:
         from fivefold.planner.predict import check_fits, device_cluster
 
         e = check_fits(cfg, hardware := device_cluster(device, args.nproc, args.hardware), device.type)
-        threads = preflight.profile_threads(cfg, hardware, local_world_size(args.nproc)) if device.type == "cpu" \
-            else None
+        threads = profile_threads(cfg, hardware, local_world_size(args.nproc)) if device.type == "cpu" else None
         for line in [*preflight.warnings(cfg, device, e.step_time_s), *([threads] if threads else [])]:
             print(f"fivefold: warning: {line}", file=sys.stderr)
     from fivefold.faults import SaveAbandoned, held_by_parent
@@ -253,6 +252,23 @@ def only_rank(cfg: Config, args: argparse.Namespace) -> int:
     check_layout(cfg, cfg.layout.world_size)
     check_rank(cfg, args.only_rank)
     return run_only_rank(cfg, args.only_rank, as_json=args.json, hardware_file=args.hardware)
+
+
+def profile_threads(cfg: Config, hardware: Cluster, local_ranks: int) -> str | None:
+    """A CPU profile measured with other intra-op threads per rank than this run's (`train.threads`, or the cores'
+    share of its `local_ranks` processes): its times are for those threads, not this run's."""
+    from fivefold.train.loop import default_threads
+
+    measured = hardware.on_node(local_ranks).threads_per_rank
+    runs = cfg.train.threads or default_threads(local_ranks)
+    if not hardware.is_cpu or not measured or measured == runs:
+        return None
+    why = f"train.threads = {cfg.train.threads}" if cfg.train.threads else (
+        f"train.threads = 0: the cores' share of {local_ranks} process(es)")
+    return (f"the {hardware.name} profile was measured with {measured} intra-op thread(s) per rank with "
+            f"{local_ranks} rank(s) on the machine, and this run uses {runs} ({why}): its predicted times are for "
+            f"{measured}; `fivefold calibrate --threads {runs}` measures a profile for this run, or set "
+            f"--train.threads {measured}")
 
 
 def check_hardware_file(args: argparse.Namespace, cfg: Config) -> None:

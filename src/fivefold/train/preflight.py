@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,9 +18,6 @@ from fivefold.config import Config, ConfigError, check_writable_dir, shown
 from fivefold.device import present_device
 from fivefold.parallel.float8 import check_float8
 from fivefold.train.metrics import check_logging_backends
-
-if TYPE_CHECKING:
-    from fivefold.planner.hardware import Cluster
 
 
 def check_nproc(nproc: int, nodes: int = 1) -> None:
@@ -101,23 +97,6 @@ def warnings(cfg: Config, device: torch.device, step_s: float) -> list[str]:
         out.append(f"train.eval_batches = {t.eval_batches}: each evaluation takes ~{rough_duration(eval_s)} ({ranks}); "
                    f"evaluations run at step 0, every train.eval_every = {t.eval_every} steps and at the end")
     return out
-
-
-def profile_threads(cfg: Config, hardware: Cluster, local_ranks: int) -> str | None:
-    """A CPU profile measured with other intra-op threads per rank than this run's (`train.threads`, or the cores'
-    share of its `local_ranks` processes): its times are for those threads, not this run's."""
-    from fivefold.train.loop import default_threads
-
-    measured = hardware.on_node(local_ranks).threads_per_rank
-    runs = cfg.train.threads or default_threads(local_ranks)
-    if not hardware.is_cpu or not measured or measured == runs:
-        return None
-    why = f"train.threads = {cfg.train.threads}" if cfg.train.threads else (
-        f"train.threads = 0: the cores' share of {local_ranks} process(es)")
-    return (f"the {hardware.name} profile was measured with {measured} intra-op thread(s) per rank with "
-            f"{local_ranks} rank(s) on the machine, and this run uses {runs} ({why}): its predicted times are for "
-            f"{measured}; `fivefold calibrate --threads {runs}` measures a profile for this run, or set "
-            f"--train.threads {measured}")
 
 
 def rough_duration(s: float) -> str:

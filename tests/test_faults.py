@@ -170,7 +170,7 @@ BAD_INPUTS: list[tuple[str, str]] = [
     ("--out", "calibrate --out nodir/x.toml"),
     ("--device", "calibrate --device bogus"),
     ("--seq-len", "calibrate --seq-len -1"),
-    ("--threads", "calibrate --threads 0"),
+    ("--threads", "calibrate --threads -1"),
     # data
     ("nothing.txt", "data prepare nothing.txt --out d1"),
     ("afile", "data prepare afile --out d2"),

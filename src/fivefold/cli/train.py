@@ -152,8 +152,10 @@ def run(args: argparse.Namespace) -> int:
         from fivefold.planner.predict import check_fits, device_cluster
 
         e = check_fits(cfg, hardware := device_cluster(device, args.nproc, args.hardware), device.type)
-        threads = profile_threads(cfg, hardware, local_world_size(args.nproc)) if device.type == "cpu" else None
-        for line in [*preflight.warnings(cfg, device, e.step_time_s), *([threads] if threads else [])]:
+        lines = preflight.warnings(cfg, device, e.step_time_s)
+        if threads := profile_threads(cfg, hardware, local_world_size(args.nproc)):
+            lines.append(threads)
+        for line in lines:
             print(f"fivefold: warning: {line}", file=sys.stderr)
     from fivefold.faults import SaveAbandoned, held_by_parent
     from fivefold.train.checkpoint import CheckpointError, CheckpointWriteError
@@ -256,11 +258,12 @@ def only_rank(cfg: Config, args: argparse.Namespace) -> int:
 
 def profile_threads(cfg: Config, hardware: Cluster, local_ranks: int) -> str | None:
     """A CPU profile measured with other intra-op threads per rank than this run's (`train.threads`, or the cores'
-    share of its `local_ranks` processes): its times are for those threads, not this run's."""
-    from fivefold.train.loop import default_threads
+    share of its `local_ranks` processes): its times are for those threads, not this run's. None for a profile
+    that states no threads (the built-in ones) or an accelerator's."""
+    from fivefold.train.loop import threads_per_process
 
     measured = hardware.on_node(local_ranks).threads_per_rank
-    runs = cfg.train.threads or default_threads(local_ranks)
+    runs = threads_per_process(cfg.train.threads, local_ranks)
     if not hardware.is_cpu or not measured or measured == runs:
         return None
     why = f"train.threads = {cfg.train.threads}" if cfg.train.threads else (
@@ -282,14 +285,14 @@ def check_hardware_file(args: argparse.Namespace, cfg: Config) -> None:
         raise CliError(f"--gpu {shown(args.gpu)} and --hardware {shown(args.hardware)} both name the profile of the "
                        "prediction; give one")
     hw = get_cluster(None, args.hardware)  # a ConfigError names the file and the field
-    t = cfg.train
-    if args.slurm and t.device == "auto":  # the compute nodes' device, which this machine cannot see
+    given = cfg.train.device
+    if args.slurm and given == "auto":  # the compute nodes' device, which this machine cannot see
         return
-    device = t.device if (args.dry_run or args.slurm) and t.device != "auto" else resolve_device(t.device).type
+    device = given if (args.dry_run or args.slurm) and given != "auto" else resolve_device(given).type
     if hw.is_cpu != (device == "cpu"):
         raise CliError(f"--hardware {shown(args.hardware)} describes {'a CPU' if hw.is_cpu else 'an accelerator'} "
-                       f"({hw.name}), but the run uses train.device = {shown(cfg.train.device)}"
-                       f"{f' ({device})' if cfg.train.device == 'auto' else ''}; give a profile of that device "
+                       f"({hw.name}), but the run uses train.device = {shown(given)}"
+                       f"{f' ({device})' if given == 'auto' else ''}; give a profile of that device "
                        "(`fivefold calibrate --out FILE` measures this machine's), or leave --hardware out")
 
 

@@ -27,6 +27,7 @@ _MOE_ARCHS = (MIXTRAL_ARCH, QWEN3_MOE_ARCH, OLMOE_ARCH, QWEN2_MOE_ARCH)
 _QK_NORMS = {QWEN3_ARCH: "head", QWEN3_MOE_ARCH: "head", OLMOE_ARCH: "full"}
 _ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
+
 def read_config_json(config: dict[str, Any] | str | Path) -> dict[str, Any]:
     """A Hugging Face `config.json` as a dict (given as a dict, the file, or its directory)."""
     if isinstance(config, dict):

@@ -121,11 +121,11 @@ def measure_rank(cfg: Config, rank: int, steps: int | None = None, on_step=None)
     mesh) past `destroy_process_group`, so a second world in the same process may look up the first world's
     names. The command line measures one rank per process, and `plan --measure` starts a process per rank."""
     from fivefold.parallel.standin import init_standin
-    from fivefold.train.loop import default_threads
+    from fivefold.train.loop import threads_per_process
 
     check_rank(cfg, rank)
     device = resolve_device(cfg.train.device)
-    torch.set_num_threads(cfg.train.threads or default_threads(1))
+    torch.set_num_threads(threads_per_process(cfg.train.threads, 1))
     init_standin(rank, cfg.layout.world_size)
     try:
         return _measure(cfg, rank, device, steps, on_step)

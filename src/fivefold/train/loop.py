@@ -156,6 +156,13 @@ def default_threads(local_processes: int) -> int:
     return max(1, cores // max(1, local_processes))
 
 
+def threads_per_process(threads: int, local_processes: int) -> int:
+    """CPU intra-op threads of each of `local_processes` processes on this machine: `train.threads`, or (0) their
+    share of the cores (`default_threads`). What a run sets, what `fivefold calibrate` measures with, and what a
+    profile's `threads_per_rank` is compared with."""
+    return threads or default_threads(local_processes)
+
+
 RUN_TOKENIZER_DIR = "tokenizer"  # RUN_DIR/tokenizer/: the run's tokenizer, which `fivefold export` writes out
 HF_TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
@@ -311,10 +318,8 @@ def train_owned(cfg: Config, resume: bool, stop_after: int | None, stream: TextI
 
 def set_threads(threads: int, device: torch.device) -> None:
     """CPU intra-op threads: `train.threads`, or on the CPU the default share of this machine's cores."""
-    if threads:
-        torch.set_num_threads(threads)
-    elif device.type == "cpu":
-        torch.set_num_threads(default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    if threads or device.type == "cpu":
+        torch.set_num_threads(threads_per_process(threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def load_data(cfg: Config, is_first: bool, hf_init: Path | None) -> tuple[

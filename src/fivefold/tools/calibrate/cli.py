@@ -16,7 +16,7 @@ from fivefold.outputs import keep_previous
 from fivefold.tools.calibrate.harness import size_text
 from fivefold.tools.calibrate.profile import profile_header, profile_name, profile_tables, write_profile
 from fivefold.tools.calibrate.ranks import measure_group, worker
-from fivefold.tools.calibrate.targets import Result, for_group, make_plan, rank_threads
+from fivefold.tools.calibrate.targets import Result, for_group, make_plan
 from fivefold.tools.calibrate.whole_step import predicted_step, step_scale, time_whole_step
 
 
@@ -63,19 +63,20 @@ def calibrate(args: argparse.Namespace) -> tuple[Path, dict[int, Result], float]
     start = time.perf_counter()
     load_before = _load_note()
     results: dict[int, Result] = {}
+    threads: dict[int, int] = {}  # intra-op threads per rank, by ranks at once (CPU)
     scale = None
     for n in levels:
-        results[n] = measure_group(for_group(plan, n), n)
+        group = for_group(plan, n)
+        results[n], threads[n] = measure_group(group, n), group.threads
         print(f"calibrate: {n} rank{'s' if n > 1 else ''} done in {results[n].seconds:.0f} s", flush=True)
         if n == 1 and device_type == "cpu":  # right after the parts it is set against, on the machine as it is then
-            scale = whole_step_scale(results[1], args)
+            scale = whole_step_scale(results[1], threads[1], args.quick)
     seconds = time.perf_counter() - start
     load = f"load average {load_before} before, {_load_note()} after (cores: {os.cpu_count()})"
     print(f"calibrate: {load}", flush=True)
     text_header = profile_header(args.quick, socket.gethostname(), device_type, seconds,
                                  time.strftime('%Y-%m-%d %H:%M'), load)
-    tables = profile_tables(results, device_type, {n: rank_threads(args.threads, n) for n in levels}, levels[-1],
-                            profile_name(out))
+    tables = profile_tables(results, device_type, threads, levels[-1], profile_name(out))
     if scale is not None:
         tables["compute_scale"] = scale
     if (backup := keep_previous(out)) is not None:  # a profile already there (perhaps edited) is kept, not lost
@@ -84,16 +85,15 @@ def calibrate(args: argparse.Namespace) -> tuple[Path, dict[int, Result], float]
     return out, results, seconds
 
 
-def whole_step_scale(one: Result, args: argparse.Namespace) -> float:
-    """The reference model's whole step timed through the engine against what one rank's figures (`one`) predict
-    for it: the factor on every compute time (`whole_step`)."""
+def whole_step_scale(one: Result, threads: int, quick: bool) -> float:
+    """The reference model's whole step, on `threads` intra-op threads, timed through the engine against what one
+    rank's figures (`one`) predict for it: the factor on every compute time (`whole_step`)."""
     from fivefold.planner.hardware import cluster_from_table
 
     def say(text: str) -> None:
         print(f"calibrate [1 rank] {text}", flush=True)
 
-    threads = rank_threads(args.threads, 1)
-    measured = time_whole_step(threads, 3 if args.quick else 30, 1 if args.quick else 5, say)
+    measured = time_whole_step(threads, 3 if quick else 30, 1 if quick else 5, say)
     parts = profile_tables({1: one}, "cpu", {1: threads}, 1, "parts")  # the parts as a profile of their own
     predicted = predicted_step(cluster_from_table(parts, "the calibration's parts"), threads)
     scale = round(step_scale(measured, predicted), 4)

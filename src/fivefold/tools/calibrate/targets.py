@@ -142,14 +142,9 @@ def make_plan(args: argparse.Namespace, device_type: str) -> tuple[Plan, list[in
 
 def for_group(plan: Plan, ranks: int) -> Plan:
     """The plan for `ranks` at once: on an accelerator each rank has its own device, so compute is measured
-    with one rank only; on a CPU each rank runs `rank_threads` intra-op threads."""
+    with one rank only; on a CPU each rank runs the intra-op threads `fivefold train` gives as many local processes
+    (`train.loop.threads_per_process`: `--threads`, or 0, their share of the cores)."""
+    from fivefold.train.loop import threads_per_process
+
     return dataclasses.replace(plan, compute=plan.device_type == "cpu" or ranks == 1,
-                               threads=rank_threads(plan.threads, ranks))
-
-
-def rank_threads(threads: int, ranks: int) -> int:
-    """Intra-op threads of each of `ranks` CPU ranks at once: `--threads`, or (0) their share of this machine's cores,
-    as `fivefold train` gives each of its local processes (`train.threads` = 0)."""
-    from fivefold.train.loop import default_threads
-
-    return threads or default_threads(ranks)
+                               threads=threads_per_process(plan.threads, ranks))

@@ -20,7 +20,14 @@ from fivefold.planner.memory import model_state_bytes
 from fivefold.planner.time import linear_shapes, optimizer_tensors, stage_times, step_time
 from fivefold.presets import get_preset
 from fivefold.tools.calibrate import Result, fit_link, monotone, profile_tables, to_toml
-from fivefold.tools.calibrate.whole_step import SCALE_BOUNDS, predicted_step, reference_config, step_scale
+from fivefold.tools.calibrate.whole_step import (
+    SCALE_BOUNDS,
+    dispatch_us,
+    predicted_step,
+    reference_config,
+    reference_plan,
+    step_scale,
+)
 from fivefold.train.loop import default_threads
 
 TINY = get_preset("tiny")
@@ -60,6 +67,10 @@ def test_quick_calibration_writes_a_profile_that_loads(quick_profile):
     # the reference model's whole step against the parts: a factor within its bounds, on every rank count
     assert SCALE_BOUNDS[0] <= hw.compute_scale <= SCALE_BOUNDS[1]
     assert hw.on_node(1).compute_scale == hw.on_node(2).compute_scale == hw.compute_scale
+    # the selective policy's dispatch, measured on the same reference step: a host time per block, kept for every
+    # rank count
+    assert 0.0 <= hw.selective_dispatch_us < 1e6
+    assert hw.on_node(2).selective_dispatch_us == hw.selective_dispatch_us
 
 
 def test_compute_scale_multiplies_every_compute_time_and_not_communication():
@@ -199,6 +210,70 @@ def test_block_time_is_flops_over_measured_throughput_plus_fixed_costs(tp, loss_
     backward = lin_b + 2 * attn_flops / (attn_row[4] * 1e12) + 2 * act / bandwidth + fixed_b + t_tp
     per_block_bw = (times.b[0] + times.w[0] - _head_b(hw, tp, tokens)) / TINY.n_layers
     assert per_block_bw == pytest.approx(backward, rel=1e-9)
+
+
+@pytest.mark.parametrize("tp, sp", [(1, False), (2, False), (2, True)])
+def test_selective_recompute_costs_what_its_policy_reruns_plus_the_measured_dispatch(tp, sp):
+    """fivefold's policy keeps every projection's output and the attention kernel's, so a block's selective
+    recompute reruns its element-wise operators (their bytes and fixed costs), pays the profile's per-operator
+    dispatch, and communicates again under tensor parallel except where the overlapped sp linears keep their
+    collectives' outputs. Closed form on the measured tables, as the test above."""
+    hw = _profile(selective_dispatch_us=700.0)
+    tokens = 4 * 128
+    rotated = (TINY.n_heads // tp + max(TINY.n_kv_heads // tp, 1)) * TINY.head_dim
+    seq_tokens = tokens / tp if sp else tokens
+    act = 2 * (2 * seq_tokens * TINY.hidden * (36 + 6) + tokens * (rotated * 20 + TINY.ffn / tp * 10))
+    bandwidth = hw.elementwise_bandwidth(tokens * TINY.hidden * 4 / (tp if sp else 1))
+    expected = act / bandwidth + FIVEFOLD_CPU.kernels_per_layer * 10e-6 + 700e-6
+    lays = {mode: Layout(tp=tp, sp=sp, micro_batch_size=4, grad_accum_steps=4, recompute=mode)
+            for mode in ("none", "selective")}
+    times = {mode: stage_times(TINY, 128, lay, FIVEFOLD_CPU, hw) for mode, lay in lays.items()}
+    assert times["selective"].comm_per_layer["recompute"] == pytest.approx(expected, rel=1e-9)
+    again = times["selective"].comm_per_layer["tp_comm"] - times["none"].comm_per_layer["tp_comm"]
+    if tp > 1 and not sp:  # the two all-reduces of the forward run again
+        assert again == pytest.approx(2 * comm.all_reduce(tokens * TINY.hidden * 4, tp, 1, hw), rel=1e-9)
+    else:  # nothing to communicate, or kept by the overlapped linears
+        assert again == 0.0
+    # the recompute lands in the backward, once per block, with its communication
+    extra = (times["selective"].b[0] - times["none"].b[0]) / TINY.n_layers
+    assert extra == pytest.approx(expected + again, rel=1e-9)
+    # a framework whose policy leaves the MLP's matmuls to recompute reruns their share of the linears' forward
+    mlp_too = dataclasses.replace(FIVEFOLD_CPU, selective_saved_matmuls="q,k,v,o")
+    shapes = linear_shapes(TINY, tokens, tp, fused=False)
+    mlp_f = sum(2 * m * n * k / (next(r for r in hw.linear if r[:3] == (m, n, k))[3] * 1e12) for m, n, k in shapes[4:])
+    more = stage_times(TINY, 128, lays["selective"], mlp_too, hw).comm_per_layer["recompute"]
+    assert more - expected == pytest.approx(mlp_f, rel=1e-9) and mlp_f > 0
+    # the published frameworks' pricing: the attention core's forward alone
+    attention = dataclasses.replace(FIVEFOLD_CPU, selective_reruns="attention")
+    attn_row = next(r for r in hw.attention if r[0] == 4 * TINY.n_heads / tp)
+    attn_f = 2 * 4 * TINY.n_heads / tp * 128 * 128 * TINY.head_dim / (attn_row[3] * 1e12)
+    assert stage_times(TINY, 128, lays["selective"], attention, hw).comm_per_layer["recompute"] == pytest.approx(
+        attn_f, rel=1e-9)
+
+
+def test_the_reference_parts_timed_beside_the_step_are_the_reference_models_own():
+    """`compute_scale` sets the reference step against its own parts timed just before and after it: the plan cut to
+    the shapes the planner reads for that step (every one of its linears, its attention and loss, one hidden-state
+    tensor for the element-wise operators), once, on one rank, without the ZeRO-3 unit."""
+    import argparse
+
+    from fivefold.tools.calibrate.targets import for_group, make_plan
+
+    plan, _ = make_plan(argparse.Namespace(model="", seq_len=0, nproc_max=2, quick=False, threads=0), "cpu")
+    ref = reference_plan(for_group(plan, 1))
+    cfg = reference_config(1, 1)
+    tokens = cfg.layout.micro_batch_size * cfg.train.seq_len
+    assert sorted(ref.linear) == sorted({tuple(int(x) for x in s) for s in linear_shapes(cfg.model, tokens, 1, False)})
+    assert ref.attention == [(4, 4, 4, 128, 32)] and ref.loss == [(512, 1024, 128)]
+    assert ref.elementwise_numel == [tokens * cfg.model.hidden]
+    assert ref.compute and ref.passes == 1 and ref.model is None and ref.threads == for_group(plan, 1).threads
+
+
+def test_selective_dispatch_is_the_unexplained_difference_per_block():
+    """`calibrate`'s selective_dispatch_us: (measured selective - plain) - (predicted selective - plain), per block of
+    the reference model (2), in µs, never below 0."""
+    assert dispatch_us((0.040, 0.060), (0.038, 0.042)) == pytest.approx(1e6 * 0.016 / 2)
+    assert dispatch_us((0.040, 0.041), (0.038, 0.042)) == 0.0
 
 
 def _head_row(hw: Cluster, tp: int) -> tuple[float, ...]:

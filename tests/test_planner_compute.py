@@ -32,26 +32,52 @@ SMALL = ModelConfig(name="small", n_layers=2, hidden=1024, n_heads=8, n_kv_heads
                     max_seq_len=4096, tied_embeddings=False)
 
 
+# a framework whose selective recompute reruns the attention core (the published frameworks' pricing)
+RERUNS_ATTENTION = dataclasses.replace(FIVEFOLD, selective_reruns="attention")
+
+
 def test_attention_is_costed_from_the_flash_table_not_as_a_gemm():
-    """Selective recompute reruns exactly the attention core's forward, so its time is attention alone. Closed
+    """Selective recompute that reruns exactly the attention core's forward takes attention alone. Closed
     form: causal forward FLOPs 2 s^2 d per head (FlashAttention's count), 8 heads of dim 128, one sequence of 4096,
     at FlashAttention-2's 333 TFLOP/s on H100 for head dim 128 and 4096 tokens (FA3 paper, Fig. 5(d))."""
     hw = get_cluster("h100")
     lay = Layout(recompute="selective", micro_batch_size=1)
     flops = 2 * 4096**2 * 128 * 8
-    attn_f = stage_times(SMALL, 4096, lay, FIVEFOLD, hw).comm_per_layer["recompute"]
+    attn_f = stage_times(SMALL, 4096, lay, RERUNS_ATTENTION, hw).comm_per_layer["recompute"]
     assert attn_f == pytest.approx(flops / 333e12, rel=1e-9)
     # not the GEMM costing of the same FLOPs (the previous model: the matmul efficiency of the peak)
     assert attn_f > 1.5 * flops / (hw.peak_flops() * hw.matmul_efficiency)
     # a cluster whose GEMMs run at half the published share runs its attention at half the published speed too
     slow = dataclasses.replace(hw, matmul_efficiency=hw.matmul_efficiency / 2)
-    assert stage_times(SMALL, 4096, lay, FIVEFOLD, slow).comm_per_layer["recompute"] == pytest.approx(2 * attn_f)
+    assert stage_times(SMALL, 4096, lay, RERUNS_ATTENTION, slow).comm_per_layer["recompute"] == pytest.approx(
+        2 * attn_f)
     # a sequence between two rows: linear in log sequence length (2048 -> 298, 4096 -> 333, at 2896: halfway)
     dk = kernels.device_kernels("h100")
     fwd, _ = dk.attention_tflops("fa2", 128, 2048 * 2**0.5)
     assert fwd == pytest.approx((298 + 333) / 2)
     assert dk.attention_tflops("fa2", 128, 100) == (191.0, 132.0)  # held at the table's ends
     assert dk.attention_tflops("fa3", 128, 16384) == (616.0, 561.0)
+
+
+def test_fivefold_selective_recompute_reruns_the_elementwise_work_not_the_attention():
+    """fivefold's policy keeps every projection's output and the attention kernel's: on an accelerator its selective
+    recompute is the block's element-wise bytes at the achieved HBM bandwidth plus their kernels' fixed costs (no
+    dispatch term: the host runs ahead). An MoE block also reruns its routed experts (grouped matmuls, not kept)."""
+    hw = get_cluster("h100")
+    lay = Layout(recompute="selective", micro_batch_size=1)
+    hbm = hw.hbm_gbps * 1e9 * kernels.device_kernels("h100").hbm_efficiency
+    expected = (elementwise_bytes(SMALL, 4096, 1, False, FIVEFOLD) / hbm
+                + FIVEFOLD.kernels_per_layer * hw.kernel_overhead_us * 1e-6)
+    assert hw.selective_dispatch_us == 0.0
+    assert stage_times(SMALL, 4096, lay, FIVEFOLD, hw).comm_per_layer["recompute"] == pytest.approx(expected, rel=1e-9)
+    moe = get_preset("olmoe-1b-7b")
+    times = {mode: stage_times(moe, 4096, Layout(recompute=mode, micro_batch_size=1), FIVEFOLD, hw)
+             for mode in ("selective", "full")}
+    moe_elementwise = (elementwise_bytes(moe, 4096, 1, False, FIVEFOLD) / hbm
+                       + FIVEFOLD.kernels_per_layer * hw.kernel_overhead_us * 1e-6)
+    routed = times["selective"].comm_per_layer["recompute"] - moe_elementwise
+    # the routed experts are most of an OLMoE block's linear work, less than the whole forward that full reruns
+    assert 0 < routed < times["full"].comm_per_layer["recompute"] - moe_elementwise
 
 
 def test_gemm_shape_term_is_monotone_and_one_at_the_reference_shape():

@@ -32,8 +32,9 @@ HARDWARE: dict[str, Hardware] = {
     "a100-80gb": Hardware("a100-80gb", 312.0, 19.5, 79.2, 2039, 300, 25, 8, ("A100-SXM4-80GB", "A100 80GB")),
     "mi300x": Hardware("mi300x", 1307.4, 163.4, 192.0, 5300, 448, 50, 8, ("MI300X",)),
     "max1550": Hardware("max1550", 838.9, 52.4, 128.0, 3277, 150, 25, 8, ("Max 1550",)),
-    # A nominal CPU socket; calibrate for real figures (`fivefold calibrate`).
-    "cpu": Hardware("cpu", 0.2, 0.2, 16.0, 20, 10, 1.25, 1, ()),
+    # A nominal CPU: this project's 2-core machine, its large fp32 matmul at 2 threads (0.125 TFLOP/s; the
+    # planner's devices/kernels.toml says how it was measured); calibrate for real figures (`fivefold calibrate`).
+    "cpu": Hardware("cpu", 0.125, 0.125, 16.0, 20, 10, 1.25, 1, ()),
 }
 
 

@@ -64,6 +64,10 @@ class Cluster(Hardware):
     optimizer_tensor_us: float = 0.0  # fixed cost per parameter tensor of the optimizer step (clip, AdamW, zero)
     comm_overlap: float = 1.0  # share of a collective's time that can hide behind compute running at once
     zero3_unit_us: float = 0.0  # per ZeRO-3 unit and micro-batch: hooks, copies and frees beyond its collectives
+    # per block and micro-batch, the host time of selective recompute's per-operator policy (the checkpoint's
+    # dispatch mode in the forward and again in the recomputation), beyond the work it reruns: measured by `fivefold
+    # calibrate` on a CPU, where the host's time is the step's; 0 on an accelerator, whose host runs ahead
+    selective_dispatch_us: float = 0.0
     posted_p2p_wait_us: float = 0.0  # a send/recv posted before compute and waited after: cost beyond both
     # per micro-batch of a pipeline that leaves the node, per node of the job: the blocking stage hand-overs wait
     # for the slowest rank of the job, and that wait grows with the nodes (fitted on 2-node runs, docs/planner.md)
@@ -242,6 +246,10 @@ def _from_base(name: str) -> Cluster:
 
 
 PRESETS: dict[str, Cluster] = {name: _from_base(name) for name in HARDWARE}
+# the nominal CPU: selective recompute's per-operator dispatch as `fivefold calibrate` measures it on this project's
+# 2-core machine (torch 2.13.0+cpu, 2 threads, 2026-11-28: the reference step 10.0 to 11.8 ms per block slower under
+# selective recompute in four measurements, about 1 ms of it the element-wise work rerun; docs/planner.md)
+PRESETS["cpu"] = dataclasses.replace(PRESETS["cpu"], selective_dispatch_us=10_000.0)
 # The playbook's cluster (H100 80GB, NVLink inside nodes, AWS EFA between): the all-reduce bus bandwidth it
 # measured at 256 MB (GB/s, by nodes), and the all-gather's. A calibrated profile of the kind `fivefold
 # calibrate` produces.

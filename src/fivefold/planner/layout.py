@@ -167,6 +167,12 @@ class Framework:
     # what selective recompute keeps of a block's matmul outputs (comma-separated of q, k, v, o, gate, up, down)
     # besides the block input and the attention kernel's output and log-sum-exp: fivefold's policy keeps them all
     selective_saved_matmuls: str = "q,k,v,o,gate,up,down"
+    # what the step-time model charges a block's selective recompute: "attention" (its attention core's forward
+    # again: the pricing the published frameworks' profiles were fitted with) or "policy" (what the policy does
+    # not keep, run again: the element-wise work and its fixed costs, the matmuls not in `selective_saved_matmuls`
+    # and the routed experts, plus the profile's `selective_dispatch_us`: fivefold's engine, which keeps the
+    # attention kernel's output)
+    selective_reruns: str = "attention"
     # the same when the blocks run under torch.compile (`--features compile`); "" = selective_saved_matmuls
     compiled_selective_saved_matmuls: str = ""
     activation_scale: float = 1.0  # multiplies the counted saved activations (fitted for other frameworks)
@@ -250,7 +256,7 @@ class Framework:
 FIVEFOLD = Framework(param_bytes=2, grad_bytes=2, master_bytes=4, accum_bytes=4, autocast_weight_copies=False,
                      residual_bytes=2, gather_bytes=2, hsdp=True, accum_in_grad_buffers=True,
                      default_fp32_grad_accum=True, features="compile,float8", layout_dp_options=True,
-                     compiled_saves_less=True)
+                     compiled_saves_less=True, selective_reruns="policy")
 # On CPU every operator runs eagerly on the host, so its fixed cost counts: the operators of fivefold's block
 # and of its embedding + loss as the profiler counts them (tests/test_calibrate.py checks the counts). fp32
 # everything: the parameters are the master weights (4 + 4 + 8 bytes per parameter; `layout.fp32_grad_accum`

@@ -25,6 +25,7 @@ def _read(path: str | Path) -> dict:
 
 FRAMEWORK_DIR = Path(__file__).resolve().parent / "frameworks"
 STAGE_SPLITS = ("balanced", "params")
+SELECTIVE_RERUNS = ("attention", "policy")
 COMPUTE_DTYPES = ("bf16", "fp32")
 # [framework] numbers beyond the sign rule (every number is finite and >= 0: bytes, µs, counts, shares), in the
 # hardware fields' shape (`hardware._SHARES`)
@@ -94,6 +95,10 @@ def _framework_table(table, where: str, known: dict[str, Framework], default: st
             raise ConfigError(f"--hardware {shown(where)}: [framework] stage_split = {shown(value)} is not one of "
                               f"{', '.join(STAGE_SPLITS)} (balanced: by FLOPs, at least one block per stage; "
                               "params: nanotron's split by parameter cost)")
+        if key == "selective_reruns" and value not in SELECTIVE_RERUNS:
+            raise ConfigError(f"--hardware {shown(where)}: [framework] selective_reruns = {shown(value)} is not one of "
+                              f"{', '.join(SELECTIVE_RERUNS)} (attention: the attention core's forward again; policy: "
+                              "what the selective policy does not keep)")
         if key == "fused_elementwise":
             names = [c.strip() for c in str(value).split(",") if c.strip()]
             bad = [c for c in names if c not in (*ELEMENTWISE_CLASSES, "all")]

@@ -45,6 +45,7 @@ from fivefold.planner.memory import (
     reduced_grad_bytes,
     routed_tokens,
     runs_tp_overlap,
+    selective_matmuls,
     splits_backward,
     stage_layers,
 )
@@ -171,6 +172,24 @@ def linear_shapes(cfg: ModelConfig, tokens: float, tp: int, fused: bool, etp: in
     return attn + ([(tokens, ins * f, h)] if fused else [(tokens, f, h)] * ins) + [(tokens, h, f)]
 
 
+def selective_reruns_linear(cfg: ModelConfig, fw: Framework, fused: bool) -> list[bool]:
+    """For each linear of `linear_shapes` (same order, `fused` alike), whether the framework's selective recompute
+    runs it again: a projection whose output `selective_saved_matmuls` does not keep (a fused one unless it keeps
+    all its parts) and the routed experts (grouped or batched matmuls, which the policy does not keep); the router
+    is kept."""
+    kept = selective_matmuls(fw) | {"router"}
+    mlp_in = ["gate", "up"][-(cfg.mlp_matrices - 1):]
+    attn = [{"q", "k", "v"}] if fused else [{"q"}, {"k"}, {"v"}]
+    mlp = [set(mlp_in)] if fused else [{n} for n in mlp_in]
+    names = [*attn, {"o"}]
+    if cfg.is_moe:
+        names += [{"routed"}] * (cfg.n_experts * cfg.mlp_matrices) + [{"router"}]
+        names += [{n} for n in mlp_in] + [{"down"}] if cfg.n_shared_experts else []
+    else:
+        names += [*mlp, {"down"}]
+    return [not n <= kept for n in names]
+
+
 class _BlockSeconds(NamedTuple):
     """Forward (f) and backward (b) seconds of one block's linears, attention core, element-wise work and fixed
     costs, and of the output layer + loss; `hbm` the memory bandwidth (bytes/s) the estimate used."""
@@ -182,6 +201,8 @@ class _BlockSeconds(NamedTuple):
     elementwise: float
     oh_f: float
     oh_b: float
+    oh_rerun: float  # the forward's fixed costs of its element-wise operators alone (what a selective rerun pays)
+    lin_rerun: float  # the forward seconds of the linears that the framework's selective recompute runs again
     head_f: float
     head_b: float
     hbm: float
@@ -242,7 +263,9 @@ def _block_seconds(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: C
     load = busiest_rank_load(cfg, lay.ep, moe_imbalance) if cfg.is_moe else 1.0
     measured = [hw.linear_time(*shape) for shape in linear_shapes(cfg, tokens, tp, fw.fused_projections, lay.etp,
                                                                   load)]
+    reruns = selective_reruns_linear(cfg, fw, fw.fused_projections)
     if all(measured) and measured:  # a calibrated profile: measured per shape
+        lin_rerun = sum(t[0] for t, again in zip(measured, reruns, strict=True) if again)
         attn = hw.attention_time(lay.micro_batch_size * cfg.n_heads / tp, seq / lay.cp, d) or (0.0, 0.0)
         lin_f, lin_b = sum(t[0] for t in measured), sum(t[1] for t in measured)
         attn_f, attn_b = attn
@@ -253,7 +276,7 @@ def _block_seconds(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: C
         # size of one hidden-state tensor
         elementwise = elementwise_bytes(cfg, tokens, tp, lay.sp, fw) / hw.elementwise_bandwidth(
             tokens * h * ab / (tp if lay.sp else 1))
-        oh_f = fw.kernels_per_layer * hw.kernel_overhead_us * 1e-6 * hw.compute_scale
+        oh_f = oh_rerun = fw.kernels_per_layer * hw.kernel_overhead_us * 1e-6 * hw.compute_scale
         oh_b = fw.kernels_per_layer * hw.backward_overhead() * hw.compute_scale
         n_chunks = tokens / chunk
         head = hw.loss_time(chunk, cfg.vocab_size / tp, h)  # output layer and softmax as measured together
@@ -292,7 +315,13 @@ def _block_seconds(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: C
         head_gemm = _weighted_eff([(chunk, cfg.vocab_size / tp, h)], ab, hw, dk)
         head_f = head_fwd / (peak * head_gemm) + tokens * cfg.vocab_size / tp * fw.logits_bytes * 2 / hbm
         head_b = 2 * head_f
-    return _BlockSeconds(lin_f, lin_b, attn_f, attn_b, elementwise, oh_f, oh_b, head_f, head_b, hbm)
+        oh_rerun = fw.kernels_per_layer * hw.kernel_overhead_us * 1e-6
+        # the linears run again, at the block's linears' speed, by their share of the FLOPs
+        shapes = linear_shapes(cfg, tokens, tp, fw.fused_projections, lay.etp, load)
+        flops = [m * n * k for m, n, k in shapes]
+        lin_rerun = lin_f * sum(f for f, again in zip(flops, reruns, strict=True) if again) / sum(flops)
+    return _BlockSeconds(lin_f, lin_b, attn_f, attn_b, elementwise, oh_f, oh_b, oh_rerun, lin_rerun, head_f, head_b,
+                         hbm)
 
 
 def _tp_comm(lay: Layout, fw: Framework, hw: Cluster, h: int, tokens: float, chunk: float, act: float,
@@ -411,7 +440,7 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     kv = max(cfg.n_kv_heads // tp, 1)
     # tokens per chunk of the fused output layer + loss (the whole micro-batch for unfused logits), as memory.py
     chunk = min(fw.tp_loss_chunk if tp > 1 else fw.fused_loss_chunk, tokens) if fw.fused_loss_chunk else tokens
-    lin_f, lin_b, attn_f, attn_b, elementwise, oh_f, oh_b, head_f, head_b, hbm = _block_seconds(
+    lin_f, lin_b, attn_f, attn_b, elementwise, oh_f, oh_b, oh_rerun, lin_rerun, head_f, head_b, hbm = _block_seconds(
         cfg, seq, lay, fw, hw, tokens, chunk, docs, moe_imbalance)
     t_layer = lin_f + attn_f + elementwise + oh_f
     # tensor parallel: 2 all-reduces (or 2 all-gathers + 2 reduce-scatters with sp) per block and direction
@@ -450,10 +479,18 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     else:
         t_tp_f_extra = 0.0
     t_tp_f = t_tp + tp_forward_hidden(cfg, lay, fw, hw, act, lin_f, st)
-    # selective recompute reruns the attention core, which under cp is the ring's forward with its transfers (fivefold
-    # keeps the ring's result instead: `keeps_ring`); full recompute reruns everything
+    # selective recompute reruns (`Framework.selective_reruns`) the attention core, which under cp is the ring's
+    # forward with its transfers (fivefold keeps the ring's result instead: `keeps_ring`), or what the policy does not
+    # keep; full recompute reruns everything
     ring_again = lay.recompute == "full" or lay.recompute == "selective" and not keeps_ring(lay, fw)
-    recompute = {"none": 0.0, "selective": attn_f + ring_again * t_cp_f,
+    policy = fw.selective_reruns == "policy"
+    # the policy's rerun: the element-wise work with its fixed costs, the matmuls it does not keep, the per-operator
+    # dispatch of the checkpoint's policy (a calibrated host time), and the tensor-parallel collectives except where
+    # the overlapped linears keep their outputs (`tensor_comm.CollectiveStore`)
+    tp_again = policy and lay.recompute == "selective" and tp > 1 and not runs_tp_overlap(lay, fw)
+    rerun = (elementwise + oh_rerun + lin_rerun + hw.selective_dispatch_us * 1e-6
+             + tp_again * (t_tp_f + t_tp_f_extra)) if policy else attn_f
+    recompute = {"none": 0.0, "selective": rerun + ring_again * t_cp_f,
                  "full": t_layer + t_tp_f + t_tp_f_extra + t_cp_f + t_ep}[lay.recompute]
     f_layer = t_layer + t_tp_f + t_tp_f_extra + t_cp_f + t_ep
     t_tp_b = t_tp + t_tp_b_extra + tp_backward_hidden(cfg, lay, fw, hw, act, lin_b, st)
@@ -486,11 +523,13 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     comm_b[0] += head_tp / 2
     comm_f[-1] += loss_tp
     again = 1 if lay.recompute == "full" else 0  # full recompute repeats the forward's communication
-    per_layer = {"tp_comm": (1 + again) * t_tp_f + t_tp_b + t_tp_w + (1 + again) * t_tp_f_extra,
+    tp_rerun = again or tp_again
+    per_layer = {"tp_comm": (1 + tp_rerun) * t_tp_f + t_tp_b + t_tp_w + (1 + tp_rerun) * t_tp_f_extra,
                  "cp_comm": (1 + ring_again) * t_cp_f + t_cp_b,
                  "ep_comm": (2 + again) * t_ep,
                  # the recomputed forward's own compute (its communication is counted above)
-                 "recompute": {"none": 0.0, "selective": attn_f, "full": t_layer}[lay.recompute]}
+                 "recompute": {"none": 0.0, "full": t_layer,
+                               "selective": rerun - tp_again * (t_tp_f + t_tp_f_extra)}[lay.recompute]}
     return StageTimes(f, b, w, per_layer, counts, {"tp_comm": head_tp + loss_tp}, host, comm_f, comm_b, comm_w)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -16,8 +17,15 @@ from fivefold.outputs import keep_previous
 from fivefold.tools.calibrate.harness import size_text
 from fivefold.tools.calibrate.profile import profile_header, profile_name, profile_tables, write_profile
 from fivefold.tools.calibrate.ranks import measure_group, worker
-from fivefold.tools.calibrate.targets import Result, for_group, make_plan
-from fivefold.tools.calibrate.whole_step import predicted_step, step_scale, time_whole_step
+from fivefold.tools.calibrate.targets import Plan, Result, for_group, make_plan
+from fivefold.tools.calibrate.whole_step import (
+    dispatch_us,
+    predicted_step,
+    reference_plan,
+    step_scale,
+    time_recompute_pair,
+    time_whole_step,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -69,8 +77,8 @@ def calibrate(args: argparse.Namespace) -> tuple[Path, dict[int, Result], float]
         group = for_group(plan, n)
         results[n], threads[n] = measure_group(group, n), group.threads
         print(f"calibrate: {n} rank{'s' if n > 1 else ''} done in {results[n].seconds:.0f} s", flush=True)
-        if n == 1 and device_type == "cpu":  # right after the parts it is set against, on the machine as it is then
-            scale = whole_step_scale(results[1], threads[1], args.quick)
+        if n == 1 and device_type == "cpu":  # against its parts timed at the same moment
+            scale = whole_step_figures(group, args.quick)
     seconds = time.perf_counter() - start
     load = f"load average {load_before} before, {_load_note()} after (cores: {os.cpu_count()})"
     print(f"calibrate: {load}", flush=True)
@@ -78,27 +86,47 @@ def calibrate(args: argparse.Namespace) -> tuple[Path, dict[int, Result], float]
                                  time.strftime('%Y-%m-%d %H:%M'), load)
     tables = profile_tables(results, device_type, threads, levels[-1], profile_name(out))
     if scale is not None:
-        tables["compute_scale"] = scale
+        tables.update(scale)
     if (backup := keep_previous(out)) is not None:  # a profile already there (perhaps edited) is kept, not lost
         print(f"calibrate: kept the previous {out} as {backup}", flush=True)
     write_profile(out, tables, text_header)
     return out, results, seconds
 
 
-def whole_step_scale(one: Result, threads: int, quick: bool) -> float:
-    """The reference model's whole step, on `threads` intra-op threads, timed through the engine against what one
-    rank's figures (`one`) predict for it: the factor on every compute time (`whole_step`)."""
+def whole_step_figures(plan: Plan, quick: bool) -> dict[str, float]:
+    """The reference model's whole step, on one rank's intra-op threads (`plan.threads`), timed through the engine
+    against what its own parts, timed just before and just after it, predict for it: the factor on every compute
+    time, `compute_scale`; then the same step under selective recompute: `selective_dispatch_us` (`whole_step`)."""
+    import dataclasses
+
     from fivefold.planner.hardware import cluster_from_table
 
     def say(text: str) -> None:
         print(f"calibrate [1 rank] {text}", flush=True)
 
-    measured = time_whole_step(threads, 3 if quick else 30, 1 if quick else 5, say)
-    parts = profile_tables({1: one}, "cpu", {1: threads}, 1, "parts")  # the parts as a profile of their own
-    predicted = predicted_step(cluster_from_table(parts, "the calibration's parts"), threads)
-    scale = round(step_scale(measured, predicted), 4)
-    say(f"the profile's parts predict {1e3 * predicted:.1f} ms: compute_scale = {scale}")
-    return scale
+    threads = plan.threads
+    ref = reference_plan(plan)
+
+    def parts_now():
+        """The reference's parts timed now, as a profile of their own."""
+        tables = profile_tables({1: measure_group(ref, 1)}, "cpu", {1: threads}, 1, "parts")
+        return cluster_from_table(tables, "the reference model's parts")
+
+    steps, warmup = (3, 1) if quick else (30, 5)
+    before = parts_now()
+    measured = time_whole_step(threads, steps, warmup, say)
+    after = parts_now()
+    predicted = [predicted_step(c, threads) for c in (before, after)]
+    scale = round(step_scale(measured, statistics.fmean(predicted)), 4)
+    say(f"its parts, timed just before and after it, predict {1e3 * predicted[0]:.1f} and {1e3 * predicted[1]:.1f} "
+        f"ms: compute_scale = {scale}")
+    pair = time_recompute_pair(threads, *((2, 2, 1) if quick else (8, 5, 3)), say)
+    # without the term being measured (a profile based on the `cpu` preset inherits the preset's)
+    scaled = dataclasses.replace(after, compute_scale=scale, selective_dispatch_us=0.0)
+    dispatch = dispatch_us(pair, (predicted_step(scaled, threads), predicted_step(scaled, threads, "selective")))
+    say(f"selective recompute's policy: {dispatch / 1e3:.2f} ms per block beyond the work it reruns: "
+        f"selective_dispatch_us = {dispatch}")
+    return {"compute_scale": scale, "selective_dispatch_us": dispatch}
 
 
 def run(args: argparse.Namespace) -> int:

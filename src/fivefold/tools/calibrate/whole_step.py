@@ -2,14 +2,23 @@
 engine, against what the profile's parts (matmuls, attention, loss, element-wise operators, fixed costs,
 optimizer) predict for it. Each part is timed alone on operands that stream from memory, between nothing else; a
 real step also pays for autograd's bookkeeping, the modules' Python and the caches that one operator leaves to
-the next. The step is timed right after one rank's parts (the median of 30 steps after 5), so that both see the
-machine as it is then; the ratio, measured over steps / predicted from those parts, becomes the profile's
+the next. The reference model's own parts (its linear shapes, attention, loss, element-wise operators, fixed costs and
+optimizer) are timed again just before and just after the step (the median of 30 steps after 5), as the full
+tables time them, so that the step and its parts see the machine at the same moment: on a shared machine whose
+speed moves by a fifth from minute to minute, the step set against the tables measured a minute earlier made the
+factor a reading of the machine's speed then (0.81 to 1.38 in four calibrations of one afternoon) rather than of
+what a step adds to its parts. The ratio, measured over steps / predicted from those parts, becomes the profile's
 `compute_scale`, which multiplies every compute time the planner reads from the profile (communication is
 measured as it runs and is not scaled).
 
+Then the same step under selective recompute, in rounds alternating with the plain step (`time_recompute_pair`):
+what it takes beyond the plain step, less what the planner charges for the work the policy reruns (the
+element-wise operators and their fixed costs, at that scale), per block, is the profile's `selective_dispatch_us`:
+the host time of the checkpoint's per-operator policy (a dispatch mode over every operator of the block, in the
+forward and again in the recomputation), which on a CPU costs more than the block's own work at small sizes.
+
 The reference model is none of the presets: 2 layers, hidden 128, 4 heads (head dim 32) with as many key/value
-heads, MLP 256, vocabulary 1024, 128 tokens per sequence, 4 sequences per step, fp32. Its hidden size, head dim and
-sequence are ones the profile measures, so its parts are read inside the measured tables."""
+heads, MLP 256, vocabulary 1024, 128 tokens per sequence, 4 sequences per step, fp32."""
 
 from __future__ import annotations
 
@@ -27,11 +36,12 @@ REFERENCE = {"model.name": "calibrate-reference", "model.n_layers": "2", "model.
 SCALE_BOUNDS = (0.5, 3.0)
 
 
-def reference_config(threads: int, steps: int):
-    """The reference run's `Config` (one process, `threads` intra-op threads)."""
+def reference_config(threads: int, steps: int, recompute: str = "none"):
+    """The reference run's `Config` (one process, `threads` intra-op threads, `recompute` mode)."""
     from fivefold.config import build_config
 
-    cfg = build_config(None, {**REFERENCE, "train.threads": str(threads), "train.max_steps": str(steps)})
+    cfg = build_config(None, {**REFERENCE, "train.threads": str(threads), "train.max_steps": str(steps),
+                              "layout.recompute": recompute})
     cfg.validate()
     return cfg
 
@@ -53,11 +63,82 @@ def time_whole_step(threads: int, steps: int, warmup: int, say: Callable[[str], 
     return median
 
 
-def predicted_step(cluster, threads: int) -> float:
+def time_recompute_pair(threads: int, rounds: int, steps: int, warmup: int,
+                        say: Callable[[str], None]) -> tuple[float, float]:
+    """The reference model's training step without and with selective recompute, on the same tokens, timed in
+    alternating rounds of `steps` steps (each step on its own, as `fivefold bench` times one): the median plain step
+    and the plain step plus the median of the rounds' differences, so that both sides of each difference see the
+    machine at the same moment."""
+    import statistics
+    import time
+
+    from fivefold.train.build import build_engine
+    from fivefold.train.loop import set_threads
+
+    device = torch.device("cpu")
+    before = torch.get_num_threads()
+    try:
+        cfgs = {mode: reference_config(threads, 1, mode) for mode in ("none", "selective")}
+        set_threads(cfgs["none"].train.threads, device)
+        engines = {mode: build_engine(cfg, device) for mode, cfg in cfgs.items()}
+        cfg = cfgs["none"]
+        gen = torch.Generator().manual_seed(cfg.train.seed)
+        tokens = torch.randint(0, cfg.model.vocab_size, (cfg.layout.micro_batch_size, cfg.train.seq_len + 1),
+                               generator=gen)
+        micro = [(tokens[:, :-1], tokens[:, 1:])]
+        global_tokens = cfg.train.global_batch_size * cfg.train.seq_len
+
+        def step(engine) -> float:
+            start = time.perf_counter()
+            engine.forward_backward(micro, global_tokens)
+            engine.optimizer_step()
+            return time.perf_counter() - start
+
+        for engine in engines.values():
+            for _ in range(warmup):
+                step(engine)
+        plain, differences = [], []
+        for _ in range(rounds):
+            medians = {mode: statistics.median(step(engine) for _ in range(steps)) for mode, engine in engines.items()}
+            plain.append(medians["none"])
+            differences.append(medians["selective"] - medians["none"])
+    finally:
+        torch.set_num_threads(before)
+    base, extra = statistics.median(plain), statistics.median(differences)
+    say(f"the reference step without and with selective recompute, {rounds} alternating rounds of {steps}: "
+        f"{1e3 * base:.1f} and {1e3 * (base + extra):.1f} ms")
+    return base, base + extra
+
+
+def predicted_step(cluster, threads: int, recompute: str = "none") -> float:
     """The planner's step time of the reference run on `cluster` (a profile without a whole-step scale)."""
     from fivefold.planner.predict import estimate_run
 
-    return estimate_run(reference_config(threads, 1), cluster, "cpu").step_time_s
+    return estimate_run(reference_config(threads, 1, recompute), cluster, "cpu").step_time_s
+
+
+def reference_plan(plan):
+    """`plan` (one rank's) cut to the reference model's own parts, measured once and quietly: its linear shapes,
+    attention and loss at its micro-batch, the element-wise operators on one of its hidden-state tensors, the fixed
+    costs and the optimizer."""
+    import dataclasses
+
+    from fivefold.tools.calibrate.targets import shapes_for
+
+    cfg = reference_config(plan.threads, 1)
+    mbs, seq = cfg.layout.micro_batch_size, cfg.train.seq_len
+    linear, attention, loss = shapes_for([cfg.model], seq, [mbs], [1])
+    return dataclasses.replace(plan, linear=linear, attention=attention, loss=loss,
+                               elementwise_numel=[mbs * seq * cfg.model.hidden], model=None, passes=1, quiet=True,
+                               compute=True)
+
+
+def dispatch_us(measured: tuple[float, float], predicted: tuple[float, float]) -> float:
+    """`selective_dispatch_us` from the reference step's seconds without and with selective recompute, measured and
+    predicted by a profile without that term: the unexplained difference per block, never below 0."""
+    blocks = int(REFERENCE["model.n_layers"])
+    extra = (measured[1] - measured[0]) - (predicted[1] - predicted[0])
+    return round(max(0.0, 1e6 * extra / blocks), 1)
 
 
 def step_scale(measured_s: float, predicted_s: float) -> float:

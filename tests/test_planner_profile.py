@@ -59,7 +59,8 @@ def test_flat_profile_with_framework_table(tmp_path, capsys):
     ('[framework]\nname = "nanotron"\nparam_bytes = 2.5\n', ["param_bytes", "whole"]),
     ('memory_gib = 40\n[hardware]\nmemory_gib = 30\n', ["memory_gib", "both"]),
     ('[framework]\nname = "nanotron"\nstage_split = "flops"\n', ["stage_split", "flops", "balanced", "params"]),
-    ('[framework]\nname = "fivefold"\nselective_reruns = "all"\n', ["selective_reruns", "'all'", "attention", "policy"]),
+    ('[framework]\nname = "fivefold"\nselective_reruns = "all"\n',
+     ["selective_reruns", "'all'", "attention", "policy"]),
     ('base = "cpu"\nselective_dispatch_us = -1\n', ["selective_dispatch_us", "-1"]),
     ('[framework]\nname = "fivefold"\nfeatures = "compile,fp8"\n', ["features", "'fp8'", "float8", "async-tp"]),
 ])

@@ -14,6 +14,7 @@ import torch
 from fivefold.cli import main
 from fivefold.config import ConfigError
 from fivefold.planner import comm
+from fivefold.planner.features import with_features
 from fivefold.planner.hardware import Cluster, get_cluster, interpolate
 from fivefold.planner.layout import FIVEFOLD_CPU, Layout
 from fivefold.planner.memory import model_state_bytes
@@ -237,6 +238,11 @@ def test_selective_recompute_costs_what_its_policy_reruns_plus_the_measured_disp
     # the recompute lands in the backward, once per block, with its communication
     extra = (times["selective"].b[0] - times["none"].b[0]) / TINY.n_layers
     assert extra == pytest.approx(expected + again, rel=1e-9)
+    # compiled blocks apply the policy when they are traced: no dispatch at run time
+    compiled = with_features(FIVEFOLD_CPU, ["compile"])
+    assert stage_times(TINY, 128, lays["selective"], compiled, hw).comm_per_layer["recompute"] == stage_times(
+        TINY, 128, lays["selective"], compiled, dataclasses.replace(hw, selective_dispatch_us=0.0)
+    ).comm_per_layer["recompute"] > 0
     # a framework whose policy leaves the MLP's matmuls to recompute reruns their share of the linears' forward
     mlp_too = dataclasses.replace(FIVEFOLD_CPU, selective_saved_matmuls="q,k,v,o")
     shapes = linear_shapes(TINY, tokens, tp, fused=False)

@@ -485,11 +485,12 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     ring_again = lay.recompute == "full" or lay.recompute == "selective" and not keeps_ring(lay, fw)
     policy = fw.selective_reruns == "policy"
     # the policy's rerun: the element-wise work with its fixed costs, the matmuls it does not keep, the per-operator
-    # dispatch of the checkpoint's policy (a calibrated host time), and the tensor-parallel collectives except where
-    # the overlapped linears keep their outputs (`tensor_comm.CollectiveStore`)
+    # dispatch of the checkpoint's policy (a calibrated host time; none under torch.compile, which applies the policy
+    # when it traces the block), and the tensor-parallel collectives except where the overlapped linears keep their
+    # outputs (`tensor_comm.CollectiveStore`)
     tp_again = policy and lay.recompute == "selective" and tp > 1 and not runs_tp_overlap(lay, fw)
-    rerun = (elementwise + oh_rerun + lin_rerun + hw.selective_dispatch_us * 1e-6
-             + tp_again * (t_tp_f + t_tp_f_extra)) if policy else attn_f
+    dispatch = 0.0 if fw.compiled else hw.selective_dispatch_us * 1e-6
+    rerun = (elementwise + oh_rerun + lin_rerun + dispatch + tp_again * (t_tp_f + t_tp_f_extra)) if policy else attn_f
     recompute = {"none": 0.0, "selective": rerun + ring_again * t_cp_f,
                  "full": t_layer + t_tp_f + t_tp_f_extra + t_cp_f + t_ep}[lay.recompute]
     f_layer = t_layer + t_tp_f + t_tp_f_extra + t_cp_f + t_ep

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from tests.distributed import adopt_environment, fresh_process_context, run_ranks
 
+from fivefold.accelerators import HARDWARE
 from fivefold.cli import main
 from fivefold.config import build_config
 from fivefold.parallel.pipeline import stage_layer_counts
@@ -289,7 +290,8 @@ def test_cli_only_rank_prints_measured_beside_predicted(capsys, tmp_path):
         assert f"  {part} (" in out
     # against a profile of this machine (`--hardware`, as `fivefold calibrate --out` writes one): its compute time
     slow = tmp_path / "slow-cpu.toml"
-    slow.write_text('name = "slow-cpu"\nbase = "cpu"\nfp32_tflops = 0.05\n')
+    # its matmuls 4x slower than the built-in profile's
+    slow.write_text(f'name = "slow-cpu"\nbase = "cpu"\nfp32_tflops = {HARDWARE["cpu"].fp32_tflops / 4}\n')
     assert main([*args, "--json", "--hardware", str(slow)]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["rank"] == 3 and len(report["steps"]) == 2

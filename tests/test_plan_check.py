@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fivefold.accelerators import HARDWARE
 from fivefold.config import build_config
 from fivefold.planner.hardware import get_cluster
 from fivefold.planner.predict import estimate_run
@@ -173,7 +174,8 @@ def test_train_checks_a_run_against_a_profile_of_its_device(tmp_path: Path,
     from fivefold.cli import main
     from fivefold.cli.train import forwarded_argv, plan_expectation
 
-    slow = profile(tmp_path, "slow-cpu", fields="fp32_tflops = 0.05\nbf16_tflops = 0.05")  # the cpu preset's / 4
+    quarter = HARDWARE["cpu"].fp32_tflops / 4  # the cpu preset's matmuls 4x slower
+    slow = profile(tmp_path, "slow-cpu", fields=f"fp32_tflops = {quarter}\nbf16_tflops = {quarter}")
     cfg = build_config(None, {"train.device": "cpu"})
     default, measured = (estimate_run(cfg, get_cluster(*where), "cpu").step_time_s
                          for where in (("cpu",), (None, slow)))

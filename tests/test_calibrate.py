@@ -196,10 +196,7 @@ def test_block_time_is_flops_over_measured_throughput_plus_fixed_costs(tp, loss_
         lin_b += 4 * m * n * k / (row[4] * 1e12)
     attn_flops = 2 * 4 * TINY.n_heads / tp * 128 * 128 * TINY.head_dim
     attn_row = next(r for r in hw.attention if r[0] == 4 * TINY.n_heads / tp)
-    # the element-wise operators' bytes per token, eager, fp32 (twice the bf16 class counts): two RMSNorms (36) and
-    # two residual adds (6) on the hidden states, the rotation (20) of q and k, SwiGLU (10) on the MLP's share
-    rotated = (TINY.n_heads // tp + max(TINY.n_kv_heads // tp, 1)) * TINY.head_dim
-    act = tokens * 2 * (2 * TINY.hidden * (36 + 6) + rotated * 20 + TINY.ffn / tp * 10)
+    act = _elementwise_bytes(tokens, tp, sp=False)
     # operand of 512 x 128 fp32 = 256 KiB: log-log between 1 KiB (40 GB/s) and 1 MiB (20 GB/s)
     bandwidth = math.exp(math.log(40.0) + (math.log(20.0) - math.log(40.0)) * 8 / 10) * 1e9
     fixed_f = FIVEFOLD_CPU.kernels_per_layer * 10e-6
@@ -213,6 +210,15 @@ def test_block_time_is_flops_over_measured_throughput_plus_fixed_costs(tp, loss_
     assert per_block_bw == pytest.approx(backward, rel=1e-9)
 
 
+def _elementwise_bytes(tokens: int, tp: int, sp: bool) -> float:
+    """A tiny block's element-wise bytes on one rank, eager, fp32 (twice the bf16 class counts): two RMSNorms (36)
+    and two residual adds (6) per hidden-state element (1/tp of the sequence with sp), the rotation (20) of q and k,
+    SwiGLU (10) on the MLP's share."""
+    rotated = (TINY.n_heads // tp + max(TINY.n_kv_heads // tp, 1)) * TINY.head_dim
+    seq_tokens = tokens / tp if sp else tokens
+    return 2 * (2 * seq_tokens * TINY.hidden * (36 + 6) + tokens * (rotated * 20 + TINY.ffn / tp * 10))
+
+
 @pytest.mark.parametrize("tp, sp", [(1, False), (2, False), (2, True)])
 def test_selective_recompute_costs_what_its_policy_reruns_plus_the_measured_dispatch(tp, sp):
     """fivefold's policy keeps every projection's output and the attention kernel's, so a block's selective
@@ -221,9 +227,7 @@ def test_selective_recompute_costs_what_its_policy_reruns_plus_the_measured_disp
     collectives' outputs. Closed form on the measured tables, as the test above."""
     hw = _profile(selective_dispatch_us=700.0)
     tokens = 4 * 128
-    rotated = (TINY.n_heads // tp + max(TINY.n_kv_heads // tp, 1)) * TINY.head_dim
-    seq_tokens = tokens / tp if sp else tokens
-    act = 2 * (2 * seq_tokens * TINY.hidden * (36 + 6) + tokens * (rotated * 20 + TINY.ffn / tp * 10))
+    act = _elementwise_bytes(tokens, tp, sp)
     bandwidth = hw.elementwise_bandwidth(tokens * TINY.hidden * 4 / (tp if sp else 1))
     expected = act / bandwidth + FIVEFOLD_CPU.kernels_per_layer * 10e-6 + 700e-6
     lays = {mode: Layout(tp=tp, sp=sp, micro_batch_size=4, grad_accum_steps=4, recompute=mode)

@@ -167,14 +167,14 @@ class Framework:
     # what selective recompute keeps of a block's matmul outputs (comma-separated of q, k, v, o, gate, up, down)
     # besides the block input and the attention kernel's output and log-sum-exp: fivefold's policy keeps them all
     selective_saved_matmuls: str = "q,k,v,o,gate,up,down"
+    # the same when the blocks run under torch.compile (`--features compile`); "" = selective_saved_matmuls
+    compiled_selective_saved_matmuls: str = ""
     # what the step-time model charges a block's selective recompute: "attention" (its attention core's forward
     # again: the pricing the published frameworks' profiles were fitted with) or "policy" (what the policy does
     # not keep, run again: the element-wise work and its fixed costs, the matmuls not in `selective_saved_matmuls`
     # and the routed experts, plus the profile's `selective_dispatch_us`: fivefold's engine, which keeps the
     # attention kernel's output)
     selective_reruns: str = "attention"
-    # the same when the blocks run under torch.compile (`--features compile`); "" = selective_saved_matmuls
-    compiled_selective_saved_matmuls: str = ""
     activation_scale: float = 1.0  # multiplies the counted saved activations (fitted for other frameworks)
     # what a block compiled by torch.compile saves for backward (`--features compile`), where the partitioner keeps
     # less than eager mode: SwiGLU's gate and up outputs and their product (silu(gate) recomputed in backward:

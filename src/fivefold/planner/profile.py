@@ -24,9 +24,15 @@ def _read(path: str | Path) -> dict:
 
 
 FRAMEWORK_DIR = Path(__file__).resolve().parent / "frameworks"
-STAGE_SPLITS = ("balanced", "params")
-SELECTIVE_RERUNS = ("attention", "policy")
-COMPUTE_DTYPES = ("bf16", "fp32")
+# [framework] words and the values each takes, with what they mean where a refusal says it
+_FRAMEWORK_CHOICES = {
+    "compute_dtype": (("bf16", "fp32"), ""),
+    "stage_split": (("balanced", "params"),
+                    "balanced: by FLOPs, at least one block per stage; params: nanotron's split by parameter cost"),
+    "selective_reruns": (("attention", "policy"),
+                         "attention: the attention core's forward again; policy: what the selective policy does not "
+                         "keep"),
+}
 # [framework] numbers beyond the sign rule (every number is finite and >= 0: bytes, µs, counts, shares), in the
 # hardware fields' shape (`hardware._SHARES`)
 _AT_LEAST_ZERO = Range(0.0, True, None, True, ">= 0")
@@ -88,17 +94,10 @@ def _framework_table(table, where: str, known: dict[str, Framework], default: st
             here = f"--hardware {shown(where)}: [framework]"
             value = checked_number(value, here, key, integer=isinstance(current, int),
                                    within=_FRAMEWORK_RANGES.get(key, _AT_LEAST_ZERO))
-        if key == "compute_dtype" and value not in COMPUTE_DTYPES:
-            raise ConfigError(f"--hardware {shown(where)}: [framework] compute_dtype = {shown(value)} is not one of "
-                              f"{', '.join(COMPUTE_DTYPES)}")
-        if key == "stage_split" and value not in STAGE_SPLITS:
-            raise ConfigError(f"--hardware {shown(where)}: [framework] stage_split = {shown(value)} is not one of "
-                              f"{', '.join(STAGE_SPLITS)} (balanced: by FLOPs, at least one block per stage; "
-                              "params: nanotron's split by parameter cost)")
-        if key == "selective_reruns" and value not in SELECTIVE_RERUNS:
-            raise ConfigError(f"--hardware {shown(where)}: [framework] selective_reruns = {shown(value)} is not one of "
-                              f"{', '.join(SELECTIVE_RERUNS)} (attention: the attention core's forward again; policy: "
-                              "what the selective policy does not keep)")
+        choices, meaning = _FRAMEWORK_CHOICES.get(key, (None, ""))
+        if choices is not None and value not in choices:
+            raise ConfigError(f"--hardware {shown(where)}: [framework] {key} = {shown(value)} is not one of "
+                              f"{', '.join(choices)}{f' ({meaning})' if meaning else ''}")
         if key == "fused_elementwise":
             names = [c.strip() for c in str(value).split(",") if c.strip()]
             bad = [c for c in names if c not in (*ELEMENTWISE_CLASSES, "all")]

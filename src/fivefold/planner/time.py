@@ -261,11 +261,10 @@ def _block_seconds(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: C
     hbm = hw.hbm_gbps * 1e9
     # forward (f) and backward (b) seconds of a block's linears, attention core, element-wise work, fixed costs
     load = busiest_rank_load(cfg, lay.ep, moe_imbalance) if cfg.is_moe else 1.0
-    measured = [hw.linear_time(*shape) for shape in linear_shapes(cfg, tokens, tp, fw.fused_projections, lay.etp,
-                                                                  load)]
-    reruns = selective_reruns_linear(cfg, fw, fw.fused_projections)
-    if all(measured) and measured:  # a calibrated profile: measured per shape
-        lin_rerun = sum(t[0] for t, again in zip(measured, reruns, strict=True) if again)
+    shapes = linear_shapes(cfg, tokens, tp, fw.fused_projections, lay.etp, load)
+    measured = [hw.linear_time(*shape) for shape in shapes]
+    calibrated = bool(measured) and all(measured)
+    if calibrated:  # a calibrated profile: measured per shape
         attn = hw.attention_time(lay.micro_batch_size * cfg.n_heads / tp, seq / lay.cp, d) or (0.0, 0.0)
         lin_f, lin_b = sum(t[0] for t in measured), sum(t[1] for t in measured)
         attn_f, attn_b = attn
@@ -316,10 +315,13 @@ def _block_seconds(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: C
         head_f = head_fwd / (peak * head_gemm) + tokens * cfg.vocab_size / tp * fw.logits_bytes * 2 / hbm
         head_b = 2 * head_f
         oh_rerun = fw.kernels_per_layer * hw.kernel_overhead_us * 1e-6
-        # the linears run again, at the block's linears' speed, by their share of the FLOPs
-        shapes = linear_shapes(cfg, tokens, tp, fw.fused_projections, lay.etp, load)
+    lin_rerun = 0.0
+    if fw.selective_reruns == "policy" and lay.recompute == "selective":
+        # each linear's forward: as measured, or (by kernel class) the block's linears' time by its share of the FLOPs
         flops = [m * n * k for m, n, k in shapes]
-        lin_rerun = lin_f * sum(f for f, again in zip(flops, reruns, strict=True) if again) / sum(flops)
+        forward = [t[0] for t in measured] if calibrated else [lin_f * f / sum(flops) for f in flops]
+        lin_rerun = sum(t for t, again in zip(forward, selective_reruns_linear(cfg, fw, fw.fused_projections),
+                                              strict=True) if again)
     return _BlockSeconds(lin_f, lin_b, attn_f, attn_b, elementwise, oh_f, oh_b, oh_rerun, lin_rerun, head_f, head_b,
                          hbm)
 
@@ -490,8 +492,8 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     # outputs (`tensor_comm.CollectiveStore`)
     tp_again = policy and lay.recompute == "selective" and tp > 1 and not runs_tp_overlap(lay, fw)
     dispatch = 0.0 if fw.compiled else hw.selective_dispatch_us * 1e-6
-    rerun = (elementwise + oh_rerun + lin_rerun + dispatch + tp_again * (t_tp_f + t_tp_f_extra)) if policy else attn_f
-    recompute = {"none": 0.0, "selective": rerun + ring_again * t_cp_f,
+    rerun = elementwise + oh_rerun + lin_rerun + dispatch if policy else attn_f  # its compute
+    recompute = {"none": 0.0, "selective": rerun + tp_again * (t_tp_f + t_tp_f_extra) + ring_again * t_cp_f,
                  "full": t_layer + t_tp_f + t_tp_f_extra + t_cp_f + t_ep}[lay.recompute]
     f_layer = t_layer + t_tp_f + t_tp_f_extra + t_cp_f + t_ep
     t_tp_b = t_tp + t_tp_b_extra + tp_backward_hidden(cfg, lay, fw, hw, act, lin_b, st)
@@ -529,8 +531,7 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
                  "cp_comm": (1 + ring_again) * t_cp_f + t_cp_b,
                  "ep_comm": (2 + again) * t_ep,
                  # the recomputed forward's own compute (its communication is counted above)
-                 "recompute": {"none": 0.0, "full": t_layer,
-                               "selective": rerun - tp_again * (t_tp_f + t_tp_f_extra)}[lay.recompute]}
+                 "recompute": {"none": 0.0, "selective": rerun, "full": t_layer}[lay.recompute]}
     return StageTimes(f, b, w, per_layer, counts, {"tp_comm": head_tp + loss_tp}, host, comm_f, comm_b, comm_w)
 
 

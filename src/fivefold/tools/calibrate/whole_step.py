@@ -73,13 +73,12 @@ def time_recompute_pair(threads: int, rounds: int, steps: int, warmup: int,
     import time
 
     from fivefold.train.build import build_engine
-    from fivefold.train.loop import set_threads
 
     device = torch.device("cpu")
     before = torch.get_num_threads()
     try:
         cfgs = {mode: reference_config(threads, 1, mode) for mode in ("none", "selective")}
-        set_threads(cfgs["none"].train.threads, device)
+        torch.set_num_threads(threads)
         engines = {mode: build_engine(cfg, device) for mode, cfg in cfgs.items()}
         cfg = cfgs["none"]
         gen = torch.Generator().manual_seed(cfg.train.seed)

@@ -24,6 +24,9 @@ def test_yaml_and_preset_in_file(tmp_path):
     cfg = build_config(f)
     assert cfg.model.hidden == 2048 and cfg.model.n_layers == 2 and cfg.train.seq_len == 64
     assert cfg.model.rope_scaling["factor"] == 32.0
+    # a preset on the command line replaces the file's; the file's other model fields still apply
+    cfg = build_config(f, {"model.preset": "smollm-135m"})
+    assert cfg.model.hidden == 576 and cfg.model.n_layers == 2
 
 
 def test_toml_round_trip(tmp_path):

@@ -812,7 +812,9 @@ def build_config(
     data = load_file(file) if file else {}
     overrides = dict(overrides or {})
     model_section = data.get("model") if isinstance(data.get("model"), dict) else {}
-    preset = overrides.pop("model.preset", None) or model_section.pop("preset", None) or preset
+    # the command line's preset over the file's (both taken out: neither is a field of the model)
+    file_preset = model_section.pop("preset", None)
+    preset = overrides.pop("model.preset", None) or file_preset or preset
     if preset:
         cfg.model = get_preset(str(preset))
     apply_dict(cfg, data)

@@ -63,14 +63,14 @@ TIMED = "a benchmark times a few steps; 10^5 of them take hours at any size"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="model preset (see `fivefold models`)")
+    p.add_argument("--model", help="model preset (see `fivefold models`; default: the config's model, else tiny)")
     p.add_argument("--config", help="TOML or YAML config file (model, layout and train sections)")
     p.add_argument("--seq-len", type=int, help="sequence length: sets train.seq_len, at most model.max_seq_len "
                                                "(default: the config's train.seq_len)")
     p.add_argument("--micro-batch", type=int_in(1, 1 << 20, "sequences per micro-batch"),
-                   default=1, help="sequences per micro-batch per rank")
+                   help="sequences per micro-batch per rank (default: the config's, else 1)")
     p.add_argument("--grad-accum", type=int_in(1, 1 << 20, "micro-batches per step"),
-                   default=1, help="micro-batches per step")
+                   help="micro-batches per step (default: the config's when --micro-batch is not given, else 1)")
     p.add_argument("--steps", type=int_in(1, MAX_TIMED_STEPS, TIMED), default=10, help="timed steps")
     p.add_argument("--warmup", type=int_in(0, MAX_TIMED_STEPS, TIMED), default=3, help="untimed warm-up steps")
     p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], help="default: the config's train.dtype (auto)")
@@ -107,8 +107,13 @@ def _timer(device: torch.device):
 def bench_config(args: argparse.Namespace) -> Config:
     """The config to time: file and overrides, then the bench flags (sequence, micro-batch, accumulation)."""
     overrides = parse_overrides(getattr(args, "overrides", []) or [])
-    overrides.setdefault("model.preset", args.model)
+    if args.model is not None or args.config is None:  # the config's model (and its `preset`) unless --model names one
+        overrides.setdefault("model.preset", args.model or "tiny")
     cfg = build_config(args.config, overrides)
+    # the batch flags default to the config's micro-batch and accumulation (a file's are not silently replaced)
+    from_config = args.config is not None and args.micro_batch is None
+    args.micro_batch = args.micro_batch or (cfg.micro_batch_size if args.config is not None else 1)
+    args.grad_accum = args.grad_accum or (cfg.grad_accum_steps if from_config else 1)
     # --seq-len is train.seq_len: above model.max_seq_len it is refused by `Config.validate`, as `fivefold train`
     # refuses it (no silent extension of the rotary tables); --model.max_seq_len raises the model's limit
     cfg.train.seq_len = args.seq_len or cfg.train.seq_len
@@ -236,9 +241,10 @@ def run_bench(args: argparse.Namespace, cfg: Config) -> dict:
 
 def forwarded_argv(args: argparse.Namespace) -> list[str]:
     """This command's arguments for each started process, without --nproc."""
-    out = ["--model", args.model, "--micro-batch", str(args.micro_batch), "--grad-accum", str(args.grad_accum),
+    out = ["--micro-batch", str(args.micro_batch), "--grad-accum", str(args.grad_accum),
            "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    for flag, value in (("--config", args.config), ("--seq-len", args.seq_len), ("--dtype", args.dtype),
+    for flag, value in (("--model", args.model), ("--config", args.config), ("--seq-len", args.seq_len),
+                        ("--dtype", args.dtype),
                         ("--out", args.out), ("--profile", args.profile or None), ("--trace", args.trace)):
         if value is not None:
             out += [flag, str(value)]

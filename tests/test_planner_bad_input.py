@@ -29,6 +29,7 @@ def refused(capsys, argv: list[str], *said: str) -> str:
     assert rc == 2, (rc, out.out, out.err)
     lines = out.err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in out.err, out.err
+    assert out.out == "", out.out  # refused before anything is printed
     for text in said:
         assert text in lines[0], lines[0]
     return lines[0]
@@ -316,6 +317,14 @@ CLI_BAD = [
     ("png directory", ["scaling", *TINY, "--strong", "--nodes", "1,2", "--png", "."], ("--png '.'", "directory")),
     ("weak batch grows too far", ["scaling", "--model", "tiny", "--gpu", "cpu", "--seq-len", "128", "--global-batch",
                                   "512K", "--weak", "--nodes", "1,8"], ("--weak", "32,768", "16,384")),
+    ("scaling without weak or strong", ["scaling", *TINY, "--nodes", "1,2"],
+     ("plan scaling needs exactly one of --weak", "or --strong")),
+    ("scaling with weak and strong", ["scaling", *TINY, "--weak", "--strong", "--nodes", "1,2"],
+     ("plan scaling needs exactly one of --weak",)),
+    ("scaling layout that does not divide", ["scaling", *TINY, "--strong", "--nodes", "1,2", "--layout", "tp=3"],
+     ("--layout tp x pp x cp = 3 does not divide",)),
+    ("scaling layout key", ["scaling", *TINY, "--strong", "--nodes", "1,2", "--layout", "nosuch=3"],
+     ("--layout item 'nosuch=3'",)),
     ("nodes empty item", ["scaling", *TINY, "--strong", "--nodes", "1,,2"], ("--nodes '1,,2'", "empty item")),
     ("batch below a sequence", ["--model", "tiny", "--gpu", "cpu", "--global-batch", "100"],
      ("--global-batch = 100", "4096 tokens (one sequence)")),

@@ -98,24 +98,32 @@ def typical_tps(e: Estimate) -> float:
     return e.tokens_per_s_at(e.step_time_at(0.5))
 
 
+def check_weak(batch_seqs: int, nodes: list[int]) -> None:
+    """Weak scaling's batch, `batch_seqs` sequences at the first node count, grows to a whole number of sequences
+    at every other, within the planner's limit."""
+    if batch_seqs * nodes[-1] // nodes[0] > MAX_BATCH_SEQUENCES:
+        raise CliError(f"--weak: the batch of {batch_seqs:,} sequences at {nodes[0]} node(s) grows to "
+                       f"{batch_seqs * nodes[-1] // nodes[0]:,} at {nodes[-1]}; the planner takes at most "
+                       f"{MAX_BATCH_SEQUENCES:,} sequences per step: a smaller --global-batch or fewer nodes")
+    for n in nodes:
+        if batch_seqs * n % nodes[0]:
+            raise CliError(f"--weak: the batch of {batch_seqs} sequences at {nodes[0]} nodes does not scale to a "
+                           f"whole number of sequences at {n} nodes; choose node counts that are multiples of "
+                           f"{nodes[0]}")
+
+
 def scaling(cfg: ModelConfig, seq: int, batch_seqs: int, nodes: list[int], weak: bool, fw: Framework, hw: Cluster,
             space: SearchSpace, layout: str | None = None, docs: DocumentLengths | None = None,
             rank: str = "expected", announce: bool = False) -> list[Point]:
     """The best layout at each node count; `announce`: a long search says so on stderr (`announce_search`). One
     pool of processes (`SearchPool`) serves the searches of every node count."""
+    if weak:
+        check_weak(batch_seqs, nodes)
     points = []
-    if weak and batch_seqs * nodes[-1] // nodes[0] > MAX_BATCH_SEQUENCES:
-        raise CliError(f"--weak: the batch of {batch_seqs:,} sequences at {nodes[0]} node(s) grows to "
-                       f"{batch_seqs * nodes[-1] // nodes[0]:,} at {nodes[-1]}; the planner takes at most "
-                       f"{MAX_BATCH_SEQUENCES:,} sequences per step: a smaller --global-batch or fewer nodes")
     with SearchPool() as pool:
         for n in nodes:
             gpus = n * hw.gpus_per_node
             batch = batch_seqs * n // nodes[0] if weak else batch_seqs
-            if weak and batch_seqs * n % nodes[0]:
-                raise CliError(f"--weak: the batch of {batch_seqs} sequences at {nodes[0]} nodes does not scale to a "
-                               f"whole number of sequences at {n} nodes; choose node counts that are multiples of "
-                               f"{nodes[0]}")
             if layout:
                 lay = parse_layout(layout, batch, fw.default_fp32_grad_accum if space.fp32_grad_accum is None
                                    else space.fp32_grad_accum)
@@ -184,14 +192,25 @@ def plot(points: list[Point], base: float, path: str, title: str) -> bool:
     return True
 
 
-def run_scaling(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, hw: Cluster, space: SearchSpace,
-                seq: int, batch_seqs: int, docs: DocumentLengths | None = None) -> int:
+def check_scaling(args: argparse.Namespace, batch_seqs: int) -> None:
+    """Exactly one of --weak and --strong, and a weak batch that scales to every node count."""
     if args.weak == args.strong:
         raise CliError("plan scaling needs exactly one of --weak (the batch grows with the nodes) or --strong "
                           "(the batch stays)")
+    if args.weak:
+        check_weak(batch_seqs, parse_nodes(args.nodes_list))
+
+
+def run_scaling(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, hw: Cluster, space: SearchSpace,
+                seq: int, batch_seqs: int, docs: DocumentLengths | None = None, preface: tuple[str, ...] = ()) -> int:
+    """`preface`: lines printed above the table (not with --json), once every node count has been judged, so that
+    an error at any of them is the command's only output."""
+    check_scaling(args, batch_seqs)
     nodes = parse_nodes(args.nodes_list)
     rank = getattr(args, "rank", "expected")
     points = scaling(cfg, seq, batch_seqs, nodes, args.weak, fw, hw, space, args.layout, docs, rank, announce=True)
+    for line in preface if not args.json else ():
+        print(line)
     risk = hw.has_stall_data
     base, lines = report(points, hw.unit, risk)
     mode = "weak" if args.weak else "strong"

@@ -276,6 +276,17 @@ def test_report_from_the_store(swept, tmp_path):
     best = max((r for r in ok if r["n_devices"] == 1), key=lambda r: r["tokens_per_s_per_device"])
     assert any(b["key"] == best["key"] for b in summary["best"])
     assert "layout.zero = 1 with layout.dp = 1" in page  # the invalid run says why
+    # drawn again into the same folder: the earlier report is replaced, nothing kept beside it
+    assert main(["report", str(swept["results"]), "--out", str(out)]) == 0
+    assert not list(out.glob("*.bak*")) and json.loads((out / "summary.json").read_text()) == summary
+    # into a folder of the user's: a file of the same name is kept as NAME.bak, the others are left alone
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "index.html").write_text("my page\n")
+    (mine / "notes.txt").write_text("my notes\n")
+    assert main(["report", str(swept["results"]), "--out", str(mine)]) == 0
+    assert (mine / "index.html.bak").read_text() == "my page\n" and (mine / "notes.txt").read_text() == "my notes\n"
+    assert "<html" in (mine / "index.html").read_text().lower()
 
 
 def test_report_of_a_sweep_where_every_run_failed(tmp_path):

@@ -30,6 +30,7 @@ from typing import Any
 
 from fivefold.config import shown
 from fivefold.errors import CliError
+from fivefold.outputs import keep_previous
 from fivefold.planner.score import spearman
 from fivefold.sweep.store import StoreError, read_rows
 
@@ -421,13 +422,21 @@ def make_report(results: str | Path, out: str | Path) -> dict:
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise CliError(f"--out {shown(str(out))} is a file, not a folder; give a folder for the report")
+    # a folder that holds an earlier report of ours is rewritten; in any other, a file of the names written here
+    # is kept as NAME.bak (nothing of the user's is lost)
+    kept = out.is_dir() and not _holds_a_report(out)
     out.mkdir(parents=True, exist_ok=True)
     ok = [r for r in rows if r["status"] == "ok"]
     figures: list[tuple[str, str]] = []
     notes: list[str] = []
 
+    def target(name: str) -> Path:
+        if kept:
+            keep_previous(out / name)
+        return out / name
+
     def add(name: str, caption: str, draw, *args) -> None:
-        draw(plt, *args, out / name)
+        draw(plt, *args, target(name))
         figures.append((name, caption))
 
     add("status.png", "Runs by status", plot_status, rows)
@@ -451,6 +460,7 @@ def make_report(results: str | Path, out: str | Path) -> dict:
         profiles = sorted({r["hardware"] for r in ok if r.get("hardware")})
         if profiles:
             notes.append(f"Predictions from the planner with the hardware profile(s): {', '.join(profiles)}.")
+    target("index.html")
     page = write_page(out, str(results), rows, figures, acc, notes)
     summary = {"runs": len(rows), "statuses": dict(Counter(r["status"] for r in rows)), "accuracy": acc,
                "figures": [name for name, _ in figures], "page": page.name,
@@ -459,8 +469,17 @@ def make_report(results: str | Path, out: str | Path) -> dict:
                         for g, r in best_per_group(ok).items()],
                "failed": [{"key": r["key"], "label": r["label"], "status": r["status"], "error": r.get("error")}
                           for r in rows if r["status"] != "ok"]}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    target("summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _holds_a_report(folder: Path) -> bool:
+    """Whether `folder` holds a report that `make_report` wrote (its summary.json names the page and the runs)."""
+    try:
+        summary = json.loads((folder / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and {"runs", "page", "figures"} <= set(summary)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,6 +16,10 @@ its backward frees (B; with a split backward the W pass still runs later), and t
 at once are recorded: AFAB holds all m micro-batches, 1F1B at most p - r on rank r.
 
     python benchmarks/pipeline_bubble.py --pp 4 --micro-batches 8 --t-f 0.04
+
+The executor runs with `layout.pp_comm_overlap` off by default, the order the closed forms assume; with
+`--pp-comm-overlap on` (training's default) a whole backward sends its input gradient before its weight
+gradients, and the check is that no bubble exceeds its closed form by more than 10 %.
 """
 
 from __future__ import annotations
@@ -72,7 +76,8 @@ def measure(rank: int, p: int, args: argparse.Namespace) -> list[tuple]:
             stages = {s: SleepStage(args.t_f / v, args.t_f / v, args.t_f / v, args.activation_mib * MIB // v, memory,
                                     s == schedule.n_stages - 1)
                       for s, r in enumerate(schedule.stage_rank) if r == rank}
-            executor = PipelineExecutor(group, rank, (1024,), torch.float32, torch.device("cpu"))
+            executor = PipelineExecutor(group, rank, (1024,), torch.float32, torch.device("cpu"),
+                                        overlap=args.pp_comm_overlap == "on")
             dist.barrier()
             trace = executor.run(schedule, stages)
             mine = (min(r.start for r in trace), max(r.end for r in trace), sum(r.end - r.start for r in trace))
@@ -97,11 +102,15 @@ def main() -> None:
     parser.add_argument("--t-f", type=float, default=0.04, help="seconds of one stage's forward of one micro-batch")
     parser.add_argument("--activation-mib", type=int, default=16, help="held per stage and micro-batch in flight")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pp-comm-overlap", choices=["on", "off"], default="off",
+                        help="layout.pp_comm_overlap (training's default is on: a whole backward sends its input "
+                             "gradient before it computes its weight gradients, so the previous stage starts "
+                             "sooner and the bubble falls below the closed form, which assumes whole backwards)")
     args = parser.parse_args()
     p, m = args.pp, args.micro_batches
     print(f"pp = {p} ranks (gloo), m = {m} micro-batches, t_f = {args.t_f * 1e3:.0f} ms, t_b = t_w = t_f "
           f"(a whole backward 2 t_f), {args.activation_mib} MiB of activations per stage and micro-batch, "
-          f"median of {args.repeats} runs")
+          f"median of {args.repeats} runs, pp_comm_overlap {args.pp_comm_overlap}")
     rows = run_on_ranks(p, measure, args)
     print("\n| schedule | v | measured bubble | simulated | closed form | measured / closed | peak activations "
           "held per rank (MiB) |\n|---|---|---|---|---|---|---|")
@@ -116,10 +125,16 @@ def main() -> None:
     ok = True
     for name, _, measured, _, closed, _ in rows:
         if closed is not None:
-            within = abs(measured - closed) <= 0.1 * closed
+            if args.pp_comm_overlap == "off":
+                within = abs(measured - closed) <= 0.1 * closed
+                verdict = "within" if within else "NOT within"
+            else:  # the overlap may only take off the closed form
+                within = measured <= 1.1 * closed
+                verdict = "at most" if within else "NOT at most"
             ok &= within
-            print(f"{name}: measured {measured:.4f} vs closed form {closed:.4f}: "
-                  f"{'within' if within else 'NOT within'} 10 %")
+            print(f"{name}: measured {measured:.4f} vs closed form {closed:.4f}: {verdict} 10 % above"
+                  if args.pp_comm_overlap == "on" else
+                  f"{name}: measured {measured:.4f} vs closed form {closed:.4f}: {verdict} 10 %")
     for name in ("zero-bubble", "dualpipev"):
         below = results[name] < results["1f1b"]
         ok &= below

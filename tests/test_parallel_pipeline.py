@@ -139,10 +139,64 @@ def executor_on_ranks(rank: int, world_size: int) -> None:
 
 def test_executor_runs_each_rank_s_actions_in_order_and_routes_every_message():
     """Three ranks, every schedule and its forward-only variant, in fp32 and bf16, with the point-to-point overlap
-    (`layout.pp_comm_overlap`: receives waited for alone, a whole backward's input gradient posted before its weight
-    gradients) and without: each stage is called in exactly the order of its rank's action list, and every
-    activation and gradient reaches the action that needs it, in the dtype the stages produce."""
+    (`layout.pp_comm_overlap`: a whole backward's input gradient posted before its weight gradients) and without:
+    each stage is called in exactly the order of its rank's action list, and every activation and gradient reaches
+    the action that needs it, in the dtype the stages produce."""
     run_ranks(3, executor_on_ranks)
+
+
+class SideChannelStage:
+    """A stage of two-rank AFAB whose work depends on the other rank's progress outside the pipeline: the first
+    stage's forward of micro-batch 1 waits (on another group) for a token that the last stage sends from its forward
+    of micro-batch 0. That forward can only run if the last stage's receive of micro-batch 0 returns before the
+    first stage's forward of micro-batch 1 has sent: a receive that also waited for the later messages posted with it
+    (the last stage's first batch holds the receives of every forward) never returns, and the side channel's
+    timeout ends the step with an error instead."""
+
+    def __init__(self, stage: int, side: object) -> None:
+        self.stage, self.side = stage, side
+
+    def forward(self, mb, x):
+        import torch.distributed as dist
+
+        token = torch.zeros(1)
+        if self.stage == 0 and mb == 1:
+            dist.recv(token, group=self.side, group_src=1)
+        if self.stage == 1 and mb == 0:
+            dist.send(torch.ones(1), group=self.side, group_dst=0)
+        return torch.zeros(2, 3) if self.stage == 0 else None
+
+    def backward_input(self, mb, grad):
+        return torch.zeros(2, 3) if self.stage == 1 else None
+
+    def backward_weight(self, mb):
+        pass
+
+
+def receive_alone_on_ranks(rank: int, world_size: int) -> list:
+    import datetime
+
+    import torch.distributed as dist
+
+    from fivefold.parallel.pipeline import PipelineExecutor
+
+    group = dist.new_group([0, 1])
+    side = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=30))
+    done = []
+    for overlap in (False, True):
+        schedule = build_schedule("afab", 2, 4)
+        executor = PipelineExecutor(group, rank, (2, 3), torch.float32, torch.device("cpu"), overlap=overlap)
+        executor.run(schedule, {rank: SideChannelStage(rank, side)})
+        done.append(overlap)
+    return done
+
+
+def test_a_receive_waits_for_its_own_message_alone():
+    """Each point-to-point operation is its own unit with its own handle (`PointToPoint.post`), with the overlap
+    switch on and off: a rank starts an action as soon as that action's input has arrived, not once every message
+    posted beside it has (which serialised AFAB and 1F1B: the last stage waited for every forward before its
+    first). Checked by a dependency that deadlocks otherwise (`SideChannelStage`)."""
+    assert run_ranks(2, receive_alone_on_ranks, timeout=120) == [[False, True]] * 2
 
 
 def test_a_message_in_another_dtype_is_refused():

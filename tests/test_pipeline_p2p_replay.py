@@ -46,18 +46,24 @@ def input_key(schedule, action):
     return (kind, mb, producer) if schedule.stage_rank[producer] != rank else None
 
 
-def new_programs(schedule):
-    """What the executor posts and waits for: one batch before the first action and one after each action."""
+def new_programs(schedule, units: str = "operation"):
+    """What the executor posts and waits for: the plan's batch before the first action and after each action, each
+    operation launched as a unit of its own (`units = "operation"`, what `PointToPoint.post` does: every receive
+    has its own handle), or each batch as one unit (`units = "batch"`: one NCCL group, one handle for all of it)."""
     programs = []
+
+    def posts(batch) -> list:
+        ops = tuple((op.send, op.message.src, op.message.dst, op.message.key) for op in batch)
+        return [("post", (op,)) for op in ops] if units == "operation" else [("post", ops)]
+
     for rank, actions in enumerate(schedule.actions):
         plan = posting_plan(schedule, rank)
-        prog = [("post", tuple((op.send, op.message.src, op.message.dst, op.message.key) for op in plan[0]))]
+        prog = posts(plan[0])
         for k, action in enumerate(actions):
             key = input_key(schedule, action)
             if key is not None:
                 prog.append(("wait", key))
-            prog.append(("post", tuple((op.send, op.message.src, op.message.dst, op.message.key)
-                                       for op in plan[k + 1])))
+            prog += posts(plan[k + 1])
         programs.append(prog + [("end",)])
     return programs
 
@@ -195,17 +201,19 @@ def test_the_model_deadlocks_on_crossed_sends_and_batching_fixes_them():
 
 @pytest.mark.parametrize("name,p,m,v", CASES, ids=[f"{n}-pp{p}-m{m}-v{v}" for n, p, m, v in CASES])
 def test_every_schedule_completes_under_one_stream_per_rank(name, p, m, v):
-    """Training and forward-only steps: every rank runs every action, every planned message is matched with its
-    own receive exactly once, and each action's sends and receives go out as one batch."""
+    """Training and forward-only steps: every rank runs every action and every planned message is matched with its
+    own receive exactly once, with each operation launched alone (as `PointToPoint.post` does) and with each
+    action's sends and receives launched as one group."""
     schedules = [build_schedule(name, p, m, v), forward_schedule(name, p, m, v)]
     if name == "dualpipev":  # the overlapped order: a pair's F and B start once both inputs are in, send after both
         schedules.append(build_schedule(name, p, m, v, overlap_fb=True))
         schedules.append(build_schedule(name, p, m, v, overlap_fb=True, pair_w=True))  # with the B's W
         assert all(schedules[-1].fused)
     for schedule in schedules:
-        done, stuck = replay(new_programs(schedule))
-        assert stuck is None, f"{name} pp={p} m={m} v={v}: deadlock {stuck}"
-        assert sorted(done) == sorted(msg.key for msg in message_plan(schedule))
+        for units in ("operation", "batch"):  # as posted, and the plan's batches as single groups
+            done, stuck = replay(new_programs(schedule, units))
+            assert stuck is None, f"{name} pp={p} m={m} v={v} ({units}): deadlock {stuck}"
+            assert sorted(done) == sorted(msg.key for msg in message_plan(schedule))
         for rank, actions in enumerate(schedule.actions):
             plan = posting_plan(schedule, rank)
             assert len(plan) == len(actions) + 1

@@ -282,8 +282,8 @@ class PipelineExecutor:
     def __init__(self, group: ProcessGroup, rank: int, shape: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device, overlap: bool = False) -> None:
         self.group, self.rank, self.shape, self.dtype, self.device = group, rank, shape, dtype, device
-        # `layout.pp_comm_overlap`: a receive waits for itself alone, and a whole backward's input gradient is
-        # posted before its weight gradients are computed (the stages defer them, as for a split schedule's W)
+        # `layout.pp_comm_overlap`: a whole backward's input gradient is posted before its weight gradients are
+        # computed (the stages defer them, as for a split schedule's W)
         self.overlap = overlap
         self.trace: list[Ran] = []
 
@@ -292,7 +292,7 @@ class PipelineExecutor:
         if set(stages) != mine:
             raise ValueError(f"pp rank {self.rank} holds stages {sorted(mine)} of schedule {schedule.name}, "
                              f"got stages {sorted(stages)}")
-        p2p = PointToPoint(schedule, self.rank, self.group, self.shape, self.dtype, self.device, self.overlap)
+        p2p = PointToPoint(schedule, self.rank, self.group, self.shape, self.dtype, self.device)
         last = schedule.n_stages - 1
         local: dict[tuple[str, int, int], torch.Tensor] = {}  # handed between two stages of this rank
         where = schedule.stage_rank

@@ -19,24 +19,28 @@ action that sends nothing posts nothing. A fused pair (DualPipeV's F and B run a
 one unit, with its B's W where that comes next (`Schedule.unit`): both its inputs are posted before it, nothing
 after its F (nor after its B when its W follows), and both its sends (in the global order, where the simulation
 puts both at the pair's end) with the receives that follow after its last action.
-A receive is waited for just before the action that needs it: its whole
-batch, as a backend with one stream per rank would, or under `layout.pp_comm_overlap` (the default) itself alone
-where the backend gives each operation its own handle (gloo), so that a rank does not wait for its peer to take
-what it sent; sends are waited for at the end of the step. Under that overlap a whole backward (the schedules
-without a B / W split) also posts its batch once its input gradient exists, before it computes its weight
-gradients, which its stage defers as a split schedule's W pass: the peer's backward starts meanwhile. Only the
-moment of posting moves, never the order, so the argument below holds for both.
+Each operation of a batch is launched as a unit of its own (its own `batch_isend_irecv`, in the batch's order), so
+that every receive has its own handle on every backend: a receive is waited for just before the action that needs
+it, alone. A batch launched as one unit would have one handle on NCCL (one group), and waiting for an action's
+input would then wait for every later message posted with it: a rank of AFAB or 1F1B whose first batch holds the
+receives of several forwards would start only once the last of them had arrived, which serialised the stages
+(the bubble of `benchmarks/pipeline_bubble.py`, pp 2 over 4 micro-batches: 1.01 instead of 0.25 under AFAB,
+0.51 under 1F1B). Sends are waited for at the end of the step. Under `layout.pp_comm_overlap` (the default) a
+whole backward (the schedules without a B / W split) also posts its batch once its input gradient exists, before
+it computes its weight gradients, which its stage defers as a split schedule's W pass: the peer's backward starts
+meanwhile. Only the moment of posting moves, never the order, so the argument below holds for both.
 
 Why this cannot deadlock on a backend that runs a rank's point-to-point operations in issue order on one stream
-(NCCL on one communicator: a group of sends and receives launches as one unit, its operations progress
-independently, and it completes when all of them have; each send completes only when the peer's matching
-receive is running, and the operations between one pair in one direction match in issue order, tags ignored).
+(NCCL on one communicator: each unit launches after the one before it has completed; each send completes only
+when the peer's matching receive is running, and the operations between one pair in one direction match in issue
+order, tags ignored).
 Take the earliest message in the global order that has not completed. Both its ranks have posted it: a rank posts
 everything up to the receive it waits for, and a send is posted right after the action that produces it; the
 order is causal (a message that an action needs is produced before any message that the action, or a later
-action of the same rank, produces), so a rank is never stuck before posting an earlier message. Every batch
-ahead of it in either rank's stream holds only earlier messages, which have completed, so both batches are at the
-heads of their streams, the message matches, and the step moves on. The old posting (receives per pair of ranks
+action of the same rank, produces), so a rank is never stuck before posting an earlier message. Every unit
+ahead of it in either rank's stream holds an earlier message, which has completed, so both units are at the
+heads of their streams, the message matches, and the step moves on (batching nothing needs: the global order, not
+a group, keeps two ranks from each sending first). The old posting (receives per pair of ranks
 up to that pair's next send, each operation alone) lets rank 0 of the interleaved schedule with pp >= 3 queue a
 receive from the last rank ahead of its first send to rank 1, and every rank waits forever.
 tests/test_pipeline_p2p_replay.py replays every schedule under a model of such a backend, for both postings.
@@ -169,15 +173,12 @@ class PointToPoint:
     `receive(key)` for an action's input."""
 
     def __init__(self, schedule: Schedule, rank: int, group: ProcessGroup, shape: tuple[int, ...],
-                 dtype: torch.dtype, device: torch.device, wait_own: bool = False) -> None:
+                 dtype: torch.dtype, device: torch.device) -> None:
         self.group, self.rank, self.shape, self.dtype, self.device = group, rank, shape, dtype, device
         self.plan = posting_plan(schedule, rank)
         self.batches: dict[int, tuple[list[dist.Work], list[torch.Tensor]]] = {}  # in flight: works, sent tensors
-        # key -> (batch, buffer, the receive's own handle or None)
-        self.received: dict[tuple[str, int, int], tuple[int, torch.Tensor, dist.Work | None]] = {}
-        # `wait_own`: a receive waits for its own operation only, where the backend gives one handle per operation
-        # (gloo); a batch launched as one unit (NCCL's group) has one handle, and a receive waits for it whole
-        self.wait_own = wait_own
+        # key -> (batch, buffer, the receive's own handle)
+        self.received: dict[tuple[str, int, int], tuple[int, torch.Tensor, dist.Work]] = {}
 
     def post(self, index: int, sent: dict[tuple[str, int, int], torch.Tensor]) -> None:
         ops = self.plan[index]
@@ -203,11 +204,15 @@ class PointToPoint:
                 receives.append((op.message.key, buffer, len(p2p)))
                 p2p.append(dist.P2POp(dist.irecv, buffer, group=self.group, tag=op.tag, group_peer=op.peer()))
         if p2p:
-            works = list(dist.batch_isend_irecv(p2p))
+            # each operation a unit of its own, in the plan's order: its own handle on every backend (one group of
+            # several would be one handle on NCCL, and a receive would wait for the later messages posted with it)
+            works = [work for op in p2p for work in dist.batch_isend_irecv([op])]
+            if len(works) != len(p2p):
+                raise RuntimeError(f"pipeline rank {self.rank}: {len(p2p)} point-to-point operations returned "
+                                   f"{len(works)} handles")
             self.batches[index] = (works, tensors)
-            own = self.wait_own and len(works) == len(p2p)  # one handle per operation (gloo), not one per batch
             for key, buffer, place in receives:
-                self.received[key] = (index, buffer, works[place] if own else None)
+                self.received[key] = (index, buffer, works[place])
 
     def _release(self) -> None:
         """Let go of the sent tensors of batches that have completed."""
@@ -223,9 +228,6 @@ class PointToPoint:
         if key not in self.received:
             raise RuntimeError(f"pipeline message {key} is needed before its receive was posted")
         index, buffer, own = self.received.pop(key)
-        if own is None:
-            self._wait(index)
-            return buffer
         # not the sends posted with it: they complete when their peers get to them. Each handle is waited once (a
         # gloo receive waited again waits for a second message): taken out of its batch, unless the batch was
         # released whole already

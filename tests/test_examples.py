@@ -15,6 +15,7 @@ from fivefold.cli import main
 from fivefold.config import build_config
 from fivefold.flops import count_params
 from fivefold.planner.layout import Layout
+from fivefold.presets import get_preset
 from fivefold.train.recipes import DATA_PLACEHOLDER, published_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,6 +100,24 @@ def test_write_config_writes_a_real_run(tmp_path, capsys):
     assert main(["plan", "--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "2", "--seq-len", "128",
                  "--global-batch", "4096", "--top", "1", "--write-config", str(out3)]) == 0
     assert not build_config(out3).train.compile and build_config(out3).train.lr == 6e-4
+
+
+def test_write_config_keeps_a_small_models_budget_and_warms_up_within_it(tmp_path, capsys):
+    """GPT-3 125M's warm-up (375M tokens) is 18x the whole 20-tokens-per-parameter budget of the tiny preset: the
+    run keeps its budget and warms up over a tenth of it, instead of being stretched to the warm-up's length."""
+    out = tmp_path / "tiny.toml"
+    assert main(["plan", "--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "2", "--seq-len", "128",
+                 "--global-batch", "2048", "--write-config", str(out)]) == 0
+    capsys.readouterr()
+    t = build_config(out).train
+    budget_steps = -(-20 * count_params(get_preset("tiny")) // (t.global_batch_size * t.seq_len))
+    assert t.max_steps == budget_steps and t.warmup_steps == budget_steps // 10
+    out = tmp_path / "tiny-long.toml"  # a budget long enough for the whole published warm-up: kept as published
+    assert main(["plan", "--model", "tiny", "--gpu", "cpu", "--gpus-per-node", "2", "--seq-len", "128",
+                 "--global-batch", "2048", "--train-tokens", "8G", "--write-config", str(out)]) == 0
+    capsys.readouterr()
+    t = build_config(out).train
+    assert t.warmup_steps == round(375_000_000 / 2048) and t.max_steps == 8 * 2**30 // 2048
 
 
 def test_slurm_script_takes_time_partition_account_and_setup(tmp_path, capsys):

@@ -11,7 +11,10 @@
 | mixture of experts        | 4e-4    | 10B tokens       | cosine to 10 % of peak | OLMoE paper (OLMoE-1B-7B)      |
 
 All use AdamW with beta1 0.9, beta2 0.95, weight decay 0.1 and gradient clipping at 1.0 (eps 1e-5 for the
-Llama runs, 1e-8 for OLMoE). Warm-up is kept in tokens, so that it does not change with the global batch.
+Llama runs, 1e-8 for OLMoE). Warm-up is kept in tokens, so that it does not change with the global batch, and
+takes at most a tenth of the run (the published warm-ups are 0.1-0.5 % of their runs; GPT-3 125M's 375M tokens
+are more than a whole 20-tokens-per-parameter budget of a model under 19M parameters, whose run they would
+otherwise have stretched to the warm-up's length).
 Llama 3 publishes the 405B's settings only; for 8B and 70B the Llama 2 recipe of the same size is used.
 The token budget is 20 tokens per parameter (Chinchilla's compute-optimal ratio) unless `fivefold plan
 --train-tokens` gives one; set train.max_steps to yours.
@@ -28,6 +31,7 @@ from fivefold.flops import count_params
 
 LLAMA_BATCH_TOKENS = 4 * 1024 * 1024  # Llama 2 / 3: 4M tokens per step
 CHINCHILLA_TOKENS_PER_PARAM = 20
+WARMUP_MAX_SHARE = 0.1  # the warm-up's largest share of the run's steps
 DATA_PLACEHOLDER = "/path/to/prepared-data"  # `fivefold data prepare FILES --tokenizer MODEL_DIR --out DIR`
 
 
@@ -66,9 +70,10 @@ def apply_recipe(conf: Config, accelerator: bool, train_tokens: int | None = Non
     recipe = published_recipe(params, conf.model.is_moe)
     batch_tokens = t.global_batch_size * t.seq_len
     t.lr, t.min_lr_ratio, t.lr_schedule = recipe.lr, recipe.min_lr_ratio, "cosine"
-    t.warmup_steps = max(1, round(recipe.warmup_tokens / batch_tokens))
     budget = train_tokens if train_tokens else CHINCHILLA_TOKENS_PER_PARAM * params
-    t.max_steps = max(t.warmup_steps + 1, math.ceil(budget / batch_tokens))
+    steps = math.ceil(budget / batch_tokens)
+    t.warmup_steps = max(1, min(round(recipe.warmup_tokens / batch_tokens), math.floor(WARMUP_MAX_SHARE * steps)))
+    t.max_steps = max(t.warmup_steps + 1, steps)
     t.beta1, t.beta2, t.eps = recipe.beta1, recipe.beta2, recipe.eps
     t.weight_decay, t.grad_clip = recipe.weight_decay, recipe.grad_clip
     t.eval_every, t.eval_batches = 1000, 16

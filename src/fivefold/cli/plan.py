@@ -505,9 +505,8 @@ def run(args: argparse.Namespace) -> int:
     batch_seqs = tokens // seq
     space = _fixed_space(args, n_gpus, hw.gpus_per_node, batch_seqs)
     if args.action == "scaling":
-        from fivefold.planner.scaling import check_scaling, run_scaling
+        from fivefold.planner.scaling import run_scaling
 
-        check_scaling(args, batch_seqs)
         masked = _attention_line(args, cfg, seq)
         preface = (*([masked] if masked else []), _predicted("compile" in _features(args)))
         return run_scaling(args, cfg, fw, hw, space, seq, batch_seqs, args.docs, preface)

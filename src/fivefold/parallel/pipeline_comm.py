@@ -39,8 +39,8 @@ everything up to the receive it waits for, and a send is posted right after the 
 order is causal (a message that an action needs is produced before any message that the action, or a later
 action of the same rank, produces), so a rank is never stuck before posting an earlier message. Every unit
 ahead of it in either rank's stream holds an earlier message, which has completed, so both units are at the
-heads of their streams, the message matches, and the step moves on (batching nothing needs: the global order, not
-a group, keeps two ranks from each sending first). The old posting (receives per pair of ranks
+heads of their streams, the message matches, and the step moves on (no group is needed for this: the global
+order, not a group, keeps two ranks from each sending first). The old posting (receives per pair of ranks
 up to that pair's next send, each operation alone) lets rank 0 of the interleaved schedule with pp >= 3 queue a
 receive from the last rank ahead of its first send to rank 1, and every rank waits forever.
 tests/test_pipeline_p2p_replay.py replays every schedule under a model of such a backend, for both postings.

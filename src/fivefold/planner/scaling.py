@@ -209,8 +209,9 @@ def run_scaling(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, hw: C
     nodes = parse_nodes(args.nodes_list)
     rank = getattr(args, "rank", "expected")
     points = scaling(cfg, seq, batch_seqs, nodes, args.weak, fw, hw, space, args.layout, docs, rank, announce=True)
-    for line in preface if not args.json else ():
-        print(line)
+    if not args.json:
+        for line in preface:
+            print(line)
     risk = hw.has_stall_data
     base, lines = report(points, hw.unit, risk)
     mode = "weak" if args.weak else "strong"

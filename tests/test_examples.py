@@ -16,7 +16,7 @@ from fivefold.config import build_config
 from fivefold.flops import count_params
 from fivefold.planner.layout import Layout
 from fivefold.presets import get_preset
-from fivefold.train.recipes import DATA_PLACEHOLDER, published_recipe
+from fivefold.train.recipes import DATA_PLACEHOLDER, published_recipe, warmup_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.toml") if not p.name.startswith("sweep-"))
@@ -36,7 +36,7 @@ def test_example_config_validates_fits_and_its_prediction_is_in_the_docs(path, c
     recipe = published_recipe(count_params(cfg.model), cfg.model.is_moe)
     assert (t.lr, t.min_lr_ratio, t.lr_schedule, t.weight_decay, t.beta2) == (
         recipe.lr, recipe.min_lr_ratio, "cosine", recipe.weight_decay, recipe.beta2)
-    assert t.warmup_steps == round(recipe.warmup_tokens / (t.global_batch_size * t.seq_len))
+    assert t.warmup_steps == warmup_steps(recipe, t.global_batch_size * t.seq_len, t.max_steps)
     assert t.global_batch_size * t.seq_len == 4 * 2**20  # 4M tokens per step, as Llama 2/3 and OLMoE
     assert cfg.data.path == DATA_PLACEHOLDER and t.compile and t.dtype == "bf16" and t.checkpoint_every > 0
 

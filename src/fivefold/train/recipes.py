@@ -61,6 +61,11 @@ def published_recipe(params: int, is_moe: bool) -> Recipe:
     return Recipe(8e-5, 0.01, 8000 * LLAMA_BATCH_TOKENS, 1e-5, "Llama 3 405B (Grattafiori et al. 2024)")
 
 
+def warmup_steps(recipe: Recipe, batch_tokens: int, run_steps: int) -> int:
+    """The recipe's warm-up in steps of `batch_tokens`, at most a tenth of a run of `run_steps` (at least 1)."""
+    return max(1, min(round(recipe.warmup_tokens / batch_tokens), math.floor(WARMUP_MAX_SHARE * run_steps)))
+
+
 def apply_recipe(conf: Config, accelerator: bool, train_tokens: int | None = None) -> Recipe:
     """Set `conf.train` to the published recipe of its model for its global batch: LR, warm-up, cosine decay,
     AdamW settings, a token budget (`train_tokens`, default 20 per parameter), evaluation and checkpoints;
@@ -72,7 +77,7 @@ def apply_recipe(conf: Config, accelerator: bool, train_tokens: int | None = Non
     t.lr, t.min_lr_ratio, t.lr_schedule = recipe.lr, recipe.min_lr_ratio, "cosine"
     budget = train_tokens if train_tokens else CHINCHILLA_TOKENS_PER_PARAM * params
     steps = math.ceil(budget / batch_tokens)
-    t.warmup_steps = max(1, min(round(recipe.warmup_tokens / batch_tokens), math.floor(WARMUP_MAX_SHARE * steps)))
+    t.warmup_steps = warmup_steps(recipe, batch_tokens, steps)
     t.max_steps = max(t.warmup_steps + 1, steps)
     t.beta1, t.beta2, t.eps = recipe.beta1, recipe.beta2, recipe.eps
     t.weight_decay, t.grad_clip = recipe.weight_decay, recipe.grad_clip

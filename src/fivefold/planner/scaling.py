@@ -192,20 +192,13 @@ def plot(points: list[Point], base: float, path: str, title: str) -> bool:
     return True
 
 
-def check_scaling(args: argparse.Namespace, batch_seqs: int) -> None:
-    """Exactly one of --weak and --strong, and a weak batch that scales to every node count."""
-    if args.weak == args.strong:
-        raise CliError("plan scaling needs exactly one of --weak (the batch grows with the nodes) or --strong "
-                          "(the batch stays)")
-    if args.weak:
-        check_weak(batch_seqs, parse_nodes(args.nodes_list))
-
-
 def run_scaling(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, hw: Cluster, space: SearchSpace,
                 seq: int, batch_seqs: int, docs: DocumentLengths | None = None, preface: tuple[str, ...] = ()) -> int:
     """`preface`: lines printed above the table (not with --json), once every node count has been judged, so that
-    an error at any of them is the command's only output."""
-    check_scaling(args, batch_seqs)
+    an error at any of them (the weak batch's included, `check_weak`) is the command's only output."""
+    if args.weak == args.strong:
+        raise CliError("plan scaling needs exactly one of --weak (the batch grows with the nodes) or --strong "
+                          "(the batch stays)")
     nodes = parse_nodes(args.nodes_list)
     rank = getattr(args, "rank", "expected")
     points = scaling(cfg, seq, batch_seqs, nodes, args.weak, fw, hw, space, args.layout, docs, rank, announce=True)

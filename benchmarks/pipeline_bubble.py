@@ -6,7 +6,9 @@ t_f, the playbook's assumption); an interleaved or V-shaped chunk is 1/v of a st
 stages pass real tensors between ranks with the executor's point-to-point sends, so transfer latency is in the
 figures. Each schedule runs --repeats times after a barrier; per run, the makespan is the first action's start
 to the last action's end over all ranks (one clock: the ranks share a machine) and the busy time is the
-busiest rank's measured compute, and
+busiest rank's measured work: its compute and the host time it spends posting its point-to-point operations
+(each action's send and the receives after it; printed per action, as the last column), so that the bubble is
+the time ranks wait for each other, and
 
     bubble = (makespan - busy) / busy
 
@@ -80,18 +82,20 @@ def measure(rank: int, p: int, args: argparse.Namespace) -> list[tuple]:
                                         overlap=args.pp_comm_overlap == "on")
             dist.barrier()
             trace = executor.run(schedule, stages)
-            mine = (min(r.start for r in trace), max(r.end for r in trace), sum(r.end - r.start for r in trace))
+            mine = (min(r.start for r in trace), max(r.end for r in trace), sum(r.end - r.start for r in trace),
+                    sum(r.posted for r in trace), len(trace))
             everyone = [None] * p
             dist.all_gather_object(everyone, (mine, memory["peak"]))
             start = min(e[0][0] for e in everyone)
             end = max(e[0][1] for e in everyone)
             busy = max(e[0][2] for e in everyone)
-            runs.append((end - start - busy) / busy)
+            runs.append(((end - start - busy) / busy, sum(e[0][3] for e in everyone) / sum(e[0][4] for e in everyone)))
             peaks = [e[1] for e in everyone]
         sim = simulate(schedule, args.t_f / v, args.t_f / v, args.t_f / v)
         closed = closed_form_bubble(name, p, args.micro_batches, v) if name in ("afab", "1f1b", "interleaved") \
             else None
-        rows.append((name, v, statistics.median(runs), sim.bubble, closed, peaks))
+        bubble = statistics.median(b for b, _ in runs)
+        rows.append((name, v, bubble, sim.bubble, closed, peaks, statistics.median(t for _, t in runs)))
     return rows
 
 
@@ -113,17 +117,18 @@ def main() -> None:
           f"median of {args.repeats} runs, pp_comm_overlap {args.pp_comm_overlap}")
     rows = run_on_ranks(p, measure, args)
     print("\n| schedule | v | measured bubble | simulated | closed form | measured / closed | peak activations "
-          "held per rank (MiB) |\n|---|---|---|---|---|---|---|")
+          "held per rank (MiB) | posting per action (ms) |\n|---|---|---|---|---|---|---|---|")
     results = {}
-    for name, v, measured, simulated, closed, peaks in rows:
+    for name, v, measured, simulated, closed, peaks, posting in rows:
         results[name] = measured
         ratio = f"{measured / closed:.3f}" if closed else "-"
         closed_text = f"{closed:.4f}" if closed is not None else "-"
         held = ", ".join(f"{b / MIB:.0f}" for b in peaks)
-        print(f"| {name} | {v} | {measured:.4f} | {simulated:.4f} | {closed_text} | {ratio} | {held} |")
+        print(f"| {name} | {v} | {measured:.4f} | {simulated:.4f} | {closed_text} | {ratio} | {held} | "
+              f"{posting * 1e3:.2f} |")
     print()
     ok = True
-    for name, _, measured, _, closed, _ in rows:
+    for name, _, measured, _, closed, _, _ in rows:
         if closed is not None:
             if args.pp_comm_overlap == "off":
                 within = abs(measured - closed) <= 0.1 * closed

@@ -266,12 +266,14 @@ class PipelineStage(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Ran:
-    """One executed action and when its compute began and ended (after its input arrived, before waiting for
-    anything else), in `time.perf_counter` seconds."""
+    """One executed action: when its compute began (after its input arrived) and when it ended with its output
+    sent (the send and the receives after it posted, before waiting for anything else), in `time.perf_counter`
+    seconds. `posted` is the host time of that posting inside [start, end] (on a fused pair's last action)."""
 
     action: Action
     start: float
     end: float
+    posted: float = 0.0
 
 
 class PipelineExecutor:
@@ -316,6 +318,12 @@ class PipelineExecutor:
             else:
                 sent[(kind, mb, s)] = tensor
 
+        def post(index: int, sent: dict[tuple[str, int, int], torch.Tensor]) -> float:
+            """Post batch `index` of the plan; its host seconds."""
+            begun = time.perf_counter()
+            p2p.post(index, sent)
+            return time.perf_counter() - begun
+
         p2p.post(0, {})
         actions = schedule.actions[self.rank]
         fused = schedule.fused_at(self.rank)
@@ -335,15 +343,13 @@ class PipelineExecutor:
                 y, grad_input = lanes.run_pair(functools.partial(stage.forward, mb, x), second)
                 give("F", mb, s, y)
                 give("B", b_mb, b_s, grad_input)
+                posted = sum(post(index + k, {}) for k in range(1, len(unit))) + post(index + len(unit), sent)
                 end = time.perf_counter()
-                self.trace += [Ran(a, start, end) for a in unit]
-                for k in range(1, len(unit)):
-                    p2p.post(index + k, {})
-                p2p.post(index + len(unit), sent)
+                self.trace += [Ran(a, start, end, posted if i == len(unit) - 1 else 0.0) for i, a in enumerate(unit)]
                 index += len(unit)
                 continue
             faults.note(micro_batch=mb, action=f"{kind} of stage {s}")
-            posted = False
+            posted = None  # seconds of posting, once posted
             if kind == "F":
                 x = take("F", mb, s)
                 start = time.perf_counter()
@@ -354,15 +360,14 @@ class PipelineExecutor:
                 give("B", mb, s, stage.backward_input(mb, grad))
                 if not schedule.split_backward:  # a whole backward: its input gradient leaves when it is done, or
                     if self.overlap:  # (overlap) with the receives that follow it while this rank computes the
-                        p2p.post(index + 1, sent)  # weight gradients
-                        posted = True
+                        posted = post(index + 1, sent)  # weight gradients
                     stage.backward_weight(mb)
             else:
                 start = time.perf_counter()
                 stage.backward_weight(mb)
-            self.trace.append(Ran(action, start, time.perf_counter()))
-            if not posted:
-                p2p.post(index + 1, sent)  # this action's send with the receives that follow it, as one batch
+            if posted is None:
+                posted = post(index + 1, sent)  # this action's send with the receives that follow it
+            self.trace.append(Ran(action, start, time.perf_counter(), posted))
             index += 1
         p2p.finish()
         if local:

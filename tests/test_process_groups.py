@@ -85,8 +85,14 @@ def test_4096_rank_layout_makes_at_most_16_creations_per_rank(rank: int, monkeyp
             assert dist.get_world_size(grid.group(name)) == len(members)
         # dp and dp_cp (cp = 1) are one group; the size-1 axis has this rank's one-member group, not a group per rank
         assert grid.group("dp") is grid.group("dp_cp")
-        # one creation per distinct group of this rank (on gloo and the stand-in only the members take part)
-        assert counted.calls == len({tuple(m) for m in expected.values()})
+        # the pipeline's point-to-point communicators: one per edge direction and class of neighbour pairs (pp 8,
+        # 1F1B: 2 x 2), each of this rank's pp group
+        assert len(grid.pp_channels) == 4 and len(set(map(id, grid.pp_channels))) == 4
+        assert all(dist.get_process_group_ranks(g) == expected["pp"] for g in grid.pp_channels)
+        assert all(g is not grid.group("pp") for g in grid.pp_channels)
+        # one creation per distinct group of this rank, and one per channel (on gloo and the stand-in only the
+        # members take part)
+        assert counted.calls == len({tuple(m) for m in expected.values()}) + 4
     finally:
         dist.destroy_process_group()
 
@@ -106,5 +112,6 @@ def test_hsdp_and_context_parallel_groups_on_a_large_world(monkeypatch: pytest.M
             assert 1234 in members and dist.get_process_group_ranks(grid.group(name)) == members, name
         assert [len(grid.group_ranks[n]) for n in ("tp", "cp", "dp", "pp", "dp_cp", "hsdp_shard", "hsdp_replicate")] \
             == [8, 2, 32, 8, 64, 16, 4]
+        assert [dist.get_process_group_ranks(g) for g in grid.pp_channels] == [grid.group_ranks["pp"]] * 4
     finally:
         dist.destroy_process_group()

@@ -32,6 +32,7 @@ from torch.distributed import ProcessGroup
 
 from fivefold.config import Config, LayoutConfig, shown
 from fivefold.layout import check_layout
+from fivefold.parallel.pipeline_comm import channel_count
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -143,6 +144,8 @@ class ProcessGrid:
     hsdp_ranks: list[list[int]] = field(default_factory=list)  # HSDP: this rank's 2D array (`hsdp_grids`)
     hsdp_expert_ranks: list[list[int]] = field(default_factory=list)  # HSDP with ep: `hsdp_expert_grids`' one
     creations: int = 0  # communicator creations this rank made (`_create`)
+    # the pipeline's point-to-point communicators (`pipeline_comm.edge_channel`), pp > 1
+    pp_channels: list[ProcessGroup] = field(default_factory=list)
     # every group created so far, by its members (as every rank knows them): this rank's own, None for the others'
     _created: dict[tuple[int, ...], ProcessGroup | None] = field(default_factory=dict, repr=False)
 
@@ -154,6 +157,12 @@ class ProcessGrid:
         grid = cls(cfg.layout, rank, world, ranks=coordinates(cfg.layout, rank))
         for name, axes in GROUP_AXES.items():
             grid._add(name, axis_groups(cfg.layout, axes))
+        # the pipeline's point-to-point communicators, one per edge direction and class of neighbour pairs
+        # (`pipeline_comm.edge_channel`), each with the pp groups' members: made here, while every rank has made the
+        # same number of groups (gloo names a group from that count and its members)
+        pp_lists = axis_groups(cfg.layout, ("pp",))
+        grid.pp_channels = [grid._create_fresh(pp_lists)
+                            for _ in range(channel_count(cfg.layout.pp, cfg.layout.schedule == "interleaved"))]
         if cfg.layout.pp > 1:  # the first and last pipeline ranks, which hold the tied embedding's two copies
             grid._add("embed", [[members[0], members[-1]] for members in axis_groups(cfg.layout, ("pp",))])
         ep_lists, edp_lists = expert_groups(cfg.layout)
@@ -193,6 +202,18 @@ class ProcessGrid:
             group = dist.new_group(own, use_local_synchronization=True)
         for members in rank_lists:
             self._created[tuple(members)] = group if members == own else None
+
+    def _create_fresh(self, rank_lists: list[list[int]]) -> ProcessGroup | None:
+        """One communicator creation for `rank_lists` even where groups of the same members exist (the same list on
+        every rank); this rank's group."""
+        own = next((members for members in rank_lists if self.rank in members), None)
+        if getattr(dist.group.WORLD, "bound_device_id", None) is not None:
+            self.creations += 1
+            return dist.split_group(split_ranks=rank_lists)
+        if own is None:
+            return None
+        self.creations += 1
+        return dist.new_group(own, use_local_synchronization=True)
 
     def group(self, name: str) -> ProcessGroup:
         """This rank's process group called `name`: an axis or axis set of `GROUP_AXES` (tp, cp, dp, pp, dp_cp),

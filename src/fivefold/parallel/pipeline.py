@@ -42,7 +42,7 @@ import contextlib
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -282,8 +282,9 @@ class PipelineExecutor:
     ranks), one batch per action (`pipeline_comm`). `trace` holds what the last `run` executed, in order."""
 
     def __init__(self, group: ProcessGroup, rank: int, shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device, overlap: bool = False) -> None:
+                 device: torch.device, overlap: bool = False, channels: Sequence[ProcessGroup] = ()) -> None:
         self.group, self.rank, self.shape, self.dtype, self.device = group, rank, shape, dtype, device
+        self.channels = channels  # one communicator per edge and direction (`pipeline_comm.edge_channel`), or none
         # `layout.pp_comm_overlap`: a whole backward's input gradient is posted before its weight gradients are
         # computed (the stages defer them, as for a split schedule's W)
         self.overlap = overlap
@@ -294,7 +295,7 @@ class PipelineExecutor:
         if set(stages) != mine:
             raise ValueError(f"pp rank {self.rank} holds stages {sorted(mine)} of schedule {schedule.name}, "
                              f"got stages {sorted(stages)}")
-        p2p = PointToPoint(schedule, self.rank, self.group, self.shape, self.dtype, self.device)
+        p2p = PointToPoint(schedule, self.rank, self.group, self.shape, self.dtype, self.device, self.channels)
         last = schedule.n_stages - 1
         local: dict[tuple[str, int, int], torch.Tensor] = {}  # handed between two stages of this rank
         where = schedule.stage_rank

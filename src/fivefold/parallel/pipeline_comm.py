@@ -45,12 +45,23 @@ up to that pair's next send, each operation alone) lets rank 0 of the interleave
 receive from the last rank ahead of its first send to rank 1, and every rank waits forever.
 tests/test_pipeline_p2p_replay.py replays every schedule under a model of such a backend, for both postings.
 
+Communicators. The argument holds on one communicator, but there an operation may queue behind another edge's:
+a middle rank's receive from its left neighbour waits, on the one stream, for its send to the right to be
+received, though nothing in the schedule links the two. So training gives each edge direction a communicator of
+its own (`edge_channel`: one per direction and class of neighbour pairs, so 2 for pp = 2, 4 beyond, 6 for an odd
+interleaved pipeline, each with the pp group's members; `mesh.ProcessGrid.pp_channels`): on each, a rank only sends
+to one peer or only receives from one, in the global order, and the argument above holds per communicator (the
+earliest incomplete message is at the head of its edge's stream on both sides). In the replay model's timing
+(`benchmarks/pipeline_streams.py`) one communicator makes the interleaved schedule 7-9 % slower than its dependencies
+allow when a transfer takes 5 % of a forward and 31-34 % at 20 %; per-edge communicators make it 0-0.2 % and 4-6 %.
+
 NCCL needs the first call on a group to involve every rank of it unless its communicator is initialised eagerly
 (`init_process_group(device_id=...)`); the first batch of a step involves only some ranks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -97,6 +108,39 @@ def message_plan(schedule: Schedule) -> tuple[Message, ...]:
             if src != dst:
                 messages.append(Message(a.kind, a.micro_batch, a.stage, src, dst))
     return tuple(sorted(messages, key=lambda m: (sim.end[m.key], m.src, m.kind, m.micro_batch, m.stage)))
+
+
+def pair_class(i: int, p: int) -> int:
+    """The class of neighbour pair i (pp ranks i and i + 1 mod p): pairs of one class share no rank (0 and 1
+    alternate; the wrap-around pair (p - 1, 0) of an odd p is class 2)."""
+    return 2 if i == p - 1 and p % 2 == 1 else i % 2
+
+
+def edge_channel(src: int, dst: int, p: int) -> int:
+    """Which of the pipeline's point-to-point communicators carries the messages from pp rank `src` to `dst`, two
+    neighbours (the wrap-around pair p - 1 and 0 only under the interleaved schedule): one per direction and class
+    of pairs (`pair_class`), so that no rank has two edges on one channel. Each of a rank's communicators then holds
+    one edge's messages in one direction, the sends on the sender and the receives on the receiver."""
+    if dst == src + 1:
+        i, up = src, True
+    elif dst == src - 1:
+        i, up = dst, False
+    elif (src, dst) == (p - 1, 0):
+        i, up = p - 1, True
+    elif (src, dst) == (0, p - 1):
+        i, up = p - 1, False
+    else:
+        raise ValueError(f"pp ranks {src} and {dst} of {p} are not neighbours; pipeline messages go between "
+                         "neighbouring stages only")
+    return 2 * pair_class(i, p) + (0 if up else 1)
+
+
+def channel_count(p: int, wrap: bool) -> int:
+    """How many point-to-point communicators a pipeline of p ranks uses (`edge_channel`): 2 for p = 2, 4 beyond,
+    6 for an odd p whose schedule wraps from the last rank to the first (`wrap`, the interleaved schedule)."""
+    if p < 2:
+        return 0
+    return 2 if p == 2 else 6 if wrap and p % 2 == 1 else 4
 
 
 @dataclass(frozen=True)
@@ -173,12 +217,25 @@ class PointToPoint:
     `receive(key)` for an action's input."""
 
     def __init__(self, schedule: Schedule, rank: int, group: ProcessGroup, shape: tuple[int, ...],
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, channels: Sequence[ProcessGroup] = ()) -> None:
         self.group, self.rank, self.shape, self.dtype, self.device = group, rank, shape, dtype, device
         self.plan = posting_plan(schedule, rank)
+        # each edge's messages on its own communicator (`edge_channel`; each has the pp group's members in its
+        # order), or all on `group`
+        self.channels, self.p = tuple(channels), schedule.p
+        needed = max((edge_channel(op.message.src, op.message.dst, self.p) + 1 for batch in self.plan for op in batch),
+                     default=0)
+        if self.channels and needed > len(self.channels):
+            raise ValueError(f"pipeline rank {rank}: schedule {schedule.name} over {self.p} ranks needs {needed} "
+                             f"point-to-point communicators (`edge_channel`), got {len(self.channels)}")
         self.batches: dict[int, tuple[list[dist.Work], list[torch.Tensor]]] = {}  # in flight: works, sent tensors
         # key -> (batch, buffer, the receive's own handle)
         self.received: dict[tuple[str, int, int], tuple[int, torch.Tensor, dist.Work]] = {}
+
+    def _group(self, op: Op) -> ProcessGroup:
+        if not self.channels:
+            return self.group
+        return self.channels[edge_channel(op.message.src, op.message.dst, self.p)]
 
     def post(self, index: int, sent: dict[tuple[str, int, int], torch.Tensor]) -> None:
         ops = self.plan[index]
@@ -198,11 +255,11 @@ class PointToPoint:
                                        "the activations the stages produce)")
                 tensor = tensor.contiguous()
                 tensors.append(tensor)
-                p2p.append(dist.P2POp(dist.isend, tensor, group=self.group, tag=op.tag, group_peer=op.peer()))
+                p2p.append(dist.P2POp(dist.isend, tensor, group=self._group(op), tag=op.tag, group_peer=op.peer()))
             else:
                 buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
                 receives.append((op.message.key, buffer, len(p2p)))
-                p2p.append(dist.P2POp(dist.irecv, buffer, group=self.group, tag=op.tag, group_peer=op.peer()))
+                p2p.append(dist.P2POp(dist.irecv, buffer, group=self._group(op), tag=op.tag, group_peer=op.peer()))
         if p2p:
             # each operation a unit of its own, in the plan's order: its own handle on every backend (one group of
             # several would be one handle on NCCL, and a receive would wait for the later messages posted with it)

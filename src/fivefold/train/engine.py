@@ -76,13 +76,14 @@ class Engine:
         if grid is None:
             self.dp_rank = self.tp_rank = self.cp_rank = self.ep_rank = self.pp_rank = 0
             self.dp_size = self.tp_size = self.cp_size = self.ep_size = self.pp_size = self.n_devices = 1
-            self.is_logging_rank, self.pp_group = True, None
+            self.is_logging_rank, self.pp_group, self.pp_channels = True, None, []
         else:
             self.dp_rank, self.dp_size = grid.ranks["dp"], grid.size("dp")
             self.tp_rank, self.tp_size = grid.ranks["tp"], grid.size("tp")
             self.cp_rank, self.cp_size = grid.ranks["cp"], grid.size("cp")
             self.ep_rank, self.ep_size = grid.group_ranks["ep"].index(grid.rank), grid.size("ep")
             self.pp_rank, self.pp_size, self.pp_group = grid.ranks["pp"], grid.size("pp"), grid.group("pp")
+            self.pp_channels = grid.pp_channels  # the point-to-point communicators (`pipeline_comm.edge_channel`)
             self.is_logging_rank = grid.rank == 0
             self.n_devices = grid.world_size
         # what AdamW steps: this rank's share as the data-parallel states hand it over (ZeRO slices, tp and ep

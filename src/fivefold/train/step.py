@@ -191,7 +191,7 @@ class PipelineSchedule:
             runner.begin(prepared, global_tokens, training)
         dtype = activation_dtype(list(self.stages.values()), engine.bf16)
         executor = PipelineExecutor(engine.pp_group, engine.pp_rank, shape, dtype, engine.device,
-                                    overlap=self.cfg.layout.overlaps_pp_comm)
+                                    overlap=self.cfg.layout.overlaps_pp_comm, channels=engine.pp_channels)
         executor.run(self.schedule(len(micro_batches), training), self.runners)
         self.traces[training] = executor.trace
         if training and self.cfg.model.capacity_factor > 0:  # this rank's layers' share of the mean over all MoE layers

@@ -164,10 +164,13 @@ def test_resume_with_a_doubled_global_batch(tmp_path, dataset, capsys):  # noqa:
     assert state["samples_consumed"] == 3 * 8 + 2 * 16 and state["tokens_seen"] == (3 * 8 + 2 * 16) * 32
 
 
-def test_a_changed_sequence_length_is_refused_with_the_field(tmp_path, dataset):  # noqa: F811
+def test_a_changed_sequence_length_or_seed_is_refused_with_the_field(tmp_path, dataset):  # noqa: F811
     train(small_config(tmp_path / "run", dataset, **FP32), stop_after=3)
     with pytest.raises(ckpt.CheckpointError, match=r"train.seq_len = 32, this run has 16"):
         train(small_config(tmp_path / "run", dataset, **{**FP32, "train.seq_len": "16"}), resume=True)
+    seed = small_config(tmp_path / "run", dataset, **FP32).train.seed
+    with pytest.raises(ckpt.CheckpointError, match=rf"train.seed = {seed}, this run has {seed + 1}.*sample order"):
+        train(small_config(tmp_path / "run", dataset, **{**FP32, "train.seed": str(seed + 1)}), resume=True)
 
 
 LAYOUT_CHANGES = {

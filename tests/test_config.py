@@ -147,6 +147,7 @@ def test_a_run_saved_when_a_window_of_0_meant_none_resumes_without_one(tmp_path)
 
     cfg = build_config(None, {"model.sliding_window": "16"})
     (tmp_path / "config.toml").write_text(dump_toml(cfg).replace("sliding_window = 16", "sliding_window = 0"))
+    (tmp_path / "tokenizer").mkdir()  # written with config.toml by every run that fivefold started
     resumed = load_run_config(tmp_path, {}, None)
     assert resumed.model.sliding_window is None
     resumed.validate()

@@ -97,3 +97,14 @@ def test_export_and_checkpoints_honour_the_umask(tmp_path, dataset, umask):  # n
         assert mode == (0o777 if path.is_dir() else 0o666) & ~umask, (str(path), oct(mode))
     readable = all(stat.S_IMODE(p.stat().st_mode) & stat.S_IROTH for p in written)
     assert readable == (umask == 0o022)  # group and others read under 022, nobody else under 077
+
+
+def test_a_shortened_run_says_how_its_learning_rate_changes(tmp_path, dataset, capsys):  # noqa: F811
+    run = tmp_path / "run"
+    train(small_config(run, dataset, **{"train.max_steps": "10", "train.checkpoint_every": "1"}), stop_after=4)
+    capsys.readouterr()
+    train(small_config(run, dataset, **{"train.max_steps": "6", "train.checkpoint_every": "1"}), resume=True,
+          stream=None)
+    out = capsys.readouterr().out
+    assert "learning rate: train.max_steps 10 -> 6 shortens the run" in out, out
+    assert "resume with --max-steps 10 to keep the planned rates" in out

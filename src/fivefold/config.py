@@ -501,6 +501,7 @@ class Config:
         for name in ("seq_len", "global_batch_size", "max_steps", "eval_batches", "keep_checkpoints",
                      "max_bad_steps"):
             _require(getattr(t, name) >= 1, f"train.{name}", getattr(t, name), "must be >= 1")
+        _require(0 <= t.seed < 2**63, "train.seed", t.seed, "must be a non-negative integer below 2**63")
         _require(t.lr > 0, "train.lr", t.lr, "must be > 0")
         _require(0 <= t.min_lr_ratio <= 1, "train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
         _require(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "must be >= 0")
@@ -866,10 +867,15 @@ def missing_dirs(path: Path) -> tuple[list[Path], Path]:
     return missing, top
 
 
-def check_writable_dir(path: Path, flag: str) -> None:
+def check_writable_dir(path: str | Path, flag: str) -> None:
     """A directory can be created (with its missing parents) and written at `path`: checked by creating what is
     missing and a probe file, then removing them all, so the check leaves nothing behind; a ConfigError naming
-    `flag` if not."""
+    `flag` if not (an empty path too: it would mean the current directory)."""
+    if not str(path):
+        raise ConfigError(f"{flag} '' is empty; give a directory (e.g. out/), or . for the current one")
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{flag} {shown(str(path))} is a file, not a directory; give a directory")
     missing, top = missing_dirs(path)
     if not top.is_dir():
         raise ConfigError(f"{flag} {shown(str(path))}: {shown(str(top))} is a file, not a directory; choose a "

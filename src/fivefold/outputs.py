@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fivefold.config import shown
+from fivefold.config import ConfigError, check_writable_dir, shown
 from fivefold.errors import CliError
 
 __all__ = ["check_target", "keep_previous"]
@@ -14,7 +14,8 @@ __all__ = ["check_target", "keep_previous"]
 
 def check_target(path: str | Path, flag: str, example: str = "out.toml", parent_must_exist: bool = True) -> Path:
     """`flag`'s output file `path`, refused up front (before a search, a fit or a benchmark) when it is empty, a
-    directory, or (`parent_must_exist`) in a directory that does not exist."""
+    directory, in a directory that does not exist (`parent_must_exist`; otherwise the nearest existing one must be a
+    directory), or where nothing can be written (a probe file is made and removed)."""
     text = str(path)
     if not text:
         raise CliError(f"{flag} '' is empty; give a file name such as {example}")
@@ -26,6 +27,10 @@ def check_target(path: str | Path, flag: str, example: str = "out.toml", parent_
     if parent_must_exist and not target.parent.is_dir():
         raise CliError(f"{flag} {shown(text)}: directory {shown(str(target.parent))} does not exist; create it first "
                        "or write into an existing one")
+    try:
+        check_writable_dir(target.parent, flag)
+    except ConfigError as e:
+        raise CliError(f"{flag} {shown(text)}: {str(e).removeprefix(flag + ' ')}") from None
     return target
 
 

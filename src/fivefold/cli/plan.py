@@ -18,6 +18,7 @@ from fivefold.config import (
     dump_toml,
     finite_float,
     int_in,
+    load_file,
     shown,
     write_text_atomic,
 )
@@ -60,8 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a preset, a shape 'layers=..,hidden=..,heads=..,kv_heads=..,ffn=..,vocab=..' "
                         "(kv_heads defaults to heads; optional experts=..,top_k=..,tied=true|false,mlp=swiglu|gelu), "
                         "or a Hugging Face config.json (Llama, Mixtral; GPT-NeoX and GPT-2 as GELU shapes)")
-    p.add_argument("--gpu", default="h100", help="h100, h100-pcie, h200, b200, a100-40gb, a100-80gb, mi300x, "
-                                                  "max1550, cpu, h100-efa")
+    p.add_argument("--gpu", help="h100 (the default), h100-pcie, h200, b200, a100-40gb, a100-80gb, mi300x, "
+                                  "max1550, cpu, h100-efa; with --hardware, the base of a file that names none")
     p.add_argument("--hardware", help="TOML file describing the hardware (optionally base = PRESET)")
     p.add_argument("--nodes", default="1", help="nodes (scaling: a comma-separated list, e.g. 1,2,4,8)")
     p.add_argument("--weak", action="store_true", help="scaling: the global batch grows with the nodes")
@@ -313,6 +314,8 @@ def _cluster(args: argparse.Namespace):
     from fivefold.planner.hardware import get_cluster
 
     hw = get_cluster(args.gpu, args.hardware) if not args.hardware else profile.load(args.hardware, None, args.gpu)[1]
+    if args.hardware and getattr(args, "gpu_given", False):
+        _check_gpu(args)  # once the file has been read and checked
     if args.gpus_per_node:
         hw = dataclasses.replace(hw, gpus_per_node=args.gpus_per_node)
     return hw
@@ -485,6 +488,8 @@ def _check_applies(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     _check_not_empty(args)
     _check_applies(args)
+    args.gpu_given = args.gpu is not None
+    args.gpu = args.gpu or "h100"  # the default device
     if args.action == "validate":
         from fivefold.tools.validate import run_validate
 
@@ -513,6 +518,23 @@ def run(args: argparse.Namespace) -> int:
     if args.layout:
         return _estimate_layout(args, cfg, fw, hw, seq, batch_seqs, n_gpus)
     return _search_layouts(args, cfg, fw, hw, space, seq, tokens, n_gpus)
+
+
+def _check_gpu(args: argparse.Namespace) -> None:
+    """--gpu may not name another device than the --hardware file's own `base`: the file's would be used, and the
+    flag dropped without a word."""
+    if args.gpu is not None and args.hardware and Path(args.hardware).is_file():
+        try:
+            data = load_file(args.hardware, "--hardware", suffix=".toml")
+        except ConfigError:
+            data = {}  # the profile's reader names what is wrong with it
+        table = data["hardware"] if isinstance(data.get("hardware"), dict) else data
+        base = table.get("base")
+        from fivefold.planner.hardware import PRESETS
+
+        if isinstance(base, str) and base.lower() in PRESETS and base.lower() != args.gpu.lower():
+            raise CliError(f"--gpu {shown(args.gpu)} and --hardware {shown(args.hardware)} (base = {shown(base)}) name "
+                           "two devices; give one (the file describes its device)")
 
 
 def _check_options(args: argparse.Namespace) -> None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from fivefold.config import Config, build_config, check_device_name, load_file, parse_overrides, shown
 from fivefold.errors import CliError, EnvironmentFailure
-from fivefold.outputs import keep_previous
+from fivefold.outputs import check_target, keep_previous
 
 if TYPE_CHECKING:
     from fivefold.planner.hardware import Cluster
@@ -89,12 +89,38 @@ def resolve_config(args: argparse.Namespace):
         if args.hf:
             from fivefold.models.hf import model_config_from_hf
 
-            cfg.model = model_config_from_hf(Path(args.hf) / "config.json")
+            cfg.model = hf_model(cfg.model, model_config_from_hf(Path(args.hf) / "config.json"), args, overrides)
     if args.run_dir:
         cfg.run_dir = args.run_dir
     elif not args.resume and "run_dir" not in overrides and not (args.config and "run_dir" in load_file(args.config)):
         cfg.run_dir = f"runs/{cfg.model.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     return cfg
+
+
+# model fields that the training engine chooses, not the weights: a user's value applies on top of --hf's model
+ENGINE_MODEL_FIELDS = ("attn_mask", "fp32_residual", "moe_impl", "aux_loss", "aux_loss_coef", "router_z_loss_coef",
+                       "bias_update_rate", "capacity_factor")
+
+
+def hf_model(given, hf, args: argparse.Namespace, overrides: dict[str, str]):
+    """--hf's model config, with the engine's choices that the user gave (`ENGINE_MODEL_FIELDS`); a CliError for any
+    other model field given (on the command line or in --config's [model]) that differs from the checkpoint's: the
+    weights fix it, and dropping it without a word would train another model than the one asked for."""
+    named = {key.removeprefix("model."): f"--{key}" for key in overrides if key.startswith("model.")}
+    if args.config:
+        named.update({key: f"[model] {key} in {args.config}" for key in load_file(args.config).get("model", {})
+                      if key not in named})
+    if "preset" in named:
+        raise CliError(f"{named['preset']} and --hf {shown(args.hf)} both give the model; drop the preset (--hf's "
+                       "config.json is the model)")
+    for key, where in named.items():
+        if key in ENGINE_MODEL_FIELDS:
+            setattr(hf, key, getattr(given, key))
+        elif key != "name" and getattr(given, key) != getattr(hf, key):
+            raise CliError(f"{where} = {shown(getattr(given, key))}, but --hf {shown(args.hf)} has model.{key} = "
+                           f"{shown(getattr(hf, key))}, which its weights fix; drop it (the engine's own choices "
+                           f"apply on top: {', '.join(ENGINE_MODEL_FIELDS)})")
+    return hf
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,6 +136,9 @@ def run(args: argparse.Namespace) -> int:
         refuse_with_only_rank(args)
     elif args.json:
         raise CliError("--json goes with --only-rank")
+    if args.gpu and not args.dry_run:
+        raise CliError(f"--gpu {shown(args.gpu)} names the device of --dry-run's prediction; a run trains on "
+                       "train.device (auto: this machine's accelerator, else the CPU): add --dry-run, or drop --gpu")
     preflight.check_nproc(args.nproc, args.nodes)
     if args.hf:
         preflight.check_hf_dir(args.hf)
@@ -132,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
     check_layout(cfg, args.nodes * args.nproc if args.slurm else local_world_size(args.nproc))
     if args.slurm:
         from fivefold.launch import write_slurm_script
+        check_target(args.slurm, "--slurm", "train.sbatch")  # a file name in a writable, existing directory
 
         if args.nodes < 1 or args.nproc < 1:
             raise CliError(f"--nodes = {args.nodes} and --nproc = {args.nproc} must both be >= 1")

@@ -9,6 +9,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from fivefold.config import ConfigError, check_writable_dir
 from fivefold.data.dataset import TokenDataset, read_index
 from fivefold.data.format import DataError, document_lengths
 from fivefold.data.prepare import (
@@ -85,6 +86,12 @@ def ensure_builtin_dataset(
     corpus_sha256 = _corpus_sha256()
     if _is_ready(target, vocab_size, val_fraction, corpus_sha256):
         return target
+    where = "FIVEFOLD_CACHE" if cache_dir == default_cache_dir() and os.environ.get("FIVEFOLD_CACHE") else \
+        "the cache directory (FIVEFOLD_CACHE sets it)"
+    try:  # it is prepared there now: the cache must be a directory that can be written
+        check_writable_dir(cache_dir, where)
+    except ConfigError as e:
+        raise DataError(f"{e}; the built-in corpus is tokenized into it once") from None
     replace = target.is_dir() and any(target.iterdir())
     if replace and not is_prepared_directory(target):
         raise DataError(f"{target}: holds files that are not a prepared token directory; move them away")

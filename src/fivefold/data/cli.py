@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from fivefold.config import finite_float, shown
-from fivefold.data.format import SPLITS, TOKENIZER_FILE, document_lengths, histogram_line
+from fivefold.data.format import SPLITS, TOKENIZER_FILE, DataError, document_lengths, histogram_line
 from fivefold.data.prepare import (
     DEFAULT_SHARD_TOKENS,
     DEFAULT_VAL_FRACTION,
@@ -38,8 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--vocab-size",
         type=int,
         metavar="N",
-        default=DEFAULT_VOCAB_SIZE,
-        help=f"vocabulary size of the trained tokenizer (default {DEFAULT_VOCAB_SIZE})",
+        help=f"vocabulary size of the trained tokenizer (default {DEFAULT_VOCAB_SIZE}; not with --tokenizer)",
     )
     prepare.add_argument(
         "--field",
@@ -78,11 +77,14 @@ def _progress(message: str) -> None:
 
 
 def _run_prepare(args: argparse.Namespace) -> int:
+    if args.tokenizer is not None and args.vocab_size is not None:
+        raise DataError(f"--vocab-size {args.vocab_size} sizes the tokenizer that prepare trains, but --tokenizer "
+                        f"{args.tokenizer} is used as it is, with its own vocabulary; drop --vocab-size")
     out = prepare_dataset(
         args.inputs,
         args.out,
         tokenizer=args.tokenizer,
-        vocab_size=args.vocab_size,
+        vocab_size=DEFAULT_VOCAB_SIZE if args.vocab_size is None else args.vocab_size,
         field=args.field,
         val_fraction=args.val_fraction,
         shard_tokens=args.shard_tokens,

@@ -112,7 +112,9 @@ class TokenDataset:
         entry = self.index["splits"][split]
         self.shard_entries: list[dict[str, Any]] = [s for s in entry.get("shards", []) if s["num_tokens"] > 0]
         if not self.shard_entries:
-            hint = " (prepared with --val-fraction 0?)" if split == "val" else ""
+            hint = (" (prepared with --val-fraction 0?); `fivefold train` scores the validation split (at step 0, "
+                    "every train.eval_every steps and at the end): prepare the data again with --val-fraction above "
+                    "0, e.g. 0.01") if split == "val" else ""
             raise DataError(f"{self.path}: the {split} split holds no tokens{hint}")
         self.shards: list[np.memmap] = []
         for shard in self.shard_entries:

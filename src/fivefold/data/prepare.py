@@ -345,6 +345,8 @@ def prepare_dataset(
     token. `val_fraction` of the corpus is held out as the validation split. Raises DataError (a
     ConfigError) for bad inputs, leaving any existing `out` untouched.
     """
+    if not str(out):
+        raise DataError("--out '' is empty; give the directory to write, e.g. --out tokens")
     if not field:
         raise DataError("--field: must name a JSONL field / Parquet column, e.g. text")
     found = find_sources(inputs)

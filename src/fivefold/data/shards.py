@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from fivefold.config import shown
+from fivefold.config import ConfigError, check_writable_dir, shown
 from fivefold.data.format import (
     FORMAT_NAME,
     INDEX_FILE,
@@ -136,6 +136,13 @@ def check_output(out: Path, overwrite: bool) -> None:
     prepare output (anything else is never deleted)."""
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out}: exists and is not a directory")
+    if out.absolute() == Path.cwd().absolute():
+        raise DataError(f"--out {out} is the current directory, which the finished output would replace; give a "
+                        "directory by its name, e.g. --out tokens")
+    try:  # the output is built beside it: that directory must exist or be creatable, and be writable
+        check_writable_dir(out.absolute().parent, "--out")
+    except ConfigError as e:
+        raise DataError(f"--out {out}: {str(e).removeprefix('--out ')}") from None
     if not out.is_dir() or not any(out.iterdir()):
         return
     if not overwrite:

@@ -89,8 +89,9 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: flo
 def _load(args: argparse.Namespace, device: torch.device):
     """(model, tokenizer directory or None) from --checkpoint or --hf."""
     from fivefold.checkpoint_format import PieceError
-    from fivefold.models.hf import CheckpointError, load_state_dict_into, model_from_hf
+    from fivefold.models.hf import CheckpointError, check_tensors, expected_shapes, load_state_dict_into, model_from_hf
     from fivefold.models.hf_cli import (
+        check_tokenizer,
         checkpoint_model_config,
         find_tokenizer_dir,
         read_checkpoint_weights,
@@ -102,14 +103,16 @@ def _load(args: argparse.Namespace, device: torch.device):
         if args.hf:
             hf_dir = Path(args.hf)
             model = model_from_hf(hf_dir, device=device)
-            tokenizer_dir = find_tokenizer_dir(hf_dir, args.tokenizer) if args.tokenizer else (
-                hf_dir if (hf_dir / "tokenizer.json").is_file() else None)
+            own = hf_dir if (hf_dir / "tokenizer.json").is_file() else None
+            tokenizer_dir = find_tokenizer_dir(hf_dir, args.tokenizer) if args.tokenizer else own
+            check_tokenizer(tokenizer_dir, own, model.cfg.vocab_size, args.tokenizer)
             return model, tokenizer_dir
         ckpt, note = resolve_checkpoint(Path(args.checkpoint))
         if note:
             print(note)
         tokenizer_dir = find_tokenizer_dir(ckpt, args.tokenizer)
         cfg = checkpoint_model_config(ckpt)
+        check_tokenizer(tokenizer_dir, find_tokenizer_dir(ckpt, None), cfg.vocab_size, args.tokenizer)
         model = build_model(cfg, device="meta")
         model.to_empty(device=device)
         if cfg.tied_embeddings:
@@ -118,6 +121,10 @@ def _load(args: argparse.Namespace, device: torch.device):
             weights = read_checkpoint_weights(ckpt)
         except PieceError as e:
             raise CliError(str(e)) from None
+        found = {name: tuple(t.shape) for name, t in weights.items()}
+        if cfg.tied_embeddings:
+            found.pop("lm_head.weight", None)
+        check_tensors(found, expected_shapes(cfg), str(ckpt))  # a config that does not match its weights, named
         load_state_dict_into(model, weights)
         return model, tokenizer_dir
     except CheckpointError as e:

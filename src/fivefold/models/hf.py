@@ -284,6 +284,12 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def not_a_directory(path: Path) -> CheckpointError:
+    """The error for a Hugging Face directory that is not one: a file (e.g. its model.safetensors), or nothing."""
+    why = "is a file; give the directory that holds it" if path.is_file() else "does not exist"
+    return CheckpointError(f"Hugging Face directory {shown(str(path))} {why}")
+
+
 class HfSliceReader:
     """The weights of a Hugging Face directory as the fivefold-named global tensors of a checkpoint
     (`model.<param>`, a tied output layer stored once as the embedding), read by rectangles
@@ -298,7 +304,7 @@ class HfSliceReader:
     def __init__(self, hf_dir: str | Path, cfg: ModelConfig) -> None:
         self.hf_dir = Path(hf_dir)
         if not self.hf_dir.is_dir():
-            raise CheckpointError(f"Hugging Face directory {shown(str(self.hf_dir))} does not exist")
+            raise not_a_directory(self.hf_dir)
         self.files: dict[str, Path] = {}
         found: dict[str, tuple[int, ...]] = {}
         for path in _safetensors_files(self.hf_dir):
@@ -551,7 +557,7 @@ def load_hf(hf_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     ModelConfig and state dict with fivefold names."""
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
-        raise CheckpointError(f"Hugging Face directory {shown(str(hf_dir))} does not exist")
+        raise not_a_directory(hf_dir)
     cfg = model_config_from_hf(hf_dir)
     hf_sd: dict[str, torch.Tensor] = {}
     for f in _safetensors_files(hf_dir):

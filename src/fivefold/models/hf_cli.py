@@ -83,6 +83,28 @@ def find_tokenizer_dir(ckpt: Path, given: str | None) -> Path | None:
     return None
 
 
+def check_tokenizer(tokenizer_dir: Path | None, own_dir: Path | None, vocab_size: int, given: str | None) -> None:
+    """Refuse a tokenizer that the model cannot use: more ids than its `vocab_size` (the ids beyond have no
+    embedding), or `--tokenizer` (`given`) other than the model's own (`own_dir`: the run's `tokenizer/`, a Hugging
+    Face directory's): the same ids would mean other text."""
+    if tokenizer_dir is None:
+        return
+    from fivefold.data import load_tokenizer
+    from fivefold.data.format import tokenizer_fingerprint
+
+    named = f"--tokenizer {shown(given)}" if given else f"the tokenizer in {tokenizer_dir}"
+    ids = load_tokenizer(tokenizer_dir / "tokenizer.json").get_vocab_size(with_added_tokens=True)
+    if ids > vocab_size:
+        raise CliError(f"{named} has {ids:,} token ids, but the model's vocab_size is {vocab_size:,} (ids from "
+                       f"{vocab_size:,} up have no embedding); give the tokenizer the model was trained with")
+    chosen = tokenizer_dir / "tokenizer.json"
+    own = own_dir / "tokenizer.json" if own_dir is not None else None
+    if given and own is not None and own.resolve() != chosen.resolve() and \
+            tokenizer_fingerprint(own) != tokenizer_fingerprint(chosen):
+        raise CliError(f"{named} is not the model's own tokenizer ({own_dir / 'tokenizer.json'}, another "
+                       "fingerprint): the same ids would mean other text; leave --tokenizer out to use the model's")
+
+
 def resolve_checkpoint(path: Path) -> tuple[Path, str | None]:
     """The checkpoint directory to export and, when it was picked from a run, a note saying which."""
     if not path.exists():
@@ -195,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer_dir = find_tokenizer_dir(ckpt, args.tokenizer)
     cfg = checkpoint_model_config(ckpt)
     cfg.validate()
+    check_tokenizer(tokenizer_dir, find_tokenizer_dir(ckpt, None), cfg.vocab_size, args.tokenizer)
     hf_architecture(cfg)  # refuses what no Hugging Face architecture holds
     weights = ckpt / "model.safetensors" if (ckpt / "model.safetensors").is_file() else ckpt
     try:

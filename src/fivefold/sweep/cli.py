@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from fivefold.config import ConfigError, finite_float, int_in, shown
+from fivefold.config import ConfigError, check_writable_dir, finite_float, int_in, shown
 from fivefold.errors import CliError
+from fivefold.outputs import check_target
 from fivefold.sweep.grid import PlannedRun, config_json, expand, load_grid
 from fivefold.sweep.runner import KeyLock, Outcome, hostname, run_local, slurm_outcome, slurm_shape, submit, write_job
 from fivefold.sweep.store import STATUSES, Store, StoreError
@@ -158,12 +159,14 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nproc-max = {args.nproc_max} must be >= 0 and --gpus-per-node = "
                           f"{args.gpus_per_node} >= 1")
     plans, dropped = expand(grid)
-    results = Path(args.results)
-    if not args.results or results.is_dir() or not results.absolute().parent.is_dir():
-        why = "is a directory" if args.results and results.is_dir() else "is not a file in an existing directory"
-        raise CliError(f"--results {shown(args.results)} {why}; give the results store's file, e.g. results.db")
+    results = check_target(args.results, "--results", "results.db")  # a new store, or one to resume
+    for flag, folder in (("--slurm", args.slurm), ("--runs", args.runs)):  # the runs' folder, made and writable
+        if folder is not None:
+            check_writable_dir(folder, flag)
     runs = Path(args.slurm or args.runs or results.with_name(results.stem + "-runs"))
     slurm = args.slurm is not None
+    if args.slurm is None and args.runs is None:
+        check_writable_dir(runs, "--runs")  # by default beside the store
     # the device kind the runs will use: this machine's, or an accelerator on the SLURM cluster
     device_type = "accelerator" if slurm else None
     hardware = load_hardware(args.hardware, resolve_device("auto").type if not slurm else "accelerator")

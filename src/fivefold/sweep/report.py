@@ -28,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from fivefold.config import shown
+from fivefold.config import check_writable_dir, shown
 from fivefold.errors import CliError
 from fivefold.outputs import keep_previous
 from fivefold.planner.score import spearman
@@ -483,6 +483,7 @@ def _holds_a_report(folder: Path) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_writable_dir(args.out, "--out")  # before reading the store: a folder that can be made and written
     summary = make_report(args.results, args.out)
     acc = summary["accuracy"]["step_time"]
     statuses = ", ".join(f"{n} {s}" for s, n in summary["statuses"].items())

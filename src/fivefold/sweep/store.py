@@ -88,6 +88,11 @@ class Store:
             columns = ", ".join(f"{k} {v}" for k, v in COLUMNS.items())
             self.db.execute(f"CREATE TABLE IF NOT EXISTS runs ({columns})")
             have = {r[1] for r in self.db.execute("PRAGMA table_info(runs)")}
+            core = ("key", "sweep", "model", "status", "config")  # in every release's store
+            if missing := [c for c in core if c not in have]:
+                raise StoreError(f"{self.path} has a runs table, but not a fivefold results store's (no "
+                                 f"{', '.join(missing)} column); give a new file name or a store written by "
+                                 "`fivefold sweep`")
             for old, new in RENAMED.items():
                 if old in have and new not in have:  # a previous release's store: add the new column beside it
                     self.db.execute(f"ALTER TABLE runs ADD COLUMN {new} {COLUMNS[new]}")
@@ -166,6 +171,9 @@ def _decode(names: list[str], values: tuple) -> dict[str, Any]:
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """The rows of an existing store (refuses a path that is not one)."""
     path = Path(path)
+    if path.is_dir():
+        raise StoreError(f"results file {shown(str(path))} is a directory; give the store's file (written by "
+                         "`fivefold sweep GRID.toml --results FILE`)")
     if not path.is_file():
         raise StoreError(f"results file {shown(str(path))} does not exist; write one with `fivefold sweep GRID.toml "
                          f"--results {path}`")

@@ -22,7 +22,6 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -42,7 +41,7 @@ from fivefold.device import resolve_device
 from fivefold.flops import training_flops_per_token
 from fivefold.launch import local_world_size, start_or_join
 from fivefold.layout import check_layout
-from fivefold.outputs import keep_previous
+from fivefold.outputs import check_target, keep_previous
 from fivefold.planner.predict import check_fits, device_cluster
 from fivefold.train.build import build_engine
 from fivefold.train.loop import set_threads
@@ -132,9 +131,9 @@ def bench_config(args: argparse.Namespace) -> Config:
     if args.trace and not args.profile:
         raise ConfigError(f"--trace {shown(args.trace)} writes the trace of the profiled steps; add --profile N (the "
                           "steps to profile)")
-    for flag, target in (("--out", args.out), ("--trace", args.trace)):
-        if target is not None and (not target or Path(target).is_dir()):
-            raise ConfigError(f"{flag} {shown(target)} is {'a directory' if target else 'empty'}; give a file name")
+    for flag, target, example in (("--out", args.out, "bench.json"), ("--trace", args.trace, "trace.json")):
+        if target is not None:  # before the benchmark: empty, a directory, no such directory, not writable
+            check_target(target, flag, example)
     if cfg.model.attn_mask == "document":
         raise ConfigError("model.attn_mask = 'document' needs document boundaries, which bench's synthetic tokens do "
                           "not have; time it with benchmarks/document_mask.py, or use model.attn_mask = 'causal'")
@@ -264,6 +263,8 @@ def profile_steps(step, n: int, device: torch.device, trace: str | None, top: in
             step(None)
         synchronize(device)
     if trace:
+        if (backup := keep_previous(trace)) is not None:  # a file already there is kept, not overwritten
+            print(f"kept the previous {trace} as {backup}", file=sys.stderr)
         prof.export_chrome_trace(trace)
     on_device = device.type != "cpu"
     if on_device:  # the kernels themselves, not the host operators that launched them (which would count twice)

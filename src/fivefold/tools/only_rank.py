@@ -43,7 +43,8 @@ def check_rank(cfg: Config, rank: int) -> None:
     world = cfg.layout.world_size
     if not 0 <= rank < world:
         raise ConfigError(f"--only-rank {rank}: the layout dp {cfg.layout.dp} x tp {cfg.layout.tp} x pp "
-                          f"{cfg.layout.pp} x cp {cfg.layout.cp} has {world} ranks; give a rank 0 .. {world - 1}")
+                          f"{cfg.layout.pp} x cp {cfg.layout.cp} has {world} rank{'s' if world > 1 else ''}; give "
+                          + (f"a rank 0 .. {world - 1}" if world > 1 else "rank 0 (or set a layout with more ranks)"))
 
 
 def rank_description(cfg: Config, rank: int) -> dict:

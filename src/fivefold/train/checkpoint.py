@@ -282,6 +282,15 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
     renamed to `NAME.deleting`, so a kill during the deletion never leaves a marked but partial checkpoint; such
     leftovers are deleted by the next call."""
     for old in list_checkpoints(run_dir)[:-keep]:
+        try:
+            own = set(read_manifest(old)) | {MANIFEST, "COMPLETE"}
+        except PieceError:
+            own = set()
+        if foreign := sorted(p.name for p in old.iterdir() if p.name not in own):  # put there by someone else
+            print(f"fivefold: kept the old checkpoint {old}: it holds {', '.join(foreign[:3])}"
+                  f"{' ...' if len(foreign) > 3 else ''}, which no checkpoint writes; move that out and the next "
+                  "save deletes it", file=sys.stderr)
+            continue
         doomed = old.with_name(old.name + ".deleting")
         if doomed.exists():
             shutil.rmtree(doomed)
@@ -667,6 +676,20 @@ class Checkpointer:
                 f"{t.seq_len}; the data position counts windows of {saved} tokens in an order drawn over those "
                 f"windows, which another length does not continue without repeating or skipping tokens, so resume "
                 f"with train.seq_len = {saved} (the global batch, layout, world size and micro-batch size may change)")
+        try:
+            written = tomllib.loads(loaded.config_toml) if loaded.config_toml else {}
+        except tomllib.TOMLDecodeError:
+            written = {}  # its own check reports a damaged config
+        held = [("train", "seed", "the data position continues the sample order that seed drew; another seed would "
+                 "repeat some samples and skip others")]
+        if not cfg.data.path:  # the built-in corpus, split when prepared
+            held.append(("data", "val_fraction", "another split moves documents between training and validation, "
+                         "so that validation would score text the model trained on"))
+        for section, name, why in held:
+            was, now = written.get(section, {}).get(name), getattr(getattr(cfg, section), name)
+            if was is not None and was != now:
+                raise CheckpointError(f"--resume: checkpoint {loaded.path.name} was written with {section}.{name} = "
+                                      f"{was}, this run has {now}; {why}; resume with {section}.{name} = {was}")
         shapes = {k.removeprefix("model."): loaded.reader.shape(k) for k in loaded.reader.names()
                   if k.startswith("model.")}
         own = checkpoint_model(loaded)

@@ -93,14 +93,28 @@ def resolve_data(cfg: Config, is_first_rank: bool, barrier) -> Path:
     return ensure_builtin_dataset(default_cache_dir(), val_fraction=cfg.data.val_fraction)
 
 
+def started_run(run_dir: Path) -> bool:
+    """Whether fivefold started a run in `run_dir`: the resolved config.toml and the tokenizer it writes together
+    (`open_run_dir`), not a user's config file that happens to sit there."""
+    return (run_dir / "config.toml").is_file() and (run_dir / RUN_TOKENIZER_DIR).is_dir()
+
+
 def check_run_dir(run_dir: Path, resume: bool) -> list[Path]:
     """For a new run the directory must be absent or empty; for a resume it must hold a checkpoint, or be a run
     stopped before its first one (its config.toml and no checkpoint: it starts again at step 0). Returns the
     checkpoint directories to try, newest first (verified later; incomplete ones included, to be reported)."""
     if resume:
+        held = run_dir / "checkpoints"
+        if held.exists() and not held.is_dir():
+            raise RunDirError(f"--resume: {held} is a file, where the run keeps its checkpoints (a directory); move "
+                              "it away, then resume")
         found = ckpt.checkpoint_dirs(run_dir)[::-1]
         if not found and not (run_dir / "config.toml").is_file():
             raise RunDirError(f"--resume: run directory {run_dir} holds no complete checkpoint to resume from")
+        if not found and not started_run(run_dir):
+            raise RunDirError(f"--resume: {run_dir} holds a config.toml but no checkpoint and no {RUN_TOKENIZER_DIR}/: "
+                              "not a run that fivefold started (a run writes both), so nothing there is replaced; to "
+                              "train with that file, give it as --config and choose a new --run-dir")
         kept = run_dir / RUN_TOKENIZER_DIR / "tokenizer.json"
         if found and not kept.is_file():  # written with config.toml, before the first checkpoint (`open_run_dir`)
             raise RunDirError(f"--resume: the run's tokenizer {kept} is missing (a run keeps the tokenizer of the data "
@@ -108,7 +122,11 @@ def check_run_dir(run_dir: Path, resume: bool) -> list[Path]:
                               "tokenizer.json there, then resume")
         return found
     if run_dir.exists() and (not run_dir.is_dir() or any(p.name != faults.RUN_LOCK for p in run_dir.iterdir())):
-        started = (run_dir / "config.toml").is_file() and not ckpt.checkpoint_dirs(run_dir)
+        if run_dir.is_dir() and not ckpt.checkpoint_dirs(run_dir) and not started_run(run_dir):
+            raise RunDirError(f"run directory {run_dir} holds files but no run (none that fivefold started there); "
+                              "choose a new or empty --run-dir (a config file can stay where it is: give it as "
+                              "--config)")
+        started = started_run(run_dir) and not ckpt.checkpoint_dirs(run_dir)
         raise RunDirError(
             f"run directory {run_dir} already holds another run (or other files); pass --resume to continue "
             "it" + (" (it stopped before its first checkpoint: --resume starts it again in place)" if started else "")
@@ -379,6 +397,12 @@ def resume_lr_schedule(engine: Engine, cfg: Config, loaded: ckpt.LoadedCheckpoin
     phases = loaded.state.lr_phases or [(int(tomllib.loads(loaded.config_toml)["train"]["max_steps"]), "schedule")]
     saved = LrSchedule(cfg.train, tuple(phases))
     engine.lr_schedule = saved.resized(cfg.train.max_steps, cfg.train.lr_on_extension)
+    if cfg.train.max_steps < phases[-1][0]:  # cut short: the schedule's last phase now ends sooner
+        step = loaded.state.step
+        return (f"learning rate: train.max_steps {phases[-1][0]} -> {cfg.train.max_steps} shortens the run: its "
+                f"schedule now ends at step {cfg.train.max_steps}, so the rate at step {step + 1} is "
+                f"{engine.lr_schedule.at(step):.2e} (it was going to be {saved.at(step):.2e}); resume with "
+                f"--max-steps {phases[-1][0]} to keep the planned rates")
     return describe_extension(saved, engine.lr_schedule) if cfg.train.max_steps > phases[-1][0] else ""
 
 

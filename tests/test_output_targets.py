@@ -191,3 +191,20 @@ def test_flags_that_would_be_ignored_are_refused(capsys, places):
     refused(capsys, ["data", "prepare", "corpus.txt", "--out", "toks", "--tokenizer", "tok", "--vocab-size", "500"],
             "--vocab-size 500", "drop --vocab-size")
     assert not Path("toks").exists()
+
+
+def test_a_list_field_with_spaces_is_not_read_as_one_number():
+    from fivefold.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match="separate the items with commas"):
+        build_config(None, {"layout.stage_layers": "3 1"})
+    assert build_config(None, {"layout.stage_layers": "[3, 1]"}).layout.stage_layers == [3, 1]
+
+
+def test_resume_refuses_a_run_entry_of_the_wrong_kind(tmp_path, dataset):  # noqa: F811
+    run = tmp_path / "run"
+    train(small_config(run, dataset, **{"train.max_steps": "1"}))
+    (run / "metrics.jsonl").rename(run / "metrics.moved")
+    (run / "metrics.jsonl").mkdir()
+    with pytest.raises(RunDirError, match="metrics.jsonl is a directory"):
+        train(small_config(run, dataset, **{"train.max_steps": "2"}), resume=True)

@@ -653,7 +653,9 @@ def _coerce(value: Any, typ: Any, name: str, typed: bool = False) -> Any:
         return str(value)
     if origin is list:
         if isinstance(value, str):  # from the command line: "3,3,2"
-            value = [v for v in value.replace(" ", "").strip("[]").split(",") if v]
+            value = [v.strip() for v in value.strip().strip("[]").split(",") if v.strip()]
+            if any(" " in v for v in value):  # "3 1" would read as 31
+                raise ConfigError(f"{name} = {shown(value)}: separate the items with commas (3,1 or [3, 1])")
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{name} = {shown(value)} is not a list (write it as 3,3,2 or [3, 3, 2])")
         item = typing.get_args(typ)[0]

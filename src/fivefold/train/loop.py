@@ -104,10 +104,12 @@ def check_run_dir(run_dir: Path, resume: bool) -> list[Path]:
     stopped before its first one (its config.toml and no checkpoint: it starts again at step 0). Returns the
     checkpoint directories to try, newest first (verified later; incomplete ones included, to be reported)."""
     if resume:
-        held = run_dir / "checkpoints"
-        if held.exists() and not held.is_dir():
-            raise RunDirError(f"--resume: {held} is a file, where the run keeps its checkpoints (a directory); move "
-                              "it away, then resume")
+        for name, folder in (("checkpoints", True), (RUN_TOKENIZER_DIR, True), ("config.toml", False),
+                             ("metrics.jsonl", False)):  # what a run keeps there, each of its own kind
+            entry = run_dir / name
+            if entry.exists() and entry.is_dir() != folder:
+                raise RunDirError(f"--resume: {entry} is a {'file' if folder else 'directory'}, where the run keeps "
+                                  f"its {'folder' if folder else 'file'} {name}; move it away, then resume")
         found = ckpt.checkpoint_dirs(run_dir)[::-1]
         if not found and not (run_dir / "config.toml").is_file():
             raise RunDirError(f"--resume: run directory {run_dir} holds no complete checkpoint to resume from")

@@ -162,14 +162,17 @@ class TokenDataset:
             f"{len(self.shards)} shard(s), vocab {self.vocab_size})"
         )
 
-    def check_model_vocab(self, model_vocab_size: int) -> None:
+    def check_model_vocab(self, model_vocab_size: int, fixed_by: Path | None = None) -> None:
         """Raise a DataError unless a model with `model_vocab_size` embeddings can take every token id: the
-        index's vocabulary, and the largest id of every shard (each read once)."""
+        index's vocabulary, and the largest id of every shard (each read once). `fixed_by`: the Hugging Face
+        directory whose weights fix the model's vocabulary (the fix is then the data, not the config)."""
         if model_vocab_size < self.vocab_size:
+            fix = (f"prepare the data with the model's tokenizer (`fivefold data prepare FILES --tokenizer {fixed_by} "
+                   "--out DIR`): its weights fix the vocabulary") if fixed_by is not None else \
+                f"set model.vocab_size >= {self.vocab_size}"
             raise DataError(
                 f"model.vocab_size {model_vocab_size} is smaller than the vocabulary of {self.path} "
-                f"({self.vocab_size} ids, {self.tokenizer_path.name}); "
-                f"set model.vocab_size >= {self.vocab_size}"
+                f"({self.vocab_size} ids, {self.tokenizer_path.name}); {fix}"
             )
         limit = min(model_vocab_size, self.vocab_size)
         for entry, shard in zip(self.shard_entries, self.shards, strict=True):

@@ -352,10 +352,10 @@ def load_data(cfg: Config, is_first: bool, hf_init: Path | None) -> tuple[
     data_dir = resolve_data(cfg, is_first, barrier)
     train_set, val_set = TokenDataset(data_dir, "train"), TokenDataset(data_dir, "val")
     train_set.check_tokenizer()  # the run keeps it (`save_run_tokenizer`): checked before the run directory exists
-    train_set.check_model_vocab(cfg.model.vocab_size)
-    if hf_init is not None:
+    if hf_init is not None:  # its tokenizer first: data of another tokenizer is named as such
         check_hf_tokenizer(hf_init, train_set)
-    val_set.check_model_vocab(cfg.model.vocab_size)
+    train_set.check_model_vocab(cfg.model.vocab_size, hf_init)
+    val_set.check_model_vocab(cfg.model.vocab_size, hf_init)
     eos_id = document_eos(cfg, train_set, data_dir)
     sampler = BatchSampler(train_set, t.seq_len, t.global_batch_size, t.seed)
     val_rows = max(cfg.layout.dp, min(t.global_batch_size, 16) // cfg.layout.dp * cfg.layout.dp)

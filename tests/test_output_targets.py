@@ -208,3 +208,13 @@ def test_resume_refuses_a_run_entry_of_the_wrong_kind(tmp_path, dataset):  # noq
     (run / "metrics.jsonl").mkdir()
     with pytest.raises(RunDirError, match="metrics.jsonl is a directory"):
         train(small_config(run, dataset, **{"train.max_steps": "2"}), resume=True)
+
+
+def test_version_is_the_packages(capsys):
+    import tomllib
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert capsys.readouterr().out.strip() == f"fivefold {project['version']}"

@@ -39,6 +39,9 @@ class Parser(argparse.ArgumentParser):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = Parser(prog="fivefold", description="Plan and train Llama-style models.")
+    from fivefold import __version__
+
+    parser.add_argument("--version", action="version", version=f"fivefold {__version__}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     verb = next((a for a in argv if not a.startswith("-")), None)
     for name, (module_name, help_text) in VERBS.items():

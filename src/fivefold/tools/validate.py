@@ -545,7 +545,8 @@ def run_validate(args: argparse.Namespace) -> int:
         raise CliError(f"--fit-fields {shown(','.join(fields))}: fit either everything (leave it out) or "
                           "matmul_efficiency alone (e.g. on one row marked split = fit)")
     train = [r for r in rows if (not r.held_out if r.held_out is not None else r.nodes in FIT_NODES)]
-    where = "the rows with split = fit" if by_split else "rows of 1-2 nodes"
+    noun = "row" if len(train) == 1 else "rows"
+    where = f"{noun} with split = fit" if by_split else f"{noun} of 1-2 nodes"
     if args.fit and fields:
         hw = fit_matmul_efficiency(train, fw, hw)
         print(f"fitted on {len(train)} {where}: matmul_efficiency = {hw.matmul_efficiency}")

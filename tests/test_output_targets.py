@@ -218,3 +218,13 @@ def test_version_is_the_packages(capsys):
     assert done.value.code == 0
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
     assert capsys.readouterr().out.strip() == f"fivefold {project['version']}"
+
+
+def test_dry_run_launch_line_is_the_command_given(tmp_path, dataset, capsys):  # noqa: F811
+    run = tmp_path / "run"
+    train(small_config(run, dataset, **{"train.max_steps": "1"}))
+    capsys.readouterr()
+    main(["train", "--resume", "--run-dir", str(run), "--max-steps", "3", "--dry-run"])
+    out = capsys.readouterr().out
+    launch = out.split("launch:")[1].strip().splitlines()[0]
+    assert launch == f"fivefold train --max-steps 3 --run-dir {run} --resume --nproc 1", out

@@ -378,9 +378,9 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
     nodes = max(1, world // hw.gpus_per_node) if world > hw.gpus_per_node else 1
     from fivefold.train.recipes import launch_lines
 
-    config = args.config or "CONFIG.toml"
-    print("launch:")
-    for line in launch_lines(config, cfg.run_dir, nodes, min(world, hw.gpus_per_node)):
+    print("launch:")  # this command's own arguments (its --resume, overrides and all), as the launcher forwards them
+    for line in launch_lines(args.config or "", cfg.run_dir, nodes, min(world, hw.gpus_per_node),
+                             forwarded_argv(args, cfg.run_dir)):
         print(f"  {line}")
     return 0 if e.fits else 1
 

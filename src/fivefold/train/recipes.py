@@ -89,16 +89,19 @@ def apply_recipe(conf: Config, accelerator: bool, train_tokens: int | None = Non
     return recipe
 
 
-def launch_lines(config_path: str, run_dir: str, nodes: int, gpus_per_node: int) -> list[str]:
-    """The commands that start `fivefold train --config CONFIG` on `nodes` x `gpus_per_node` devices, writing into
-    `run_dir` (on several nodes: a shared file system, which every node reads and the first rank writes)."""
+def launch_lines(config_path: str, run_dir: str, nodes: int, gpus_per_node: int,
+                 argv: list[str] | None = None) -> list[str]:
+    """The commands that start `fivefold train --config CONFIG` (or with `argv`, a run's own arguments, its
+    --run-dir among them) on `nodes` x `gpus_per_node` devices, writing into `run_dir` (on several nodes: a shared
+    file system, which every node reads and the first rank writes)."""
     config, run = shlex.quote(str(config_path)), shlex.quote(run_dir)
+    given = " ".join(map(shlex.quote, argv)) if argv is not None else f"--config {config} --run-dir {run}"
     if nodes == 1:
-        return [f"fivefold train --config {config} --run-dir {run} --nproc {gpus_per_node}"]
+        return [f"fivefold train {given} --nproc {gpus_per_node}"]
     return [
-        f"fivefold train --config {config} --run-dir {run} --slurm train.sbatch --nodes {nodes} "
+        f"fivefold train {given} --slurm train.sbatch --nodes {nodes} "
         f"--nproc {gpus_per_node} --time 48:00:00 --partition PARTITION --account ACCOUNT --setup setup.sh "
         "&& sbatch train.sbatch",
         f"torchrun --nnodes {nodes} --nproc-per-node {gpus_per_node} --rdzv-backend c10d "
-        f"--rdzv-endpoint HEAD_NODE:29500 --rdzv-id RUN_ID -m fivefold train --config {config} --run-dir {run}",
+        f"--rdzv-endpoint HEAD_NODE:29500 --rdzv-id RUN_ID -m fivefold train {given}",
     ]

@@ -60,6 +60,7 @@ def test_output_files_are_checked_before_the_work(capsys, places, where):
         ("--write-config", ["plan", "--model", "tiny", "--gpu", "h100", "--global-batch", "1024", "--seq-len", "128",
                             "--write-config", target]),
         ("--results", ["sweep", "grid.toml", "--results", target]),
+        ("--out", ["calibrate", "--quick", "--device", "cpu", "--out", target]),
     ):
         err = refused(capsys, argv, flag)
         assert target in err or "empty" in err, err

@@ -11,9 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from fivefold.config import ConfigError, int_in, shown
+from fivefold.config import ConfigError, int_in
 from fivefold.errors import CliError
-from fivefold.outputs import keep_previous
+from fivefold.outputs import check_target, keep_previous
 from fivefold.tools.calibrate.harness import size_text
 from fivefold.tools.calibrate.profile import profile_header, profile_name, profile_tables, write_profile
 from fivefold.tools.calibrate.ranks import measure_group, worker
@@ -60,16 +60,18 @@ def calibrate(args: argparse.Namespace) -> tuple[Path, dict[int, Result], float]
     except ConfigError as e:
         raise CliError(str(e)) from None
     plan, levels = make_plan(args, device_type)
-    out = Path(args.out or f"calibrated-{device_type}.toml")
-    if not out.parent.is_dir() or out.is_dir():  # before the minutes of measuring, not after
-        why = "is a directory" if out.is_dir() else "its directory does not exist"
-        raise CliError(f"--out {shown(str(out))}: {why}; "
-                          "give a file name in an existing directory, e.g. calibrated-cpu.toml")
+    out = check_target(f"calibrated-{device_type}.toml" if args.out is None else args.out, "--out",
+                       "calibrated-cpu.toml")  # before the minutes of measuring, not after
     print(f"calibrate: {device_type}, ranks {levels[0]}..{levels[-1]}, {len(plan.linear)} linear, "
           f"{len(plan.attention)} attention and {len(plan.loss)} loss shapes, {len(plan.message_bytes)} message sizes"
           f"{' (quick)' if args.quick else ''}", flush=True)
     start = time.perf_counter()
     load_before = _load_note()
+    cores = os.cpu_count() or 1
+    if hasattr(os, "getloadavg") and os.getloadavg()[0] > 0.5 * cores:
+        print(f"calibrate: warning: the machine is busy (load average {load_before} on {cores} cores): the timings "
+              "will include the other work, and a profile made now misdescribes the idle machine; calibrate again "
+              "when it is idle", flush=True)
     results: dict[int, Result] = {}
     threads: dict[int, int] = {}  # intra-op threads per rank, by ranks at once (CPU)
     scale = None

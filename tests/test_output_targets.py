@@ -229,3 +229,10 @@ def test_dry_run_launch_line_is_the_command_given(tmp_path, dataset, capsys):  #
     out = capsys.readouterr().out
     launch = out.split("launch:")[1].strip().splitlines()[0]
     assert launch == f"fivefold train --max-steps 3 --run-dir {run} --resume --nproc 1", out
+
+
+def test_an_ordinary_word_is_not_an_end_of_text_token(capsys, places):
+    word_tokenizer(Path("tok"), 50)
+    refused(capsys, ["data", "prepare", "corpus.txt", "--out", "toks", "--tokenizer", "tok", "--eos-token", "w3"],
+            "--eos-token 'w3'", "ordinary word")
+    assert not Path("toks").exists()

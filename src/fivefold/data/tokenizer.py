@@ -42,6 +42,14 @@ def find_eos(tokenizer, where: str, eos_token: str | None = None) -> tuple[int, 
     for token in candidates:
         token_id = tokenizer.token_to_id(token)
         if token_id is not None:
+            added = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
+            # an ordinary word of the text (not an added token, no marker's brackets or slashes): every
+            # occurrence in the text would end a document
+            if eos_token and token not in added and token.lstrip("Ġ▁ ").isalnum():
+                listed = ", ".join(sorted(map(shown, added))[:5]) or "it has none"
+                raise DataError(f"tokenizer {where}: --eos-token {shown(eos_token)} is an ordinary word of its "
+                                "vocabulary, which text encodes to, so every occurrence would end a document; give "
+                                f"its end-of-text marker, one of its added tokens ({listed})")
             return int(token_id), token
     if eos_token:
         raise DataError(f"tokenizer {where}: has no token {shown(eos_token)} (--eos-token)")

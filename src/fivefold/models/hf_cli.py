@@ -91,9 +91,10 @@ def check_tokenizer(tokenizer_dir: Path | None, own_dir: Path | None, vocab_size
         return
     from fivefold.data import load_tokenizer
     from fivefold.data.format import tokenizer_fingerprint
+    from fivefold.data.tokenizer import tokenizer_vocab_size
 
     named = f"--tokenizer {shown(given)}" if given else f"the tokenizer in {tokenizer_dir}"
-    ids = load_tokenizer(tokenizer_dir / "tokenizer.json").get_vocab_size(with_added_tokens=True)
+    ids = tokenizer_vocab_size(load_tokenizer(tokenizer_dir / "tokenizer.json"))  # its largest id + 1
     if ids > vocab_size:
         raise CliError(f"{named} has {ids:,} token ids, but the model's vocab_size is {vocab_size:,} (ids from "
                        f"{vocab_size:,} up have no embedding); give the tokenizer the model was trained with")

@@ -141,6 +141,10 @@ def test_bad_input_says_what_to_change(capsys):
     rc, _, err = run_cli(capsys, "--model", "llama3-405b", "--gpu", "a100-40gb", "--gpus-per-node", "1",
                          "--global-batch", "64K")
     assert rc == 2 and "use more nodes" in err
+    assert "ZeRO-3" not in err and "allow" not in err  # the search tried both; ZeRO-3 shards nothing on one GPU
+    rc, _, err = run_cli(capsys, "--model", "llama3-405b", "--gpu", "a100-40gb", "--gpus-per-node", "8",
+                         "--global-batch", "64K", "--zero", "0,1")
+    assert rc == 2 and err.rstrip().endswith("or allow ZeRO-3 (--zero).")
     rc, _, err = run_cli(capsys, "--model", "layers=2,hidden=100,heads=3")
     assert rc == 2 and "n_heads" in err
 

@@ -945,9 +945,15 @@ def _no_candidates(result, cfg: ModelConfig, hw, n_gpus: int, batch_seqs: int, a
         msg.append(f"  {n:7,d}  {reason} (e.g. {result.examples[reason]})")
     if result.closest_misfit is not None:
         e = result.closest_misfit
+        # only what the search left out can help: ZeRO-3 (with more than one GPU to shard over) and full recompute
+        allow = [what for what, left_out in (
+            ("ZeRO-3 (--zero)", "3" not in args.zero.split(",") and n_gpus > 1),
+            ("full recompute (--recompute)", "full" not in args.recompute.split(",")),
+        ) if left_out]
         msg.append(f"The smallest layout needs {gib(e.peak_bytes):.1f} GiB per {hw.unit} ({e.layout.short()}) but the "
-                   f"device has {hw.memory_gib} GiB: use more nodes (--nodes), a GPU with more memory, a shorter "
-                   "--seq-len, or allow ZeRO-3 and full recompute (--zero, --recompute).")
+                   f"device has {hw.memory_gib} GiB: use more nodes (--nodes), a GPU with more memory"
+                   + (f", a shorter --seq-len, or allow {' and '.join(allow)}." if allow else
+                      ", or a shorter --seq-len."))
     elif result.evaluated == 0 and args.fix:
         msg.append(f"No layout with --fix {args.fix} passes the rules above: change or drop a fixed value.")
     elif result.evaluated == 0:

@@ -114,6 +114,11 @@ def run_workers(nproc: int, argv: list[str], verb: str) -> int:
     failures = tempfile.mkdtemp(prefix="fivefold-failures-")
     previous = os.environ.get(FAILURES_DIR_ENV)
     os.environ[FAILURES_DIR_ENV] = failures  # each worker leaves its one-line error there (faults.record_failure)
+    omp = os.environ.get("OMP_NUM_THREADS")
+    if omp is None:  # each worker's share of the cores, as it sets its intra-op threads (PyTorch's launcher would
+        from fivefold.train.loop import default_threads  # set 1 and print a banner saying so)
+
+        os.environ["OMP_NUM_THREADS"] = str(default_threads(nproc))
     try:
         run(args)
     except ChildFailedError as e:
@@ -143,6 +148,8 @@ def run_workers(nproc: int, argv: list[str], verb: str) -> int:
             os.environ.pop(FAILURES_DIR_ENV, None)
         else:
             os.environ[FAILURES_DIR_ENV] = previous
+        if omp is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
     return 0
 
 

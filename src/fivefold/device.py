@@ -71,3 +71,11 @@ def use_bf16(cfg: Config, device: torch.device | str) -> bool:
 def autocast(device: torch.device, bf16: bool) -> contextlib.AbstractContextManager:
     """bf16 autocast on `device` when `bf16`, else a context that changes nothing."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+
+
+def default_threads(local_processes: int) -> int:
+    """CPU intra-op threads per process when train.threads = 0: this process's cores divided by the processes on
+    this machine (PyTorch's default of every core per process oversubscribes them; the launcher gives the workers
+    as many OpenMP threads)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_processes))

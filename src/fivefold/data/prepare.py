@@ -257,6 +257,7 @@ def prepare_documents(
     shard_tokens: int,
     overwrite: bool,
     eos_token: str | None = None,
+    eos_given: bool = False,
     progress: Progress | None = None,
 ) -> Path:
     """Tokenize the documents of `stream` into a prepared directory at `out` (see prepare_dataset)."""
@@ -272,7 +273,7 @@ def prepare_documents(
     tokenizer = None
     if tokenizer_path is not None:
         tokenizer = load_tokenizer(tokenizer_path)
-        find_eos(tokenizer, str(tokenizer_path), eos_token)
+        find_eos(tokenizer, str(tokenizer_path), eos_token, eos_given)
     else:
         check_vocab_size(vocab_size)
 
@@ -292,7 +293,7 @@ def prepare_documents(
     if tokenizer is None:
         report(f"training a byte-level BPE tokenizer (vocab size {vocab_size})")
         tokenizer = train_bpe_tokenizer((text for _, text in stream() if text), vocab_size)
-    eos_id, eos_text = find_eos(tokenizer, str(tokenizer_path or "trained"), eos_token)
+    eos_id, eos_text = find_eos(tokenizer, str(tokenizer_path or "trained"), eos_token, eos_given)
     vocab = tokenizer_vocab_size(tokenizer)
     dtype = token_dtype(vocab)
 
@@ -366,6 +367,7 @@ def prepare_dataset(
         val_fraction=val_fraction,
         shard_tokens=shard_tokens,
         overwrite=overwrite,
+        eos_given=eos_token is not None,  # the user's --eos-token, not the model's own (its tokenizer_config)
         eos_token=eos_token or (hf_eos_token(tokenizer) if tokenizer is not None and Path(tokenizer).is_dir()
                                 else None),
         progress=progress,

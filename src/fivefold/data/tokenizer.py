@@ -35,9 +35,10 @@ def load_tokenizer(path: str | Path):
         raise DataError(f"tokenizer {path}: not a readable tokenizer.json ({first_line})") from None
 
 
-def find_eos(tokenizer, where: str, eos_token: str | None = None) -> tuple[int, str]:
+def find_eos(tokenizer, where: str, eos_token: str | None = None, given: bool = False) -> tuple[int, str]:
     """The (id, text) of the tokenizer's end-of-text token: `eos_token` if given, else the first of
-    EOS_CANDIDATES that the vocabulary holds."""
+    EOS_CANDIDATES that the vocabulary holds. `given`: `eos_token` is the user's --eos-token (an ordinary word is
+    refused)."""
     candidates = (eos_token,) if eos_token else EOS_CANDIDATES
     for token in candidates:
         token_id = tokenizer.token_to_id(token)
@@ -45,7 +46,7 @@ def find_eos(tokenizer, where: str, eos_token: str | None = None) -> tuple[int, 
             added = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
             # an ordinary word of the text (not an added token, no marker's brackets or slashes): every
             # occurrence in the text would end a document
-            if eos_token and token not in added and token.lstrip("Ġ▁ ").isalnum():
+            if given and eos_token and token not in added and token.lstrip("Ġ▁ ").isalnum():
                 listed = ", ".join(sorted(map(shown, added))[:5]) or "it has none"
                 raise DataError(f"tokenizer {where}: --eos-token {shown(eos_token)} is an ordinary word of its "
                                 "vocabulary, which text encodes to, so every occurrence would end a document; give "

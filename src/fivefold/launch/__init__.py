@@ -116,7 +116,7 @@ def run_workers(nproc: int, argv: list[str], verb: str) -> int:
     os.environ[FAILURES_DIR_ENV] = failures  # each worker leaves its one-line error there (faults.record_failure)
     omp = os.environ.get("OMP_NUM_THREADS")
     if omp is None:  # each worker's share of the cores, as it sets its intra-op threads (PyTorch's launcher would
-        from fivefold.train.loop import default_threads  # set 1 and print a banner saying so)
+        from fivefold.device import default_threads  # set 1 and print a banner saying so)
 
         os.environ["OMP_NUM_THREADS"] = str(default_threads(nproc))
     try:

@@ -34,7 +34,7 @@ from fivefold.config import (
 )
 from fivefold.data import BatchSampler, TokenDataset, default_cache_dir, ensure_builtin_dataset, val_batches
 from fivefold.data.format import DataError, tokenizer_fingerprint
-from fivefold.device import resolve_device
+from fivefold.device import default_threads, resolve_device
 from fivefold.flops import causal_equivalent, training_flops_per_token
 from fivefold.models.masking import mask_document_targets
 from fivefold.train import checkpoint as ckpt
@@ -167,13 +167,6 @@ def load_run_config(run_dir: Path, overrides: dict[str, str], file: str | None) 
         apply_dict(cfg, load_file(file))
     apply_overrides(cfg, overrides)
     return cfg
-
-
-def default_threads(local_processes: int) -> int:
-    """CPU intra-op threads per process when train.threads = 0: this process's cores divided by the processes on
-    this machine (PyTorch's default of every core per process oversubscribes them)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, local_processes))
 
 
 def threads_per_process(threads: int, local_processes: int) -> int:

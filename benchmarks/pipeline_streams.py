@@ -19,17 +19,8 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 
-from fivefold.parallel.pipeline_comm import edge_channel, posting_plan
+from fivefold.parallel.pipeline_comm import posting_plan, remote_input
 from fivefold.parallel.schedules import Schedule, build_schedule, simulate
-
-
-def input_key(schedule: Schedule, action) -> tuple | None:
-    """The remote message that `action` waits for, or None."""
-    kind, mb, s = action
-    if kind == "W" or (kind == "F" and s == 0) or (kind == "B" and s == schedule.n_stages - 1):
-        return None
-    producer = s - 1 if kind == "F" else s + 1
-    return (kind, mb, producer) if schedule.stage_rank[producer] != schedule.stage_rank[s] else None
 
 
 def step_time(schedule: Schedule, transfer: float, per_edge: bool, t_f: float = 1.0) -> float:
@@ -41,14 +32,14 @@ def step_time(schedule: Schedule, transfer: float, per_edge: bool, t_f: float = 
         plan = posting_plan(schedule, rank)
         program = [("post", op) for op in plan[0]]
         for k, action in enumerate(actions):
-            if (key := input_key(schedule, action)) is not None:
+            if (key := remote_input(schedule, action)) is not None:
                 program.append(("wait", key))
             program.append(("compute", duration[action.kind]))
             program += [("post", op) for op in plan[k + 1]]
         programs.append(program)
 
     def channel(op) -> int:
-        return edge_channel(op.message.src, op.message.dst, schedule.p) if per_edge else 0
+        return op.channel if per_edge else 0
 
     host, pc = [0.0] * schedule.p, [0] * schedule.p
     streams: defaultdict[tuple[int, int], list[dict]] = defaultdict(list)

@@ -30,20 +30,17 @@ from collections import defaultdict, deque
 
 import pytest
 
-from fivefold.parallel.pipeline_comm import channel_count, consumer_stage, edge_channel, message_plan, posting_plan
+from fivefold.parallel.pipeline_comm import (
+    channel_count,
+    consumer_stage,
+    edge_channel,
+    message_plan,
+    posting_plan,
+    remote_input,
+)
 from fivefold.parallel.schedules import build_schedule, forward_schedule
 
 # an operation: (is_send, src, dst, message key); a program instruction: ("post", ops) | ("wait", key) | ("end",)
-
-
-def input_key(schedule, action):
-    """The remote message that `action` needs before it runs, or None."""
-    kind, mb, s = action
-    if kind == "W" or (kind == "F" and s == 0) or (kind == "B" and s == schedule.n_stages - 1):
-        return None
-    producer = s - 1 if kind == "F" else s + 1
-    rank = schedule.stage_rank[s]
-    return (kind, mb, producer) if schedule.stage_rank[producer] != rank else None
 
 
 def new_programs(schedule, units: str = "operation"):
@@ -60,7 +57,7 @@ def new_programs(schedule, units: str = "operation"):
         plan = posting_plan(schedule, rank)
         prog = posts(plan[0])
         for k, action in enumerate(actions):
-            key = input_key(schedule, action)
+            key = remote_input(schedule, action)
             if key is not None:
                 prog.append(("wait", key))
             prog += posts(plan[k + 1])
@@ -98,7 +95,7 @@ def old_program(schedule, rank):
     for action in schedule.actions[rank]:
         for peer in pairs:
             until(peer, None)
-        key = input_key(schedule, action)
+        key = remote_input(schedule, action)
         if key is not None:
             prog.append(("wait", key))
         kind, _, s = action

@@ -876,9 +876,7 @@ def check_writable_dir(path: str | Path, flag: str) -> None:
     if not str(path):
         raise ConfigError(f"{flag} '' is empty; give a directory (e.g. out/), or . for the current one")
     path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"{flag} {shown(str(path))} is a file, not a directory; give a directory")
-    missing, top = missing_dirs(path)
+    missing, top = missing_dirs(path)  # `top` is `path` itself when it exists: a file there is refused below
     if not top.is_dir():
         raise ConfigError(f"{flag} {shown(str(path))}: {shown(str(top))} is a file, not a directory; choose a "
                           "directory under a writable directory")

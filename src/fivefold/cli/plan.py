@@ -400,7 +400,8 @@ def write_config(path: str, cfg: ModelConfig, lay: Layout, seq: int, batch_seqs:
               f"# hyperparameters: {source}; max_steps: "
               + (f"{train_tokens:,} tokens" if train_tokens else "20 tokens per parameter"),
               "# fill in data.path (`fivefold data prepare FILES --tokenizer MODEL_DIR --out DIR`); launch with:",
-              *(f"#   {line}" for line in launch_lines(path, conf.run_dir, nodes, gpus_per_node))]
+              *(f"#   {line}" for line in launch_lines(["--config", str(path), "--run-dir", conf.run_dir],
+                                                           nodes, gpus_per_node))]
     text = "\n".join(header) + "\n" + dump_toml(conf)
     target = Path(path)
     # never lose what is there (a filled-in data.path); compared as bytes, so that any file there is kept unread
@@ -521,20 +522,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_gpu(args: argparse.Namespace) -> None:
-    """--gpu may not name another device than the --hardware file's own `base`: the file's would be used, and the
-    flag dropped without a word."""
-    if args.gpu is not None and args.hardware and Path(args.hardware).is_file():
-        try:
-            data = load_file(args.hardware, "--hardware", suffix=".toml")
-        except ConfigError:
-            data = {}  # the profile's reader names what is wrong with it
-        table = data["hardware"] if isinstance(data.get("hardware"), dict) else data
-        base = table.get("base")
-        from fivefold.planner.hardware import PRESETS
+    """A given --gpu may not name another device than the --hardware file's own `base` (the file read and checked
+    already): the file's would be used, and the flag dropped without a word."""
+    from fivefold.planner.hardware import PRESETS
 
-        if isinstance(base, str) and base.lower() in PRESETS and base.lower() != args.gpu.lower():
-            raise CliError(f"--gpu {shown(args.gpu)} and --hardware {shown(args.hardware)} (base = {shown(base)}) name "
-                           "two devices; give one (the file describes its device)")
+    data = load_file(args.hardware, "--hardware", suffix=".toml")
+    base = (data["hardware"] if isinstance(data.get("hardware"), dict) else data).get("base")
+    if isinstance(base, str) and base.lower() in PRESETS and base.lower() != args.gpu.lower():
+        raise CliError(f"--gpu {shown(args.gpu)} and --hardware {shown(args.hardware)} (base = {shown(base)}) name "
+                       "two devices; give one (the file describes its device)")
 
 
 def _check_options(args: argparse.Namespace) -> None:
@@ -915,7 +911,8 @@ def _print_search(args: argparse.Namespace, result, cfg: ModelConfig, fw: Framew
         on = f" --gpu {args.gpu}" if args.gpu and not args.hardware else ""  # the device it was planned for
         print(f"wrote {args.write_config}: fill in its data.path, check it with `fivefold train --config "
               f"{args.write_config} --dry-run{on}`, then start it with:")
-        for line in launch_lines(args.write_config, f"runs/{cfg.name}", args.nodes, hw.gpus_per_node):
+        for line in launch_lines(["--config", args.write_config, "--run-dir", f"runs/{cfg.name}"], args.nodes,
+                                 hw.gpus_per_node):
             print(f"  {line}")
     if args.explain:
         from fivefold.planner.explain import explain

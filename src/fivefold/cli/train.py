@@ -379,8 +379,7 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
     from fivefold.train.recipes import launch_lines
 
     print("launch:")  # this command's own arguments (its --resume, overrides and all), as the launcher forwards them
-    for line in launch_lines(args.config or "", cfg.run_dir, nodes, min(world, hw.gpus_per_node),
-                             forwarded_argv(args, cfg.run_dir)):
+    for line in launch_lines(forwarded_argv(args, cfg.run_dir), nodes, min(world, hw.gpus_per_node)):
         print(f"  {line}")
     return 0 if e.fits else 1
 

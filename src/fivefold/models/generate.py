@@ -89,7 +89,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: flo
 def _load(args: argparse.Namespace, device: torch.device):
     """(model, tokenizer directory or None) from --checkpoint or --hf."""
     from fivefold.checkpoint_format import PieceError
-    from fivefold.models.hf import CheckpointError, check_tensors, expected_shapes, load_state_dict_into, model_from_hf
+    from fivefold.models.hf import CheckpointError, load_state_dict_into, model_from_hf
     from fivefold.models.hf_cli import (
         check_tokenizer,
         checkpoint_model_config,
@@ -118,13 +118,9 @@ def _load(args: argparse.Namespace, device: torch.device):
         if cfg.tied_embeddings:
             model.lm_head.weight = model.embed.weight
         try:
-            weights = read_checkpoint_weights(ckpt)
+            weights = read_checkpoint_weights(ckpt, cfg)  # a config that does not match its weights is named
         except PieceError as e:
             raise CliError(str(e)) from None
-        found = {name: tuple(t.shape) for name, t in weights.items()}
-        if cfg.tied_embeddings:
-            found.pop("lm_head.weight", None)
-        check_tensors(found, expected_shapes(cfg), str(ckpt))  # a config that does not match its weights, named
         load_state_dict_into(model, weights)
         return model, tokenizer_dir
     except CheckpointError as e:

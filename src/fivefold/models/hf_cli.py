@@ -102,7 +102,7 @@ def check_tokenizer(tokenizer_dir: Path | None, own_dir: Path | None, vocab_size
     own = own_dir / "tokenizer.json" if own_dir is not None else None
     if given and own is not None and own.resolve() != chosen.resolve() and \
             tokenizer_fingerprint(own) != tokenizer_fingerprint(chosen):
-        raise CliError(f"{named} is not the model's own tokenizer ({own_dir / 'tokenizer.json'}, another "
+        raise CliError(f"{named} is not the model's own tokenizer ({own}, another "
                        "fingerprint): the same ids would mean other text; leave --tokenizer out to use the model's")
 
 
@@ -170,10 +170,23 @@ def checkpoint_reader(directory: Path) -> PieceReader:
     return PieceReader(directory, index)
 
 
-def read_checkpoint_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """The plain-named model weights of a checkpoint directory (`checkpoint_reader`), assembled tensor by tensor (no
-    model is built; each tensor reads only its pieces' bytes)."""
+def check_checkpoint_model(reader: PieceReader, cfg: ModelConfig, where: str) -> None:
+    """The checkpoint's model tensors against `cfg` (a CheckpointError naming the missing, unexpected and wrongly
+    shaped ones), from the piece index alone: a config that does not match its weights, before any is read."""
+    from fivefold.models.hf import check_tensors, expected_shapes
+
+    found = {k.removeprefix("model."): reader.shape(k) for k in reader.names() if k.startswith("model.")}
+    if cfg.tied_embeddings:
+        found.pop("lm_head.weight", None)
+    check_tensors(found, expected_shapes(cfg), where)
+
+
+def read_checkpoint_weights(directory: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The plain-named model weights of a checkpoint directory (`checkpoint_reader`), checked against `cfg`
+    (`check_checkpoint_model`), then assembled tensor by tensor (no model is built; each tensor reads only its
+    pieces' bytes)."""
     reader = checkpoint_reader(directory)
+    check_checkpoint_model(reader, cfg, str(directory))
     return {name.removeprefix("model."): reader.read(name) for name in reader.names() if name.startswith("model.")}
 
 
@@ -200,8 +213,6 @@ def run(args: argparse.Namespace) -> int:
     from fivefold.models.hf import (
         CheckpointError,
         check_output_dir,
-        check_tensors,
-        expected_shapes,
         hf_architecture,
     )
 
@@ -223,10 +234,7 @@ def run(args: argparse.Namespace) -> int:
     weights = ckpt / "model.safetensors" if (ckpt / "model.safetensors").is_file() else ckpt
     try:
         reader = checkpoint_reader(ckpt)
-        found = {k.removeprefix("model."): reader.shape(k) for k in reader.names() if k.startswith("model.")}
-        if cfg.tied_embeddings:
-            found.pop("lm_head.weight", None)
-        check_tensors(found, expected_shapes(cfg), f"{weights}")
+        check_checkpoint_model(reader, cfg, f"{weights}")
         export_checkpoint(reader, cfg, out_dir, args.overwrite, tokenizer_dir, max_shard_bytes)
     except (CheckpointError, PieceError) as e:
         raise CliError(str(e)) from None

@@ -191,28 +191,23 @@ class ProcessGrid:
             self.groups[name], self.group_ranks[name] = self._created[tuple(own)], own
 
     def _create(self, rank_lists: list[list[int]]) -> None:
-        """One communicator creation for groups that do not exist yet (the same list on every rank)."""
+        """One communicator creation for groups that do not exist yet (the same list on every rank), recorded by
+        their members."""
         own = next((members for members in rank_lists if self.rank in members), None)
-        group = None
-        if getattr(dist.group.WORLD, "bound_device_id", None) is not None:  # eager NCCL-like: one collective split
-            self.creations += 1
-            group = dist.split_group(split_ranks=rank_lists)
-        elif own is not None:  # only the members take part
-            self.creations += 1
-            group = dist.new_group(own, use_local_synchronization=True)
+        group = self._create_fresh(rank_lists)
         for members in rank_lists:
             self._created[tuple(members)] = group if members == own else None
 
     def _create_fresh(self, rank_lists: list[list[int]]) -> ProcessGroup | None:
-        """One communicator creation for `rank_lists` even where groups of the same members exist (the same list on
-        every rank); this rank's group."""
-        own = next((members for members in rank_lists if self.rank in members), None)
-        if getattr(dist.group.WORLD, "bound_device_id", None) is not None:
+        """One communicator creation for `rank_lists` (the same list on every rank), even where groups of the same
+        members exist; this rank's group, None where it is in none."""
+        if getattr(dist.group.WORLD, "bound_device_id", None) is not None:  # eager NCCL-like: one collective split
             self.creations += 1
             return dist.split_group(split_ranks=rank_lists)
+        own = next((members for members in rank_lists if self.rank in members), None)
         if own is None:
             return None
-        self.creations += 1
+        self.creations += 1  # only the members take part
         return dist.new_group(own, use_local_synchronization=True)
 
     def group(self, name: str) -> ProcessGroup:

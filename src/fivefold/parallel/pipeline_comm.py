@@ -143,6 +143,22 @@ def channel_count(p: int, wrap: bool) -> int:
     return 2 if p == 2 else 6 if wrap and p % 2 == 1 else 4
 
 
+def remote_input(schedule: Schedule, action) -> tuple[str, int, int] | None:
+    """The message (its producing action's key) that `action` receives from another rank before it runs, or None
+    (it starts from the tokens or its loss, or its input is handed over on its own rank)."""
+    kind, mb, s = action
+    if kind == "W" or (kind == "F" and s == 0) or (kind == "B" and s == schedule.n_stages - 1):
+        return None
+    producer = s - 1 if kind == "F" else s + 1
+    return (kind, mb, producer) if schedule.stage_rank[producer] != schedule.stage_rank[s] else None
+
+
+@lru_cache(maxsize=256)
+def channels_needed(schedule: Schedule) -> int:
+    """How many point-to-point communicators the messages of `schedule` use (`edge_channel`): the highest one + 1."""
+    return max((edge_channel(m.src, m.dst, schedule.p) + 1 for m in message_plan(schedule)), default=0)
+
+
 @dataclass(frozen=True)
 class Op:
     """One side of a message: this rank sends it (`send`) or receives it; `tag` is its place in the global order
@@ -151,6 +167,7 @@ class Op:
     send: bool
     message: Message
     tag: int
+    channel: int  # the communicator it goes on (`edge_channel`), worked out once with the plan
 
     def peer(self) -> int:
         return self.message.dst if self.send else self.message.src
@@ -161,7 +178,8 @@ def posting_plan(schedule: Schedule, rank: int) -> tuple[tuple[Op, ...], ...]:
     """What pp rank `rank` posts as one batch before its first action (item 0) and after each of its actions
     (item k + 1 after action k); an empty batch posts nothing. Raises if the order is not causal (a send would have
     to be posted before the action producing it ran, or an action's input would not be posted before it)."""
-    ops = [Op(m.src == rank, m, tag) for tag, m in enumerate(message_plan(schedule)) if rank in (m.src, m.dst)]
+    ops = [Op(m.src == rank, m, tag, edge_channel(m.src, m.dst, schedule.p))
+           for tag, m in enumerate(message_plan(schedule)) if rank in (m.src, m.dst)]
     pos = 0
 
     def receives() -> list[Op]:
@@ -180,13 +198,10 @@ def posting_plan(schedule: Schedule, rank: int) -> tuple[tuple[Op, ...], ...]:
     while k < len(actions):
         group = schedule.unit(rank, k, fused)  # a fused pair (with its B's W): both inputs before it
         for action in group:
-            kind, mb, s = action
-            if kind != "W" and not (kind == "F" and s == 0) and not (kind == "B" and s == last):
-                producer = s - 1 if kind == "F" else s + 1
-                if where[producer] != rank and (kind, mb, producer) not in posted:
-                    raise RuntimeError(f"pipeline schedule {schedule.name}: rank {rank}'s action {tuple(action)} "
-                                       f"needs message {(kind, mb, producer)} before the global order lets it be "
-                                       "posted")
+            needed = remote_input(schedule, action)
+            if needed is not None and needed not in posted:
+                raise RuntimeError(f"pipeline schedule {schedule.name}: rank {rank}'s action {tuple(action)} "
+                                   f"needs message {needed} before the global order lets it be posted")
         sends = {tuple(a) for a in group if a.kind != "W" and not (a.kind == "F" and a.stage == last)
                  and not (a.kind == "B" and a.stage == 0) and where[consumer_stage(a.kind, a.stage)] != rank}
         batch: list[Op] = []
@@ -220,22 +235,19 @@ class PointToPoint:
                  dtype: torch.dtype, device: torch.device, channels: Sequence[ProcessGroup] = ()) -> None:
         self.group, self.rank, self.shape, self.dtype, self.device = group, rank, shape, dtype, device
         self.plan = posting_plan(schedule, rank)
-        # each edge's messages on its own communicator (`edge_channel`; each has the pp group's members in its
+        # each edge's messages on its own communicator (`Op.channel`; each has the pp group's members in its
         # order), or all on `group`
-        self.channels, self.p = tuple(channels), schedule.p
-        needed = max((edge_channel(op.message.src, op.message.dst, self.p) + 1 for batch in self.plan for op in batch),
-                     default=0)
-        if self.channels and needed > len(self.channels):
-            raise ValueError(f"pipeline rank {rank}: schedule {schedule.name} over {self.p} ranks needs {needed} "
-                             f"point-to-point communicators (`edge_channel`), got {len(self.channels)}")
+        self.channels = tuple(channels)
+        if self.channels and channels_needed(schedule) > len(self.channels):
+            raise ValueError(f"pipeline rank {rank}: schedule {schedule.name} over {schedule.p} ranks needs "
+                             f"{channels_needed(schedule)} point-to-point communicators (`edge_channel`), got "
+                             f"{len(self.channels)}")
         self.batches: dict[int, tuple[list[dist.Work], list[torch.Tensor]]] = {}  # in flight: works, sent tensors
         # key -> (batch, buffer, the receive's own handle)
         self.received: dict[tuple[str, int, int], tuple[int, torch.Tensor, dist.Work]] = {}
 
     def _group(self, op: Op) -> ProcessGroup:
-        if not self.channels:
-            return self.group
-        return self.channels[edge_channel(op.message.src, op.message.dst, self.p)]
+        return self.channels[op.channel] if self.channels else self.group
 
     def post(self, index: int, sent: dict[tuple[str, int, int], torch.Tensor]) -> None:
         ops = self.plan[index]

@@ -124,14 +124,15 @@ def check_run_dir(run_dir: Path, resume: bool) -> list[Path]:
                               "tokenizer.json there, then resume")
         return found
     if run_dir.exists() and (not run_dir.is_dir() or any(p.name != faults.RUN_LOCK for p in run_dir.iterdir())):
-        if run_dir.is_dir() and not ckpt.checkpoint_dirs(run_dir) and not started_run(run_dir):
+        no_checkpoint = run_dir.is_dir() and not ckpt.checkpoint_dirs(run_dir)
+        if no_checkpoint and not started_run(run_dir):  # files, but no run
             raise RunDirError(f"run directory {run_dir} holds files but no run (none that fivefold started there); "
                               "choose a new or empty --run-dir (a config file can stay where it is: give it as "
                               "--config)")
-        started = started_run(run_dir) and not ckpt.checkpoint_dirs(run_dir)
         raise RunDirError(
             f"run directory {run_dir} already holds another run (or other files); pass --resume to continue "
-            "it" + (" (it stopped before its first checkpoint: --resume starts it again in place)" if started else "")
+            "it" + (" (it stopped before its first checkpoint: --resume starts it again in place)" if no_checkpoint
+                    else "")
             + ", or choose a new --run-dir"
         )
     return []

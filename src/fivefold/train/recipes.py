@@ -89,13 +89,11 @@ def apply_recipe(conf: Config, accelerator: bool, train_tokens: int | None = Non
     return recipe
 
 
-def launch_lines(config_path: str, run_dir: str, nodes: int, gpus_per_node: int,
-                 argv: list[str] | None = None) -> list[str]:
-    """The commands that start `fivefold train --config CONFIG` (or with `argv`, a run's own arguments, its
-    --run-dir among them) on `nodes` x `gpus_per_node` devices, writing into `run_dir` (on several nodes: a shared
-    file system, which every node reads and the first rank writes)."""
-    config, run = shlex.quote(str(config_path)), shlex.quote(run_dir)
-    given = " ".join(map(shlex.quote, argv)) if argv is not None else f"--config {config} --run-dir {run}"
+def launch_lines(argv: list[str], nodes: int, gpus_per_node: int) -> list[str]:
+    """The commands that start `fivefold train ARGV` (the run's own arguments, its --run-dir among them, e.g.
+    `--config FILE --run-dir DIR`) on `nodes` x `gpus_per_node` devices (on several nodes: a shared file system,
+    which every node reads and the first rank writes)."""
+    given = " ".join(map(shlex.quote, argv))
     if nodes == 1:
         return [f"fivefold train {given} --nproc {gpus_per_node}"]
     return [

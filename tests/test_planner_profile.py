@@ -219,10 +219,12 @@ def _zero_gather(capsys, model: str, layout: str) -> float:
 def test_zero3_expert_gathers_follow_the_edp_units(capsys):
     """ZeRO-3 under ep gathers the routed experts over the edp ranks that hold the same experts
     (`parallel.data.FullyShardedDataParallel`), not over dp x cp: with edp = 1 they are never gathered, so the
-    gather time does not depend on the expert count; with edp > 1 more experts cost more gather time."""
+    gather time does not depend on the expert count (but for the little that the experts' compute, under which the
+    gathers run, moves); with edp > 1 more experts cost more gather time."""
     shape = "layers=8,hidden=1024,heads=8,kv_heads=8,ffn=1024,vocab=32000,top_k=2,experts="
     whole = "dp=64,ep=64,zero=3,mbs=1,recompute=none"  # edp = 1
-    assert _zero_gather(capsys, shape + "64", whole) == pytest.approx(_zero_gather(capsys, shape + "128", whole))
+    assert _zero_gather(capsys, shape + "64", whole) == pytest.approx(_zero_gather(capsys, shape + "128", whole),
+                                                                      rel=1e-2)
     sharded = "dp=64,ep=8,zero=3,mbs=1,recompute=none"  # edp = 8
     assert _zero_gather(capsys, shape + "128", sharded) > _zero_gather(capsys, shape + "64", sharded) > 0
 

@@ -695,14 +695,53 @@ class TimeReport:
     parts: dict[str, float]
 
 
+def fsdp_link_time(gather: float, scatter: float, f_block: float, b_block: float, blocks: int, micro_batches: int,
+                   overlap: float) -> float:
+    """Exposed seconds of ZeRO-3's per-block collectives in a step without a pipeline, where they share one link
+    (one communicator: its collectives run one after the other in issue order): each block's parameters gathered
+    one block ahead in the forward and again in the backward (`gather` seconds each), its gradients
+    reduce-scattered as its backward ends (`scatter`), against `f_block` and `b_block` seconds of compute per block.
+    In the backward a block's compute hides the next block's gather and its own gradients' reduce-scatter together,
+    not each alone; what a micro-batch leaves queued delays the next one's first gathers, and the step ends when the
+    last reduce-scatter does. `overlap`: the share of that link time compute can hide (1 on GPUs; as `exposed`)."""
+    link_total = micro_batches * blocks * (2 * gather + scatter)
+    if link_total <= 0:
+        return 0.0
+    compute, link = 0.0, 0.0
+
+    def send(issued: float, seconds: float) -> float:
+        nonlocal link
+        link = max(link, issued) + seconds
+        return link
+
+    ends = []
+    for _ in range(min(micro_batches, 3)):  # the steady state repeats from the second micro-batch on
+        ready = send(compute, gather)  # the first block's gather
+        for i in range(blocks):
+            start = max(compute, ready)
+            if i + 1 < blocks:
+                ready = send(start, gather)  # the next block's, under this block's compute
+            compute = start + f_block
+        ready = send(compute, gather)  # the backward gathers again, from the last block down
+        for i in range(blocks):
+            start = max(compute, ready)
+            if i + 1 < blocks:
+                ready = send(start, gather)
+            compute = start + b_block
+            send(compute, scatter)  # this block's gradients
+        ends.append(max(compute, link))
+    end = ends[-1] + (micro_batches - len(ends)) * (ends[-1] - ends[-2] if len(ends) > 1 else ends[-1])
+    hidden_none = end - micro_batches * blocks * (f_block + b_block)
+    return overlap * max(0.0, hidden_none) + (1 - overlap) * link_total
+
+
 def _gather_time(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster, times: StageTimes, rp: RankParams,
                  states: dict, st: dict) -> float:
     """Exposed seconds of ZeRO's parameter all-gathers in a step: ZeRO-1/2's after the optimizer step where the
     framework exposes it, ZeRO-3's per block (one block ahead) with each unit's fixed cost; 0 without dp x cp."""
     dpc = lay.dp * lay.cp
     overlap = hw.comm_overlap
-    zg = lay.zero_group  # the ranks ZeRO-3 gathers over: dp x cp, or HSDP's shard group
-    param_full = states["parameters"] * (zg if lay.zero >= 3 else 1)
+    param_full = states["parameters"] * (lay.zero_group if lay.zero >= 3 else 1)
     t_gather = 0.0
     if dpc > 1 and 1 <= lay.zero <= 2:
         t_gather = comm.all_gather(param_full / fw.param_bytes * min(fw.param_bytes, 2), dpc, st["dpcp"], hw)
@@ -713,26 +752,32 @@ def _gather_time(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster, time
             t_gather = 0.0
     if dpc > 1 and lay.zero >= 3:  # gathered one block ahead: exposed where a block's gather outlasts its compute
         n_layers = max(1, -(-cfg.n_layers // lay.pp))
-        gathered = fw.gather_bytes or fw.param_bytes
-        if lay.experts_apart and cfg.is_moe:  # the routed experts are units of their own over the edp ranks
-            # holding the same experts (`parallel.data.FullyShardedDataParallel`); with edp = 1 they stay whole
-            ag = comm.all_gather(rp.dense * gathered / n_layers, zg, st["dpcp"], hw)
-            if lay.expert_zero_group > 1:  # over the ranks of the shard group that hold the same experts
-                stride = lay.ep if lay.splits_tokens_over_tp else st["dpcp"] * lay.ep
-                ag += comm.all_gather(rp.expert * gathered / n_layers, lay.expert_zero_group, stride, hw)
-        else:
-            ag = comm.all_gather(rp.total * gathered / n_layers, zg, st["dpcp"], hw)  # a block, as gathered
-        # the compute of one block of the first stage (interleaved: a stage holds 1/v of the rank's blocks)
-        per_block = (times.f[0] + times.b[0] + times.w[0]) / max(1, times.counts[0])
-        # gathered for every forward and backward; under pp once per step (the weights stay gathered)
-        gathers = 1 if lay.pp > 1 else lay.grad_accum_steps * 2
-        t_gather = gathers * n_layers * exposed(ag, per_block / 3, overlap)
+        if lay.pp > 1:  # gathered once per step (the weights stay gathered), a block's gather under its compute
+            # (interleaved: a stage holds 1/v of the rank's blocks)
+            per_block = (times.f[0] + times.b[0] + times.w[0]) / max(1, times.counts[0])
+            t_gather = n_layers * exposed(zero3_block_gather(cfg, lay, fw, hw, rp, st), per_block / 3, overlap)
+        # without a pipeline the gathers share the link with the reduce-scatters: `step_time`, `fsdp_link_time`
         # what each unit (the blocks and the root) costs per micro-batch beyond its collectives, as measured
         units = n_layers + 1
         if lay.experts_apart and cfg.is_moe:  # per MoE layer: the router's unit, the shared experts', the experts'
             units += n_layers * (1 + (cfg.n_shared_experts > 0) + (lay.edp > 1))
         t_gather += lay.grad_accum_steps * units * hw.zero3_unit_us * 1e-6
     return t_gather
+
+
+def zero3_block_gather(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster, rp: RankParams, st: dict) -> float:
+    """Seconds of ZeRO-3's all-gather of one block's parameters, as gathered (`Framework.gather_bytes`)."""
+    n_layers = max(1, -(-cfg.n_layers // lay.pp))
+    gathered = fw.gather_bytes or fw.param_bytes
+    zg = lay.zero_group  # the ranks ZeRO-3 gathers over: dp x cp, or HSDP's shard group
+    if lay.experts_apart and cfg.is_moe:  # the routed experts are units of their own over the edp ranks
+        # holding the same experts (`parallel.data.FullyShardedDataParallel`); with edp = 1 they stay whole
+        ag = comm.all_gather(rp.dense * gathered / n_layers, zg, st["dpcp"], hw)
+        if lay.expert_zero_group > 1:  # over the ranks of the shard group that hold the same experts
+            stride = lay.ep if lay.splits_tokens_over_tp else st["dpcp"] * lay.ep
+            ag += comm.all_gather(rp.expert * gathered / n_layers, lay.expert_zero_group, stride, hw)
+        return ag
+    return comm.all_gather(rp.total * gathered / n_layers, zg, st["dpcp"], hw)
 
 
 def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, exact: bool = True,
@@ -799,6 +844,16 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
         tied = cfg.vocab_size / lay.tp * cfg.hidden * elem_bytes
         t_dp_exposed += comm.all_reduce(tied, 2, st["pp"] * (lay.pp - 1), hw)
     t_gather = _gather_time(cfg, lay, fw, hw, times, rp, states, st)
+    if dpc > 1 and lay.zero >= 3 and lay.pp == 1:
+        # the gathers (forward and backward) and the reduce-scatters on one link, under the blocks' compute: what
+        # the gathers alone leave exposed is theirs, the rest the reduction's
+        blocks = max(1, times.counts[0])
+        f_block, b_block = times.f[0] / blocks, (times.b[0] + times.w[0]) / blocks
+        ag = zero3_block_gather(cfg, lay, fw, hw, rp, st)
+        rs = t_dp / lay.grad_accum_steps / blocks
+        link = [fsdp_link_time(ag, x, f_block, b_block, blocks, lay.grad_accum_steps, overlap) for x in (0.0, rs)]
+        t_gather += link[0]
+        t_dp_exposed = link[1] - link[0]
     # the optimizer step streams parameters, gradients and states once, plus a fixed cost per tensor
     opt_bandwidth = (hw.optimizer_gbps * 1e9 if hw.optimizer_gbps else hw.hbm_gbps * 1e9 / 2) / hw.compute_scale
     t_opt = (states["parameters"] + states["gradients"] + states["optimizer"]) / opt_bandwidth \

@@ -630,3 +630,7 @@ def test_a_rank_killed_from_outside_failed_before_one_that_aborted(tmp_path):
     assert first_failure(str(tmp_path), {0: -6, 1: -9}) == (1, "killed by SIGKILL")
     assert first_failure(str(tmp_path), {0: -15, 1: -6}) == (1, "killed by SIGABRT")
     assert first_failure(str(tmp_path), {0: -9, 1: -9, 2: -15}) == (0, "killed by SIGKILL")
+    # a rank's uncaught exception (exit code 1) before the launcher's SIGTERM to the rest, or a peer's abort
+    assert first_failure(str(tmp_path), {0: 1, 1: -15}) == (0, "exited with code 1 (its traceback is above)")
+    assert first_failure(str(tmp_path), {0: -15, 1: -6, 2: 1})[0] == 2
+    assert first_failure(str(tmp_path), {0: 1, 1: -9}) == (1, "killed by SIGKILL")

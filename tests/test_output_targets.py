@@ -236,3 +236,12 @@ def test_an_ordinary_word_is_not_an_end_of_text_token(capsys, places):
     refused(capsys, ["data", "prepare", "corpus.txt", "--out", "toks", "--tokenizer", "tok", "--eos-token", "w3"],
             "--eos-token 'w3'", "ordinary word")
     assert not Path("toks").exists()
+
+
+def test_cpu_dry_run_launches_the_processes_on_this_node(tmp_path, capsys):
+    """On the CPU profile a device is a process of this machine: `--nproc 2` is launched as such, not as 2 nodes of
+    one process each."""
+    assert main(["train", "--dry-run", "--nproc", "2", "--layout.dp", "2", "--train.device", "cpu", "--run-dir",
+                 str(tmp_path / "r")]) == 0
+    launch = capsys.readouterr().out.split("launch:")[1].strip().splitlines()
+    assert len(launch) == 1 and launch[0].endswith("--nproc 2") and "--nodes" not in launch[0]

@@ -163,3 +163,35 @@ def test_run_ranks_starts_again_when_its_port_is_taken(monkeypatch):
         monkeypatch.setattr(helper, "free_port", free_port)
         assert helper.run_ranks(2, _world_sum) == [3, 3]
         assert len(picked) == 2 and picked[0] == taken.getsockname()[1] != picked[1]
+
+
+def validation_on_ranks(rank: int, world_size: int, data_dir: Path, tmp: Path) -> dict[int, float]:
+    extra = {"train.dtype": "fp32", "train.device": "cpu", "train.global_batch_size": "18",
+             "layout.micro_batch_size": "3", "train.max_steps": "1", "train.checkpoint_every": "0",
+             "layout.pp": "2"}
+    return train(small_config(tmp / "pp", data_dir, **extra)).val_losses
+
+
+def test_pipeline_validates_rows_its_micro_batch_does_not_divide(tmp_path, dataset):  # noqa: F811
+    """16 validation rows in micro-batches of 3 (the training batch: 18 rows, 6 micro-batches) once left a last
+    micro-batch of 1, and the pipeline, which sends one shape per schedule, failed at step 0; they are now split
+    into equal micro-batches (the largest size <= 3 that divides 16), and the validation loss is one process's."""
+    val = run_ranks(2, validation_on_ranks, dataset, tmp_path)[0]
+    one = train(small_config(tmp_path / "one", dataset, **{
+        "train.dtype": "fp32", "train.device": "cpu", "train.global_batch_size": "18",
+        "layout.micro_batch_size": "3", "train.max_steps": "1", "train.checkpoint_every": "0"})).val_losses
+    assert val.keys() == one.keys() == {0, 1}
+    assert all(abs(val[k] - one[k]) <= 1e-5 * one[k] for k in val)
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--model.vocab_size", "1000"], "model.vocab_size 1000 is smaller than the vocabulary of the built-in corpus"),
+    (["--data", "/nonexistent/prepared"], "data.path = '/nonexistent/prepared' is not a directory")])
+def test_data_refused_before_the_processes_start(tmp_path, capsys, flags, said):
+    """A multi-process run checks its data directory and vocabulary once, in the command the user started: one
+    line, and no worker (each would print the refusal beside the launcher's own lines)."""
+    rc = main(["train", "--nproc", "2", "--layout.dp", "2", "--max-steps", "2", "--run-dir", str(tmp_path / "r"),
+               *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and said in err
+    assert not (tmp_path / "r").exists()

@@ -58,6 +58,10 @@ HARDWARE_BAD = [
     ("busbw_gbps = {x = 100}", ("busbw_gbps key 'x'", "integer")),
     ("busbw_gbps = {0 = 100}", ("busbw_gbps key '0'", "integer >= 1")),
     ("busbw_gbps = {8 = 0}", ("busbw_gbps[8] = 0.0", "> 0")),
+    # a device's own figures beyond any device: a unit typo, not a machine
+    ("bf16_tflops = 1e30", ("bf16_tflops = 1e+30", "at most 100,000")),
+    ("memory_gib = 1e-9", ("memory_gib = 1e-09", "between 0.01 and 100,000")),
+    ("inter_node_gbps = 5e9", ("inter_node_gbps", "at most 1,000,000")),
     ('gather_busbw_gbps = {1 = "fast"}', ("gather_busbw_gbps[1]", "'fast'")),
     ("gather_busbw_gbps = {1 = nan}", ("gather_busbw_gbps[1]", "nan", "finite")),
     ("busbw_gbps = 5", ("busbw_gbps = 5", "table")),
@@ -132,6 +136,20 @@ CSV_BAD = [
     ("nan", (HEAD + _row(tok_s_gpu="nan") + "\n").encode(), ("tok_s_gpu = 'nan'", "finite")),
     ("inf unused column", (HEAD + _row(mfu_pct="inf") + "\n").encode(), ("mfu_pct = 'inf'", "finite")),
     ("layout not the gpus", (HEAD + _row(tp="3") + "\n").encode(), ("dp x tp x pp x cp", "= 6", "gpus = 2")),
+    ("micro-batch 0", (HEAD + _row(mbs="0") + "\n").encode(), ("row 1", "mbs = 0", ">= 1")),
+    ("negative tp", (HEAD + _row(tp="-1") + "\n").encode(), ("tp = -1", ">= 1")),
+    ("no nodes", (HEAD + _row(nodes="0") + "\n").encode(), ("nodes = 0", ">= 1")),
+    ("zero 9", (HEAD + _row(zero="9") + "\n").encode(), ("zero = 9", "0, 1, 2, 3")),
+    ("unknown status", (HEAD + _row(status="okay") + "\n").encode(), ("status = 'okay'", "crashed_or_oom")),
+    ("empty status", (HEAD + _row(status="") + "\n").encode(), ("status = ''", "not one of")),
+    ("not a boolean", (HEAD + _row(tied_emb="maybe") + "\n").encode(), ("tied_emb = 'maybe'", "true or false")),
+    ("finished without tokens/s", (HEAD + _row(tok_s_gpu="") + "\n").encode(), ("tok_s_gpu = ''", "status ok")),
+    ("negative tokens/s", (HEAD + _row(tok_s_gpu="-1000") + "\n").encode(), ("tok_s_gpu = '-1000'", "> 0")),
+    ("negative memory", (HEAD + _row(mem_gb="-0.5") + "\n").encode(), ("mem_gb = '-0.5'", ">= 0")),
+    ("unknown recompute", (HEAD.replace(",mfu_pct", ",recompute,mfu_pct") + ROW.replace(",30.1", ",selctive,30.1")
+                           + "\n").encode(), ("recompute = 'selctive'", "none, selective, full")),
+    ("unknown schedule", (HEAD.replace(",mfu_pct", ",schedule,mfu_pct") + ROW.replace(",30.1", ",1f1bb,30.1")
+                          + "\n").encode(), ("schedule = '1f1bb'", "dualpipev")),
 ]
 
 
@@ -364,6 +382,17 @@ CLI_BAD = [
     ("doc-len under validate", ["validate", "--doc-len", "512"], ("--doc-len '512' applies to",)),
     ("hardware under validate without results", ["validate", "--hardware", "hw.toml"],
      ("--hardware 'hw.toml' goes with --results", "--profile")),
+    # --results scores a sweep's store: the CSV's fitting flags would be silently ignored
+    ("results with profile", ["validate", "--results", "s.db", "--profile", "p.toml"], ("--profile", "drop them")),
+    ("results with out and fit-fields", ["validate", "--results", "s.db", "--out", "f.toml", "--fit-fields",
+                                         "matmul_efficiency"], ("--out, --fit-fields", "does not combine")),
+    # the layout's degrees against the cluster first: the batch's suggestions assume them
+    ("layout not the cluster", ["--model", "tiny", "--seq-len", "128", "--global-batch", "4096", "--layout", "dp=3"],
+     ("dp x tp x pp x cp = 3 x 1 x 1 x 1 = 3", "the cluster has 8 GPUs")),
+    ("batch beyond the bound and not whole", ["--model", "tiny", "--seq-len", "128", "--global-batch",
+                                              "999999999999"], ("at most 16,384",)),
+    # a value that starts with '-' and is not a plain number reaches the option's own check
+    ("negative node list", ["scaling", *TINY, "--strong", "--nodes", "-1,2"], ("--nodes '-1,2'", ">= 1")),
 ]
 
 
@@ -442,3 +471,42 @@ def test_scaling_png_and_fit_out_keep_an_existing_file(capsys, tmp_path: Path):
                  "--out", str(out), "--json"]) == 0
     assert f"kept the previous {out} as {out}.bak" in capsys.readouterr().out
     assert (tmp_path / "fit.toml.bak").read_text() == "keep" and "matmul_efficiency" in out.read_text()
+
+
+def test_scaling_takes_dp_from_the_gpus_and_says_so(capsys):
+    """`plan scaling --layout`: dp is the GPUs over tp x pp x cp at each size, so a given dp is neither checked
+    against the batch (dp 3 does not divide 64 sequences, dp 4 and 8 do) nor kept, and the output says so."""
+    assert main(["plan", "scaling", "--model", "tiny", "--seq-len", "128", "--global-batch", "8K", "--strong",
+                 "--nodes", "1,2", "--layout", "dp=3,tp=2"]) == 0
+    out = capsys.readouterr().out
+    assert "dp4 tp2" in out and "dp8 tp2" in out and "--layout dp = 3 is not kept" in out
+
+
+def test_mfu_uses_the_peak_the_step_time_uses(tmp_path: Path, capsys):
+    """A calibrated profile's `[ranks.2]` peak times a two-rank layout; its MFU divides by that peak, not by the
+    profile's top-level one (which gave 125 % before): MFU = tokens/s x FLOPs per token / the rank's peak."""
+    from fivefold.flops import training_flops_per_token
+    from fivefold.presets import get_preset
+
+    f = tmp_path / "r2.toml"
+    f.write_text('base = "cpu"\n[ranks.2]\nfp32_tflops = 1\nthreads_per_rank = 1\n')
+    assert main(["plan", "--hardware", str(f), "--model", "tiny", "--seq-len", "128", "--global-batch", "1024",
+                 "--layout", "dp=2,mbs=4", "--gpus-per-node", "2", "--json"]) == 0
+    e = json.loads(capsys.readouterr().out)
+    flops = training_flops_per_token(get_preset("tiny"), 128)
+    assert e["mfu"] == pytest.approx(e["tokens_per_s_per_device"] * flops / 1e12, rel=1e-6) and e["mfu"] < 1
+
+
+def test_gpus_per_node_zero_is_refused_not_read_as_the_default(capsys):
+    with pytest.raises(SystemExit) as refused_:  # argparse's refusal, in one line
+        main(["plan", *TINY, "--gpus-per-node", "0"])
+    err = capsys.readouterr().err
+    assert refused_.value.code == 2 and err.count("\n") == 1
+    assert "argument --gpus-per-node: 0 is not between 1 and 1,024" in err
+
+
+def test_calibrate_refuses_an_empty_or_repeated_model(capsys):
+    for value in ("tiny,,", "tiny,tiny", ","):
+        assert main(["calibrate", "--device", "cpu", "--model", value, "--out", "never.toml"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "has an empty or repeated item" in err

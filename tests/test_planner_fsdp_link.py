@@ -84,3 +84,21 @@ def test_fsdp_across_nodes_exposes_the_shared_link():
     steady = m * blocks * (g + s - b)
     exposed = report.parts["zero_gather"] + report.parts["dp_comm_exposed"]
     assert steady < exposed <= steady + m * (2 * g + s + b)
+
+
+def test_a_bucket_holds_at_least_one_parameter_tensor():
+    """fivefold's engine never splits a parameter over gradient buckets (`parallel.data.make_buckets`), so a bucket
+    of one element makes one bucket per parameter tensor, not one per element: the step with dp_bucket_size = 1
+    costs what one bucket per tensor costs (each tensor's all-reduce latency), far from a million latencies."""
+    from fivefold.planner.layout import FIVEFOLD
+    from fivefold.planner.time import parameter_tensors
+
+    cfg = get_preset("tiny")
+    cpu = dataclasses.replace(get_cluster("h100"), comm_overlap=0.0)
+    lay = Layout(dp=2, zero=1, micro_batch_size=4, grad_accum_steps=1)
+    tiny_buckets = dataclasses.replace(lay, dp_bucket_size=1)
+    per_tensor = step_time(cfg, 64, tiny_buckets, FIVEFOLD, cpu).parts["dp_comm_exposed"]
+    whole = step_time(cfg, 64, lay, FIVEFOLD, cpu).parts["dp_comm_exposed"]  # one bucket (Megatron's rule)
+    # the extra latency of about one all-reduce per tensor, over two ranks in a node (2 ring steps each)
+    extra = (parameter_tensors(cfg, lay) - 1) * 2 * cpu.intra_latency_us * 1e-6
+    assert per_tensor - whole == pytest.approx(extra, rel=0.2)

@@ -434,11 +434,17 @@ def first_failure(folder: str, exit_codes: dict[int, int]) -> tuple[int, str] | 
     # a rank killed by a signal, other than the SIGTERM with which the launcher stops the rest of a failed job; a
     # rank whose runtime aborted (SIGABRT: gloo's threads can abort a rank whose peer died mid-collective) after one
     # killed from outside (SIGKILL: the OOM killer, a user)
-    killed = sorted((code == -signal.SIGTERM, code == -signal.SIGABRT, r) for r, code in exit_codes.items() if code < 0)
-    killed = [r for *_, r in killed]
-    if killed:
+    # then a rank that exited with an error of its own (an exception the record did not catch): the SIGABRT of a peer
+    # that lost it and the SIGTERM with which the launcher stopped the rest came after it
+    order = sorted((0 if code < 0 and code not in (-signal.SIGTERM, -signal.SIGABRT) else 1 if code > 0
+                    else 2 if code == -signal.SIGABRT else 3, r) for r, code in exit_codes.items() if code)
+    if order:
+        rank = order[0][1]
+        code = exit_codes[rank]
+        if code > 0:
+            return rank, f"exited with code {code} (its traceback is above)"
         with contextlib.suppress(ValueError):
-            return killed[0], f"killed by {signal.Signals(-exit_codes[killed[0]]).name}"
+            return rank, f"killed by {signal.Signals(-code).name}"
     lines.sort()
     return (lines[0][2], lines[0][3] or "lost another rank") if lines else None
 

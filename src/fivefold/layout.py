@@ -110,7 +110,9 @@ def batch_problem(layout: LayoutConfig, global_batch_size: int) -> LayoutProblem
     return None
 
 
-def world_problem(layout: LayoutConfig, world_size: int) -> LayoutProblem | None:
+def world_problem(layout: LayoutConfig, world_size: int, global_batch_size: int = 0) -> LayoutProblem | None:
+    """dp x tp x pp x cp against the processes; the hint's dp also says the batch it needs (`global_batch_size`,
+    where given), so that following it does not meet the batch rule next."""
     product = layout.dp * layout.tp * layout.pp * layout.cp
     if product == world_size:
         return None
@@ -119,6 +121,10 @@ def world_problem(layout: LayoutConfig, world_size: int) -> LayoutProblem | None
     hint = (f"with these tp, pp and cp use layout.dp = {nearest_dp}" if nearest_dp
             else f"tp x pp x cp = {rest} must divide the world size; "
                  f"valid tp for {world_size} ranks: {nearest_divisors(world_size, layout.tp)}")
+    step = (nearest_dp or 0) * (layout.micro_batch_size or 1)
+    if nearest_dp and global_batch_size and global_batch_size % step:
+        hint += (f" with a global batch divisible by {'dp' if step == nearest_dp else 'dp x micro_batch_size'} = "
+                 f"{step} (train.global_batch_size in {nearest_multiples(global_batch_size, step)})")
     return LayoutProblem(
         "dp x tp x pp x cp differs from the world size",
         f"layout dp x tp x pp x cp = {layout.dp} x {layout.tp} x {layout.pp} x {layout.cp} = {product} does not "
@@ -382,7 +388,7 @@ def layout_problem(model: ModelConfig, layout: LayoutConfig, *, world_size: int,
     batch (in sequences), or None when it can run. The order is the engine's: the first problem is the one
     `fivefold train` reports."""
     checks = (
-        lambda: world_problem(layout, world_size),
+        lambda: world_problem(layout, world_size, global_batch_size),
         lambda: tensor_parallel_problem(model, layout.tp) if layout.tp > 1 else None,
         lambda: sequence_parallel_problem(layout, seq_len) if layout.sp and layout.tp == 1 else None,
         lambda: context_parallel_problem(layout, seq_len),

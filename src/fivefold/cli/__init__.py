@@ -36,8 +36,22 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {one_line(message)}\n")
 
 
+def _negative_values(argv: list[str]) -> list[str]:
+    """`--opt -1,2` as `--opt=-1,2`: argparse reads a value that starts with '-' and is not a plain number (a list
+    like '-1,2', '-3e4') as an option and says "expected one argument"; no option starts with a digit, so such a
+    token is the value of the option before it, which then gets the value's own error."""
+    out: list[str] = []
+    for token in argv:
+        if (len(token) > 1 and token[0] == "-" and (token[1].isdigit() or token[1] == ".") and out
+                and out[-1].startswith("--") and "=" not in out[-1]):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = _negative_values(sys.argv[1:] if argv is None else argv)
     parser = Parser(prog="fivefold", description="Plan and train Llama-style models.")
     from fivefold import __version__
 

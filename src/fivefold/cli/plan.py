@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weak", action="store_true", help="scaling: the global batch grows with the nodes")
     p.add_argument("--strong", action="store_true", help="scaling: the global batch stays")
     p.add_argument("--png", help="scaling: also plot the efficiency to this PNG (needs matplotlib)")
-    p.add_argument("--gpus-per-node", type=int_in(0, 1024, "devices of one node"),
+    p.add_argument("--gpus-per-node", type=int_in(1, 1024, "devices of one node"),
                    default=0, help="default: the hardware's")
     p.add_argument("--seq-len", type=int_in(2, 1 << 24, "tokens per sequence, up to 16M"), default=4096)
     p.add_argument("--global-batch", default="1M", help="tokens per step; K/M/G are powers of two (1M = 1048576)")
@@ -555,15 +555,18 @@ def _check_options(args: argparse.Namespace) -> None:
 def _check_batch(args: argparse.Namespace) -> None:
     """--global-batch: a token count within the planner's bounds and a whole number of --seq-len sequences."""
     tokens, seq = parse_tokens(args.global_batch), args.seq_len
-    if tokens % seq:
-        below, above = tokens // seq * seq, (tokens // seq + 1) * seq
-        nearest = f"batches: {below} or {above} tokens" if below else f"batch: {above} tokens (one sequence)"
-        raise CliError(f"--global-batch = {tokens} tokens is not a whole number of --seq-len = {seq} sequences; "
-                       f"nearest valid {nearest}")
-    if tokens // seq > MAX_BATCH_SEQUENCES:
+    if tokens // seq > MAX_BATCH_SEQUENCES:  # first: a whole-number suggestion above the bound would be refused next
         raise CliError(f"--global-batch = {tokens:,} tokens is {tokens // seq:,} sequences of {seq}; the planner takes "
                        f"at most {MAX_BATCH_SEQUENCES:,} (2^{MAX_BATCH_SEQUENCES.bit_length() - 1}) sequences per "
                        "step: a smaller batch or longer sequences")
+    if tokens % seq:
+        below, above = tokens // seq * seq, (tokens // seq + 1) * seq
+        if above // seq > MAX_BATCH_SEQUENCES:
+            above = 0
+        nearest = (f"batches: {below} or {above} tokens" if below and above else
+                   f"batch: {below or above} tokens" + ("" if below else " (one sequence)"))
+        raise CliError(f"--global-batch = {tokens} tokens is not a whole number of --seq-len = {seq} sequences; "
+                       f"nearest valid {nearest}")
     if tokens // seq > SLOW_BATCH_SEQUENCES and args.layout is None:
         print(f"fivefold plan: warning: a global batch of {tokens // seq:,} sequences: the search may take a minute "
               "(it simulates every micro-batch of the pipelined layouts)", file=sys.stderr)
@@ -755,12 +758,9 @@ def _estimate_layout(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, 
         raise CliError("--write-config writes the best layout of a search, not --layout's: drop --layout, and pin "
                        "the layout's values with --fix (e.g. --fix 'dp=4,tp=2,pp=1') to have that layout written")
     lay = parse_layout(args.layout, batch_seqs, fw.default_fp32_grad_accum if args.fp32_grad_accum is None
-                       else args.fp32_grad_accum == "on")
+                       else args.fp32_grad_accum == "on", n_gpus, f" ({args.nodes} nodes x {hw.gpus_per_node})")
     lay = dataclasses.replace(lay, fp32_grad_accum=lay.fp32_grad_accum or args.fp32_grad_accum == "on")
     check_runs_hsdp(lay, fw)
-    if lay.world_size != n_gpus:
-        raise CliError(f"--layout dp x tp x pp x cp = {lay.world_size} but the cluster has {n_gpus} GPUs "
-                       f"({args.nodes} nodes x {hw.gpus_per_node}); change the degrees or --nodes")
     # the layout refused as `fivefold train` refuses it: its rules do not depend on the MLP's kind (the engine
     # alone builds SwiGLU only), so a shape the search takes, a GELU one included, is taken here too
     train_config(dataclasses.replace(cfg, mlp="swiglu"), lay, seq, batch_seqs, fw.compute_dtype)

@@ -159,6 +159,10 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         return dry_run(cfg, args)
     check_layout(cfg, args.nodes * args.nproc if args.slurm else local_world_size(args.nproc))
+    if not args.slurm and not args.hf and local_world_size(args.nproc) > 1 and "WORLD_SIZE" not in os.environ:
+        from fivefold.train.loop import check_data_vocabulary
+
+        check_data_vocabulary(cfg)  # once, before the processes start (each then checks every shard)
     if args.slurm:
         from fivefold.launch import write_slurm_script
         check_target(args.slurm, "--slurm", "train.sbatch")  # a file name in a writable, existing directory
@@ -375,11 +379,15 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
           f"{e.peak_bytes / 2**30:.1f} GiB of {hw.memory_gib} GiB per device; step {step_s:.2f} s, "
           f"{e.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {100 * e.mfu:.1f} %; {t.max_steps:,} steps "
           f"take about {rough_duration(step_s * t.max_steps)}")
-    nodes = max(1, world // hw.gpus_per_node) if world > hw.gpus_per_node else 1
+    if hw.is_cpu:  # processes, not devices: the ones this command names (--slurm's nodes), else all on this node
+        nodes, per_node = (args.nodes, args.nproc) if args.slurm else (1, world)
+    else:
+        nodes = max(1, world // hw.gpus_per_node) if world > hw.gpus_per_node else 1
+        per_node = min(world, hw.gpus_per_node)
     from fivefold.train.recipes import launch_lines
 
     print("launch:")  # this command's own arguments (its --resume, overrides and all), as the launcher forwards them
-    for line in launch_lines(forwarded_argv(args, cfg.run_dir), nodes, min(world, hw.gpus_per_node)):
+    for line in launch_lines(forwarded_argv(args, cfg.run_dir), nodes, per_node):
         print(f"  {line}")
     return 0 if e.fits else 1
 

@@ -263,8 +263,9 @@ class PointToPoint:
                 tensor = sent[op.message.key].detach()
                 if tensor.dtype != self.dtype or tuple(tensor.shape) != tuple(self.shape):
                     raise RuntimeError(f"pipeline message {op.message.key} is {tensor.dtype} {tuple(tensor.shape)}, "
-                                       f"but the stages communicate {self.dtype} {tuple(self.shape)} (the dtype of "
-                                       "the activations the stages produce)")
+                                       f"but the stages communicate {self.dtype} {tuple(self.shape)} (every "
+                                       "micro-batch of one schedule the same shape, in the dtype the stages "
+                                       "produce)")
                 tensor = tensor.contiguous()
                 tensors.append(tensor)
                 p2p.append(dist.P2POp(dist.isend, tensor, group=self._group(op), tag=op.tag, group_peer=op.peer()))

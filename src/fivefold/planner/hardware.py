@@ -344,6 +344,12 @@ class Range(NamedTuple):
 _SHARES = {"matmul_efficiency": Range(0.0, False, 1.0, True, "a share of the matmul peak, in (0, 1]"),
            "comm_overlap": Range(0.0, True, 1.0, True, "a share of a collective's time, in [0, 1]"),
            "stall_hazard_per_node": Range(0.0, True, 1.0, False, "below 1 (a chance per node)")}
+# a device's own figures: beyond these bounds a value is a typo (a unit off by 10^3 or more), not a device
+_DEVICE_BOUNDS = {"bf16_tflops": Range(0.0, False, 1e5, True, "at most 100,000 (TFLOP/s of one device)"),
+                  "fp32_tflops": Range(0.0, False, 1e5, True, "at most 100,000 (TFLOP/s of one device)"),
+                  "memory_gib": Range(0.01, True, 1e5, True, "between 0.01 and 100,000 (GiB of one device)"),
+                  **dict.fromkeys(("hbm_gbps", "intra_node_gbps", "inter_node_gbps"),
+                                  Range(0.0, False, 1e6, True, "at most 1,000,000 (GB/s of one device)"))}
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
 
@@ -406,8 +412,8 @@ def _parse_fields(data: dict, where: str) -> dict:
             may_be_zero = key in _MAY_BE_ZERO or key.startswith(("stall_", "drift_"))
             if value < 0 or (value == 0 and not may_be_zero):
                 raise ConfigError(f"{where} {key} = {shown(value)} must be {'>= 0' if may_be_zero else '> 0'}")
-            if key in _SHARES:  # after the sign rule: a negative share is told "> 0"
-                value = checked_number(value, where, key, within=_SHARES[key])
+            if key in _SHARES or key in _DEVICE_BOUNDS:  # after the sign rule: a negative share is told "> 0"
+                value = checked_number(value, where, key, within=_SHARES.get(key) or _DEVICE_BOUNDS[key])
         values[key] = value
     return values
 

@@ -83,10 +83,13 @@ def check_runs_hsdp(lay: Layout, fw: Framework) -> None:
                           "frameworks that do: " + ", ".join(n for n, f in all_frameworks().items() if f.hsdp))
 
 
-def parse_layout(text: str, global_batch_seqs: int, fp32_grad_accum: bool = True) -> Layout:
+def parse_layout(text: str, global_batch_seqs: int, fp32_grad_accum: bool = True, world_size: int = 0,
+                 cluster: str = "", dp_given: bool = True) -> Layout:
     """`"dp=4,tp=2,pp=1,micro_batch_size=1,zero=1,recompute=none"` -> Layout (`mbs` is short for micro_batch_size);
     grad_accum_steps follows from the global batch; `fp32_grad_accum` where the text does not say (the framework's
-    `default_fp32_grad_accum`)."""
+    `default_fp32_grad_accum`). `world_size` (where given): the devices the degrees must multiply to, checked before
+    the batch, whose suggestions assume the degrees; `cluster` names them in the error. `dp_given` False: the caller
+    sets dp itself (`plan scaling`: the GPUs over the other degrees), so the batch is not checked against this one."""
     values: dict = {"fp32_grad_accum": fp32_grad_accum}
     seen: dict[str, str] = {}  # field -> its item: a key given twice, under its own or its short name, is refused
     for part in (p.strip() for p in text.split(",")):
@@ -122,8 +125,14 @@ def parse_layout(text: str, global_batch_seqs: int, fp32_grad_accum: bool = True
                 raise ConfigError(f"--layout {key} = {value} must be >= {0 if key in ('zero', 'dp_shard') else 1}")
         values[key] = value
     lay = Layout(**values)
+    if world_size and lay.world_size != world_size:
+        raise ConfigError(f"--layout dp x tp x pp x cp = {lay.dp} x {lay.tp} x {lay.pp} x {lay.cp} = "
+                          f"{lay.world_size:,} but the cluster has {world_size} GPUs{cluster}; change the degrees or "
+                          "--nodes")
     raise_problem(hsdp_problem(lay))
     raise_problem(communication_problem(lay))
+    if not dp_given:
+        return lay
     raise_problem(batch_problem(lay, global_batch_seqs))
     return dataclasses.replace(lay, grad_accum_steps=global_batch_seqs // (lay.dp * lay.micro_batch_size))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 from fivefold.config import ModelConfig, shown
@@ -126,7 +127,7 @@ def scaling(cfg: ModelConfig, seq: int, batch_seqs: int, nodes: list[int], weak:
             batch = batch_seqs * n // nodes[0] if weak else batch_seqs
             if layout:
                 lay = parse_layout(layout, batch, fw.default_fp32_grad_accum if space.fp32_grad_accum is None
-                                   else space.fp32_grad_accum)
+                                   else space.fp32_grad_accum, dp_given=False)
                 check_runs_hsdp(lay, fw)
                 lay = scale_layout(lay, gpus, batch)
                 e = estimate(cfg, seq, lay, fw, hw, True, docs=docs)
@@ -216,6 +217,10 @@ def run_scaling(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, hw: C
         print(f"{cfg.name}, {mode} scaling on {hw.name} ({hw.gpus_per_node} {hw.unit}s per node), {fw.name} engine, "
               f"seq {seq}; efficiency = tokens/s per {hw.unit} over the first size's")
         print("\n".join(lines))
+        given_dp = re.search(r"(?:^|,)\s*dp\s*=\s*(\d+)", args.layout or "")
+        if given_dp and any(p.best and p.best.layout.dp != int(given_dp[1]) for p in points):
+            print(f"--layout dp = {given_dp[1]} is not kept: at each size dp is the {hw.unit}s over tp x pp x cp "
+                  "(the table's layouts); tp, pp, cp, ep, the micro-batch, ZeRO and recompute are")
         if nodes[-1] > 1 and not risk and not hw.drift_per_node_doubling:
             print(f"{hw.name} has no stall or drift data: every size is predicted as a clean run with collectives as "
                   "fast as measured alone (on the playbook's cluster, --hardware src/fivefold/planner/profiles/"

@@ -164,7 +164,8 @@ def estimate(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster
     tokens = lay.dp * lay.micro_batch_size * lay.grad_accum_steps * seq
     n = lay.world_size
     tps = tokens / t.step_time / n
-    peak_flops = hw.peak_flops(fw.compute_dtype)
+    # the peak of a rank as the step time sees it (a calibrated profile's fields measured with that many ranks)
+    peak_flops = hw.on_node(min(lay.world_size, hw.gpus_per_node)).peak_flops(fw.compute_dtype)
     mfu = tps * training_flops_per_token(cfg, seq, docs=docs) / peak_flops
     notes = [f"pp = {lay.pp} exceeds the {cfg.n_layers} layers"] if lay.pp > cfg.n_layers else []
     split = stage_split_problem(cfg, lay, fw)

@@ -805,7 +805,8 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
     rp = rank_params(cfg, lay, "first")
     elem_bytes = reduced_grad_bytes(lay, fw)
     red_bytes = rp.total * elem_bytes
-    bucket = dp_bucket_bytes(lay, fw, elem_bytes)
+    # the engine never splits a parameter over buckets, so a bucket below the mean tensor holds about one tensor
+    bucket = max(dp_bucket_bytes(lay, fw, elem_bytes), red_bytes / parameter_tensors(cfg, lay))
     overlap = hw.comm_overlap  # share of a collective that compute running at once can hide
 
     def reduce_time(nbytes: float, size: int, stride: int, shards: int, nodes: int = 0) -> float:
@@ -949,6 +950,12 @@ def optimizer_tensors(cfg: ModelConfig, lay: Layout, fw: Framework) -> int:
         grads = model_state_bytes(cfg, lay, fw, "first")["gradients"] * lay.dp * lay.cp
         classes = 2 if lay.tp == 1 else 4
         return classes + int(grads // dp_bucket_bytes(lay, fw, reduced_grad_bytes(lay, fw)))
+    return parameter_tensors(cfg, lay)
+
+
+def parameter_tensors(cfg: ModelConfig, lay: Layout) -> int:
+    """Parameter tensors of one rank's stage: a block's (norms, projections; an MoE layer's router and experts),
+    the embedding, the final norm and an untied output layer."""
     per_layer = 9 if not cfg.is_moe else 6 + 4 + (3 if cfg.n_shared_experts else 0)
     layers = -(-cfg.n_layers // lay.pp)
     return layers * per_layer + 2 + (0 if cfg.tied_embeddings else 1)

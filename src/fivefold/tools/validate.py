@@ -35,11 +35,12 @@ from pathlib import Path
 
 from fivefold.config import ModelConfig, config_from_dict, shown
 from fivefold.errors import CliError
+from fivefold.layout import SCHEDULES
 from fivefold.outputs import check_target, keep_previous
 from fivefold.planner import profile
 from fivefold.planner.features import FEATURES, with_features
 from fivefold.planner.hardware import Cluster, get_cluster
-from fivefold.planner.layout import FRAMEWORKS, Framework, Layout
+from fivefold.planner.layout import FRAMEWORKS, RECOMPUTE, Framework, Layout
 from fivefold.planner.predict import compute_dtype, estimate_run, layout_of, load_hardware, on_one_node
 from fivefold.planner.profile import all_frameworks
 from fivefold.planner.score import spearman
@@ -133,6 +134,9 @@ RUNS_COLUMNS = ("model", "n_layers", "hidden", "heads", "kv_heads", "ffn", "voca
                 "dp", "tp", "pp", "mbs", "grad_acc", "zero", "status", "tok_s_gpu", "mem_gb")
 # numbers a row may carry that the model does not read: checked all the same (a nan there is a broken extraction)
 _OTHER_NUMBERS = ("gpus", "n_params", "gbs_seqs", "mfu_pct", "mfu_recomputed_pct", "tok_s")
+# a run's status: finished, or not (the playbook's file says crashed_or_oom; either way it did not fit or run)
+CSV_STATUSES = ("ok", "oom", "crash", "crashed_or_oom", "timeout")
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
 def _run_row(r: dict, path: Path, index: int, columns: int) -> Row:
@@ -149,6 +153,12 @@ def _run_row(r: dict, path: Path, index: int, columns: int) -> Row:
         except ValueError:
             raise CliError(f"{where}: {column} = {shown(r.get(column))} is not an integer") from None
 
+    def positive(column: str, default: str | None = None, least: int = 1) -> int:
+        value = integer(column, default)
+        if value < least:
+            raise CliError(f"{where}: {column} = {value} must be >= {least}")
+        return value
+
     def number(column: str) -> float:
         try:
             value = float(r[column])
@@ -158,10 +168,23 @@ def _run_row(r: dict, path: Path, index: int, columns: int) -> Row:
             raise CliError(f"{where}: {column} = {shown(r[column])} must be a finite number")
         return value
 
+    def boolean(column: str) -> bool:
+        text = (r.get(column) or "").strip().lower()
+        if text and text not in _TRUE + _FALSE:
+            raise CliError(f"{where}: {column} = {shown(r[column])} is not true or false")
+        return text in _TRUE
+
+    def one_of(column: str, allowed: tuple[str, ...], default: str) -> str:
+        value = (r.get(column) or "").strip() or default
+        if value not in allowed:
+            raise CliError(f"{where}: {column} = {shown(value)} is not one of {', '.join(allowed)}")
+        return value
+
     for column in _OTHER_NUMBERS:
         if (r.get(column) or "").strip():
             number(column)
-    tied = r["tied_emb"].strip().lower() in ("true", "1", "yes")
+    status = one_of("status", CSV_STATUSES, "")
+    tied = boolean("tied_emb")
     heads = integer("heads")
     cfg = ModelConfig(name=r["model"], n_layers=integer("n_layers"), hidden=integer("hidden"),
                       n_heads=heads, n_kv_heads=integer("kv_heads") if r["kv_heads"].strip() else heads,
@@ -169,23 +192,32 @@ def _run_row(r: dict, path: Path, index: int, columns: int) -> Row:
                       tied_embeddings=tied, mlp=(r.get("mlp") or "swiglu").strip().lower())
     cfg.validate(f"--data {path.name}: a row of {r['model']}: model")
     framework = r.get("framework") or "nanotron"
-    tp = integer("tp")
-    lay = Layout(dp=integer("dp"), tp=tp, pp=integer("pp"), cp=integer("cp", "1"), ep=integer("ep", "1"),
-                 zero=integer("zero"), micro_batch_size=integer("mbs"), grad_accum_steps=integer("grad_acc"),
-                 recompute=r.get("recompute") or "none",
-                 sp=(r.get("sp", "").lower() in ("true", "on", "1")) if framework != "nanotron" else tp > 1,
-                 schedule=r.get("schedule") or "1f1b", vpp=integer("vpp", "1"),
-                 fp32_grad_accum=framework == "nanotron" or r.get("fp32_grad_accum", "").lower() == "true")
+    tp = positive("tp")
+    zero = integer("zero")
+    if zero not in (0, 1, 2, 3):
+        raise CliError(f"{where}: zero = {zero} is not one of 0, 1, 2, 3")
+    lay = Layout(dp=positive("dp"), tp=tp, pp=positive("pp"), cp=positive("cp", "1"), ep=positive("ep", "1"),
+                 zero=zero, micro_batch_size=positive("mbs"), grad_accum_steps=positive("grad_acc"),
+                 recompute=one_of("recompute", RECOMPUTE, "none"),
+                 sp=boolean("sp") if framework != "nanotron" else tp > 1,
+                 schedule=one_of("schedule", SCHEDULES, "1f1b"), vpp=positive("vpp", "1"),
+                 fp32_grad_accum=framework == "nanotron" or boolean("fp32_grad_accum"))
     if (r.get("gpus") or "").strip() and lay.world_size != integer("gpus"):
         raise CliError(f"{where}: dp x tp x pp x cp = {lay.dp} x {lay.tp} x {lay.pp} x {lay.cp} = {lay.world_size} "
                        f"but gpus = {integer('gpus')}; the layout's degrees multiply to the GPUs of the run")
-    ok = r["status"] == "ok"
+    ok = status == "ok"
+    if ok:  # a finished run's measurements: tokens/s it must have, memory where it was recorded
+        if not r["tok_s_gpu"].strip() or number("tok_s_gpu") <= 0:
+            raise CliError(f"{where}: tok_s_gpu = {shown(r['tok_s_gpu'])}; a run with status ok needs its tokens/s "
+                           "per GPU, a number > 0")
+        if r["mem_gb"].strip() and number("mem_gb") < 0:
+            raise CliError(f"{where}: mem_gb = {shown(r['mem_gb'])} must be >= 0 (or empty where not measured)")
     split = (r.get("split") or "").strip()
     if split not in ("", "fit", "held-out"):
         raise CliError(f"{where}: split = {shown(split)}; use 'fit' or 'held-out' (or leave it empty: rows of 1-2 "
                        "nodes are fitted, the rest held out)")
-    nodes = integer("nodes")
-    return Row(cfg, lay, nodes, integer("seq_len"), ok, number("tok_s_gpu") if ok and r["tok_s_gpu"] else 0.0,
+    nodes = positive("nodes")
+    return Row(cfg, lay, nodes, positive("seq_len"), ok, number("tok_s_gpu") if ok and r["tok_s_gpu"] else 0.0,
                number("mem_gb") if ok and r["mem_gb"] else 0.0, framework, (r["model"], nodes),
                features=tuple(f for f in (r.get("features") or "").split("+") if f),
                held_out=None if not split else split == "held-out")
@@ -475,7 +507,7 @@ def row_record(r: Row, p, held_out: bool | None) -> dict:
     nothing was fitted on)."""
     return {"model": r.model.name, "nodes": r.nodes, "layout": r.layout.short(), "seq": r.seq, "held_out": held_out,
             "fits": p.fits, "ran": r.ok, "predicted_tok_s_gpu": round(p.tokens_per_s_per_device, 1),
-            "measured_tok_s_gpu": r.tok_s_gpu, "predicted_memory_gib": round(gib(p.peak_bytes), 1),
+            "measured_tok_s_gpu": r.tok_s_gpu, "predicted_memory_gib": round(gib(p.peak_bytes), 3),
             "measured_memory_gib": r.mem_gib}
 
 
@@ -509,7 +541,8 @@ def run_validate_results(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
         return 0
     profile = args.hardware or "the built-in profile of the device kind"
-    print(f"{path.name}: {len(rows)} runs that finished or ran out of memory, modelled as fivefold with {profile}")
+    engines = " and ".join(sorted({r.framework for r in rows})) or "fivefold"
+    print(f"{path.name}: {len(rows)} runs that finished or ran out of memory, modelled as {engines} with {profile}")
     if other_profiles and not args.hardware:
         print(f"  (the sweep predicted with {', '.join(other_profiles)}: pass that profile as --hardware FILE to "
               "score it)")
@@ -522,8 +555,12 @@ def run_validate_results(args: argparse.Namespace) -> int:
 
 def run_validate(args: argparse.Namespace) -> int:
     if getattr(args, "results", None):
-        if args.data or args.fit:
-            raise CliError("--results reads a sweep's store; it does not combine with --data or --fit")
+        given = [flag for flag, on in (("--data", args.data), ("--fit", args.fit), ("--profile", args.profile),
+                                       ("--out", getattr(args, "out", None)),
+                                       ("--fit-fields", getattr(args, "fit_fields", None))) if on]
+        if given:
+            raise CliError(f"--results reads a sweep's store and predicts its runs with --hardware FILE; it does not "
+                           f"combine with {', '.join(given)} (those fit and score a runs CSV): drop them")
         return run_validate_results(args)
     if not args.data and DEFAULT_DATA is None:
         raise CliError(f"fivefold plan validate needs the runs CSV: give --data FILE (the playbook's benchmark "
@@ -696,11 +733,14 @@ def print_per_row(per_row: list[dict], unit: str = "GPU") -> None:
     width = max(14, len(pred))
     print(f"{'model':14s} {'nodes':>5s} {'layout':38s} {'seq':>7s} {'split':>8s} {pred:>{width}s} "
           f"{'measured':>9s} {'error':>7s} {'GiB pred':>8s} {'measured':>8s}")
+    # small runs (a sweep's on a CPU) in MiB-sized steps: one decimal of a GiB would read 0.0 against 0.1
+    digits = 1 if max((max(r["predicted_memory_gib"], r["measured_memory_gib"]) for r in per_row), default=0) >= 10 \
+        else 3
     for r in per_row:
         err = (f"{100 * signed_step_time_error(r['predicted_tok_s_gpu'], r['measured_tok_s_gpu']):+.0f} %"
                if r["measured_tok_s_gpu"] and r["predicted_tok_s_gpu"] else "-")
         fits = "" if r["fits"] == r["ran"] else (" (predicted OOM)" if r["ran"] else " (predicted to fit)")
         print(f"{r['model']:14s} {r['nodes']:5d} {r['layout']:38s} {r['seq']:7d} "
               f"{_split(r['held_out']):>8s} {r['predicted_tok_s_gpu']:{width},.0f} "
-              f"{r['measured_tok_s_gpu']:9,.0f} {err:>7s} {r['predicted_memory_gib']:8.1f} "
-              f"{r['measured_memory_gib']:8.1f}{fits}")
+              f"{r['measured_tok_s_gpu']:9,.0f} {err:>7s} {r['predicted_memory_gib']:8.{digits}f} "
+              f"{r['measured_memory_gib']:8.{digits}f}{fits}")

@@ -34,6 +34,7 @@ from fivefold.config import (
 )
 from fivefold.data import BatchSampler, TokenDataset, default_cache_dir, ensure_builtin_dataset, val_batches
 from fivefold.data.format import DataError, tokenizer_fingerprint
+from fivefold.data.tokenizer import DEFAULT_VOCAB_SIZE as BUILTIN_VOCAB_SIZE
 from fivefold.device import default_threads, resolve_device
 from fivefold.flops import causal_equivalent, training_flops_per_token
 from fivefold.models.masking import mask_document_targets
@@ -77,15 +78,35 @@ class TrainResult:
 EXIT_NON_FINITE = 3
 
 
+def configured_data(cfg: Config) -> Path | None:
+    """`data.path` checked to be a directory (None: the built-in corpus)."""
+    if not cfg.data.path:
+        return None
+    path = Path(cfg.data.path)
+    if not path.is_dir():
+        raise ConfigError(
+            f"data.path = {shown(cfg.data.path)} is not a directory; prepare one with "
+            "`fivefold data prepare FILES --out DIR`, or leave data.path empty for the built-in corpus"
+        )
+    return path
+
+
+def check_data_vocabulary(cfg: Config) -> None:
+    """Before any process starts: the data directory exists and its vocabulary fits the model's embeddings (the
+    index's vocabulary only; each rank still reads every shard's largest id, `TokenDataset.check_model_vocab`).
+    The built-in corpus's vocabulary is known without preparing it."""
+    path = configured_data(cfg)
+    vocab = TokenDataset(path, "train").vocab_size if path is not None else BUILTIN_VOCAB_SIZE
+    if cfg.model.vocab_size < vocab:
+        where = path if path is not None else "the built-in corpus"
+        raise DataError(f"model.vocab_size {cfg.model.vocab_size} is smaller than the vocabulary of {where} "
+                        f"({vocab} ids); set model.vocab_size >= {vocab}")
+
+
 def resolve_data(cfg: Config, is_first_rank: bool, barrier) -> Path:
     """The prepared dataset directory: the configured one, or the built-in corpus (prepared on first use)."""
-    if cfg.data.path:
-        path = Path(cfg.data.path)
-        if not path.is_dir():
-            raise ConfigError(
-                f"data.path = {shown(cfg.data.path)} is not a directory; prepare one with "
-                "`fivefold data prepare FILES --out DIR`, or leave data.path empty for the built-in corpus"
-            )
+    path = configured_data(cfg)
+    if path is not None:
         return path
     if is_first_rank:  # rank 0 prepares the corpus on first use, the others then find it ready
         ensure_builtin_dataset(default_cache_dir(), val_fraction=cfg.data.val_fraction)
@@ -251,7 +272,9 @@ def evaluate(engine: Engine, batches: list[tuple[torch.Tensor, torch.Tensor]], m
         faults.note(micro_batch=None, action="evaluation")
         rows = inputs.shape[0] // engine.dp_size
         lo = engine.dp_rank * rows
-        total += engine.eval_micro_batches(split_micro_batches(inputs[lo:lo + rows], targets[lo:lo + rows], mbs,
+        # micro-batches of one size (a pipeline's schedule sends one shape): the largest that divides the rows
+        size = max(d for d in range(1, min(mbs, rows) + 1) if rows % d == 0)
+        total += engine.eval_micro_batches(split_micro_batches(inputs[lo:lo + rows], targets[lo:lo + rows], size,
                                                                engine.device)).double()
         tokens += int((targets != -100).sum())  # under document masking, the trained targets only
     engine.model.train()

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from fivefold.config import ModelConfig
+from fivefold.config import ModelConfig, shown
 from fivefold.errors import CliError
 from fivefold.layout import LOSS_CHUNK_TOKENS, TP_LOSS_CHUNK_TOKENS, tensor_parallel_problem
 from fivefold.planner.hardware import COLLECTIVES
@@ -110,7 +110,10 @@ def shapes_for(models: list, seq: int, micro_batches: list[int], tps: list[int])
 def make_plan(args: argparse.Namespace, device_type: str) -> tuple[Plan, list[int]]:
     """The measurement plan and the rank counts to run it with."""
     cpu = device_type == "cpu"
-    names = [m for m in (args.model or ("tiny" if cpu else "llama-3.2-1b")).split(",") if m]
+    names = [m.strip() for m in (args.model or ("tiny" if cpu else "llama-3.2-1b")).split(",")]
+    if "" in names or len(set(names)) < len(names):
+        raise CliError(f"--model {shown(args.model)} has an empty or repeated item; give presets separated by single "
+                       "commas, each once (e.g. --model tiny,llama-3.2-1b)")
     models = [get_preset(n) for n in names]
     seq = args.seq_len or (128 if cpu else 4096)
     if seq < 8:

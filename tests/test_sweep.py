@@ -290,9 +290,10 @@ def test_report_from_the_store(swept, tmp_path):
 
 
 def test_report_of_a_sweep_where_every_run_failed(tmp_path):
-    # a crash (a device type that does not exist), an invalid layout, and a two-process run cut by the timeout
-    no_device = SMALL.replace('"cpu"', '"nosuchdevice"')
-    crash = write_grid(tmp_path, 'name = "fails"\nsteps = 1\nwarmup = 0\n' + no_device + """
+    # a crash (a mask that fivefold bench refuses when it starts: its random tokens hold no documents; a device
+    # this machine lacks is refused before any run), an invalid layout, and a two-process run cut by the timeout
+    no_documents = SMALL.replace('preset = "tiny"', 'preset = "tiny"\nattn_mask = "document"')
+    crash = write_grid(tmp_path, 'name = "fails"\nsteps = 1\nwarmup = 0\n' + no_documents + """
         [layout]
         zero = [0, 1]
         """, "crash.toml")
@@ -302,7 +303,7 @@ def test_report_of_a_sweep_where_every_run_failed(tmp_path):
     assert main(["sweep", str(slow), "--results", str(results), "--timeout", "2", "--runs", str(tmp_path / "r")]) == 0
     rows = {r["status"]: r for r in read_rows(results)}
     assert set(rows) == {"crash", "invalid", "timeout"}
-    assert "nosuchdevice" in rows["crash"]["error"] and "Error" in rows["crash"]["error"]
+    assert "model.attn_mask = 'document'" in rows["crash"]["error"] and "error" in rows["crash"]["error"]
     assert rows["timeout"]["error"] == "timed out after 2 s"
     # the timed-out run's processes are gone: none has its run folder on its command line
     folder = str(tmp_path / "r")
@@ -378,14 +379,16 @@ def test_slurm_mode_writes_one_script_per_run(tmp_path, capsys):
     assert "1 skipped (not whole nodes of 8)" in out and "wrote 1 scripts" in out
     (script,) = jobs.glob("*/job.sh")
     text = script.read_text()
-    assert "#SBATCH --nodes=1" in text and "#SBATCH --gpus-per-node=1" in text and "#SBATCH --time=00:02:00" in text
+    assert "#SBATCH --nodes=1" in text and "--nproc-per-node 1 " in text and "#SBATCH --time=00:02:00" in text
+    assert "--gpus-per-node" not in text  # a CPU grid's job asks for no GPU
     assert "--module fivefold bench" in text and f"--out {script.parent / 'result.json'}" in text
     assert f"#SBATCH --output={script.parent / 'output.log'}" in text and "exit_status" in text
     assert (script.parent / "config.toml").exists() and read_rows(results) == []
     # with 4 GPUs per node the 12-device run spans 3 nodes
     assert main(["sweep", str(grid), "--results", str(results), "--slurm", str(jobs), "--gpus-per-node", "4"]) == 0
     twelve = [p for p in jobs.glob("*/job.sh") if "--nodes=3" in p.read_text()]
-    assert len(twelve) == 1 and "#SBATCH --gpus-per-node=4" in twelve[0].read_text()
+    assert len(twelve) == 1 and "--nproc-per-node 4 " in twelve[0].read_text()
+    assert "--gpus-per-node" not in twelve[0].read_text()
     assert main(["sweep", str(grid), "--results", str(results), "--submit"]) == 2  # --submit needs --slurm
 
 

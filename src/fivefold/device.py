@@ -73,9 +73,23 @@ def autocast(device: torch.device, bf16: bool) -> contextlib.AbstractContextMana
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
 
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the system has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def default_threads(local_processes: int) -> int:
     """CPU intra-op threads per process when train.threads = 0: this process's cores divided by the processes on
     this machine (PyTorch's default of every core per process oversubscribes them; the launcher gives the workers
     as many OpenMP threads)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, local_processes))
+    return max(1, available_cores() // max(1, local_processes))
+
+
+CPU_PROCESSES_PER_CORE = 2  # local CPU processes of one run past which they mostly wait for each other
+CPU_PROCESSES_MIN = 4  # always allowed: `fivefold calibrate`'s ranks on a CPU, a sweep's dp4 on a 2-core laptop
+
+
+def max_cpu_processes() -> int:
+    """The most local CPU processes one run sensibly starts here: CPU_PROCESSES_PER_CORE per core (each has one
+    intra-op thread from `default_threads` once they outnumber the cores), at least CPU_PROCESSES_MIN."""
+    return max(CPU_PROCESSES_MIN, CPU_PROCESSES_PER_CORE * available_cores())

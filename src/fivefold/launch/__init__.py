@@ -160,11 +160,13 @@ _SBATCH_SAFE = re.compile(r"[A-Za-z0-9._:/%+=@-]+")
 def write_slurm_script(path: str | Path, argv: list[str], nodes: int, gpus_per_node: int,
                        job_name: str = "fivefold", time_limit: str = "01:00:00", port: int = 29500,
                        verb: str = "train", output: str = "%x-%j.out", on_exit: str = "",
-                       partition: str | None = None, account: str | None = None, setup: str | None = None) -> Path:
+                       partition: str | None = None, account: str | None = None, setup: str | None = None,
+                       gpus: bool = True) -> Path:
     """Write a SLURM batch script that runs `fivefold VERB ARGV` on `nodes` x `gpus_per_node` processes: one
     `torchrun` per node (started by `srun`), meeting at the first node through the c10d rendezvous. `on_exit`
     is a shell command run when the script ends, whatever its exit status (`$status` holds it); `setup` a shell
-    file sourced first (modules, environment, NCCL settings).
+    file sourced first (modules, environment, NCCL settings). `gpus`: the job asks for `gpus_per_node` GPUs per
+    node (`#SBATCH --gpus-per-node`); a CPU job (false) asks for none and runs as many processes per node.
 
     SLURM sends SIGTERM to the script 120 s before the time limit (`--signal=B:TERM@120`); the script forwards it
     to `srun`, which passes it to each `torchrun`, which passes it to its ranks: they finish their step, write a
@@ -183,12 +185,12 @@ def write_slurm_script(path: str | Path, argv: list[str], nodes: int, gpus_per_n
     options = "".join(f"#SBATCH --{k}={v}\n" for k, v in (("partition", partition), ("account", account)) if v)
     # sourced before `set -u`: set-up files often read unset variables; srun passes the environment to the nodes
     source = f"source {shlex.quote(setup)}\n" if setup else ""
+    gpu_line = f"#SBATCH --gpus-per-node={int(gpus_per_node)}\n" if gpus else ""
     text = f"""#!/bin/bash
 #SBATCH --job-name={job_name}
 #SBATCH --nodes={int(nodes)}
 #SBATCH --ntasks-per-node=1
-#SBATCH --gpus-per-node={int(gpus_per_node)}
-#SBATCH --exclusive
+{gpu_line}#SBATCH --exclusive
 #SBATCH --time={time_limit}
 #SBATCH --output={output}
 #SBATCH --signal=B:TERM@120

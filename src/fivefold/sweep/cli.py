@@ -14,10 +14,21 @@ from fivefold.config import ConfigError, check_writable_dir, finite_float, int_i
 from fivefold.errors import CliError
 from fivefold.outputs import check_target
 from fivefold.sweep.grid import PlannedRun, config_json, expand, load_grid
-from fivefold.sweep.runner import KeyLock, Outcome, hostname, run_local, slurm_outcome, slurm_shape, submit, write_job
+from fivefold.sweep.runner import (
+    KeyLock,
+    Outcome,
+    check_local,
+    hostname,
+    run_local,
+    slurm_outcome,
+    slurm_shape,
+    submit,
+    write_job,
+)
 from fivefold.sweep.store import STATUSES, Store, StoreError
 
 RETRYABLE = ("oom", "crash", "timeout")
+GPUS_PER_NODE = 8  # --gpus-per-node by default
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", help="folder of the runs' configs and logs (default: RESULTS without its suffix, "
                                   "plus -runs)")
     p.add_argument("--nproc-max", type=int_in(0, 4096, "local processes"), default=0,
-                   help="skip runs that need more local processes than this (default: no limit)")
+                   help="skip runs that need more local processes than this (default: none skipped, and a grid "
+                        "with CPU runs of more than 2 processes per core, at least 4, is refused)")
     p.add_argument("--timeout", type=finite_float, help="seconds per run (default: the grid's timeout, else 600)")
     p.add_argument("--hardware", help="hardware profile for the planner's predictions (TOML, as for `fivefold "
                                       "plan --hardware`; default: the built-in profile of the device kind)")
@@ -38,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                   "again to record the jobs that ended")
     p.add_argument("--submit", action="store_true", help="with --slurm: submit the written scripts with sbatch")
     p.add_argument("--gpus-per-node", type=int_in(1, 1024, "devices of one node"),
-                   default=8, help="with --slurm: devices per node")
+                   help=f"with --slurm: devices per node (default {GPUS_PER_NODE})")
 
 
 class Progress:
@@ -145,6 +157,9 @@ def run(args: argparse.Namespace) -> int:
     from fivefold.device import resolve_device
     from fivefold.planner.predict import load_hardware, on_one_node
 
+    if args.gpus_per_node is not None and not args.slurm:
+        raise CliError(f"--gpus-per-node {args.gpus_per_node} describes the nodes of a SLURM cluster and needs "
+                       "--slurm DIR; local runs use this machine's devices (limit their processes with --nproc-max)")
     grid = load_grid(args.grid)
     timeout = args.timeout if args.timeout is not None else grid.timeout
     if timeout <= 0:
@@ -155,10 +170,16 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--retry {shown(s)} is not one of {', '.join(RETRYABLE)}")
     if args.submit and not args.slurm:
         raise CliError("--submit needs --slurm DIR")
+    if args.gpus_per_node is None:
+        args.gpus_per_node = GPUS_PER_NODE
     if args.nproc_max < 0 or args.gpus_per_node < 1:
         raise ConfigError(f"--nproc-max = {args.nproc_max} must be >= 0 and --gpus-per-node = "
                           f"{args.gpus_per_node} >= 1")
     plans, dropped = expand(grid)
+    if not args.slurm:  # the devices and processes the local runs need, before anything runs (a job runs elsewhere)
+        check_local(plans, args.nproc_max)
+    for note in grid.notes:
+        print(f"fivefold sweep: note: {note}", file=sys.stderr)
     results = check_target(args.results, "--results", "results.db")  # a new store, or one to resume
     for flag, folder in (("--slurm", args.slurm), ("--runs", args.runs)):  # the runs' folder, made and writable
         if folder is not None:

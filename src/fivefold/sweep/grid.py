@@ -21,24 +21,37 @@
     devices = [2]
     layout = { recompute = ["none", "selective", "full"] }
 
-`expand` builds every combination's full `Config`, validates it with the config's and the layout validator's
-rules (an invalid one keeps the validator's message), and gives each a stable key: a hash of the normalised
-config and the measurement protocol (steps, warm-up).
+`load_grid` checks what `expand` computes with before any combination is built: the counts of the layout and
+the batch (`COUNTS`: integers in their range), no value twice in one axis, and the fields that a run does not use
+(`UNUSED`: refused where they vary, a note where they are fixed). `expand` builds every combination's full
+`Config`, validates it with the config's and the layout validator's rules (an invalid one keeps the validator's
+message), and gives each a stable key: a hash of the normalised config and the measurement protocol (steps,
+warm-up), and a label that holds every field the grid varies.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import itertools
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fivefold.config import MAX_TIMED_STEPS, Config, ConfigError, build_config, load_file, shown
+from fivefold.config import (
+    MAX_TIMED_STEPS,
+    Config,
+    ConfigError,
+    DataConfig,
+    LogConfig,
+    build_config,
+    load_file,
+    shown,
+)
 from fivefold.layout import check_layout
 
 SECTIONS = ("model", "layout", "train", "data", "log")
@@ -47,6 +60,31 @@ TOP_KEYS = {"name": str, "steps": int, "warmup": int, "timeout": (int, float), "
 _KEYLESS = {"run_dir": None, "log": None, "data": None,
             "train": ("max_steps", "warmup_steps", "eval_every", "eval_batches", "checkpoint_every",
                       "keep_checkpoints")}
+_PARALLEL = "ranks of a parallel dimension"
+# the grid's integer fields that `expand` computes with (the device count, dp, the micro-batch and accumulation):
+# (lowest value, what the field counts), checked on the grid's own values before any combination is built
+COUNTS: dict[str, tuple[int, str]] = {
+    **{f"layout.{name}": (1, _PARALLEL) for name in ("dp", "tp", "pp", "cp", "ep", "etp", "vpp")},
+    "layout.micro_batch_size": (0, "sequences per micro-batch per rank; 0 = the whole per-rank batch"),
+    "train.global_batch_size": (1, "sequences per step"),
+    "train.seq_len": (1, "tokens per sequence"),
+}
+_NO_LOG = "a sweep's run (fivefold bench) writes no training log, progress, profile or tracker run"
+# fields of a config that a sweep's run (`fivefold bench` for warmup + steps steps on random tokens) does not use,
+# and why: refused where the grid varies them (the runs would differ in nothing measured), a note where fixed
+UNUSED: dict[str, str] = {
+    "train.max_steps": "a sweep's run takes the grid's warmup + steps steps (its top-level steps and warmup)",
+    "train.warmup_steps": "a sweep's run times a few steps at the constant learning rate, without a warm-up",
+    "train.eval_every": "a sweep's run does not evaluate",
+    "train.eval_batches": "a sweep's run does not evaluate",
+    "train.checkpoint_every": "a sweep's run writes no checkpoint",
+    "train.keep_checkpoints": "a sweep's run writes no checkpoint",
+    **{f"data.{f.name}": "a sweep's run (fivefold bench) trains on random tokens, not on a data set"
+       for f in dataclasses.fields(DataConfig)},
+    **{f"log.{f.name}": _NO_LOG for f in dataclasses.fields(LogConfig) if f.name != "peak_tflops"},
+}
+# fields a run uses that its key leaves out: a fixed value is fine, varying it gives runs that measure the same
+_SAME_RUN = {"log.peak_tflops": "it only sets the peak that the MFU is computed against, the run measured is the same"}
 
 
 @dataclass
@@ -56,6 +94,7 @@ class Grid:
     warmup: int
     timeout: float
     products: list[dict[str, Any]]  # each: {"devices": [..] or None, "model": {...}, "layout": {...}, ...}
+    notes: list[str] = field(default_factory=list)  # one line per field of the grid that the runs do not use
 
 
 @dataclass
@@ -71,11 +110,19 @@ class PlannedRun:
 
     @property
     def micro_batch_size(self) -> int:
-        return self.cfg.micro_batch_size
+        return batch_shape(self.cfg)[0]
 
     @property
     def grad_accum_steps(self) -> int:
-        return self.cfg.grad_accum_steps
+        return batch_shape(self.cfg)[1]
+
+
+def batch_shape(cfg: Config) -> tuple[int, int]:
+    """(micro-batch size, accumulation steps) of `cfg`, as `Config` computes them, but 0 instead of a division by
+    zero where the global batch is smaller than dp (an invalid run, whose label and row still show it)."""
+    mbs = cfg.layout.micro_batch_size or cfg.train.global_batch_size // cfg.layout.dp
+    per_step = cfg.layout.dp * mbs
+    return mbs, cfg.train.global_batch_size // per_step if per_step > 0 else 0
 
 
 def load_grid(path: str | Path) -> Grid:
@@ -123,8 +170,14 @@ def load_grid(path: str | Path) -> Grid:
             values = devices if isinstance(devices, list) else [devices]
             if not values or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in values):
                 raise ConfigError(f"grid devices = {shown(devices)} must be a positive integer or a list of them")
+            if isinstance(devices, list) and len(set(devices)) < len(devices):
+                raise ConfigError(f"grid devices = {shown(devices)} lists a value more than once; give each device "
+                                  "count once (a repeated value is the same run again)")
     check_grid_size(products, timeout)
-    return Grid(name, steps, warmup, timeout, products)
+    for product in products:
+        check_counts(product)
+        check_repeats(product)
+    return Grid(name, steps, warmup, timeout, products, unused_fields(products))
 
 
 MAX_GRID_POINTS = 10_000  # combinations of one sweep: at a minute each, a week of runs
@@ -142,6 +195,77 @@ def check_grid_size(products: list[dict], timeout: float) -> None:
         raise ConfigError(f"the grid has {points:,} combinations of its axes; a sweep runs at most "
                           f"{MAX_GRID_POINTS:,} (up to {points * timeout / 3600:,.0f} hours at its timeout of "
                           f"{timeout:g} s each); split it into smaller grids or give fewer values per axis")
+
+
+def _values(value: Any) -> list:
+    return value if isinstance(value, list) else [value]
+
+
+def check_counts(product: dict) -> None:
+    """Each value the grid gives a field of `COUNTS` (the counts `expand` divides and multiplies by) is an integer
+    of at least its lowest value: one line naming the field, the value and the rule if not."""
+    for dotted, (low, what) in COUNTS.items():
+        section, name = dotted.split(".")
+        value = (product.get(section) or {}).get(name)
+        if value is None:
+            continue
+        for v in _values(value):
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                within = f" (in {dotted} = {shown(value)})" if isinstance(value, list) else ""
+                raise ConfigError(f"grid {dotted} = {shown(v)}{within} must be an integer >= {low} ({what})")
+
+
+def check_repeats(product: dict) -> None:
+    """No axis is empty or lists one value twice (the same combination again would be the same run, silently
+    dropped)."""
+    for section in SECTIONS:
+        for name, value in (product.get(section) or {}).items():
+            if not isinstance(value, list):
+                continue
+            if not value:
+                raise ConfigError(f"grid {section}.{name} = [] is empty; give at least one value")
+            for i, v in enumerate(value):
+                if v in value[:i]:
+                    raise ConfigError(f"grid {section}.{name} = {shown(value)} lists {shown(v)} more than once; give "
+                                      "each value of an axis once (a repeated value is the same run again)")
+
+
+def _identity(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def varying_fields(products: list[dict]) -> list[str]:
+    """The dotted fields (in file order) that take more than one value over the whole grid: an axis of two values
+    or more, or a field whose value differs between `[[grid]]` tables (or that some of them set and others not)."""
+    values: dict[str, set[str]] = {}
+    present: dict[str, int] = {}
+    for product in products:
+        for section in SECTIONS:
+            for name, value in (product.get(section) or {}).items():
+                key = f"{section}.{name}"
+                values.setdefault(key, set()).update(_identity(v) for v in _values(value))
+                present[key] = present.get(key, 0) + 1
+    return [k for k, seen in values.items() if len(seen) > 1 or present[k] < len(products)]
+
+
+def unused_fields(products: list[dict]) -> list[str]:
+    """Refuse a field of `UNUSED` or `_SAME_RUN` that the grid varies (one line naming it, its values and why);
+    return one note for each field of `UNUSED` that the grid sets to one value."""
+    varying = set(varying_fields(products))
+    notes: dict[str, str] = {}
+    for product in products:
+        for section in SECTIONS:
+            for name, value in (product.get(section) or {}).items():
+                key = f"{section}.{name}"
+                why = UNUSED.get(key) or _SAME_RUN.get(key)
+                if why is None:
+                    continue
+                if key in varying:
+                    raise ConfigError(f"grid {key} = {shown(value)} varies, but {why}: the runs would differ in "
+                                      f"nothing they measure; give {key} one value or leave it out")
+                if key in UNUSED:
+                    notes.setdefault(key, f"grid {key} = {shown(value)} is ignored: {why}")
+    return list(notes.values())
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -182,14 +306,32 @@ def run_key(cfg: Config, steps: int, warmup: int) -> str:
 def layout_label(cfg: Config) -> str:
     """A short name of the layout, e.g. `dp2 tp2+sp z1 mbs4 ga2 rc:full`."""
     la = cfg.layout
+    mbs, ga = batch_shape(cfg)
     s = f"dp{la.dp} tp{la.tp}{'+sp' if la.sp else ''}"
     for name in ("pp", "cp", "ep"):
         if getattr(la, name) > 1:
             s += f" {name}{getattr(la, name)}"
-    s += f" z{la.zero} mbs{cfg.micro_batch_size} ga{cfg.grad_accum_steps} rc:{la.recompute}"
+    s += f" z{la.zero} mbs{mbs} ga{ga} rc:{la.recompute}"
     if la.pp > 1:
         s += f" {la.schedule}" + (f" v{la.vpp}" if la.vpp > 1 else "")
     return s
+
+
+# the fields that `layout_label` always shows a change of (pp, cp and ep show every value but 1; the global batch
+# is dp x micro-batch x accumulation); schedule and vpp it shows where pp > 1
+_IN_LAYOUT_LABEL = {f"layout.{n}" for n in ("dp", "tp", "pp", "cp", "ep", "zero", "micro_batch_size", "recompute",
+                                            "sp")} | {"train.global_batch_size"}
+
+
+def _shown_by_layout(key: str, cfg: Config) -> bool:
+    return key in _IN_LAYOUT_LABEL or (key in ("layout.schedule", "layout.vpp") and cfg.layout.pp > 1)
+
+
+def _value(cfg: Config, key: str, overrides: dict[str, Any]) -> Any:
+    section, name = key.split(".", 1)
+    if key == "model.preset":  # not a field of the model: the grid's value
+        return overrides.get(key, "-")
+    return getattr(getattr(cfg, section), name)
 
 
 def expand(grid: Grid) -> tuple[list[PlannedRun], dict[str, int]]:
@@ -197,11 +339,15 @@ def expand(grid: Grid) -> tuple[list[PlannedRun], dict[str, int]]:
     because their layout does not fill a device count, by reason."""
     runs: dict[str, PlannedRun] = {}
     dropped: dict[str, int] = {}
+    varying = varying_fields(grid.products)
+    # the model's name shows the preset unless the grid names the model itself
+    named = any("name" in (p.get("model") or {}) for p in grid.products)
+    model_fields = [k for k in varying if k.startswith("model.") and (k != "model.preset" or named)]
+    other_fields = [k for k in varying if not k.startswith("model.")]
     for product in grid.products:
         axes = _axes(product)
         devices = product.get("devices")
         device_list = devices if isinstance(devices, list) else [devices]
-        varying = [k for k, v in axes if len(v) > 1 and k.startswith("model.") and k != "model.preset"]
         for n in device_list:
             for values in itertools.product(*(v for _, v in axes)):
                 overrides = dict(zip((k for k, _ in axes), values, strict=True))
@@ -229,9 +375,13 @@ def expand(grid: Grid) -> tuple[list[PlannedRun], dict[str, int]]:
                     check_layout(cfg, cfg.layout.world_size)
                 except ConfigError as e:
                     invalid = str(e)
-                model = cfg.model.name + "".join(f" {k.split('.', 1)[1]}={overrides[k]}" for k in varying)
+                model = cfg.model.name + "".join(f" {k.split('.', 1)[1]}={_value(cfg, k, overrides)}"
+                                                 for k in model_fields)
                 key = run_key(cfg, grid.steps, grid.warmup)
-                label = f"{model} | {layout_label(cfg)}"
+                # every other field the grid varies that the layout's name does not show, e.g. `seq_len=64`
+                extra = "".join(f" {k.split('.', 1)[1]}={_value(cfg, k, overrides)}" for k in other_fields
+                                if not _shown_by_layout(k, cfg))
+                label = f"{model} | {layout_label(cfg)}{extra}"
                 runs.setdefault(key, PlannedRun(cfg, key, label, model, cfg.layout.world_size, invalid))
     return list(runs.values()), dropped
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import fivefold
-from fivefold.config import dump_toml
+from fivefold.config import ConfigError, check_device_name, dump_toml
 from fivefold.faults import descendants, preexec_die_with_parent, try_flock
 from fivefold.launch import write_slurm_script
 from fivefold.sweep.grid import PlannedRun, config_json
@@ -170,6 +170,40 @@ def outcome_of(folder: Path, returncode: int | None, timed_out: bool, timeout: f
     return Outcome(status, None, message[:500], tail, wall, started, finished)
 
 
+def check_local(plans: list[PlannedRun], nproc_max: int) -> None:
+    """What the runs that a local sweep would start need of this machine, checked before any of them starts: each
+    grid's `train.device` present here (`present_device`, the check of `fivefold train` and `fivefold calibrate
+    --device`), and, without `--nproc-max`, no CPU run on more processes than `max_cpu_processes` (with it, the
+    runs above it are skipped instead). Invalid runs are never started and not checked."""
+    from fivefold.device import (
+        CPU_PROCESSES_MIN,
+        CPU_PROCESSES_PER_CORE,
+        available_cores,
+        max_cpu_processes,
+        present_device,
+    )
+
+    valid = [p for p in plans if p.invalid is None]
+    kinds: dict[str, str] = {}
+    for name in dict.fromkeys(p.cfg.train.device for p in valid):
+        check_device_name(name, "grid train.device")  # a name PyTorch does not know is no device anywhere
+        try:
+            kinds[name] = present_device(name, "grid train.device").type
+        except ConfigError as e:
+            raise ConfigError(f"{e}; or write the runs as SLURM jobs for a cluster that has it (--slurm DIR)") from None
+    if nproc_max:
+        return
+    bound = max_cpu_processes()
+    over = [p for p in valid if kinds[p.cfg.train.device] == "cpu" and p.n_devices > bound]
+    if over:
+        big = max(over, key=lambda p: p.n_devices)
+        raise ConfigError(f"{len(over)} run(s) of the grid need more local CPU processes than this machine's "
+                          f"{available_cores()} cores sensibly run (at most {bound}: {CPU_PROCESSES_PER_CORE} per "
+                          f"core, at least {CPU_PROCESSES_MIN}), e.g. {big.label} on {big.n_devices}; give fewer "
+                          f"devices, or --nproc-max N to skip the runs above N processes (--nproc-max "
+                          f"{big.n_devices} runs them all)")
+
+
 # ---------------------------------------------------------------------------------------------
 # SLURM
 
@@ -194,7 +228,13 @@ def write_job(plan: PlannedRun, runs: Path, steps: int, warmup: int, timeout: fl
         folder / "job.sh", bench_argv(plan, folder, steps, warmup), nodes, per_node,
         job_name=re.sub(r"[^A-Za-z0-9._-]", "_", f"{sweep}-{plan.key[:8]}"),
         time_limit=f"{minutes // 60:02d}:{minutes % 60:02d}:00", port=port, verb="bench",
-        output=str(folder / "output.log"), on_exit=f"echo $status > {shlex.quote(str(folder / 'exit_status'))}")
+        output=str(folder / "output.log"), on_exit=f"echo $status > {shlex.quote(str(folder / 'exit_status'))}",
+        gpus=not is_cpu_device(plan.cfg.train.device))
+
+
+def is_cpu_device(name: str) -> bool:
+    """Whether `train.device` names the CPU itself (`auto` is the accelerator of the node the job lands on)."""
+    return name.split(":", 1)[0] == "cpu"
 
 
 def submit(job: Path) -> str:

@@ -35,12 +35,16 @@ def test_a_previous_releases_store_reads_under_both_names(tmp_path):
     old_columns = {("grad_accum" if k == "grad_accum_steps" else k): v for k, v in COLUMNS.items()}
     db = sqlite3.connect(path)
     db.execute(f"CREATE TABLE runs ({', '.join(f'{k} {v}' for k, v in old_columns.items())})")
-    db.execute("INSERT INTO runs (key, status, config, grad_accum) VALUES ('a', 'ok', '{}', 4)")
+    # what a finished run's row holds besides its layout (the store refuses an ok row without its measurements)
+    finished = {"status": "ok", "config": "{}", "model": "tiny", "label": "tiny | dp1", "n_devices": 1,
+                "step_time_s": 1.0, "tokens_per_s": 8.0, "tokens_per_s_per_device": 8.0, "peak_memory_bytes": 1}
+    old = {"key": "a", **finished, "grad_accum": 4}
+    db.execute(f"INSERT INTO runs ({', '.join(old)}) VALUES ({', '.join('?' for _ in old)})", list(old.values()))
     db.execute("PRAGMA user_version = 1")
     db.commit()
     db.close()
     with Store(path) as store:
-        store.record({"key": "b", "status": "ok", "config": {}, "grad_accum_steps": 2})
+        store.record({"key": "b", **finished, "grad_accum_steps": 2})
     rows = {r["key"]: r for r in read_rows(path)}
     assert (rows["a"]["grad_accum_steps"], rows["b"]["grad_accum_steps"]) == (4, 2)
     assert "grad_accum" not in rows["a"] and "grad_accum" not in rows["b"]  # one name per concept

@@ -221,8 +221,9 @@ store = Store(path)
 for i in range(40):
     key = f"k{i:03d}" if i % 2 else f"{me}-{i:03d}"  # odd keys are written by both writers
     payload = {"writer": me, "i": i, "pad": "x" * random.randint(0, 5000)}
-    store.record({"key": key, "status": "ok", "label": me, "model": me, "error": me, "n_devices": i,
-                  "config": payload}, replace_statuses=("ok",))
+    # a failed run's row (a finished one needs its measurements to be read back)
+    store.record({"key": key, "status": "crash", "label": me, "model": me, "error": me, "n_devices": i,
+                  "config": payload}, replace_statuses=("crash",))
     time.sleep(random.random() * 0.01)
 """
 

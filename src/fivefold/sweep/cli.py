@@ -176,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nproc-max = {args.nproc_max} must be >= 0 and --gpus-per-node = "
                           f"{args.gpus_per_node} >= 1")
     plans, dropped = expand(grid)
+    if all(p.invalid is not None for p in plans):  # nothing can run: say why, before any file is made
+        raise CliError(f"{shown(args.grid)}: none of the grid's combinations can run: {_why_none(plans, dropped)}")
     if not args.slurm:  # the devices and processes the local runs need, before anything runs (a job runs elsewhere)
         check_local(plans, args.nproc_max)
     for note in grid.notes:
@@ -193,12 +195,15 @@ def run(args: argparse.Namespace) -> int:
     hardware = load_hardware(args.hardware, resolve_device("auto").type if not slurm else "accelerator")
     if slurm:
         hardware = dataclasses.replace(hardware, gpus_per_node=args.gpus_per_node)
-    elif plans:  # local runs share this one node
+    else:  # local runs share this one node
         hardware = on_one_node(hardware, max(p.n_devices for p in plans))
-    if args.dry_run and not results.exists():
-        results = Path(":memory:")  # list the plan without creating the store
     try:
-        store = Store(results)
+        if not args.dry_run:
+            store = Store(results)
+        elif results.exists():
+            store = Store(results, read_only=True)  # list the plan; the store is left as it is
+        else:
+            store = Store(":memory:")  # list the plan without creating the store
     except (StoreError, OSError) as e:
         raise CliError(str(e)) from None
     with store:
@@ -206,6 +211,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 _REPLACEABLE = ("invalid", "interrupted")  # statuses a sweep always runs again
+
+
+def _why_none(plans: list[PlannedRun], dropped: dict[str, int]) -> str:
+    """Why a grid has no run that can run: its dropped combinations and invalid layouts, counted by reason."""
+    reasons = dict(dropped)
+    for plan in plans:
+        reasons[plan.invalid or ""] = reasons.get(plan.invalid or "", 0) + 1
+    return "; ".join(f"{reason} ({n} combination{'s' * (n != 1)})"
+                     for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]))
 
 
 def _interrupted() -> Outcome:
@@ -241,8 +255,9 @@ def _sweep(args, grid, plans: list[PlannedRun], dropped: dict[str, int], store: 
     why = f"not whole nodes of {args.gpus_per_node}" if slurm else f"more than --nproc-max {args.nproc_max}"
     print(f"fivefold sweep {grid.name}: {len(plans)} runs in the grid; {done} already in {args.results}, "
           f"{len(invalid)} invalid, " + (f"{len(too_big)} skipped ({why}), " if too_big else "") +
-          f"{len(todo)} to run" + (f" ({sum(dropped.values())} combinations do not fill a device count)"
-                                   if dropped else ""), file=out)
+          f"{len(todo)} to run" + (f"; {sum(dropped.values())} combinations dropped" if dropped else ""), file=out)
+    for reason, n in sorted(dropped.items(), key=lambda kv: -kv[1]):
+        print(f"  dropped ({n} combination{'s' * (n != 1)}): {reason}", file=out)
     for plan in too_big:
         print(f"  skipped: {plan.label} needs {plan.n_devices} processes", file=out)
     by_reason: dict[str, list[PlannedRun]] = {}

@@ -42,6 +42,12 @@ SHORT = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "micro_batch_size": "mi
 STATUS_COLORS = {"ok": "#2a9d4b", "oom": "#d1495b", "crash": "#8c2f39", "timeout": "#edae49", "invalid": "#7d7d7d",
                  "interrupted": "#5b8cc0"}
 MIB = 2**20
+# why a run's forward / backward / optimizer times need not add up to its step time (fivefold.tools.bench)
+SPLIT_NOTE = ("The forward / backward / optimizer split is timed on up to three extra steps after the timed ones "
+              "(their mean), phase by phase with a synchronisation at each phase boundary, not on the steps whose "
+              "median is the step time: the synchronisations expose launch and communication time that a plain "
+              "step overlaps, so the three parts need not add up to the step time; compare their shares, not their "
+              "sum.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -183,7 +189,8 @@ def plot_axis(plt, ok: list[dict], axis: str, path: Path) -> None:
     series = _series(ok)
     fig, ax = plt.subplots(figsize=(7.5, 4.4))
     width = 0.3
-    for k, ((model, n), runs) in enumerate(series.items()):
+    for k, ((model, n), all_runs) in enumerate(series.items()):
+        runs = [r for r in all_runs if r.get(axis) in values]
         offset = (k - (len(series) - 1) / 2) * width / max(len(series), 1)
         xs = [values.index(r[axis]) + offset for r in runs]
         ys = [r["tokens_per_s_per_device"] for r in runs]
@@ -381,24 +388,28 @@ def write_page(out: Path, source: str, rows: list[dict], figures: list[tuple[str
     if ok:
         parts.append("<h2>Finished runs</h2>")
         head = ["run", "key", "devices", "step time (s)", "predicted (s)", "error", "tokens/s per device", "MFU",
-                "forward / backward / optimizer (ms)", "peak memory per rank (MiB)", "predicted (MiB)"]
+                "forward / backward / optimizer (ms)*", "peak memory per rank (MiB)", "predicted (MiB)"]
         body = []
         for r in _sorted_ok(ok):
             pred = r.get("predicted_step_time_s")
-            split = ("n/a" if r.get("forward_s") is None else
-                     " / ".join(f"{1e3 * r[k]:.1f}" for k in ("forward_s", "backward_s", "optimizer_s")))
+            split = "n/a"
+            if r.get("forward_s") is not None:
+                phases = [r[k] for k in ("forward_s", "backward_s", "optimizer_s")]
+                split = (" / ".join(f"{1e3 * x:.1f}" for x in phases) +
+                         f" (sum {100 * sum(phases) / r['step_time_s']:.0f} % of the step)")
             ranks = ", ".join(_mem(x) for x in (r.get("peak_memory_per_rank") or []))
             body.append([e(r["label"]), f"<code>{e(r['key'])}</code>", e(r["n_devices"]), f"{r['step_time_s']:.4f}",
                          _num(pred, "{:.4f}"), _pct(pred / r["step_time_s"] - 1) if pred else "n/a",
                          f"{r['tokens_per_s_per_device']:,.0f}", _pct(r.get("mfu")), split, ranks,
                          _mem(r.get("predicted_peak_memory_bytes"))])
         parts.append(_table(head, body, left=2))
+        parts.append(f"<p><i>* {e(SPLIT_NOTE)}</i></p>")
     parts.append("<h2 id='failures'>Failed runs</h2>")
     if not failed:
         parts.append("<p>None.</p>")
     else:
         body = []
-        for r in sorted(failed, key=lambda r: (r["status"], r["label"])):
+        for r in sorted(failed, key=lambda r: (r["status"], r.get("label") or "")):
             tail = f"<pre>{e(r['error_tail'])}</pre>" if r.get("error_tail") else ""
             body.append([e(r["label"]), f"<span class='bad'>{e(r['status'])}</span>", e(r["n_devices"]),
                          f"{e(r.get('error') or '')}{tail}"])
@@ -422,17 +433,23 @@ def make_report(results: str | Path, out: str | Path) -> dict:
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise CliError(f"--out {shown(str(out))} is a file, not a folder; give a folder for the report")
-    # a folder that holds an earlier report of ours is rewritten; in any other, a file of the names written here
-    # is kept as NAME.bak (nothing of the user's is lost)
-    kept = out.is_dir() and not _holds_a_report(out)
+    # a folder that holds an earlier report of ours is rewritten, and that report's plots that this one does not
+    # draw are moved aside; in any other folder, a file of the names written here is moved aside. Moved aside:
+    # kept as NAME.bak (NAME.bak2, ...), one line said for each, so nothing is lost
+    earlier = _earlier_report(out) if out.is_dir() else None
     out.mkdir(parents=True, exist_ok=True)
     ok = [r for r in rows if r["status"] == "ok"]
     figures: list[tuple[str, str]] = []
     notes: list[str] = []
 
+    def set_aside(path: Path, whose: str) -> None:
+        backup = keep_previous(path)
+        if backup is not None:
+            print(f"fivefold report: moved {whose} {path} aside to {backup.name}")
+
     def target(name: str) -> Path:
-        if kept:
-            keep_previous(out / name)
+        if earlier is None:
+            set_aside(out / name, "the existing file")
         return out / name
 
     def add(name: str, caption: str, draw, *args) -> None:
@@ -452,7 +469,8 @@ def make_report(results: str | Path, out: str | Path) -> dict:
                 notes.append(f"No throughput plot against {what}: every finished run has {axis} = {values[0]}.")
         add("memory.png", "Peak memory per device, measured and predicted", plot_memory, ok)
         if any(r.get("forward_s") is not None for r in ok):
-            add("step_breakdown.png", "Step time by phase (forward, backward, optimizer)", plot_breakdown, ok)
+            add("step_breakdown.png", "Step time by phase (forward, backward, optimizer; timed on separate steps, "
+                "phase by phase, so the bars need not add up to the step time)", plot_breakdown, ok)
         add("predicted_vs_measured.png", "The planner's step time and peak memory against the measured ones",
             plot_predicted, ok, acc)
         sources = sorted({r["memory_source"] for r in ok if r.get("memory_source")})
@@ -470,16 +488,24 @@ def make_report(results: str | Path, out: str | Path) -> dict:
                "failed": [{"key": r["key"], "label": r["label"], "status": r["status"], "error": r.get("error")}
                           for r in rows if r["status"] != "ok"]}
     target("summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    for name in sorted((earlier or set()) - set(summary["figures"])):
+        set_aside(out / name, "the earlier report's plot")
     return summary
 
 
-def _holds_a_report(folder: Path) -> bool:
-    """Whether `folder` holds a report that `make_report` wrote (its summary.json names the page and the runs)."""
+def _earlier_report(folder: Path) -> set[str] | None:
+    """The plots of the report that `make_report` wrote into `folder` (its summary.json names the page, the runs
+    and the plots): those of them that are files there, by name; None when the folder holds no such report."""
     try:
         summary = json.loads((folder / "summary.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(summary, dict) and {"runs", "page", "figures"} <= set(summary)
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(summary, dict) or not {"runs", "page", "figures"} <= set(summary):
+        return None
+    figures = summary["figures"] if isinstance(summary["figures"], list) else []
+    # plain names of PNG files only: a summary.json edited to name other files moves nothing else aside
+    return {name for name in figures if isinstance(name, str) and name.endswith(".png") and Path(name).name == name
+            and (folder / name).is_file()}
 
 
 def run(args: argparse.Namespace) -> int:

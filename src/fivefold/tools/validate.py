@@ -33,7 +33,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from fivefold.config import ModelConfig, config_from_dict, shown
+from fivefold.config import ConfigError, ModelConfig, config_from_dict, one_line, shown
 from fivefold.errors import CliError
 from fivefold.layout import SCHEDULES
 from fivefold.outputs import check_target, keep_previous
@@ -234,7 +234,11 @@ def read_results(path: Path, hardware_file: str | None) -> tuple[list[Row], list
     other: set[str] = set()
     rows = []
     for r in stored:
-        cfg = config_from_dict(r["config"])
+        where = f"--results {path}: run {one_line(str(r['key']))}"
+        try:
+            cfg = config_from_dict(r["config"])
+        except ConfigError as e:
+            raise CliError(f"{where}: config: {e}") from None
         device_type = "cpu" if (r.get("device") or cfg.train.device).split(":")[0] == "cpu" else "accelerator"
         if device_type not in profiles:
             profiles[device_type] = load_hardware(hardware_file, device_type)
@@ -246,12 +250,15 @@ def read_results(path: Path, hardware_file: str | None) -> tuple[list[Row], list
         if (r.get("nodes") or 1) == 1:  # a local run: every process on one node
             hw = on_one_node(hw, r["n_devices"])
         ok = r["status"] == "ok"
-        framework = "fivefold-cpu" if compute_dtype(cfg, device_type) == "fp32" else "fivefold"
+        try:
+            framework = "fivefold-cpu" if compute_dtype(cfg, device_type) == "fp32" else "fivefold"
+            estimate = estimate_run(cfg, hw, device_type)
+        except (ConfigError, ValueError, ZeroDivisionError) as e:  # a config the planner cannot model
+            raise CliError(f"{where}: config: the planner cannot model it ({e})") from None
         rows.append(Row(cfg.model, layout_of(cfg), r.get("nodes") or 1, cfg.train.seq_len, ok,
                         r["tokens_per_s_per_device"] if ok else 0.0,
                         r["peak_memory_bytes"] / 2**30 if ok else 0.0, framework,
-                        (r["model"], f"{r['n_devices']} dev"), r["step_time_s"] if ok else 0.0,
-                        estimate_run(cfg, hw, device_type)))
+                        (r["model"], f"{r['n_devices']} dev"), r["step_time_s"] if ok else 0.0, estimate))
     if not rows:
         raise CliError(f"--results {shown(str(path))} holds no run that finished or ran out of memory")
     return rows, sorted(other)

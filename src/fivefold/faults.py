@@ -16,7 +16,8 @@ prints which rank stalled and what it was doing, kills that rank when it runs on
 `train.collective_timeout_s`, given to `init_process_group`) is the backstop.
 
 `RunLock` makes one process the owner of a run directory (an exclusive `flock` on `RUN_DIR/run.lock`, released by
-the kernel however its holder dies); `SaveAbandoned` is what a second stop signal raises while a run stops.
+the kernel however its holder dies); `SaveAbandoned` is what a second stop signal raises while a run stops;
+`StopSignal` is what SIGTERM or SIGHUP raise outside the training loop (`stop_signals_interrupt`).
 `wait_for_ranks` meets every rank in the launcher's store before the process group forms, within the same timeout:
 a rank that never arrives (stalled or dead during start-up) is named. `record_failure` leaves a rank's one-line
 error where its launcher reads it (`first_failure`), so the launcher's summary names the rank that failed first
@@ -100,6 +101,41 @@ class SaveAbandoned(BaseException):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
         self.name = signal.Signals(signum).name
+
+
+class StopSignal(KeyboardInterrupt):
+    """SIGTERM or SIGHUP outside the training loop, while `stop_signals_interrupt` is active: raised in the main
+    thread like Ctrl-C's KeyboardInterrupt (a subclass of it), so that the same clean-up runs (a staging directory
+    removed, the run lock released), and the command line says `stopped by NAME ...` and exits with 128 + its
+    number. `after`: what the line adds (what was, or was not, left)."""
+
+    def __init__(self, signum: int, after: str = "") -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+        self.after = after
+
+
+@contextlib.contextmanager
+def stop_signals_interrupt(after: str = ""):
+    """While active (in the main thread; elsewhere it does nothing), SIGTERM and SIGHUP raise `StopSignal` (SIGINT
+    raises KeyboardInterrupt already); the handlers before are restored on exit. After SIGHUP output to a closed
+    terminal goes to /dev/null."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum: int, frame: object) -> None:
+        if signum == signal.SIGHUP:
+            quiet_hung_up_terminal()
+        raise StopSignal(signum, after)
+
+    previous = {signum: signal.signal(signum, handle) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def quiet_hung_up_terminal() -> None:

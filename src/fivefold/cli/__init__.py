@@ -87,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fivefold {args.verb}: error: {one_line(str(e))}", file=sys.stderr)
         faults.record_failure(f"{e}", peer=e.peer or not str(e))
         return EXIT_ENVIRONMENT
-    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM turned into it): stop without a traceback
+    except faults.StopSignal as e:  # SIGTERM or SIGHUP outside a training loop: cleaned up as after Ctrl-C
+        print(f"fivefold {args.verb}: stopped by {e.name}" + (f"; {e.after}" if e.after else ""), file=sys.stderr)
+        return 128 + e.signum
+    except KeyboardInterrupt:  # Ctrl-C: stop without a traceback
         print(f"fivefold {args.verb}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # output piped into a reader that stopped early (`| head`): not an error of ours

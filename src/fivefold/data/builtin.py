@@ -97,9 +97,9 @@ def ensure_builtin_dataset(
         raise DataError(f"{target}: holds files that are not a prepared token directory; move them away")
     documents = builtin_documents()
 
-    def stream() -> Iterator[tuple[int, str]]:
+    def stream() -> Iterator[tuple[int, int, str | None]]:
         for play in documents:
-            yield 0, play
+            yield 0, 0, play
 
     source = {
         "path": f"builtin:{BUILTIN_CORPUS.name}",

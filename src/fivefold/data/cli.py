@@ -91,6 +91,7 @@ def _run_prepare(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         eos_token=args.eos_token,
         progress=None if args.quiet else _progress,
+        warn=_progress,  # warnings are said under --quiet too
     )
     print(summary(str(out)))
     return 0
@@ -128,7 +129,10 @@ def summary(directory: str, verify: bool = False) -> str:
         if num_tokens:
             lines.append(_documents_line(index, split))
     sources = index.get("sources") if isinstance(index.get("sources"), list) else []
-    lines.append(f"  sources     {len(sources)} file(s)" + (", sha256 verified" if verify else ""))
+    skipped = index.get("skipped_documents") if isinstance(index.get("skipped_documents"), dict) else {}
+    were = ", ".join(f"{count:,} {kind}" for kind, count in skipped.items() if isinstance(count, int) and count)
+    lines.append(f"  sources     {len(sources)} file(s)" + (", sha256 verified" if verify else "")
+                 + (f"; documents skipped: {were}" if were else ""))
     return "\n".join(lines)
 
 

@@ -18,6 +18,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import time
 from array import array
 from collections.abc import Callable, Iterator, Sequence
@@ -28,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from fivefold import faults
 from fivefold.data.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -67,6 +69,10 @@ SPLIT_SEED = 0  # the document split is a fixed function of the corpus, not of a
 ENCODE_BATCH_CHARS = 1 << 20  # characters per tokenizer call: large enough to amortise, small in memory
 PROGRESS_INTERVAL_S = 2.0
 LINE_START = re.compile(r"\n(?=\S)")  # a newline followed by a non-space character
+SPACE_CUT = re.compile(r"(?<=\S) (?=\S)")  # one space between two non-space characters
+# the longest piece of a document that the tokenizer trainer is given at once: its memory grows about 100 times a
+# piece's characters, per thread (a piece is cut as `_text_pieces` cuts, so it holds up to twice as many)
+TRAIN_PIECE_CHARS = 1 << 16
 
 Progress = Callable[[str], None]
 # ---------------------------------------------------------------------------------------------------
@@ -137,26 +143,67 @@ class _Reporter:
             self.last = time.monotonic()
 
 
-DocumentStream = Callable[[], Iterator[tuple[int, str]]]  # yields (input file number, document text)
+# yields (input file number, line or row number in that file (0 for a whole file), document text); the text is
+# None for a null JSONL value or Parquet row, "" for an empty one (both counted and skipped)
+DocumentStream = Callable[[], Iterator[tuple[int, int, str | None]]]
+
+
+def _cut_points(text: str, max_chars: int) -> Iterator[tuple[int, str]]:
+    """Where `_text_pieces` cuts `text`: (offset, how), how being "line", "space" or "hard"."""
+    start = 0
+    while len(text) - start > max_chars:
+        low, high = start + max_chars, min(len(text), start + 2 * max_chars)
+        found = LINE_START.search(text, low, high + 1)
+        if found is not None:
+            start, how = found.end(), "line"
+        elif (found := SPACE_CUT.search(text, low, high)) is not None:
+            start, how = found.start(), "space"
+        else:
+            start, how = low, "hard"
+        yield start, how
 
 
 def _text_pieces(text: str, max_chars: int) -> list[str]:
-    """`text` cut into pieces of at least `max_chars` characters (the last may be shorter), each cut
-    just before a line that starts with a non-space character.
+    """`text` cut into pieces of `max_chars` to `2 * max_chars` characters (the last may be shorter): just before
+    the first line after `max_chars` that starts with a non-space character; within a longer line, just before the
+    first space after `max_chars` that stands between two non-space characters; failing both (a run of
+    `2 * max_chars` characters without such a space), at `max_chars`.
 
-    Such a cut is a pre-tokenization boundary for byte-level (GPT-2, Llama 3 style) tokenizers, so the
-    pieces encode to exactly the tokens of the whole; a tokenizer that prepends a space to every input
-    (SentencePiece-style Metaspace) adds one at each cut. Only documents longer than `max_chars` are cut.
+    The first two are pre-tokenization boundaries for byte-level (GPT-2, Llama 3 style) tokenizers, so the pieces
+    encode to exactly the tokens of the whole; a tokenizer that prepends a space to every input (SentencePiece-style
+    Metaspace) adds one at each cut. The third ("hard") may change the tokens at the cut. Only documents longer than
+    `max_chars` are cut, so the memory of tokenizing (and of training a tokenizer) stays bounded whatever the lines.
     """
     pieces, start = [], 0
-    while len(text) - start > max_chars:
-        line_start = LINE_START.search(text, start + max_chars)
-        if line_start is None:
-            break
-        pieces.append(text[start : line_start.end()])
-        start = line_start.end()
+    for end, _ in _cut_points(text, max_chars):
+        pieces.append(text[start:end])
+        start = end
     pieces.append(text[start:])
     return pieces
+
+
+def _long_line_warning(text: str, where: str, max_chars: int, line_numbers: bool) -> str | None:
+    """A warning when `text` has lines that `_text_pieces(text, max_chars)` cuts inside (None when it has none): how
+    many, the longest (its line number with `line_numbers`), and whether the cuts are exact (before spaces) or may
+    change the tokens (runs without a space)."""
+    lines: dict[int, int] = {}  # start -> end of each line cut inside
+    hard = False
+    for end, how in _cut_points(text, max_chars):
+        if how != "line":
+            hard = hard or how == "hard"
+            start = text.rfind("\n", 0, end) + 1
+            if start not in lines:
+                line_end = text.find("\n", end)
+                lines[start] = len(text) if line_end < 0 else line_end
+    if not lines:
+        return None
+    start = max(lines, key=lambda k: lines[k] - k)
+    at = f" (line {text.count(chr(10), 0, start) + 1})" if line_numbers else ""
+    how = (f"runs of over {2 * max_chars:,} characters without a space are cut every {max_chars:,} characters, and "
+           "the tokens at those cuts may differ from those of the whole line" if hard else
+           "they are tokenized in pieces cut before spaces (the same tokens for a byte-level tokenizer)")
+    return (f"warning: {where}: {len(lines)} line(s) over {max_chars:,} characters, the longest "
+            f"{lines[start] - start:,}{at}: {how}")
 
 
 def _encode_into(
@@ -188,7 +235,7 @@ def _tokenize_documents(stream: DocumentStream, plan: SplitPlan, tokenizer, writ
     batch_chars = 0
     n_tokens = 0
     document = 0
-    for file_number, text in stream():
+    for file_number, _, text in stream():
         if not text:
             continue
         if plan.method == "documents":
@@ -259,8 +306,28 @@ def prepare_documents(
     eos_token: str | None = None,
     eos_given: bool = False,
     progress: Progress | None = None,
+    warn: Progress | None = None,
 ) -> Path:
-    """Tokenize the documents of `stream` into a prepared directory at `out` (see prepare_dataset)."""
+    """Tokenize the documents of `stream` into a prepared directory at `out` (see prepare_dataset). `warn`: where
+    warnings go (default: `progress`). SIGTERM and SIGHUP stop it as Ctrl-C does (`faults.StopSignal`), the staging
+    directory removed."""
+    with faults.stop_signals_interrupt(f"nothing was written to {Path(out).expanduser()}"):
+        return _prepare_documents(stream, sources, num_files, out, tokenizer_path=tokenizer_path,
+                                  vocab_size=vocab_size, val_fraction=val_fraction, shard_tokens=shard_tokens,
+                                  overwrite=overwrite, eos_token=eos_token, eos_given=eos_given, progress=progress,
+                                  warn=progress if warn is None else warn)
+
+
+def _where(source: dict[str, Any], number: int) -> str:
+    """`input PATH`, with the JSONL line or Parquet row `number` (0: the whole file)."""
+    unit = {"jsonl": "line", "parquet": "row"}.get(source.get("kind", ""))
+    return f"input {source.get('path')}" + (f", {unit} {number}" if unit and number else "")
+
+
+def _prepare_documents(stream: DocumentStream, sources: list[dict[str, Any]], num_files: int, out: Path, *,
+                       tokenizer_path: Path | None, vocab_size: int, val_fraction: float, shard_tokens: int,
+                       overwrite: bool, eos_token: str | None, eos_given: bool, progress: Progress | None,
+                       warn: Progress | None) -> Path:
     report = _Reporter(progress)
     out = Path(out).expanduser()
     if not 0.0 <= val_fraction <= MAX_VAL_FRACTION:
@@ -279,26 +346,45 @@ def prepare_documents(
 
     # pass 1: read everything once, so that bad input fails now, and count for the split
     document_chars = array("q")
-    for file_number, text in stream():
-        if text:
-            document_chars.append(len(text))
+    skipped = {"empty": 0, "null": 0}
+    has_text = False  # some document holds more than whitespace
+    for file_number, number, text in stream():
+        if not text:
+            skipped["empty" if text is not None else "null"] += 1
+            continue
+        document_chars.append(len(text))
+        has_text = has_text or not text.isspace()
+        if len(text) > ENCODE_BATCH_CHARS and warn is not None:
+            line = _long_line_warning(text, _where(sources[file_number], number), ENCODE_BATCH_CHARS,
+                                      sources[file_number].get("kind") == "txt")
+            if line is not None:
+                warn(line)
         if report.due():
             report(f"reading: file {file_number + 1}/{num_files}, {len(document_chars):,} documents")
+    were = _skipped_text(skipped)
     if not document_chars:
-        raise DataError(f"empty corpus: the {num_files} input file(s) hold no text")
-    report(f"read {num_files} file(s): {len(document_chars):,} documents, {sum(document_chars):,} characters")
+        raise DataError(f"empty corpus: the {num_files} input file(s) hold no text" + (f" ({were})" if were else ""))
+    if not has_text:
+        raise DataError(f"empty corpus: the {len(document_chars):,} document(s) of the {num_files} input file(s) hold "
+                        "only whitespace (spaces, tabs, line breaks); a corpus needs some text to train a tokenizer "
+                        "and a model on")
+    report(f"read {num_files} file(s): {len(document_chars):,} documents, {sum(document_chars):,} characters"
+           + (f"; {were}" if were else ""))
     plan = plan_split(document_chars, val_fraction)
 
-    # pass 2: the tokenizer
+    # pass 2: the tokenizer, trained on pieces of at most about TRAIN_PIECE_CHARS characters (bounded memory)
     if tokenizer is None:
         report(f"training a byte-level BPE tokenizer (vocab size {vocab_size})")
-        tokenizer = train_bpe_tokenizer((text for _, text in stream() if text), vocab_size)
+        tokenizer = train_bpe_tokenizer(
+            (piece for _, _, text in stream() if text for piece in _text_pieces(text, TRAIN_PIECE_CHARS)), vocab_size
+        )
     eos_id, eos_text = find_eos(tokenizer, str(tokenizer_path or "trained"), eos_token, eos_given)
     vocab = tokenizer_vocab_size(tokenizer)
     dtype = token_dtype(vocab)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    _remove_stale_staging(out)
+    staging = out.parent / f".{out.name}.tmp-{_host_tag()}-{os.getpid()}-{secrets.token_hex(4)}"
     staging.mkdir()  # not mkdtemp: the output should get the usual permissions
     try:
         if tokenizer_path is not None:
@@ -316,12 +402,50 @@ def prepare_documents(
         )
         index = _index(staging, dtype, vocab, eos_id, eos_text, tokenizer_path, vocab_size, plan.method,
                        val_fraction, splits, sources)
+        index["skipped_documents"] = skipped
         (staging / INDEX_FILE).write_text(json.dumps(index, indent=1) + "\n", encoding="utf-8")
         publish(staging, out, overwrite)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+def _skipped_text(skipped: dict[str, int]) -> str:
+    """`skipped 3 empty and 1 null document(s)` ("" when none was)."""
+    parts = [f"{count:,} {kind}" for kind, count in skipped.items() if count]
+    return f"skipped {' and '.join(parts)} document(s)" if parts else ""
+
+
+def _host_tag() -> str:
+    """This host's name as it goes into a staging directory's name (letters, digits, dots and dashes)."""
+    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())[:64] or "host"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. EPERM: a process of another user holds that id
+        return True
+    return True
+
+
+def _remove_stale_staging(out: Path) -> None:
+    """Remove the staging directories (`.NAME.tmp-HOST-PID-XXXXXXXX`) that an earlier prepare of `out` on this host
+    left when it was killed (SIGKILL, a power cut): those whose process is gone. One whose process lives, or of
+    another host (a shared file system), or named in the older `.NAME.tmp-PID-XXXXXXXX` form, is left alone."""
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.tmp-{re.escape(_host_tag())}-(\d+)-[0-9a-f]{{8}}")
+    try:
+        entries = list(out.parent.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match is not None and int(match.group(1)) != os.getpid() and not _pid_alive(int(match.group(1))) \
+                and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def prepare_dataset(
@@ -336,11 +460,13 @@ def prepare_dataset(
     overwrite: bool = False,
     eos_token: str | None = None,
     progress: Progress | None = None,
+    warn: Progress | None = None,
 ) -> Path:
     """Tokenize `.txt`, `.jsonl` and `.parquet` files (or directories of them) into a prepared
     directory at `out` and return `out`.
 
-    Each `.txt` file is one document; each JSONL line / Parquet row is one document, its text in `field`.
+    Each `.txt` file is one document; each JSONL line / Parquet row is one document, its text in `field`; empty
+    documents and null values are counted and skipped, and a corpus of only whitespace is refused.
     Tokens come from the given `tokenizer` (a tokenizer.json, used as-is) or from a byte-level BPE
     tokenizer of `vocab_size` ids trained on the inputs. Every document is followed by the end-of-text
     token. `val_fraction` of the corpus is held out as the validation split. Raises DataError (a
@@ -352,10 +478,10 @@ def prepare_dataset(
         raise DataError("--field: must name a JSONL field / Parquet column, e.g. text")
     found = find_sources(inputs)
 
-    def stream() -> Iterator[tuple[int, str]]:
+    def stream() -> Iterator[tuple[int, int, str | None]]:
         for file_number, source in enumerate(found):
-            for text in read_documents(source, field):
-                yield file_number, text
+            for number, text in read_documents(source, field):
+                yield file_number, number, text
 
     return prepare_documents(
         stream,
@@ -371,4 +497,5 @@ def prepare_dataset(
         eos_token=eos_token or (hf_eos_token(tokenizer) if tokenizer is not None and Path(tokenizer).is_dir()
                                 else None),
         progress=progress,
+        warn=warn,
     )

@@ -82,11 +82,13 @@ def find_sources(inputs: Sequence[str | Path]) -> list[Source]:
     return list(found.values())
 
 
-def read_documents(source: Source, field: str) -> Iterator[str]:
-    """The documents of one input file: a whole `.txt` file, or the `field` of each JSONL line or
-    Parquet row. Empty documents are yielded too (the caller skips them)."""
+def read_documents(source: Source, field: str) -> Iterator[tuple[int, str | None]]:
+    """The documents of one input file as (number, text): a whole `.txt` file (number 0), or the `field` of each
+    JSONL line (its line number) or Parquet row (its row number, from 1). Empty documents are yielded too, and a
+    null JSONL value or Parquet row as None (the caller counts and skips both). Every text is checked to be
+    Unicode that encodes as UTF-8 (JSON can spell an unpaired surrogate, which no tokenizer takes)."""
     if source.kind == "txt":
-        yield _read_text(source.path)
+        yield 0, _read_text(source.path)
     elif source.kind == "jsonl":
         yield from _read_jsonl(source.path, field)
     elif source.kind == "parquet":
@@ -95,16 +97,28 @@ def read_documents(source: Source, field: str) -> Iterator[str]:
         raise DataError(f"input {source.path}: unknown kind {shown(source.kind)}")
 
 
+def _check_encodable(value: str, where: str, field: str) -> None:
+    """A DataError naming `where` and `field` unless `value` encodes as UTF-8 (an unpaired surrogate does not)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = value[e.start]
+        raise DataError(
+            f"{where}: field {shown(field)} holds an unpaired surrogate (\\u{ord(bad):04x} at character {e.start}), "
+            "which is not Unicode text and cannot be encoded as UTF-8; remove or replace it"
+        ) from None
+
+
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")  # strict UTF-8 decoding never yields a surrogate
     except UnicodeDecodeError as e:
         raise DataError(f"input {path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     except OSError as e:
         raise DataError(f"input {path}: cannot read ({e.strerror})") from None
 
 
-def _read_jsonl(path: Path, field: str) -> Iterator[str]:
+def _read_jsonl(path: Path, field: str) -> Iterator[tuple[int, str | None]]:
     try:
         with open(path, encoding="utf-8") as f:
             for line_number, line in enumerate(f, start=1):
@@ -121,7 +135,7 @@ def _read_jsonl(path: Path, field: str) -> Iterator[str]:
                 if not isinstance(record, dict):
                     raise DataError(
                         f"input {path}, line {line_number}: expected a JSON object with field {shown(field)}, "
-                        f"got a JSON {type(record).__name__}"
+                        f"got a JSON {_json_type(record)}"
                     )
                 if field not in record:
                     fields = ", ".join(repr(k) for k in list(record)[:10]) or "none"
@@ -131,19 +145,33 @@ def _read_jsonl(path: Path, field: str) -> Iterator[str]:
                         "choose one with --field)"
                     )
                 value = record[field]
+                if value is None:  # null: no document, as a null Parquet row (counted and skipped by the caller)
+                    yield line_number, None
+                    continue
                 if not isinstance(value, str):
                     raise DataError(
-                        f"input {path}, line {line_number}: field {shown(field)} must be a string, "
-                        f"got {type(value).__name__}"
+                        f"input {path}, line {line_number}: field {shown(field)} must be a string (or null), "
+                        f"got a JSON {_json_type(value)}"
                     )
-                yield value
+                _check_encodable(value, f"input {path}, line {line_number}", field)
+                yield line_number, value
     except UnicodeDecodeError as e:
         raise DataError(f"input {path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     except OSError as e:
         raise DataError(f"input {path}: cannot read ({e.strerror})") from None
 
 
-def _read_parquet(path: Path, field: str) -> Iterator[str]:
+def _json_type(value: object) -> str:
+    """The JSON name of a parsed JSON value's type (object, array, string, number, boolean, null)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    return {dict: "object", list: "array", str: "string", int: "number", float: "number"}.get(
+        type(value), type(value).__name__)
+
+
+def _read_parquet(path: Path, field: str) -> Iterator[tuple[int, str | None]]:
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -162,7 +190,18 @@ def _read_parquet(path: Path, field: str) -> Iterator[str]:
     column_type = schema.field(field).type
     if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
         raise DataError(f"input {path}: column {shown(field)} must hold strings, it holds {column_type}")
-    for batch in parquet.iter_batches(columns=[field], batch_size=1024):
-        for value in batch.column(0).to_pylist():
-            if value is not None:  # a null row is no document
-                yield value
+    row = 0
+    try:
+        for batch in parquet.iter_batches(columns=[field], batch_size=1024):
+            try:
+                values = batch.column(0).to_pylist()
+            except UnicodeDecodeError as e:  # a string column holding bytes that are not UTF-8
+                raise DataError(f"input {path}, rows {row + 1} to {row + batch.num_rows}: column {shown(field)} "
+                                f"holds a value that is not UTF-8 text ({e.reason})") from None
+            for value in values:
+                row += 1
+                if value is not None:  # a null row is no document: None, counted and skipped by the caller
+                    _check_encodable(value, f"input {path}, row {row}", field)
+                yield row, value
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"input {path}, after row {row}: cannot read ({str(e).splitlines()[0]})") from None

@@ -295,6 +295,12 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, stre
         return train_owned(cfg, resume, stop_after, stream, hf_init, expected)
 
 
+def before_steps_stop_line(resume: bool) -> str:
+    """What `fivefold train` adds to `stopped by SIGTERM` when the signal came before the first step."""
+    return ("before the first step, so nothing was trained and no checkpoint written"
+            + ("; the run's checkpoints are as they were" if resume else ""))
+
+
 @contextlib.contextmanager
 def own_run_dir(run_dir: Path):
     """Hold the run directory's lock (`faults.RunLock`) for the run: in one process it is this process's; in a
@@ -312,6 +318,18 @@ def train_owned(cfg: Config, resume: bool, stop_after: int | None, stream: TextI
     """`train` once the run directory is this run's; `expected`: the planner's prediction to check it against."""
     wall_start = time.perf_counter()
     run_dir = Path(cfg.run_dir)
+    # until the loop's own handling (StopSignals) begins, SIGTERM / SIGHUP stop the call as Ctrl-C does, said in a line
+    with faults.stop_signals_interrupt(before_steps_stop_line(resume)):
+        run = start_run(cfg, resume, stop_after, stream, hf_init, expected, run_dir)
+    loop_seconds = run.run_steps()
+    run.finish(wall_start, loop_seconds)
+    return run.result
+
+
+def start_run(cfg: Config, resume: bool, stop_after: int | None, stream: TextIO | None, hf_init: Path | None,
+              expected: Expectation | None, run_dir: Path) -> Run:
+    """Everything `train_owned` does before the steps: checks, data, engine, starting state, run directory, the
+    step-0 validation; the Run ready for its steps."""
     candidates = check_run_dir(run_dir, resume)
     device = resolve_device(cfg.train.device)
     set_threads(cfg.train.threads, device)
@@ -348,9 +366,7 @@ def train_owned(cfg: Config, resume: bool, stop_after: int | None, stream: TextI
             writer.print(extension)
     if run.start == 0:
         run.validate(0)
-    loop_seconds = run.run_steps()
-    run.finish(wall_start, loop_seconds)
-    return run.result
+    return run
 
 
 def set_threads(threads: int, device: torch.device) -> None:

@@ -1,0 +1,255 @@
+"""`fivefold data prepare` at the edges of its input and of its process: text that is not Unicode, empty and null
+documents, a corpus of whitespace, very long lines, and SIGTERM / SIGHUP during preparation (and before the first
+step of `fivefold train`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fivefold.cli import main
+from fivefold.data import TokenDataset, prepare_dataset
+from fivefold.data import prepare as prepare_module
+from fivefold.data.format import DataError
+
+SMALL_VOCAB = 300
+
+
+def no_training(*args, **kwargs):
+    raise AssertionError("the tokenizer was trained: bad input must fail in the first pass")
+
+
+def staging_dirs(parent: Path) -> list[Path]:
+    return [p for p in parent.iterdir() if ".tmp-" in p.name]
+
+
+# ---------------------------------------------------------------------------------------------------
+# text that no tokenizer takes
+
+
+@pytest.mark.parametrize("given_tokenizer", [False, True])
+def test_an_unpaired_surrogate_fails_in_the_first_pass_naming_file_line_and_field(tmp_path, capsys, monkeypatch,
+                                                                                  given_tokenizer):
+    (tmp_path / "ok.txt").write_text("an ordinary document with enough text in it\n" * 20)
+    tokenizer = []
+    if given_tokenizer:
+        tokenizer = ["--tokenizer", str(prepare_dataset([tmp_path / "ok.txt"], tmp_path / "tk",
+                                                        vocab_size=SMALL_VOCAB) / "tokenizer.json")]
+    bad = tmp_path / "surr.jsonl"
+    bad.write_text('{"text": "a doc"}\n\n{"body": "x", "text": "bad \\ud800 surrogate"}\n', encoding="utf-8")
+    monkeypatch.setattr(prepare_module, "train_bpe_tokenizer", no_training)
+    monkeypatch.setattr(prepare_module, "_tokenize_documents", no_training)
+    args = ["data", "prepare", str(bad), "--out", str(tmp_path / "out"), *tokenizer]
+    assert main(args + ([] if given_tokenizer else ["--vocab-size", str(SMALL_VOCAB)])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"fivefold data: error: input {bad.resolve()}, line 3: field 'text' holds an unpaired "
+                             "surrogate (\\ud800 at character 4)")
+    assert not (tmp_path / "out").exists() and not staging_dirs(tmp_path)
+
+
+def test_a_paired_surrogate_escape_is_ordinary_text(tmp_path):
+    (tmp_path / "pair.jsonl").write_text('{"text": "emoji \\ud83d\\ude00 here"}\n' * 3)
+    out = prepare_dataset([tmp_path / "pair.jsonl"], tmp_path / "out", vocab_size=SMALL_VOCAB, val_fraction=0)
+    assert TokenDataset(out, "train").num_tokens > 3
+
+
+# ---------------------------------------------------------------------------------------------------
+# empty and null documents: counted and skipped, in every format
+
+
+def test_empty_and_null_documents_are_counted_and_said(tmp_path, capsys):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    records = ["hello world"] * 5 + ["   "] * 2 + [""] * 4 + [None] * 3
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in records))
+    pq.write_table(pa.table({"text": ["doc one is here"] * 6 + [None] * 2 + [""] * 1}), tmp_path / "b.parquet")
+    (tmp_path / "c.txt").write_text("")
+    (tmp_path / "d.txt").write_text("a text file\n")
+    assert main(["data", "prepare", str(tmp_path), "--out", str(tmp_path / "out"), "--vocab-size",
+                 str(SMALL_VOCAB), "--val-fraction", "0"]) == 0
+    captured = capsys.readouterr()
+    # 7 + 6 + 1 documents; 4 + 1 + 1 empty (the empty .txt file is one), 3 + 2 null
+    assert "read 4 file(s): 14 documents, " in captured.err
+    assert "; skipped 6 empty and 5 null document(s)" in captured.err
+    assert "documents skipped: 6 empty, 5 null" in captured.out
+    index = json.loads((tmp_path / "out" / "index.json").read_text())
+    assert index["skipped_documents"] == {"empty": 6, "null": 5}
+    assert index["splits"]["train"]["num_documents"] == 14
+
+
+def test_the_skipped_count_is_said_under_quiet_too(tmp_path, capsys):
+    (tmp_path / "a.jsonl").write_text('{"text": "one document"}\n{"text": null}\n{"text": ""}\n')
+    assert main(["data", "prepare", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "out"), "--vocab-size",
+                 str(SMALL_VOCAB), "--val-fraction", "0", "--quiet"]) == 0
+    assert "documents skipped: 1 empty, 1 null" in capsys.readouterr().out
+
+
+def test_a_non_string_value_is_named_in_json_terms(tmp_path, capsys):
+    (tmp_path / "a.jsonl").write_text('{"text": "fine"}\n{"text": [1, 2]}\n')
+    assert main(["data", "prepare", str(tmp_path / "a.jsonl"), "--out", str(tmp_path / "out")]) == 2
+    assert "line 2: field 'text' must be a string (or null), got a JSON array" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("files", [{"ws.txt": "   \n\t\n  \n"}, {"ws.txt": " ", "e.txt": ""},
+                                   {"ws.jsonl": '{"text": "  "}\n{"text": null}\n{"text": "\\n\\t"}\n'}])
+def test_a_corpus_of_only_whitespace_is_refused_before_training(tmp_path, capsys, monkeypatch, files):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(prepare_module, "train_bpe_tokenizer", no_training)
+    assert main(["data", "prepare", *(str(tmp_path / n) for n in files), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "empty corpus" in err[0] and "hold only whitespace" in err[0], err
+
+
+def test_a_corpus_of_only_empty_documents_says_what_was_skipped(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": ""}\n{"text": null}\n')
+    with pytest.raises(DataError, match=r"hold no text \(skipped 1 empty and 1 null document\(s\)\)"):
+        prepare_dataset([tmp_path / "a.jsonl"], tmp_path / "out")
+
+
+# ---------------------------------------------------------------------------------------------------
+# very long lines: bounded pieces, and a warning
+
+
+def test_long_lines_are_cut_into_bounded_pieces(tmp_path):
+    words = " ".join(f"word{i % 97}" for i in range(3000))  # one line of ~20,000 characters
+    text = "A first line.\n" + words + "\nshort\n" + "x" * 5000 + "\nthe end\n"
+    pieces = prepare_module._text_pieces(text, 1000)
+    assert "".join(pieces) == text
+    assert all(1000 <= len(p) <= 2000 for p in pieces[:-1]) and len(pieces[-1]) <= 2000
+    # the cuts inside the long line of words fall before a space: the pieces encode to the whole's tokens
+    tokenizer = prepare_module.train_bpe_tokenizer(iter([words]), 512)
+    word_pieces = prepare_module._text_pieces(words, 1000)
+    assert len(word_pieces) > 10 and all(p.startswith(" ") for p in word_pieces[1:])
+    whole = tokenizer.encode(words, add_special_tokens=False).ids
+    assert [i for p in word_pieces for i in tokenizer.encode(p, add_special_tokens=False).ids] == whole
+
+
+def test_a_long_line_is_warned_about_and_the_trainer_gets_bounded_pieces(tmp_path, monkeypatch, capsys):
+    words = " ".join(f"word{i % 97}" for i in range(3000))
+    (tmp_path / "big.txt").write_text("A first line.\n" + words + "\n" + "y" * 5000 + "\n")
+    (tmp_path / "ok.txt").write_text("short lines\n" * 10)
+    monkeypatch.setattr(prepare_module, "ENCODE_BATCH_CHARS", 1000)
+    monkeypatch.setattr(prepare_module, "TRAIN_PIECE_CHARS", 500)
+    seen: list[int] = []
+    train = prepare_module.train_bpe_tokenizer
+
+    def recording(documents, vocab_size):
+        return train((seen.append(len(d)) or d for d in documents), vocab_size)
+
+    monkeypatch.setattr(prepare_module, "train_bpe_tokenizer", recording)
+    assert main(["data", "prepare", str(tmp_path), "--out", str(tmp_path / "out"), "--vocab-size",
+                 str(SMALL_VOCAB), "--quiet"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"warning: input {(tmp_path / 'big.txt').resolve()}: 2 line(s) over 1,000 characters, the longest "
+                   f"{len(words):,} (line 2): runs of over 2,000 characters without a space are cut every 1,000 "
+                   "characters, and the tokens at those cuts may differ from those of the whole line"]
+    assert seen and max(seen) <= 1000  # pieces of TRAIN_PIECE_CHARS to twice that
+    assert TokenDataset(tmp_path / "out", "train").num_tokens > 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# SIGTERM / SIGHUP
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_during_prepare_removes_the_staging_and_says_so(tmp_path, capsys, monkeypatch, signum):
+    (tmp_path / "a.txt").write_text("some text to tokenize\n" * 50)
+    tokenize = prepare_module._tokenize_documents
+
+    def killed(*args, **kwargs):
+        tokenize(*args, **kwargs)
+        assert staging_dirs(tmp_path)  # shards are being written into it
+        os.kill(os.getpid(), signum)
+        time.sleep(30)  # the handler interrupts it
+        raise AssertionError("the signal did not stop prepare")
+
+    monkeypatch.setattr(prepare_module, "_tokenize_documents", killed)
+    before = signal.getsignal(signum)
+    rc = main(["data", "prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "out"), "--vocab-size",
+               str(SMALL_VOCAB)])
+    name = signal.Signals(signum).name
+    assert rc == 128 + signum
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"fivefold data: stopped by {name}; nothing was written to {tmp_path / 'out'}")
+    assert not staging_dirs(tmp_path) and not (tmp_path / "out").exists()
+    assert signal.getsignal(signum) == before  # restored
+
+
+def test_stop_signal_handling_is_restored_after_prepare(tmp_path):
+    (tmp_path / "a.txt").write_text("some text\n" * 20)
+    before = signal.getsignal(signal.SIGTERM)
+    prepare_dataset([tmp_path / "a.txt"], tmp_path / "out", vocab_size=SMALL_VOCAB)
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_sigterm_of_a_prepare_process_exits_143_and_leaves_no_staging(tmp_path):
+    script = (
+        "import os, signal, sys\n"
+        "from fivefold.data import prepare as p\n"
+        "t = p._tokenize_documents\n"
+        "def k(*a, **kw):\n"
+        "    t(*a, **kw); os.kill(os.getpid(), signal.SIGTERM); import time; time.sleep(30)\n"
+        "p._tokenize_documents = k\n"
+        "from fivefold.cli import main\n"
+        f"sys.exit(main(['data', 'prepare', {str(tmp_path / 'a.txt')!r}, '--out', {str(tmp_path / 'out')!r}, "
+        f"'--vocab-size', '{SMALL_VOCAB}', '--quiet']))\n"
+    )
+    (tmp_path / "a.txt").write_text("some text to tokenize\n" * 50)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")})
+    assert done.returncode == 143, done.stderr
+    assert done.stderr.strip() == f"fivefold data: stopped by SIGTERM; nothing was written to {tmp_path / 'out'}"
+    assert not staging_dirs(tmp_path)
+
+
+def test_staging_left_by_a_dead_prepare_on_this_host_is_removed(tmp_path):
+    (tmp_path / "a.txt").write_text("some text\n" * 20)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = prepare_module._host_tag()
+    stale = tmp_path / f".out.tmp-{host}-{dead.pid}-0123abcd"
+    alive = tmp_path / f".out.tmp-{host}-{os.getppid()}-0123abcd"  # a process that lives: in use
+    other_host = tmp_path / f".out.tmp-{host}x-{dead.pid}-0123abcd"
+    old_form = tmp_path / f".out.tmp-{dead.pid}-0123abcd"
+    other_output = tmp_path / f".other.tmp-{host}-{dead.pid}-0123abcd"
+    for d in (stale, alive, other_host, old_form, other_output):
+        d.mkdir()
+        (d / "train_000000.bin").write_bytes(b"\0\0")
+    prepare_dataset([tmp_path / "a.txt"], tmp_path / "out", vocab_size=SMALL_VOCAB)
+    assert sorted(p.name for p in staging_dirs(tmp_path)) == sorted(
+        p.name for p in (alive, other_host, old_form, other_output))
+
+
+def test_sigterm_before_the_first_training_step_says_so(tmp_path, capsys, monkeypatch):
+    (tmp_path / "a.txt").write_text("A line of text for a tiny model to read.\n" * 400)
+    data = prepare_dataset([tmp_path / "a.txt"], tmp_path / "data", vocab_size=SMALL_VOCAB)
+    from fivefold.train import loop
+
+    def build_killed(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+        raise AssertionError("SIGTERM did not stop the start of the run")
+
+    monkeypatch.setattr(loop, "build_engine", build_killed)
+    before = signal.getsignal(signal.SIGTERM)
+    args = ["train", "--data", str(data), "--max-steps", "2", "--run-dir", str(tmp_path / "run"),
+            "--model.n_layers", "1", "--model.hidden", "32", "--model.n_heads", "2", "--model.n_kv_heads", "1",
+            "--model.ffn", "64", "--model.vocab_size", "320", "--train.seq_len", "16", "--train.global_batch_size",
+            "2", "--train.warmup_steps", "1", "--train.dtype", "fp32", "--train.device", "cpu",
+            "--train.threads", "1", "--log.progress", "none"]
+    assert main(args) == 143
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("fivefold train: stopped by SIGTERM; before the first step, so nothing was trained and no "
+                       "checkpoint written")
+    assert signal.getsignal(signal.SIGTERM) == before
+    monkeypatch.undo()
+    assert main(args) == 0  # the run lock was released: the run directory is usable at once

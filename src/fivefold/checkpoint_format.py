@@ -16,7 +16,8 @@ never holds a second copy of its state, past the page cache where the system all
 `manifest.json` records the size and sha256 of every other file of a
 checkpoint directory (`verify_manifest` checks them). Every file a reader opens is named by a path relative to the
 checkpoint directory that stays inside it (`member`: no absolute path, no `..`, no link out) and is listed in the
-manifest (`index_files`): an index that points elsewhere is damage, refused by the trainer and `export` alike.
+manifest: an index that points elsewhere is damage. `verify_checkpoint` is the one check of a checkpoint directory,
+run by a resuming rank and by `fivefold export` and `generate` alike: what one refuses, the others refuse.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import json
 import math
 import mmap
 import os
+import re
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -398,16 +400,6 @@ def verify_config(checkpoint: Path) -> None:
         verify_manifest(checkpoint, ["config.toml"])
 
 
-def index_files(path: Path, index: dict[str, dict[str, Any]], checksums: bool = True) -> list[str]:
-    """The piece files an index reads, each checked to be a listed file inside the checkpoint directory `path` of
-    the manifest's size (and with `checksums`, sha256): the one check of every reader (resume, `export`)."""
-    files = sorted({str(piece["file"]) for entry in index.values() for piece in entry["pieces"]})
-    for name in files:
-        member(path, name)
-    verify_manifest(path, files, checksums)
-    return files
-
-
 def merge_index(part: dict[str, Any], index: dict[str, dict[str, Any]]) -> None:
     """Add the pieces of one `rankN.json` to `index` (name -> global shape and pieces); a malformed part raises
     KeyError, TypeError or ValueError."""
@@ -444,15 +436,112 @@ def read_global_index(data: Any) -> tuple[dict[str, dict[str, Any]], dict[str, f
     return tensors, {str(k): float(v) for k, v in data["steps"].items()}
 
 
-def checkpoint_index(directory: Path) -> dict[str, dict[str, Any]]:
-    """The merged index of every `rankN.json` of a sharded checkpoint directory."""
-    index: dict[str, dict[str, Any]] = {}
-    ranks = sorted(directory.glob("rank*.json"))
-    if not ranks:
-        raise PieceError(f"checkpoint {shown(str(directory))} has no model.safetensors and no rankN.json piece index")
-    for f in ranks:
+FORMAT_VERSION = 3  # 2: manifest.json with the sha256 of every file; 3: sharded pieces
+COMPLETE = "COMPLETE"  # of a checkpoint directory: written last, before the rename into place
+TRAINER_STATE = "trainer_state.json"
+
+
+@dataclass
+class TrainerState:
+    step: int  # optimizer steps completed
+    tokens_seen: int
+    skipped_steps: int = 0  # steps whose update was skipped for a non-finite loss or gradient norm
+    format_version: int = FORMAT_VERSION
+    # the learning-rate schedule's phases, (end step, kind) (`train.optim.LrSchedule`); None: one phase to the
+    # checkpoint's train.max_steps (checkpoints written before runs could be extended)
+    lr_phases: list[tuple[int, str]] | None = None
+
+
+@dataclass
+class VerifiedCheckpoint:
+    """A checkpoint directory that passed `verify_checkpoint`, with what it read to check it."""
+
+    path: Path
+    state: TrainerState
+    world_size: int  # the ranks that wrote it
+    data: dict[str, Any]  # the global batch, sequence length, samples consumed (and data fingerprint) it records
+    index: dict[str, dict[str, Any]]  # every piece of every tensor
+    steps: dict[str, float]  # AdamW's step of each parameter
+    listed: dict[str, dict[str, Any]]  # the manifest's files
+    piece_files: list[str]
+    own_rng: str | None  # this rank's RNG file, verified (when the checkpoint has as many ranks as the reader)
+
+
+def saved_rank(name: str) -> int:
+    """The rank a checkpoint file belongs to (`rank3.json`, `rng-rank3.safetensors`: 3); 0 for a shared file."""
+    found = re.fullmatch(r"(?:rng-)?rank(\d+)\.(?:json|safetensors)", name)
+    return int(found.group(1)) if found else 0
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PieceError(f"checkpoint file {path} is missing") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise PieceError(f"checkpoint file {path} is corrupted: {shown(e)}") from None
+
+
+def verify_checkpoint(path: Path, rank: int = 0, world_size: int = 1, pieces: bool = False) -> VerifiedCheckpoint:
+    """The one check of a checkpoint directory, for rank `rank` of a reader of `world_size` ranks (a resume on
+    each rank; `fivefold export` and `generate` as rank 0 of 1): its `COMPLETE` marker, then, each checked against
+    the manifest (size and sha256) before it is parsed, the trainer state, the config, the piece index (`index.json`;
+    a checkpoint written without one: every saved rank's `rankN.json`) and this rank's RNG file; every piece file
+    inside the directory and of its listed size (with `pieces`, its sha256 too; else the reader checks it as it
+    opens it); every other file the manifest lists, shared out over the reader's ranks (rank r: the files of saved
+    ranks r, r + world_size, ...; one rank alone checks them all). A PieceError names the first file (or the marker)
+    that fails."""
+    if not (path / COMPLETE).is_file():
+        raise PieceError(f"{path} is not a complete checkpoint (no {COMPLETE} marker: its save was interrupted)")
+    if (path / TRAINER_STATE).is_file():
         try:
-            merge_index(json.loads(f.read_text()), index)
-        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
-            raise PieceError(f"checkpoint file {f} is corrupted: {shown(e)}") from None
-    return index
+            version = json.loads((path / TRAINER_STATE).read_text()).get("format_version")
+        except (OSError, ValueError, AttributeError, RecursionError):
+            version = None
+        if version is not None and version != FORMAT_VERSION:
+            raise PieceError(f"{path} has checkpoint format {version}; this fivefold reads format "
+                             f"{FORMAT_VERSION} (sharded pieces with a manifest of checksums)")
+    listed = read_manifest(path)
+    verify_manifest(path, [TRAINER_STATE], listed=listed)
+    meta = _json(path / TRAINER_STATE)
+    try:
+        state = TrainerState(step=int(meta["step"]), tokens_seen=int(meta["tokens_seen"]),
+                             skipped_steps=int(meta.get("skipped_steps", 0)),
+                             format_version=int(meta["format_version"]),
+                             lr_phases=[(int(end), str(kind)) for end, kind in meta["lr_phases"]]
+                             if "lr_phases" in meta else None)
+        saved_world = int(meta["world_size"])
+        if saved_world < 1:
+            raise ValueError(f"world_size = {saved_world}")
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise PieceError(f"checkpoint file {path / TRAINER_STATE} is corrupted: {shown(e)}") from None
+    data = {k: int(meta[k]) for k in ("global_batch_size", "seq_len", "samples_consumed") if k in meta}
+    if isinstance(meta.get("data_fingerprint"), str):
+        data["data_fingerprint"] = meta["data_fingerprint"]
+    indexes = [GLOBAL_INDEX] if GLOBAL_INDEX in listed else [f"rank{r}.json" for r in range(saved_world)]
+    own_rng = f"rng-rank{rank}.safetensors" if saved_world == world_size else None
+    verify_manifest(path, ["config.toml", *indexes] + ([own_rng] if own_rng else []), listed=listed)
+    index: dict[str, dict[str, Any]] = {}
+    steps: dict[str, float] = {}
+    for name in indexes:
+        part = _json(path / name)
+        try:
+            if name == GLOBAL_INDEX:
+                index, steps = read_global_index(part)
+                continue
+            merge_index(part, index)
+            for k, v in part["steps"].items():
+                steps[k] = max(steps.get(k, 0.0), float(v))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise PieceError(f"checkpoint file {path / name} is corrupted: {shown(e)}") from None
+    piece_files = sorted({str(piece["file"]) for entry in index.values() for piece in entry["pieces"]})
+    for name in piece_files:  # every piece file a path inside the checkpoint
+        member(path, name)
+    verify_manifest(path, piece_files, checksums=pieces, listed=listed)
+    # every other file the manifest lists (each saved rank's piece index and RNG state, however this reader reads
+    # them): a damaged one is refused, not trusted because another file stands in for it
+    checked = {TRAINER_STATE, "config.toml", *indexes, *([own_rng] if own_rng else [])}
+    verify_manifest(path, [name for name in sorted(set(listed) - set(piece_files) - checked)
+                           if saved_rank(name) % world_size == rank], listed=listed)
+    return VerifiedCheckpoint(path=path, state=state, world_size=saved_world, data=data, index=index, steps=steps,
+                              listed=listed, piece_files=piece_files, own_rng=own_rng)

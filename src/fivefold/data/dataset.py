@@ -156,6 +156,18 @@ class TokenDataset:
         stored = self.index.get("tokenizer", {}).get("fingerprint")
         return stored if stored else tokenizer_fingerprint(self.tokenizer_path)
 
+    @property
+    def corpus_fingerprint(self) -> str | None:
+        """A fingerprint of the split's tokens, from what the index already records: the dtype and each non-empty
+        shard's token count and sha256, in order (not the directory's path or the shards' file names: the same
+        prepared directory moved or copied keeps it). None for an index that records no shard checksums."""
+        if any(not shard.get("sha256") for shard in self.shard_entries):
+            return None
+        import hashlib
+
+        listed = [self.index["dtype"], [[int(s["num_tokens"]), str(s["sha256"])] for s in self.shard_entries]]
+        return hashlib.sha256(json.dumps(listed, separators=(",", ":")).encode()).hexdigest()
+
     def __repr__(self) -> str:
         return (
             f"TokenDataset({shown(str(self.path))}, split={shown(self.split)}: {self.num_tokens:,} tokens in "

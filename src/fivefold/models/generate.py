@@ -92,7 +92,6 @@ def _load(args: argparse.Namespace, device: torch.device):
     from fivefold.models.hf import CheckpointError, load_state_dict_into, model_from_hf
     from fivefold.models.hf_cli import (
         check_tokenizer,
-        checkpoint_model_config,
         find_tokenizer_dir,
         read_checkpoint_weights,
         resolve_checkpoint,
@@ -107,18 +106,18 @@ def _load(args: argparse.Namespace, device: torch.device):
             tokenizer_dir = find_tokenizer_dir(hf_dir, args.tokenizer) if args.tokenizer else own
             check_tokenizer(tokenizer_dir, own, model.cfg.vocab_size, args.tokenizer)
             return model, tokenizer_dir
-        ckpt, note = resolve_checkpoint(Path(args.checkpoint))
+        opened, note = resolve_checkpoint(Path(args.checkpoint))  # verified as a resume verifies it
         if note:
             print(note)
+        ckpt, cfg = opened.path, opened.cfg
         tokenizer_dir = find_tokenizer_dir(ckpt, args.tokenizer)
-        cfg = checkpoint_model_config(ckpt)
         check_tokenizer(tokenizer_dir, find_tokenizer_dir(ckpt, None), cfg.vocab_size, args.tokenizer)
         model = build_model(cfg, device="meta")
         model.to_empty(device=device)
         if cfg.tied_embeddings:
             model.lm_head.weight = model.embed.weight
         try:
-            weights = read_checkpoint_weights(ckpt, cfg)  # a config that does not match its weights is named
+            weights = read_checkpoint_weights(opened)
         except PieceError as e:
             raise CliError(str(e)) from None
         load_state_dict_into(model, weights)

@@ -1,20 +1,22 @@
 """`fivefold export --checkpoint PATH --hf OUT_DIR`: a trained checkpoint as a Hugging Face directory.
 
-PATH is one checkpoint directory (`model.safetensors` + `config.toml`) or a run directory whose
-`checkpoints/step_XXXXXXXX/` holds several; then the newest complete one (with its `COMPLETE`
-marker) is exported. The tokenizer comes from the run (`RUN_DIR/tokenizer/`, which training writes) or
-from `--tokenizer`; with it the directory is complete: AutoTokenizer and `generate` work on it.
+PATH is one checkpoint directory (`step_XXXXXXXX`) or a run directory whose `checkpoints/step_XXXXXXXX/` holds
+several; then the newest one that passes is exported. Either passes the check a resume runs
+(`checkpoint_format.verify_checkpoint`): what `--resume` would set aside is refused here. The tokenizer comes from
+the run (`RUN_DIR/tokenizer/`, which training writes) or from `--tokenizer`; with it the directory is complete:
+AutoTokenizer and `generate` work on it.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fivefold.config import build_config, check_writable_dir, finite_float, shown
-from fivefold.errors import CliError
+from fivefold.errors import CliError, ConfigError
 from fivefold.flops import count_params
 
 if TYPE_CHECKING:
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
     from fivefold.checkpoint_format import PieceReader
     from fivefold.config import ModelConfig
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+_STEP_NAME = re.compile(r"^step_(\d+)((?:\.tmp|\.bad\d*|\.deleting))?$")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,68 +108,85 @@ def check_tokenizer(tokenizer_dir: Path | None, own_dir: Path | None, vocab_size
                        "fingerprint): the same ids would mean other text; leave --tokenizer out to use the model's")
 
 
-def resolve_checkpoint(path: Path) -> tuple[Path, str | None]:
-    """The checkpoint directory to export and, when it was picked from a run, a note saying which."""
+CHECKPOINT_FILES = ("manifest.json", "COMPLETE", "trainer_state.json", "index.json", "rank0.json")  # any: a checkpoint
+_LEFTOVER = {".tmp": "the directory of a save that never finished (a killed or abandoned save), which no resume reads",
+             ".bad": "a checkpoint that a resume found unusable and set aside (kept for inspection, never read)",
+             ".deleting": "an old checkpoint being deleted by pruning"}
+
+
+@dataclass
+class OpenedCheckpoint:
+    """A checkpoint directory that passed the check a resume runs, its model config and a reader of its pieces."""
+
+    path: Path
+    cfg: ModelConfig
+    reader: PieceReader
+
+
+def open_checkpoint(ckpt: Path) -> OpenedCheckpoint:
+    """Checkpoint directory `ckpt` for `export` and `generate`, accepted only as a resume accepts it: the one check
+    every reader runs (`checkpoint_format.verify_checkpoint`, as one rank that reads everything: the marker, every
+    file the manifest lists, each checked against it before it is parsed, piece files included), then its config and
+    its model tensors against that config (`check_checkpoint_model`: names and shapes, before any weight is read).
+    A CliError names the file and the problem."""
+    from fivefold.checkpoint_format import PieceError, PieceReader, verify_checkpoint
+    from fivefold.models.hf import CheckpointError
+
+    try:
+        found = verify_checkpoint(ckpt, pieces=True)
+        cfg = build_config(ckpt / "config.toml").model
+        reader = PieceReader(ckpt, found.index)  # every file was just verified: not hashed again as it is opened
+        check_checkpoint_model(reader, cfg, str(ckpt))
+    except (PieceError, CheckpointError, ConfigError) as e:
+        raise CliError(str(e)) from None
+    return OpenedCheckpoint(ckpt, cfg, reader)
+
+
+def resolve_checkpoint(path: Path) -> tuple[OpenedCheckpoint, str | None]:
+    """The checkpoint to export or generate from, verified (`open_checkpoint`), and, when it was picked from a run
+    directory, a note saying which (and which newer ones were skipped, and why). A named checkpoint directory that
+    fails, or a `.tmp` / `.bad` / `.deleting` one, is refused; a run directory gives its newest checkpoint that
+    passes, as `--resume` would take it (nothing is set aside: export only reads)."""
+    where = f"--checkpoint {shown(str(path))}"
     if not path.exists():
-        raise CliError(f"--checkpoint {shown(str(path))} does not exist")
+        raise CliError(f"{where} does not exist")
     if not path.is_dir():
-        raise CliError(f"--checkpoint {shown(str(path))} is a file; give a checkpoint directory (step_XXXXXXXX) "
-                       f"or a run "
-                       "directory")
-    if (path / "model.safetensors").is_file() or (path / "rank0.json").is_file():
-        return path, None
+        raise CliError(f"{where} is a file; give a checkpoint directory (step_XXXXXXXX) or a run directory")
+    if (m := _STEP_NAME.match(path.name)) and m.group(2):
+        kind = next(v for k, v in _LEFTOVER.items() if m.group(2).startswith(k))
+        raise CliError(f"{where} is {kind}; give the run directory (its newest complete, verified checkpoint) or a "
+                       "complete step_XXXXXXXX directory")
+    if _STEP_NAME.match(path.name) or any((path / name).exists() for name in CHECKPOINT_FILES):
+        try:
+            return open_checkpoint(path), None
+        except CliError as e:
+            raise CliError(f"{where} cannot be used: {e}; give the run directory to take its newest good "
+                           "checkpoint, or an older step_XXXXXXXX") from None
+    if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
+        raise CliError(f"{where} is a Hugging Face model directory, not a fivefold checkpoint (no manifest.json); "
+                       "give a run directory or a step_XXXXXXXX checkpoint (`generate` reads a Hugging Face "
+                       "directory with --hf)")
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     steps = sorted((int(m.group(1)), p) for p in root.iterdir()
-                   if p.is_dir() and (m := _STEP_DIR.match(p.name)))
-    complete = [(s, p) for s, p in steps if (p / "COMPLETE").is_file()]
-    if not complete:
-        found = ", ".join(p.name for _, p in steps[-5:]) or "none"
-        raise CliError(
-            f"--checkpoint {shown(str(path))} holds no model.safetensors and no complete checkpoint "
-            f"(step_XXXXXXXX directory with a COMPLETE marker) under {shown(str(root))}; "
-            f"step directories found: {found}"
-        )
-    newest_step, newest = complete[-1]
-    skipped = [p.name for s, p in steps if s > newest_step]
-    note = f"using {newest.name}, the newest of {len(complete)} complete checkpoint(s) in {root}"
+                   if p.is_dir() and (m := _STEP_NAME.match(p.name)) and not m.group(2))
+    skipped: list[str] = []
+    for _, candidate in reversed(steps):
+        try:
+            opened = open_checkpoint(candidate)
+        except CliError as e:
+            skipped.append(f"{candidate.name} ({e})")
+            continue
+        note = f"using {candidate.name}, the newest usable checkpoint in {root}"
+        if skipped:
+            note += f"; skipped the newer {'; '.join(skipped)}"
+        return opened, note
     if skipped:
-        note += f" (skipped incomplete: {', '.join(skipped)})"
-    return newest, note
-
-
-def checkpoint_model_config(ckpt: Path) -> ModelConfig:
-    """The model config saved with checkpoint directory `ckpt` (its config.toml, checked against the manifest
-    first: `checkpoint_format.verify_config`), for `export` and `generate`."""
-    from fivefold.checkpoint_format import PieceError, verify_config
-
-    config_file = ckpt / "config.toml"
-    if not config_file.is_file():
-        raise CliError(f"checkpoint {shown(str(ckpt))} has no config.toml (the run's resolved config)")
-    try:
-        verify_config(ckpt)
-    except PieceError as e:
-        raise CliError(str(e)) from None
-    return build_config(config_file).model
-
-
-def checkpoint_reader(directory: Path) -> PieceReader:
-    """A reader of the plain-named model weights (`model.<param>`) of a checkpoint directory, nothing read yet: a
-    sharded one's pieces after its config, piece indexes and piece files were checked against the manifest
-    (sha256), or a plain `model.safetensors` (each tensor its one piece). Damaged files raise the format's
-    PieceError (a plain file: `models.hf.CheckpointError`)."""
-    from fivefold.checkpoint_format import PieceReader, checkpoint_index, index_files, verify_manifest
-    from fivefold.models.hf import safetensors_shapes
-
-    single = directory / "model.safetensors"
-    if single.is_file():
-        index = {f"model.{name}": {"shape": list(shape), "pieces": [
-            {"file": single.name, "key": name, "offsets": [0] * len(shape), "shape": list(shape)}]}
-            for name, shape in safetensors_shapes(single).items()}
-        return PieceReader(directory, index)
-    index = checkpoint_index(directory)
-    verify_manifest(directory, ["config.toml", *(f.name for f in sorted(directory.glob("rank*.json")))])
-    index_files(directory, index)
-    return PieceReader(directory, index)
+        raise CliError(f"{where} holds no complete checkpoint that passes its check under {shown(str(root))}: "
+                       f"{'; '.join(skipped)}; a resume would set each aside: train the run again from the start")
+    leftovers = sorted(p.name for p in root.iterdir() if p.is_dir() and _STEP_NAME.match(p.name))
+    others = f"; only {', '.join(leftovers[-5:])}, which are not checkpoints" if leftovers else ""
+    raise CliError(f"{where} holds no checkpoint (no step_XXXXXXXX directory under {shown(str(root))}{others}); "
+                   "give a run directory that has saved a checkpoint, or a step_XXXXXXXX directory")
 
 
 def check_checkpoint_model(reader: PieceReader, cfg: ModelConfig, where: str) -> None:
@@ -181,12 +200,10 @@ def check_checkpoint_model(reader: PieceReader, cfg: ModelConfig, where: str) ->
     check_tensors(found, expected_shapes(cfg), where)
 
 
-def read_checkpoint_weights(directory: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The plain-named model weights of a checkpoint directory (`checkpoint_reader`), checked against `cfg`
-    (`check_checkpoint_model`), then assembled tensor by tensor (no model is built; each tensor reads only its
-    pieces' bytes)."""
-    reader = checkpoint_reader(directory)
-    check_checkpoint_model(reader, cfg, str(directory))
+def read_checkpoint_weights(opened: OpenedCheckpoint) -> dict[str, torch.Tensor]:
+    """The plain-named model weights of a verified checkpoint (`open_checkpoint`), assembled tensor by tensor (no
+    model is built; each tensor reads only its pieces' bytes)."""
+    reader = opened.reader
     return {name.removeprefix("model."): reader.read(name) for name in reader.names() if name.startswith("model.")}
 
 
@@ -223,18 +240,15 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointError as e:
         raise CliError(f"--hf: {e}") from None
     check_writable_dir(out_dir, "--hf")
-    ckpt, note = resolve_checkpoint(Path(args.checkpoint))
+    opened, note = resolve_checkpoint(Path(args.checkpoint))
     if note:
         print(note)
+    ckpt, cfg, reader = opened.path, opened.cfg, opened.reader
     tokenizer_dir = find_tokenizer_dir(ckpt, args.tokenizer)
-    cfg = checkpoint_model_config(ckpt)
     cfg.validate()
     check_tokenizer(tokenizer_dir, find_tokenizer_dir(ckpt, None), cfg.vocab_size, args.tokenizer)
     hf_architecture(cfg)  # refuses what no Hugging Face architecture holds
-    weights = ckpt / "model.safetensors" if (ckpt / "model.safetensors").is_file() else ckpt
     try:
-        reader = checkpoint_reader(ckpt)
-        check_checkpoint_model(reader, cfg, f"{weights}")
         export_checkpoint(reader, cfg, out_dir, args.overwrite, tokenizer_dir, max_shard_bytes)
     except (CheckpointError, PieceError) as e:
         raise CliError(str(e)) from None

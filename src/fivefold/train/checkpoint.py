@@ -36,11 +36,11 @@ are `fivefold.checkpoint_format`):
                            MoE balancing biases `buffer.<layer>.expert_bias` (whole, from one rank per stage)
     rankN.json             their index (global shape and offsets of each piece), the sha256 of rankN.safetensors
                            and AdamW's step of each parameter (the finishing writer's input for the two below;
-                           `fivefold export` reads them too)
+                           read by a reader of a checkpoint written without index.json)
     index.json             every rank's pieces and steps merged, written once at save: what a resuming rank reads
     rng-rankN.safetensors  rank N's CPU and accelerator RNG states
     trainer_state.json     step, tokens seen, steps skipped as non-finite, world size, global batch, seq length
-                           and samples consumed
+                           and samples consumed, and the training corpus's fingerprint
     config.toml            the run's resolved config
     manifest.json          size and sha256 of every file above; a reader verifies the files it reads against it
     COMPLETE               written last, before the rename
@@ -52,7 +52,6 @@ import contextlib
 import errno
 import json
 import os
-import re
 import shutil
 import sys
 import threading
@@ -68,16 +67,16 @@ from safetensors.torch import load_file
 
 from fivefold import faults
 from fivefold.checkpoint_format import (
+    FORMAT_VERSION,
     GLOBAL_INDEX,
     MANIFEST,
     PieceError,
     PieceReader,
+    TrainerState,
     WriteCancelled,
     global_index,
-    member,
-    merge_index,
-    read_global_index,
     read_manifest,
+    verify_checkpoint,
     verify_manifest,
     write_safetensors,
 )
@@ -88,7 +87,6 @@ if TYPE_CHECKING:
     from fivefold.data import BatchSampler
     from fivefold.train.engine import Engine
 
-FORMAT_VERSION = 3  # 2: manifest.json with the sha256 of every file; 3: sharded pieces
 CHECKPOINT_PREFIX = "step_"
 
 
@@ -103,17 +101,6 @@ class CheckpointWriteError(CheckpointError):
     def __init__(self, message: str, own: bool = True) -> None:
         super().__init__(message)
         self.own = own
-
-
-@dataclass
-class TrainerState:
-    step: int  # optimizer steps completed
-    tokens_seen: int
-    skipped_steps: int = 0  # steps whose update was skipped for a non-finite loss or gradient norm
-    format_version: int = FORMAT_VERSION
-    # the learning-rate schedule's phases, (end step, kind) (`train.optim.LrSchedule`); None: one phase to the
-    # checkpoint's train.max_steps (checkpoints written before runs could be extended)
-    lr_phases: list[tuple[int, str]] | None = None
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -230,7 +217,7 @@ def write_rank_files(tmp: Path, rank: int, pieces: list[Piece], steps: dict[str,
 
 
 def finish_checkpoint(tmp: Path, state: TrainerState, config_toml: str, world_size: int,
-                      data: dict[str, int]) -> Path:
+                      data: dict[str, Any]) -> Path:
     """After every rank wrote its files: the trainer state and config, the manifest (the piece files' checksums
     as their writers computed them), the COMPLETE marker, then the rename into place."""
     _write_json(tmp / "trainer_state.json", {
@@ -308,95 +295,31 @@ class LoadedCheckpoint:
     rng_state: dict[str, torch.Tensor] | None  # this rank's, when the checkpoint has as many ranks as the run
     config_toml: str
     world_size: int
-    data: dict[str, int]  # the global batch, sequence length and samples consumed it was written with
-
-
-def _json_file(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint file {path} is missing") from None
-    except (OSError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"checkpoint file {path} is corrupted: {shown(e)}") from None
-
-
-def _saved_rank(name: str) -> int:
-    """The rank a checkpoint file belongs to (`rank3.json`, `rng-rank3.safetensors`: 3); 0 for a shared file."""
-    found = re.fullmatch(r"(?:rng-)?rank(\d+)\.(?:json|safetensors)", name)
-    return int(found.group(1)) if found else 0
+    data: dict[str, Any]  # the global batch, sequence length, samples consumed and data fingerprint it recorded
 
 
 def load_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> LoadedCheckpoint:
-    """Open a checkpoint directory for a rank of a run of `world_size` ranks: the trainer state, the checkpoint's
-    one index (`index.json`; a checkpoint written without one: every rank's `rankN.json`, each read once), the config
-    and this rank's RNG state, each checked against the manifest (sha256), as is every other file it lists but the
-    piece files (present, of their listed size). Piece files are read lazily, each
-    verified against the manifest (size and sha256) when the reader first opens it: a rank hashes the files it
-    reads and no other. Every failure is a CheckpointError naming the file (a piece file's: a PieceError when read)."""
-    if not (path / "COMPLETE").is_file():
-        raise CheckpointError(f"{path} is not a complete checkpoint (no COMPLETE marker)")
-    if (path / "trainer_state.json").is_file():
-        try:
-            version = json.loads((path / "trainer_state.json").read_text()).get("format_version")
-        except (OSError, ValueError, AttributeError, RecursionError):
-            version = None
-        if version is not None and version != FORMAT_VERSION:
-            raise CheckpointError(f"{path} has checkpoint format {version}; this fivefold reads format "
-                                  f"{FORMAT_VERSION} (sharded pieces with a manifest of checksums)")
+    """Open a checkpoint directory for a rank of a run of `world_size` ranks, after the one check every reader runs
+    (`checkpoint_format.verify_checkpoint`: the marker, then the trainer state, the index, the config, this rank's
+    RNG state and its share of every other listed file against the manifest (sha256), every piece file present and
+    of its listed size). Piece files are read lazily, each verified against the manifest (size and sha256) when the
+    reader first opens it: a rank hashes the files it reads and no other. Every failure is a CheckpointError naming
+    the file (a piece file's: a PieceError when read)."""
     try:
-        listed = read_manifest(path)
+        found = verify_checkpoint(path, rank, world_size)
     except PieceError as e:
         raise CheckpointError(str(e)) from None
-    verify_files(path, ["trainer_state.json"], listed)
-    meta = _json_file(path / "trainer_state.json")
-    try:
-        state = TrainerState(step=int(meta["step"]), tokens_seen=int(meta["tokens_seen"]),
-                             skipped_steps=int(meta.get("skipped_steps", 0)),
-                             format_version=int(meta["format_version"]),
-                             lr_phases=[(int(end), str(kind)) for end, kind in meta["lr_phases"]]
-                             if "lr_phases" in meta else None)
-        saved_world = int(meta["world_size"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint file {path / 'trainer_state.json'} is corrupted: {e}") from None
-    data = {k: int(meta[k]) for k in ("global_batch_size", "seq_len", "samples_consumed") if k in meta}
-    indexes = [GLOBAL_INDEX] if GLOBAL_INDEX in listed else [f"rank{r}.json" for r in range(saved_world)]
-    own_rng = f"rng-rank{rank}.safetensors" if saved_world == world_size else None
-    verify_files(path, ["config.toml", *indexes] + ([own_rng] if own_rng else []), listed)
-    index: dict[str, dict[str, Any]] = {}
-    steps: dict[str, float] = {}
-    for name in indexes:
-        part = _json_file(path / name)
-        try:
-            if name == GLOBAL_INDEX:
-                index, steps = read_global_index(part)
-                continue
-            merge_index(part, index)
-            for k, v in part["steps"].items():
-                steps[k] = max(steps.get(k, 0.0), float(v))
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise CheckpointError(f"checkpoint file {path / name} is corrupted: {shown(e)}") from None
-    piece_files = {str(piece["file"]) for entry in index.values() for piece in entry["pieces"]}
-    try:  # every piece file a path inside the checkpoint (its size now, its checksum when a rank first reads it)
-        for name in piece_files:
-            member(path, name)
-        verify_manifest(path, sorted(piece_files), checksums=False, listed=listed)
-    except PieceError as e:
-        raise CheckpointError(str(e)) from None
-    # every other file the manifest lists (each saved rank's piece index and RNG state, however this run reads them),
-    # as `export` checks them: a damaged one is refused, not trusted because another file stands in for it. Shared
-    # out over the ranks (rank r: the files of saved ranks r, r + world, ...), so each hashes a few small files
-    checked = {"trainer_state.json", "config.toml", *indexes, *([own_rng] if own_rng else [])}
-    verify_files(path, [name for name in sorted(set(listed) - piece_files - checked)
-                        if _saved_rank(name) % world_size == rank], listed)
     rng = None
-    if own_rng:
+    if found.own_rng:
         try:
-            rng = load_file(str(path / own_rng))
+            rng = load_file(str(path / found.own_rng))
         except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"checkpoint file {path / own_rng} is corrupted or unreadable: {e}") from None
-    reader = PieceReader(path, index, opened=lambda name: verify_manifest(path, [name], listed=listed))
-    return LoadedCheckpoint(path=path, state=state, reader=reader, steps=steps, rng_state=rng,
-                            config_toml=(path / "config.toml").read_text(), world_size=saved_world, data=data)
+            raise CheckpointError(f"checkpoint file {path / found.own_rng} is corrupted or unreadable: {e}") from None
+    listed = found.listed
+    reader = PieceReader(path, found.index, opened=lambda name: verify_manifest(path, [name], listed=listed))
+    return LoadedCheckpoint(path=path, state=found.state, reader=reader, steps=found.steps, rng_state=rng,
+                            config_toml=(path / "config.toml").read_text(), world_size=found.world_size,
+                            data=found.data)
 
 
 def read_model_state(path: Path) -> dict[str, torch.Tensor]:
@@ -486,6 +409,13 @@ def resumed_sampler(sampler: BatchSampler, loaded: LoadedCheckpoint, cfg: Config
 
     return BatchSampler(sampler.dataset, t.seq_len, t.global_batch_size, t.seed, start_step=step,
                         start_sample=samples)
+
+
+def _same_path(a: str | None, b: str | None) -> bool:
+    """Whether two data.path values name the same directory ('' or None: the built-in corpus)."""
+    if not a or not b:
+        return not a and not b
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
 def host_copies(pieces: list[Piece], reuse: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -598,8 +528,11 @@ class Checkpointer:
     collective: every rank calls it at the same point."""
 
     def __init__(self, run_dir: Path, engine: Engine, cfg: Config, rank: int = 0, world: int = 1,
-                 is_first: bool = True) -> None:
+                 is_first: bool = True, data_fingerprint: str | None = None) -> None:
         self.run_dir, self.engine, self.cfg = run_dir, engine, cfg
+        # the training corpus's fingerprint (`TokenDataset.corpus_fingerprint`), recorded with each checkpoint's data
+        # position and checked on resume
+        self.data_fingerprint = data_fingerprint
         self.rank, self.world, self.is_first = rank, world, is_first
         self.config_toml = dump_toml(cfg)  # the resolved config, as the run directory and every checkpoint keep it
         self.in_flight: AsyncSave | None = None  # the asynchronous save being written (at most one)
@@ -644,8 +577,6 @@ class Checkpointer:
         """The checkpoint at `path` opened for this rank (its small files verified; the piece files it reads are,
         as it reads them), or why not."""
         try:
-            if not (path / "COMPLETE").is_file():
-                raise CheckpointError(f"{path} has no COMPLETE marker (its save was interrupted)")
             return load_checkpoint(path, self.rank, self.world), ""
         except CheckpointError as e:
             return None, str(e)
@@ -690,6 +621,7 @@ class Checkpointer:
             if was is not None and was != now:
                 raise CheckpointError(f"--resume: checkpoint {loaded.path.name} was written with {section}.{name} = "
                                       f"{was}, this run has {now}; {why}; resume with {section}.{name} = {was}")
+        self._check_same_data(loaded, written)
         shapes = {k.removeprefix("model."): loaded.reader.shape(k) for k in loaded.reader.names()
                   if k.startswith("model.")}
         own = checkpoint_model(loaded)
@@ -704,6 +636,34 @@ class Checkpointer:
         except PieceError as e:
             return f"checkpoint {loaded.path}: {e}"
         return ""
+
+    def _check_same_data(self, loaded: LoadedCheckpoint, written: dict[str, Any]) -> None:
+        """Refuse another training corpus than the checkpoint's: its data position (samples consumed) indexes the
+        order drawn over that corpus's windows. Compared by the corpus fingerprint the checkpoint records (the same
+        prepared directory moved elsewhere passes); a checkpoint written before it was recorded, by `data.path`."""
+        was_path = written.get("data", {}).get("path")
+        now_path = self.cfg.data.path
+        saved = loaded.data.get("data_fingerprint")
+        if saved and self.data_fingerprint:
+            if saved == self.data_fingerprint:
+                return
+            how = f"corpus fingerprint {saved[:12]}, this data's {self.data_fingerprint[:12]}"
+        elif was_path is None or _same_path(was_path, now_path):
+            return
+        else:
+            how = "the checkpoint records no corpus fingerprint, so the paths are compared"
+
+        def named(path: str | None) -> str:
+            return shown(path) if path else "'' (the built-in corpus)"
+
+        samples = loaded.data.get("samples_consumed")
+        position = f"{samples:,} samples consumed" if samples is not None else f"step {loaded.state.step}"
+        raise CheckpointError(
+            f"--resume: checkpoint {loaded.path.name} was written on data.path = {named(was_path)}, this run has "
+            f"data.path = {named(now_path)}, another corpus ({how}); its data position ({position}) indexes the "
+            f"order drawn over the first corpus, so another would repeat or skip text: resume with data.path = "
+            f"{named(was_path)} (moved or copied elsewhere is fine), or start a new run directory on this data (from "
+            f"this run's weights: `fivefold export --checkpoint RUN_DIR --hf DIR`, then `fivefold train --hf DIR`)")
 
     def save(self, step: int, tokens_seen: int, samples_consumed: int, skipped: int = 0,
              prune: bool = True, background: bool = False, stopping: bool = False) -> Path | None:
@@ -728,7 +688,10 @@ class Checkpointer:
                       "NaN or inf; the older checkpoints are kept", file=sys.stderr)
             return None
         tmp = checkpoint_dir(run_dir, step).with_name(checkpoint_dir(run_dir, step).name + ".tmp")
-        data = {"global_batch_size": t.global_batch_size, "seq_len": t.seq_len, "samples_consumed": samples_consumed}
+        data: dict[str, Any] = {"global_batch_size": t.global_batch_size, "seq_len": t.seq_len,
+                                "samples_consumed": samples_consumed}
+        if self.data_fingerprint:
+            data["data_fingerprint"] = self.data_fingerprint
         written: list[Path] = []
         error = _os_error(lambda: begin_checkpoint(run_dir, step) if engine.is_logging_rank else None)
         if self._failed(error):

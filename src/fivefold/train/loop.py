@@ -343,7 +343,8 @@ def start_run(cfg: Config, resume: bool, stop_after: int | None, stream: TextIO 
     baseline = memory_baseline(device) if expected else 0  # what the plan check's peak is measured above
     engine = build_engine(cfg, device)
     engine.eos_id = document_eos(cfg, train_set, data_dir)
-    checkpointer = ckpt.Checkpointer(run_dir, engine, cfg, rank, world, is_first=rank == 0)
+    checkpointer = ckpt.Checkpointer(run_dir, engine, cfg, rank, world, is_first=rank == 0,
+                                     data_fingerprint=train_set.corpus_fingerprint)
     loaded = resume_point(checkpointer, candidates) if resume else None
     extension = ""
     if loaded is not None:

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from fivefold.cli import main as cli_main
-from fivefold.config import Config, ConfigError, ModelConfig, dump_toml
+from fivefold.config import Config, ConfigError, ModelConfig
 from fivefold.models.hf import (
     CheckpointError,
     export_hf,
@@ -254,15 +253,27 @@ def test_pickled_weights_are_refused(tmp_path: Path) -> None:
 
 
 def write_checkpoint(ckpt: Path, cfg: ModelConfig, model: Llama, complete: bool = True) -> None:
-    """A checkpoint directory as the trainer writes it: fivefold names, tied lm_head not stored."""
-    ckpt.mkdir(parents=True)
-    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if cfg.tied_embeddings:
-        del sd["lm_head.weight"]
-    save_file(sd, str(ckpt / "model.safetensors"))
-    (ckpt / "config.toml").write_text(dump_toml(Config(model=cfg)))
-    if complete:
-        (ckpt / "COMPLETE").write_text("1\n")
+    """The trainer's checkpoint of `model` under `cfg` at `ckpt` (`Checkpointer.save`: pieces, manifest, trainer
+    state, COMPLETE; the step from a `step_N` name, in its run directory), the COMPLETE marker taken away unless
+    `complete`."""
+    import re
+    import shutil
+
+    from fivefold.train.build import single_device_engine
+    from fivefold.train.checkpoint import Checkpointer
+
+    named = re.fullmatch(r"step_(\d+)", ckpt.name)
+    run = ckpt.parent.parent if named and ckpt.parent.name == "checkpoints" else ckpt.parent / f".run-{ckpt.name}"
+    config = Config(model=cfg)
+    engine = single_device_engine(model, config, torch.device("cpu"))
+    path = Checkpointer(run, engine, config).save(int(named[1]) if named else 1, tokens_seen=0, samples_consumed=0,
+                                                  prune=False)
+    assert path is not None
+    if path != ckpt:
+        shutil.move(path, ckpt)
+        shutil.rmtree(run)
+    if not complete:
+        (ckpt / "COMPLETE").unlink()
 
 
 def test_export_cli_picks_newest_complete_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -304,10 +315,11 @@ def test_export_cli_moe_checkpoint(tmp_path: Path) -> None:
 def test_export_cli_corrupt_safetensors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     cfg = small_config()
     write_checkpoint(tmp_path / "ckpt", cfg, build_model(cfg, seed=0))
-    weights = tmp_path / "ckpt" / "model.safetensors"
+    weights = tmp_path / "ckpt" / "rank0.safetensors"
     weights.write_bytes(weights.read_bytes()[:200])
     assert cli_main(["export", "--checkpoint", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "hf")]) == 2
-    assert "cannot read safetensors file" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert str(weights) in err and err.count("\n") == 1
     assert not (tmp_path / "hf").exists()
 
 

@@ -18,12 +18,11 @@ SMALL = ("trainer_state.json", "config.toml", "index.json")
 def resume_counting(rank: int, world: int, run_dir: Path, data_dir: Path, overrides: dict[str, str]) -> dict:
     """Resume on this rank with hooks: the bytes it hashes per file, and the JSON files it reads (with repeats)."""
     import fivefold.checkpoint_format as fmt
-    from fivefold.train import checkpoint as ckpt
     from fivefold.train.loop import train
 
     hashed: dict[str, list[int]] = {}
     json_reads: list[str] = []
-    real_hash, real_json = fmt.hash_file, ckpt._json_file
+    real_hash, real_json = fmt.hash_file, fmt._json
 
     def counting_hash(path: Path) -> str:
         hashed.setdefault(Path(path).name, []).append(Path(path).stat().st_size)
@@ -33,7 +32,7 @@ def resume_counting(rank: int, world: int, run_dir: Path, data_dir: Path, overri
         json_reads.append(Path(path).name)
         return real_json(path)
 
-    fmt.hash_file, ckpt._json_file = counting_hash, counting_json
+    fmt.hash_file, fmt._json = counting_hash, counting_json
     losses = train(small_config(run_dir, data_dir, **overrides), resume=True).losses
     return {"hashed": hashed, "json_reads": json_reads, "losses": losses}
 

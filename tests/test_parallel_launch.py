@@ -81,6 +81,12 @@ def test_slurm_script_runs_torchrun_on_every_node(tmp_path, capsys):
     assert main(["train", "--slurm", str(tmp_path / "bad.sh"), "--nodes", "2", "--nproc", "4",
                  "--layout.dp", "2"]) == 2
     assert not (tmp_path / "bad.sh").exists()
+    # a CPU run's job asks SLURM for no GPU, and still starts its processes per node
+    cpu = tmp_path / "cpu.sh"
+    assert main(["train", "--slurm", str(cpu), "--nodes", "2", "--nproc", "4", "--layout.dp", "8",
+                 "--train.device", "cpu", "--max-steps", "50", "--run-dir", "runs/cpu"]) == 0
+    text = cpu.read_text()
+    assert "--gpus-per-node" not in text and "--nproc-per-node 4" in text
 
 
 def resume_on_ranks(rank: int, world_size: int, data_dir: Path, tmp: Path, layout: dict[str, str]) -> tuple:

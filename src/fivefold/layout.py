@@ -229,7 +229,8 @@ def expert_tensor_parallel_problem(model: ModelConfig, layout: LayoutConfig, seq
         return LayoutProblem(
             "etp neither 1 nor tp",
             f"layout.etp = {layout.etp} must be 1 (whole experts, tokens split over the tp ranks) or layout.tp = "
-            f"{layout.tp} (every expert's ffn dim split over tp)")
+            f"{layout.tp} (every expert's ffn dim split over tp)" + (
+                f"; etp = {layout.etp} needs layout.tp = {layout.etp}" if layout.etp > 1 else ""))
     if not model.is_moe or not layout.splits_tokens_over_tp or (seq_len // layout.cp) % layout.tp == 0:
         return None
     local = "" if layout.cp == 1 else f" (the cp-local length train.seq_len / layout.cp = {seq_len // layout.cp})"

@@ -177,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"kept the previous {args.slurm} as {backup}")
         path = write_slurm_script(args.slurm, forwarded_argv(args, cfg.run_dir), args.nodes, args.nproc,
                                   time_limit=args.time, partition=args.partition, account=args.account,
-                                  setup=str(Path(args.setup).resolve()) if args.setup else None)
+                                  setup=str(Path(args.setup).resolve()) if args.setup else None,
+                                  gpus=cfg.train.device != "cpu")  # a CPU run's job asks for no GPU
         print(f"wrote {path}: {args.nodes} node(s) x {args.nproc} processes, time limit {args.time}; submit it "
               f"with `sbatch {path}`")
         return 0

@@ -780,29 +780,13 @@ def zero3_block_gather(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster
     return comm.all_gather(rp.total * gathered / n_layers, zg, st["dpcp"], hw)
 
 
-def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, exact: bool = True,
-              docs: DocumentLengths | None = None, moe_imbalance: float = 1.0) -> TimeReport:
-    """`moe_imbalance`: the busiest expert's load over the even share (1: balanced routing)."""
-    hw = hw.on_node(min(lay.world_size, hw.gpus_per_node))
-    times = stage_times(cfg, seq, lay, fw, hw, docs, moe_imbalance)
-    tokens = lay.micro_batch_size * seq / lay.cp
-    # the residual stream crosses stages, in the framework's residual dtype (bf16 in fivefold's lean engine)
-    send = tokens * cfg.hidden * fw.residual_bytes / (lay.tp if lay.sp else 1)
-    p2p = comm.p2p(send, lay, hw) if lay.pp > 1 else 0.0
-    fb = hw.comm_overlap if runs_fb_overlap(lay, fw) else None
-    makespan = pipeline_makespan(lay, times, p2p, exact, fb)
-    # what DualPipeV's overlapped pairs take off the plain schedule
-    fb_hidden = pipeline_makespan(lay, times, p2p, exact) - makespan if fb is not None else 0.0
-    per_rank = [0.0] * lay.pp
-    for s in range(len(times.f)):
-        per_rank[_rank_of(s, lay)] += times.f[s] + times.b[s] + times.w[s]
-    ideal = lay.grad_accum_steps * max(per_rank)
-    st = comm.strides(lay)
-    states = model_state_bytes(cfg, lay, fw, "first")
-    # gradient reduction, bucketed, launched during the last micro-batch's backward: dense gradients over
-    # dp x cp, routed experts' over the ranks holding the same experts (dp x cp / ep, every ep-th member)
+def _data_parallel_time(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluster, times: StageTimes,
+                        rp: RankParams, states: dict, st: dict) -> tuple[float, float]:
+    """(Exposed seconds of the gradient reduction, of ZeRO's parameter gathers) in a step. The reduction is
+    bucketed, launched during the last micro-batch's backward: dense gradients over dp x cp, routed experts' over
+    the ranks holding the same experts (dp x cp / ep, every ep-th member). ZeRO-3 without a pipeline runs its
+    gathers and reduce-scatters on one link under the blocks' compute (`fsdp_link_time`)."""
     dpc = lay.dp * lay.cp
-    rp = rank_params(cfg, lay, "first")
     elem_bytes = reduced_grad_bytes(lay, fw)
     red_bytes = rp.total * elem_bytes
     # the engine never splits a parameter over buckets, so a bucket below the mean tensor holds about one tensor
@@ -824,37 +808,59 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
             return comm.reduce_scatter(nbytes, size, stride, hw, bucket, nodes) * lay.grad_accum_steps
         return comm.all_reduce(nbytes, size, stride, hw, bucket, nodes)
 
-    t_dp = 0.0
+    t_dp_exposed = 0.0
+    t_gather = _gather_time(cfg, lay, fw, hw, times, rp, states, st)
     if dpc > 1:
         t_dp = reduce_time(rp.dense * elem_bytes, dpc, st["dpcp"], lay.zero_group)
         t_dp += reduce_time(rp.expert * elem_bytes, lay.edp, st["dpcp"] * lay.ep, lay.expert_zero_group,
                             edp_nodes(lay, hw.gpus_per_node))
-        last_bucket = t_dp * min(1.0, bucket / max(red_bytes, 1.0))
-        window = sum(times.b[s] + times.w[s] for s in range(len(times.f)) if _rank_of(s, lay) == 0) if lay.pp > 1 \
-            else times.b[0] + times.w[0]
-        if lay.zero == 2 or (lay.zero >= 3 and lay.pp == 1):
-            # every micro-batch reduce-scatters behind its own backward, not all behind the last one (ZeRO-3 under
-            # pp reduce-scatters once, behind each stage's last backward of the step)
-            window *= lay.grad_accum_steps
-        t_dp_exposed = exposed(t_dp, window, overlap) + overlap * last_bucket
-    else:
-        t_dp_exposed = 0.0
+        if lay.zero >= 3 and lay.pp == 1:
+            # the gathers (forward and backward) and the reduce-scatters on one link, under the blocks' compute:
+            # what the gathers alone leave exposed is theirs, the rest the reduction's
+            blocks = max(1, times.counts[0])
+            f_block, b_block = times.f[0] / blocks, (times.b[0] + times.w[0]) / blocks
+            ag = zero3_block_gather(cfg, lay, fw, hw, rp, st)
+            rs = t_dp / lay.grad_accum_steps / blocks
+            link = [fsdp_link_time(ag, x, f_block, b_block, blocks, lay.grad_accum_steps, overlap)
+                    for x in (0.0, rs)]
+            t_gather += link[0]
+            t_dp_exposed = link[1] - link[0]
+        else:
+            last_bucket = t_dp * min(1.0, bucket / max(red_bytes, 1.0))
+            window = sum(times.b[s] + times.w[s] for s in range(len(times.f)) if _rank_of(s, lay) == 0) \
+                if lay.pp > 1 else times.b[0] + times.w[0]
+            if lay.zero == 2:  # every micro-batch reduce-scatters behind its own backward, not all behind the last
+                window *= lay.grad_accum_steps
+            t_dp_exposed = exposed(t_dp, window, overlap) + overlap * last_bucket
     if cfg.tied_embeddings and lay.pp > 1 and _rank_of(len(times.f) - 1, lay) != 0:
         # the embedding and the output layer on the first and last pipeline ranks: their reduced gradients are
         # summed over those two ranks after the step's backward, not overlapped
         tied = cfg.vocab_size / lay.tp * cfg.hidden * elem_bytes
         t_dp_exposed += comm.all_reduce(tied, 2, st["pp"] * (lay.pp - 1), hw)
-    t_gather = _gather_time(cfg, lay, fw, hw, times, rp, states, st)
-    if dpc > 1 and lay.zero >= 3 and lay.pp == 1:
-        # the gathers (forward and backward) and the reduce-scatters on one link, under the blocks' compute: what
-        # the gathers alone leave exposed is theirs, the rest the reduction's
-        blocks = max(1, times.counts[0])
-        f_block, b_block = times.f[0] / blocks, (times.b[0] + times.w[0]) / blocks
-        ag = zero3_block_gather(cfg, lay, fw, hw, rp, st)
-        rs = t_dp / lay.grad_accum_steps / blocks
-        link = [fsdp_link_time(ag, x, f_block, b_block, blocks, lay.grad_accum_steps, overlap) for x in (0.0, rs)]
-        t_gather += link[0]
-        t_dp_exposed = link[1] - link[0]
+    return t_dp_exposed, t_gather
+
+
+def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, exact: bool = True,
+              docs: DocumentLengths | None = None, moe_imbalance: float = 1.0) -> TimeReport:
+    """`moe_imbalance`: the busiest expert's load over the even share (1: balanced routing)."""
+    hw = hw.on_node(min(lay.world_size, hw.gpus_per_node))
+    times = stage_times(cfg, seq, lay, fw, hw, docs, moe_imbalance)
+    tokens = lay.micro_batch_size * seq / lay.cp
+    # the residual stream crosses stages, in the framework's residual dtype (bf16 in fivefold's lean engine)
+    send = tokens * cfg.hidden * fw.residual_bytes / (lay.tp if lay.sp else 1)
+    p2p = comm.p2p(send, lay, hw) if lay.pp > 1 else 0.0
+    fb = hw.comm_overlap if runs_fb_overlap(lay, fw) else None
+    makespan = pipeline_makespan(lay, times, p2p, exact, fb)
+    # what DualPipeV's overlapped pairs take off the plain schedule
+    fb_hidden = pipeline_makespan(lay, times, p2p, exact) - makespan if fb is not None else 0.0
+    per_rank = [0.0] * lay.pp
+    for s in range(len(times.f)):
+        per_rank[_rank_of(s, lay)] += times.f[s] + times.b[s] + times.w[s]
+    ideal = lay.grad_accum_steps * max(per_rank)
+    st = comm.strides(lay)
+    states = model_state_bytes(cfg, lay, fw, "first")
+    rp = rank_params(cfg, lay, "first")
+    t_dp_exposed, t_gather = _data_parallel_time(cfg, lay, fw, hw, times, rp, states, st)
     # the optimizer step streams parameters, gradients and states once, plus a fixed cost per tensor
     opt_bandwidth = (hw.optimizer_gbps * 1e9 if hw.optimizer_gbps else hw.hbm_gbps * 1e9 / 2) / hw.compute_scale
     t_opt = (states["parameters"] + states["gradients"] + states["optimizer"]) / opt_bandwidth \

@@ -354,6 +354,48 @@ def test_export_and_generate_verify_a_sharded_checkpoints_checksums(tmp_path: Pa
     assert f"{piece} is corrupted" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")], ids=["nan", "inf"])
+def test_export_and_generate_refuse_non_finite_weights_as_a_resume_does(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                        bad: float) -> None:
+    """A checkpoint whose manifest vouches for a piece file holding one NaN or infinity (written so, not damaged on
+    the way): a resume refuses it (the reference), and so do `export` and `generate`, in one line naming the tensor;
+    given the run directory, export takes the older finite checkpoint and says why it skipped the newer one."""
+    from safetensors.torch import load_file, save_file
+
+    from fivefold.train.build import single_device_engine
+    from fivefold.train.checkpoint import Checkpointer, CheckpointError, load_checkpoint, write_manifest
+
+    cfg = small_config()
+    run = tmp_path / "run"
+    good, poisoned = run / "checkpoints" / "step_00000010", run / "checkpoints" / "step_00000020"
+    write_checkpoint(good, cfg, random_model(cfg, seed=1))
+    write_checkpoint(poisoned, cfg, random_model(cfg, seed=2))
+    name = "model.layers.1.mlp.down_proj.weight"
+    piece = json.loads((poisoned / "index.json").read_text())["tensors"][name]["pieces"][0]
+    tensors = load_file(str(poisoned / piece["file"]))
+    tensors[piece["key"]][3, 5] = bad
+    save_file(tensors, str(poisoned / piece["file"]))
+    write_manifest(poisoned)  # the manifest vouches for the file as it now is
+    engine = single_device_engine(build_model(cfg, seed=0), Config(model=cfg), torch.device("cpu"))
+    with pytest.raises(CheckpointError, match="holds NaN or inf"):
+        Checkpointer(run, engine, Config(model=cfg)).load([poisoned])
+    load_checkpoint(poisoned)  # every file passes the manifest: only the values are wrong
+    capsys.readouterr()
+    assert cli_main(["export", "--checkpoint", str(poisoned), "--hf", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"holds NaN or inf in tensor '{name}'" in err, err
+    assert not (tmp_path / "hf").exists()
+    assert cli_main(["generate", "--checkpoint", str(poisoned), "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"holds NaN or inf in tensor '{name}'" in err, err
+    assert cli_main(["export", "--checkpoint", str(run), "--hf", str(tmp_path / "from_run")]) == 0
+    out = capsys.readouterr().out
+    assert "using step_00000010" in out and "skipped the newer step_00000020 (" in out and name in out, out
+    assert cli_main(["export", "--checkpoint", str(good), "--hf", str(tmp_path / "named")]) == 0
+    got, want = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("from_run", "named"))
+    assert got.keys() == want.keys() and all(got[k].equal(want[k]) for k in got)
+
+
 def test_export_cli_mismatched_shapes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     cfg = small_config()
     write_checkpoint(tmp_path / "ckpt", cfg, build_model(dataclasses.replace(cfg, ffn=128), seed=0))

@@ -17,7 +17,9 @@ never holds a second copy of its state, past the page cache where the system all
 checkpoint directory (`verify_manifest` checks them). Every file a reader opens is named by a path relative to the
 checkpoint directory that stays inside it (`member`: no absolute path, no `..`, no link out) and is listed in the
 manifest: an index that points elsewhere is damage. `verify_checkpoint` is the one check of a checkpoint directory,
-run by a resuming rank and by `fivefold export` and `generate` alike: what one refuses, the others refuse.
+run by a resuming rank and by `fivefold export` and `generate` alike: what one refuses, the others refuse. So is
+`nonfinite`, the check that a checkpoint holds no NaN or infinity (a resume's on the state it loaded, a save's on the
+state it would write, export's and generate's on every tensor of the index).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import mmap
 import os
 import re
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -75,6 +77,33 @@ def flat_rects(shape: tuple[int, ...], start: int, end: int) -> list[Rect]:
     if end % row:
         out += flat_rects(shape, full_end * row, end)
     return out
+
+
+FINITE_CHUNK = 1 << 18  # elements checked at a time: the check's temporaries stay at a quarter MiB
+
+
+@torch.no_grad()
+def nonfinite(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """The positions in `tensors` (on one device) of those that hold a NaN or an infinity; integer tensors are
+    finite. Checked a chunk at a time: a mask of a whole tensor (a byte per element, tens of MiB for a large layer)
+    would stay in the process's heap and make a save the largest resident memory of the run."""
+    floats = [i for i, v in enumerate(tensors) if v.is_floating_point()]
+    if not floats:
+        return []
+    # a finite sum proves every element of a tensor finite (a NaN or an infinity makes any sum NaN or infinite): one
+    # read of each tensor without temporaries, and one host read; only a tensor whose sum is not finite (an overflow
+    # of large finite values, or a real NaN) is checked element by element
+    sums = torch.isfinite(torch.stack([tensors[i].sum().float() for i in floats]))
+    if bool(sums.all()):
+        return []
+    suspects = [i for i, finite in zip(floats, sums.tolist(), strict=True) if not finite]
+    flags = []
+    for i in suspects:
+        ok = torch.ones((), dtype=torch.bool, device=tensors[i].device)
+        for chunk in tensors[i].reshape(-1).split(FINITE_CHUNK):
+            ok &= torch.isfinite(chunk).all()
+        flags.append(ok)
+    return [i for i, ok in zip(suspects, torch.stack(flags).tolist(), strict=True) if not ok]
 
 
 class WriteCancelled(Exception):

@@ -1,8 +1,9 @@
 """`fivefold export --checkpoint PATH --hf OUT_DIR`: a trained checkpoint as a Hugging Face directory.
 
 PATH is one checkpoint directory (`step_XXXXXXXX`) or a run directory whose `checkpoints/step_XXXXXXXX/` holds
-several; then the newest one that passes is exported. Either passes the check a resume runs
-(`checkpoint_format.verify_checkpoint`): what `--resume` would set aside is refused here. The tokenizer comes from
+several; then the newest one that passes is exported. Either passes the checks a resume runs
+(`checkpoint_format.verify_checkpoint`, and `checkpoint_format.nonfinite` on every tensor: no NaN or inf): what
+`--resume` would set aside is refused here. The tokenizer comes from
 the run (`RUN_DIR/tokenizer/`, which training writes) or from `--tokenizer`; with it the directory is complete:
 AutoTokenizer and `generate` work on it.
 """
@@ -127,8 +128,9 @@ def open_checkpoint(ckpt: Path) -> OpenedCheckpoint:
     """Checkpoint directory `ckpt` for `export` and `generate`, accepted only as a resume accepts it: the one check
     every reader runs (`checkpoint_format.verify_checkpoint`, as one rank that reads everything: the marker, every
     file the manifest lists, each checked against it before it is parsed, piece files included), then its config and
-    its model tensors against that config (`check_checkpoint_model`: names and shapes, before any weight is read).
-    A CliError names the file and the problem."""
+    its model tensors against that config (`check_checkpoint_model`: names and shapes, before any weight is read),
+    then every tensor it holds, weights and optimizer state, finite (`check_finite`: what a resume sets aside as
+    NaN or inf). A CliError names the file or tensor and the problem."""
     from fivefold.checkpoint_format import PieceError, PieceReader, verify_checkpoint
     from fivefold.models.hf import CheckpointError
 
@@ -137,9 +139,23 @@ def open_checkpoint(ckpt: Path) -> OpenedCheckpoint:
         cfg = build_config(ckpt / "config.toml").model
         reader = PieceReader(ckpt, found.index)  # every file was just verified: not hashed again as it is opened
         check_checkpoint_model(reader, cfg, str(ckpt))
+        check_finite(reader, ckpt)
     except (PieceError, CheckpointError, ConfigError) as e:
         raise CliError(str(e)) from None
     return OpenedCheckpoint(ckpt, cfg, reader)
+
+
+def check_finite(reader: PieceReader, ckpt: Path) -> None:
+    """Every tensor of the checkpoint at `ckpt` finite, read one at a time (`checkpoint_format.nonfinite`, the check a
+    resume runs on what it loads): a PieceError naming the first that holds a NaN or an infinity."""
+    from fivefold.checkpoint_format import PieceError, nonfinite
+
+    for name in reader.names():
+        bad = nonfinite([reader.read(name)])
+        reader.close()  # its mapped pages leave this process's resident memory, as export's reads do
+        if bad:
+            raise PieceError(f"{ckpt} holds NaN or inf in tensor {shown(name)}, which a resume sets aside as "
+                             "unusable")
 
 
 def resolve_checkpoint(path: Path) -> tuple[OpenedCheckpoint, str | None]:

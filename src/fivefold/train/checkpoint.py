@@ -75,6 +75,7 @@ from fivefold.checkpoint_format import (
     TrainerState,
     WriteCancelled,
     global_index,
+    nonfinite,
     read_manifest,
     verify_checkpoint,
     verify_manifest,
@@ -370,26 +371,11 @@ def restore_rng(loaded: LoadedCheckpoint, device: torch.device) -> None:
         _set_rng_state(loaded.rng_state, device)
 
 
-FINITE_CHUNK = 1 << 18  # elements checked at a time: the check's temporaries stay at a quarter MiB
-
-
-@torch.no_grad()
 def all_finite(engine: Engine, tensors: list[torch.Tensor]) -> bool:
-    """Whether the weights and optimizer state that every rank writes are finite (one reduction). Checked a chunk at
-    a time: a mask of a whole piece (a byte per element, tens of MiB for a large layer) would stay in the process's
-    heap and make the save the largest resident memory of the run."""
-    ok = torch.ones((), dtype=torch.bool, device=engine.device)
-    floats = [v for v in tensors if v.is_floating_point()]  # integers are finite
-    # a finite sum proves every element of a tensor finite (a NaN or an infinity makes any sum NaN or infinite): one
-    # read of each tensor without temporaries, and one host read; only a tensor whose sum is not finite (an overflow
-    # of large finite values, or a real NaN) is checked element by element
-    sums = torch.isfinite(torch.stack([v.sum().float() for v in floats])) if floats else None
-    if sums is not None and not bool(sums.all()):
-        for v, finite in zip(floats, sums.tolist(), strict=True):
-            if not finite:
-                for chunk in v.reshape(-1).split(FINITE_CHUNK):
-                    ok &= torch.isfinite(chunk).all()
-    return not engine.agree((~ok).float().reshape(1)).item()
+    """Whether the weights and optimizer state that every rank writes are finite: each rank's own tensors checked
+    (`checkpoint_format.nonfinite`, the check `fivefold export` and `generate` run too), then one reduction."""
+    bad = torch.tensor([float(bool(nonfinite(tensors)))], device=engine.device)
+    return not engine.agree(bad).item()
 
 
 def resumed_sampler(sampler: BatchSampler, loaded: LoadedCheckpoint, cfg: Config, is_first: bool) -> BatchSampler:

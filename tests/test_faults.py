@@ -411,6 +411,75 @@ def test_sweep_records_an_interrupted_run_and_runs_it_again(tmp_path: Path, monk
     assert Store(results).statuses() == {key: "crash"}
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_stop_signal_stops_the_sweep_as_ctrl_c_and_restores_the_handlers(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          capsys: pytest.CaptureFixture,
+                                                                          signum: int) -> None:
+    """SIGTERM or SIGHUP while a run is in flight (sent to this process, as `kill` does): the sweep stops as after
+    Ctrl-C (exit 130, the run recorded as interrupted, one line saying so), through `faults.stop_signals_interrupt`
+    (after SIGHUP, output to a closed terminal goes to /dev/null), and the handlers before the sweep are back."""
+    from fivefold import faults
+    from fivefold.sweep import cli as sweep_cli
+    from fivefold.sweep.store import Store
+
+    grid = tmp_path / "g.toml"
+    grid.write_text(GRID)
+    results = tmp_path / "r.db"
+    quieted: list[bool] = []
+    monkeypatch.setattr(faults, "quiet_hung_up_terminal", lambda: quieted.append(True))
+
+    def signalled(plan, *a, **k):
+        os.kill(os.getpid(), signum)
+        time.sleep(5)  # the handler raises before this ends
+        pytest.fail(f"{signal.Signals(signum).name} did not stop the run in flight")
+
+    def mine(*_: object) -> None:
+        pytest.fail("the handler installed before the sweep ran during it")
+
+    before = {s: signal.signal(s, mine) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        monkeypatch.setattr(sweep_cli, "run_local", signalled)
+        assert main(["sweep", str(grid), "--results", str(results)]) == 130
+        assert all(signal.getsignal(s) is mine for s in (signal.SIGTERM, signal.SIGHUP))
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+    err = capsys.readouterr().err
+    assert "fivefold sweep: interrupted; 0 runs recorded" in err and "is recorded as interrupted" in err, err
+    assert list(Store(results).statuses().values()) == ["interrupted"]
+    assert quieted == ([True] if signum == signal.SIGHUP else [])
+
+
+def test_a_sweep_runs_outside_the_main_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture) -> None:
+    """A sweep called from another thread (a library, a notebook's worker) runs: stop signals are the main
+    thread's business there (`faults.stop_signals_interrupt` leaves them alone), not a ValueError from
+    `signal.signal`."""
+    from fivefold.sweep import cli as sweep_cli
+    from fivefold.sweep.runner import Outcome
+    from fivefold.sweep.store import Store
+
+    grid = tmp_path / "g.toml"
+    grid.write_text(GRID)
+    results = tmp_path / "r.db"
+    monkeypatch.setattr(sweep_cli, "run_local", lambda *a, **k: Outcome("crash", None, "boom", None, 1.0, "", ""))
+    codes: list[int] = []
+    errors: list[BaseException] = []
+
+    def sweep() -> None:
+        try:
+            codes.append(main(["sweep", str(grid), "--results", str(results)]))
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    worker = threading.Thread(target=sweep)
+    worker.start()
+    worker.join(60)
+    assert not errors and codes == [0], errors
+    assert list(Store(results).statuses().values()) == ["crash"]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The watchdog, in one process against a shared store
 

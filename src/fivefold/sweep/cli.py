@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import signal
 import sys
 from pathlib import Path
 from typing import TextIO
 
+from fivefold import faults
 from fivefold.config import ConfigError, check_writable_dir, finite_float, int_in, shown
 from fivefold.errors import CliError
 from fivefold.outputs import check_target
@@ -149,10 +149,6 @@ def _predict(plan: PlannedRun, hardware, device_type: str | None) -> dict | None
         return None
 
 
-def _sigterm_as_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
 def run(args: argparse.Namespace) -> int:
     from fivefold.device import resolve_device
     from fivefold.planner.predict import load_hardware, on_one_node
@@ -277,35 +273,36 @@ def _sweep(args, grid, plans: list[PlannedRun], dropped: dict[str, int], store: 
         return _slurm(args, grid, todo, store, runs, timeout, retry, hardware, device_type)
     progress = Progress(len(todo), out)
     locks = Path(args.results).with_name(Path(args.results).name + ".locks")
-    # SIGTERM and SIGHUP stop the run in flight like Ctrl-C does, instead of orphaning its processes
-    previous = {sig: signal.signal(sig, _sigterm_as_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    # SIGTERM and SIGHUP stop the run in flight like Ctrl-C does (`faults.StopSignal`, a KeyboardInterrupt), instead
+    # of orphaning its processes; the handlers before are restored when the loop ends
     lock: KeyLock | None = None
     flight: PlannedRun | None = None
     try:
-        for plan in todo:
-            lock = KeyLock(locks, plan.key)
-            if not lock.acquire():
-                progress.total -= 1
-                print(f"  running in another sweep now, skipped: {plan.label}", file=out)
-                continue
-            # another sweep on the same file may have finished it meanwhile
-            if _recorded(store.status(plan.key), retry):
+        with faults.stop_signals_interrupt():
+            for plan in todo:
+                lock = KeyLock(locks, plan.key)
+                if not lock.acquire():
+                    progress.total -= 1
+                    print(f"  running in another sweep now, skipped: {plan.label}", file=out)
+                    continue
+                # another sweep on the same file may have finished it meanwhile
+                if _recorded(store.status(plan.key), retry):
+                    lock.release()
+                    progress.total -= 1
+                    print(f"  already recorded by another sweep: {plan.label}", file=out)
+                    continue
+                prediction = _predict(plan, hardware, device_type)
+                progress.start(plan)
+                # recorded as interrupted until it ends: a sweep killed meanwhile (even by SIGKILL) leaves it so
+                flight = plan
+                store.record(make_row(plan, grid.name, grid.steps, grid.warmup, _interrupted(), prediction, hardware,
+                                      1), replace_statuses=_REPLACEABLE + retry)
+                outcome = run_local(plan, runs, grid.steps, grid.warmup, timeout, progress.tick)
+                row = make_row(plan, grid.name, grid.steps, grid.warmup, outcome, prediction, hardware, 1)
+                store.record(row, replace_statuses=_REPLACEABLE + retry)
+                flight = None
                 lock.release()
-                progress.total -= 1
-                print(f"  already recorded by another sweep: {plan.label}", file=out)
-                continue
-            prediction = _predict(plan, hardware, device_type)
-            progress.start(plan)
-            # recorded as interrupted until it ends: a sweep killed meanwhile (even by SIGKILL) leaves it so
-            flight = plan
-            store.record(make_row(plan, grid.name, grid.steps, grid.warmup, _interrupted(), prediction, hardware,
-                                  1), replace_statuses=_REPLACEABLE + retry)
-            outcome = run_local(plan, runs, grid.steps, grid.warmup, timeout, progress.tick)
-            row = make_row(plan, grid.name, grid.steps, grid.warmup, outcome, prediction, hardware, 1)
-            store.record(row, replace_statuses=_REPLACEABLE + retry)
-            flight = None
-            lock.release()
-            progress.finish(plan, row, outcome.wall_s)
+                progress.finish(plan, row, outcome.wall_s)
     except KeyboardInterrupt:
         lost = f"; {flight.label} is recorded as interrupted" if flight is not None else ""
         print(f"\nfivefold sweep: interrupted; {progress.done} runs recorded in {args.results}{lost}; run the "
@@ -314,8 +311,6 @@ def _sweep(args, grid, plans: list[PlannedRun], dropped: dict[str, int], store: 
     finally:
         if lock is not None:
             lock.release()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     _summary(store, grid.name, args.results, out)
     return 0
 

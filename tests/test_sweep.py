@@ -291,10 +291,12 @@ def test_report_from_the_store(swept, tmp_path):
 
 
 def test_report_of_a_sweep_where_every_run_failed(tmp_path):
-    # a crash (a mask that fivefold bench refuses when it starts: its random tokens hold no documents; a device
-    # this machine lacks is refused before any run), an invalid layout, and a two-process run cut by the timeout
-    no_documents = SMALL.replace('preset = "tiny"', 'preset = "tiny"\nattn_mask = "document"')
-    crash = write_grid(tmp_path, 'name = "fails"\nsteps = 1\nwarmup = 0\n' + no_documents + """
+    # a crash (a model that fivefold bench refuses when it starts: its planned memory, terabytes, fits no machine;
+    # a document mask or a device this machine lacks is refused before any run), an invalid layout, and a
+    # two-process run cut by the timeout
+    too_big = SMALL.replace("n_layers = 1\nhidden = 64\nn_heads = 4\nn_kv_heads = 2\nffn = 128",
+                            "n_layers = 64\nhidden = 16384\nn_heads = 128\nn_kv_heads = 8\nffn = 65536")
+    crash = write_grid(tmp_path, 'name = "fails"\nsteps = 1\nwarmup = 0\n' + too_big + """
         [layout]
         zero = [0, 1]
         """, "crash.toml")
@@ -304,7 +306,7 @@ def test_report_of_a_sweep_where_every_run_failed(tmp_path):
     assert main(["sweep", str(slow), "--results", str(results), "--timeout", "2", "--runs", str(tmp_path / "r")]) == 0
     rows = {r["status"]: r for r in read_rows(results)}
     assert set(rows) == {"crash", "invalid", "timeout"}
-    assert "model.attn_mask = 'document'" in rows["crash"]["error"] and "error" in rows["crash"]["error"]
+    assert "the planner predicts a peak of" in rows["crash"]["error"] and "error" in rows["crash"]["error"]
     assert rows["timeout"]["error"] == "timed out after 2 s"
     # the timed-out run's processes are gone: none has its run folder on its command line
     folder = str(tmp_path / "r")

@@ -279,6 +279,35 @@ def test_a_value_repeated_in_an_axis_is_refused(tmp_path, capsys, field, values,
 
 
 # ---------------------------------------------------------------------------------------------
+# A document mask: every run of it would fail in fivefold bench, so the grid is refused when it is read
+
+
+@pytest.mark.parametrize(("where", "body", "shown"), [
+    ("fixed", with_field("model", 'attn_mask = "document"'), "grid model.attn_mask = 'document' cannot"),
+    ("an axis", with_field("model", 'attn_mask = ["causal", "document"]'),
+     "grid model.attn_mask = 'document' (in model.attn_mask = ['causal', 'document']) cannot"),
+    ("a [[grid]] table", BASE + '\n[[grid]]\ndevices = 1\n\n[[grid]]\ndevices = 1\nmodel = { attn_mask = '
+                                '"document" }\n', "grid model.attn_mask = 'document' cannot"),
+])
+def test_a_document_mask_is_refused_when_the_grid_is_read(tmp_path, capsys, where, body, shown):
+    # the reference: fivefold bench, which each run is, refuses the mask when it starts
+    assert main(["bench", "--model", "tiny", "--model.attn_mask", "document", "--steps", "1", "--warmup", "0",
+                 "--train.device", "cpu"]) == 2
+    assert "model.attn_mask = 'document'" in capsys.readouterr().err
+    grid = grid_file(tmp_path, "steps = 2\nwarmup = 1\n" + body)
+    with pytest.raises(ConfigError, match=re.escape(shown)):
+        load_grid(grid)
+    for flags in (("--dry-run",), ()):  # nothing runs, no store, no runs' folder
+        refused(*sweep(tmp_path, grid, capsys, *flags), tmp_path, shown, "random tokens", "attn_mask = 'causal'")
+    assert not (tmp_path / "r-runs").exists()
+    # the causal mask alone sweeps as before
+    causal = grid_file(tmp_path, "steps = 2\nwarmup = 1\n" + body.replace('"document"', '"causal"')
+                       .replace('["causal", "causal"]', '"causal"'), "causal.toml")
+    code, out, err = sweep(tmp_path, causal, capsys, "--dry-run")
+    assert code == 0 and "would run" in out, err
+
+
+# ---------------------------------------------------------------------------------------------
 # S14.1: --gpus-per-node belongs to --slurm; a CPU job asks for no GPU
 
 

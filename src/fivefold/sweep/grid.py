@@ -23,7 +23,8 @@
 
 `load_grid` checks what `expand` computes with before any combination is built: the counts of the layout and
 the batch (`COUNTS`: integers in their range), no value twice in one axis, and the fields that a run does not use
-(`UNUSED`: refused where they vary, a note where they are fixed). `expand` builds every combination's full
+(`UNUSED`: refused where they vary, a note where they are fixed), and no value that no run can time
+(`UNTIMEABLE`: a document mask). `expand` builds every combination's full
 `Config`, validates it with the config's and the layout validator's rules (an invalid one keeps the validator's
 message), and gives each a stable key: a hash of the normalised config and the measurement protocol (steps,
 warm-up), and a label that holds every field the grid varies.
@@ -177,6 +178,7 @@ def load_grid(path: str | Path) -> Grid:
     for product in products:
         check_counts(product)
         check_repeats(product)
+        check_timeable(product)
     return Grid(name, steps, warmup, timeout, products, unused_fields(products))
 
 
@@ -228,6 +230,27 @@ def check_repeats(product: dict) -> None:
                 if v in value[:i]:
                     raise ConfigError(f"grid {section}.{name} = {shown(value)} lists {shown(v)} more than once; give "
                                       "each value of an axis once (a repeated value is the same run again)")
+
+
+# values of a field that a sweep's run (`fivefold bench`, on random tokens) refuses when it starts, and why: refused
+# when the grid is read, instead of recording every such run as a crash
+UNTIMEABLE: dict[str, tuple[Any, str]] = {
+    "model.attn_mask": ("document", "a sweep's run (fivefold bench) trains on random tokens, which hold no document "
+                                    "boundaries, so it cannot time document masking (benchmarks/document_mask.py "
+                                    "times it on packed documents, `fivefold plan --doc-len N` prices it); give "
+                                    "model.attn_mask = 'causal' or leave it out"),
+}
+
+
+def check_timeable(product: dict) -> None:
+    """No value of the grid is one that every run given it would fail on (`UNTIMEABLE`): one line naming the field,
+    the value and why."""
+    for dotted, (bad, why) in UNTIMEABLE.items():
+        section, name = dotted.split(".")
+        value = (product.get(section) or {}).get(name)
+        if value is not None and bad in _values(value):
+            within = f" (in {dotted} = {shown(value)})" if isinstance(value, list) else ""
+            raise ConfigError(f"grid {dotted} = {shown(bad)}{within} cannot be swept: {why}")
 
 
 def _identity(value: Any) -> str:

@@ -139,6 +139,44 @@ def test_a_device_missing_here_is_refused_before_anything_runs(tmp_path, capsys)
     assert "#SBATCH --gpus-per-node=1" in job.read_text()  # an accelerator job asks for its GPUs
 
 
+def pretend_accelerators(monkeypatch: pytest.MonkeyPatch, kind: str, count: int) -> None:
+    """This machine seen as having `count` accelerators of `kind` (what `torch.accelerator` reports), of a model
+    the accelerator table does not know (the planner's default profile, no device query)."""
+    from fivefold.planner import predict
+
+    monkeypatch.setattr(predict, "device_hardware", lambda device: None)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device(kind))
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: count)
+
+
+def test_more_processes_than_local_accelerators_are_refused_before_anything_runs(tmp_path, capsys, monkeypatch):
+    """A local run starts one process per device: a run of the grid on more processes than this machine has
+    accelerators is refused before any run starts (as a missing device is), naming the largest; --nproc-max skips
+    it instead, and the CPU runs of the grid are not held to the accelerators' count."""
+    kind = _missing_accelerator()  # a kind this machine lacks, so that nothing could start on it by mistake
+    pretend_accelerators(monkeypatch, kind, 2)
+    body = with_field("train", f'device = "{kind}"')
+    grid = grid_file(tmp_path, "steps = 1\nwarmup = 0\ndevices = [1, 2, 4]\n" + body)
+    for flags in (("--dry-run",), ()):
+        line = refused(*sweep(tmp_path, grid, capsys, *flags), tmp_path, "1 run(s)", f"2 {kind} device(s)",
+                       "dp4", f"train.device = '{kind}' on 4", "--nproc-max 2", "--slurm")
+    assert line.startswith("fivefold sweep: error: 1 run(s) of the grid need more processes than")
+    assert not (tmp_path / "r-runs").exists()
+    # up to the count it would run; --nproc-max 2 skips (and lists) the run on 4
+    code, out, err = sweep(tmp_path, grid_file(tmp_path, "devices = [1, 2]\n" + body, "two.toml"), capsys,
+                           "--dry-run")
+    assert code == 0 and "on 2 process(es)" in out, err
+    code, out, err = sweep(tmp_path, grid, capsys, "--dry-run", "--nproc-max", "2")
+    assert code == 0 and "needs 4 processes" in out and "on 2 process(es)" in out, err
+    # one accelerator: every run above 1 is refused; the CPU's runs are held to its cores' bound only
+    pretend_accelerators(monkeypatch, kind, 1)
+    line = refused(*sweep(tmp_path, grid, capsys, "--dry-run"), tmp_path, "2 run(s)", f"1 {kind} device(s)")
+    code, out, err = sweep(tmp_path, grid_file(tmp_path, "devices = [1, 2, 4]\n" + BASE, "cpu.toml"), capsys,
+                           "--dry-run")
+    assert code == 0 and "on 4 process(es)" in out, err
+
+
 # ---------------------------------------------------------------------------------------------
 # S13: more local CPU processes than the cores run
 

@@ -38,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                   "plus -runs)")
     p.add_argument("--nproc-max", type=int_in(0, 4096, "local processes"), default=0,
                    help="skip runs that need more local processes than this (default: none skipped, and a grid "
-                        "with CPU runs of more than 2 processes per core, at least 4, is refused)")
+                        "with CPU runs of more than 2 processes per core, at least 4, is refused; a run on more "
+                        "processes than this machine's accelerators is refused either way)")
     p.add_argument("--timeout", type=finite_float, help="seconds per run (default: the grid's timeout, else 600)")
     p.add_argument("--hardware", help="hardware profile for the planner's predictions (TOML, as for `fivefold "
                                       "plan --hardware`; default: the built-in profile of the device kind)")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import fivefold
-from fivefold.config import ConfigError, check_device_name, dump_toml
+from fivefold.config import ConfigError, check_device_name, dump_toml, shown
 from fivefold.faults import descendants, preexec_die_with_parent, try_flock
 from fivefold.launch import write_slurm_script
 from fivefold.sweep.grid import PlannedRun, config_json
@@ -173,8 +173,10 @@ def outcome_of(folder: Path, returncode: int | None, timed_out: bool, timeout: f
 def check_local(plans: list[PlannedRun], nproc_max: int) -> None:
     """What the runs that a local sweep would start need of this machine, checked before any of them starts: each
     grid's `train.device` present here (`present_device`, the check of `fivefold train` and `fivefold calibrate
-    --device`), and, without `--nproc-max`, no CPU run on more processes than `max_cpu_processes` (with it, the
-    runs above it are skipped instead). Invalid runs are never started and not checked."""
+    --device`), no accelerator run on more processes than this machine has devices of its kind (one process per
+    device), and, without `--nproc-max`, no CPU run on more processes than `max_cpu_processes` (with it, the runs
+    above it are skipped instead, and only those it keeps are checked). Invalid runs are never started and not
+    checked."""
     from fivefold.device import (
         CPU_PROCESSES_MIN,
         CPU_PROCESSES_PER_CORE,
@@ -191,6 +193,21 @@ def check_local(plans: list[PlannedRun], nproc_max: int) -> None:
             kinds[name] = present_device(name, "grid train.device").type
         except ConfigError as e:
             raise ConfigError(f"{e}; or write the runs as SLURM jobs for a cluster that has it (--slurm DIR)") from None
+    kept = [p for p in valid if not nproc_max or p.n_devices <= nproc_max]  # --nproc-max skips the others
+    accelerated = [p for p in kept if kinds[p.cfg.train.device] != "cpu"]
+    if accelerated:
+        import torch
+
+        count = torch.accelerator.device_count()
+        over = [p for p in accelerated if p.n_devices > count]
+        if over:
+            big = max(over, key=lambda p: p.n_devices)
+            kind = kinds[big.cfg.train.device]
+            raise ConfigError(f"{len(over)} run(s) of the grid need more processes than this machine's {count} {kind} "
+                              f"device(s) (a local run starts one process per device), e.g. {big.label} with grid "
+                              f"train.device = {shown(big.cfg.train.device)} on {big.n_devices}; give at most "
+                              f"{count} devices, or --nproc-max {count} to skip the runs above {count} processes, or "
+                              "write the runs as SLURM jobs for a cluster that has them (--slurm DIR)")
     if nproc_max:
         return
     bound = max_cpu_processes()

@@ -11,6 +11,7 @@ and (slow) runs end to end with stand-ins for sbatch, srun and scontrol.
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 import os
@@ -120,6 +121,64 @@ def test_grid_union_keys_and_errors(tmp_path):
         load_grid(write_grid(tmp_path, "stepz = 3\n", "bad2.toml"))
     with pytest.raises(ConfigError, match="devices"):
         load_grid(write_grid(tmp_path, "devices = [0, 2]\n", "bad3.toml"))
+
+
+def documented_key(cfg, steps: int, warmup: int) -> str:
+    """The run key as docs/sweeps.md defines it (and as every store so far was written): the first 16 hex digits of
+    the SHA-256 of the config without the run directory, the log and data sections and the long run's step counts
+    and schedule, with the steps and warm-up."""
+    import hashlib
+
+    data = {k: v for k, v in cfg.to_dict().items() if k not in ("run_dir", "log", "data")}
+    data["train"] = {k: v for k, v in data["train"].items() if k not in (
+        "max_steps", "warmup_steps", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints")}
+    text = json.dumps({"config": data, "steps": steps, "warmup": warmup}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def test_a_derived_micro_batch_and_the_same_one_given_share_a_key(tmp_path, capsys):
+    """`layout.micro_batch_size = 0` (the whole per-rank batch) and that number given explicitly are one run: the
+    same micro-batch and accumulation, the same bench command, so one key (a grid that lists both has one run; a
+    store that holds one runs neither again). Every other run keeps the key that stores already hold."""
+    from fivefold.sweep.runner import bench_argv
+
+    path = write_grid(tmp_path, "steps = 2\nwarmup = 1\n" + SMALL + """
+        [[grid]]
+        devices = 1
+        layout = { micro_batch_size = [0, 2, 8] }
+
+        [[grid]]
+        devices = 2
+        layout = { micro_batch_size = [0, 2, 4] }
+        """)
+    plans, _ = expand(load_grid(path))
+    shapes = {p.key: (p.n_devices, p.micro_batch_size, p.grad_accum_steps) for p in plans}
+    # 8 on one device and 4 on two are the whole per-rank batch: the runs of 0, not new ones
+    assert sorted(shapes.values()) == [(1, 2, 4), (1, 8, 1), (2, 2, 2), (2, 4, 1)]
+    for plan in plans:
+        given = dataclasses.replace(plan.cfg, layout=dataclasses.replace(plan.cfg.layout,
+                                                                         micro_batch_size=plan.micro_batch_size))
+        # the reference: both spellings run the same bench command
+        assert bench_argv(plan, tmp_path, 2, 1) == bench_argv(
+            dataclasses.replace(plan, cfg=given), tmp_path, 2, 1)
+        assert run_key(given, 2, 1) == plan.key
+        # the key stores hold: a micro-batch below the whole batch as it was given; the whole batch as 0, the key of
+        # every grid that leaves the micro-batch out (the first spelling in the grid, 0, is the run kept)
+        assert plan.cfg.layout.micro_batch_size == (plan.micro_batch_size if plan.grad_accum_steps > 1 else 0)
+        assert plan.key == documented_key(plan.cfg, 2, 1), plan.label
+    # a store that recorded the derived run does not run the explicit one again
+    derived = next(p for p in plans if p.n_devices == 1 and p.grad_accum_steps == 1)
+    results = tmp_path / "r.db"
+    with Store(results) as store:
+        store.record({"key": derived.key, "status": "crash", "label": derived.label, "model": derived.model,
+                      "error": "boom", "n_devices": 1, "config": derived.cfg.to_dict()}, replace_statuses=())
+    explicit = write_grid(tmp_path, "steps = 2\nwarmup = 1\ndevices = 1\n" + SMALL + """
+        [layout]
+        micro_batch_size = 8
+        """, "explicit.toml")
+    assert main(["sweep", str(explicit), "--results", str(results), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "1 already in" in out and "0 to run" in out, out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -314,7 +314,10 @@ def _axes(product: dict) -> list[tuple[str, list]]:
 
 
 def run_key(cfg: Config, steps: int, warmup: int) -> str:
-    """A stable hash of what a run measures: the config without paths and logging, and the protocol."""
+    """A stable hash of what a run measures: the config without paths and logging, and the protocol. A micro-batch
+    of the whole per-rank batch (`layout.micro_batch_size` x `layout.dp` = `train.global_batch_size`) is hashed as
+    0, what 0 (derived) means, so that both spellings of the one run share its key; every other config hashes as
+    it always has."""
     data = cfg.to_dict()
     for section, fields in _KEYLESS.items():
         if fields is None:
@@ -322,6 +325,9 @@ def run_key(cfg: Config, steps: int, warmup: int) -> str:
         else:
             for f in fields:
                 data[section].pop(f, None)
+    layout = data["layout"]
+    if layout["micro_batch_size"] * layout["dp"] == data["train"]["global_batch_size"]:
+        layout["micro_batch_size"] = 0
     text = json.dumps({"config": data, "steps": steps, "warmup": warmup}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

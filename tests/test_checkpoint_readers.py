@@ -127,6 +127,38 @@ def test_tmp_and_bad_directories_are_refused_by_name(run_and_exports, tmp_path, 
     assert all(got[k].equal(weights[STEP_4][k]) for k in got)
 
 
+def test_a_run_whose_only_checkpoint_is_an_interrupted_save_is_refused_saying_what_a_resume_does(
+        run_and_exports, tmp_path, dataset, capsys):  # noqa: F811
+    """A run directory whose only step directory lacks its COMPLETE marker (a save that never finished): a resume
+    refuses the run ("no usable checkpoint") and sets nothing aside (the reference), and export and generate say
+    exactly that; moved out (or left as a `.tmp`), a resume starts the run again at step 0, as their line says."""
+    run, _ = run_and_exports
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    root = copy / "checkpoints"
+    shutil.rmtree(root / STEP_2)
+    (root / STEP_4 / "COMPLETE").unlink()
+    capsys.readouterr()
+    with pytest.raises(ckpt.CheckpointError, match="no usable checkpoint: .*no COMPLETE marker"):
+        train(small_config(copy, dataset, **{**EVERY_2, "train.max_steps": "6"}), resume=True)
+    assert [p.name for p in root.iterdir()] == [STEP_4]  # nothing set aside
+    for command in (["export", "--hf", str(tmp_path / "x")], ["generate", "--max-new-tokens", "1"]):
+        assert main([command[0], "--checkpoint", str(copy), *command[1:]]) == 2
+        err = one_line_error(capsys, command[0])
+        assert "no COMPLETE marker" in err and "set each aside" not in err, err
+        assert "`fivefold train --resume` refuses the run for the same reason (no usable checkpoint) and sets " \
+               f"nothing aside; to train it again from step 0, move it out of '{root}'" in err, err
+    # left as the .tmp directory of a killed save, it is no checkpoint: a resume starts the run again at step 0
+    (root / STEP_4).rename(root / f"{STEP_4}.tmp")
+    assert main(["export", "--checkpoint", str(copy), "--hf", str(tmp_path / "x")]) == 2
+    err = one_line_error(capsys, "export")
+    assert f"only {STEP_4}.tmp, which are not checkpoints; `fivefold train --resume` starts this run again at " \
+           "step 0" in err, err
+    train(small_config(copy, dataset, **{**EVERY_2, "train.max_steps": "2"}), resume=True)
+    assert "starting it again at step 0" in capsys.readouterr().err
+    assert (root / STEP_2 / "COMPLETE").is_file()
+
+
 def test_a_missing_rank_of_a_two_rank_checkpoint_is_named(run_and_exports, tmp_path, capsys):
     """A checkpoint whose manifest lists a second rank's files (world_size = 2; built from the one-rank checkpoint,
     which a save's manifest vouches for): accepted whole, refused naming rank1.json when that rank's files go."""

@@ -196,13 +196,24 @@ def resolve_checkpoint(path: Path) -> tuple[OpenedCheckpoint, str | None]:
         if skipped:
             note += f"; skipped the newer {'; '.join(skipped)}"
         return opened, note
+    # a run that `fivefold train --resume` starts again at step 0 once it has no step_XXXXXXXX directory (as
+    # `train.loop.started_run` tells: its config.toml and tokenizer/, beside checkpoints/)
+    restartable = root == path / "checkpoints" and (path / "config.toml").is_file() and \
+        (path / RUN_TOKENIZER_DIR).is_dir()
     if skipped:
+        # a resume sets a failing checkpoint aside only when an older one loads; when none does it refuses the run
+        # with every reason (`Checkpointer.load`) and leaves each directory where it is
+        them, reasons = ("them", "reasons") if len(skipped) > 1 else ("it", "reason")
+        how = (f"to train it again from step 0, move {them} out of {shown(str(root))} (a resume then starts the run "
+               "again in place) or train in a new --run-dir" if restartable else "train the run again from the start")
         raise CliError(f"{where} holds no complete checkpoint that passes its check under {shown(str(root))}: "
-                       f"{'; '.join(skipped)}; a resume would set each aside: train the run again from the start")
+                       f"{'; '.join(skipped)}; `fivefold train --resume` refuses the run for the same {reasons} (no "
+                       f"usable checkpoint) and sets nothing aside; {how}")
     leftovers = sorted(p.name for p in root.iterdir() if p.is_dir() and _STEP_NAME.match(p.name))
     others = f"; only {', '.join(leftovers[-5:])}, which are not checkpoints" if leftovers else ""
-    raise CliError(f"{where} holds no checkpoint (no step_XXXXXXXX directory under {shown(str(root))}{others}); "
-                   "give a run directory that has saved a checkpoint, or a step_XXXXXXXX directory")
+    resume = "; `fivefold train --resume` starts this run again at step 0" if restartable else ""
+    raise CliError(f"{where} holds no checkpoint (no step_XXXXXXXX directory under {shown(str(root))}{others}"
+                   f"{resume}); give a run directory that has saved a checkpoint, or a step_XXXXXXXX directory")
 
 
 def check_checkpoint_model(reader: PieceReader, cfg: ModelConfig, where: str) -> None:

@@ -7,11 +7,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from fivefold.cli import main
 from fivefold.cli.plan import load_model
-from fivefold.config import ConfigError, ModelConfig, build_config
-from fivefold.layout import check_layout, layout_problem, stage_count, tensor_parallel_problem
+from fivefold.config import ConfigError, LayoutConfig, ModelConfig, build_config
+from fivefold.layout import check_layout, layout_notes, layout_problem, stage_count, tensor_parallel_problem
 from fivefold.models.presets import get_preset
 from fivefold.parallel.schedules import stage_placement
 from fivefold.planner.hardware import get_cluster
@@ -168,3 +169,74 @@ def test_a_bucket_of_no_elements_is_refused_and_megatrons_rule_is_the_default(ca
                            hw).parts for on in (None, False)}
     gathered = [k for k in parts[False] if "gather" in k]
     assert gathered and all(parts[None][k] < parts[False][k] for k in gathered), (parts[None], parts[False])
+
+
+# fields set where they mean nothing: (world, layout, the note's "field = value", its reason)
+NOTED = [
+    (1, {"schedule": "dualpipev"}, "layout.schedule = 'dualpipev'", "with layout.pp = 1: "),
+    (2, {"tp": 2, "etp": 2}, "layout.etp = 2", "on a dense model (model.n_experts = 0): "),
+    (1, {"dp_bucket_size": 1000}, "layout.dp_bucket_size = 1000", "with layout.dp x layout.cp = 1 x 1 = 1: "),
+    (2, {"tp": 2, "dp_bucket_size": 1000}, "layout.dp_bucket_size = 1000", "with layout.dp x layout.cp = 1 x 1 = 1: "),
+    (1, {"pp_comm_overlap": "false"}, "layout.pp_comm_overlap = false", "with layout.pp = 1: "),
+]
+
+
+@pytest.mark.parametrize("world, layout, field_value, reason", NOTED,
+                         ids=["-".join(f"{k}{v}" for k, v in r[1].items()) for r in NOTED])
+def test_a_field_that_means_nothing_is_accepted_with_one_note(capsys, tmp_path, world, layout, field_value, reason):
+    """Not refused (a pipelined run resumed on one process keeps its schedule), but `fivefold train` (its
+    --dry-run too) and `fivefold plan --layout` say in one line which field, which value and why it has no
+    effect."""
+    argv = ["train", "--preset", "tiny", "--nproc", str(world), "--run-dir", str(tmp_path / "run"), "--train.device",
+            "cpu", *[a for k, v in layout.items() for a in (f"--layout.{k}", str(v))]]
+    rc = main([*argv, "--dry-run"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    notes = [line.removeprefix("note: ") for line in out.splitlines() if line.startswith("note: layout.")]
+    assert len(notes) == 1 and notes[0].startswith(f"{field_value} has no effect {reason}"), out
+    # a run says it at start (on its way to a run that --slurm only writes the script of, as every run does)
+    assert main([*argv, "--slurm", str(tmp_path / "job.sh")]) == 0
+    err = capsys.readouterr().err
+    assert [line.removeprefix("fivefold: note: ") for line in err.splitlines() if "note:" in line] == notes, err
+    rc = main(["plan", "--model", "tiny", "--gpu", "h100", "--gpus-per-node", str(world), "--layout",
+               ",".join(f"{k}={v}" for k, v in {"micro_batch_size": 1, **layout}.items())])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert [line.removeprefix("fivefold plan: note: ") for line in err.splitlines()
+            if line.startswith("fivefold plan: note: ")] == notes
+
+
+@pytest.mark.parametrize("model, layout", [
+    ("tiny", {}),
+    ("tiny", {"pp": 2, "schedule": "dualpipev"}),
+    ("tiny-moe", {"tp": 2, "etp": 2}),
+    ("tiny", {"dp": 2, "dp_bucket_size": 1000}),
+    ("tiny", {"cp": 2, "dp_bucket_size": 1000}),
+    # whole experts under tp (etp = 1): their gradients are reduced in buckets over the tp ranks, dp x cp = 1 or not
+    ("tiny-moe", {"tp": 2, "dp_bucket_size": 1000}),
+    ("tiny", {"pp": 2, "pp_comm_overlap": False}),
+    ("tiny", {"dp": 2, "zero": 1, "dp_overlap_param_gather": False}),
+])
+def test_no_note_where_the_field_takes_effect(model, layout):
+    assert layout_notes(get_preset(model), LayoutConfig(**layout)) == []
+
+
+def test_the_noted_fields_change_nothing_in_a_one_process_run():
+    """The reference: the same one-process training without the fields that draw notes (a schedule without a
+    pipeline, a bucket size without data parallel), step by step and weight by weight."""
+    from tests.test_parallel_equivalence import tiny_config, train_steps
+
+    from fivefold.train.build import build_engine
+
+    runs = []
+    for extra in ({}, {"layout.schedule": "dualpipev", "layout.dp_bucket_size": "1000"}):
+        cfg = tiny_config(extra)
+        if not extra:
+            cfg.layout.dp_bucket_size = None  # tiny_config's small buckets are a field that draws a note here
+        assert len(layout_notes(cfg.model, cfg.layout)) == (2 if extra else 0)
+        engine = build_engine(cfg, torch.device("cpu"))
+        runs.append((train_steps(engine, cfg), {k: v.clone() for k, v in engine.model.state_dict().items()}))
+    (plain, plain_state), (noted, noted_state) = runs
+    assert plain == noted
+    assert plain_state.keys() == noted_state.keys() and all(torch.equal(plain_state[k], noted_state[k])
+                                                            for k in plain_state)

@@ -10,6 +10,11 @@ whole families of layouts; every layout it proposes passes `layout_problem` (tes
 A `LayoutProblem` has a short `rule` (what the search counts rejected layouts by) and a `message` that names
 the field, the value, the rule and values that would work.
 
+A field set where it means nothing (a schedule without a pipeline, `etp` on a dense model, ...) is not refused: a
+pipelined run resumed on one process keeps its config, schedule and all. `NO_EFFECT` lists those cases, one rule
+each, and `layout_notes` words the ones a layout meets as the `note:` lines that `fivefold train` (and
+`--dry-run`) and `fivefold plan --layout` print at start.
+
 This module is one part with `config` (whose `validate` applies `batch_problem`) and imports nothing from
 `parallel`, `train` or `planner`; the few facts
 of pipeline schedules that the rules need (how many stages a schedule places, how many micro-batches it needs)
@@ -19,14 +24,16 @@ live here and `parallel.schedules` uses them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
-from fivefold.config import Config, ConfigError, LayoutConfig, ModelConfig, nearest_divisors
+from fivefold.config import Config, ConfigError, LayoutConfig, ModelConfig, nearest_divisors, shown
 from fivefold.flops import balanced_stage_layers
 
-__all__ = ["SCHEDULES", "LayoutProblem", "batch_problem", "check_layout", "context_parallel_problem",
-           "expert_parallel_problem", "layout_problem", "min_micro_batches", "n_stages", "pipeline_problem",
-           "raise_problem", "sequence_length_problem", "stage_count", "tensor_parallel_problem"]
+__all__ = ["NO_EFFECT", "SCHEDULES", "LayoutProblem", "NoEffect", "batch_problem", "check_layout",
+           "context_parallel_problem", "expert_parallel_problem", "layout_notes", "layout_problem",
+           "min_micro_batches", "n_stages", "pipeline_problem", "raise_problem", "sequence_length_problem",
+           "stage_count", "tensor_parallel_problem"]
 
 
 class LayoutProblem(NamedTuple):
@@ -377,6 +384,73 @@ def pipeline_problem(model: ModelConfig, layout: LayoutConfig, seq_len: int, glo
                                  f"least one block, {model.n_layers} blocks in all (model.n_layers); the compute-"
                                  f"balanced split is {balanced} (leave layout.stage_layers empty to use it)")
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Fields set where they mean nothing: accepted, with a note
+
+
+class NoEffect(NamedTuple):
+    """A layout field whose value the run accepts and ignores: `idle` says whether that is so for a model and a
+    layout (the field set, i.e. not its default, where nothing reads it) and `why` says why ("with FIELD = VALUE: the
+    reason", after "has no effect"), naming the values that make it so and what would give it an effect."""
+
+    field: str
+    idle: Callable[[ModelConfig, LayoutConfig], bool]
+    why: Callable[[ModelConfig, LayoutConfig], str]
+
+
+_DEFAULT = LayoutConfig()
+
+
+def _experts_reduce_over_tp(model: ModelConfig, la: LayoutConfig) -> bool:
+    """Whole routed experts under tp (etp = 1): their gradients are reduced in buckets over the tp ranks (`edp`),
+    whatever dp x cp."""
+    return model.is_moe and la.splits_tokens_over_tp
+
+
+# every "set, but no effect" case of the layout (the switches set true where they cannot apply are refused by
+# `communication_problem` instead: they ask for work that cannot happen; set false there they ask for what happens)
+NO_EFFECT: tuple[NoEffect, ...] = (
+    NoEffect("schedule", lambda m, la: la.pp == 1 and la.schedule != _DEFAULT.schedule,
+             lambda m, la: "with layout.pp = 1: a schedule orders the micro-batches over pipeline stages, and there is "
+                           "one stage; it applies with layout.pp >= 2"),
+    NoEffect("etp", lambda m, la: la.etp != _DEFAULT.etp and not m.is_moe,
+             lambda m, la: f"on a dense model (model.n_experts = {m.n_experts}): there are no routed experts to "
+                           f"split over the tp ranks (the MLP is split over layout.tp = {la.tp} anyway); it applies to "
+                           "mixture-of-experts models"),
+    NoEffect("dp_bucket_size",
+             lambda m, la: la.dp_bucket_size is not None and la.dp * la.cp == 1 and not _experts_reduce_over_tp(m, la),
+             lambda m, la: f"with layout.dp x layout.cp = {la.dp} x {la.cp} = 1: gradient buckets are reduced over the "
+                           "data-parallel ranks, and no other rank holds the same weights to reduce with" + (
+                               "" if la.world_size == 1 else " (the buckets still group this rank's gradients, which "
+                               "sets nothing but the order the gradient norm is summed in)") + "; it applies with "
+                           "dp x cp >= 2"),
+    NoEffect("dp_overlap_param_gather",
+             lambda m, la: la.dp_overlap_param_gather is False and not la.gathers_params_after_step,
+             lambda m, la: f"with layout.zero = {la.zero}, dp x cp = {la.dp * la.cp}: only ZeRO-1/2 over two or more "
+                           "ranks all-gather the parameters after the step, so there is no gather to overlap"),
+    NoEffect("tp_comm_overlap", lambda m, la: la.tp_comm_overlap is False and not (la.tp > 1 and la.sp),
+             lambda m, la: f"with layout.tp = {la.tp}, layout.sp = {str(la.sp).lower()}: only sequence parallel's "
+                           "gathered linears (tp >= 2 with sp) have collectives to overlap"),
+    NoEffect("pp_comm_overlap", lambda m, la: la.pp_comm_overlap is False and la.pp == 1,
+             lambda m, la: "with layout.pp = 1: there is no point-to-point to overlap"),
+    NoEffect("pp_fb_overlap", lambda m, la: la.pp_fb_overlap is False and not la.fb_overlap_applies,
+             lambda m, la: f"with layout.schedule = {la.schedule}, pp = {la.pp}, tp x cp x ep = "
+                           f"{la.tp * la.cp * la.ep}, zero = {la.zero}: only DualPipeV's pairs over pp >= 2 whose "
+                           "stages have collectives (tp, cp or ep > 1), not under ZeRO-3, run as overlapped lanes"),
+)
+
+
+def _value(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else shown(value)
+
+
+def layout_notes(model: ModelConfig, layout: LayoutConfig) -> list[str]:
+    """One line for each `NO_EFFECT` case that `layout` meets for `model`: the field, its value and why it has no
+    effect (the caller prefixes `note: `)."""
+    return [f"layout.{case.field} = {_value(getattr(layout, case.field))} has no effect {case.why(model, layout)}"
+            for case in NO_EFFECT if case.idle(model, layout)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from fivefold.config import (
 )
 from fivefold.errors import CliError
 from fivefold.flops import attention_fraction, attention_pairs, causal_pairs
-from fivefold.layout import check_layout
+from fivefold.layout import check_layout, layout_notes
 from fivefold.outputs import check_target, keep_previous
 from fivefold.planner.layout import Framework, Layout, check_runs_hsdp, parse_layout
 from fivefold.planner.search import (
@@ -764,6 +764,8 @@ def _estimate_layout(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, 
     # the layout refused as `fivefold train` refuses it: its rules do not depend on the MLP's kind (the engine
     # alone builds SwiGLU only), so a shape the search takes, a GELU one included, is taken here too
     train_config(dataclasses.replace(cfg, mlp="swiglu"), lay, seq, batch_seqs, fw.compute_dtype)
+    for line in layout_notes(cfg, lay):  # accepted as `fivefold train` accepts it, with its notes
+        print(f"fivefold plan: note: {line}", file=sys.stderr)
     e = estimate(cfg, seq, lay, fw, hw, True, moe_imbalance=args.moe_imbalance, docs=args.docs)
     e.mfu *= _mfu_scale(args, cfg, seq)
     measured = measure(args, cfg, lay, seq, batch_seqs, fw) if args.measure else None

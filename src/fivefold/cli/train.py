@@ -125,7 +125,7 @@ def hf_model(given, hf, args: argparse.Namespace, overrides: dict[str, str]):
 
 def run(args: argparse.Namespace) -> int:
     from fivefold.launch import finish_distributed, local_world_size, start_or_join
-    from fivefold.layout import check_layout
+    from fivefold.layout import check_layout, layout_notes
     from fivefold.train import preflight
     from fivefold.train.loop import RunDirError, train
 
@@ -159,6 +159,9 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         return dry_run(cfg, args)
     check_layout(cfg, args.nodes * args.nproc if args.slurm else local_world_size(args.nproc))
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # the process the user started says it, not each rank
+        for line in layout_notes(cfg.model, cfg.layout):
+            print(f"fivefold: note: {line}", file=sys.stderr)
     if not args.slurm and not args.hf and local_world_size(args.nproc) > 1 and "WORLD_SIZE" not in os.environ:
         from fivefold.train.loop import check_data_vocabulary
 
@@ -346,7 +349,7 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
     from fivefold.device import resolve_device
     from fivefold.flops import count_params
     from fivefold.launch import local_world_size
-    from fivefold.layout import check_layout
+    from fivefold.layout import check_layout, layout_notes
     from fivefold.planner.hardware import get_cluster
     from fivefold.planner.predict import default_hardware, estimate_run, run_framework
     from fivefold.train.preflight import rough_duration
@@ -356,6 +359,7 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
     # the processes this command would start (more than one: as the run itself checks them), else the layout's own
     started = args.nodes * args.nproc if args.slurm else local_world_size(args.nproc)
     check_layout(cfg, started if started > 1 else world)
+    notes = layout_notes(cfg.model, cfg.layout)
     hsdp = f", HSDP: {la.zero_replicas} replicas of shard groups of {la.zero_group}" if la.dp_shard else ""
     print(f"config OK: {cfg.model.name} ({count_params(cfg.model):,} parameters), layout dp {la.dp} x tp {la.tp} x "
           f"pp {la.pp} x cp {la.cp} (ep {la.ep}, zero {la.zero}{hsdp}) = {world} processes; global batch "
@@ -363,6 +367,8 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
           f"{cfg.micro_batch_size}, accumulation {cfg.grad_accum_steps}; {t.max_steps:,} steps = "
           f"{t.max_steps * t.global_batch_size * t.seq_len:,} tokens; lr {t.lr:g} ({t.lr_schedule}, warm-up "
           f"{t.warmup_steps} steps); run dir {cfg.run_dir}")
+    for line in notes:
+        print(f"note: {line}")
     if cfg.data.path and not Path(cfg.data.path).is_dir():
         print(f"note: data.path = {shown(cfg.data.path)} does not exist yet; prepare it with `fivefold data "
               f"prepare FILES "

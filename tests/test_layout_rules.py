@@ -240,3 +240,38 @@ def test_the_noted_fields_change_nothing_in_a_one_process_run():
     assert plain == noted
     assert plain_state.keys() == noted_state.keys() and all(torch.equal(plain_state[k], noted_state[k])
                                                             for k in plain_state)
+
+
+@pytest.mark.parametrize("schedule", ["afab", "1f1b", "interleaved", "zero-bubble", "dualpipev"])
+def test_the_pipeline_overlap_is_noted_exactly_where_it_changes_nothing(schedule):
+    """`layout.pp_comm_overlap` reaches a pipelined rank in two places: which weight gradients its stages defer
+    (`build.weight_grad_queue`) and whether a whole backward (a schedule without a B / W split) posts its batch
+    before running them (`PipelineExecutor.run`, which then runs the deferred work; with nothing deferred the
+    post comes after the whole backward either way). Where both are the same with the switch on and off (ZeRO-3,
+    the split schedules) a set switch is noted; where they differ it is not."""
+    from fivefold.parallel.schedules import build_schedule
+    from fivefold.train.build import weight_grad_queue
+
+    for zero in (0, 1, 2, 3):
+        seen = {}
+        for on in ("true", "false"):
+            cfg = build_config(None, {"model.preset": "tiny", "model.n_layers": "4", "layout.pp": "2",
+                                      "layout.dp": "2", "layout.zero": str(zero), "layout.schedule": schedule,
+                                      "layout.vpp": "2" if schedule == "interleaved" else "1",
+                                      "layout.micro_batch_size": "2", "train.global_batch_size": "16",
+                                      "layout.pp_comm_overlap": on})
+            cfg.validate()
+            check_layout(cfg, 4)
+            queue = weight_grad_queue(cfg)
+            split = build_schedule(schedule, 2, cfg.grad_accum_steps, cfg.layout.vpp).split_backward
+            deferred = None if queue is None else queue.first_block_only
+            posted_before_deferred = cfg.layout.overlaps_pp_comm and not split and queue is not None
+            noted = [n for n in layout_notes(cfg.model, cfg.layout) if n.startswith("layout.pp_comm_overlap")]
+            seen[on] = ((deferred, posted_before_deferred), noted)
+        (behaviour_on, noted_on), (behaviour_off, noted_off) = seen["true"], seen["false"]
+        changes_nothing = behaviour_on == behaviour_off
+        assert changes_nothing == (zero == 3 or schedule in ("zero-bubble", "dualpipev")), (zero, seen)
+        assert bool(noted_on) == bool(noted_off) == changes_nothing, (zero, seen)
+        if changes_nothing:
+            assert noted_on[0].startswith("layout.pp_comm_overlap = true has no effect ")
+            assert noted_off[0].startswith("layout.pp_comm_overlap = false has no effect ")

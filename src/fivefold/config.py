@@ -302,9 +302,13 @@ class LayoutConfig:
     # ZeRO-1/2: the updated parameters' all-gather after the optimizer step runs under the next forward, bucket by
     # bucket (each block waits for its own buckets first); null = on wherever it applies, false = the step waits
     dp_overlap_param_gather: bool | None = None
-    # pipeline: a whole backward sends its input gradient before it computes its weight gradients (deferred as the
-    # zero-bubble schedules' W passes); null = on wherever pp > 1, false = the strict order (to debug, or to measure
-    # the overlap). A receive waits for itself alone either way (`pipeline_comm.PointToPoint`)
+    # pipeline (afab, 1f1b, interleaved under ZeRO-0/1/2): a whole backward sends its input gradient before it
+    # computes its stage's first block's weight gradients (deferred as the zero-bubble schedules' W passes); null =
+    # on wherever pp > 1, false = the strict order (to debug, or to measure the overlap). No effect under ZeRO-3,
+    # whose stages defer no weight gradient (fully_shard's hooks collect them within the backward), so the send
+    # leaves after the whole backward on or off, nor under zero-bubble and dualpipev, whose schedules split every
+    # backward themselves. Either way every run posts its receives ahead, each waited for alone
+    # (`pipeline_comm.PointToPoint`): under ZeRO-3 that posting is all the overlap there is
     pp_comm_overlap: bool | None = None
     # DualPipeV: the forward of one chunk and the backward of the other (the F0B1 / F1B0 pairs) run as two lanes,
     # one micro-batch's tp, cp or ep collectives under the other's compute (`parallel.lanes`); null = on wherever

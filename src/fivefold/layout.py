@@ -60,6 +60,7 @@ def nearest_multiples(value: int, base: int) -> list[int]:
 # Facts of the pipeline schedules that the rules need
 
 SCHEDULES = ("afab", "1f1b", "interleaved", "zero-bubble", "dualpipev")
+SPLIT = ("zero-bubble", "dualpipev")  # the schedules whose backward is B and W passes (`Schedule.split_backward`)
 # under `layout.tp_comm_overlap` a row-parallel linear reduce-scatters its output in this many pieces along the
 # sequence, each launched when its matmul is done and reduced under the next piece's (`tensor_comm.linear_scatter`)
 SCATTER_PIECES = 2
@@ -410,7 +411,8 @@ def _experts_reduce_over_tp(model: ModelConfig, la: LayoutConfig) -> bool:
 
 
 # every "set, but no effect" case of the layout (the switches set true where they cannot apply are refused by
-# `communication_problem` instead: they ask for work that cannot happen; set false there they ask for what happens)
+# `communication_problem` instead: they ask for work that cannot happen; set false there they ask for what happens;
+# pp_comm_overlap under ZeRO-3 or a split schedule, on by default there, is noted whichever value is set)
 NO_EFFECT: tuple[NoEffect, ...] = (
     NoEffect("schedule", lambda m, la: la.pp == 1 and la.schedule != _DEFAULT.schedule,
              lambda m, la: "with layout.pp = 1: a schedule orders the micro-batches over pipeline stages, and there is "
@@ -435,6 +437,15 @@ NO_EFFECT: tuple[NoEffect, ...] = (
                            "gathered linears (tp >= 2 with sp) have collectives to overlap"),
     NoEffect("pp_comm_overlap", lambda m, la: la.pp_comm_overlap is False and la.pp == 1,
              lambda m, la: "with layout.pp = 1: there is no point-to-point to overlap"),
+    NoEffect("pp_comm_overlap",
+             lambda m, la: la.pp_comm_overlap is not None and la.pp > 1 and (la.zero == 3 or la.schedule in SPLIT),
+             lambda m, la: (
+                 "under layout.zero = 3: the overlap posts a whole backward's input gradient before the weight "
+                 "gradients its stage defers, and a ZeRO-3 stage defers none (fully_shard's hooks collect them within "
+                 "the backward), so the gradient leaves after the whole backward either way; the receives are posted "
+                 "ahead, each waited for alone, with the switch on or off" if la.zero == 3 else
+                 f"with layout.schedule = {la.schedule}: the schedule splits every backward into B and W passes "
+                 "itself, and B's input gradient leaves before W whatever the switch")),
     NoEffect("pp_fb_overlap", lambda m, la: la.pp_fb_overlap is False and not la.fb_overlap_applies,
              lambda m, la: f"with layout.schedule = {la.schedule}, pp = {la.pp}, tp x cp x ep = "
                            f"{la.tp * la.cp * la.ep}, zero = {la.zero}: only DualPipeV's pairs over pp >= 2 whose "

@@ -36,7 +36,7 @@ from fivefold.parallel.schedules import build_schedule, stage_placement
 from fivefold.train.engine import Engine
 from fivefold.train.step import LlamaStage, MicroBatchLoop, PipelineSchedule, StepRunner
 
-__all__ = ["Engine", "build_engine", "single_device_engine"]
+__all__ = ["Engine", "build_engine", "single_device_engine", "weight_grad_queue"]
 
 
 def build_engine(cfg: Config, device: torch.device) -> Engine:
@@ -46,13 +46,7 @@ def build_engine(cfg: Config, device: torch.device) -> Engine:
     la = cfg.layout
     check_float8(cfg.train.float8, device)
     grid = ProcessGrid.build(cfg) if la.world_size > 1 or la.ep > 1 else None
-    queue = None
-    if la.pp > 1:  # the zero-bubble schedules' B / W split defers the linears' weight gradients, and so does the
-        # overlap of the other schedules, whose whole backward sends its input gradient before its weight gradients
-        # (not under ZeRO-3, whose stages reduce-scatter gradients that fully_shard's backward hooks collect)
-        split = build_schedule(la.schedule, la.pp, cfg.grad_accum_steps, la.vpp).split_backward
-        overlap = la.overlaps_pp_comm and la.zero < 3
-        queue = WeightGradQueue(first_block_only=not split) if split or overlap else None
+    queue = weight_grad_queue(cfg)
     parts = model_parts(cfg, grid, device)
     for part in parts.values():
         apply_model_parallel(part, cfg, grid, queue)
@@ -60,6 +54,19 @@ def build_engine(cfg: Config, device: torch.device) -> Engine:
     runner = MicroBatchLoop() if la.pp == 1 else pipeline_runner(parts, loss_model, data_parallels, queue, cfg,
                                                                  device)
     return Engine(cfg, device, parts, loss_model, data_parallels, runner, grid)
+
+
+def weight_grad_queue(cfg: Config) -> WeightGradQueue | None:
+    """Where the stages defer the linears' weight gradients (None: nowhere). The zero-bubble schedules' B / W split
+    defers them all, and the overlap of the other schedules (`layout.pp_comm_overlap`), whose whole backward sends
+    its input gradient before its weight gradients, the stage's first block's; not under ZeRO-3, whose stages
+    reduce-scatter gradients that fully_shard's backward hooks collect, so that there the switch changes nothing."""
+    la = cfg.layout
+    if la.pp == 1:
+        return None
+    split = build_schedule(la.schedule, la.pp, cfg.grad_accum_steps, la.vpp).split_backward
+    overlap = la.overlaps_pp_comm and la.zero < 3
+    return WeightGradQueue(first_block_only=not split) if split or overlap else None
 
 
 def model_parts(cfg: Config, grid: ProcessGrid | None, device: torch.device) -> dict[int, Llama]:

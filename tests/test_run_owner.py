@@ -5,6 +5,7 @@ is free; SIGHUP stops a one-process run and the launcher of `--nproc 2` with a c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -238,3 +239,68 @@ def test_second_signal_to_the_launcher_abandons_the_save(tmp_path):
         in lines[0]
     assert ckpt.latest_checkpoint(run) == newest and "Traceback" not in out
     assert not any(_alive(pid) for pid in workers) and not (run / RUN_LOCK).exists()
+
+
+def test_the_agents_stop_announcements_are_dropped_and_its_other_lines_kept(tmp_path, caplog):
+    """PyTorch's own process context stops a child with SIGINT: it announces "Sending process N closing signal
+    SIGINT" (the reference: the same stop outside `quiet_agent_stops`), which the launcher drops while it runs the
+    workers; the logger's other warnings still pass, and nothing is dropped after."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    from fivefold.launch import quiet_agent_stops
+
+    name = "torch.distributed.elastic.multiprocessing.api"
+
+    def stop_a_child(quiet: bool) -> list[str]:
+        caplog.clear()
+        context = start_processes("sleeper", "sleep", {0: ("60",)}, {0: {}},
+                                  DefaultLogsSpecs(log_dir=str(tmp_path / f"logs-{quiet}")))
+        with quiet_agent_stops() if quiet else contextlib.nullcontext():
+            context.close(signal.SIGINT, timeout=30)
+            logging.getLogger(name).warning("another warning of the agent")
+        return [r.getMessage() for r in caplog.records if r.name == name]
+
+    with caplog.at_level(logging.WARNING, logger=name):
+        loud = stop_a_child(False)
+        quiet = stop_a_child(True)
+        after = stop_a_child(False)
+    assert len(loud) == 2 and re.fullmatch(r"Sending process \d+ closing signal SIGINT", loud[0]), loud
+    assert quiet == ["another warning of the agent"]
+    assert len(after) == 2 and "closing signal SIGINT" in after[0]
+
+
+@pytest.mark.slow  # about 40 s on the 2-core machine: two workers start and train before the stop
+def test_ctrl_c_of_two_processes_ends_with_fivefold_lines_only(tmp_path):
+    """Ctrl-C, as a terminal sends it (SIGINT to the launcher and its workers, one process group): exit 130, a
+    checkpoint of the step it was in, and the end of the output is fivefold's own lines (what was saved, how to
+    resume; the processes stopped), without PyTorch's agent announcing the signal it forwards."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fivefold", "train", "--nproc", "2", "--layout.dp", "2", "--max-steps", "100000",
+         "--run-dir", str(run), "--log.progress", "plain", "--log.log_every", "1", "--train.eval_every", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": str(SRC)},
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not ((run / "metrics.jsonl").is_file() and logged_steps(run)):
+            assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out[-3000:]
+    assert "closing signal" not in out and "death signal" not in out, out[-3000:]
+    assert not re.search(r"^[DIWEF]\d{4} \d\d:\d\d:\d\d", out, re.M), out[-3000:]  # no line of torch's logging
+    step = stopped_step(out, "SIGINT")
+    assert ckpt.latest_checkpoint(run).name == f"step_{step:08d}"
+    ckpt.verify_files(ckpt.latest_checkpoint(run))
+    lines = out.strip().splitlines()
+    said = next(i for i, line in enumerate(lines) if f"stopped by SIGINT after step {step}" in line)
+    assert f"continue with `fivefold train --resume --run-dir {run} --nproc 2`" in lines[said]
+    assert lines[-1] == "fivefold: stopped by SIGINT; the 2 processes were stopped"
+    assert all(line.startswith(("summary:", "plan vs measured")) for line in lines[said + 1:-1]), lines[said:]
+    assert "Traceback" not in out and not (run / RUN_LOCK).exists()

@@ -11,6 +11,7 @@ command line has checked the layout before (`fivefold.layout.check_layout`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shlex
@@ -103,6 +104,40 @@ def launch(nproc: int, argv: list[str], verb: str = "train", run_dir: Path | Non
         return run_workers(nproc, argv, verb)
 
 
+# The lines in which PyTorch's agent announces a stop ("Received 2 death signal, shutting down workers", "Sending
+# process 1812 closing signal SIGINT"), by logger and message template: on Ctrl-C, SIGTERM or SIGHUP the ranks say
+# what they saved and how to resume, and `run_workers` that the processes were stopped, in fivefold's words. Its
+# other lines (a worker that would not stop and was killed, a failure) are kept.
+AGENT_STOP_LINES = {
+    "torch.distributed.elastic.agent.server.api": frozenset({"Received %s death signal, shutting down workers"}),
+    "torch.distributed.elastic.multiprocessing.api": frozenset({"Sending process %s closing signal %s"}),
+}
+
+
+class DropLines(logging.Filter):
+    """Drops the records of a logger whose message template is one of `templates`."""
+
+    def __init__(self, templates: frozenset[str]) -> None:
+        super().__init__()
+        self.templates = templates
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg not in self.templates
+
+
+@contextlib.contextmanager
+def quiet_agent_stops():
+    """While PyTorch's agent runs the workers: without its announcements of a stop (`AGENT_STOP_LINES`)."""
+    filters = [(logging.getLogger(name), DropLines(templates)) for name, templates in AGENT_STOP_LINES.items()]
+    for logger, f in filters:
+        logger.addFilter(f)
+    try:
+        yield
+    finally:
+        for logger, f in filters:
+            logger.removeFilter(f)
+
+
 def run_workers(nproc: int, argv: list[str], verb: str) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -120,7 +155,8 @@ def run_workers(nproc: int, argv: list[str], verb: str) -> int:
 
         os.environ["OMP_NUM_THREADS"] = str(default_threads(nproc))
     try:
-        run(args)
+        with quiet_agent_stops():
+            run(args)
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
         first = first_failure(failures, codes) or (e.get_first_failure()[0], "see its messages above")

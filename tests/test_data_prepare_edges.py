@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from fivefold.cli import main
 from fivefold.data import TokenDataset, prepare_dataset
@@ -131,6 +133,101 @@ def test_long_lines_are_cut_into_bounded_pieces(tmp_path):
     assert len(word_pieces) > 10 and all(p.startswith(" ") for p in word_pieces[1:])
     whole = tokenizer.encode(words, add_special_tokens=False).ids
     assert [i for p in word_pieces for i in tokenizer.encode(p, add_special_tokens=False).ids] == whole
+
+
+# the pre-tokenizers the cuts must not change: GPT-2's regex (what `train_bpe_tokenizer` uses) and Llama 3's, as
+# their tokenizer.json files give them
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                  r"\s*[\r\n]+|\s+(?!\S)|\s+")
+# letters, digits, punctuation and every kind of whitespace: spaces, tabs, line breaks (\r\n, NEL, U+2028), Unicode
+# spaces (no-break, em, ideographic) and \x1c, which Python counts as whitespace and the tokenizers as punctuation
+ADVERSARIAL = "ab1.'_ \t\n\r\x0b\x0c\x85\xa0\u2003\u3000\u2028\x1c"
+
+
+def pre_tokenizers_of_record():
+    from tokenizers import Regex, pre_tokenizers
+
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    llama3 = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+                                      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return {"gpt2": gpt2, "llama3": llama3}
+
+
+PRE_TOKENIZERS = pre_tokenizers_of_record()
+
+
+def pre_tokens(pre_tokenizer, text: str) -> list[str]:
+    return [token for token, _ in pre_tokenizer.pre_tokenize_str(text)] if text else []
+
+
+@settings(max_examples=400, deadline=None, derandomize=True, database=None)
+@given(text=st.text(alphabet=ADVERSARIAL, max_size=60))
+# the audit's: a line ending in spaces, blank lines, a line ending in a tab or a Unicode space, \r\n line ends
+@example(text="end  \nNext line")
+@example(text="end\n\nNext line")
+@example(text="end\t\nNext line")
+@example(text="end\u3000\nNext line")
+@example(text="end\r\nNext line")
+@example(text="end.\nNext line")
+def test_every_cut_leaves_the_pre_tokens_of_the_whole(text):
+    """The reference: the tokenizers' own pre-tokenization of the whole text. At every cut `_text_pieces` may make
+    (a line or space cut, for pieces of any size), the two sides pre-tokenize to the whole's pre-tokens, under
+    GPT-2's regex and Llama 3's: so the pieces encode to the whole's tokens whatever the merges."""
+    cuts = {c for m in range(1, len(text) + 1) for c, how in prepare_module._cut_points(text, m) if how != "hard"}
+    for name, pre_tokenizer in PRE_TOKENIZERS.items():
+        whole = pre_tokens(pre_tokenizer, text)
+        for c in sorted(cuts):
+            assert pre_tokens(pre_tokenizer, text[:c]) + pre_tokens(pre_tokenizer, text[c:]) == whole, (name, c)
+
+
+def test_lines_ending_in_whitespace_are_cut_exactly_and_token_for_token(monkeypatch, capsys):
+    """A long document of lines ending in spaces, tabs, blank lines, \r\n and Unicode spaces, cut into pieces of
+    about 200 characters: the pieces encode to the whole's tokens with a byte-level BPE tokenizer trained on it
+    (every cut is a line or space cut), and no long-line warning is given (no line is long, no cut is hard)."""
+    import random
+
+    rng = random.Random(0)
+    ends = ["  \n", "\t\n", "\n\n", "\r\n", " \r\n", "\u3000\n", "\xa0\n", "\n", ".\n", " \n\n\n"]
+    words = ["alpha", "beta", "it's", "1234567", "x_y", "(z)", "don't", "\u00e9t\u00e9"]
+    seps = [" ", "  ", "\t", "\u2003", " \t "]
+    text = "".join(rng.choice(words) + "".join(rng.choice(seps) + rng.choice(words) for _ in range(rng.randint(0, 6)))
+                   + rng.choice(ends) for _ in range(400))
+    tokenizer = prepare_module.train_bpe_tokenizer(iter([text]), 400)
+    pieces = prepare_module._text_pieces(text, 200)
+    assert len(pieces) > 30 and "".join(pieces) == text
+    assert all(how != "hard" for _, how in prepare_module._cut_points(text, 200))
+    whole = tokenizer.encode(text, add_special_tokens=False).ids
+    assert [i for p in pieces for i in tokenizer.encode(p, add_special_tokens=False).ids] == whole
+    for pre_tokenizer in PRE_TOKENIZERS.values():
+        assert [t for p in pieces for t in pre_tokens(pre_tokenizer, p)] == pre_tokens(pre_tokenizer, text)
+    assert prepare_module._long_line_warning(text, "input x", 200, True) is None
+
+
+def test_hard_cuts_between_short_lines_are_warned_about_as_such():
+    """Indented lines without a space inside: no line cut (each newline is followed by a tab) and no space cut (each
+    tab follows a newline), so the pieces are cut every 100 characters where the tokens may differ. The warning says
+    that, and does not call those 7-character lines long."""
+    text = "".join(f"\tv{i % 10}=1\n" for i in range(300))
+    cuts = list(prepare_module._cut_points(text, 100))
+    assert cuts and all(how == "hard" for _, how in cuts)
+    assert prepare_module._long_line_warning(text, "input x", 100, True) == (
+        f"warning: input x: {len(cuts)} cut(s) of its text into pieces of 100 to 200 characters found no line break "
+        "between two non-space characters and no space after one within 200 characters, so they fall where the "
+        "tokens may differ from those of the whole text")
+
+
+def test_the_cut_spaces_are_the_tokenizers_whitespace():
+    """`CUT_SPACES` and the line breaks are exactly the characters that the tokenizers' regex counts as whitespace
+    (found by pre-tokenizing "a" + c + c + "b": whitespace comes out as two tokens), among the characters that Python
+    counts as whitespace (a sweep of every code point, 25 s, found none of the tokenizers' outside them)."""
+    import re
+
+    gpt2 = PRE_TOKENIZERS["gpt2"]
+    python_spaces = [chr(c) for c in range(0x110000) if chr(c).isspace()]
+    theirs = {c for c in python_spaces if c == " " or len(pre_tokens(gpt2, f"a{c}{c}b")) == 4}
+    cut = {c for c in python_spaces if re.fullmatch(f"[{prepare_module.CUT_SPACES}]", c)}
+    assert cut == theirs - {"\r", "\n"}
+    assert {"\x1c", "\x1d", "\x1e", "\x1f"} == set(python_spaces) - theirs
 
 
 def test_a_long_line_is_warned_about_and_the_trainer_gets_bounded_pieces(tmp_path, monkeypatch, capsys):

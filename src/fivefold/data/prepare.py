@@ -68,8 +68,17 @@ MIN_VAL_DOCUMENTS = 10
 SPLIT_SEED = 0  # the document split is a fixed function of the corpus, not of any run seed
 ENCODE_BATCH_CHARS = 1 << 20  # characters per tokenizer call: large enough to amortise, small in memory
 PROGRESS_INTERVAL_S = 2.0
-LINE_START = re.compile(r"\n(?=\S)")  # a newline followed by a non-space character
-SPACE_CUT = re.compile(r"(?<=\S) (?=\S)")  # one space between two non-space characters
+# Where a text may be cut into pieces that tokenize to the tokens of the whole (`_text_pieces`), for the byte-level
+# pre-tokenizers (GPT-2's regex and Llama 3's): after a newline between two non-space characters, or before a
+# whitespace character other than a line break that follows a non-space character. Whitespace here is the
+# tokenizers' (Unicode White_Space: `CUT_SPACES` and the line breaks); Python's \s adds \x1c-\x1f, which the
+# tokenizers count as punctuation, so `(?<=\S)` is only stricter than theirs. Not a cut: after a newline that follows
+# whitespace ("end  \nNext", "end\n\nNext", "end\r\nNext"), where GPT-2's `\s+(?!\S)` keeps the newline apart from
+# the whitespace before it in the whole text and not at a piece's end; nor before a line break, which Llama 3 joins
+# to the punctuation before it.
+CUT_SPACES = " \t\x0b\x0c\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+LINE_START = re.compile(r"(?<=\S)\n(?=\S)")  # cut after the newline
+SPACE_CUT = re.compile(rf"(?<=\S)[{CUT_SPACES}]")  # cut before the whitespace character
 # the longest piece of a document that the tokenizer trainer is given at once: its memory grows about 100 times a
 # piece's characters, per thread (a piece is cut as `_text_pieces` cuts, so it holds up to twice as many)
 TRAIN_PIECE_CHARS = 1 << 16
@@ -164,15 +173,17 @@ def _cut_points(text: str, max_chars: int) -> Iterator[tuple[int, str]]:
 
 
 def _text_pieces(text: str, max_chars: int) -> list[str]:
-    """`text` cut into pieces of `max_chars` to `2 * max_chars` characters (the last may be shorter): just before
-    the first line after `max_chars` that starts with a non-space character; within a longer line, just before the
-    first space after `max_chars` that stands between two non-space characters; failing both (a run of
-    `2 * max_chars` characters without such a space), at `max_chars`.
+    """`text` cut into pieces of `max_chars` to `2 * max_chars` characters (the last may be shorter): just after
+    the first newline after `max_chars` that stands between two non-space characters (a line ending in a
+    non-space character, the next starting with one); failing that, just before the first whitespace character
+    after `max_chars` that is not a line break and follows a non-space character; failing both (a run of
+    `2 * max_chars` characters without either), at `max_chars`.
 
-    The first two are pre-tokenization boundaries for byte-level (GPT-2, Llama 3 style) tokenizers, so the pieces
-    encode to exactly the tokens of the whole; a tokenizer that prepends a space to every input (SentencePiece-style
-    Metaspace) adds one at each cut. The third ("hard") may change the tokens at the cut. Only documents longer than
-    `max_chars` are cut, so the memory of tokenizing (and of training a tokenizer) stays bounded whatever the lines.
+    The first two (`LINE_START`, `SPACE_CUT`) are cuts that byte-level pre-tokenizers (GPT-2's regex, Llama 3's)
+    always split at and that leave each piece's end tokenized as in the whole, so the pieces encode to exactly the
+    tokens of the whole; a tokenizer that prepends a space to every input (SentencePiece-style Metaspace) adds one
+    at each cut. The third ("hard") may change the tokens at the cut. Only documents longer than `max_chars` are cut,
+    so the memory of tokenizing (and of training a tokenizer) stays bounded whatever the lines.
     """
     pieces, start = [], 0
     for end, _ in _cut_points(text, max_chars):
@@ -183,20 +194,27 @@ def _text_pieces(text: str, max_chars: int) -> list[str]:
 
 
 def _long_line_warning(text: str, where: str, max_chars: int, line_numbers: bool) -> str | None:
-    """A warning when `text` has lines that `_text_pieces(text, max_chars)` cuts inside (None when it has none): how
-    many, the longest (its line number with `line_numbers`), and whether the cuts are exact (before spaces) or may
-    change the tokens (runs without a space)."""
-    lines: dict[int, int] = {}  # start -> end of each line cut inside
-    hard = False
+    """A warning when `_text_pieces(text, max_chars)` cuts `text` inside lines over `max_chars` characters, or
+    anywhere at a cut that may change the tokens (None otherwise): how many long lines, the longest (its line
+    number with `line_numbers`), and whether the cuts are exact (before spaces) or may change the tokens (runs
+    without a space). A cut inside a shorter line before a space (lines that end in whitespace, which no line cut
+    follows) is exact and said nothing of."""
+    lines: dict[int, int] = {}  # start -> end of each line over max_chars cut inside
+    hard = 0
     for end, how in _cut_points(text, max_chars):
         if how != "line":
-            hard = hard or how == "hard"
+            hard += how == "hard"
             start = text.rfind("\n", 0, end) + 1
-            if start not in lines:
-                line_end = text.find("\n", end)
-                lines[start] = len(text) if line_end < 0 else line_end
-    if not lines:
+            line_end = text.find("\n", end)
+            line_end = len(text) if line_end < 0 else line_end
+            if line_end - start > max_chars:
+                lines[start] = line_end
+    if not lines and not hard:
         return None
+    if not lines:
+        return (f"warning: {where}: {hard:,} cut(s) of its text into pieces of {max_chars:,} to {2 * max_chars:,} "
+                f"characters found no line break between two non-space characters and no space after one within "
+                f"{2 * max_chars:,} characters, so they fall where the tokens may differ from those of the whole text")
     start = max(lines, key=lambda k: lines[k] - k)
     at = f" (line {text.count(chr(10), 0, start) + 1})" if line_numbers else ""
     how = (f"runs of over {2 * max_chars:,} characters without a space are cut every {max_chars:,} characters, and "

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from tests.test_data import decode_documents
 
 from fivefold.cli import main
 from fivefold.data import TokenDataset, prepare_dataset
@@ -279,6 +280,79 @@ def test_a_stop_signal_during_prepare_removes_the_staging_and_says_so(tmp_path, 
         f"fivefold data: stopped by {name}; nothing was written to {tmp_path / 'out'}")
     assert not staging_dirs(tmp_path) and not (tmp_path / "out").exists()
     assert signal.getsignal(signum) == before  # restored
+
+
+def signal_at_first_unlink(monkeypatch, signum: int) -> dict:
+    """From `armed["on"]` being set: `signum` to this process at the first file removal (`os.unlink`, which
+    `shutil.rmtree` calls per file), that file still removed after it; `armed["sent"]` counts the signals sent."""
+    unlink, armed = os.unlink, {"on": False, "sent": 0}
+
+    def signalling_unlink(*args, **kwargs):
+        if armed["on"]:
+            armed["on"] = False
+            armed["sent"] += 1
+            os.kill(os.getpid(), signum)  # handled (or noted) before the next line runs
+        return unlink(*args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", signalling_unlink)
+    return armed
+
+
+@pytest.mark.parametrize("first, second", [(signal.SIGTERM, signal.SIGTERM), (signal.SIGINT, signal.SIGTERM)],
+                         ids=["SIGTERM-SIGTERM", "SIGINT-SIGTERM"])
+def test_a_second_signal_during_the_staging_removal_waits_for_it(tmp_path, capsys, monkeypatch, first, second):
+    """The first signal stops the prepare while shards are written; the second comes while the staging directory
+    is removed (at its first file). The removal runs to its end, no staging directory is left half removed, and
+    the prepare stops by the second signal, in one line, its handlers restored."""
+    (tmp_path / "a.txt").write_text("some text to tokenize\n" * 50)
+    tokenize, armed = prepare_module._tokenize_documents, signal_at_first_unlink(monkeypatch, second)
+
+    def killed(*args, **kwargs):
+        tokenize(*args, **kwargs)
+        (staging,) = staging_dirs(tmp_path)
+        assert len(list(staging.iterdir())) >= 3  # the tokenizer and the shards: several files to remove
+        armed["on"] = True
+        os.kill(os.getpid(), first)
+        time.sleep(30)  # the handler interrupts it
+        raise AssertionError("the signal did not stop prepare")
+
+    monkeypatch.setattr(prepare_module, "_tokenize_documents", killed)
+    before = {s: signal.getsignal(s) for s in (first, second)}
+    rc = main(["data", "prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "out"), "--vocab-size",
+               str(SMALL_VOCAB)])
+    assert armed["sent"] == 1
+    assert not staging_dirs(tmp_path) and not (tmp_path / "out").exists()
+    assert rc == 128 + second
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"fivefold data: stopped by {signal.Signals(second).name}; nothing was written to " \
+                      f"{tmp_path / 'out'}", err
+    assert {s: signal.getsignal(s) for s in (first, second)} == before
+
+
+def test_a_signal_while_overwrite_swaps_the_output_in_leaves_it_whole(tmp_path, capsys, monkeypatch):
+    """--overwrite renames the previous output aside, the new one into place and removes the previous one; SIGTERM
+    at the first file of that removal waits for it: the new output is in place and whole, nothing of the previous
+    one or of the staging is left, and the line says the output was written."""
+    (tmp_path / "a.txt").write_text("the first version of the text\n" * 50)
+    out = tmp_path / "out"
+    argv = ["data", "prepare", str(tmp_path / "a.txt"), "--out", str(out), "--vocab-size", str(SMALL_VOCAB),
+            "--overwrite", "--quiet", "--val-fraction", "0"]
+    assert main(argv) == 0
+    (tmp_path / "a.txt").write_text("a second version of the text, longer than the first\n" * 80)
+    rename, armed = os.rename, signal_at_first_unlink(monkeypatch, signal.SIGTERM)
+
+    def arming_rename(src, dst, *args, **kwargs):
+        rename(src, dst, *args, **kwargs)
+        if Path(dst) == out:  # the new output is in place: the previous one's removal comes next
+            armed["on"] = True
+
+    monkeypatch.setattr(os, "rename", arming_rename)
+    rc = main(argv)
+    assert armed["sent"] == 1 and rc == 143
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"fivefold data: stopped by SIGTERM; {out} was written in full before it stopped")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "out"]  # no staging, no previous output
+    assert decode_documents(out, "train") == [(tmp_path / "a.txt").read_text()]
 
 
 def test_stop_signal_handling_is_restored_after_prepare(tmp_path):

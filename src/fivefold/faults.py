@@ -17,7 +17,8 @@ prints which rank stalled and what it was doing, kills that rank when it runs on
 
 `RunLock` makes one process the owner of a run directory (an exclusive `flock` on `RUN_DIR/run.lock`, released by
 the kernel however its holder dies); `SaveAbandoned` is what a second stop signal raises while a run stops;
-`StopSignal` is what SIGTERM or SIGHUP raise outside the training loop (`stop_signals_interrupt`).
+`StopSignal` is what SIGTERM or SIGHUP raise outside the training loop (`stop_signals_interrupt`), and
+`stop_signals_deferred` holds those signals and SIGINT back while a removal that must not stop half done runs.
 `wait_for_ranks` meets every rank in the launcher's store before the process group forms, within the same timeout:
 a rank that never arrives (stalled or dead during start-up) is named. `record_failure` leaves a rank's one-line
 error where its launcher reads it (`first_failure`), so the launcher's summary names the rank that failed first
@@ -136,6 +137,39 @@ def stop_signals_interrupt(after: str = ""):
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def stop_signals_deferred():
+    """While active (in the main thread, where Python runs every signal handler; elsewhere it does nothing), SIGINT,
+    SIGTERM and SIGHUP are noted instead of handled, so that the work inside (removing a staging directory) runs to
+    its end rather than stopping half done; on exit the handlers before are restored and the first signal noted is
+    handled as they would have handled it (`StopSignal` or KeyboardInterrupt raised, or the default action). The
+    handlers, not the signal mask: a process-directed signal that the main thread blocks is delivered to another
+    thread (the tokenizer's), whose interrupt Python runs in the main thread all the same."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted: list[int] = []
+
+    def note_signal(signum: int, frame: object) -> None:
+        noted.append(signum)
+
+    previous = {signum: signal.signal(signum, note_signal) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if noted:
+            handler = previous[noted[0]]
+            if callable(handler):
+                handler(noted[0], None)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), noted[0])
 
 
 def quiet_hung_up_terminal() -> None:

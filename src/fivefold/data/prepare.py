@@ -423,8 +423,12 @@ def _prepare_documents(stream: DocumentStream, sources: list[dict[str, Any]], nu
         index["skipped_documents"] = skipped
         (staging / INDEX_FILE).write_text(json.dumps(index, indent=1) + "\n", encoding="utf-8")
         publish(staging, out, overwrite)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+    except BaseException as e:
+        placed = not staging.exists()  # publish renamed it to `out`: a stop it deferred came after the swap
+        with faults.stop_signals_deferred():  # a second Ctrl-C or SIGTERM waits: no half-removed staging directory
+            shutil.rmtree(staging, ignore_errors=True)
+        if placed and isinstance(e, faults.StopSignal):
+            raise faults.StopSignal(e.signum, f"{out} was written in full before it stopped") from None
         raise
     return out
 
@@ -463,7 +467,8 @@ def _remove_stale_staging(out: Path) -> None:
         match = pattern.fullmatch(entry.name)
         if match is not None and int(match.group(1)) != os.getpid() and not _pid_alive(int(match.group(1))) \
                 and entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
+            with faults.stop_signals_deferred():  # removed whole, or (killed) left whole for the next prepare
+                shutil.rmtree(entry, ignore_errors=True)
 
 
 def prepare_dataset(

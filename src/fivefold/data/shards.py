@@ -23,6 +23,7 @@ from fivefold.data.format import (
     documents_entry,
     shard_file_name,
 )
+from fivefold.faults import stop_signals_deferred
 from fivefold.flops import DocumentLengths
 
 
@@ -169,9 +170,10 @@ def publish(staging: Path, out: Path, overwrite: bool) -> None:
         if not overwrite or not is_prepared_directory(out):
             raise OutputExistsError(f"--out {out}: appeared while preparing; left it untouched")
         retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.rename(out, retired / out.name)
-        os.rename(staging, out)
-        shutil.rmtree(retired)
+        with stop_signals_deferred():  # the swap and the previous output's removal, not stopped half done
+            os.rename(out, retired / out.name)
+            os.rename(staging, out)
+            shutil.rmtree(retired)
         return
     try:
         os.rename(staging, out)  # atomic; replaces an empty directory

@@ -321,7 +321,8 @@ def _per_stage(value: float | Sequence[float], n: int) -> list[float]:
 
 def simulate(schedule: Schedule, t_f: float | Sequence[float], t_b: float | Sequence[float],
              t_w: float | Sequence[float] = 0.0, p2p: float = 0.0,
-             pair_seconds: Callable[..., float] | None = None) -> SimResult:
+             pair_seconds: Callable[..., float] | None = None,
+             t_after_send: float | Sequence[float] = 0.0) -> SimResult:
     """Run the per-rank action lists against their dependencies and return the timing.
 
     `t_f`, `t_b`, `t_w` are the times of one micro-batch's forward, input-gradient backward and weight-gradient
@@ -331,12 +332,16 @@ def simulate(schedule: Schedule, t_f: float | Sequence[float], t_b: float | Sequ
     B(i, s+1) (the last stage after its own F); W(i, s) after B(i, s); each rank runs its list in order. A fused
     pair (`Schedule.unit`: F and B, and the B's W where it comes next) starts once both its inputs are in and takes
     `pair_seconds(F, B)` or `pair_seconds(F, B, W)` (default: the sum of its actions); both its outputs leave at
-    its end.
+    its end. `t_after_send` (per stage; schedules that do not split the backward): the part of each B that runs
+    after its input gradient has left for the previous stage (the first block's weight gradients, which
+    `layout.pp_comm_overlap` defers past the send): the previous stage may start that much before the B ends.
     """
     n = schedule.n_stages
     tf, tb, tw = _per_stage(t_f, n), _per_stage(t_b, n), _per_stage(t_w, n)
+    early = [0.0] * n
     if not schedule.split_backward:
         tb = [b + w for b, w in zip(tb, tw, strict=True)]
+        early = [min(e, b) for e, b in zip(_per_stage(t_after_send, n), tb, strict=True)]
     dur = {"F": tf, "B": tb, "W": tw}
     sr = schedule.stage_rank
     end: dict[tuple[str, int, int], float] = {}
@@ -358,6 +363,8 @@ def simulate(schedule: Schedule, t_f: float | Sequence[float], t_b: float | Sequ
                 dep, cross = ("F", a.micro_batch, s), False
             else:
                 dep, cross = ("B", a.micro_batch, s + 1), sr[s + 1] != sr[s]
+                t = end.get(dep)
+                return None if t is None else t - early[s + 1] + (p2p if cross else 0.0)
         else:
             dep, cross = ("B", a.micro_batch, s), False
         t = end.get(dep)

@@ -142,6 +142,10 @@ class StageTimes:
     comm_f: list[float] = field(default_factory=list)
     comm_b: list[float] = field(default_factory=list)
     comm_w: list[float] = field(default_factory=list)  # inside W (a split schedule's re-gathers under sp)
+    # per stage and micro-batch: the part of the backward that runs after its input gradient has been sent to the
+    # previous stage (fivefold's `layout.pp_comm_overlap` defers the stage's first block's weight gradients past
+    # the send, `train.build.weight_grad_queue`; empty: the send waits for the whole backward)
+    after_send: list[float] = field(default_factory=list)
 
 
 def linear_shapes(cfg: ModelConfig, tokens: float, tp: int, fused: bool, etp: int | None = None,
@@ -532,7 +536,16 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
                  "ep_comm": (2 + again) * t_ep,
                  # the recomputed forward's own compute (its communication is counted above)
                  "recompute": {"none": 0.0, "selective": rerun, "full": t_layer}[lay.recompute]}
-    return StageTimes(f, b, w, per_layer, counts, {"tp_comm": head_tp + loss_tp}, host, comm_f, comm_b, comm_w)
+    after_send = [min(lin_b / 2, w[s]) for s in range(len(counts))] if sends_before_weight_grads(lay, fw) else []
+    return StageTimes(f, b, w, per_layer, counts, {"tp_comm": head_tp + loss_tp}, host, comm_f, comm_b, comm_w,
+                      after_send)
+
+
+def sends_before_weight_grads(lay: Layout, fw: Framework) -> bool:
+    """fivefold's pipeline sends each backward's input gradient before the stage's first block's weight gradients
+    (`layout.pp_comm_overlap`, on by default; `train.build.weight_grad_queue`): not under ZeRO-3, and not in a
+    schedule that splits the backward (whose W passes are deferred anyway)."""
+    return bool(fw.layout_dp_options) and lay.overlaps_pp_comm and lay.zero < 3 and not splits_backward(lay)
 
 
 def host_us_per_block(lay: Layout, fw: Framework, hw: Cluster) -> float:
@@ -618,9 +631,10 @@ def fb_pair_seconds(f: float, b: float, comm_f: float, comm_b: float, overlap: f
 
 @lru_cache(maxsize=4096)
 def _simulated(schedule: str, p: int, m: int, v: int, f: tuple, b: tuple, w: tuple, p2p: float,
-               fb: tuple | None = None) -> float:
+               fb: tuple | None = None, after_send: tuple = ()) -> float:
     """`fb`: (comm_f, comm_b, comm_w, overlap, pair_w) where DualPipeV's F/B pairs run as two lanes
-    (`fb_pair_seconds`; `pair_w`: with the B's W in the backward's lane, `Schedule.unit`)."""
+    (`fb_pair_seconds`; `pair_w`: with the B's W in the backward's lane, `Schedule.unit`); `after_send`: per stage,
+    the backward's part after its input gradient left (`StageTimes.after_send`)."""
     sched = build_schedule(schedule, p, m, v if schedule == "interleaved" else 1, overlap_fb=fb is not None,
                            pair_w=fb is not None and fb[-1])
     pair = None
@@ -631,7 +645,8 @@ def _simulated(schedule: str, p: int, m: int, v: int, f: tuple, b: tuple, w: tup
             s, whole = bwd.stage, wgt is not None
             return fb_pair_seconds(f[fwd.stage], b[s] + whole * w[s], comm_f[fwd.stage], comm_b[s] + whole * comm_w[s],
                                    overlap)
-    return simulate(sched, list(f), list(b), list(w), p2p, pair_seconds=pair).makespan
+    return simulate(sched, list(f), list(b), list(w), p2p, pair_seconds=pair,
+                    t_after_send=list(after_send) or 0.0).makespan
 
 
 def runs_fb_overlap(lay: Layout, fw: Framework) -> bool:
@@ -655,7 +670,8 @@ def pipeline_makespan(lay: Layout, times: StageTimes, p2p: float, exact: bool, f
         if fb_overlap is not None and times.comm_f:
             fb = (*(tuple(round(x, 9) for x in c) for c in (times.comm_f, times.comm_b, times.comm_w)),
                   round(fb_overlap, 6), lay.fb_pairs_run_w)
-        return _simulated(lay.schedule, lay.pp, m, lay.vpp, *key, round(p2p, 9), fb)
+        return _simulated(lay.schedule, lay.pp, m, lay.vpp, *key, round(p2p, 9), fb,
+                          tuple(round(x, 9) for x in times.after_send))
     p = lay.pp
     n_stages = len(times.f)
     per_rank = [0.0] * p
@@ -670,8 +686,9 @@ def pipeline_makespan(lay: Layout, times: StageTimes, p2p: float, exact: bool, f
     full = sum(times.f[s] + times.b[s] + times.w[s] for s in range(n_stages)) / n_stages  # one stage, one mb
     if lay.schedule in ("zero-bubble", "dualpipev"):  # W passes fill the bubble: (p-1)(F + B - 2W) per stage
         bubble = (p - 1) * max(full - 2 * sum(times.w) / n_stages, sum(times.f) / n_stages)
-    else:  # (p-1)/m of the work, or (p-1)/(v m) for interleaved (whose stages are 1/v of a rank's layers)
-        bubble = (p - 1) * full
+    else:  # (p-1)/m of the work, or (p-1)/(v m) for interleaved (whose stages are 1/v of a rank's layers); the
+        # backward's hand-over leaves before what runs after its send (`StageTimes.after_send`)
+        bubble = (p - 1) * (full - sum(times.after_send) / n_stages)
     sends = 2 * (p - 1) * (lay.vpp if lay.schedule == "interleaved" else 1)
     return max(per_rank) + bubble + sends * p2p
 

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from fivefold.cli import main
-from fivefold.config import ConfigError, config_from_dict
+from fivefold.config import ConfigError, build_config, config_from_dict
 from fivefold.faults import descendants as _descendants
 from fivefold.layout import check_layout
 from fivefold.sweep.grid import expand, load_grid, run_key
@@ -175,6 +175,165 @@ def test_a_derived_micro_batch_and_the_same_one_given_share_a_key(tmp_path, caps
     explicit = write_grid(tmp_path, "steps = 2\nwarmup = 1\ndevices = 1\n" + SMALL + """
         [layout]
         micro_batch_size = 8
+        """, "explicit.toml")
+    assert main(["sweep", str(explicit), "--results", str(results), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "1 already in" in out and "0 to run" in out, out
+
+
+def _cfg(**fields):
+    """A small valid config (the grid's SMALL model on the CPU in fp32) with `fields` (dotted names) over it."""
+    base = {"model.n_layers": 4, "model.hidden": 64, "model.n_heads": 4, "model.n_kv_heads": 2, "model.ffn": 128,
+            "model.vocab_size": 256, "train.seq_len": 32, "train.global_batch_size": 8, "train.device": "cpu",
+            "train.dtype": "fp32", "train.threads": 1}
+    return build_config(None, {**base, **fields})
+
+
+def _engine_reads(cfg) -> dict:
+    """What the engine resolves each derived field of `cfg` to, read through the engine's own code: the expert
+    width, the head width, the pipeline split (`pipeline.stage_layer_counts`), the gradient bucket (Megatron's rule
+    written out here), the four overlaps it switches on, the compute dtype (`device.use_bf16`), the micro-batch."""
+    from fivefold.device import use_bf16
+    from fivefold.parallel.pipeline import stage_layer_counts
+
+    m, la = cfg.model, cfg.layout
+    return {"expert_ffn": m.moe_ffn or m.ffn, "head_dim": m.head_dim,
+            "stages": stage_layer_counts(cfg) if la.pp > 1 else None,
+            "bucket": (la.dp_bucket_size or max(40_000_000, 1_000_000 * la.dp * la.cp)) if la.zero < 3 else None,
+            "overlaps": (la.overlaps_param_gather, la.overlaps_pp_comm, la.overlaps_fb, la.overlaps_tp_comm),
+            "bf16": use_bf16(cfg, cfg.train.device.split(":")[0]),
+            "micro_batch": la.micro_batch_size or cfg.train.global_batch_size // la.dp}
+
+
+def _valid(cfg) -> bool:
+    try:
+        cfg.validate()
+        check_layout(cfg, cfg.layout.world_size)
+    except ConfigError:
+        return False
+    return True
+
+
+# (the layout, the field, a value given explicitly that the engine runs exactly as the default)
+SAME_RUN = [
+    ({"model.n_experts": 4}, "model.moe_ffn", 128),  # 0 = ffn
+    ({}, "model.moe_ffn", 128),  # a dense model: no experts either way
+    ({}, "model.head_size", 16),  # null = hidden / n_heads
+    ({"layout.pp": 2, "layout.micro_batch_size": 2}, "layout.stage_layers", "balanced"),  # [] = by compute
+    ({"layout.pp": 2, "layout.schedule": "interleaved", "layout.vpp": 2, "layout.micro_batch_size": 2},
+     "layout.stage_layers", "balanced"),
+    ({"layout.dp": 2, "layout.zero": 1}, "layout.dp_bucket_size", 40_000_000),  # null = Megatron's rule
+    ({"layout.dp": 2, "layout.zero": 1}, "layout.dp_overlap_param_gather", True),  # null = on where it applies
+    ({"layout.dp": 2}, "layout.dp_overlap_param_gather", False),  # ... and off where it does not (ZeRO-0)
+    ({"layout.pp": 2, "layout.micro_batch_size": 2}, "layout.pp_comm_overlap", True),
+    ({}, "layout.pp_comm_overlap", False),
+    ({"layout.pp": 2, "layout.tp": 2, "layout.schedule": "dualpipev", "layout.micro_batch_size": 2},
+     "layout.pp_fb_overlap", True),
+    ({"layout.pp": 2, "layout.micro_batch_size": 2}, "layout.pp_fb_overlap", False),
+    ({"layout.tp": 2, "layout.sp": True}, "layout.tp_comm_overlap", True),
+    ({"layout.tp": 2}, "layout.tp_comm_overlap", False),
+    ({"layout.dp": 2}, "layout.micro_batch_size", 4),  # 0 = the whole per-rank batch
+]
+# (the layout, the field, a value that is another run, a refused one, or one whose meaning depends on the machine)
+OTHER_RUN = [
+    ({"model.n_experts": 4}, "model.moe_ffn", 64),
+    ({}, "model.head_size", 32),
+    ({"layout.pp": 2, "layout.micro_batch_size": 2}, "layout.stage_layers", "unbalanced"),
+    ({"layout.dp": 2, "layout.zero": 1}, "layout.dp_bucket_size", 1_000),
+    ({"layout.dp": 2, "layout.zero": 3}, "layout.dp_bucket_size", 40_000_000),  # refused: ZeRO-3 has no buckets
+    ({"layout.dp": 2, "layout.zero": 1}, "layout.dp_overlap_param_gather", False),
+    ({"layout.dp": 2}, "layout.dp_overlap_param_gather", True),  # refused where it does not apply
+    ({"layout.pp": 2, "layout.micro_batch_size": 2}, "layout.pp_comm_overlap", False),
+    ({}, "layout.pp_comm_overlap", True),
+    ({"layout.tp": 2, "layout.sp": True}, "layout.tp_comm_overlap", False),
+    # on where it applies, but refused under float8, whose linears run no collective under their matmuls
+    ({"layout.tp": 2, "layout.sp": True, "train.float8": "rowwise"}, "layout.tp_comm_overlap", True),
+    ({"layout.dp": 4, "layout.zero": 3}, "layout.dp_shard", 4),  # refused: HSDP needs dp_shard < dp
+    ({}, "model.sliding_window", 32),  # the whole sequence, through the windowed kernels
+    ({}, "train.threads", 0),  # this machine's cores: its meaning depends on the machine
+    ({"train.device": "auto"}, "train.dtype", "auto"),  # bf16 or fp32 by the machine's accelerator
+    ({"train.device": "cuda", "train.dtype": "auto"}, "train.dtype", "fp32"),
+]
+
+
+def _spelled(layout: dict, field: str, value):
+    """The config of `layout`, and the same with `field` given `value` (a pipeline split named by how it is made)."""
+    default = _cfg(**layout)
+    if value in ("balanced", "unbalanced"):
+        from fivefold.parallel.pipeline import stage_layer_counts
+
+        split = stage_layer_counts(default)
+        value = split if value == "balanced" else [split[0] + 1, split[1] - 1, *split[2:]]
+    return default, _cfg(**{**layout, field: value})
+
+
+@pytest.mark.parametrize(("layout", "field", "value"), SAME_RUN, ids=lambda v: str(v))
+def test_a_derived_default_and_the_value_it_means_share_a_key(layout, field, value):
+    """Each field whose default (0, null, []) the engine resolves from the rest of the config, given explicitly the
+    value it resolves to, is the same run (the engine reads the same values; both valid), so one key: the key
+    stores already hold for the default, which grids that leave the field out have always had."""
+    default, given = _spelled(layout, field, value)
+    assert given.to_dict() != default.to_dict()
+    assert _engine_reads(given) == _engine_reads(default) and _valid(given) and _valid(default)
+    assert run_key(given, 2, 1) == run_key(default, 2, 1) == documented_key(default, 2, 1)
+
+
+def test_dtype_auto_on_a_named_device_is_the_dtype_it_resolves_to():
+    """`train.dtype = "auto"` on a named device is bf16 on an accelerator and fp32 on the CPU: keyed as that
+    dtype, what the grids that name it (examples/sweep-cpu.toml) have always been keyed as."""
+    for device, dtype in (("cpu", "fp32"), ("cuda", "bf16"), ("cuda:1", "bf16")):
+        named, auto = _cfg(**{"train.device": device, "train.dtype": dtype}), _cfg(**{"train.device": device,
+                                                                                       "train.dtype": "auto"})
+        assert _engine_reads(auto) == _engine_reads(named)
+        assert run_key(auto, 2, 1) == run_key(named, 2, 1) == documented_key(named, 2, 1)
+
+
+@pytest.mark.parametrize(("layout", "field", "value"), OTHER_RUN, ids=lambda v: str(v))
+def test_a_value_that_is_another_run_keeps_its_own_key(layout, field, value):
+    """A value that the engine runs otherwise than the default, or that a validator refuses where the default is
+    not, or whose meaning depends on the machine (train.threads = 0, dtype under device = auto), keeps the key its
+    spelling always had."""
+    default, given = _spelled(layout, field, value)
+    assert given.to_dict() != default.to_dict()
+    machine = field == "train.threads" or given.train.device == "auto"
+    assert machine or _engine_reads(given) != _engine_reads(default) or _valid(given) != _valid(default) or (
+        field == "model.sliding_window" and given.model.masks_attention != default.model.masks_attention)
+    assert run_key(given, 2, 1) == documented_key(given, 2, 1) != run_key(default, 2, 1)
+
+
+def test_a_grid_and_a_store_hold_each_run_once_however_it_is_spelled(tmp_path, capsys):
+    """A grid that gives a run with its defaults and again with the values they mean has one run; a store that
+    holds it does not run the second spelling."""
+    path = write_grid(tmp_path, "steps = 2\nwarmup = 1\n" + SMALL + """
+        [[grid]]
+        devices = 2
+        layout = { zero = 1 }
+
+        [[grid]]
+        devices = 2
+        model = { head_size = 16 }
+        train = { dtype = "auto" }
+        [grid.layout]
+        zero = 1
+        dp_overlap_param_gather = true
+        dp_bucket_size = 40000000
+        tp_comm_overlap = false
+        pp_comm_overlap = false
+        pp_fb_overlap = false
+        micro_batch_size = 4
+        """)
+    plans, _ = expand(load_grid(path))
+    assert len(plans) == 1 and plans[0].invalid is None, [p.label for p in plans]
+    assert plans[0].key == documented_key(plans[0].cfg, 2, 1)
+    results = tmp_path / "r.db"
+    with Store(results) as store:
+        store.record({"key": plans[0].key, "status": "crash", "label": plans[0].label, "model": plans[0].model,
+                      "error": "boom", "n_devices": 2, "config": plans[0].cfg.to_dict()}, replace_statuses=())
+    explicit = write_grid(tmp_path, "steps = 2\nwarmup = 1\ndevices = 2\n" + SMALL + """
+        [layout]
+        zero = 1
+        dp_overlap_param_gather = true
+        dp_bucket_size = 40000000
         """, "explicit.toml")
     assert main(["sweep", str(explicit), "--results", str(results), "--dry-run"]) == 0
     out = capsys.readouterr().out

@@ -39,6 +39,7 @@ import itertools
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,12 +49,14 @@ from fivefold.config import (
     Config,
     ConfigError,
     DataConfig,
+    LayoutConfig,
     LogConfig,
     build_config,
     load_file,
     shown,
 )
-from fivefold.layout import check_layout
+from fivefold.flops import balanced_stage_layers
+from fivefold.layout import check_layout, n_stages
 
 SECTIONS = ("model", "layout", "train", "data", "log")
 TOP_KEYS = {"name": str, "steps": int, "warmup": int, "timeout": (int, float), "devices": (int, list)}
@@ -313,21 +316,133 @@ def _axes(product: dict) -> list[tuple[str, list]]:
     return out
 
 
-def run_key(cfg: Config, steps: int, warmup: int) -> str:
-    """A stable hash of what a run measures: the config without paths and logging, and the protocol. A micro-batch
-    of the whole per-rank batch (`layout.micro_batch_size` x `layout.dp` = `train.global_batch_size`) is hashed as
-    0, what 0 (derived) means, so that both spellings of the one run share its key; every other config hashes as
-    it always has."""
+def _whole_batch(cfg: Config) -> int | None:
+    la, gbs = cfg.layout, cfg.train.global_batch_size
+    return gbs // la.dp if la.dp >= 1 and gbs % la.dp == 0 else None
+
+
+def _head_dim(cfg: Config) -> int | None:
+    m = cfg.model
+    return m.hidden // m.n_heads if m.n_heads >= 1 and m.hidden % m.n_heads == 0 else None
+
+
+def _balanced_stages(cfg: Config) -> list[int] | None:
+    """The compute-balanced split that an empty `layout.stage_layers` means (`pipeline.stage_layer_counts`), where
+    an explicit split can be given at all: pp > 1, every stage at least one block."""
+    la, m = cfg.layout, cfg.model
+    stages = n_stages(la)
+    if la.pp == 1 or not 1 <= stages <= m.n_layers:
+        return None
+    return balanced_stage_layers(m, stages, cfg.train.seq_len)
+
+
+def _unset(cfg: Config, name: str) -> LayoutConfig:
+    """`cfg.layout` with the field `name` left out (null), to read what the engine resolves null to."""
+    return dataclasses.replace(cfg.layout, **{name: None})
+
+
+def _dtype_on_device(cfg: Config) -> str:
+    """`train.dtype`, with "auto" on a named device written as what it resolves to there (`device.use_bf16`): bf16
+    on an accelerator, fp32 on the CPU. Under `train.device = "auto"` it is kept: its meaning depends on the machine
+    that runs it."""
+    t = cfg.train
+    if t.dtype != "auto" or t.device == "auto":
+        return t.dtype
+    return "fp32" if t.device.split(":", 1)[0] == "cpu" else "bf16"
+
+
+def _as_default(name: str, resolve: Callable[[Config], Any]) -> Callable[[Config], Any]:
+    """The canonical spelling of the field `name` (section.field) whose default (0, null, []) the engine resolves
+    to `resolve(cfg)`: the default where the value given is what the default resolves to, else the value given.
+    `resolve` returns None where no explicit value is the same run (it would be refused, or it is another run)."""
+    section, field_name = name.split(".")
+    default = getattr(getattr(Config(), section), field_name)
+
+    def canonical(cfg: Config) -> Any:
+        value = getattr(getattr(cfg, section), field_name)
+        if value == default:
+            return value
+        derived = resolve(cfg)
+        # the type too: a bool is not the integer 1
+        if derived is None or type(value) is not type(derived) or value != derived:
+            return value
+        # and never an explicit value that a validator refuses, where the default is not (e.g. tp_comm_overlap =
+        # true under float8): a refused run and a run are two
+        spelled = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section),
+                                                                           **{field_name: default})})
+        return default if _runs(cfg) == _runs(spelled) else value
+
+    return canonical
+
+
+def _runs(cfg: Config) -> bool:
+    """Whether `expand` finds `cfg` valid (`Config.validate` and the layout validator on its world size)."""
+    try:
+        cfg.validate()
+        check_layout(cfg, cfg.layout.world_size)
+    except ConfigError:
+        return False
+    return True
+
+
+# One run, spelled two ways, hashed once (`run_key`): each field whose default (0, null, "auto", an empty list) the
+# engine resolves from the rest of the config, and its canonical spelling in a config. The default is canonical
+# (the spelling of every grid that leaves the field out), but for train.dtype, whose explicit fp32 / bf16 is what
+# grids name (examples/sweep-cpu.toml). Each reads only fields outside this table, or their resolved values
+# (`expert_ffn`, `head_dim`), so the order does not matter. Keyed as spelled, deliberately:
+#   train.threads (0 = this machine's cores / its local processes), train.device ("auto" = this machine's
+#     accelerator) and train.dtype under device "auto": what they resolve to depends on the machine. A run key
+#     names what is measured, never the machine (the store's host and device columns say where it ran), and under
+#     --slurm it is computed on the submitting host, whose cores and devices are not the compute nodes'; so threads
+#     = 0 and threads = 8 are two runs even where 0 means 8
+#   layout.dp_shard (0 = ZeRO-3 over all of dp x cp): dp_shard = dp, which would mean the same, is refused (HSDP
+#     needs dp_shard < dp)
+#   model.sliding_window (null = no window): a window as long as the sequence sees the same tokens but runs the
+#     windowed kernels (`ModelConfig.masks_attention`): another run
+#   model.capacity_factor, router_z_loss_coef, bias_update_rate (0 = dropless, off, off): no other value means it
+_CANONICAL: dict[str, Callable[[Config], Any]] = {
+    # 0 = the whole per-rank batch, global_batch_size / dp
+    "layout.micro_batch_size": _as_default("layout.micro_batch_size", _whole_batch),
+    "model.moe_ffn": _as_default("model.moe_ffn", lambda cfg: cfg.model.ffn),  # 0 = ffn (`expert_ffn`)
+    "model.head_size": _as_default("model.head_size", _head_dim),  # null = hidden / n_heads (`head_dim`)
+    "layout.stage_layers": _as_default("layout.stage_layers", _balanced_stages),  # [] = balanced by compute
+    # null = Megatron's rule (`LayoutConfig.dp_bucket_elements`); a size is refused under ZeRO-3, which has no buckets
+    "layout.dp_bucket_size": _as_default("layout.dp_bucket_size", lambda cfg: (
+        _unset(cfg, "dp_bucket_size").dp_bucket_elements if cfg.layout.zero < 3 else None)),
+    # null = on wherever the overlap applies, off elsewhere: so true where it applies, false where it does not (true
+    # where it does not is refused)
+    **{f"layout.{name}": _as_default(f"layout.{name}", lambda cfg, name=name, prop=prop: getattr(
+        _unset(cfg, name), prop)) for name, prop in (("dp_overlap_param_gather", "overlaps_param_gather"),
+                                                     ("pp_comm_overlap", "overlaps_pp_comm"),
+                                                     ("pp_fb_overlap", "overlaps_fb"),
+                                                     ("tp_comm_overlap", "overlaps_tp_comm"))},
+    "train.dtype": _dtype_on_device,  # "auto" = bf16 on an accelerator, fp32 on the CPU
+}
+
+
+def canonical_spelling(cfg: Config) -> dict[str, Any]:
+    """`cfg.to_dict()` with each field of `_CANONICAL` in its canonical spelling (e.g. `model.moe_ffn = ffn` as 0,
+    the default that means it), so that two spellings of one run are one dict."""
     data = cfg.to_dict()
+    for dotted, canonical in _CANONICAL.items():
+        section, name = dotted.split(".")
+        data[section][name] = canonical(cfg)
+    return data
+
+
+def run_key(cfg: Config, steps: int, warmup: int) -> str:
+    """A stable hash of what a run measures: the config without paths and logging, and the protocol. A field given
+    the value that its default (0, null, []) resolves to in this config (`_CANONICAL`: e.g. a micro-batch of the
+    whole per-rank batch, `model.moe_ffn = ffn`) is hashed as the default, and `train.dtype = "auto"` on a named
+    device as the dtype it resolves to, so that both spellings of the one run share its key; every other config
+    hashes as it always has."""
+    data = canonical_spelling(cfg)
     for section, fields in _KEYLESS.items():
         if fields is None:
             data.pop(section, None)
         else:
             for f in fields:
                 data[section].pop(f, None)
-    layout = data["layout"]
-    if layout["micro_batch_size"] * layout["dp"] == data["train"]["global_batch_size"]:
-        layout["micro_batch_size"] = 0
     text = json.dumps({"config": data, "steps": steps, "warmup": warmup}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -153,25 +153,76 @@ def test_background_save_writes_the_synchronous_files_and_skips_a_non_finite_sta
         assert (written / name).read_bytes() == (sync / name).read_bytes(), name
     with torch.no_grad():
         next(engine.model.parameters())[0] = float("nan")
+    # the reference: the first piece this rank writes that holds a NaN, found element by element
+    poisoned = next(p.name for p in engine.state_pieces()[0] if torch.isnan(p.tensor).any())
     assert saver.save(2, 20, 2 * cfg.train.global_batch_size, background=True) is None
     assert saver.wait() is None
-    assert "not writing the checkpoint of step 2: the weights or optimizer state hold NaN or inf" in \
-        capsys.readouterr().err
+    assert ("not writing the checkpoint of step 2: the weights or optimizer state hold NaN or inf, first in tensor "
+            f"'{poisoned}'; the older checkpoints are kept") in capsys.readouterr().err
     assert [p.name for p in (tmp_path / "async" / "checkpoints").iterdir()] == [written.name]
 
 
 def test_the_finiteness_check_sees_one_bad_element_and_no_false_one():
-    """`all_finite` reads each tensor's sum and only looks element by element where the sum is not finite: one NaN or
-    infinity anywhere is found, and large finite values whose sum overflows are still finite."""
+    """`first_nonfinite` reads each tensor's sum and only looks element by element where the sum is not finite: one
+    NaN or infinity anywhere is found, and named (the first such tensor), and large finite values whose sum overflows
+    are still finite."""
     from types import SimpleNamespace
 
-    from fivefold.train.checkpoint import all_finite
+    from fivefold.train.checkpoint import first_nonfinite
 
-    engine = SimpleNamespace(device=torch.device("cpu"), agree=lambda t: t)
+    engine = SimpleNamespace(device=torch.device("cpu"), grid=None)
+
+    def pieces(*tensors):
+        return [SimpleNamespace(name=f"t{i}", tensor=t) for i, t in enumerate(tensors)]
+
     big = torch.full((1000,), 3e38)  # finite, but their sum overflows to inf
-    assert all_finite(engine, [torch.randn(10, 10), big, torch.arange(5), big.bfloat16()])
+    assert first_nonfinite(engine, pieces(torch.randn(10, 10), big, torch.arange(5), big.bfloat16())) is None
     for bad in (float("nan"), float("inf"), -float("inf")):
         t = torch.randn(100_000)
         t[77_777] = bad
-        assert not all_finite(engine, [torch.randn(3), t]), bad
-        assert not all_finite(engine, [big, t.bfloat16()]), bad
+        assert first_nonfinite(engine, pieces(torch.randn(3), t)) == "tensor 't1'", bad
+        assert first_nonfinite(engine, pieces(big, t.bfloat16(), t)) == "tensor 't1'", bad
+
+
+# the pieces of each of three ranks in the test below: (names, indices of the pieces that hold a NaN or an inf)
+RANK_PIECES = {0: (["model.a", "exp_avg.a"], []),
+               1: (["model.b", "exp_avg.b", "exp_avg_sq.b"], [2, 1]),  # its first bad one in its order: exp_avg.b
+               2: (["model.c", "exp_avg_sq.c"], [0])}
+
+
+def report_nonfinite_on_rank(rank: int, world: int, bad: bool) -> tuple[str | None, int]:
+    """`first_nonfinite` on this rank's pieces (`RANK_PIECES`, poisoned where `bad`) with the engine's own agreement
+    over gloo, and the broadcasts it made."""
+    from types import SimpleNamespace
+
+    from fivefold.train import checkpoint
+    from fivefold.train.engine import Engine
+
+    names, poisoned = RANK_PIECES[rank]
+    tensors = [torch.randn(64) for _ in names]
+    for i in poisoned if bad else []:
+        tensors[i][i + 3] = float("nan") if i % 2 else float("inf")
+    engine = SimpleNamespace(device=torch.device("cpu"), grid=SimpleNamespace(rank=rank, world_size=world))
+    engine.agree = lambda flags: Engine.agree(engine, flags)
+    broadcasts = []
+    real = checkpoint.dist.broadcast
+    checkpoint.dist.broadcast = lambda *a, **k: (broadcasts.append(a), real(*a, **k))[1]
+    try:
+        where = checkpoint.first_nonfinite(engine, [SimpleNamespace(name=n, tensor=t)
+                                                    for n, t in zip(names, tensors, strict=True)])
+    finally:
+        checkpoint.dist.broadcast = real
+    return where, len(broadcasts)
+
+
+def test_the_finiteness_check_names_the_lowest_rank_that_found_one_on_every_rank():
+    """On several ranks every rank gets the same line: the first non-finite tensor of the lowest rank that holds one
+    (ranks 1 and 2 do here; rank 1's first, in its order), named with that rank. A finite state costs the one
+    reduction there was before, and no broadcast."""
+    from tests.distributed import run_ranks
+
+    # the reference: the lowest rank with a poisoned piece, and its first poisoned piece in piece order
+    source = min(r for r, (_, bad) in RANK_PIECES.items() if bad)
+    name = RANK_PIECES[source][0][min(RANK_PIECES[source][1])]
+    assert run_ranks(3, report_nonfinite_on_rank, True) == [(f"tensor '{name}', found by rank {source} of 3", 1)] * 3
+    assert run_ranks(3, report_nonfinite_on_rank, False) == [(None, 0)] * 3

@@ -326,5 +326,47 @@ def test_checkpoint_with_non_finite_weights_falls_back(tmp_path, dataset, capsys
         save_file(tensors, str(path / "rank0.safetensors"))
         edit_index(path, lambda index: index.update(sha256=ckpt.file_sha256(path / "rank0.safetensors")))
 
-    full_losses, _ = damaged_newest(tmp_path, dataset, poison)
-    resumes_from_step_2(tmp_path, dataset, full_losses, capsys, "holds NaN or inf")
+    full_losses, newest = damaged_newest(tmp_path, dataset, poison)
+    # the reference: the tensor whose piece is key "0" of rank 0's file, as rank 0's piece index records it
+    name = next(p["name"] for p in json.loads((newest / "rank0.json").read_text())["pieces"] if p["key"] == "0")
+    resumes_from_step_2(tmp_path, dataset, full_losses, capsys,
+                        re.escape(f"holds NaN or inf in its weights or optimizer state, first in tensor '{name}')"))
+
+
+def train_on_ranks(rank: int, world: int, run_dir: Path, data: Path, overrides: dict[str, str], resume: bool) -> str:
+    """A run on gloo ranks (`tests.distributed.run_ranks`); what a refused resume said on this rank, or "trained"."""
+    try:
+        train(small_config(run_dir, data, **overrides), resume=resume)
+    except ckpt.CheckpointError as e:
+        return str(e)
+    return "trained"
+
+
+def test_non_finite_state_of_another_rank_is_named_with_that_rank_on_every_rank(tmp_path, dataset):  # noqa: F811
+    """dp2 x ZeRO-1: each rank writes its own shards of the weights and AdamW state, and checks those. A NaN in the
+    first piece rank 1 wrote (its file re-recorded in the index and the manifest, so only the values can tell) is
+    found by rank 1 when a resume loads it; every rank's refusal names that tensor and rank 1."""
+    from safetensors.torch import load_file, save_file
+    from tests.distributed import run_ranks
+
+    from fivefold.checkpoint_format import global_index
+
+    overrides = {**EVERY_2, "train.dtype": "fp32", "train.device": "cpu", "layout.dp": "2", "layout.zero": "1",
+                 "train.max_steps": "2"}
+    assert run_ranks(2, train_on_ranks, tmp_path / "run", dataset, overrides, False) == ["trained"] * 2
+    path = ckpt.latest_checkpoint(tmp_path / "run")
+    part = json.loads((path / "rank1.json").read_text())
+    tensors = load_file(str(path / "rank1.safetensors"))
+    tensors["0"] = torch.full_like(tensors["0"], float("nan"))
+    save_file(tensors, str(path / "rank1.safetensors"))
+    part["sha256"] = ckpt.file_sha256(path / "rank1.safetensors")
+    (path / "rank1.json").write_text(json.dumps(part))
+    parts = [json.loads(f.read_text()) for f in sorted(path.glob("rank*.json"))]
+    (path / "index.json").write_text(json.dumps({"format_version": ckpt.FORMAT_VERSION, **global_index(parts)}))
+    ckpt.write_manifest(path)
+    # the reference: the tensor of key "0" in rank 1's file, as rank 1's piece index records it
+    name = next(p["name"] for p in part["pieces"] if p["key"] == "0")
+    said = run_ranks(2, train_on_ranks, tmp_path / "run", dataset, overrides, True)
+    assert said[0] == said[1] and said[0].startswith("--resume: no usable checkpoint: "), said
+    assert (f"holds NaN or inf in its weights or optimizer state, first in tensor '{name}', found by rank 1 of 2"
+            in said[0]), said

@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
@@ -371,11 +372,33 @@ def restore_rng(loaded: LoadedCheckpoint, device: torch.device) -> None:
         _set_rng_state(loaded.rng_state, device)
 
 
-def all_finite(engine: Engine, tensors: list[torch.Tensor]) -> bool:
-    """Whether the weights and optimizer state that every rank writes are finite: each rank's own tensors checked
-    (`checkpoint_format.nonfinite`, the check `fivefold export` and `generate` run too), then one reduction."""
-    bad = torch.tensor([float(bool(nonfinite(tensors)))], device=engine.device)
-    return not engine.agree(bad).item()
+NAME_BYTES = 512  # the longest tensor name (UTF-8) that a non-finite report carries from its rank to the others
+
+
+def first_nonfinite(engine: Engine, pieces: list[Piece]) -> str | None:
+    """None when the weights and optimizer state that every rank writes are finite; else where the first NaN or inf
+    is, for the message: `tensor 'exp_avg.layers.0.attn.q_proj.weight'`, and on several ranks `..., found by rank 3
+    of 4`: the lowest rank that found one and its first such tensor (in the order of `Engine.state_pieces`), the
+    same line on every rank. Each rank checks its own pieces (`checkpoint_format.nonfinite`, the check `fivefold
+    export` and `generate` run too); the one reduction there always was, which tells every rank whether any found
+    one, also says which (world - rank, under its maximum); only then does that rank broadcast the name
+    (NAME_BYTES bytes): one small collective on the failure path alone, none while the state is finite."""
+    bad = nonfinite([p.tensor for p in pieces])
+    name = pieces[bad[0]].name if bad else None
+    if engine.grid is None:
+        return None if name is None else f"tensor {shown(name)}"
+    rank, world = engine.grid.rank, engine.grid.world_size
+    found = int(engine.agree(torch.tensor([float(world - rank if bad else 0)], device=engine.device)).item())
+    if not found:
+        return None
+    source = world - found
+    buf = torch.zeros(NAME_BYTES, dtype=torch.uint8, device=engine.device)
+    if rank == source:
+        raw = name.encode()[:NAME_BYTES]
+        buf[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    dist.broadcast(buf, src=source)
+    told = bytes(buf.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+    return f"tensor {shown(told)}, found by rank {source} of {world}"
 
 
 def resumed_sampler(sampler: BatchSampler, loaded: LoadedCheckpoint, cfg: Config, is_first: bool) -> BatchSampler:
@@ -537,9 +560,10 @@ class Checkpointer:
             if not self._failed(reason):
                 reason = self._load_into_engine(loaded)
                 if not self._failed(reason):
-                    if all_finite(engine, [p.tensor for p in engine.state_pieces()[0]]):
+                    where = first_nonfinite(engine, engine.state_pieces()[0])
+                    if where is None:
                         break
-                    reason = f"{path} holds NaN or inf in its weights or optimizer state"
+                    reason = f"{path} holds NaN or inf in its weights or optimizer state, first in {where}"
             rejected.append((path, reason or "a file that another rank reads failed its verification"))
         else:
             if rejected:
@@ -668,10 +692,11 @@ class Checkpointer:
         state = TrainerState(step=step, tokens_seen=tokens_seen, skipped_steps=skipped,
                              lr_phases=[tuple(p) for p in engine.lr_schedule.phases])
         pieces, steps = engine.state_pieces()  # views of this rank's weights and AdamW state, nothing gathered
-        if not all_finite(engine, [p.tensor for p in pieces]):
+        where = first_nonfinite(engine, pieces)
+        if where is not None:
             if engine.is_logging_rank:
                 print(f"fivefold: not writing the checkpoint of step {step}: the weights or optimizer state hold "
-                      "NaN or inf; the older checkpoints are kept", file=sys.stderr)
+                      f"NaN or inf, first in {where}; the older checkpoints are kept", file=sys.stderr)
             return None
         tmp = checkpoint_dir(run_dir, step).with_name(checkpoint_dir(run_dir, step).name + ".tmp")
         data: dict[str, Any] = {"global_batch_size": t.global_batch_size, "seq_len": t.seq_len,

@@ -480,6 +480,8 @@ def test_scaling_takes_dp_from_the_gpus_and_says_so(capsys):
                  "--nodes", "1,2", "--layout", "dp=3,tp=2"]) == 0
     out = capsys.readouterr().out
     assert "dp4 tp2" in out and "dp8 tp2" in out and "--layout dp = 3 is not kept" in out
+    # the line says what is kept instead (it ended at "... ZeRO and recompute are", the sentence cut short)
+    assert "the micro-batch, ZeRO and recompute are kept\n" in out
 
 
 def test_mfu_uses_the_peak_the_step_time_uses(tmp_path: Path, capsys):

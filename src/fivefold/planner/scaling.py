@@ -220,7 +220,7 @@ def run_scaling(args: argparse.Namespace, cfg: ModelConfig, fw: Framework, hw: C
         given_dp = re.search(r"(?:^|,)\s*dp\s*=\s*(\d+)", args.layout or "")
         if given_dp and any(p.best and p.best.layout.dp != int(given_dp[1]) for p in points):
             print(f"--layout dp = {given_dp[1]} is not kept: at each size dp is the {hw.unit}s over tp x pp x cp "
-                  "(the table's layouts); tp, pp, cp, ep, the micro-batch, ZeRO and recompute are")
+                  "(the table's layouts); tp, pp, cp, ep, the micro-batch, ZeRO and recompute are kept")
         if nodes[-1] > 1 and not risk and not hw.drift_per_node_doubling:
             print(f"{hw.name} has no stall or drift data: every size is predicted as a clean run with collectives as "
                   "fast as measured alone (on the playbook's cluster, --hardware src/fivefold/planner/profiles/"

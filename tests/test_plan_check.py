@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from fivefold.accelerators import HARDWARE
-from fivefold.config import build_config
+from fivefold.config import ConfigError, build_config
 from fivefold.planner.hardware import get_cluster
-from fivefold.planner.predict import estimate_run
+from fivefold.planner.predict import device_cluster, estimate_run
 from fivefold.train.expect import SLOW_RANK_ENV, Expectation, Interval, PlanCheck, WaitClock, injected_delay
 from fivefold.train.preflight import warnings
 
@@ -182,7 +182,8 @@ def test_train_checks_a_run_against_a_profile_of_its_device(tmp_path: Path,
     assert measured > 1.5 * default  # the profile's own figure, not the built-in one
     assert main(["train", "--dry-run", "--train.device", "cpu", "--hardware", str(slow)]) == 0
     said = capsys.readouterr().out
-    assert f"planner (slow-cpu, fivefold-cpu engine): fits, peak 0.2 GiB of 16.0 GiB per device; step " \
+    ram = device_cluster(torch.device("cpu"), 1, str(slow)).memory_gib  # this machine's, as the start checks it
+    assert f"planner (slow-cpu, fivefold-cpu engine): fits, peak 0.2 GiB of {ram:,.1f} GiB per device; step " \
         f"{measured:.2f} s" in said
     # what rank 0 of a started job checks the run against, and what the launcher hands each process
     expected = plan_expectation(cfg, 1, str(slow))
@@ -205,6 +206,32 @@ def test_train_refuses_a_profile_that_does_not_describe_its_device(extra: list[s
     gpu = profile(tmp_path, "h100-file", base="h100")
     assert main(["train", "--train.device", "cpu", "--hardware", str(gpu), *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_dry_run_judges_the_fit_by_this_machines_memory_as_the_start_does(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """On a CPU the start-up check (`check_fits`) compares the prediction with this machine's RAM shared by the run's
+    processes; the dry run said "of 16.0 GiB" (the nominal profile's) whatever the machine held, so the README's
+    own-data example (23.5 GiB by the planner) was "does NOT fit" (exit 1) on a machine of 64 GiB where it starts.
+    `--gpu` names another device, and `--slurm` other machines: those keep the profile's figure."""
+    from fivefold.cli import main
+    from fivefold.planner import predict
+
+    monkeypatch.setattr(predict, "device_memory_bytes", lambda device, ranks: 64 * GIB // ranks)
+    own = ["train", "--dry-run", "--train.device", "cpu", "--preset", "smollm-135m", "--train.seq_len", "512"]
+    assert main(own) == 0
+    assert "fits, peak 23.5 GiB of 64.0 GiB per device" in capsys.readouterr().out
+    # two processes share the RAM: 32 GiB each, as `--nproc 2` would check them
+    assert main([*own, "--nproc", "2", "--layout.dp", "2", "--train.global_batch_size", "64"]) == 0
+    assert "fits, peak 23.5 GiB of 32.0 GiB per device" in capsys.readouterr().out
+    assert main([*own, "--gpu", "cpu"]) == 1  # another device named: the profile's own 16.0 GiB
+    assert "does NOT fit, peak 23.5 GiB of 16.0 GiB per device" in capsys.readouterr().out
+    monkeypatch.setattr(predict, "device_memory_bytes", lambda device, ranks: 16 * GIB // ranks)
+    assert main(own) == 1
+    assert "does NOT fit, peak 23.5 GiB of 16.0 GiB per device" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="the planner predicts a peak of 23.5 GiB"):  # the start refuses it alike
+        predict.check_fits(build_config(None, {"train.device": "cpu", "train.seq_len": "512"}, "smollm-135m"),
+                           predict.device_cluster(torch.device("cpu"), 1), "cpu")
 
 
 def test_a_slurm_script_takes_a_profile_of_the_compute_nodes(tmp_path: Path) -> None:

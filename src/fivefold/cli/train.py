@@ -351,7 +351,7 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
     from fivefold.launch import local_world_size
     from fivefold.layout import check_layout, layout_notes
     from fivefold.planner.hardware import get_cluster
-    from fivefold.planner.predict import default_hardware, estimate_run, run_framework
+    from fivefold.planner.predict import default_hardware, estimate_run, run_framework, with_device_memory
     from fivefold.train.preflight import rough_duration
 
     la, t = cfg.layout, cfg.train
@@ -375,15 +375,18 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
               "--tokenizer MODEL_DIR --out DIR` before training")
     # the device the run will use (`train.device`, `auto`: this machine's), unless --gpu names another
     check_device_name(t.device)
+    device = resolve_device(t.device)
     hw = (get_cluster(args.gpu) if args.gpu else get_cluster(None, args.hardware) if args.hardware
-          else default_hardware(resolve_device(t.device).type))
+          else default_hardware(device.type))
+    if not args.gpu and not args.slurm:  # this machine runs it: its device's memory, as the start-up check sees it
+        hw = with_device_memory(hw, device, world)  # on a CPU the run's processes share its RAM
     kind = "cpu" if hw.is_cpu else "accelerator"  # the kind of device the profile describes
     fw, e = run_framework(cfg, kind), estimate_run(cfg, hw, kind)
     step_s = e.step_time_s
     features = ", compiled" * t.compile + (f", float8 {t.float8}" if t.float8 != "off" else "")
     print(f"planner ({hw.name}, {fw.name} engine{features}): "
           f"{'fits' if e.fits else 'does NOT fit'}, peak "
-          f"{e.peak_bytes / 2**30:.1f} GiB of {hw.memory_gib} GiB per device; step {step_s:.2f} s, "
+          f"{e.peak_bytes / 2**30:.1f} GiB of {hw.memory_gib:,.1f} GiB per device; step {step_s:.2f} s, "
           f"{e.tokens_per_s_per_device:,.0f} tokens/s per device, MFU {100 * e.mfu:.1f} %; {t.max_steps:,} steps "
           f"take about {rough_duration(step_s * t.max_steps)}")
     if hw.is_cpu:  # processes, not devices: the ones this command names (--slurm's nodes), else all on this node

@@ -125,7 +125,14 @@ def device_cluster(device: torch.device, local_ranks: int, hardware_file: str | 
     `default_hardware` of its kind) with that device's memory: the accelerator's total, or on CPU the machine's RAM
     shared by the `local_ranks` processes of this node (the profile's own figure when neither can be read); room
     for the local ranks on one node."""
-    hardware = on_one_node(load_hardware(hardware_file, device.type), local_ranks)
+    return with_device_memory(on_one_node(load_hardware(hardware_file, device.type), local_ranks), device,
+                              local_ranks)
+
+
+def with_device_memory(hardware: Cluster, device: torch.device, local_ranks: int) -> Cluster:
+    """`hardware` with the memory one of `local_ranks` ranks on `device` can use (`device_memory_bytes`: the
+    accelerator's total, or on CPU this machine's RAM shared by the ranks), the profile's own figure when it cannot
+    be read: what the start-up check (`check_fits`) and `fivefold train --dry-run` compare the prediction with."""
     have = device_memory_bytes(device, local_ranks)
     return dataclasses.replace(hardware, memory_gib=have / 2**30) if have else hardware
 

@@ -37,6 +37,22 @@ def test_train_nproc_2_matches_one_process(tmp_path, dataset):  # noqa: F811
     assert all(len(r["peak_memory_bytes_per_rank"]) == 2 for r in records if "loss" in r)
 
 
+def _run_dir_each_rank_joins(rank: int, world_size: int) -> str:
+    from fivefold.config import build_config
+    from fivefold.launch import start_or_join
+
+    cfg = build_config(None, {"train.device": "cpu"})
+    cfg.run_dir = f"runs/tiny-20261129-09470{8 + (rank > 0)}"  # the default, named a second apart (a torchrun start)
+    assert start_or_join(cfg, 1, [], "train") is None  # in a launcher's process: joins the group
+    return cfg.run_dir
+
+
+def test_torchrun_ranks_train_into_rank_0s_run_dir():
+    """`torchrun ... -m fivefold train` without --run-dir (the README's command): every rank takes rank 0's default
+    run directory, where a rank that named its own a second later wrote its checkpoint into a missing directory."""
+    assert run_ranks(2, _run_dir_each_rank_joins) == ["runs/tiny-20261129-094708"] * 2
+
+
 def assert_cli_run_matches(cmd: list[str], run_dir: Path, single) -> list[dict]:
     """Run the `fivefold train --nproc N ...` command `cmd` (writing `run_dir`) and check its logged losses,
     validation losses and checkpointed model against the one-process run `single` (losses to 1e-5, each tensor of the

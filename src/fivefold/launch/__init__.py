@@ -58,7 +58,19 @@ def start_or_join(cfg: Config, nproc: int, argv: list[str], verb: str) -> int | 
         return launch(nproc, argv, verb=verb, run_dir=Path(cfg.run_dir) if verb == "train" else None)
     if launched:
         init_distributed(resolve_device(cfg.train.device).type, cfg.train.collective_timeout_s)
+        if verb == "train":
+            agree_on_run_dir(cfg)
     return None
+
+
+def agree_on_run_dir(cfg: Config) -> None:
+    """Under `torchrun` without `--run-dir` each rank names its own default run directory (`runs/NAME-TIME`, to
+    the second), and ranks that started a second apart wrote into two directories, one that rank 0 never created:
+    the checkpoint failed (ENOENT). Rank 0's directory is the run's (one broadcast, before anything is written);
+    with `--run-dir`, or under `--nproc` (whose launcher forwards its own), the ranks already agree."""
+    box = [cfg.run_dir]
+    dist.broadcast_object_list(box, src=0)
+    cfg.run_dir = box[0]
 
 
 def init_distributed(device_type: str, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> None:

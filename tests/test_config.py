@@ -151,3 +151,25 @@ def test_a_run_saved_when_a_window_of_0_meant_none_resumes_without_one(tmp_path)
     resumed = load_run_config(tmp_path, {}, None)
     assert resumed.model.sliding_window is None
     resumed.validate()
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ("[train]\nlr = true\n", "train.lr = True is a boolean, not a number"),
+    ("[model.rope_scaling]\nfactor = true\nlow_freq_factor = 1\nhigh_freq_factor = 4\n"
+     "original_max_position_embeddings = 8192\n", "model.rope_scaling.factor = True is a boolean, not a number"),
+    ("[model]\nname = [1, 2]\n", "model.name = [1, 2] is a list, not a string"),
+    ("[data]\npath = 5\n", "data.path = 5 is a number, not a string"),
+    ("run_dir = 7\n", "run_dir = 7 is a number, not a string"),
+    ("[train]\ndevice = 0\n", "train.device = 0 is a number, not a string"),
+    ("[log]\nwandb_project = {a = 1}\n", "log.wandb_project = {'a': 1} is a table, not a string"),
+])
+def test_a_file_value_of_another_type_is_refused_not_converted(tmp_path, text, said):
+    """A boolean is not a number (float(True) would train at lr 1.0) and only text is a string (str() would make a
+    list a model name, a number a data path): refused naming the field, the value and the type."""
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        build_config(f)
+    f.write_text('[train]\nlr = 1\ndevice = "cpu"\n[data]\npath = "d"\n[model]\nname = "m"\n')
+    cfg = build_config(f)  # an integer for a float field, text for the strings: as before
+    assert (cfg.train.lr, cfg.train.device, cfg.data.path, cfg.model.name) == (1.0, "cpu", "d", "m")

@@ -609,10 +609,15 @@ def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+_TYPE_WORDS = {bool: "boolean", int: "number", float: "number", list: "list", tuple: "list", dict: "table"}
+
+
 def _coerce(value: Any, typ: Any, name: str, typed: bool = False) -> Any:
     """Convert `value` (from a file or the command line) to the annotated type of field `name`. `typed`: the value
     comes from a file, whose format writes integers and booleans unquoted, so a quoted "2" or "yes" there is refused
-    rather than read as the command line's strings are (floats stay lenient: PyYAML reads 3e-4 as a string)."""
+    rather than read as the command line's strings are (floats stay lenient: PyYAML reads 3e-4 as a string). From
+    anywhere, a boolean is not a number and only text is a string (a number, list or table given for a name, a path
+    or a device is refused rather than turned into its text)."""
     origin = typing.get_origin(typ)
     if origin is Literal:
         choices = typing.get_args(typ)
@@ -649,11 +654,16 @@ def _coerce(value: Any, typ: Any, name: str, typed: bool = False) -> Any:
         except (TypeError, ValueError):
             raise ConfigError(f"{name} = {shown(value)} is not an integer") from None
     if typ is float:
+        if isinstance(value, bool):  # float(True) is 1.0: `lr = true` would train at a rate of 1
+            raise ConfigError(f"{name} = {shown(value)} is a boolean, not a number")
         try:
             return float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{name} = {shown(value)} is not a number") from None
     if typ is str:
+        if isinstance(value, bool | int | float | list | tuple | dict):  # str() would make "[1, 2]" a name or path
+            raise ConfigError(f"{name} = {shown(value)} is a {_TYPE_WORDS.get(type(value), type(value).__name__)}, not "
+                              "a string; write the text in quotes")
         return str(value)
     if origin is list:
         if isinstance(value, str):  # from the command line: "3,3,2"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import hashlib
 import json
 import math
@@ -16,6 +17,7 @@ import reprlib
 import tomllib
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -73,6 +75,16 @@ def shown(value: Any) -> str:
     else:
         text = _SHOWN.repr(value)
     return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 5] + "[...]"
+
+
+def did_you_mean(word: object, choices: Iterable[str]) -> str:
+    """' (did you mean 'X'?)' naming the one of `choices` closest to `word` (a misspelling, another case), for the
+    refusal of an unknown name; '' when none is close."""
+    if not isinstance(word, str) or not word:
+        return ""
+    lowered = {c.lower(): c for c in choices if isinstance(c, str)}
+    close = difflib.get_close_matches(word.lower(), list(lowered), n=1, cutoff=0.7)
+    return f" (did you mean {shown(lowered[close[0]])}?)" if close else ""
 
 
 def one_line(text: str) -> str:
@@ -693,7 +705,8 @@ def _apply(obj: Any, values: dict[str, Any], prefix: str, typed: bool = False) -
         name = f"{prefix}.{key}" if prefix else key
         if key not in types_:
             known = ", ".join(sorted(types_))
-            raise ConfigError(f"unknown config field {shown(name)}; known fields here: {known}")
+            raise ConfigError(f"unknown config field {shown(name)}{_field_hint(key, prefix, types_)}; known fields "
+                              f"here: {known}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             if not isinstance(value, dict):
@@ -701,6 +714,20 @@ def _apply(obj: Any, values: dict[str, Any], prefix: str, typed: bool = False) -
             _apply(current, value, name, typed)
         else:
             setattr(obj, key, _coerce(value, types_[key], name, typed))
+
+
+def _field_hint(key: str, prefix: str, here: dict[str, Any]) -> str:
+    """A did-you-mean for the unknown field `key` under `prefix`: a close name here, else the same or a close name
+    in another section (`lr` at the top level: train.lr; `train.hidden`: model.hidden)."""
+    if not isinstance(key, str):
+        return ""
+    elsewhere = {f.name.lower(): f"{section}.{f.name}" for section, cls in _field_types(Config).items()
+                 if dataclasses.is_dataclass(cls) and section != prefix for f in dataclasses.fields(cls)}
+    for names in ({name.lower(): f"{prefix}.{name}" if prefix else name for name in here}, elsewhere):
+        close = difflib.get_close_matches(key.lower(), list(names), n=1, cutoff=0.7)
+        if close:
+            return f" (did you mean {shown(names[close[0]])}?)"
+    return ""
 
 
 CONFIG_MAX_BYTES = 1 << 20  # a config, grid or hardware file: far more than any real one

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fivefold.config import ConfigError, ModelConfig, shown
+from fivefold.config import ConfigError, ModelConfig, did_you_mean, shown
 
 _LLAMA31_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                     "original_max_position_embeddings": 8192.0}
@@ -145,7 +145,8 @@ def get_preset(name: str) -> ModelConfig:
     """A fresh copy of the named preset's shape; raises ConfigError listing the valid names."""
     key = ALIASES.get(name.lower(), name.lower())
     if key not in PRESETS:
-        raise ConfigError(f"model.preset = {shown(name)} is not a preset; choose one of: {', '.join(PRESETS)} (or an "
+        raise ConfigError(f"model.preset = {shown(name)} is not a preset{did_you_mean(name, [*PRESETS, *ALIASES])}; "
+                          f"choose one of: {', '.join(PRESETS)} (or an "
                           f"alias: {', '.join(ALIASES)}; `fivefold models` lists them)")
     return dataclasses.replace(PRESETS[key][0], rope_scaling=dict(PRESETS[key][0].rope_scaling))
 

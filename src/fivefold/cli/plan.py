@@ -14,6 +14,7 @@ from fivefold.config import (
     Config,
     ConfigError,
     ModelConfig,
+    did_you_mean,
     divisors,
     dump_toml,
     finite_float,
@@ -152,7 +153,8 @@ def load_model(spec: str) -> ModelConfig:
                 raise CliError(f"--model shape {shown(spec)} has an empty item; give KEY=VALUE items separated by "
                                "single commas")
             if key not in _SHAPE_KEYS:
-                raise CliError(f"--model shape key {shown(key)} is not known; use: {', '.join(_SHAPE_KEYS)}")
+                raise CliError(f"--model shape key {shown(key)} is not known{did_you_mean(key, _SHAPE_KEYS)}; use: "
+                               f"{', '.join(_SHAPE_KEYS)}")
             if key in given:
                 raise CliError(f"--model shape gives {key} twice ({key}={given[key]} and {part}); keep one")
             given[key] = value
@@ -243,7 +245,8 @@ def apply_fix(text: str, space: SearchSpace, n_gpus: int, gpus_per_node: int, ba
     for part in filter(None, (x.strip() for x in text.split(","))):
         key, eq, value = (x.strip() for x in part.partition("="))
         if not eq or key not in _FIX_KEYS:
-            raise CliError(f"--fix item {shown(part)} is not KEY=VALUE with KEY one of: {', '.join(_FIX_KEYS)}")
+            raise CliError(f"--fix item {shown(part)} is not KEY=VALUE with KEY one of: {', '.join(_FIX_KEYS)}"
+                           f"{did_you_mean(key, _FIX_KEYS) if eq else ''}")
         key = "micro_batch_size" if key == "mbs" else key
         if key in fixed or key in updates:
             raise CliError(f"--fix gives {key} twice; keep one value")

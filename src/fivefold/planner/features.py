@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fivefold.config import ConfigError, shown
+from fivefold.config import ConfigError, did_you_mean, shown
 from fivefold.planner.layout import Framework
 
 FEATURES = {"compile": "torch.compile (fused element-wise kernels)", "float8": "float8 linears",
@@ -27,7 +27,8 @@ def parse_features(text: str, where: str = "--features", sep: str = ",") -> tupl
     names = tuple(f.strip() for f in text.split(sep) if f.strip())
     unknown = [f for f in names if f not in FEATURES]
     if unknown:
-        raise ConfigError(f"{where} {shown(sep.join(unknown))} is not known; known features: {', '.join(FEATURES)} "
+        raise ConfigError(f"{where} {shown(sep.join(unknown))} is not known{did_you_mean(unknown[0], FEATURES)}; "
+                          f"known features: {', '.join(FEATURES)} "
                           f"(joined with {shown(sep)})")
     return names
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from fivefold.accelerators import HARDWARE, Hardware
-from fivefold.config import ConfigError, load_file, shown
+from fivefold.config import ConfigError, did_you_mean, load_file, shown
 from fivefold.planner.kernels import device_kernels
 
 
@@ -266,7 +266,8 @@ def get_cluster(name: str | None = None, file: str | Path | None = None) -> Clus
     if file is None:
         key = (name or "h100").lower()
         if key not in PRESETS:
-            raise ConfigError(f"--gpu {shown(name)} is not known; choose one of: {', '.join(PRESETS)}, "
+            raise ConfigError(f"--gpu {shown(name)} is not known{did_you_mean(name, PRESETS)}; choose one of: "
+                              f"{', '.join(PRESETS)}, "
                               "or describe the hardware in a TOML file (--hardware FILE)")
         return PRESETS[key]
     path = Path(file)
@@ -283,7 +284,8 @@ def cluster_from_table(data: dict, where: str, name: str | None = None, default_
     data_keys = set(data)
     base_name = data.pop("base", name or "h100")
     if "base" in data_keys and (not isinstance(base_name, str) or base_name.lower() not in PRESETS):
-        raise ConfigError(f"--hardware {shown(where)}: base = {shown(base_name)} is not a preset; choose one of: "
+        raise ConfigError(f"--hardware {shown(where)}: base = {shown(base_name)} is not a preset"
+                          f"{did_you_mean(base_name, PRESETS)}; choose one of: "
                           f"{', '.join(PRESETS)}")
     base = get_cluster(base_name)
     ranks = data.pop("ranks", {})
@@ -392,7 +394,8 @@ def _parse_fields(data: dict, where: str) -> dict:
     values: dict = {}
     for key, value in data.items():
         if key not in fields:
-            raise ConfigError(f"{where} field {shown(key)} is not known; known fields: {', '.join(sorted(fields))}")
+            raise ConfigError(f"{where} field {shown(key)} is not known{did_you_mean(key, fields)}; known fields: "
+                              f"{', '.join(sorted(fields))}")
         if key in ("busbw_gbps", "gather_busbw_gbps"):
             value = _bandwidth_table(value, where, key)
         elif key in ("name", "device"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fivefold.config import ConfigError, LayoutConfig, shown
+from fivefold.config import ConfigError, LayoutConfig, did_you_mean, shown
 from fivefold.layout import (
     LOSS_CHUNK_TOKENS,
     SCHEDULES,
@@ -100,7 +100,7 @@ def parse_layout(text: str, global_batch_seqs: int, fp32_grad_accum: bool = True
         key = key.strip()
         if not eq or key not in _KEYS:
             raise ConfigError(f"--layout item {shown(part)} is not KEY=VALUE with KEY one of: "
-                              f"{', '.join(sorted(_KEYS))}")
+                              f"{', '.join(sorted(_KEYS))}{did_you_mean(key, _KEYS) if eq else ''}")
         key = LEGACY_NAMES.get(key, key)
         if key in seen:
             raise ConfigError(f"--layout gives {key} twice ({seen[key]} and {part}); keep one")

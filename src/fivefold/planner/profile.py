@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from fivefold.config import ConfigError, load_file, shown, write_text_atomic
+from fivefold.config import ConfigError, did_you_mean, load_file, shown, write_text_atomic
 from fivefold.planner.hardware import Cluster, Range, checked_number, get_cluster
 from fivefold.planner.kernels import all_devices
 from fivefold.planner.layout import FRAMEWORKS, Framework
@@ -78,12 +78,14 @@ def _framework_table(table, where: str, known: dict[str, Framework], default: st
     base_name = str(table.pop("base", name))
     if base_name not in known:
         raise ConfigError(f"--hardware {shown(where)}: [framework] {'base' if base_name != name else 'name'} = "
-                          f"{shown(base_name)} is not known; choose one of: {', '.join(sorted(known))}")
+                          f"{shown(base_name)} is not known{did_you_mean(base_name, known)}; choose one of: "
+                          f"{', '.join(sorted(known))}")
     base = known[base_name]
     fields = {f.name for f in dataclasses.fields(Framework)} - {"name"}
     for key, value in table.items():
         if key not in fields:
-            raise ConfigError(f"--hardware {shown(where)}: [framework] field {shown(key)} is not known; known fields: "
+            raise ConfigError(f"--hardware {shown(where)}: [framework] field {shown(key)} is not known"
+                              f"{did_you_mean(key, fields)}; known fields: "
                               f"{', '.join(sorted(fields))}")
         current = getattr(base, key)
         kind = bool if isinstance(current, bool) else (int, float) if isinstance(current, int | float) else str

@@ -52,6 +52,7 @@ from fivefold.config import (
     LayoutConfig,
     LogConfig,
     build_config,
+    did_you_mean,
     load_file,
     shown,
 )
@@ -139,7 +140,8 @@ def load_grid(path: str | Path) -> Grid:
             if not isinstance(value, dict):
                 raise ConfigError(f"grid [{key}] must be a table of config fields, got {shown(value)}")
         elif key not in TOP_KEYS:
-            raise ConfigError(f"grid key {shown(key)} is not known; top-level keys: {', '.join(TOP_KEYS)}, sections: "
+            raise ConfigError(f"grid key {shown(key)} is not known{did_you_mean(key, [*TOP_KEYS, *SECTIONS])}; "
+                              f"top-level keys: {', '.join(TOP_KEYS)}, sections: "
                               f"{', '.join(SECTIONS)}, and [[grid]] tables")
         elif not isinstance(value, TOP_KEYS[key]) or isinstance(value, bool):
             raise ConfigError(f"grid {key} = {shown(value)} has the wrong type")
@@ -162,7 +164,8 @@ def load_grid(path: str | Path) -> Grid:
     for i, entry in enumerate(extra or [{}]):
         for key in entry:
             if key not in SECTIONS and key != "devices":
-                raise ConfigError(f"[[grid]] entry {i + 1}: key {shown(key)} is not known; use devices or the sections "
+                raise ConfigError(f"[[grid]] entry {i + 1}: key {shown(key)} is not known"
+                                  f"{did_you_mean(key, [*SECTIONS, 'devices'])}; use devices or the sections "
                                   f"{', '.join(SECTIONS)}")
             if key in SECTIONS and not isinstance(entry[key], dict):
                 raise ConfigError(f"[[grid]] entry {i + 1}: {key} = {shown(entry[key])} must be a table of config "

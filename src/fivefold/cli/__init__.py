@@ -50,6 +50,26 @@ def _negative_values(argv: list[str]) -> list[str]:
     return out
 
 
+def refuse_empty(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A value given as '' (or blanks) to an option or argument whose default is another: refused naming it, before
+    the verb runs, rather than read as "left out" (`--hf ''` as the current directory, `bench --config ''` as no
+    config, a data INPUT '' as every file here). Options whose default is '' (`generate --prompt`) keep it."""
+    for action in parser._actions:  # noqa: SLF001 (argparse lists its arguments only here)
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001 (`fivefold data prepare|info`)
+            chosen = getattr(args, action.dest, None)
+            if chosen in action.choices:
+                refuse_empty(action.choices[chosen], args)
+            continue
+        value = getattr(args, action.dest, None)
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, str) and not item.strip() and item != action.default:
+                if action.option_strings:
+                    name = max(action.option_strings, key=len)
+                    raise CliError(f"{name} {shown(item)} is empty; give a value or leave the option out")
+                name = action.metavar if isinstance(action.metavar, str) else action.dest.upper()
+                raise CliError(f"{name} {shown(item)} is empty; give a value")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = _negative_values(sys.argv[1:] if argv is None else argv)
     parser = Parser(prog="fivefold", description="Plan and train Llama-style models.")
@@ -77,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(module, "ACCEPTS_OVERRIDES", False):
         args.overrides = extra
     try:
+        refuse_empty(sub.choices[args.verb], args)
         return int(module.run(args) or 0)
     except (ConfigError, CliError) as e:
         print(f"fivefold {args.verb}: error: {one_line(str(e))}", file=sys.stderr)

@@ -189,6 +189,14 @@ BAD_INPUTS: list[tuple[str, str]] = [
     ("--data", "train --data="),
     ("--trace", "bench --trace t.json"),
     ("--out", "bench --out ."),
+    # options of another option, refused without it rather than ignored
+    ("--time", "train --time 1:00:00 --max-steps 1"),
+    ("--partition", "train --partition gpu --max-steps 1"),
+    ("--account", "train --account proj --dry-run"),
+    ("--setup", "train --setup afile --max-steps 1"),
+    ("--nodes 2 sets the nodes", "train --nodes 2 --max-steps 1"),
+    ("--eos-token 'foo' names", "data prepare notes.txt --out d3 --eos-token foo"),
+    ("--field 'body'", "data prepare notes.txt --out d4 --field body"),
 ]
 
 

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from fivefold.train.expect import Expectation
 
 ACCEPTS_OVERRIDES = True
+SLURM_TIME = "24:00:00"  # --time's default
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slurm", metavar="FILE", help="write a SLURM batch script for this run (torchrun on --nodes "
                    "nodes x --nproc processes each) to FILE instead of training")
     p.add_argument("--nodes", type=int, default=1, help="nodes of the --slurm script (and of --dry-run's plan)")
-    p.add_argument("--time", default="24:00:00", help="--slurm: the job's time limit, HH:MM:SS or D-HH:MM:SS "
+    p.add_argument("--time", default=SLURM_TIME, help="--slurm: the job's time limit, HH:MM:SS or D-HH:MM:SS "
                    "(default 24:00:00)")
     p.add_argument("--partition", help="--slurm: the partition to submit to")
     p.add_argument("--account", help="--slurm: the account to charge")
@@ -140,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--gpu {shown(args.gpu)} names the device of --dry-run's prediction; a run trains on "
                        "train.device (auto: this machine's accelerator, else the CPU): add --dry-run, or drop --gpu")
     preflight.check_nproc(args.nproc, args.nodes)
+    refuse_without_slurm(args)
     if args.hf:
         preflight.check_hf_dir(args.hf)
     if args.resume and args.run_dir and not args.slurm:  # a SLURM chain's resume script may precede the run
@@ -268,6 +270,23 @@ def environment_failure(e: OSError | RuntimeError, run_dir: Path, nproc: int) ->
     nprocs = f" --nproc {nproc}" if nproc > 1 else ""
     return EnvironmentFailure(f"{what}; {safe}; once the cause is fixed, continue with `fivefold train --resume "
                               f"--run-dir {run_dir}{nprocs}`", peer=not isinstance(e, OSError))
+
+
+def refuse_without_slurm(args: argparse.Namespace) -> None:
+    """The options of the --slurm script, refused without it rather than ignored: a run started here has no time
+    limit, partition, account or set-up file of a job, and trains on this node alone (--nodes also sizes
+    --dry-run's prediction)."""
+    if args.slurm:
+        return
+    for flag, value in (("--time", args.time if args.time != SLURM_TIME else None), ("--partition", args.partition),
+                        ("--account", args.account), ("--setup", args.setup)):
+        if value is not None:
+            raise CliError(f"{flag} {shown(value)} goes into the job that --slurm FILE writes; a run started here "
+                           f"is no SLURM job and would ignore it: add --slurm FILE, or drop {flag}")
+    if args.nodes > 1 and not args.dry_run and args.only_rank is None:
+        raise CliError(f"--nodes {args.nodes} sets the nodes of the job that --slurm FILE writes (and of --dry-run's "
+                       "prediction); a run started here trains on this node alone: add --slurm FILE, start each "
+                       "node's processes with torchrun, or drop --nodes")
 
 
 def refuse_with_only_rank(args: argparse.Namespace) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from fivefold import faults
+from fivefold.config import shown
 from fivefold.data.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -361,6 +362,10 @@ def _prepare_documents(stream: DocumentStream, sources: list[dict[str, Any]], nu
         find_eos(tokenizer, str(tokenizer_path), eos_token, eos_given)
     else:
         check_vocab_size(vocab_size)
+        if eos_given and eos_token != EOS_TOKEN:  # before the tokenizer is trained, not after
+            raise DataError(f"--eos-token {shown(eos_token)} names the end-of-text token of a tokenizer given with "
+                            f"--tokenizer; the tokenizer that prepare trains has its own, {EOS_TOKEN}: add "
+                            "--tokenizer, or drop --eos-token")
 
     # pass 1: read everything once, so that bad input fails now, and count for the split
     document_chars = array("q")
@@ -500,6 +505,9 @@ def prepare_dataset(
     if not field:
         raise DataError("--field: must name a JSONL field / Parquet column, e.g. text")
     found = find_sources(inputs)
+    if field != "text" and all(source.kind == "txt" for source in found):
+        raise DataError(f"--field {shown(field)} names the text of JSONL lines and Parquet rows, but the inputs are "
+                        ".txt files only (each file is one document) and would ignore it; drop --field")
 
     def stream() -> Iterator[tuple[int, int, str | None]]:
         for file_number, source in enumerate(found):

@@ -93,7 +93,9 @@ def test_hardware_file_refused_by_plan_and_validate(capsys, tmp_path: Path, text
     f.write_text(text)
     runs.write_text(HEAD + ROW + "\n")
     refused(capsys, [*TINY, "--hardware", str(f)], *said)
-    refused(capsys, ["validate", "--profile", str(f), "--data", str(runs)], *said)
+    # validate reads the file as --profile, and says so (not --hardware, plan's flag)
+    as_profile = [t.replace("--hardware", "--profile") for t in said]
+    refused(capsys, ["validate", "--profile", str(f), "--data", str(runs)], "--profile", *as_profile)
 
 
 def test_hardware_valid_fields_still_read(capsys, tmp_path: Path):

@@ -266,8 +266,16 @@ def read_results(path: Path, hardware_file: str | None) -> tuple[list[Row], list
 
 def load_profile(path: Path | None) -> tuple[Framework, Cluster]:
     """The fitted constants: a profile (`fivefold.planner.profile`; framework fields under [framework],
-    hardware fields at the top level or under [hardware]), nanotron on `h100-efa` where it names neither."""
-    fw, hw = profile.load(path or DEFAULT_PROFILE, None, "h100-efa")
+    hardware fields at the top level or under [hardware]), nanotron on `h100-efa` where it names neither. A refusal
+    names the flag the file came from, --profile (the profile readers name --hardware, `plan`'s flag)."""
+    try:
+        fw, hw = profile.load(path or DEFAULT_PROFILE, None, "h100-efa")
+    except ConfigError as e:
+        if path is None:
+            raise
+        text = str(e)
+        raise ConfigError(f"--profile{text.removeprefix('--hardware')}" if text.startswith("--hardware")
+                          else f"--profile {shown(str(path))}: {text}") from None
     return fw or FRAMEWORKS["nanotron"], hw
 
 

@@ -194,3 +194,52 @@ def test_resume_refuses_another_corpus_and_takes_the_same_one_moved(tmp_path, da
     moved = shutil.copytree(dataset, tmp_path / "moved")
     rest = train(small_config(tmp_path / "cut", moved, **EVERY_2), resume=True)
     assert rest.losses == full.losses[4:]
+
+
+def _state(change):
+    def edit(path: Path) -> None:
+        state = json.loads(path.read_text())
+        change(state)
+        path.write_text(json.dumps(state))
+    return edit
+
+
+# files whose checksums are right (the manifest written again, as a hand edit would) but whose values no run writes:
+# name -> (file of step 4, the change, the problem the message must name)
+MEANINGLESS = {
+    "seq_len text": ("trainer_state.json", _state(lambda s: s.update(seq_len="abc")), "'abc'"),
+    "negative step": ("trainer_state.json", _state(lambda s: s.update(step=-7)), "step = -7 is negative"),
+    "unknown lr phase": ("trainer_state.json", _state(lambda s: s.update(lr_phases=[[4, "bogus"]])),
+                         "lr_phases kind 'bogus'"),
+    "batch of 0": ("trainer_state.json", _state(lambda s: s.update(global_batch_size=0)),
+                   "global_batch_size = 0 is below 1"),
+    "infinite rope_theta": ("config.toml", lambda p: p.write_text(p.read_text().replace(
+        "rope_theta = 10000.0", "rope_theta = inf")), "config.toml: model.rope_theta = inf must be a finite number"),
+}
+
+
+@pytest.mark.parametrize("case", list(MEANINGLESS), ids=list(MEANINGLESS))
+def test_meaningless_values_behind_right_checksums_are_refused(run_and_exports, tmp_path, dataset,  # noqa: F811
+                                                                capsys, case):
+    """A resume ended in a traceback (int('abc'), an unknown phase's IndexError) or a sampler's message naming no file
+    (start_step -7), and generate sampled from a model of infinite rope_theta: each is refused in one line naming
+    the file, by export, generate and a resume alike."""
+    run, _ = run_and_exports
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    newest = copy / "checkpoints" / STEP_4
+    name, change, problem = MEANINGLESS[case]
+    change(newest / name)
+    ckpt.write_manifest(newest)
+    capsys.readouterr()
+    assert main(["export", "--checkpoint", str(newest), "--hf", str(tmp_path / "x")]) == 2
+    err = one_line_error(capsys, "export")
+    assert problem in err and name in err, err
+    assert main(["generate", "--checkpoint", str(newest), "--prompt", "A", "--max-new-tokens", "2"]) == 2
+    err = one_line_error(capsys, "generate")
+    assert problem in err and name in err, err
+    if name == "trainer_state.json":  # a resume sets it aside, naming it, and goes on from step 2
+        train(small_config(copy, dataset, **{**EVERY_2, "train.max_steps": "5"}), resume=True)
+        err = capsys.readouterr().err
+        assert f"{STEP_4} cannot be used" in err and problem in err, err
+        assert (copy / "checkpoints" / f"{STEP_4}.bad").is_dir()

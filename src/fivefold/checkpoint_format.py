@@ -511,6 +511,31 @@ def _json(path: Path) -> Any:
         raise PieceError(f"checkpoint file {path} is corrupted: {shown(e)}") from None
 
 
+LR_PHASE_KINDS = ("schedule", "hold", "decay")  # `train.optim.LrSchedule`'s phases
+
+
+def check_state_values(state: TrainerState, world_size: int, data: dict[str, int]) -> None:
+    """A ValueError naming the first value of a trainer state that no run writes: a negative count, a world, batch or
+    sequence length below 1, learning-rate phases that do not end at increasing steps or of an unknown kind (a
+    resume would fail inside, or go on from a meaningless position)."""
+    counts = {"step": state.step, "tokens_seen": state.tokens_seen, "skipped_steps": state.skipped_steps,
+              "samples_consumed": data.get("samples_consumed", 0)}
+    for key, value in counts.items():
+        if value < 0:
+            raise ValueError(f"{key} = {value} is negative")
+    for key, value in (("world_size", world_size), ("global_batch_size", data.get("global_batch_size", 1)),
+                       ("seq_len", data.get("seq_len", 1))):
+        if value < 1:
+            raise ValueError(f"{key} = {value} is below 1")
+    if state.lr_phases is not None:
+        ends = [end for end, _ in state.lr_phases]
+        if not ends or ends[0] < 1 or any(b <= a for a, b in zip(ends, ends[1:], strict=False)):
+            raise ValueError(f"lr_phases = {shown(state.lr_phases)} must end at increasing steps >= 1")
+        for _, kind in state.lr_phases:
+            if kind not in LR_PHASE_KINDS:
+                raise ValueError(f"lr_phases kind {shown(kind)} is not one of {', '.join(LR_PHASE_KINDS)}")
+
+
 def verify_checkpoint(path: Path, rank: int = 0, world_size: int = 1, pieces: bool = False) -> VerifiedCheckpoint:
     """The one check of a checkpoint directory, for rank `rank` of a reader of `world_size` ranks (a resume on
     each rank; `fivefold export` and `generate` as rank 0 of 1): its `COMPLETE` marker, then, each checked against
@@ -540,11 +565,10 @@ def verify_checkpoint(path: Path, rank: int = 0, world_size: int = 1, pieces: bo
                              lr_phases=[(int(end), str(kind)) for end, kind in meta["lr_phases"]]
                              if "lr_phases" in meta else None)
         saved_world = int(meta["world_size"])
-        if saved_world < 1:
-            raise ValueError(f"world_size = {saved_world}")
+        data = {k: int(meta[k]) for k in ("global_batch_size", "seq_len", "samples_consumed") if k in meta}
+        check_state_values(state, saved_world, data)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise PieceError(f"checkpoint file {path / TRAINER_STATE} is corrupted: {shown(e)}") from None
-    data = {k: int(meta[k]) for k in ("global_batch_size", "seq_len", "samples_consumed") if k in meta}
     if isinstance(meta.get("data_fingerprint"), str):
         data["data_fingerprint"] = meta["data_fingerprint"]
     indexes = [GLOBAL_INDEX] if GLOBAL_INDEX in listed else [f"rank{r}.json" for r in range(saved_world)]

@@ -201,6 +201,10 @@ class ModelConfig:
         return 3 if self.mlp == "swiglu" else 2
 
     def validate(self, prefix: str = "model") -> None:
+        for f in dataclasses.fields(self):  # inf and nan pass every comparison below
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{prefix}.{f.name} = {shown(value)} must be a finite number")
         for name in ("n_layers", "hidden", "n_heads", "n_kv_heads", "ffn", "vocab_size", "max_seq_len"):
             _require(getattr(self, name) >= 1, f"{prefix}.{name}", getattr(self, name), "must be >= 1")
         for name in ("n_layers", "n_experts"):  # one module (and one planner row) each

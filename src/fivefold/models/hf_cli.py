@@ -137,6 +137,10 @@ def open_checkpoint(ckpt: Path) -> OpenedCheckpoint:
     try:
         found = verify_checkpoint(ckpt, pieces=True)
         cfg = build_config(ckpt / "config.toml").model
+        try:  # a model no run trains (a field edited by hand): refused naming the file, before any weight is read
+            cfg.validate()
+        except ConfigError as e:
+            raise ConfigError(f"{ckpt / 'config.toml'}: {e}") from None
         reader = PieceReader(ckpt, found.index)  # every file was just verified: not hashed again as it is opened
         check_checkpoint_model(reader, cfg, str(ckpt))
         check_finite(reader, ckpt)

@@ -243,3 +243,45 @@ def test_meaningless_values_behind_right_checksums_are_refused(run_and_exports, 
         err = capsys.readouterr().err
         assert f"{STEP_4} cannot be used" in err and problem in err, err
         assert (copy / "checkpoints" / f"{STEP_4}.bad").is_dir()
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    (["--train.seq_len", "16"], "written with train.seq_len = 32, this run has 16"),
+    (["--train.seed", "7"], "written with train.seed = 1234, this run has 7"),
+    (["--model.hidden", "128"], "model.hidden = 128 (the checkpoint's: 64)"),
+    (["--max-steps", "2"], "is at step 4, which is not before train.max_steps = 2"),
+], ids=["seq_len", "seed", "model", "max_steps"])
+def test_resume_refusals_come_before_data_and_engine(run_and_exports, tmp_path, monkeypatch, capsys, change, said):
+    """What a checkpoint's small files decide (another seq_len, seed or model; a max_steps every checkpoint has
+    reached) is refused by the command line before any process starts, any data is read or any engine is built
+    (a 70B engine takes minutes), as the resume itself refuses it once the checkpoint is loaded."""
+    from fivefold.train import loop
+
+    run, _ = run_and_exports
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+
+    def no_engine(*_args, **_kwargs):
+        raise AssertionError("the engine was built before the refusal")
+
+    monkeypatch.setattr(loop, "build_engine", no_engine)
+    monkeypatch.setattr(loop, "load_data", no_engine)
+    capsys.readouterr()
+    assert main(["train", "--resume", "--run-dir", str(copy), *change]) == 2
+    assert said in one_line_error(capsys, "train")
+    assert main(["train", "--resume", "--run-dir", str(copy), "--dry-run", *change]) == 2  # and --dry-run says so
+    assert said in one_line_error(capsys, "train")
+    assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == [STEP_2, STEP_4]  # nothing set aside
+
+
+def test_a_newest_checkpoint_damaged_inside_still_falls_back_past_max_steps(run_and_exports, tmp_path, capsys):
+    """The early check refuses train.max_steps only where every checkpoint has reached it: a newest checkpoint whose
+    damage shows only when its weights are read (a flipped bit in a piece file) is set aside by the resume, which
+    goes on from the older one, as before."""
+    run, _ = run_and_exports
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    flip(copy / "checkpoints" / STEP_4 / "rank0.safetensors")
+    capsys.readouterr()
+    assert main(["train", "--resume", "--run-dir", str(copy), "--max-steps", "4"]) == 0
+    assert f"resuming from the newest good checkpoint, {STEP_2}" in capsys.readouterr().err

@@ -156,6 +156,14 @@ def run(args: argparse.Namespace) -> int:
     from fivefold.train.metrics import check_logging_backends
 
     check_logging_backends(cfg.log)
+    if args.resume and not args.slurm and "WORLD_SIZE" not in os.environ:  # a started worker: its launcher checked
+        from fivefold.train.checkpoint import CheckpointError
+        from fivefold.train.loop import check_resume
+
+        try:  # what the checkpoint's small files decide, before data, engine and weights
+            check_resume(cfg)
+        except (RunDirError, CheckpointError) as e:
+            raise CliError(str(e)) from None
     if args.only_rank is not None:
         return only_rank(cfg, args)
     if args.dry_run:

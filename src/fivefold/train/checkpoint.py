@@ -49,6 +49,7 @@ are `fivefold.checkpoint_format`):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -74,6 +75,7 @@ from fivefold.checkpoint_format import (
     PieceError,
     PieceReader,
     TrainerState,
+    VerifiedCheckpoint,
     WriteCancelled,
     global_index,
     nonfinite,
@@ -344,14 +346,8 @@ def model_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def checkpoint_model(loaded: LoadedCheckpoint) -> ModelConfig | None:
-    """The model of a checkpoint's own config.toml, or None when it cannot be read as this version's config (an
-    older version's fields): a cross-check of the index, not a requirement."""
-    try:
-        model = config_from_dict(tomllib.loads(loaded.config_toml)).model
-        model.validate()
-        return model
-    except (tomllib.TOMLDecodeError, ConfigError, TypeError, ValueError):
-        return None
+    """The model of a checkpoint's own config.toml (`own_model`)."""
+    return own_model(loaded.config_toml)
 
 
 def check_model_shapes(saved: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], path: Path) -> None:
@@ -365,6 +361,93 @@ def check_model_shapes(saved: dict[str, tuple[int, ...]], expected: dict[str, tu
         raise CheckpointError(
             f"checkpoint {path} does not match the configured model: {'; '.join(problems[:5])}{more}"
         )
+
+
+def check_run_settings(cfg: Config, path: Path, data: dict[str, Any], config_toml: str) -> dict[str, Any]:
+    """Refuse (CheckpointError) a resume whose settings cannot continue the checkpoint at `path` (its trainer state's
+    `data`, its `config_toml`): another train.seq_len, train.seed or, on the built-in corpus, data.val_fraction. The
+    checkpoint's config as read (empty when it does not parse: its own check reports it)."""
+    t = cfg.train
+    saved = data.get("seq_len", t.seq_len)
+    if saved != t.seq_len:
+        raise CheckpointError(
+            f"--resume: checkpoint {path.name} was written with train.seq_len = {saved}, this run has "
+            f"{t.seq_len}; the data position counts windows of {saved} tokens in an order drawn over those "
+            f"windows, which another length does not continue without repeating or skipping tokens, so resume "
+            f"with train.seq_len = {saved} (the global batch, layout, world size and micro-batch size may change)")
+    try:
+        written = tomllib.loads(config_toml) if config_toml else {}
+    except tomllib.TOMLDecodeError:
+        written = {}  # its own check reports a damaged config
+    held = [("train", "seed", "the data position continues the sample order that seed drew; another seed would "
+             "repeat some samples and skip others")]
+    if not cfg.data.path:  # the built-in corpus, split when prepared
+        held.append(("data", "val_fraction", "another split moves documents between training and validation, "
+                     "so that validation would score text the model trained on"))
+    for section, name, why in held:
+        was, now = written.get(section, {}).get(name), getattr(getattr(cfg, section), name)
+        if was is not None and was != now:
+            raise CheckpointError(f"--resume: checkpoint {path.name} was written with {section}.{name} = "
+                                  f"{was}, this run has {now}; {why}; resume with {section}.{name} = {was}")
+    return written
+
+
+def own_model(config_toml: str) -> ModelConfig | None:
+    """The model of a checkpoint's own config.toml, or None when it cannot be read as this version's config (an
+    older version's fields): a cross-check of the index, not a requirement."""
+    try:
+        model = config_from_dict(tomllib.loads(config_toml)).model
+        model.validate()
+        return model
+    except (tomllib.TOMLDecodeError, ConfigError, TypeError, ValueError):
+        return None
+
+
+def _shape_fields(own: ModelConfig, other: ModelConfig) -> list[str]:
+    """The model fields on which `other` differs from `own` that change the weights' shapes on their own."""
+    names = [f.name for f in dataclasses.fields(ModelConfig)
+             if f.name != "name" and getattr(other, f.name) != getattr(own, f.name)]
+    shaping = []
+    for name in names:
+        try:
+            if model_shapes(dataclasses.replace(own, **{name: getattr(other, name)})) != model_shapes(own):
+                shaping.append(name)
+        except (ArithmeticError, ValueError, TypeError):  # meaningful only beside the other changes
+            shaping.append(name)
+    return shaping or names
+
+
+def check_resume_early(cfg: Config, candidates: list[Path]) -> VerifiedCheckpoint | None:
+    """Before any process starts, data is read or an engine built: the refusals of a resume that the checkpoint's
+    small files decide, raised as the resume itself raises them once it has loaded the checkpoint
+    (`Checkpointer._load_into_engine`): on the newest of `candidates` (newest first) that passes its check (as
+    `load` takes it; damaged ones are left for the resume to set aside), another train.seq_len, train.seed or
+    data.val_fraction (`check_run_settings`), or another model (names and shapes). The newest such checkpoint
+    as verified (None when none passes), for the caller's own refusal of train.max_steps."""
+    for path in candidates:
+        try:  # its small files hashed, its pieces' sizes: no weight read
+            found = verify_checkpoint(path)
+            config_toml = (path / "config.toml").read_text()
+        except (PieceError, OSError, UnicodeDecodeError):  # damaged, or pruned by a run that holds the directory
+            continue
+        shapes = {k.removeprefix("model."): tuple(v["shape"]) for k, v in found.index.items() if k.startswith("model.")}
+        own = own_model(config_toml)
+        if own is not None:
+            try:
+                check_model_shapes(shapes, model_shapes(own), path)
+            except CheckpointError:
+                continue  # at odds with its own config: damaged, which the resume reports and sets aside
+        check_run_settings(cfg, path, found.data, config_toml)
+        if own is not None and model_shapes(own) != model_shapes(cfg.model):
+            changed = [f"model.{name} = {shown(getattr(cfg.model, name))} (the checkpoint's: "
+                       f"{shown(getattr(own, name))})" for name in _shape_fields(own, cfg.model)]
+            raise CheckpointError(f"--resume: checkpoint {path} holds another model than this run's: "
+                                  f"{'; '.join(changed[:5]) or 'other weight shapes'}; a resume continues the "
+                                  "checkpoint's weights, whose shapes these fields fix: drop the change (a model of "
+                                  "another shape starts in a new run directory)")
+        check_model_shapes(shapes, model_shapes(cfg.model), path)
+        return found
+    return None
 
 
 def restore_rng(loaded: LoadedCheckpoint, device: torch.device) -> None:
@@ -609,28 +692,8 @@ class Checkpointer:
         disagrees with its own config, a piece is missing or unreadable). A checkpoint that does not match this run
         (the model's names and global shapes, the data position's sequence length) raises a CheckpointError: it is
         not damaged, and another run may use it."""
-        cfg, t = self.cfg, self.cfg.train
-        saved = loaded.data.get("seq_len", t.seq_len)
-        if saved != t.seq_len:
-            raise CheckpointError(
-                f"--resume: checkpoint {loaded.path.name} was written with train.seq_len = {saved}, this run has "
-                f"{t.seq_len}; the data position counts windows of {saved} tokens in an order drawn over those "
-                f"windows, which another length does not continue without repeating or skipping tokens, so resume "
-                f"with train.seq_len = {saved} (the global batch, layout, world size and micro-batch size may change)")
-        try:
-            written = tomllib.loads(loaded.config_toml) if loaded.config_toml else {}
-        except tomllib.TOMLDecodeError:
-            written = {}  # its own check reports a damaged config
-        held = [("train", "seed", "the data position continues the sample order that seed drew; another seed would "
-                 "repeat some samples and skip others")]
-        if not cfg.data.path:  # the built-in corpus, split when prepared
-            held.append(("data", "val_fraction", "another split moves documents between training and validation, "
-                         "so that validation would score text the model trained on"))
-        for section, name, why in held:
-            was, now = written.get(section, {}).get(name), getattr(getattr(cfg, section), name)
-            if was is not None and was != now:
-                raise CheckpointError(f"--resume: checkpoint {loaded.path.name} was written with {section}.{name} = "
-                                      f"{was}, this run has {now}; {why}; resume with {section}.{name} = {was}")
+        cfg = self.cfg
+        written = check_run_settings(cfg, loaded.path, loaded.data, loaded.config_toml)
         self._check_same_data(loaded, written)
         shapes = {k.removeprefix("model."): loaded.reader.shape(k) for k in loaded.reader.names()
                   if k.startswith("model.")}

@@ -411,16 +411,32 @@ def document_eos(cfg: Config, train_set: TokenDataset, data_dir: Path) -> int | 
     return train_set.eos_id
 
 
+def past_max_steps(path: Path, step: int, max_steps: int) -> RunDirError:
+    return RunDirError(f"--resume: the newest checkpoint {path} is at step {step}, which is not before "
+                       f"train.max_steps = {max_steps}; raise --max-steps to train further")
+
+
+def check_resume(cfg: Config) -> None:
+    """--resume, checked once by the process the user started, before any process starts, data is read or an engine
+    built: the run directory (`check_run_dir`), the refusals that the checkpoint's small files decide
+    (`checkpoint.check_resume_early`: another seq_len, seed, val_fraction or model), and train.max_steps where
+    every checkpoint the resume could continue (newer ones may be set aside) is at or past it."""
+    run_dir = Path(cfg.run_dir)
+    candidates = check_run_dir(run_dir, resume=True)
+    newest = ckpt.check_resume_early(cfg, candidates)
+    max_steps = cfg.train.max_steps
+    if newest is not None and newest.state.step >= max_steps and all(
+            int(p.name.removeprefix(ckpt.CHECKPOINT_PREFIX)) >= max_steps for p in candidates):
+        raise past_max_steps(newest.path, newest.state.step, max_steps)
+
+
 def resume_point(checkpointer: ckpt.Checkpointer, candidates: list[Path]) -> ckpt.LoadedCheckpoint | None:
     """For --resume: the newest good checkpoint (None for a run stopped before its first one, which starts again
     at step 0, as the first rank says), refused when it is not before `train.max_steps`."""
     max_steps = checkpointer.cfg.train.max_steps
     loaded = checkpointer.load(candidates)
     if loaded is not None and loaded.state.step >= max_steps:
-        raise RunDirError(
-            f"--resume: the newest checkpoint {loaded.path} is at step {loaded.state.step}, which is not "
-            f"before train.max_steps = {max_steps}; raise --max-steps to train further"
-        )
+        raise past_max_steps(loaded.path, loaded.state.step, max_steps)
     if loaded is None and checkpointer.is_first:
         print(f"fivefold: {checkpointer.run_dir} holds no checkpoint yet (the run stopped before its first one); "
               "starting it again at step 0", file=sys.stderr)

@@ -285,3 +285,11 @@ def test_a_newest_checkpoint_damaged_inside_still_falls_back_past_max_steps(run_
     capsys.readouterr()
     assert main(["train", "--resume", "--run-dir", str(copy), "--max-steps", "4"]) == 0
     assert f"resuming from the newest good checkpoint, {STEP_2}" in capsys.readouterr().err
+
+
+def test_dry_run_refuses_a_run_directory_that_holds_another_run(run_and_exports, capsys):
+    """As the run itself would at its start (the directory is read, nothing written)."""
+    run, _ = run_and_exports
+    capsys.readouterr()
+    assert main(["train", "--dry-run", "--run-dir", str(run)]) == 2
+    assert "already holds another run" in one_line_error(capsys, "train")

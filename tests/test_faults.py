@@ -197,6 +197,12 @@ BAD_INPUTS: list[tuple[str, str]] = [
     ("--nodes 2 sets the nodes", "train --nodes 2 --max-steps 1"),
     ("--eos-token 'foo' names", "data prepare notes.txt --out d3 --eos-token foo"),
     ("--field 'body'", "data prepare notes.txt --out d4 --field body"),
+    # --dry-run refuses what the run itself would refuse at its start
+    ("--run-dir 'afile' is a file", "train --dry-run --run-dir afile"),
+    ("holds files but no run", "train --dry-run --run-dir hfbin"),
+    ("data.path = 'afile' is not a directory", "train --dry-run --data afile"),
+    ("emptydir: no index.json", "train --dry-run --data emptydir"),
+    ("model.vocab_size 100 is smaller", "train --dry-run --model.vocab_size 100"),
 ]
 
 

@@ -386,6 +386,7 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
     # the processes this command would start (more than one: as the run itself checks them), else the layout's own
     started = args.nodes * args.nproc if args.slurm else local_world_size(args.nproc)
     check_layout(cfg, started if started > 1 else world)
+    check_dry_run_files(cfg, args)
     notes = layout_notes(cfg.model, cfg.layout)
     hsdp = f", HSDP: {la.zero_replicas} replicas of shard groups of {la.zero_group}" if la.dp_shard else ""
     print(f"config OK: {cfg.model.name} ({count_params(cfg.model):,} parameters), layout dp {la.dp} x tp {la.tp} x "
@@ -396,7 +397,7 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
           f"{t.warmup_steps} steps); run dir {cfg.run_dir}")
     for line in notes:
         print(f"note: {line}")
-    if cfg.data.path and not Path(cfg.data.path).is_dir():
+    if cfg.data.path and not Path(cfg.data.path).exists():
         print(f"note: data.path = {shown(cfg.data.path)} does not exist yet; prepare it with `fivefold data "
               f"prepare FILES "
               "--tokenizer MODEL_DIR --out DIR` before training")
@@ -427,6 +428,29 @@ def dry_run(cfg: Config, args: argparse.Namespace) -> int:
     for line in launch_lines(forwarded_argv(args, cfg.run_dir), nodes, per_node):
         print(f"  {line}")
     return 0 if e.fits else 1
+
+
+def check_dry_run_files(cfg: Config, args: argparse.Namespace) -> None:
+    """What the run would refuse at its start and --dry-run can see without starting it: a run directory that
+    holds another run or other files (a new run), and data that is there but no prepared directory, or whose
+    vocabulary the model lacks (data not prepared yet is a note: a config written for later, `plan
+    --write-config`'s). A resume was checked against its checkpoints before (`check_resume`)."""
+    from fivefold.train.loop import RunDirError, check_data_vocabulary, check_run_dir, configured_data
+
+    if not args.resume:
+        if Path(cfg.run_dir).exists() and not Path(cfg.run_dir).is_dir():
+            raise CliError(f"--run-dir {shown(cfg.run_dir)} is a file, not a directory; choose a new or empty "
+                           "directory")
+        try:
+            check_run_dir(Path(cfg.run_dir), resume=False)
+        except RunDirError as e:
+            raise CliError(str(e)) from None
+    if cfg.data.path and not Path(cfg.data.path).exists():
+        return
+    if args.hf:  # the data's vocabulary is checked against the Hugging Face model's when the run starts
+        configured_data(cfg)
+    else:
+        check_data_vocabulary(cfg)
 
 
 def forwarded_argv(args: argparse.Namespace, run_dir: str) -> list[str]:

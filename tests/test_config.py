@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from fivefold.config import Config, ConfigError, build_config, dump_toml, parse_overrides
+from fivefold.config import Config, ConfigError, build_config, dump_toml, parse_overrides, parse_text
 from fivefold.train.optim import lr_at
 
 
@@ -173,3 +173,23 @@ def test_a_file_value_of_another_type_is_refused_not_converted(tmp_path, text, s
     f.write_text('[train]\nlr = 1\ndevice = "cpu"\n[data]\npath = "d"\n[model]\nname = "m"\n')
     cfg = build_config(f)  # an integer for a float field, text for the strings: as before
     assert (cfg.train.lr, cfg.train.device, cfg.data.path, cfg.model.name) == (1.0, "cpu", "d", "m")
+
+
+@pytest.mark.parametrize(("name", "text", "said"), [
+    ("c.yaml", "train:\n  lr: 0.1\n  lr: 0.2\n", "gives 'lr' twice in one mapping (lines 2 and 3)"),
+    ("c.yaml", "train:\n  lr: 0.1\ntrain:\n  max_steps: 3\n", "gives 'train' twice in one mapping (lines 1 and 3)"),
+    ("c.json", '{"train": {"lr": 0.1, "lr": 0.2}}', "gives 'lr' twice in one object"),
+])
+def test_a_key_given_twice_is_refused_not_read_as_the_last(tmp_path, name, text, said):
+    """YAML and JSON keep the last of a key given twice: a second `train:` section silently dropped the first's
+    train.lr. TOML refuses it itself; so do YAML and JSON config files now."""
+    f = tmp_path / name
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        build_config(f)
+    f.write_text("train:\n  lr: 0.1\n  max_steps: 3\n" if name.endswith(".yaml")
+                 else '{"train": {"lr": 0.1, "max_steps": 3}}')
+    cfg = build_config(f)  # distinct keys read as before
+    assert (cfg.train.lr, cfg.train.max_steps) == (0.1, 3)
+    merged = parse_text("a: &x {k: 1}\nb:\n  <<: *x\n  j: 2\n", ".yaml", "t")  # a merge key (<<) is no repeat
+    assert merged == {"a": {"k": 1}, "b": {"k": 1, "j": 2}}

@@ -739,10 +739,13 @@ CONFIG_MAX_DEPTH = 16  # levels of nested tables and lists (a config has 2, a gr
 CONFIG_MAX_NODES = 100_000  # YAML values after alias expansion: a few lines of nested aliases expand to billions
 
 
-def load_file(path: str | Path, what: str = "config file", suffix: str | None = None) -> dict[str, Any]:
+def load_file(path: str | Path, what: str = "config file", suffix: str | None = None,
+              unique_keys: bool = True) -> dict[str, Any]:
     """Read a TOML, YAML or JSON file (a config, or `what` the caller names in errors; `suffix` ".toml" reads any name
     as TOML) into a plain dict, within CONFIG_MAX_BYTES, CONFIG_MAX_DEPTH levels and (YAML) CONFIG_MAX_NODES values
-    after alias expansion."""
+    after alias expansion; a key given twice in one table is refused (`unique_keys`; TOML refuses it itself), not
+    read as its last value. A file written by other software (a Hugging Face config.json) passes
+    unique_keys=False and reads as that software reads it."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{what} {shown(str(path))} does not exist or is not a file")
@@ -757,19 +760,20 @@ def load_file(path: str | Path, what: str = "config file", suffix: str | None = 
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{what} {shown(str(path))} cannot be read as UTF-8 text: {shown(e)}") from None
-    return parse_text(text, suffix, f"{what} {shown(str(path))}")
+    return parse_text(text, suffix, f"{what} {shown(str(path))}", unique_keys)
 
 
-def parse_text(text: str, suffix: str, where: str) -> dict[str, Any]:
+def parse_text(text: str, suffix: str, where: str, unique_keys: bool = True) -> dict[str, Any]:
     """A mapping from the TOML, YAML or JSON `text` (`suffix` names the format), nested at most CONFIG_MAX_DEPTH
-    deep; `where` names the source in errors."""
+    deep, no key twice in one table (`unique_keys`, `load_file`); `where` names the source in errors."""
     try:
         if suffix == ".toml":
             data = tomllib.loads(text)
         elif suffix in (".yaml", ".yml"):
-            data = _load_yaml(text, where)
+            data = _load_yaml(text, where, unique_keys)
         else:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=(lambda pairs: _unique_pairs(pairs, where)) if unique_keys
+                              else None)
     except RecursionError:
         raise ConfigError(f"{where} is nested deeper than {CONFIG_MAX_DEPTH} levels of tables and lists") from None
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
@@ -788,6 +792,18 @@ def parse_text(text: str, suffix: str, where: str) -> dict[str, Any]:
     return data
 
 
+def _unique_pairs(pairs: list[tuple[str, Any]], where: str) -> dict[str, Any]:
+    """A JSON object whose keys are all different: json (as YAML) keeps the last of a key given twice, silently
+    dropping what the first one said."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ConfigError(f"{where} gives {shown(key)} twice in one object; keep one (the first would be "
+                              "silently dropped)")
+        out[key] = value
+    return out
+
+
 def _depth(data: Any) -> int:
     """Levels of nested dicts and lists in `data` (iterative: a deep value must not overflow the stack)."""
     deepest, todo = 0, [(data, 1)]
@@ -800,7 +816,7 @@ def _depth(data: Any) -> int:
     return deepest
 
 
-def _load_yaml(text: str, where: str) -> Any:
+def _load_yaml(text: str, where: str, unique_keys: bool = True) -> Any:
     """Safe YAML within the bounds: the parser's events (a loop, no recursion) bound the depth before the composer
     (recursive) runs, and the composed graph's size with every alias expanded is counted, shared nodes once each,
     before anything is constructed."""
@@ -829,6 +845,8 @@ def _load_yaml(text: str, where: str) -> Any:
         if id(n) in open_nodes:
             raise ConfigError(f"{where} holds a YAML alias inside the value it refers to (a recursive structure)")
         if id(n) not in expanded:
+            if unique_keys and isinstance(n, yaml.MappingNode):
+                _unique_yaml_keys(n, where)
             expanded[id(n)] = 0
             open_nodes.add(id(n))
             todo.append((n, True))
@@ -841,6 +859,20 @@ def _load_yaml(text: str, where: str) -> Any:
         return loader.construct_document(node)
     finally:
         loader.dispose()
+
+
+def _unique_yaml_keys(node: Any, where: str) -> None:
+    """A YAML mapping whose keys are all different: PyYAML keeps the last of a key given twice (a second `train:`
+    replaces the whole first section), silently dropping what the first one said. Merge keys (<<) may repeat."""
+    seen: dict[tuple[str, str], int] = {}
+    for key, _ in node.value:
+        if not hasattr(key, "tag") or not isinstance(key.value, str) or key.value == "<<":
+            continue
+        line, named = key.start_mark.line + 1, (key.tag, key.value)
+        if named in seen:
+            raise ConfigError(f"{where} gives {shown(key.value)} twice in one mapping (lines {seen[named]} and "
+                              f"{line}); keep one (the first would be silently dropped)")
+        seen[named] = line
 
 
 def _yaml_children(node: Any) -> list[Any]:

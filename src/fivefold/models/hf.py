@@ -474,7 +474,7 @@ def tokenizer_special_tokens(tokenizer_dir: Path) -> dict[str, str]:
     named: dict[str, str] = {}
     config = tokenizer_dir / "tokenizer_config.json"
     if config.is_file():
-        data = load_file(config, "tokenizer config", suffix=".json")
+        data = load_file(config, "tokenizer config", suffix=".json", unique_keys=False)
         for key in ("bos_token", "eos_token", "pad_token"):
             value = data.get(key)
             value = value.get("content") if isinstance(value, dict) else value

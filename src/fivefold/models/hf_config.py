@@ -37,7 +37,7 @@ def read_config_json(config: dict[str, Any] | str | Path) -> dict[str, Any]:
         path = path / "config.json"
     if not path.is_file():
         raise ConfigError(f"Hugging Face config {shown(str(path))} does not exist")
-    return load_file(path, "Hugging Face config", suffix=".json")  # bounded in size and nesting
+    return load_file(path, "Hugging Face config", suffix=".json", unique_keys=False)  # bounded in size and nesting
 
 
 def _architecture(hf: dict[str, Any]) -> str:

@@ -415,6 +415,18 @@ def test_failed_prepare_leaves_existing_output_untouched(tmp_path, monkeypatch):
     assert decode_documents(out, "train") == [DOCS[1]]
 
 
+def test_overwrite_of_a_foreign_index_says_so_in_words(tmp_path):
+    """A directory whose only file is an index.json that prepare did not write: refused, in a sentence that reads."""
+    (tmp_path / "a.txt").write_text(DOCS[0])
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "index.json").write_text("my own notes")
+    with pytest.raises(DataError, match=r"mine: its index\.json is not one that `fivefold data prepare` wrote, so it "
+                                        r"is no prepared token directory; refusing to delete it"):
+        prepare_dataset([tmp_path / "a.txt"], foreign, vocab_size=SMALL_VOCAB, overwrite=True)
+    assert (foreign / "index.json").read_text() == "my own notes"
+
+
 def test_overwrite_never_deletes_foreign_files(tmp_path):
     (tmp_path / "a.txt").write_text(DOCS[0])
     foreign = tmp_path / "mine"

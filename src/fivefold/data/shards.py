@@ -156,11 +156,9 @@ def check_output(out: Path, overwrite: bool) -> None:
             for e in out.iterdir()
             if not (e.is_file() and (e.name in (INDEX_FILE, TOKENIZER_FILE) or SHARD_NAME.match(e.name)))
         )
-        what = f"holds {shown(foreign[0])}, which is not" if foreign else "has no index.json written by"
-        raise DataError(
-            f"--out {out}: {what} part of a prepared token directory; refusing to delete it "
-            "(choose another --out)"
-        )
+        what = (f"holds {shown(foreign[0])}, which is not part of a prepared token directory" if foreign else
+                f"its {INDEX_FILE} is not one that `fivefold data prepare` wrote, so it is no prepared token directory")
+        raise DataError(f"--out {out}: {what}; refusing to delete it (choose another --out)")
 
 
 def publish(staging: Path, out: Path, overwrite: bool) -> None:

@@ -71,12 +71,23 @@ def _port_taken(errors: str) -> bool:
     return "init_process_group" in errors and ("Address already in use" in errors or "EADDRINUSE" in errors)
 
 
+# What the fork server imports once, so that no rank imports it again: torch (2-3 s of CPU in every process that
+# imports it), torch._dynamo (another 2-3 s: fivefold's communication functions are marked
+# `torch.compiler.disable`, which imports it) and the engine's modules. Importing changes no state a rank starts
+# from: fivefold's modules read no environment variable and start no thread when imported; torch's import-time
+# settings (TORCH_*, read by torch and torch._dynamo) come from the server's environment, as torch's always did
+# here, and no test sets one.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "fivefold.train.build", "fivefold.train.loop",
+           "fivefold.parallel.context"]
+
+
 def fresh_process_context():
-    """A multiprocessing context whose processes are forked from one server process that has imported torch once
-    (2-3 s of CPU each time a spawned process imports it); each process still starts from that clean state, never
-    from the test process. The server's environment is the one it started with: pass the test's along."""
+    """A multiprocessing context whose processes are forked from one server process that has imported torch and
+    fivefold's engine once (`PRELOAD`, about 5 s of CPU per process otherwise); each process still starts from
+    that clean state, never from the test process. The server's environment is the one it started with: pass the
+    test's along."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 

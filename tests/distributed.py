@@ -72,13 +72,12 @@ def _port_taken(errors: str) -> bool:
 
 
 # What the fork server imports once, so that no rank imports it again: torch (2-3 s of CPU in every process that
-# imports it), torch._dynamo (another 2-3 s: fivefold's communication functions are marked
-# `torch.compiler.disable`, which imports it) and the engine's modules. Importing changes no state a rank starts
+# imports it) and the engine's modules (another 2-3 s: fivefold's communication functions are marked
+# `torch.compiler.disable`, which loads the compiler's front end). Importing changes no state a rank starts
 # from: fivefold's modules read no environment variable and start no thread when imported; torch's import-time
 # settings (TORCH_*, read by torch and torch._dynamo) come from the server's environment, as torch's always did
 # here, and no test sets one.
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "fivefold.train.build", "fivefold.train.loop",
-           "fivefold.parallel.context"]
+PRELOAD = ["torch", "torch.distributed", "fivefold.train.build", "fivefold.train.loop", "fivefold.parallel.context"]
 
 
 def fresh_process_context():

@@ -21,6 +21,7 @@ from fivefold.planner.memory import model_state_bytes
 from fivefold.planner.time import linear_shapes, optimizer_tensors, stage_times, step_time
 from fivefold.presets import get_preset
 from fivefold.tools.calibrate import Result, fit_link, monotone, profile_tables, to_toml
+from fivefold.tools.calibrate.profile import write_profile
 from fivefold.tools.calibrate.whole_step import (
     SCALE_BOUNDS,
     dispatch_us,
@@ -110,6 +111,31 @@ def test_profile_drives_plan_hardware(quick_profile, capsys):
     assert code == 0 and "step" in out and "2 x cpu" in out
     assert main(["plan", "--hardware", str(quick_profile), "--model", "tiny", "--seq-len", "128",
                  "--global-batch", "2048", "--framework", "fivefold-cpu", "--top", "3"]) == 0
+
+
+def _small_tables() -> dict:
+    one = Result(1, linear=[[128, 256, 128, 0.0312345, 0.0254321]], attention=[[8, 128, 32, 0.0051, 0.0042]],
+                 loss=[[512, 2048, 128, 0.02, 0.5]], elementwise=[[65536, 41.5]], kernel_overhead_us=9.5,
+                 backward_overhead_us=13.25, optimizer_gbps=2.5, optimizer_tensor_us=150.0)
+    return profile_tables({1: one}, "cpu", {1: 2}, 1, "mine")
+
+
+def test_a_dispatch_measured_at_zero_is_written_and_read_back(tmp_path):
+    """On a loaded (or fast) machine the selective policy's step can take no longer than its parts predict, and
+    calibrate writes `selective_dispatch_us = 0.0` (`dispatch_us` never goes below 0): the reader takes it, where it
+    refused it before, which failed `plan --hardware` on a profile calibrate had just written."""
+    path = tmp_path / "p.toml"
+    write_profile(path, {**_small_tables(), "compute_scale": 1.1, "selective_dispatch_us": 0.0}, "a header")
+    assert get_cluster(None, path).selective_dispatch_us == 0.0
+
+
+def test_a_profile_its_reader_refuses_is_not_written(tmp_path):
+    """Whatever calibrate measured, it never leaves a profile that `--hardware` refuses: the reader's message,
+    naming the field and the profile's path, and no file (nor its temporary) left behind."""
+    path = tmp_path / "p.toml"
+    with pytest.raises(ConfigError, match=r"kernel_overhead_us = -1.0 must be > 0.*p\.toml was not written"):
+        write_profile(path, {**_small_tables(), "kernel_overhead_us": -1.0}, "a header")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_profile_round_trips_through_toml(tmp_path):

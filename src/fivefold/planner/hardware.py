@@ -324,7 +324,7 @@ _TABLE_WIDTH = {"linear": 5, "attention": 5, "loss": 5, "elementwise": 2, "colle
 _INT_FIELDS = {"gpus_per_node", "cores", "threads_per_rank"}
 # fields that may be 0 (0 = "not measured, derive it"; the stall and drift fields: no stall data)
 _MAY_BE_ZERO = {"backward_overhead_us", "optimizer_gbps", "optimizer_tensor_us", "comm_overlap", "zero3_unit_us",
-                "posted_p2p_wait_us", "pp_sync_us_per_node"}
+                "posted_p2p_wait_us", "pp_sync_us_per_node", "selective_dispatch_us"}
 
 
 class Range(NamedTuple):

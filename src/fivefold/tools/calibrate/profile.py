@@ -7,8 +7,8 @@ import json
 import os
 from pathlib import Path
 
-from fivefold.config import write_text_atomic
-from fivefold.planner.hardware import PRESETS
+from fivefold.config import ConfigError
+from fivefold.planner.hardware import PRESETS, get_cluster
 from fivefold.planner.predict import default_hardware
 from fivefold.tools.calibrate.fit import fit_link
 from fivefold.tools.calibrate.targets import Result
@@ -111,5 +111,16 @@ def profile_name(path: Path) -> str:
 
 
 def write_profile(path: Path, tables: dict, text_header: str) -> None:
-    """Write the profile's TOML atomically (never a half-written file in its place)."""
-    write_text_atomic(path, to_toml(tables, text_header))
+    """Write the profile's TOML atomically (never a half-written file in its place), once the planner's own reader
+    (`get_cluster`) has read it back: a measured value that the reader would refuse (a `selective_dispatch_us` of 0 on
+    a loaded machine was one) is a ConfigError here, naming the field, and nothing is written."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.writing.toml")
+    tmp.write_text(to_toml(tables, text_header))
+    try:
+        get_cluster(None, tmp)
+    except ConfigError as e:
+        tmp.unlink()
+        raise ConfigError(f"the measured profile would be refused by the planner's reader: "
+                          f"{str(e).replace(str(tmp), str(path))}; {path} was not written") from None
+    tmp.replace(path)

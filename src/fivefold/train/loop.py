@@ -88,6 +88,12 @@ def configured_data(cfg: Config) -> Path | None:
             f"data.path = {shown(cfg.data.path)} is not a directory; prepare one with "
             "`fivefold data prepare FILES --out DIR`, or leave data.path empty for the built-in corpus"
         )
+    if not (path / "index.json").is_file():  # named by the field the user set, before any reader opens it
+        raise ConfigError(
+            f"data.path = {shown(cfg.data.path)} holds no index.json: it is not a directory written by "
+            "`fivefold data prepare`; prepare one with `fivefold data prepare FILES --out DIR`, or leave data.path "
+            "empty for the built-in corpus"
+        )
     return path
 
 

@@ -201,7 +201,7 @@ BAD_INPUTS: list[tuple[str, str]] = [
     ("--run-dir 'afile' is a file", "train --dry-run --run-dir afile"),
     ("holds files but no run", "train --dry-run --run-dir hfbin"),
     ("data.path = 'afile' is not a directory", "train --dry-run --data afile"),
-    ("emptydir: no index.json", "train --dry-run --data emptydir"),
+    ("data.path = 'emptydir' holds no index.json", "train --dry-run --data emptydir"),
     ("model.vocab_size 100 is smaller", "train --dry-run --model.vocab_size 100"),
 ]
 

@@ -23,8 +23,10 @@ from fivefold.presets import get_preset
 from fivefold.tools.calibrate import Result, fit_link, monotone, profile_tables, to_toml
 from fivefold.tools.calibrate.profile import write_profile
 from fivefold.tools.calibrate.whole_step import (
+    HEAP_RETENTION_MAX,
     SCALE_BOUNDS,
     dispatch_us,
+    heap_retention,
     predicted_step,
     reference_config,
     reference_plan,
@@ -73,6 +75,10 @@ def test_quick_calibration_writes_a_profile_that_loads(quick_profile):
     # rank count
     assert 0.0 <= hw.selective_dispatch_us < 1e6
     assert hw.on_node(2).selective_dispatch_us == hw.selective_dispatch_us
+    # the reference step's resident set in a fresh process against its live tensors: glibc keeps some of what a
+    # step frees, so more than 1 on Linux (1.5-2.3 in the sweeps of docs/sweeps.md), kept for every rank count
+    assert 1.0 < hw.heap_retention <= HEAP_RETENTION_MAX
+    assert hw.on_node(2).heap_retention == hw.heap_retention
 
 
 def test_compute_scale_multiplies_every_compute_time_and_not_communication():
@@ -516,3 +522,12 @@ def test_zero3_under_pipeline_gathers_once_per_step():
     assert comm_parts(2, 4) == pytest.approx(comm_parts(2, 8))
     assert comm_parts(2, 4)[0] > 0
     assert comm_parts(1, 8)[0] > 1.5 * comm_parts(1, 4)[0]
+
+
+def test_heap_retention_is_resident_over_live_within_its_bounds():
+    """calibrate's `heap_retention`: the resident bytes above the baseline per live byte, never below 1 (an allocator
+    that returns everything) nor above `HEAP_RETENTION_MAX`, and 1 where the resident set could not be read."""
+    assert heap_retention(36 * 2**20, 20 * 2**20) == 1.8
+    assert heap_retention(10 * 2**20, 20 * 2**20) == 1.0
+    assert heap_retention(1000 * 2**20, 20 * 2**20) == HEAP_RETENTION_MAX
+    assert heap_retention(0, 20 * 2**20) == 1.0

@@ -62,6 +62,7 @@ def test_flat_profile_with_framework_table(tmp_path, capsys):
     ('[framework]\nname = "fivefold"\nselective_reruns = "all"\n',
      ["selective_reruns", "'all'", "attention", "policy"]),
     ('base = "cpu"\nselective_dispatch_us = -1\n', ["selective_dispatch_us", "-1"]),
+    ('base = "cpu"\nheap_retention = 0.5\n', ["heap_retention", "0.5", ">= 1"]),
     ('[framework]\nname = "fivefold"\nfeatures = "compile,fp8"\n', ["features", "'fp8'", "float8", "async-tp"]),
 ])
 def test_bad_profile_names_the_field(tmp_path, text, words):

@@ -86,6 +86,11 @@ class Cluster(Hardware):
     # multiplies compute times: a calibrated CPU profile's whole training step against the sum of its parts
     # (`tools/calibrate/whole_step.py`), times the slowdown of more ranks on a node than were measured
     compute_scale: float = 1.0
+    # a CPU run's resident set per byte of its live tensors at the peak: glibc keeps in its heap the chunks a step
+    # frees (it returns to the system only the heap's top and chunks above its mmap threshold, which rises to the
+    # largest freed), so a process holds more than its tensors; `fivefold calibrate` measures it on the reference
+    # model's step in a fresh process (`tools/calibrate/whole_step.py`); 1 = not measured (the live tensors alone)
+    heap_retention: float = 1.0
     linear: tuple[tuple[float, ...], ...] = ()  # (m, n, k, forward TFLOP/s, backward TFLOP/s)
     attention: tuple[tuple[float, ...], ...] = ()  # (batch x heads, seq, head_dim, fwd TFLOP/s, bwd TFLOP/s)
     loss: tuple[tuple[float, ...], ...] = ()  # fused output layer + cross-entropy: (tokens, vocab, hidden, TFLOP/s x2)
@@ -342,10 +347,11 @@ class Range(NamedTuple):
                 and (self.high is None or value < self.high or (value == self.high and self.high_closed)))
 
 
-# shares and chances (checked after the sign rule of `_parse_fields`, whose message a negative one gets)
+# shares, chances and ratios (checked after the sign rule of `_parse_fields`, whose message a negative one gets)
 _SHARES = {"matmul_efficiency": Range(0.0, False, 1.0, True, "a share of the matmul peak, in (0, 1]"),
            "comm_overlap": Range(0.0, True, 1.0, True, "a share of a collective's time, in [0, 1]"),
-           "stall_hazard_per_node": Range(0.0, True, 1.0, False, "below 1 (a chance per node)")}
+           "stall_hazard_per_node": Range(0.0, True, 1.0, False, "below 1 (a chance per node)"),
+           "heap_retention": Range(1.0, True, None, True, ">= 1 (resident bytes per byte of live tensors)")}
 # a device's own figures: beyond these bounds a value is a typo (a unit off by 10^3 or more), not a device
 _DEVICE_BOUNDS = {"bf16_tflops": Range(0.0, False, 1e5, True, "at most 100,000 (TFLOP/s of one device)"),
                   "fp32_tflops": Range(0.0, False, 1e5, True, "at most 100,000 (TFLOP/s of one device)"),

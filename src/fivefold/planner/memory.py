@@ -499,3 +499,17 @@ def rank_memory(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, in_fligh
     rep.parts["comm_buffers"] = comm
     rep.parts["fixed_overhead"] = fw.fixed_overhead_gib * GIB
     return rep
+
+
+def with_heap_retention(mem: dict[str, dict[str, float]], retention: float) -> dict[str, dict[str, float]]:
+    """`mem` (pipeline rank -> part -> bytes) with the `allocator_cache` part of a profile's `heap_retention`: what
+    the C allocator keeps of freed memory beside the live tensors, (retention - 1) x the rank's live bytes (a CPU
+    run's resident set is measured, and glibc returns little of what a step frees). Unchanged at retention 1;
+    applying it twice is applying it once."""
+    if retention <= 1.0:
+        return mem
+    out = {}
+    for rank, parts in mem.items():
+        live = sum(v for k, v in parts.items() if k != "allocator_cache")
+        out[rank] = {**parts, "allocator_cache": (retention - 1.0) * live}
+    return out

@@ -112,12 +112,15 @@ def engine_parts(parts: dict[str, float]) -> dict[str, float]:
     """One rank's planner memory `parts` grouped as a run measures them: the model states as the engine counts
     them (`Engine.state_bytes`: parameters, gradients, and optimizer with any separate fp32 accumulation buffer),
     activations (with the autocast weight copies and the transient of the loss or a recomputed block) and buffers
-    (communication buffers and the fixed overhead)."""
+    (communication buffers and the fixed overhead); and the C allocator's cache where a profile's `heap_retention`
+    adds one (`allocator_cache`, only then)."""
     rest = dict(parts)
     states = {"parameters": rest.pop("parameters"), "gradients": rest.pop("gradients"),
               "optimizer": rest.pop("optimizer") + rest.pop("grad_accum_buffer", 0.0)}
     activations = rest.pop("activations") + rest.pop("bf16_weight_copies", 0.0) + rest.pop("transient", 0.0)
-    return {**states, "activations": activations, "buffers": sum(rest.values())}
+    cache = rest.pop("allocator_cache", 0.0)
+    return {**states, "activations": activations, "buffers": sum(rest.values()),
+            **({"allocator_cache": cache} if cache else {})}
 
 
 def device_cluster(device: torch.device, local_ranks: int, hardware_file: str | Path | None = None) -> Cluster:

@@ -42,7 +42,7 @@ from fivefold.layout import (
 from fivefold.parallel.schedules import held_points
 from fivefold.planner.hardware import Cluster
 from fivefold.planner.layout import Framework, Layout
-from fivefold.planner.memory import GIB, rank_memory, splits_backward
+from fivefold.planner.memory import GIB, rank_memory, splits_backward, with_heap_retention
 from fivefold.planner.time import StallRisk, stage_split_problem, stall_risk, step_time
 
 SIMULATED_TOP = 64
@@ -157,7 +157,7 @@ def estimate(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster
              docs: DocumentLengths | None = None, mem: dict[str, dict[str, float]] | None = None) -> Estimate:
     """One layout's memory, step time and MFU; `docs`: the documents' lengths under the model's document mask;
     `mem`: the layout's `memory_of`, where the caller has it."""
-    mem = memory_of(cfg, seq, lay, fw, moe_imbalance) if mem is None else mem
+    mem = with_heap_retention(memory_of(cfg, seq, lay, fw, moe_imbalance) if mem is None else mem, hw.heap_retention)
     peak = max(sum(v.values()) for v in mem.values())
     limit = hw.memory_bytes * fw.usable_memory_fraction if memory_limit is None else memory_limit
     t = step_time(cfg, seq, lay, fw, hw, exact, docs, moe_imbalance)
@@ -490,7 +490,7 @@ def _schedules(pp: int, space: SearchSpace) -> Iterator[tuple[str, int]]:
 def _fits(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluster, moe_imbalance: float
           ) -> tuple[bool, float, dict[str, dict[str, float]]]:
     """Whether the layout fits, its peak bytes and its `memory_of`."""
-    mem = memory_of(cfg, seq, lay, fw, moe_imbalance)
+    mem = with_heap_retention(memory_of(cfg, seq, lay, fw, moe_imbalance), hw.heap_retention)
     peak = max(sum(v.values()) for v in mem.values())
     return peak <= hw.memory_bytes * fw.usable_memory_fraction, peak, mem
 

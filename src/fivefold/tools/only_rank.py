@@ -193,7 +193,8 @@ def summary(cfg: Config, rank: int, measured: dict, predicted: dict) -> dict:
     pm = predicted["memory_bytes"]
     memory = {k: {"measured": held.get(k, 0), "predicted": pm[k]} for k in ("parameters", "gradients", "optimizer")}
     rest = peak_bytes - sum(held.get(k, 0) for k in ("parameters", "gradients", "optimizer"))
-    memory["activations_and_buffers"] = {"measured": rest, "predicted": pm["activations"] + pm["buffers"]}
+    memory["activations_and_buffers"] = {"measured": rest, "predicted": pm["activations"] + pm["buffers"]
+                                         + pm.get("allocator_cache", 0.0)}
     memory["peak"] = {"measured": peak_bytes, "predicted": predicted["peak_bytes"]}
     for v in memory.values():
         v["difference"] = v["measured"] - v["predicted"]

@@ -20,6 +20,7 @@ from fivefold.tools.calibrate.ranks import measure_group, worker
 from fivefold.tools.calibrate.targets import Plan, Result, for_group, make_plan
 from fivefold.tools.calibrate.whole_step import (
     dispatch_us,
+    measure_heap_retention,
     predicted_step,
     reference_plan,
     step_scale,
@@ -98,7 +99,8 @@ def calibrate(args: argparse.Namespace) -> tuple[Path, dict[int, Result], float]
 def whole_step_figures(plan: Plan, quick: bool) -> dict[str, float]:
     """The reference model's whole step, on one rank's intra-op threads (`plan.threads`), timed through the engine
     against what its own parts, timed just before and just after it, predict for it: the factor on every compute
-    time, `compute_scale`; then the same step under selective recompute: `selective_dispatch_us` (`whole_step`)."""
+    time, `compute_scale`; then the same step under selective recompute: `selective_dispatch_us`; then its resident
+    memory in a fresh process against its live tensors: `heap_retention` (`whole_step`)."""
     import dataclasses
 
     from fivefold.planner.hardware import cluster_from_table
@@ -128,7 +130,8 @@ def whole_step_figures(plan: Plan, quick: bool) -> dict[str, float]:
     dispatch = dispatch_us(pair, (predicted_step(scaled, threads), predicted_step(scaled, threads, "selective")))
     say(f"selective recompute's policy: {dispatch / 1e3:.2f} ms per block beyond the work it reruns: "
         f"selective_dispatch_us = {dispatch}")
-    return {"compute_scale": scale, "selective_dispatch_us": dispatch}
+    retention = measure_heap_retention(threads, *((3, 1) if quick else (10, 3)), say)
+    return {"compute_scale": scale, "selective_dispatch_us": dispatch, "heap_retention": retention}
 
 
 def run(args: argparse.Namespace) -> int:

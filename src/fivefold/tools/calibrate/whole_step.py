@@ -17,6 +17,14 @@ element-wise operators and their fixed costs, at that scale), per block, is the 
 the host time of the checkpoint's per-operator policy (a dispatch mode over every operator of the block, in the
 forward and again in the recomputation), which on a CPU costs more than the block's own work at small sizes.
 
+Last, the resident memory of the same step in a fresh process (`fivefold bench`, which measures a run's peak resident
+set above the process's baseline as the sweep does) against the live tensors the planner counts for it: the
+profile's `heap_retention`. glibc keeps in its heap what a step frees (it returns only the heap's top, and its mmap
+threshold rises to the largest chunk freed, so that nearly every tensor of a small model lands in the heap), so a
+CPU run holds more than its tensors: 1.5-2.3x on one process and dp2 in the sweep of `examples/sweep-cpu.toml`.
+A fresh process, because the calibrating one has freed the tables' operands into its own heap, which the step
+would reuse.
+
 The reference model is none of the presets: 2 layers, hidden 128, 4 heads (head dim 32) with as many key/value
 heads, MLP 256, vocabulary 1024, 128 tokens per sequence, 4 sequences per step, fp32."""
 
@@ -31,6 +39,8 @@ REFERENCE = {"model.name": "calibrate-reference", "model.n_layers": "2", "model.
              "model.n_heads": "4", "model.n_kv_heads": "4", "model.ffn": "256", "model.vocab_size": "1024",
              "model.max_seq_len": "128", "train.seq_len": "128", "train.global_batch_size": "4",
              "layout.micro_batch_size": "4", "train.device": "cpu", "train.dtype": "fp32", "train.warmup_steps": "0"}
+# a heap retention beyond this is not the allocator's cache but something else holding memory (or a broken baseline)
+HEAP_RETENTION_MAX = 8.0
 # the ratio is bounded: a profile whose parts are off by more than this describes another machine, or the
 # step was timed while something else ran
 SCALE_BOUNDS = (0.5, 3.0)
@@ -144,3 +154,48 @@ def step_scale(measured_s: float, predicted_s: float) -> float:
     """measured / predicted, within `SCALE_BOUNDS`."""
     lo, hi = SCALE_BOUNDS
     return min(max(measured_s / predicted_s, lo), hi)
+
+
+def heap_retention(resident_bytes: float, live_bytes: float) -> float:
+    """A profile's `heap_retention`: the resident bytes a run held above its baseline per byte of live tensors the
+    planner counts for it, at least 1 (an allocator that returns everything, or a resident set that could not be
+    read: 0) and at most `HEAP_RETENTION_MAX`, to 4 digits."""
+    if resident_bytes <= 0 or live_bytes <= 0:
+        return 1.0
+    return round(min(max(resident_bytes / live_bytes, 1.0), HEAP_RETENTION_MAX), 4)
+
+
+def measure_heap_retention(threads: int, steps: int, warmup: int, say: Callable[[str], None]) -> float:
+    """The reference model's step run by `fivefold bench` in a fresh process: its peak resident set above the
+    baseline against the live tensors the planner predicts for it (`heap_retention`); 1 where /proc is missing."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from fivefold.config import dump_toml
+    from fivefold.planner.hardware import get_cluster
+    from fivefold.planner.predict import estimate_run
+    from fivefold.sweep.runner import subprocess_env
+
+    if not Path("/proc/self/statm").exists():
+        say("heap retention: no /proc here to read a resident set; heap_retention = 1")
+        return 1.0
+    cfg = reference_config(threads, steps + warmup)
+    live = estimate_run(cfg, get_cluster("cpu"), "cpu").peak_bytes
+    with tempfile.TemporaryDirectory(prefix="fivefold-calibrate-") as d:
+        config, out = Path(d) / "reference.toml", Path(d) / "result.json"
+        config.write_text(dump_toml(cfg))
+        cmd = [sys.executable, "-m", "fivefold", "bench", "--config", str(config), "--steps", str(steps),
+               "--warmup", str(warmup), "--out", str(out)]
+        done = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        if done.returncode != 0 or not out.exists():
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            say(f"heap retention: the reference run failed (exit {done.returncode}: {tail[0]}); heap_retention = 1")
+            return 1.0
+        resident = max(json.loads(out.read_text())["peak_memory_bytes_per_rank"])
+    ratio = heap_retention(resident, live)
+    say(f"heap retention: the reference step held {resident / 2**20:.1f} MiB resident above its baseline in a fresh "
+        f"process, its live tensors {live / 2**20:.1f} MiB: heap_retention = {ratio}")
+    return ratio

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fivefold.config import Config, ConfigError, shown
-from fivefold.device import local_device, resolve_device
+from fivefold.device import cpu_allocator_env, local_device, resolve_device
 from fivefold.faults import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     FAILURES_DIR_ENV,
@@ -55,7 +55,8 @@ def start_or_join(cfg: Config, nproc: int, argv: list[str], verb: str) -> int | 
     (the caller goes on)."""
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if nproc > 1 and not launched:
-        return launch(nproc, argv, verb=verb, run_dir=Path(cfg.run_dir) if verb == "train" else None)
+        return launch(nproc, argv, verb=verb, run_dir=Path(cfg.run_dir) if verb == "train" else None,
+                      cpu=resolve_device(cfg.train.device).type == "cpu")
     if launched:
         init_distributed(resolve_device(cfg.train.device).type, cfg.train.collective_timeout_s)
         if verb == "train":
@@ -103,7 +104,7 @@ def finish_distributed() -> None:
         dist.destroy_process_group()
 
 
-def launch(nproc: int, argv: list[str], verb: str = "train", run_dir: Path | None = None) -> int:
+def launch(nproc: int, argv: list[str], verb: str = "train", run_dir: Path | None = None, cpu: bool = False) -> int:
     """Run `fivefold VERB ARGV` (train or bench) on `nproc` local processes (single node, a free rendezvous
     port); returns the exit status (non-zero when any process failed). With `run_dir` (a training run) the launcher
     owns the run directory for its workers: it holds its lock (`faults.RunLock`) from before the first worker starts
@@ -111,9 +112,10 @@ def launch(nproc: int, argv: list[str], verb: str = "train", run_dir: Path | Non
 
     SIGTERM, SIGINT and SIGHUP of the launcher are forwarded to the workers by PyTorch's agent, which waits for
     them (they finish their step, write a checkpoint and exit with 128 + the signal's number); a second signal
-    while it waits kills them and raises `faults.SaveAbandoned`."""
+    while it waits kills them and raises `faults.SaveAbandoned`. `cpu`: the workers run on the CPU, with glibc's
+    thread cache off (`device.cpu_allocator_env`)."""
     with RunLock(run_dir) if run_dir is not None else contextlib.nullcontext():
-        return run_workers(nproc, argv, verb)
+        return run_workers(nproc, argv, verb, cpu)
 
 
 # The lines in which PyTorch's agent announces a stop ("Received 2 death signal, shutting down workers", "Sending
@@ -150,7 +152,7 @@ def quiet_agent_stops():
             logger.removeFilter(f)
 
 
-def run_workers(nproc: int, argv: list[str], verb: str) -> int:
+def run_workers(nproc: int, argv: list[str], verb: str, cpu: bool = False) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -166,6 +168,9 @@ def run_workers(nproc: int, argv: list[str], verb: str) -> int:
         from fivefold.device import default_threads  # set 1 and print a banner saying so)
 
         os.environ["OMP_NUM_THREADS"] = str(default_threads(nproc))
+    tunables = os.environ.get("GLIBC_TUNABLES")
+    if cpu:  # the workers inherit this environment
+        os.environ.update(cpu_allocator_env(os.environ))
     try:
         with quiet_agent_stops():
             run(args)
@@ -198,6 +203,10 @@ def run_workers(nproc: int, argv: list[str], verb: str) -> int:
             os.environ[FAILURES_DIR_ENV] = previous
         if omp is None:
             os.environ.pop("OMP_NUM_THREADS", None)
+        if tunables is None:
+            os.environ.pop("GLIBC_TUNABLES", None)
+        else:
+            os.environ["GLIBC_TUNABLES"] = tunables
     return 0
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import fivefold
 from fivefold.config import ConfigError, check_device_name, dump_toml, shown
+from fivefold.device import cpu_allocator_env, resolve_device
 from fivefold.faults import descendants, preexec_die_with_parent, try_flock
 from fivefold.launch import write_slurm_script
 from fivefold.sweep.grid import PlannedRun, config_json
@@ -110,11 +111,13 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def subprocess_env() -> dict[str, str]:
-    """The environment of a run: this one, with this fivefold first on the import path."""
+def subprocess_env(cpu: bool = False) -> dict[str, str]:
+    """The environment of a run: this one, with this fivefold first on the import path; for a run on the CPU with
+    glibc's thread cache off (`device.cpu_allocator_env`: a run of one process is the process started here)."""
     src = str(Path(fivefold.__file__).resolve().parents[1])
     path = os.environ.get("PYTHONPATH", "")
-    return {**os.environ, "PYTHONPATH": src + (os.pathsep + path if path else "")}
+    env = {**os.environ, "PYTHONPATH": src + (os.pathsep + path if path else "")}
+    return cpu_allocator_env(env) if cpu else env
 
 
 def run_local(plan: PlannedRun, runs: Path, steps: int, warmup: int, timeout: float,
@@ -129,7 +132,8 @@ def run_local(plan: PlannedRun, runs: Path, steps: int, warmup: int, timeout: fl
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=subprocess_env(), start_new_session=True,
+                                env=subprocess_env(resolve_device(plan.cfg.train.device).type == "cpu"),
+                                start_new_session=True,
                                 preexec_fn=preexec_die_with_parent)  # a killed sweep takes its run down
         try:
             while proc.poll() is None:

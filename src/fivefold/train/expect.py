@@ -33,9 +33,10 @@ MEMORY_RATIO = 1.10
 # the data, measured before the model is built: `metrics.memory_baseline`), which also holds what the C allocator
 # keeps of freed memory: the planner counts the live tensors exactly (the tiny model's 236 MiB at micro-batch 32,
 # against the profiler's 236), but glibc's heap held 1.3-2.4x that on one process and up to 7x under tp2 + sp
-# (docs/sweeps.md), so the CPU's allowance is this ratio plus a margin, on the live tensors (a calibrated profile's
-# `heap_retention` adds its own estimate of the cache to the prediction, `allocator_cache`, which the allowance
-# leaves out)
+# (docs/sweeps.md; with glibc's thread cache on, as in a process started by hand: `device.cpu_allocator_env` turns
+# it off for the ranks fivefold starts), so the CPU's allowance is this ratio plus a margin, on the live tensors (a
+# calibrated profile's `heap_retention` adds its own estimate of the cache to the prediction, `allocator_cache`,
+# which the allowance leaves out)
 CPU_HEAP_RATIO, CPU_HEAP_MARGIN_BYTES = 2.5, 256 * 2**20
 STATE_PARTS = ("parameters", "gradients", "optimizer")  # of `planner.predict.engine_parts`
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import fivefold
-from fivefold.device import local_device
+from fivefold.device import cpu_allocator_env, local_device
 from fivefold.launch import init_distributed, launch  # the project's launcher
 from fivefold.tools.calibrate.harness import Clock, RankGroups, two_passes
 from fivefold.tools.calibrate.measure_comm import (
@@ -136,12 +136,14 @@ def measure_group(plan: Plan, world: int) -> Result:
 def _children_environment(plan: Plan) -> Iterator[None]:
     """The environment the started processes inherit, for the launch only: they import this same fivefold
     (its directory first on PYTHONPATH: the package may be on this process's path only, as under pytest), and
-    on CPU run the plan's threads per rank (OMP_NUM_THREADS, which the launcher would otherwise set to 1)."""
-    saved = {key: os.environ.get(key) for key in ("PYTHONPATH", "OMP_NUM_THREADS")}
+    on CPU run the plan's threads per rank (OMP_NUM_THREADS, which the launcher would otherwise set to 1) with glibc's
+    thread cache off, as the runs they measure for (`device.cpu_allocator_env`)."""
+    saved = {key: os.environ.get(key) for key in ("PYTHONPATH", "OMP_NUM_THREADS", "GLIBC_TUNABLES")}
     here = str(Path(fivefold.__file__).resolve().parents[1])
     os.environ["PYTHONPATH"] = os.pathsep.join([here, *([saved["PYTHONPATH"]] if saved["PYTHONPATH"] else [])])
     if plan.device_type == "cpu":
         os.environ["OMP_NUM_THREADS"] = str(plan.threads)
+        os.environ.update(cpu_allocator_env(os.environ))
     try:
         yield
     finally:

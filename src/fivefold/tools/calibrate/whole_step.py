@@ -189,7 +189,8 @@ def measure_heap_retention(threads: int, steps: int, warmup: int, say: Callable[
         config.write_text(dump_toml(cfg))
         cmd = [sys.executable, "-m", "fivefold", "bench", "--config", str(config), "--steps", str(steps),
                "--warmup", str(warmup), "--out", str(out)]
-        done = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        done = subprocess.run(cmd, env=subprocess_env(cpu=True), capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL)
         if done.returncode != 0 or not out.exists():
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
             say(f"heap retention: the reference run failed (exit {done.returncode}: {tail[0]}); heap_retention = 1")

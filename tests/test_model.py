@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import resource
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from fivefold.flops import count_params
 from fivefold.models import llama
 from fivefold.models.llama import MoE, build_model, rope_frequencies
 from fivefold.presets import PRESETS, get_preset
+from fivefold.train.metrics import peak_resident_bytes, reset_peak_resident
 
 
 def small_config(**changes) -> ModelConfig:
@@ -39,9 +39,10 @@ def test_preset_parameter_count_matches_real_model_and_published_size(name: str)
 
 
 def test_meta_build_allocates_nothing() -> None:
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    reset_peak_resident()  # the peak from here: an earlier test's would hide the build's growth
+    before = peak_resident_bytes()
     model = build_model(get_preset("llama-3.1-70b"), device="meta")
-    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    grown_mib = (peak_resident_bytes() - before) / 2**20
     assert all(p.is_meta for p in model.parameters())
     assert sum(p.numel() for p in model.parameters()) > 70e9
     assert grown_mib < 200  # the real weights would take 280 GB in fp32

@@ -56,6 +56,16 @@ def peak_resident_bytes() -> int:
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
+def reset_peak_resident() -> bool:
+    """Lower this process's peak resident set (`VmHWM`) to its resident set now (Linux 4.0+: /proc/self/clear_refs),
+    so that `peak_resident_bytes` then measures from here; whether it could."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """The peak of `peak_memory`: allocated on an accelerator, resident on the CPU."""
     peak = peak_memory(device)

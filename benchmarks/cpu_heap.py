@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fivefold.device import TCACHE_TUNABLE
+from fivefold.device import TCACHE_TUNABLE, cpu_allocator_env
 
 LAYOUTS = {
     "tp2sp": (2, "tp = 2\nsp = true\nmicro_batch_size = 8\n"),
@@ -35,12 +35,10 @@ def bench(layout: str, steps: int, cache_on: bool, folder: Path) -> tuple[float,
     nproc, table = LAYOUTS[layout]
     config, out = folder / f"{layout}.toml", folder / f"{layout}-{steps}-{cache_on}.json"
     config.write_text(BASE + table)
-    env = dict(os.environ)
-    env.pop("GLIBC_TUNABLES", None)
-    if cache_on:  # a count the user set is kept by the launcher: glibc's default
-        env["GLIBC_TUNABLES"] = f"{TCACHE_TUNABLE}=7"
-    elif nproc == 1:  # one process is started here, not by the launcher
-        env["GLIBC_TUNABLES"] = f"{TCACHE_TUNABLE}=0"
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    # the cache on: glibc's default count, which the launcher keeps as a count the user set; off: as the launcher sets
+    # it (here also for one process, which is started here, not by the launcher)
+    env = {**env, "GLIBC_TUNABLES": f"{TCACHE_TUNABLE}=7"} if cache_on else cpu_allocator_env(env)
     cmd = [sys.executable, "-m", "fivefold", "bench", "--config", str(config), "--nproc", str(nproc),
            "--steps", str(steps), "--warmup", "2", "--out", str(out)]
     subprocess.run(cmd, env=env, check=True, capture_output=True)

@@ -19,6 +19,7 @@ import shutil
 import signal
 import sys
 import tempfile
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -161,18 +162,15 @@ def run_workers(nproc: int, argv: list[str], verb: str, cpu: bool = False) -> in
         ["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc), "--module", "fivefold", verb, *argv]
     )
     failures = tempfile.mkdtemp(prefix="fivefold-failures-")
-    previous = os.environ.get(FAILURES_DIR_ENV)
-    os.environ[FAILURES_DIR_ENV] = failures  # each worker leaves its one-line error there (faults.record_failure)
-    omp = os.environ.get("OMP_NUM_THREADS")
-    if omp is None:  # each worker's share of the cores, as it sets its intra-op threads (PyTorch's launcher would
-        from fivefold.device import default_threads  # set 1 and print a banner saying so)
+    workers = {FAILURES_DIR_ENV: failures}  # each worker leaves its one-line error there (faults.record_failure)
+    if "OMP_NUM_THREADS" not in os.environ:  # each worker's share of the cores, as it sets its intra-op threads
+        from fivefold.device import default_threads  # (PyTorch's launcher would set 1 and print a banner saying so)
 
-        os.environ["OMP_NUM_THREADS"] = str(default_threads(nproc))
-    tunables = os.environ.get("GLIBC_TUNABLES")
-    if cpu:  # the workers inherit this environment
-        os.environ.update(cpu_allocator_env(os.environ))
+        workers["OMP_NUM_THREADS"] = str(default_threads(nproc))
+    if cpu and "GLIBC_TUNABLES" in (allocator := cpu_allocator_env(os.environ)):
+        workers["GLIBC_TUNABLES"] = allocator["GLIBC_TUNABLES"]
     try:
-        with quiet_agent_stops():
+        with environment(workers), quiet_agent_stops():  # the workers inherit this process's environment
             run(args)
     except ChildFailedError as e:
         codes = {rank: f.exitcode for rank, f in e.failures.items()}
@@ -197,17 +195,23 @@ def run_workers(nproc: int, argv: list[str], verb: str, cpu: bool = False) -> in
         return 130
     finally:
         shutil.rmtree(failures, ignore_errors=True)
-        if previous is None:
-            os.environ.pop(FAILURES_DIR_ENV, None)
-        else:
-            os.environ[FAILURES_DIR_ENV] = previous
-        if omp is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        if tunables is None:
-            os.environ.pop("GLIBC_TUNABLES", None)
-        else:
-            os.environ["GLIBC_TUNABLES"] = tunables
     return 0
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """`os.environ` with `values` set for the block only (the processes started in it inherit them): each variable
+    back to its value before, or unset, afterwards."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")

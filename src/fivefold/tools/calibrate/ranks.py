@@ -11,15 +11,14 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import fivefold
-from fivefold.device import cpu_allocator_env, local_device
-from fivefold.launch import init_distributed, launch  # the project's launcher
+from fivefold.device import local_device
+from fivefold.launch import environment, init_distributed, launch  # the project's launcher
 from fivefold.tools.calibrate.harness import Clock, RankGroups, two_passes
 from fivefold.tools.calibrate.measure_comm import (
     measure_collective_wait,
@@ -124,31 +123,21 @@ def measure_group(plan: Plan, world: int) -> Result:
     with tempfile.TemporaryDirectory() as tmp:
         job, out = Path(tmp, "plan.json"), Path(tmp, "result.json")
         job.write_text(json.dumps({"plan": plan.to_json(), "out": str(out)}))
-        with _children_environment(plan):
-            status = launch(world, ["--worker", str(job)], verb="calibrate")
+        with _children_environment(plan):  # on the CPU the launcher turns glibc's thread cache off, as for the runs
+            status = launch(world, ["--worker", str(job)], verb="calibrate", cpu=plan.device_type == "cpu")
         if status != 0 or not out.exists():
             raise RuntimeError(f"calibrate: the {world} processes measuring together failed (exit status "
                                f"{status}); see their messages above")
         return Result.from_json(json.loads(out.read_text()))
 
 
-@contextlib.contextmanager
-def _children_environment(plan: Plan) -> Iterator[None]:
+def _children_environment(plan: Plan) -> contextlib.AbstractContextManager:
     """The environment the started processes inherit, for the launch only: they import this same fivefold
     (its directory first on PYTHONPATH: the package may be on this process's path only, as under pytest), and
-    on CPU run the plan's threads per rank (OMP_NUM_THREADS, which the launcher would otherwise set to 1) with glibc's
-    thread cache off, as the runs they measure for (`device.cpu_allocator_env`)."""
-    saved = {key: os.environ.get(key) for key in ("PYTHONPATH", "OMP_NUM_THREADS", "GLIBC_TUNABLES")}
+    on CPU run the plan's threads per rank (OMP_NUM_THREADS, which the launcher would otherwise set to 1)."""
     here = str(Path(fivefold.__file__).resolve().parents[1])
-    os.environ["PYTHONPATH"] = os.pathsep.join([here, *([saved["PYTHONPATH"]] if saved["PYTHONPATH"] else [])])
+    path = os.environ.get("PYTHONPATH")
+    values = {"PYTHONPATH": os.pathsep.join([here, *([path] if path else [])])}
     if plan.device_type == "cpu":
-        os.environ["OMP_NUM_THREADS"] = str(plan.threads)
-        os.environ.update(cpu_allocator_env(os.environ))
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        values["OMP_NUM_THREADS"] = str(plan.threads)
+    return environment(values)

@@ -382,11 +382,11 @@ def test_step_adds_optimizer_and_unhidden_gradient_reduction():
                   comm_overlap=0.0)
     lay = Layout(dp=2, micro_batch_size=4, grad_accum_steps=2)
     report = step_time(TINY, 128, lay, FIVEFOLD_CPU, hw)
-    states = model_state_bytes(TINY, lay, FIVEFOLD_CPU, "first")
+    states = model_state_bytes(TINY, lay, FIVEFOLD_CPU, "first", seq=128)
     expected_opt = (states["parameters"] + states["gradients"] + states["optimizer"]) / 2e9 + \
-        optimizer_tensors(TINY, lay, FIVEFOLD_CPU) * 100e-6
+        optimizer_tensors(TINY, lay, FIVEFOLD_CPU, 128) * 100e-6
     assert report.parts["optimizer"] == pytest.approx(expected_opt)
-    assert optimizer_tensors(TINY, lay, FIVEFOLD_CPU) == 4 * 9 + 2  # tiny: tied embedding, final norm
+    assert optimizer_tensors(TINY, lay, FIVEFOLD_CPU, 128) == 4 * 9 + 2  # tiny: tied embedding, final norm
     # nothing overlaps: the whole all-reduce of the fp32 gradients is exposed
     assert report.parts["dp_comm_exposed"] == pytest.approx(comm.all_reduce(states["gradients"], 2, 1, hw))
 

@@ -74,7 +74,7 @@ def closed_form(cfg, rank: int) -> dict[str, int]:
     if lay.pp > 1:
         lay.stage_layers = stage_layer_counts(cfg)
     which = rank_description(cfg, rank)["planner_rank"]
-    states = model_state_bytes(cfg.model, lay, FIVEFOLD_CPU, which)
+    states = model_state_bytes(cfg.model, lay, FIVEFOLD_CPU, which, seq=cfg.train.seq_len)
     return {"parameters": states["parameters"], "gradients": states["gradients"], "optimizer": states["optimizer"]}
 
 

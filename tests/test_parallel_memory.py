@@ -117,7 +117,7 @@ def check_lean(dp: int, fp32_grads: bool) -> None:
     model = build_config(None, MODEL).model
     psi = params_per_tp_rank(model, 1)
     assert psi % dp == 0  # no padding, so the bytes are exact
-    predicted = model_state_bytes(model, Layout(dp=dp, zero=1, fp32_grad_accum=fp32_grads), FIVEFOLD_LEAN)
+    predicted = model_state_bytes(model, Layout(dp=dp, zero=1, fp32_grad_accum=fp32_grads), FIVEFOLD_LEAN, seq=128)
     for held in run_ranks(dp, lean_bytes_on_ranks, fp32_grads):
         assert held == {"parameters": 2 * psi, "gradients": (4 if fp32_grads else 2) * psi,
                         "optimizer": 12 * psi // dp}

@@ -43,9 +43,9 @@ def test_hsdp_states_are_those_of_fsdp_over_the_shard_group(dp, shard, cp):
     fsdp_of_the_group = Layout(dp=shard, cp=cp, zero=3)
     assert hsdp.zero_group == shard * cp and hsdp.zero_replicas == dp // shard
     for fw in (TORCHTITAN, FIVEFOLD):
-        assert model_state_bytes(cfg, hsdp, fw) == model_state_bytes(cfg, fsdp_of_the_group, fw)
-        assert model_state_bytes(cfg, hsdp, fw)["parameters"] > model_state_bytes(cfg, Layout(dp=dp, cp=cp, zero=3),
-                                                                                   fw)["parameters"]
+        assert model_state_bytes(cfg, hsdp, fw, seq=4096) == model_state_bytes(cfg, fsdp_of_the_group, fw, seq=4096)
+        assert model_state_bytes(cfg, hsdp, fw, seq=4096)["parameters"] > model_state_bytes(
+            cfg, Layout(dp=dp, cp=cp, zero=3), fw, seq=4096)["parameters"]
 
 
 def test_hsdp_gathers_inside_a_node_and_reduces_across_replicas():
@@ -62,7 +62,7 @@ def test_hsdp_gathers_inside_a_node_and_reduces_across_replicas():
     assert t_fsdp.parts["zero_gather"] > t_hsdp.parts["zero_gather"]  # across nodes, over 16 ranks
     # the reduction: per block, a reduce-scatter over the node's 8 ranks and an all-reduce of the shard over the
     # 2 replicas (a rank 8 apart, on the other node), for each micro-batch
-    grads = rank_params(cfg, lay, "first").total * TORCHTITAN.grad_bytes
+    grads = rank_params(cfg, lay, "first", seq=4096).total * TORCHTITAN.grad_bytes
     expected = hsdp_reduction(grads, 8, 1, 2, bare, cfg.n_layers, 4)
     assert t_hsdp.parts["dp_comm_exposed"] == pytest.approx(expected)
     assert t_fsdp.parts["dp_comm_exposed"] == pytest.approx(hsdp_reduction(grads, 16, 1, 1, bare, cfg.n_layers, 4))
@@ -77,9 +77,10 @@ def test_hsdp_with_expert_parallel_shards_the_experts_inside_the_shard_group():
     cfg = get_preset("olmoe-1b-7b")
     lay = Layout(dp=16, ep=4, zero=3, dp_shard=8, micro_batch_size=1, grad_accum_steps=4)
     assert lay.expert_zero_group == 2 and lay.edp == 4
-    assert model_state_bytes(cfg, lay, TORCHTITAN) == model_state_bytes(cfg, Layout(dp=8, ep=4, zero=3), TORCHTITAN)
+    assert model_state_bytes(cfg, lay, TORCHTITAN, seq=4096) == model_state_bytes(cfg, Layout(dp=8, ep=4, zero=3),
+                                                                         TORCHTITAN, seq=4096)
     t = step_time(cfg, 4096, lay, TORCHTITAN, bare).parts["dp_comm_exposed"]
-    rp = rank_params(cfg, lay, "first")
+    rp = rank_params(cfg, lay, "first", seq=4096)
     expected_experts = hsdp_reduction(rp.expert * TORCHTITAN.grad_bytes, 2, 4, 2, bare, cfg.n_layers, 4)
     expected_dense = hsdp_reduction(rp.dense * TORCHTITAN.grad_bytes, 8, 1, 2, bare, cfg.n_layers, 4)
     assert t == pytest.approx(expected_dense + expected_experts)

@@ -90,8 +90,8 @@ def test_model_state_bytes_exact(preset, etp, tp, dp, zero):
     # the engine's fp32 gradient buckets are the fp32 accumulation: the same bytes with fp32_grad_accum (the
     # default) and without it, no separate buffer
     assert lay.fp32_grad_accum
-    assert model_state_bytes(cfg, lay, FIVEFOLD_CPU) == want
-    assert model_state_bytes(cfg, dataclasses.replace(lay, fp32_grad_accum=False), FIVEFOLD_CPU) == want
+    assert model_state_bytes(cfg, lay, FIVEFOLD_CPU, seq=128) == want
+    assert model_state_bytes(cfg, dataclasses.replace(lay, fp32_grad_accum=False), FIVEFOLD_CPU, seq=128) == want
 
 
 def test_model_states_match_a_real_adamw_step():
@@ -110,7 +110,7 @@ def test_model_states_match_a_real_adamw_step():
     states = engine.optimizer.state.values()
     moments = sum(s[k].numel() * s[k].element_size() for s in states for k in ("exp_avg", "exp_avg_sq"))
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    pred = model_state_bytes(cfg.model, Layout(), FIVEFOLD_CPU)
+    pred = model_state_bytes(cfg.model, Layout(), FIVEFOLD_CPU, seq=cfg.train.seq_len)
     assert (pred["parameters"], pred["gradients"], pred["optimizer"]) == (params, grads, moments)
 
 
@@ -118,9 +118,9 @@ def test_playbook_zero_table():
     # playbook widget, 8B on dp=8: ZeRO-1 optimizer 60 -> 7.5 GiB, ZeRO-2 gradients 15 -> 1.875, ZeRO-3 params
     cfg = get_preset("llama-3.1-8b")
     bf16 = dataclasses.replace(FIVEFOLD, param_bytes=2, grad_bytes=2, master_bytes=0, optim_bytes=8)
-    z0 = model_state_bytes(cfg, Layout(dp=8, zero=0), bf16)
+    z0 = model_state_bytes(cfg, Layout(dp=8, zero=0), bf16, seq=4096)
     for zero, key in [(1, "optimizer"), (2, "gradients"), (3, "parameters")]:
-        z = model_state_bytes(cfg, Layout(dp=8, zero=zero), bf16)
+        z = model_state_bytes(cfg, Layout(dp=8, zero=zero), bf16, seq=4096)
         assert z[key] == pytest.approx(z0[key] / 8, rel=1e-6)
     assert z0["optimizer"] / 2**30 == pytest.approx(59.828, rel=2e-3)
 
@@ -230,7 +230,7 @@ def test_zero3_under_pipeline_and_expert_parallel_gathers_the_experts_over_edp(d
     cfg = get_preset("tiny-moe")
     ep = 2
     lay = Layout(dp=dp, pp=2, ep=ep, zero=3, micro_batch_size=1, grad_accum_steps=8 // dp)
-    stages = build_stages(cfg, stage_layers(cfg, lay), stage_placement("1f1b", 2, 1), 0, torch.device("meta"), 0)
+    stages = build_stages(cfg, stage_layers(cfg, lay, 128), stage_placement("1f1b", 2, 1), 0, torch.device("meta"), 0)
     named = [(n, p.numel()) for stage in stages.values() for n, p in stage.named_parameters()]
     experts = sum(k for n, k in named if is_expert_param(n)) // ep  # this ep rank's
     dense = sum(k for _, k in named) - experts * ep
@@ -238,7 +238,7 @@ def test_zero3_under_pipeline_and_expert_parallel_gathers_the_experts_over_edp(d
     gathered = dense + (experts if edp > 1 else 0)
     # fully_shard has no gradient buckets: the gathered weights and unsharded gradients are the buffers
     assert rank_memory(cfg, 128, lay, FIVEFOLD_CPU, in_flight=1).parts["comm_buffers"] == gathered * (4 + 4)
-    states = model_state_bytes(cfg, lay, FIVEFOLD_CPU)
+    states = model_state_bytes(cfg, lay, FIVEFOLD_CPU, seq=128)
     assert states["parameters"] == 4 * (dense // dp + experts // edp)
     assert states["gradients"] == states["parameters"] and states["optimizer"] == 2 * states["parameters"]
 
@@ -258,7 +258,7 @@ def test_lean_state_bytes_follow_the_distributed_optimizer(zero, fp32_grads):
     assert n % dp == 0
     g = 4 if fp32_grads else 2
     want = {0: (2 + g + 12) * n, 1: (2 + g) * n + 12 * n // dp, 2: 2 * n + (g + 12) * n // dp, 3: 16 * n // dp}[zero]
-    got = model_state_bytes(cfg, Layout(dp=dp, zero=zero, fp32_grad_accum=fp32_grads), FIVEFOLD_LEAN)
+    got = model_state_bytes(cfg, Layout(dp=dp, zero=zero, fp32_grad_accum=fp32_grads), FIVEFOLD_LEAN, seq=128)
     assert sum(got.values()) == want
 
 
@@ -273,13 +273,13 @@ def test_zero3_under_pipeline_keeps_the_stages_gathered(schedule):
 
     cfg = get_preset("tiny")
     lay = Layout(dp=2, pp=2, zero=3, schedule=schedule, micro_batch_size=1, grad_accum_steps=4)
-    stages = build_stages(cfg, stage_layers(cfg, lay), stage_placement(schedule, 2, 1), 0, torch.device("meta"), 0)
+    stages = build_stages(cfg, stage_layers(cfg, lay, 128), stage_placement(schedule, 2, 1), 0, torch.device("meta"), 0)
     held = sum(p.numel() for stage in stages.values() for p in stage.parameters())
     fp32 = rank_memory(cfg, 128, lay, FIVEFOLD_CPU, in_flight=1).parts["comm_buffers"]
     assert fp32 == held * (4 + 4)  # fp32 weights and gradients (no bucket under fully_shard)
     bf16 = rank_memory(cfg, 128, lay, FIVEFOLD, in_flight=1).parts["comm_buffers"]
     assert bf16 == held * (2 + 4)  # bf16 gathers, gradients accumulated in the fp32 reduce dtype
-    states = model_state_bytes(cfg, lay, FIVEFOLD_CPU)
+    states = model_state_bytes(cfg, lay, FIVEFOLD_CPU, seq=128)
     assert states["parameters"] == 4 * held // 2 and states["gradients"] == 4 * held // 2
 
 
@@ -402,3 +402,34 @@ def test_plan_reads_gelu_hf_configs(arch, tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(bad))
     with pytest.raises(ConfigError, match="activation 'relu' is not a GELU"):
         load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("seq", [128, 4096])
+def test_pipeline_ranks_hold_the_blocks_the_engine_splits_at_the_runs_sequence(seq):
+    """The planner's pipeline ranks hold the blocks the engine gives them for the run's sequence length: the split
+    balances compute with the output layer, whose share of a stage's work falls as the sequence grows (the tiny model
+    splits 3 + 1 at 128 tokens, 2 + 2 at 4,096). Measured against the parameters of the stages the engine builds
+    from the run's config (`parallel.pipeline.stage_layer_counts`, on the meta device); the planner once split at
+    4,096 tokens whatever the run's length, and counted 2 of the first rank's 3 blocks at 128."""
+    from fivefold.config import build_config
+    from fivefold.parallel.pipeline import build_stages, stage_layer_counts
+    from fivefold.parallel.schedules import stage_placement
+    from fivefold.planner.predict import layout_of
+
+    cfg = build_config(None, {"model.name": "tiny", "model.max_seq_len": str(seq), "train.seq_len": str(seq),
+                              "layout.pp": "2", "layout.micro_batch_size": "1", "train.global_batch_size": "4",
+                              "train.device": "cpu", "train.dtype": "fp32"})
+    counts = stage_layer_counts(cfg)
+    assert counts == ([3, 1] if seq == 128 else [2, 2])  # the two lengths split differently
+    lay = layout_of(cfg)
+    for pp_rank, which in enumerate(("first", "last")):
+        stages = build_stages(cfg.model, counts, stage_placement("1f1b", 2, 1), pp_rank, torch.device("meta"), 0)
+        held = sum(p.numel() for stage in stages.values() for p in stage.parameters())
+        assert model_state_bytes(cfg.model, lay, FIVEFOLD_CPU, which, seq=seq)["parameters"] == 4 * held, which
+    # and the activations of the first rank are those of its 3 (or 2) blocks
+    one = rank_memory(cfg.model, seq, lay, FIVEFOLD_CPU, in_flight=1).parts["activations"]
+    single = forward_saved_bytes(cfg.model, 1, seq, dataclasses.replace(lay, pp=1), FIVEFOLD_CPU)
+    per_block = (single - forward_saved_bytes(
+        dataclasses.replace(cfg.model, n_layers=cfg.model.n_layers - 1), 1, seq, dataclasses.replace(lay, pp=1),
+        FIVEFOLD_CPU))
+    assert one == pytest.approx(counts[0] * per_block, rel=0.05)

@@ -134,7 +134,7 @@ def test_fsdp_gathers_in_bf16():
     cfg = get_preset("llama3-8b")
     lay = Layout(dp=8, zero=3, micro_batch_size=1, grad_accum_steps=1)
     tt = profile.all_frameworks()["torchtitan"]
-    lp, rp = layer_params(cfg, 1, 1), rank_params(cfg, lay, "first")
+    lp, rp = layer_params(cfg, 1, 1), rank_params(cfg, lay, "first", seq=4096)
     block = lp["sharded"] + lp["replicated"] + lp["expert"]
     root = rp.dense - rp.layers * (lp["sharded"] + lp["replicated"])
     expect = 2 * block * 2 + block * 4 + root * 2  # two bf16 blocks, their fp32 grads, the root (no buckets)
@@ -246,6 +246,7 @@ def test_unsharded_gradients_between_micro_batches_are_a_framework_field(tmp_pat
     cfg = get_preset("llama-3.1-8b")
     for zero, accum, added in ((3, 4, True), (2, 4, True), (3, 1, False), (1, 4, False)):
         lay = Layout(dp=8, tp=2, zero=zero, micro_batch_size=1, grad_accum_steps=accum)
-        rp = rank_params(cfg, lay)
-        got = model_state_bytes(cfg, lay, fw)["gradients"] - model_state_bytes(cfg, lay, base)["gradients"]
+        rp = rank_params(cfg, lay, seq=4096)
+        got = (model_state_bytes(cfg, lay, fw, seq=4096)["gradients"]
+               - model_state_bytes(cfg, lay, base, seq=4096)["gradients"])
         assert got == (4 * (rp.dense + rp.expert) if added else 0), (zero, accum)

@@ -218,7 +218,7 @@ def check_held_bytes(name: str) -> None:
         # the planner's memory model predicts the same bytes (fivefold on CPU: fp32 parameters are the masters)
         which = "first" if pp == 1 or result["pp_rank"] == 0 else "last"
         predicted = model_state_bytes(cfg.model, Layout(dp=dp, ep=ep, pp=pp, zero=3, dp_shard=dp_shard), FIVEFOLD_CPU,
-                                      which)
+                                      which, seq=cfg.train.seq_len)
         assert predicted == {**want, "grad_accum_buffer": 0}, predicted
 
 

@@ -84,18 +84,21 @@ class RankParams:
         return self.dense + self.expert
 
 
-def stage_layers(cfg: ModelConfig, lay: Layout, seq: int = 4096) -> list[int]:
+def stage_layers(cfg: ModelConfig, lay: Layout, seq: int) -> list[int]:
     """Blocks per global pipeline stage (pp x vpp stages, or 2 pp for the V-shaped schedule): the layout's own
-    `stage_layers` when it gives them (as the engine takes them), else balanced by compute."""
+    `stage_layers` when it gives them (as the engine takes them), else balanced by compute at the run's sequence
+    length `seq`, as the engine balances them (`parallel.pipeline`; the output layer's share of a stage's work
+    falls as the sequence grows: the tiny model's 4 blocks split 3 + 1 at 128 tokens and 2 + 2 at 4,096)."""
     if lay.stage_layers:
         return list(lay.stage_layers)
     n = lay.pp * (2 if lay.schedule == "dualpipev" and lay.pp > 1 else lay.vpp)
     return balanced_stage_layers(cfg, n, seq)
 
 
-def rank_params(cfg: ModelConfig, lay: Layout, rank: str = "first") -> RankParams:
-    """Parameters that the `first` or `last` pipeline rank holds (the same rank when pp = 1)."""
-    chunks = stage_layers(cfg, lay)
+def rank_params(cfg: ModelConfig, lay: Layout, rank: str = "first", *, seq: int) -> RankParams:
+    """Parameters that the `first` or `last` pipeline rank holds (the same rank when pp = 1) when the blocks are
+    split for sequences of `seq` tokens (`stage_layers`)."""
+    chunks = stage_layers(cfg, lay, seq)
     r = 0 if rank == "first" else lay.pp - 1
     if lay.schedule == "dualpipev" and lay.pp > 1:
         mine = [r, 2 * lay.pp - 1 - r]
@@ -124,9 +127,11 @@ def _shard(n: int, parts: int) -> int:
     return math.ceil(n / parts) if parts > 1 else n
 
 
-def model_state_bytes(cfg: ModelConfig, lay: Layout, fw: Framework, rank: str = "first") -> dict[str, int]:
-    """Parameters, gradients, optimizer states (with the master copy) and the fp32 accumulation buffer."""
-    rp = rank_params(cfg, lay, rank)
+def model_state_bytes(cfg: ModelConfig, lay: Layout, fw: Framework, rank: str = "first", *,
+                      seq: int) -> dict[str, int]:
+    """Parameters, gradients, optimizer states (with the master copy) and the fp32 accumulation buffer of the
+    `first` or `last` pipeline rank, its blocks split for sequences of `seq` tokens."""
+    rp = rank_params(cfg, lay, rank, seq=seq)
     dpc = lay.zero_group  # dp x cp, or HSDP's shard group
     dpc_e = lay.expert_zero_group  # edp, or the ranks of HSDP's shard group that hold the same experts
 
@@ -413,7 +418,7 @@ def forward_saved_bytes(cfg: ModelConfig, batch: int, seq: int, lay: Layout, fw:
     """Saved-for-backward bytes of one forward pass of `batch` sequences of `seq` tokens, whole model on one
     pipeline rank (the quantity the tests measure with saved-tensor hooks)."""
     single = dataclasses.replace(lay, pp=1, vpp=1)
-    rp = rank_params(cfg, single)
+    rp = rank_params(cfg, single, seq=seq)
     tokens = batch * seq // lay.cp
     return stage_activation_bytes(cfg, tokens, seq // lay.cp, single, fw, rp, moe_imbalance)
 
@@ -445,8 +450,8 @@ def rank_memory(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, in_fligh
     """Peak bytes of the first or last pipeline rank, with `in_flight` micro-batches of stage activations; or,
     for a split backward, at the largest of `held`'s (activations, pending W passes) pairs
     (`parallel.schedules.held_points`)."""
-    rp = rank_params(cfg, lay, rank)
-    rep = MemoryReport(rank, dict(model_state_bytes(cfg, lay, fw, rank)))
+    rp = rank_params(cfg, lay, rank, seq=seq)
+    rep = MemoryReport(rank, dict(model_state_bytes(cfg, lay, fw, rank, seq=seq)))
     tokens = lay.micro_batch_size * seq // lay.cp
     act = stage_activation_bytes(cfg, tokens, seq // lay.cp, lay, fw, rp, moe_imbalance)
     rep.parts["activations"] = act * in_flight

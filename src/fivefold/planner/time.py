@@ -807,7 +807,7 @@ def _data_parallel_time(cfg: ModelConfig, lay: Layout, fw: Framework, hw: Cluste
     elem_bytes = reduced_grad_bytes(lay, fw)
     red_bytes = rp.total * elem_bytes
     # the engine never splits a parameter over buckets, so a bucket below the mean tensor holds about one tensor
-    bucket = max(dp_bucket_bytes(lay, fw, elem_bytes), red_bytes / parameter_tensors(cfg, lay))
+    bucket = max(dp_bucket_bytes(lay, fw, elem_bytes), red_bytes / parameter_tensors(cfg, rp.layers))
     overlap = hw.comm_overlap  # share of a collective that compute running at once can hide
 
     def reduce_time(nbytes: float, size: int, stride: int, shards: int, nodes: int = 0) -> float:
@@ -875,13 +875,13 @@ def step_time(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Cluste
         per_rank[_rank_of(s, lay)] += times.f[s] + times.b[s] + times.w[s]
     ideal = lay.grad_accum_steps * max(per_rank)
     st = comm.strides(lay)
-    states = model_state_bytes(cfg, lay, fw, "first")
-    rp = rank_params(cfg, lay, "first")
+    states = model_state_bytes(cfg, lay, fw, "first", seq=seq)
+    rp = rank_params(cfg, lay, "first", seq=seq)
     t_dp_exposed, t_gather = _data_parallel_time(cfg, lay, fw, hw, times, rp, states, st)
     # the optimizer step streams parameters, gradients and states once, plus a fixed cost per tensor
     opt_bandwidth = (hw.optimizer_gbps * 1e9 if hw.optimizer_gbps else hw.hbm_gbps * 1e9 / 2) / hw.compute_scale
     t_opt = (states["parameters"] + states["gradients"] + states["optimizer"]) / opt_bandwidth \
-        + optimizer_tensors(cfg, lay, fw) * hw.optimizer_tensor_us * 1e-6 * hw.compute_scale
+        + optimizer_tensors(cfg, lay, fw, seq) * hw.optimizer_tensor_us * 1e-6 * hw.compute_scale
     # blocking stage hand-overs across nodes: each micro-batch waits for the slowest rank of the job
     nodes = job_nodes(lay, hw)
     t_sync = lay.grad_accum_steps * hw.pp_sync_us_per_node * 1e-6 * nodes if lay.pp > 1 and nodes > 1 else 0.0
@@ -966,21 +966,20 @@ def handovers(lay: Layout) -> int:
     return 2 * (lay.grad_accum_steps + lay.pp - 1) if lay.pp > 1 else 0
 
 
-def optimizer_tensors(cfg: ModelConfig, lay: Layout, fw: Framework) -> int:
+def optimizer_tensors(cfg: ModelConfig, lay: Layout, fw: Framework, seq: int) -> int:
     """Tensors the optimizer step walks on one rank: every parameter tensor of its stage, or under ZeRO-1/2
     one flat shard per gradient bucket (buckets split weights from norms, tp-sharded from replicated)."""
     if 1 <= lay.zero <= 2 and lay.dp * lay.cp > 1:
-        grads = model_state_bytes(cfg, lay, fw, "first")["gradients"] * lay.dp * lay.cp
+        grads = model_state_bytes(cfg, lay, fw, "first", seq=seq)["gradients"] * lay.dp * lay.cp
         classes = 2 if lay.tp == 1 else 4
         return classes + int(grads // dp_bucket_bytes(lay, fw, reduced_grad_bytes(lay, fw)))
-    return parameter_tensors(cfg, lay)
+    return parameter_tensors(cfg, rank_params(cfg, lay, "first", seq=seq).layers)
 
 
-def parameter_tensors(cfg: ModelConfig, lay: Layout) -> int:
-    """Parameter tensors of one rank's stage: a block's (norms, projections; an MoE layer's router and experts),
-    the embedding, the final norm and an untied output layer."""
+def parameter_tensors(cfg: ModelConfig, layers: int) -> int:
+    """Parameter tensors of a rank holding `layers` blocks (`RankParams.layers`): a block's (norms, projections; an
+    MoE layer's router and experts), the embedding, the final norm and an untied output layer."""
     per_layer = 9 if not cfg.is_moe else 6 + 4 + (3 if cfg.n_shared_experts else 0)
-    layers = -(-cfg.n_layers // lay.pp)
     return layers * per_layer + 2 + (0 if cfg.tied_embeddings else 1)
 
 

@@ -17,7 +17,6 @@ another), with the differences. `--json` prints one JSON object instead. docs/on
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -63,12 +62,10 @@ def planner_for_rank(cfg: Config, rank: int, device_type: str, hardware_file: st
     last pipeline rank's: the planner models those two, so a middle pipeline rank is compared with the first, and
     `rank_description` says so) and the time one process computes (compute, host waits and the optimizer step), on
     `hardware_file`'s profile where given (`fivefold train --hardware`), else the device's built-in one."""
-    from fivefold.parallel.pipeline import stage_layer_counts
     from fivefold.planner.predict import engine_parts, estimate_run, load_hardware, on_one_node
 
+    # (the planner splits the blocks over pipeline stages at the run's sequence length, as the engine does)
     hw = on_one_node(load_hardware(hardware_file, device_type), cfg.layout.world_size)
-    if cfg.layout.pp > 1 and not cfg.layout.stage_layers:  # the engine's split at this sequence length
-        cfg = dataclasses.replace(cfg, layout=dataclasses.replace(cfg.layout, stage_layers=stage_layer_counts(cfg)))
     e = estimate_run(cfg, hw, device_type)
     which = rank_description(cfg, rank)["planner_rank"]
     parts = engine_parts(e.memory[which] if which in e.memory else e.memory["first"])

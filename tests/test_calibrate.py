@@ -531,3 +531,41 @@ def test_heap_retention_is_resident_over_live_within_its_bounds():
     assert heap_retention(10 * 2**20, 20 * 2**20) == 1.0
     assert heap_retention(1000 * 2**20, 20 * 2**20) == HEAP_RETENTION_MAX
     assert heap_retention(0, 20 * 2**20) == 1.0
+
+
+def test_calibrate_restarts_under_the_runs_allocator(tmp_path):
+    """On a Linux CPU, calibrate started from the command line without glibc's thread cache setting restarts itself
+    with the cache off (as the runs it profiles have it: its one-rank tables and whole step are timed in its own
+    process), once; with the setting there, or called in-process (`main([...])`), or on an accelerator, it does not.
+    The restarted command is the same, and imports this fivefold first."""
+    import argparse
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import fivefold
+    from fivefold.device import TCACHE_TUNABLE
+    from fivefold.tools.calibrate.cli import restart_command
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("glibc's tunables are Linux's")
+    args = argparse.Namespace(worker=None, device="cpu", command_line=["calibrate", "--quick", "--out", "p.toml"])
+    bare = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    argv, env = restart_command(args, bare)
+    assert argv == [sys.executable, "-m", "fivefold", "calibrate", "--quick", "--out", "p.toml"]
+    assert env["GLIBC_TUNABLES"] == f"{TCACHE_TUNABLE}=0"
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(Path(fivefold.__file__).resolve().parents[1])
+    _, env = restart_command(args, {**bare, "GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    assert env["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{TCACHE_TUNABLE}=0"  # the user's kept
+    assert restart_command(args, {**bare, "GLIBC_TUNABLES": f"{TCACHE_TUNABLE}=3"}) is None  # the user's own count
+    assert restart_command(argparse.Namespace(**{**vars(args), "command_line": None}), bare) is None  # in-process
+    assert restart_command(argparse.Namespace(**{**vars(args), "worker": "job.json"}), bare) is None  # a rank
+    # end to end: the restart happens once, then the restarted process goes on (here to its check of --out)
+    out = tmp_path / "missing" / "p.toml"
+    done = subprocess.run([sys.executable, "-m", "fivefold", "calibrate", "--device", "cpu", "--out", str(out)],
+                          env={**bare, "PYTHONPATH": str(Path(fivefold.__file__).resolve().parents[1])},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stdout.count("calibrate: restarting with GLIBC_TUNABLES=glibc.malloc.tcache_count=0") == 1
+    assert "--out" in done.stderr and "does not exist" in done.stderr

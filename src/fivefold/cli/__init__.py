@@ -71,6 +71,7 @@ def refuse_empty(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
+    typed = sys.argv[1:] if argv is None else None  # the program's own command line (a verb may restart it)
     argv = _negative_values(sys.argv[1:] if argv is None else argv)
     parser = Parser(prog="fivefold", description="Plan and train Llama-style models.")
     from fivefold import __version__
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb is None:
         parser.print_help()
         return 0
+    args.command_line = typed
     module = importlib.import_module(VERBS[args.verb][0])
     if extra and not getattr(module, "ACCEPTS_OVERRIDES", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,12 +111,14 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def subprocess_env(cpu: bool = False) -> dict[str, str]:
-    """The environment of a run: this one, with this fivefold first on the import path; for a run on the CPU with
-    glibc's thread cache off (`device.cpu_allocator_env`: a run of one process is the process started here)."""
+def subprocess_env(cpu: bool = False, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of a run: `base` (default: this process's), with this fivefold first on the import path; for
+    a run on the CPU with glibc's thread cache off (`device.cpu_allocator_env`: a run of one process is the process
+    started here)."""
+    base = os.environ if base is None else base
     src = str(Path(fivefold.__file__).resolve().parents[1])
-    path = os.environ.get("PYTHONPATH", "")
-    env = {**os.environ, "PYTHONPATH": src + (os.pathsep + path if path else "")}
+    path = base.get("PYTHONPATH", "")
+    env = {**base, "PYTHONPATH": src + (os.pathsep + path if path else "")}
     return cpu_allocator_env(env) if cpu else env
 
 

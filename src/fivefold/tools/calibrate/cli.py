@@ -9,9 +9,11 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from fivefold.config import ConfigError, int_in
+from fivefold.device import cpu_allocator_env, present_device
 from fivefold.errors import CliError
 from fivefold.outputs import check_target, keep_previous
 from fivefold.tools.calibrate.harness import size_text
@@ -50,7 +52,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def calibrate(args: argparse.Namespace) -> tuple[Path, dict[int, Result], float]:
     """Measure with 1..N ranks and write the profile: its path, the figures by rank count, the seconds taken."""
-    from fivefold.device import present_device
 
     if args.seq_len < 0:
         raise CliError(f"--seq-len = {args.seq_len} must be >= 1 (or 0 for the default)")
@@ -134,9 +135,39 @@ def whole_step_figures(plan: Plan, quick: bool) -> dict[str, float]:
     return {"compute_scale": scale, "selective_dispatch_us": dispatch, "heap_retention": retention}
 
 
+def restart_command(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[list[str], dict[str, str]] | None:
+    """The command and environment to run this calibration again under the C allocator of the runs it profiles, or
+    None where nothing would change. On a Linux CPU the runs fivefold starts (a sweep's, the launcher's ranks) have
+    glibc's thread cache off (`device.cpu_allocator_env`), while a calibrate started by hand has it on; its one-rank
+    tables, the whole step and the recompute pair are timed in its own process, and the cache changes a step: the
+    reference step was 7-8 % slower with it off in the median of 14 alternating pairs of fresh processes (11 of 14
+    slower; 2026-11-29, docs/sweeps.md). The tunable is read when a process starts, so the command restarts itself;
+    only from the command line (`args.command_line`; a test that calls `main` is left in its process)."""
+    from fivefold.sweep.runner import subprocess_env
+
+    if args.worker or not args.command_line:
+        return None
+    try:
+        if present_device(args.device, "--device").type != "cpu":
+            return None
+    except ConfigError:
+        return None  # the calibration itself says what is wrong with the device
+    if cpu_allocator_env(env).get("GLIBC_TUNABLES") == env.get("GLIBC_TUNABLES"):
+        return None  # set already (by the restart, or by the user), or not Linux
+    # this fivefold first on the import path, as for the runs
+    return [sys.executable, "-m", "fivefold", *args.command_line], subprocess_env(cpu=True, base=env)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.worker:
         return worker(args.worker)
+    restart = restart_command(args, os.environ)
+    if restart is not None:
+        argv, env = restart
+        print(f"calibrate: restarting with GLIBC_TUNABLES={env['GLIBC_TUNABLES']} (glibc's thread cache off), the "
+              "C allocator of the runs it profiles", flush=True)
+        sys.stderr.flush()
+        os.execve(argv[0], argv, env)
     out, results, seconds = calibrate(args)
     one = results[1]
     print(f"wrote {out} in {seconds:.0f} s: best linear {max(r[3] for r in one.linear):.3g} TFLOP/s, operator "

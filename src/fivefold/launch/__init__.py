@@ -198,6 +198,13 @@ def run_workers(nproc: int, argv: list[str], verb: str, cpu: bool = False) -> in
     return 0
 
 
+def import_path(current: str | None) -> str:
+    """PYTHONPATH for a process started from this one: this fivefold's directory first (the package may be on this
+    process's path only, as under pytest), then `current`."""
+    here = str(Path(__file__).resolve().parents[2])
+    return os.pathsep.join([here, *([current] if current else [])])
+
+
 @contextlib.contextmanager
 def environment(values: dict[str, str]) -> Iterator[None]:
     """`os.environ` with `values` set for the block only (the processes started in it inherit them): each variable

@@ -457,28 +457,8 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     # computes them: `pipeline.WeightGradQueue`), else in the backward
     t_tp_w = regather if splits_backward(lay) else 0.0
     t_tp_b_extra += regather - t_tp_w
-    # context parallel: K/V blocks around the ring, overlapped with the attention of the current block; the
-    # backward passes K/V around again (cp - 1 hops) and the fp32 dK/dV of each shard home (cp hops)
-    t_cp_f = t_cp_b = 0.0
-    if lay.cp > 1:
-        kv_bytes = tokens * 2 * kv * d * ab
-        ring = (lay.cp - 1) * comm.send_recv(kv_bytes * 2, st["cp"], hw)
-        grad_ring = lay.cp * comm.send_recv(kv_bytes / ab * 4 * 2, st["cp"], hw)
-        # hidden behind the blocks' attention in proportion to the measured overlap (none where the same cores
-        # compute and communicate)
-        t_cp_f = exposed(ring, attn_f, hw.comm_overlap)
-        t_cp_b = exposed(ring + grad_ring, attn_b, hw.comm_overlap)
-        # each shift is posted before compute and waited for after it: what that costs beyond both, as measured
-        wait = hw.posted_p2p_wait_us * 1e-6
-        t_cp_f += (lay.cp - 1) * wait
-        t_cp_b += (2 * lay.cp - 1) * wait
-    # expert parallel: dispatch and combine all-to-alls over the ep group (consecutive members of a dp x cp
-    # group), not overlapped, priced by the nodes the group spans (`comm.ep_group_nodes`); each rank sends the slots
-    # of the tokens it routes (all of them, or its 1/tp with whole experts), the busiest rank receiving its load
-    t_ep = 0.0
-    if cfg.is_moe and lay.ep > 1:
-        slots = routed_tokens(tokens, lay) * cfg.top_k * busiest_rank_load(cfg, lay.ep, moe_imbalance)
-        t_ep = 2 * comm.expert_all_to_all(slots * h * ab, lay.ep, comm.ep_group_nodes(lay, hw.gpus_per_node), hw)
+    t_cp_f, t_cp_b = _cp_comm(lay, hw, tokens * 2 * kv * d * ab, ab, attn_f, attn_b, st)
+    t_ep = _ep_comm(cfg, lay, hw, tokens, h * ab, moe_imbalance)
     # whole experts under tp without sp: the tp ranks' routed outputs all-gathered along the sequence (forward only)
     if cfg.is_moe and lay.splits_tokens_over_tp and not lay.sp:
         t_tp_f_extra = comm.all_gather(tokens * h * ab, tp, st["tp"], hw) * (1 - fw.tp_overlap)
@@ -514,14 +494,8 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     f[-1] += head_f + loss_tp
     b[-1] += head_b / 2
     w[-1] += head_b / 2
-    if fw.grad_accum_copy_bytes and lay.fp32_grad_accum:  # the accumulation after each micro-batch's backward
-        lp = layer_params(cfg, tp, lay.ep, lay.etp)
-        per_block = lp["sharded"] + lp["replicated"] + lp["expert"]
-        table = cfg.vocab_size // tp * h
-        for s, n in enumerate(counts):
-            params = n * per_block + (table if s == 0 else 0) + (table if s == len(counts) - 1
-                                                                   and not (cfg.tied_embeddings and s == 0) else 0)
-            w[s] += params * fw.grad_accum_copy_bytes / hbm
+    for s, seconds in enumerate(_grad_accum_copy(cfg, lay, fw, counts, hbm)):
+        w[s] += seconds
     host = host_floor(cfg, lay, fw, hw, counts, f, b, w)
     comm_f = [n * (t_tp_f + t_tp_f_extra + t_cp_f + t_ep) for n in counts]
     comm_b = [n * (t_tp_b + t_cp_b + t_ep) for n in counts]
@@ -539,6 +513,52 @@ def stage_times(cfg: ModelConfig, seq: int, lay: Layout, fw: Framework, hw: Clus
     after_send = [min(lin_b / 2, w[s]) for s in range(len(counts))] if sends_before_weight_grads(lay, fw) else []
     return StageTimes(f, b, w, per_layer, counts, {"tp_comm": head_tp + loss_tp}, host, comm_f, comm_b, comm_w,
                       after_send)
+
+
+def _cp_comm(lay: Layout, hw: Cluster, kv_bytes: float, ab: int, attn_f: float, attn_b: float,
+             st: dict) -> tuple[float, float]:
+    """Context parallel's exposed seconds per block, forward and backward: K/V blocks (`kv_bytes` of a micro-batch)
+    around the ring, overlapped with the attention of the current block; the backward passes K/V around again
+    (cp - 1 hops) and the fp32 dK/dV of each shard home (cp hops)."""
+    if lay.cp <= 1:
+        return 0.0, 0.0
+    ring = (lay.cp - 1) * comm.send_recv(kv_bytes * 2, st["cp"], hw)
+    grad_ring = lay.cp * comm.send_recv(kv_bytes / ab * 4 * 2, st["cp"], hw)
+    # hidden behind the blocks' attention in proportion to the measured overlap (none where the same cores
+    # compute and communicate)
+    t_f = exposed(ring, attn_f, hw.comm_overlap)
+    t_b = exposed(ring + grad_ring, attn_b, hw.comm_overlap)
+    # each shift is posted before compute and waited for after it: what that costs beyond both, as measured
+    wait = hw.posted_p2p_wait_us * 1e-6
+    return t_f + (lay.cp - 1) * wait, t_b + (2 * lay.cp - 1) * wait
+
+
+def _ep_comm(cfg: ModelConfig, lay: Layout, hw: Cluster, tokens: float, token_bytes: float,
+             moe_imbalance: float) -> float:
+    """Expert parallel's seconds per block and pass: dispatch and combine all-to-alls over the ep group (consecutive
+    members of a dp x cp group), not overlapped, priced by the nodes the group spans (`comm.ep_group_nodes`); each
+    rank sends the slots of the tokens it routes (all of them, or its 1/tp with whole experts), the busiest rank
+    receiving its load."""
+    if not (cfg.is_moe and lay.ep > 1):
+        return 0.0
+    slots = routed_tokens(tokens, lay) * cfg.top_k * busiest_rank_load(cfg, lay.ep, moe_imbalance)
+    return 2 * comm.expert_all_to_all(slots * token_bytes, lay.ep, comm.ep_group_nodes(lay, hw.gpus_per_node), hw)
+
+
+def _grad_accum_copy(cfg: ModelConfig, lay: Layout, fw: Framework, counts: list[int], hbm: float) -> list[float]:
+    """Seconds per stage of the framework's gradient accumulation after each micro-batch's backward (its
+    `grad_accum_copy_bytes` per parameter of the stage at `hbm` bytes/s; none where it has none)."""
+    if not (fw.grad_accum_copy_bytes and lay.fp32_grad_accum):
+        return [0.0] * len(counts)
+    lp = layer_params(cfg, lay.tp, lay.ep, lay.etp)
+    per_block = lp["sharded"] + lp["replicated"] + lp["expert"]
+    table = cfg.vocab_size // lay.tp * cfg.hidden
+    out = []
+    for s, n in enumerate(counts):
+        params = n * per_block + (table if s == 0 else 0) + (table if s == len(counts) - 1
+                                                               and not (cfg.tied_embeddings and s == 0) else 0)
+        out.append(params * fw.grad_accum_copy_bytes / hbm)
+    return out
 
 
 def sends_before_weight_grads(lay: Layout, fw: Framework) -> bool:

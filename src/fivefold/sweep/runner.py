@@ -23,11 +23,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import fivefold
 from fivefold.config import ConfigError, check_device_name, dump_toml, shown
 from fivefold.device import cpu_allocator_env, resolve_device
 from fivefold.faults import descendants, preexec_die_with_parent, try_flock
-from fivefold.launch import write_slurm_script
+from fivefold.launch import import_path, write_slurm_script
 from fivefold.sweep.grid import PlannedRun, config_json
 
 TERM_GRACE_S = 20.0
@@ -116,9 +115,7 @@ def subprocess_env(cpu: bool = False, base: Mapping[str, str] | None = None) -> 
     a run on the CPU with glibc's thread cache off (`device.cpu_allocator_env`: a run of one process is the process
     started here)."""
     base = os.environ if base is None else base
-    src = str(Path(fivefold.__file__).resolve().parents[1])
-    path = base.get("PYTHONPATH", "")
-    env = {**base, "PYTHONPATH": src + (os.pathsep + path if path else "")}
+    env = {**base, "PYTHONPATH": import_path(base.get("PYTHONPATH"))}
     return cpu_allocator_env(env) if cpu else env
 
 

@@ -52,7 +52,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def calibrate(args: argparse.Namespace) -> tuple[Path, dict[int, Result], float]:
     """Measure with 1..N ranks and write the profile: its path, the figures by rank count, the seconds taken."""
-
     if args.seq_len < 0:
         raise CliError(f"--seq-len = {args.seq_len} must be >= 1 (or 0 for the default)")
     if args.nproc_max < 0:

@@ -16,9 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import fivefold
 from fivefold.device import local_device
-from fivefold.launch import environment, init_distributed, launch  # the project's launcher
+from fivefold.launch import environment, import_path, init_distributed, launch  # the project's launcher
 from fivefold.tools.calibrate.harness import Clock, RankGroups, two_passes
 from fivefold.tools.calibrate.measure_comm import (
     measure_collective_wait,
@@ -135,9 +134,7 @@ def _children_environment(plan: Plan) -> contextlib.AbstractContextManager:
     """The environment the started processes inherit, for the launch only: they import this same fivefold
     (its directory first on PYTHONPATH: the package may be on this process's path only, as under pytest), and
     on CPU run the plan's threads per rank (OMP_NUM_THREADS, which the launcher would otherwise set to 1)."""
-    here = str(Path(fivefold.__file__).resolve().parents[1])
-    path = os.environ.get("PYTHONPATH")
-    values = {"PYTHONPATH": os.pathsep.join([here, *([path] if path else [])])}
+    values = {"PYTHONPATH": import_path(os.environ.get("PYTHONPATH"))}
     if plan.device_type == "cpu":
         values["OMP_NUM_THREADS"] = str(plan.threads)
     return environment(values)
